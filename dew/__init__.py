@@ -1,0 +1,8 @@
+"""Dew: train language models and generate from them, on JAX, Flax and optax."""
+
+from dew import metrics, models
+from dew.data.dataset import Dataset
+from dew.training import Trainer
+
+__all__ = ["Dataset", "Trainer", "metrics", "models"]
+__version__ = "0.1.0"

@@ -1,0 +1,99 @@
+"""Grouped-query self-attention with causal, segment and sliding-window masks, and a KV cache.
+
+One mask rule serves training and decoding: a query may read a key when the key's slot is not after
+the query's (causal models), both carry the same segment id (documents in a packed row never see each
+other; padding, segment 0, reads only padding so no row is empty), and, with a sliding window, the
+key lies fewer than `window` slots behind the query.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from dew.nn.kv_cache import LayerCache
+from dew.nn.linear import Linear
+from dew.nn.norms import RMSNorm
+from dew.nn.rotary import apply_rotary
+
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def attention_mask(
+    q_slots_BS: jax.Array,
+    k_slots_BT: jax.Array,
+    q_segments_BS: jax.Array,
+    k_segments_BT: jax.Array,
+    *,
+    causal: bool,
+    window: int | None,
+) -> jax.Array:
+    """Boolean `[B, S, T]`: which key slot each query slot may read."""
+    q, k = q_slots_BS[:, :, None], k_slots_BT[:, None, :]
+    allowed = q_segments_BS[:, :, None] == k_segments_BT[:, None, :]
+    if causal:
+        allowed &= k <= q
+    if window is not None:
+        allowed &= q - k < window
+    return allowed
+
+
+def attend(q_BSHD, k_BTKD, v_BTKD, mask_BST, softcap: float | None = None) -> jax.Array:
+    """Softmax attention in float32 for `H` query heads over `K` shared key/value heads."""
+    B, S, H, D = q_BSHD.shape
+    K = k_BTKD.shape[2]
+    q_BSKGD = q_BSHD.reshape(B, S, K, H // K, D)
+    scores_BKGST = jnp.einsum(
+        "bskgd,btkd->bkgst", q_BSKGD, k_BTKD, preferred_element_type=jnp.float32
+    ) * (D**-0.5)
+    if softcap is not None:
+        scores_BKGST = softcap * jnp.tanh(scores_BKGST / softcap)
+    scores_BKGST = jnp.where(mask_BST[:, None, None], scores_BKGST, _MASKED)
+    probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(v_BTKD.dtype)
+    out_BSKGD = jnp.einsum("bkgst,btkd->bskgd", probs_BKGST, v_BTKD, preferred_element_type=jnp.float32)
+    return out_BSKGD.reshape(B, S, H, D).astype(q_BSHD.dtype)
+
+
+class Attention(nn.Module):
+    """Self-attention with the projections named as in transformers (`q_proj` ... `o_proj`)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    causal: bool = True
+    window: int | None = None
+    qk_norm: bool = False
+    norm_eps: float = 1e-6
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self,
+        x_BSE: jax.Array,
+        rotary: tuple[jax.Array, jax.Array],
+        slots_BS: jax.Array,
+        segments_BS: jax.Array,
+        cache: LayerCache | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        B, S, E = x_BSE.shape
+        dense = lambda features, name: Linear(features, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        q_BSHD = dense(self.num_heads * self.head_dim, "q_proj")(x_BSE).reshape(B, S, self.num_heads, self.head_dim)
+        k_BSKD = dense(self.num_kv_heads * self.head_dim, "k_proj")(x_BSE).reshape(B, S, self.num_kv_heads, self.head_dim)
+        v_BSKD = dense(self.num_kv_heads * self.head_dim, "v_proj")(x_BSE).reshape(B, S, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            norm = lambda name: RMSNorm(self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+            q_BSHD, k_BSKD = norm("q_norm")(q_BSHD), norm("k_norm")(k_BSKD)
+        q_BSHD = apply_rotary(q_BSHD, *rotary)
+        k_BSKD = apply_rotary(k_BSKD, *rotary)
+
+        if cache is None:
+            keys, values, k_slots, k_segments = k_BSKD, v_BSKD, slots_BS, segments_BS
+        else:
+            cache = cache.write(k_BSKD, v_BSKD, segments_BS)
+            keys, values, k_segments = cache.keys, cache.values, cache.segments
+            k_slots = jnp.broadcast_to(jnp.arange(keys.shape[1], dtype=jnp.int32), keys.shape[:2])
+        mask_BST = attention_mask(slots_BS, k_slots, segments_BS, k_segments, causal=self.causal, window=self.window)
+        out_BSHD = attend(q_BSHD, keys, values, mask_BST)
+        return dense(E, "o_proj")(out_BSHD.reshape(B, S, self.num_heads * self.head_dim)), cache

@@ -1,0 +1,40 @@
+"""A dense KV cache: `[rows, capacity, kv_heads, head_dim]` per layer and one write cursor.
+
+Rows are left-padded to a common prompt width, so every row writes its next token at the same slot;
+`segments` marks which slots hold a real token (1) and which hold padding or nothing yet (0).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+
+
+@struct.dataclass
+class LayerCache:
+    keys: jax.Array  # [B, T, K, D]
+    values: jax.Array  # [B, T, K, D]
+    segments: jax.Array  # [B, T] int32, 0 = empty or padding
+    cursor: jax.Array  # int32 scalar: the slot the next token is written to
+
+    @classmethod
+    def empty(cls, rows: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> "LayerCache":
+        shape = (rows, capacity, kv_heads, head_dim)
+        return cls(
+            keys=jnp.zeros(shape, dtype),
+            values=jnp.zeros(shape, dtype),
+            segments=jnp.zeros((rows, capacity), jnp.int32),
+            cursor=jnp.zeros((), jnp.int32),
+        )
+
+    def write(self, k_BSKD: jax.Array, v_BSKD: jax.Array, segments_BS: jax.Array) -> "LayerCache":
+        """Store `S` new slots at the cursor and move it past them."""
+        at = (0, self.cursor, 0, 0)
+        return LayerCache(
+            keys=lax.dynamic_update_slice(self.keys, k_BSKD.astype(self.keys.dtype), at),
+            values=lax.dynamic_update_slice(self.values, v_BSKD.astype(self.values.dtype), at),
+            segments=lax.dynamic_update_slice(self.segments, segments_BS.astype(jnp.int32), (0, self.cursor)),
+            cursor=self.cursor + k_BSKD.shape[1],
+        )

@@ -1,0 +1,265 @@
+"""`LMObjective`: next-token cross entropy over `[B, seq_len + 1]` rows, teacher-forced scoring, previews."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from dew.nn.transformer import head_weight
+from dew.objectives.base import Aux, Mean, PathFilter, Step, Variables, path_filter
+from dew.objectives.lm.loss import chunked_cross_entropy
+
+TEXT_KEY = "text"
+"""Batch key the token pipeline packs `[B, seq_len + 1]` int32 ids under."""
+
+SEGMENTS_KEY = f"{TEXT_KEY}_segment_ids"
+POSITIONS_KEY = f"{TEXT_KEY}_positions"
+
+
+@dataclasses.dataclass(frozen=True)
+class Samples:
+    """Configure the text preview drawn once per event.
+
+    Prompts contain token IDs, with equal lengths for multiple prompts. This display count does not
+    limit the teacher-forced scoring population.
+    """
+
+    prompt: Sequence[int] | Sequence[Sequence[int]]
+    max_new_tokens: int
+    sampling: Any = None  # dew.sampling.Sampling; None means Sampling()
+    decode: Callable[[list[int]], str] = lambda ids: str(ids)
+
+
+def prompt_batch(prompt) -> jax.Array:
+    """Build `[B, P]` int32 ids from one prompt, or several of the same length."""
+    rows = [list(prompt)] if len(prompt) == 0 or np.isscalar(prompt[0]) else [list(row) for row in prompt]
+    lengths = sorted({len(row) for row in rows})
+    if len(lengths) != 1:
+        raise ValueError(f"prompts have lengths {lengths}; prompt_batch needs prompts of one length")
+    if lengths[0] == 0:
+        raise ValueError("the prompt is empty; give at least one token id")
+    return jnp.asarray(np.asarray(rows, dtype=np.int32))
+
+
+@struct.dataclass
+class LMStatistics:
+    """Sums over counted targets: the loss (ce plus any z-loss), the ce, and the argmax hits."""
+
+    loss: Mean
+    ce: Mean
+    token_accuracy: Mean | None
+
+
+@struct.dataclass
+class Scores:
+    """Per-target results `[B, S]`: the losses, each target's weight, whether the argmax was right."""
+
+    losses: jax.Array
+    weights: jax.Array
+    correct: jax.Array
+    lse: jax.Array
+
+
+_LATER = {
+    "balance_rate": "mixture-of-experts routing",
+    "aux_loss_alpha": "mixture-of-experts routing",
+    "router_z_loss": "mixture-of-experts routing",
+    "loss_role": "chat role masks",
+    "mtp_weight": "multi-token prediction",
+    "indexer": "DeepSeek-V3.2's lightning indexer",
+    "qk_stats": "attention logit statistics",
+}
+_NEUTRAL = {"balance_rate": None, "aux_loss_alpha": None, "router_z_loss": 0.0, "loss_role": None,
+            "mtp_weight": None, "indexer": None, "qk_stats": False}
+
+
+class LMObjective:
+    """Train a next-token model: shifted cross entropy, teacher-forced scoring, optional previews."""
+
+    def __init__(
+        self,
+        model,
+        seq_len: int,
+        *,
+        ema_decay: float | None = 0.999,
+        pad_id: int | None = None,
+        head_chunks: int = 4,
+        samples: Samples | None = None,
+        pretrained: Variables | None = None,
+        balance_rate: float | None = None,
+        aux_loss_alpha: float | None = None,
+        seq_aux: bool = True,
+        loss_role=None,
+        mtp_weight: float | None = None,
+        z_loss: float = 0.0,
+        router_z_loss: float = 0.0,
+        qk_stats: bool = False,
+        indexer=None,
+        trainable: PathFilter | str | None = None,
+        token_accuracy: bool = True,
+    ):
+        given = dict(balance_rate=balance_rate, aux_loss_alpha=aux_loss_alpha, loss_role=loss_role,
+                     mtp_weight=mtp_weight, router_z_loss=router_z_loss, qk_stats=qk_stats, indexer=indexer)
+        for name, value in given.items():
+            if value != _NEUTRAL[name]:
+                raise NotImplementedError(
+                    f"LMObjective({name}={value!r}): {_LATER[name]} is not built in Dew yet; leave {name} unset"
+                )
+        config = model.config
+        if seq_len < 1:
+            raise ValueError(f"seq_len is {seq_len}; it must be at least 1")
+        if seq_len > config.max_seq_len:
+            raise ValueError(
+                f"seq_len {seq_len} is longer than the model's max_seq_len {config.max_seq_len}: "
+                f"build the model with max_seq_len >= {seq_len} or use shorter windows"
+            )
+        if ema_decay is not None and not 0.0 <= ema_decay <= 1.0:
+            raise ValueError(f"ema_decay is {ema_decay}; use a value in [0, 1], or None for no EMA")
+        if head_chunks < 1:
+            raise ValueError(f"head_chunks is {head_chunks}; it must be at least 1")
+        if pad_id is not None and not 0 <= pad_id < config.vocab_size:
+            raise ValueError(f"pad_id {pad_id} is outside the vocabulary [0, {config.vocab_size})")
+        self.model = model
+        self.seq_len = seq_len
+        self.ema_decay = ema_decay
+        self.pad_id = pad_id
+        self.head_chunks = head_chunks
+        self.samples = samples
+        self.pretrained = pretrained
+        self.seq_aux = seq_aux
+        self.z_loss = float(z_loss)
+        self.trainable = path_filter(trainable)
+        self.token_accuracy = token_accuracy
+
+    # -- variables -------------------------------------------------------------------------------
+    def held_variables(self) -> Variables | None:
+        """Return the checkpoint a continued-pretraining run starts from."""
+        return self.pretrained
+
+    def init(self, key, variables: Variables | None = None) -> Variables:
+        """Fresh variables from `key`, or `variables` (the pretrained ones) checked against the model."""
+        tokens = jnp.zeros((1, self.seq_len), jnp.int32)
+        if variables is None:
+            return self.model.init(key, tokens, head=False)
+        expected = jax.eval_shape(lambda: self.model.init(key, tokens, head=False))
+        got = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), variables)
+        if jax.tree_util.tree_structure(expected) != jax.tree_util.tree_structure(got):
+            raise ValueError("the pretrained variables do not have this model's parameter tree")
+        for (path, want), have in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree_util.tree_leaves(got)):
+            if want.shape != have.shape:
+                raise ValueError(
+                    f"pretrained {jax.tree_util.keystr(path)} has shape {have.shape}; the model expects {want.shape}"
+                )
+        return variables
+
+    # -- host validation -------------------------------------------------------------------------
+    def check_batch(self, batch: Mapping[str, Any]) -> None:
+        """Refuse a host batch the compiled step would silently mis-score."""
+        if TEXT_KEY not in batch:
+            raise KeyError(f"the batch has no {TEXT_KEY!r} entry (it has {sorted(batch)}); LMObjective reads token rows there")
+        tokens = np.asarray(batch[TEXT_KEY])
+        width = self.seq_len + 1
+        if tokens.ndim != 2 or tokens.shape[1] != width:
+            raise ValueError(
+                f"token rows have shape {tokens.shape}; LMObjective(seq_len={self.seq_len}) reads [B, {width}] "
+                f"(seq_len inputs plus the last target): load windows with seq_len={self.seq_len}"
+            )
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise TypeError(f"token ids have dtype {tokens.dtype}; they must be integers")
+        vocab = self.model.config.vocab_size
+        bad = (tokens < 0) | (tokens >= vocab)
+        if bad.any():
+            row, column = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"token id {int(tokens[row, column])} at row {row}, column {column} is outside vocab_size {vocab}: "
+                "the token files were written with another tokenizer, or the model's vocab_size is too small"
+            )
+        for key in (SEGMENTS_KEY, POSITIONS_KEY):
+            if key in batch and np.shape(batch[key]) != tokens.shape:
+                raise ValueError(f"{key} has shape {np.shape(batch[key])}; it must match the token rows' {tokens.shape}")
+
+    # -- scoring ---------------------------------------------------------------------------------
+    def token_scores(self, params, tokens, train: bool = False, rngs=None, segment_ids=None, positions=None) -> Scores:
+        """Score per-token next-token cross entropy over a `[B, seq_len + 1]` batch.
+
+        With `segment_ids`, the last token of a document does not predict the first of the next one
+        and padding (segment 0) predicts nothing; the model reads `positions` for its rotary angles.
+        """
+        inputs_BS, targets_BS = tokens[:, :-1], tokens[:, 1:]
+        B, S = inputs_BS.shape
+        weights_BS = jnp.ones((B, S), jnp.float32)
+        if self.pad_id is not None:
+            weights_BS *= (targets_BS != self.pad_id).astype(jnp.float32)
+        kwargs = {}
+        if segment_ids is not None:
+            same_document = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
+            weights_BS *= same_document.astype(jnp.float32)
+            kwargs["segment_ids"] = segment_ids[:, :-1]
+        if positions is not None:
+            kwargs["positions"] = positions[:, :-1]
+        hidden_BSE = self.model.apply(params, inputs_BS, head=False, rngs=rngs, **kwargs)
+        config = self.model.config
+        weight, transposed = head_weight(config, params["params"])
+        ce, lse, correct = chunked_cross_entropy(
+            hidden_BSE.reshape(B * S, -1), weight.astype(config.dtype), targets_BS.reshape(-1).astype(jnp.int32),
+            transposed, self.head_chunks, config.logit_softcap,
+        )
+        shape = lambda x: x.reshape(B, S)
+        return Scores(losses=shape(ce), weights=weights_BS, correct=shape(correct), lse=shape(lse))
+
+    def _statistics(self, params, batch) -> LMStatistics:
+        scores = self.token_scores(
+            params, batch[TEXT_KEY], segment_ids=batch.get(SEGMENTS_KEY), positions=batch.get(POSITIONS_KEY)
+        )
+        w = scores.weights
+        count = jnp.sum(w)
+        ce = Mean(jnp.sum(scores.losses * w), count)
+        loss = ce
+        if self.z_loss:
+            loss = Mean(ce.total + self.z_loss * jnp.sum(jnp.square(scores.lse) * w), count)
+        accuracy = Mean(jnp.sum(scores.correct * w), count) if self.token_accuracy else None
+        return LMStatistics(loss=loss, ce=ce, token_accuracy=accuracy)
+
+    def loss(self, params, batch, step: Step) -> tuple[LMStatistics, Aux]:
+        return self._statistics(params, batch), {}
+
+    @staticmethod
+    def reduce_loss(stats: LMStatistics) -> tuple[jax.Array, jax.Array]:
+        return stats.loss.total, stats.loss.count
+
+    def apply_effects(self, variables: Variables, effects: Aux) -> Variables:
+        if effects:
+            raise ValueError(f"LMObjective produces no effects, got {sorted(effects)}")
+        return variables
+
+    def evaluate(self, params, batch, step: Step) -> LMStatistics:
+        """Score the complete batch teacher-forced (the trainer passes the EMA weights when kept)."""
+        return self._statistics(params, batch)
+
+    @staticmethod
+    def summarize(stats: LMStatistics) -> dict[str, float]:
+        ce = float(stats.ce.total) / max(float(stats.ce.count), 1.0)
+        values = {"loss": float(stats.loss.total) / max(float(stats.loss.count), 1.0), "ce": ce,
+                  "perplexity": float(np.exp(min(ce, 700.0)))}
+        if stats.token_accuracy is not None:
+            values["token_accuracy"] = float(stats.token_accuracy.total) / max(float(stats.token_accuracy.count), 1.0)
+        return values
+
+    # -- previews --------------------------------------------------------------------------------
+    def preview(self, params, batch=None, step: Step | None = None, *, scored=None) -> list[str] | None:
+        """Sample the configured prompt once and decode it; None when no `samples` are configured."""
+        if self.samples is None or self.samples.max_new_tokens == 0:
+            return None
+        from dew.sampling import Sampling, generate
+
+        key = jax.random.key(0) if step is None else step.key
+        prompts = np.asarray(prompt_batch(self.samples.prompt))
+        generation = generate(self.model, params, [list(row) for row in prompts], self.samples.max_new_tokens,
+                              key=key, sampling=self.samples.sampling or Sampling())
+        return [self.samples.decode(list(row)) for row in generation.host().tokens]

@@ -1,0 +1,75 @@
+"""`Sampling`: the decoding policy, and the logits filters it applies in transformers' order."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn from the logits.
+
+    `temperature` 0 takes the argmax; otherwise the logits are divided by it, then `top_k` keeps the k
+    largest, `top_p` the smallest set whose probability reaches p, and `min_p` drops tokens below
+    `min_p` times the top probability. A row stops after emitting one of `eos_token_ids`; its later
+    slots hold `pad_id`.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+        if self.temperature < 0:
+            raise ValueError(f"temperature is {self.temperature}; use 0 for greedy or a positive value")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k is {self.top_k}; use None to keep every token or a count >= 1")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p is {self.top_p}; it must lie in (0, 1]")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p is {self.min_p}; it must lie in [0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def filter(self, logits_BV: jax.Array) -> jax.Array:
+        """float32 logits with the temperature applied and filtered-out tokens at -inf."""
+        logits_BV = logits_BV.astype(jnp.float32)
+        if self.greedy:
+            return logits_BV
+        logits_BV = logits_BV / self.temperature
+        if self.top_k is not None and self.top_k < logits_BV.shape[-1]:
+            kth = jax.lax.top_k(logits_BV, self.top_k)[0][:, -1:]
+            logits_BV = jnp.where(logits_BV < kth, _NEG, logits_BV)
+        if self.top_p is not None and self.top_p < 1.0:
+            sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+            probs = jax.nn.softmax(sorted_BV, axis=-1)
+            # keep a token while the mass before it is below p (the top token always stays)
+            before = jnp.cumsum(probs, axis=-1) - probs
+            cutoff = jnp.min(jnp.where(before < self.top_p, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+            logits_BV = jnp.where(logits_BV < cutoff, _NEG, logits_BV)
+        if self.min_p is not None and self.min_p > 0.0:
+            probs = jax.nn.softmax(logits_BV, axis=-1)
+            floor = self.min_p * jnp.max(probs, axis=-1, keepdims=True)
+            logits_BV = jnp.where(probs < floor, _NEG, logits_BV)
+        return logits_BV
+
+    def draw(self, keys_B: jax.Array, logits_BV: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(token ids `[B]` int32, their log-probabilities under the filtered distribution `[B]`)."""
+        filtered = self.filter(logits_BV)
+        if self.greedy:
+            tokens = jnp.argmax(filtered, axis=-1).astype(jnp.int32)
+        else:
+            tokens = jax.vmap(jax.random.categorical)(keys_B, filtered).astype(jnp.int32)
+        log_probs = jax.nn.log_softmax(filtered, axis=-1)
+        return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]

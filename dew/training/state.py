@@ -1,0 +1,37 @@
+"""`TrainState`: the weights, their moving average, the optimizer state, the counters and the key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import struct
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a checkpoint holds besides the data position.
+
+    `step` counts batches consumed and `updates` optimizer updates applied (a step whose loss has no
+    counted target, or is not finite, applies none). `key` is the run's base key as raw key data; step
+    `t` draws from `fold_in(key, t)`. `ema` is None when the objective keeps no moving average.
+    """
+
+    params: Any
+    ema: Any
+    opt_state: Any
+    step: jax.Array
+    updates: jax.Array
+    key: jax.Array
+
+    @property
+    def averaged(self):
+        """The moving-average variables; refused when the objective keeps none (`ema_decay=None`)."""
+        if self.ema is None:
+            raise AttributeError("this state keeps no EMA (the objective has ema_decay=None): use state.params")
+        return self.ema
+
+    @property
+    def evaluated(self):
+        """The variables evaluation and previews read: the EMA when kept, else the live ones."""
+        return self.params if self.ema is None else self.ema

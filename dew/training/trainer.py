@@ -1,0 +1,342 @@
+"""`Trainer`: compiles an objective's loss into one sharded step and runs data, evaluation,
+checkpoints and logging the same way for every objective."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dew.data.dataset import Dataset, Partition
+from dew.objectives.base import Step
+from dew.training.checkpoints import Checkpoints
+from dew.training.mesh import Layout, MeshSpec, place_batch, replicated
+from dew.training.progress import Reporter, format_values
+from dew.training.state import TrainState
+
+# Each stream folds its own constant into the run key, so evaluation and previews never reuse the
+# keys training draws.
+TRAIN_STREAM, EVAL_STREAM, PREVIEW_STREAM = 0, 1, 2
+
+
+def _key_data(key) -> jax.Array:
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    return jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+
+
+def _path(path) -> str:
+    return "/".join(str(getattr(entry, "key", getattr(entry, "name", entry))) for entry in path)
+
+
+def _host_sum(trees: list) -> Any:
+    """Add statistics pytrees on the host in float64."""
+    total = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), trees[0])
+    for tree in trees[1:]:
+        total = jax.tree_util.tree_map(lambda a, b: a + np.asarray(b, np.float64), total, tree)
+    return total
+
+
+class Trainer:
+    """Fit `objective` with an optax `optimizer` on a device mesh.
+
+    `mesh` (default: every device on the data axis) and `layout` say how batches and parameters are
+    split; see `dew.training.mesh`. `key` seeds initialization and every step's randomness.
+    """
+
+    def __init__(self, objective, optimizer: optax.GradientTransformation, *, key, mesh: MeshSpec | None = None,
+                 layout: Layout | None = None):
+        self.objective = objective
+        self.mesh = (mesh or MeshSpec()).build()
+        self.layout = layout or Layout()
+        self.key = _key_data(key)
+        self.optimizer = self._mask_frozen(optimizer)
+        self.history: list[dict[str, float]] = []
+        self._compiled: dict[tuple, Any] = {}
+
+    # -- state -----------------------------------------------------------------------------------
+    def _mask_frozen(self, optimizer):
+        keep = getattr(self.objective, "trainable", None)
+        if keep is None:
+            return optimizer
+
+        def labels(params):
+            return jax.tree_util.tree_map_with_path(
+                lambda path, _: "train" if keep("params/" + _path(path)) else "frozen", params
+            )
+
+        return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
+
+    def _init(self, held):
+        base = jax.random.wrap_key_data(self.key)
+        init_key, run_key = jax.random.split(base)
+        variables = self.objective.init(init_key, held)
+        ema = None if self.objective.ema_decay is None else variables
+        return TrainState(
+            params=variables, ema=ema, opt_state=self.optimizer.init(variables["params"]),
+            step=jnp.zeros((), jnp.int32), updates=jnp.zeros((), jnp.int32), key=jax.random.key_data(run_key),
+        )
+
+    def state_shardings(self, held=None):
+        abstract = jax.eval_shape(self._init, held)
+        return abstract, self.layout.shardings(self.mesh, abstract)
+
+    def init_state(self) -> TrainState:
+        """A fresh state, each leaf created directly on its devices."""
+        held = self.objective.held_variables()
+        _, shardings = self.state_shardings(held)
+        # The pretrained variables enter as an argument: read inside a nullary trace they would be
+        # compiled into the executable as constants.
+        return jax.jit(self._init, out_shardings=shardings)(held)
+
+    # -- the compiled step -----------------------------------------------------------------------
+    def _train_step(self, accumulation: int):
+        objective, optimizer = self.objective, self.optimizer
+        decay = objective.ema_decay
+
+        def step_fn(state: TrainState, batch):
+            step_key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.key), TRAIN_STREAM),
+                                          state.step)
+
+            def numerator(trained, micro_batch, index):
+                variables = {**state.params, "params": trained}
+                stats, effects = objective.loss(variables, micro_batch, Step(state.step, jax.random.fold_in(step_key, index)))
+                return objective.reduce_loss(stats)[0], (stats, effects)
+
+            grad_fn = jax.value_and_grad(numerator, has_aux=True)
+            trained = state.params["params"]
+            if accumulation == 1:
+                (_, (stats, effects)), grads = grad_fn(trained, batch, 0)
+            else:
+                # Micro-batch j takes rows j, j + k, ...: each device keeps its own rows.
+                micro = jax.tree_util.tree_map(
+                    lambda x: x.reshape(x.shape[0] // accumulation, accumulation, *x.shape[1:]).swapaxes(0, 1), batch
+                )
+                first = jax.tree_util.tree_map(lambda x: x[0], micro)
+                (_, (stats_shape, effects_shape)) = jax.eval_shape(lambda: grad_fn(trained, first, 0)[0])
+                if jax.tree_util.tree_leaves(effects_shape):
+                    raise NotImplementedError("an objective with effects cannot accumulate micro-batches yet")
+
+                def body(carry, inputs):
+                    grads_sum, stats_sum = carry
+                    (_, (stats, _)), grads = grad_fn(trained, *inputs)
+                    add = lambda a, b: jax.tree_util.tree_map(jnp.add, a, b)
+                    return (add(grads_sum, grads), add(stats_sum, stats)), None
+
+                zeros = lambda tree: jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
+                (grads, stats), _ = jax.lax.scan(
+                    body, (zeros(trained), zeros(stats_shape)), (micro, jnp.arange(accumulation))
+                )
+                effects = {}
+            numer, denom = objective.reduce_loss(stats)
+            scale = 1.0 / jnp.maximum(denom, 1.0)
+            grads = jax.tree_util.tree_map(lambda g: (g * scale).astype(g.dtype), grads)
+            grad_norm = optax.tree.norm(grads)
+            updates, opt_state = optimizer.update(grads, state.opt_state, trained)
+            finite = jnp.isfinite(numer) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
+            apply = finite & (denom > 0)
+            new_params = objective.apply_effects({**state.params, "params": optax.apply_updates(trained, updates)}, effects)
+            pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(apply, a, b), new, old)
+            ema = state.ema
+            if decay is not None:
+                moved = jax.tree_util.tree_map(
+                    lambda e, p: (decay * e.astype(jnp.float32) + (1.0 - decay) * p.astype(jnp.float32)).astype(e.dtype),
+                    state.ema["params"], new_params["params"],
+                )
+                ema = {**new_params, "params": pick(moved, state.ema["params"])}
+            new_state = TrainState(
+                params=pick(new_params, state.params), ema=ema, opt_state=pick(opt_state, state.opt_state),
+                step=state.step + 1, updates=state.updates + apply.astype(jnp.int32), key=state.key,
+            )
+            return new_state, {"stats": stats, "grad_norm": grad_norm, "finite": finite}
+
+        return step_fn
+
+    def compile_step(self, state: TrainState, batch: dict, accumulation: int = 1):
+        """The train step compiled ahead of time for these shapes (cached)."""
+        signature = (accumulation, tuple((k, v.shape, str(v.dtype)) for k, v in sorted(batch.items())))
+        if signature not in self._compiled:
+            shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
+            batch_shardings = {k: v.sharding for k, v in batch.items()}
+            jitted = jax.jit(
+                self._train_step(accumulation), in_shardings=(shardings, batch_shardings),
+                out_shardings=(shardings, replicated(self.mesh)), donate_argnums=0,
+            )
+            started = time.perf_counter()
+            self._compiled[signature] = jitted.lower(state, batch).compile()
+            self.compile_seconds = time.perf_counter() - started
+        return self._compiled[signature]
+
+    def _eval_step(self, state: TrainState, batch: dict):
+        signature = ("eval", tuple((k, v.shape) for k, v in sorted(batch.items())))
+        if signature not in self._compiled:
+
+            def eval_fn(params, batch, index, key_data):
+                key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(key_data), EVAL_STREAM), index)
+                return self.objective.evaluate(params, batch, Step(index, key))
+
+            self._compiled[signature] = jax.jit(eval_fn, out_shardings=replicated(self.mesh))
+        return self._compiled[signature]
+
+    # -- the loop --------------------------------------------------------------------------------
+    def evaluate(self, state: TrainState, data: Dataset, metrics: Sequence = ()) -> dict[str, float]:
+        """Score one whole validation pass on the evaluated weights (EMA when kept)."""
+        if data.val is None:
+            raise ValueError("this dataset has no validation split; build it with val data to evaluate")
+        stats_list = []
+        for host_batch in data.val(self._partition()):
+            self.objective.check_batch(host_batch)
+            batch = place_batch(self.mesh, host_batch)
+            run = self._eval_step(state, batch)
+            stats_list.append(jax.device_get(run(state.evaluated, batch, state.step, state.key)))
+        if not stats_list:
+            raise ValueError("the validation split produced no batch")
+        values = {f"val/{name}": value for name, value in self.objective.summarize(_host_sum(stats_list)).items()}
+        for metric in metrics:
+            accumulated = metric.initial()
+            for stats in stats_list:
+                accumulated = metric.merge(accumulated, metric.contribution(stats))
+            values[f"val/{metric.name}"] = metric.finalize(accumulated)
+        return values
+
+    @staticmethod
+    def _partition() -> Partition:
+        return Partition(jax.process_index(), jax.process_count())
+
+    def fit(
+        self,
+        data: Dataset,
+        *,
+        steps: int,
+        log_every: int = 100,
+        eval_every: int | None = None,
+        metrics: Sequence = (),
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int | None = None,
+        keep: int | None = 3,
+        accumulation: int = 1,
+        verbose: bool = True,
+    ) -> TrainState:
+        """Train until `steps` batches have been consumed and return the final `TrainState`.
+
+        With `checkpoint_dir`, a run resumes from its latest checkpoint (same next batch, same keys)
+        and saves every `checkpoint_every` steps (default: at each evaluation) and at the end.
+        Every `accumulation` micro-batches of a batch add their loss numerators and target counts
+        before one division and one update.
+        """
+        for name, value in (("steps", steps), ("log_every", log_every), ("accumulation", accumulation)):
+            if value < 1:
+                raise ValueError(f"{name} is {value}; it must be at least 1")
+        devices = self.mesh.devices.size
+        if data.batch % (accumulation * devices):
+            raise ValueError(
+                f"batch {data.batch} does not split into {accumulation} micro-batches over {devices} devices: "
+                f"use a batch that is a multiple of {accumulation * devices}"
+            )
+        checkpoints = None if checkpoint_dir is None else Checkpoints(checkpoint_dir, keep)
+        checkpoint_every = checkpoint_every or eval_every
+        reporter = Reporter(steps, 0, verbose)
+        try:
+            return self._fit(data, steps, log_every, eval_every, metrics, checkpoints, checkpoint_every,
+                             accumulation, reporter)
+        finally:
+            reporter.close()
+            if checkpoints is not None:
+                checkpoints.close()
+
+    def _fit(self, data, steps, log_every, eval_every, metrics, checkpoints, checkpoint_every, accumulation, reporter):
+        state = self.init_state()
+        iterator = data.train(self._partition())
+        position = None
+        if checkpoints is not None and checkpoints.latest() is not None:
+            state, position = checkpoints.restore(state)
+            if position is not None:
+                iterator.set_state(position)
+            else:
+                for _ in range(int(state.step)):  # a plain iterator: replay to the same next batch
+                    next(iterator)
+            reporter.line(f"resumed from {checkpoints.directory} at step {int(state.step)}")
+        start = int(jax.device_get(state.step))
+        if start >= steps:
+            return state
+        reporter.advance(start)
+
+        window: list = []
+        window_started = time.perf_counter()
+        pending = None
+
+        def settle():
+            nonlocal pending
+            if pending is None:
+                return
+            index, out = pending
+            pending = None
+            out = jax.device_get(out)
+            if not out["finite"]:
+                loss = float(out["stats"].loss.total) / max(float(out["stats"].loss.count), 1.0)
+                raise FloatingPointError(
+                    f"step {index + 1} is not finite (loss {loss}, gradient norm {float(out['grad_norm'])}, or its "
+                    "update): it was not applied and the run stopped; the last checkpoint is intact. Lower the "
+                    "learning rate, clip gradients or check the data."
+                )
+            window.append(out)
+
+        step_fn = None
+        for index in range(start, steps):
+            host_batch = next(iterator)
+            self.objective.check_batch(host_batch)
+            batch = place_batch(self.mesh, host_batch)
+            if step_fn is None:
+                step_fn = self.compile_step(state, batch, accumulation)
+                reporter.line(f"compiled the train step in {self.compile_seconds:.2f} s")
+                window_started = time.perf_counter()
+            state, out = step_fn(state, batch)
+            settle()
+            pending = (index, out)
+            done = index + 1
+            reporter.advance(done)
+            if done % log_every == 0 or done == steps:
+                settle()
+                self._log(done, window, time.perf_counter() - window_started, reporter)
+                window, window_started = [], time.perf_counter()
+            if eval_every and (done % eval_every == 0 or done == steps) and data.val is not None:
+                settle()
+                values = self.evaluate(state, data, metrics)
+                self.history.append({"step": done, **values})
+                reporter.line(f"step {done} | " + format_values(values))
+                self._preview(state, done, reporter)
+                window_started = time.perf_counter()
+            if checkpoints is not None and ((checkpoint_every and done % checkpoint_every == 0) or done == steps):
+                settle()
+                checkpoints.save(state, iterator.get_state() if hasattr(iterator, "get_state") else None)
+                window_started = time.perf_counter()
+        settle()
+        return state
+
+    def _log(self, done: int, window: list, seconds: float, reporter: Reporter) -> None:
+        if not window:
+            return
+        stats = _host_sum([out["stats"] for out in window])
+        values = {f"train/{k}": v for k, v in self.objective.summarize(stats).items()}
+        values["train/grad_norm"] = float(np.mean([out["grad_norm"] for out in window]))
+        tokens = float(sum(float(out["stats"].loss.count) for out in window))
+        values["step_s"] = seconds / len(window)
+        values["tokens_per_s"] = tokens / seconds if seconds > 0 else math.nan
+        self.history.append({"step": done, **values})
+        reporter.advance(done, values["train/loss"])
+        reporter.line(f"step {done} | " + format_values(values))
+
+    def _preview(self, state: TrainState, done: int, reporter: Reporter) -> None:
+        preview = getattr(self.objective, "preview", None)
+        if preview is None:
+            return
+        base = jax.random.wrap_key_data(jax.device_get(state.key))
+        key = jax.random.fold_in(jax.random.fold_in(base, PREVIEW_STREAM), done)
+        texts = preview(state.evaluated, None, Step(jnp.asarray(done), key))
+        for text in texts or ():
+            reporter.line(f"sample @ {done}: {text}")

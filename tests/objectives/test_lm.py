@@ -1,0 +1,162 @@
+"""LMObjective: the chunked loss and its gradient, target weights, statistics and refusals."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dew import models
+from dew.metrics import perplexity
+from dew.objectives.base import Mean, Step
+from dew.objectives.lm import LMObjective, LMStatistics, prompt_batch
+from dew.objectives.lm.loss import chunked_cross_entropy
+
+STEP = Step(jnp.zeros((), jnp.int32), jax.random.key(0))
+
+
+def _reference(hidden, weight, targets, transposed, softcap):
+    logits = hidden @ (weight.T if transposed else weight)
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("chunks", [1, 3, 4])
+def test_chunked_loss_and_gradient_equal_unchunked(transposed, softcap, chunks):
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.normal(size=(10, 16)), jnp.float32)
+    weight = jnp.asarray(rng.normal(size=(37, 16) if transposed else (16, 37)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 37, 10), jnp.int32)
+    w = jnp.asarray(rng.uniform(size=10), jnp.float32)
+
+    def chunked(h, wt):
+        ce, lse, _ = chunked_cross_entropy(h, wt, targets, transposed, chunks, softcap)
+        return jnp.sum(ce * w) + 0.01 * jnp.sum(lse**2 * w)
+
+    def reference(h, wt):
+        logits = h @ (wt.T if transposed else wt)
+        if softcap is not None:
+            logits = softcap * jnp.tanh(logits / softcap)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        return jnp.sum(_reference(h, wt, targets, transposed, softcap) * w) + 0.01 * jnp.sum(lse**2 * w)
+
+    value, grads = jax.value_and_grad(chunked, argnums=(0, 1))(hidden, weight)
+    want, want_grads = jax.value_and_grad(reference, argnums=(0, 1))(hidden, weight)
+    # fp32, 37-way vocabulary: observed differences are at most 4e-6 relative.
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    for got, expected in zip(grads, want_grads):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_accuracy_is_the_first_argmax_across_tiles():
+    hidden = jnp.eye(4, dtype=jnp.float32)
+    weight = jnp.zeros((4, 8), jnp.float32).at[0, 6].set(2.0).at[1, 1].set(3.0).at[2, 2].set(1.0).at[2, 5].set(1.0)
+    _, _, correct = chunked_cross_entropy(hidden, weight, jnp.asarray([6, 1, 5, 0]), False, 4, None)
+    # Row 2 ties between 2 and 5: the first maximum (2) wins; row 3 is all zeros, argmax 0.
+    np.testing.assert_array_equal(correct, [1.0, 1.0, 0.0, 1.0])
+
+
+def test_loss_at_initialisation_is_close_to_log_vocab(tiny_model, tiny_variables):
+    objective = LMObjective(tiny_model, seq_len=16)
+    tokens = np.random.default_rng(0).integers(0, 64, (4, 17)).astype(np.int32)
+    stats, effects = objective.loss(tiny_variables, {"text": jnp.asarray(tokens)}, STEP)
+    assert effects == {}
+    assert abs(float(stats.ce.value) - math.log(64)) < 0.05
+    assert float(stats.ce.count) == 4 * 16
+
+
+def test_padding_and_document_transitions_carry_no_weight(tiny_model, tiny_variables):
+    objective = LMObjective(tiny_model, seq_len=7, pad_id=0)
+    tokens = jnp.asarray([[5, 6, 7, 8, 9, 10, 0, 0], [1, 2, 3, 4, 5, 6, 7, 8]], jnp.int32)
+    segments = jnp.asarray([[1, 1, 1, 2, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
+    positions = jnp.asarray([[0, 1, 2, 0, 1, 2, 0, 0], list(range(8))], jnp.int32)
+    scores = objective.token_scores(tiny_variables, tokens, segment_ids=segments, positions=positions)
+    # Row 0: targets 6,7 | 8 (transition) | 9,10 | 0,0 (padding) -> weights 1,1,0,1,1,0,0.
+    np.testing.assert_array_equal(scores.weights[0], [1, 1, 0, 1, 1, 0, 0])
+    np.testing.assert_array_equal(scores.weights[1], [1] * 7)
+    # Changing a token that is only ever a zero-weight target leaves the loss unchanged.
+    stats = objective.loss(tiny_variables, {"text": tokens, "text_segment_ids": segments, "text_positions": positions}, STEP)[0]
+    changed = tokens.at[0, 7].set(33)
+    again = objective.loss(tiny_variables, {"text": changed, "text_segment_ids": segments, "text_positions": positions}, STEP)[0]
+    assert float(stats.loss.total) == float(again.loss.total)
+    assert float(stats.loss.count) == 4 + 7
+
+
+def test_z_loss_adds_the_squared_log_normaliser(tiny_model, tiny_variables):
+    tokens = {"text": jnp.asarray(np.random.default_rng(3).integers(0, 64, (2, 9)), jnp.int32)}
+    plain = LMObjective(tiny_model, seq_len=8).loss(tiny_variables, tokens, STEP)[0]
+    with_z = LMObjective(tiny_model, seq_len=8, z_loss=1e-2).loss(tiny_variables, tokens, STEP)[0]
+    scores = LMObjective(tiny_model, seq_len=8).token_scores(tiny_variables, tokens["text"])
+    expected = float(plain.ce.total) + 1e-2 * float(jnp.sum(scores.lse**2))
+    np.testing.assert_allclose(float(with_z.loss.total), expected, rtol=1e-6)
+    assert float(with_z.ce.total) == float(plain.ce.total)
+
+
+def test_perplexity_weighs_batches_by_counted_targets():
+    metric = perplexity()
+    small = LMStatistics(loss=None, ce=Mean(jnp.asarray(2.0), jnp.asarray(1.0)), token_accuracy=None)
+    large = LMStatistics(loss=None, ce=Mean(jnp.asarray(30.0), jnp.asarray(10.0)), token_accuracy=None)
+    empty = LMStatistics(loss=None, ce=Mean(jnp.asarray(0.0), jnp.asarray(0.0)), token_accuracy=None)
+    accumulated = metric.initial()
+    for stats in (small, large, empty):
+        accumulated = metric.merge(accumulated, metric.contribution(stats))
+    # 32 nats over 11 targets, not the mean of the per-batch means (2 and 3).
+    assert metric.finalize(accumulated) == pytest.approx(math.exp(32 / 11))
+    with pytest.raises(ValueError, match="no counted target"):
+        metric.finalize(metric.initial())
+
+
+def test_bad_batches_are_refused_by_name(tiny_model):
+    objective = LMObjective(tiny_model, seq_len=8)
+    with pytest.raises(ValueError, match=r"token rows have shape \(2, 8\).*\[B, 9\]"):
+        objective.check_batch({"text": np.zeros((2, 8), np.int32)})
+    bad = np.zeros((2, 9), np.int32)
+    bad[1, 4] = 70
+    with pytest.raises(ValueError, match="token id 70 at row 1, column 4 is outside vocab_size 64"):
+        objective.check_batch({"text": bad})
+    with pytest.raises(KeyError, match="no 'text' entry"):
+        objective.check_batch({"tokens": bad})
+
+
+def test_bad_configuration_is_refused_by_name(tiny_model):
+    with pytest.raises(ValueError, match="seq_len 65 is longer than the model's max_seq_len 64"):
+        LMObjective(tiny_model, seq_len=65)
+    with pytest.raises(NotImplementedError, match="mtp_weight=0.3.*multi-token prediction is not built"):
+        LMObjective(tiny_model, seq_len=8, mtp_weight=0.3)
+    with pytest.raises(NotImplementedError, match="balance_rate"):
+        LMObjective(tiny_model, seq_len=8, balance_rate=0.01)
+
+
+def test_prompt_batch():
+    np.testing.assert_array_equal(prompt_batch([1, 2, 3]), [[1, 2, 3]])
+    np.testing.assert_array_equal(prompt_batch([[1, 2], [3, 4]]), [[1, 2], [3, 4]])
+    with pytest.raises(ValueError, match=r"lengths \[1, 2\]"):
+        prompt_batch([[1], [2, 3]])
+
+
+def test_a_tiny_model_overfits_one_batch(tiny_model):
+    objective = LMObjective(tiny_model, seq_len=16, ema_decay=None)
+    tokens = {"text": jnp.asarray(np.random.default_rng(5).integers(0, 64, (4, 17)), jnp.int32)}
+    params = objective.init(jax.random.key(0))
+    optimizer = optax.adam(1e-2)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+        def loss(p):
+            total, count = objective.reduce_loss(objective.loss(p, tokens, STEP)[0])
+            return total / count
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    for _ in range(150):
+        params, opt_state, value = step(params, opt_state)
+    assert float(value) < 0.05

@@ -1,0 +1,170 @@
+"""Trainer: accumulation, EMA, exact resume, non-finite steps, and the 8-device mesh."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dew import Trainer
+from dew.data.dataset import Dataset
+from dew.objectives.lm import LMObjective
+
+SEQ = 16
+
+
+def _rows(seed: int, count: int, pad_tail: bool = False) -> np.ndarray:
+    rows = np.random.default_rng(seed).integers(1, 64, (count, SEQ + 1)).astype(np.int32)
+    if pad_tail:  # rows with different numbers of padded targets (pad id 0)
+        for i in range(count):
+            rows[i, SEQ + 1 - 2 * i:] = 0
+    return rows
+
+
+def _stream(batch: int, pad_tail: bool = False) -> Dataset:
+    """A deterministic plain-iterator dataset (no get_state: resume replays it)."""
+
+    def train(partition):
+        step = 0
+        while True:
+            yield {"text": _rows(step, batch, pad_tail)}
+            step += 1
+
+    def val(partition):
+        for i in range(2):
+            yield {"text": _rows(1000 + i, batch)}
+
+    return Dataset(train=train, val=val, records=10**6, batch=batch)
+
+
+def _flat(tree) -> np.ndarray:
+    return np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(jax.device_get(tree))])
+
+
+def test_accumulated_micro_batches_equal_one_batch(tiny_model):
+    objective = LMObjective(tiny_model, SEQ, pad_id=0, ema_decay=None)
+    data = _stream(8, pad_tail=True)  # the micro-batches count different numbers of targets
+    one = Trainer(objective, optax.sgd(0.5), key=jax.random.key(0)).fit(data, steps=2, verbose=False)
+    four = Trainer(objective, optax.sgd(0.5), key=jax.random.key(0)).fit(data, steps=2, accumulation=4, verbose=False)
+    # Same numerators and counts summed in another order: fp32 rounding only (observed 3e-8).
+    np.testing.assert_allclose(_flat(four.params), _flat(one.params), atol=1e-6, rtol=0)
+    assert int(four.updates) == int(one.updates) == 2
+
+
+def test_ema_follows_the_updates_by_hand(tiny_model, tmp_path):
+    decay = 0.75
+    objective = LMObjective(tiny_model, SEQ, ema_decay=decay)
+    trainer = Trainer(objective, optax.sgd(0.5), key=jax.random.key(1))
+    start = _flat(trainer.init_state().params)
+    data = _stream(4)
+    first = trainer.fit(data, steps=1, checkpoint_dir=str(tmp_path), verbose=False)
+    p1, ema1 = _flat(first.params), _flat(first.ema)
+    second = Trainer(objective, optax.sgd(0.5), key=jax.random.key(1)).fit(
+        data, steps=2, checkpoint_dir=str(tmp_path), verbose=False)
+    p2, ema2 = _flat(second.params), _flat(second.ema)
+    np.testing.assert_allclose(ema1, decay * start + (1 - decay) * p1, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(ema2, decay * ema1 + (1 - decay) * p2, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(p2, ema2)
+
+
+def test_without_ema_the_state_refuses_averaged(tiny_model):
+    objective = LMObjective(tiny_model, SEQ, ema_decay=None)
+    state = Trainer(objective, optax.sgd(0.1), key=jax.random.key(0)).init_state()
+    assert state.ema is None
+    with pytest.raises(AttributeError, match="ema_decay=None"):
+        state.averaged
+
+
+def test_resume_is_bit_identical(tiny_model, tmp_path):
+    objective = LMObjective(tiny_model, SEQ)
+    data = _stream(4)
+    straight = Trainer(objective, optax.adamw(1e-2), key=jax.random.key(2)).fit(data, steps=6, verbose=False)
+    Trainer(objective, optax.adamw(1e-2), key=jax.random.key(2)).fit(
+        data, steps=3, checkpoint_dir=str(tmp_path), verbose=False)
+    resumed = Trainer(objective, optax.adamw(1e-2), key=jax.random.key(2)).fit(
+        data, steps=6, checkpoint_dir=str(tmp_path), verbose=False)
+    np.testing.assert_array_equal(_flat(resumed.params), _flat(straight.params))
+    np.testing.assert_array_equal(_flat(resumed.ema), _flat(straight.ema))
+    np.testing.assert_array_equal(_flat(resumed.opt_state), _flat(straight.opt_state))
+    assert int(resumed.step) == 6
+
+
+def test_a_non_finite_step_stops_the_run_and_keeps_the_last_checkpoint(tiny_model, tmp_path):
+    objective = LMObjective(tiny_model, SEQ, ema_decay=None)
+    poisoned = optax.sgd(lambda count: jnp.where(count >= 2, jnp.nan, 0.1))
+    trainer = Trainer(objective, poisoned, key=jax.random.key(3))
+    with pytest.raises(FloatingPointError, match="step 3 is not finite"):
+        trainer.fit(_stream(4), steps=10, checkpoint_dir=str(tmp_path), checkpoint_every=1, verbose=False)
+    from dew.training import Checkpoints
+
+    checkpoints = Checkpoints(tmp_path)
+    assert checkpoints.latest() == 2
+    state, _ = checkpoints.restore(trainer.init_state())
+    assert np.isfinite(_flat(state.params)).all()
+    checkpoints.close()
+
+
+def test_evaluation_reads_the_whole_validation_pass(tiny_model):
+    from dew import metrics
+
+    objective = LMObjective(tiny_model, SEQ)
+    trainer = Trainer(objective, optax.sgd(0.1), key=jax.random.key(4))
+    trainer.fit(_stream(4), steps=2, eval_every=2, metrics=(metrics.perplexity(),), verbose=False)
+    evaluation = [row for row in trainer.history if "val/perplexity" in row]
+    assert len(evaluation) == 1 and evaluation[0]["step"] == 2
+    assert np.isclose(evaluation[0]["val/perplexity"], np.exp(evaluation[0]["val/ce"]))
+    logged = [row for row in trainer.history if "train/loss" in row]
+    assert logged and {"train/ce", "train/perplexity", "train/token_accuracy", "tokens_per_s"} <= set(logged[0])
+
+
+def test_batch_that_does_not_split_is_refused(tiny_model):
+    trainer = Trainer(LMObjective(tiny_model, SEQ), optax.sgd(0.1), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="batch 6 does not split into 4 micro-batches"):
+        trainer.fit(_stream(6), steps=1, accumulation=4, verbose=False)
+
+
+MESH_SCRIPT = textwrap.dedent(
+    """
+    import jax, numpy as np, optax
+    from dew import models, Trainer
+    from dew.training import Layout, MeshSpec
+    from dew.objectives.lm import LMObjective
+    from tests.training.test_trainer import _stream
+    assert jax.device_count() == 8
+    model = models.build("causal_transformer", vocab_size=64, emb_features=32, num_layers=2, num_heads=4,
+                         num_kv_heads=2, mlp_features=64, max_seq_len=64)
+    objective = LMObjective(model, 16)
+    runs = {"one": (jax.devices()[:1], MeshSpec(), Layout()),
+            "data": (None, MeshSpec(data=8), Layout()),
+            "fsdp": (None, MeshSpec(data=2, fsdp=4), Layout(min_shard=0))}
+    losses = {}
+    for name, (devices, spec, layout) in runs.items():
+        trainer = Trainer(objective, optax.adamw(1e-2), key=jax.random.key(0), mesh=spec, layout=layout)
+        if devices is not None:
+            trainer.mesh = spec.build(devices)
+        state = trainer.fit(_stream(8), steps=3, log_every=1, verbose=False)
+        losses[name] = [row["train/loss"] for row in trainer.history]
+        if name == "fsdp":
+            kernel = state.params["params"]["layers_0"]["mlp"]["up_proj"]["kernel"]
+            assert len(kernel.sharding.device_set) == 8 and kernel.addressable_shards[0].data.shape != kernel.shape
+    print(losses)
+    np.testing.assert_allclose(losses["data"], losses["one"], rtol=1e-5)
+    np.testing.assert_allclose(losses["fsdp"], losses["one"], rtol=1e-5)
+    """
+)
+
+
+@pytest.mark.slow
+def test_eight_device_mesh_matches_one_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
