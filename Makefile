@@ -26,7 +26,7 @@ gpt2-tokenizer: $(GPT2)
 # The King James Bible (Debian's bible-kjv-text), shipped compressed in data/kjv.txt.xz.
 $(CORPUS): $(GPT2) data/kjv.txt.xz tools/tokenize_text.py
 	$(BIN)/python tools/tokenize_text.py --input data/kjv.txt.xz --out $(dir $(CORPUS)) \
-	    --tokenizer $(dir $(GPT2)) --val-fraction 0.01
+	    --tokenizer gpt2 --val-fraction 0.01
 
 quickstart: $(CORPUS)
 	$(BIN)/python examples/quickstart.py --data $(dir $(CORPUS)) --tokenizer $(dir $(GPT2))

@@ -1,0 +1,16 @@
+"""Data for training: tokenizers, token files, and the Grain pipelines that batch them."""
+
+from dew.data.dataset import Dataset, Partition
+from dew.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+from dew.data.windows import Loading, PackedTokens, TokenWindows
+
+__all__ = [
+    "ByteTokenizer",
+    "Dataset",
+    "HFTokenizer",
+    "Loading",
+    "PackedTokens",
+    "Partition",
+    "TokenWindows",
+    "load_tokenizer",
+]

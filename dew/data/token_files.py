@@ -1,0 +1,118 @@
+"""The token file format: `train.bin`, `val.bin` and `meta.json` in one directory.
+
+The .bin files hold flat token ids, native byte order, in the narrowest unsigned dtype that holds
+the vocabulary: uint8 up to 256 ids, uint16 up to 65,536, else uint32. meta.json records
+`{tokenizer, vocab_size, dtype, train_tokens, val_tokens, eos_id}`. tools/tokenize_text.py writes
+them; readers open a split as a read-only `np.memmap`, never reading it whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SPLITS = ("train", "val")
+META = "meta.json"
+DTYPES = ("uint8", "uint16", "uint32")
+_META_FIELDS = ("tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens", "eos_id")
+_WRITER = "tools/tokenize_text.py"
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds ids 0..vocab_size-1."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size is {vocab_size}: a vocabulary needs at least one id")
+    for name in DTYPES:
+        if vocab_size <= np.iinfo(name).max + 1:
+            return np.dtype(name)
+    raise ValueError(f"vocab_size {vocab_size} is above {2**32}, the most a uint32 token file holds")
+
+
+def split_path(path: str | os.PathLike, split: str) -> Path:
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is not one of {SPLITS}")
+    return Path(path) / f"{split}.bin"
+
+
+def make_meta(tokenizer: str, vocab_size: int, train_tokens: int, val_tokens: int,
+              eos_id: int | None) -> dict[str, Any]:
+    """The meta.json record for a pair of token files."""
+    return {
+        "tokenizer": tokenizer,
+        "vocab_size": int(vocab_size),
+        "dtype": dtype_for_vocab(vocab_size).name,
+        "train_tokens": int(train_tokens),
+        "val_tokens": int(val_tokens),
+        "eos_id": None if eos_id is None else int(eos_id),
+    }
+
+
+def write_meta(path: str | os.PathLike, meta: dict[str, Any]) -> Path:
+    """Write meta.json atomically (a partial file is never visible under the final name)."""
+    target = Path(path) / META
+    partial = target.with_name(META + ".partial")
+    partial.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    os.replace(partial, target)
+    return target
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and check meta.json against itself and the .bin files beside it.
+
+    Raises FileNotFoundError when meta.json is missing and ValueError when a field is missing,
+    the dtype is unknown or does not fit the vocabulary, or a .bin file's size disagrees with
+    its token count.
+    """
+    path = Path(path)
+    meta_path = path / META
+    if not meta_path.is_file():
+        raise FileNotFoundError(
+            f"{meta_path} does not exist: token files are a directory holding train.bin, val.bin "
+            f"and meta.json, written by `python {_WRITER} --input TEXT --out {path} --tokenizer NAME`"
+        )
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    missing = [field for field in _META_FIELDS if field not in meta]
+    if missing:
+        raise ValueError(f"{meta_path} lacks {missing}: rewrite the token files with {_WRITER}")
+    if meta["dtype"] not in DTYPES:
+        raise ValueError(
+            f"{meta_path} gives dtype {meta['dtype']!r}; token files use one of {DTYPES}: "
+            f"rewrite them with {_WRITER}"
+        )
+    expected = dtype_for_vocab(meta["vocab_size"]).name
+    if meta["dtype"] != expected:
+        raise ValueError(
+            f"{meta_path} gives dtype {meta['dtype']} for vocab_size {meta['vocab_size']}, which "
+            f"needs {expected}: rewrite the token files with {_WRITER}"
+        )
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split in SPLITS:
+        bin_path = split_path(path, split)
+        tokens = meta[f"{split}_tokens"]
+        size = bin_path.stat().st_size if bin_path.is_file() else None
+        if size != tokens * itemsize:
+            found = "does not exist" if size is None else (
+                f"holds {size} bytes = {size / itemsize:g} {meta['dtype']} tokens")
+            raise ValueError(
+                f"{bin_path} {found}, but meta.json says {split}_tokens = {tokens} "
+                f"({tokens * itemsize} bytes): the files are from different runs or a write was "
+                f"cut short; rewrite them with {_WRITER}"
+            )
+    return meta
+
+
+def open_split(path: str | os.PathLike, split: str, meta: dict[str, Any] | None = None) -> np.ndarray:
+    """One split's token ids as a read-only memmap, shape [tokens], meta.json's dtype.
+
+    `meta` is read (and checked) from `path` when not given. An empty split is an empty array,
+    since a zero-length file cannot be mapped.
+    """
+    meta = read_meta(path) if meta is None else meta
+    tokens = meta[f"{split}_tokens"]
+    if tokens == 0:
+        return np.empty(0, dtype=meta["dtype"])
+    return np.memmap(split_path(path, split), dtype=meta["dtype"], mode="r", shape=(tokens,))

@@ -1,0 +1,235 @@
+"""Text to token files: the logic behind tools/tokenize_text.py.
+
+The input is read in ~1 MiB chunks cut at line ends, tokenized by a pool of worker processes in
+order, and appended to a file as it goes, so memory stays bounded whatever the corpus size. The
+first `val_fraction` of the tokens becomes val.bin and the rest train.bin; meta.json is written
+last, so a directory with a meta.json always holds whole files.
+"""
+
+from __future__ import annotations
+
+import collections
+import codecs
+import gzip
+import lzma
+import multiprocessing
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from dew.data.token_files import META, SPLITS, dtype_for_vocab, make_meta, split_path, write_meta
+from dew.data.tokenizers import Tokenizer, load_tokenizer
+
+CHUNK_BYTES = 1 << 20
+TEXT_SUFFIXES = (".txt", ".txt.xz", ".txt.gz")
+_COPY_BYTES = 64 << 20
+# Text this many chunks long with no strict cut is cut at a loose one (see `text_chunks`).
+_LOOSE_AFTER = 16
+
+
+def input_files(input: str | os.PathLike) -> list[Path]:
+    """The files to read: `input` itself, or every *.txt (also .txt.xz, .txt.gz) under it, sorted."""
+    path = Path(input)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"input {path} is neither a file nor a directory")
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES))
+    if not files:
+        raise FileNotFoundError(f"directory {path} holds no {' / '.join(TEXT_SUFFIXES)} files")
+    return files
+
+
+def open_binary(path: Path) -> IO[bytes]:
+    """Open a text file for reading bytes, decompressing .xz and .gz."""
+    if path.name.endswith(".xz"):
+        return lzma.open(path, "rb")
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def _last_cut(text: str, start: int = 0, strict: bool = True) -> int:
+    """The position after the last newline in `text[start:]` that can end a chunk, or -1.
+
+    A strict cut is a newline between two non-space characters ("...end.\\nNext"). Every common
+    pre-tokenizer ends a piece there whether or not the text goes on: byte-level BPE with the
+    GPT-2, cl100k, Llama 3 or Qwen patterns, and tokenizers that split at newlines. Elsewhere they
+    may not: at the end of a chunk GPT-2 makes "\\n\\n" one piece, followed by text it makes two.
+    A loose cut only needs a non-space character after the newline.
+    """
+    end = len(text) - 1  # the newline needs a character after it to be judged
+    while (newline := text.rfind("\n", start, end)) >= 0:
+        if not text[newline + 1].isspace() and (
+                not strict or (newline > 0 and not text[newline - 1].isspace())):
+            return newline + 1
+        end = newline
+    return -1
+
+
+def text_chunks(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES,
+                name: str = "input") -> Iterator[str]:
+    """UTF-8 text from `stream` in pieces of about `chunk_bytes`, each cut at a line end.
+
+    Chunks end at strict cuts (see `_last_cut`), so tokenizing them one by one gives the ids of
+    the whole text. Text with no strict cut for `_LOOSE_AFTER` chunks (a file with CRLF line ends,
+    where every newline follows a "\\r") is cut at a loose one instead, to keep memory bounded;
+    a tokenizer may then split the whitespace at that cut differently. The chunks concatenate to
+    the whole text.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    pending = ""
+    searched = 0  # pending[:searched] holds no strict cut
+    offset = 0
+    while True:
+        block = stream.read(chunk_bytes)
+        try:
+            pending += decoder.decode(block, final=not block)
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"{name} is not UTF-8 text: the bytes near offset {offset + error.start} do not "
+                f"decode; convert it first (e.g. `iconv -f latin1 -t utf-8`)"
+            ) from None
+        offset += len(block)
+        if not block:
+            break
+        # Only the new text and a newline just before it can hold a new strict cut.
+        cut = _last_cut(pending, max(0, searched - 1))
+        if cut < 0 and len(pending) > _LOOSE_AFTER * chunk_bytes:
+            cut = _last_cut(pending, strict=False)
+        if cut > 0:
+            yield pending[:cut]
+            pending = pending[cut:]
+        searched = len(pending)
+    if pending:
+        yield pending
+
+
+# The tokenizer of a worker process, set once by `_start_worker` so chunks travel without it.
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _start_worker(tokenizer: Tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _encode(text: str, tokenizer: Tokenizer | None = None) -> np.ndarray:
+    """Token ids of one chunk, in the token files' dtype, checked against the vocabulary."""
+    tokenizer = _worker_tokenizer if tokenizer is None else tokenizer
+    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+        raise ValueError(
+            f"tokenizer {tokenizer.name} produced id {ids.max()} (or {ids.min()}) outside its own "
+            f"vocab_size {tokenizer.vocab_size}: its tokenizer.json is inconsistent"
+        )
+    return ids.astype(dtype_for_vocab(tokenizer.vocab_size))
+
+
+def _encoded_chunks(files: list[Path], tokenizer: Tokenizer, workers: int, chunk_bytes: int,
+                    eos_between_files: bool) -> Iterator[np.ndarray]:
+    """The ids of every chunk of every file, in order; EOS between files when asked."""
+    dtype = dtype_for_vocab(tokenizer.vocab_size)
+
+    def pieces() -> Iterator[str | np.ndarray]:
+        for index, path in enumerate(files):
+            if index and eos_between_files:
+                yield np.array([tokenizer.eos_id], dtype=dtype)
+            with open_binary(path) as stream:
+                yield from text_chunks(stream, chunk_bytes, name=str(path))
+
+    if workers == 1:
+        for piece in pieces():
+            yield piece if isinstance(piece, np.ndarray) else _encode(piece, tokenizer)
+        return
+    # spawn, not fork: the caller may hold threads (JAX, Grain) that a forked child would inherit
+    # mid-operation. The window of 2 * workers chunks in flight keeps memory bounded, which
+    # Pool.imap does not (it reads its whole input ahead).
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer,)) as pool:
+        in_flight: collections.deque = collections.deque()
+        for piece in pieces():
+            if isinstance(piece, str):
+                piece = pool.apply_async(_encode, (piece,))
+            in_flight.append(piece)
+            if len(in_flight) >= 2 * workers:
+                head = in_flight.popleft()
+                yield head if isinstance(head, np.ndarray) else head.get()
+        while in_flight:
+            head = in_flight.popleft()
+            yield head if isinstance(head, np.ndarray) else head.get()
+
+
+def _cores() -> int:
+    """The cores this process may run on (all of them where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):  # Linux
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _copy_range(source: IO[bytes], target_path: Path, start: int, length: int) -> None:
+    source.seek(start)
+    with open(target_path, "wb") as target:
+        while length > 0:
+            block = source.read(min(_COPY_BYTES, length))
+            target.write(block)
+            length -= len(block)
+
+
+def tokenize_text(input: str | os.PathLike, out: str | os.PathLike, tokenizer: str | Tokenizer,
+                  val_fraction: float = 0.01, workers: int | None = None, *,
+                  eos_between_files: bool = False,
+                  chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
+    """Tokenize a text file or directory into `out`/train.bin, val.bin and meta.json.
+
+    `tokenizer` is "byte", a Hugging Face tokenizer name or path, or a tokenizer object.
+    The first `val_fraction` of the tokens (rounded down) is the validation split. `workers`
+    processes tokenize (default: every core; 1 tokenizes in this process). With
+    `eos_between_files`, the tokenizer's EOS id separates consecutive files. Returns meta.json's
+    record. Workers are spawned processes, so a script that calls this with `workers` above 1
+    does so under `if __name__ == "__main__":`.
+    """
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction is {val_fraction}: it must be at least 0 and below 1")
+    workers = _cores() if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers is {workers}: tokenizing needs at least 1 process")
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes is {chunk_bytes}: chunks need at least 1 byte")
+    tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    if eos_between_files and tokenizer.eos_id is None:
+        raise ValueError(
+            f"eos_between_files needs an EOS token, and tokenizer {tokenizer.name} has none: "
+            f"drop --eos-between-files or use a tokenizer with an EOS token"
+        )
+    files = input_files(input)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # Without meta.json readers refuse the directory, so a run cut short is never read as whole.
+    (out / META).unlink(missing_ok=True)
+    itemsize = dtype_for_vocab(tokenizer.vocab_size).itemsize
+    all_tokens = out / "tokens.partial"
+    partial = {split: split_path(out, split).with_suffix(".bin.partial") for split in SPLITS}
+    try:
+        total = 0
+        with open(all_tokens, "wb") as sink:
+            for ids in _encoded_chunks(files, tokenizer, workers, chunk_bytes, eos_between_files):
+                ids.tofile(sink)
+                total += ids.size
+        val_tokens = int(total * val_fraction)
+        with open(all_tokens, "rb") as source:
+            _copy_range(source, partial["val"], 0, val_tokens * itemsize)
+            _copy_range(source, partial["train"], val_tokens * itemsize,
+                        (total - val_tokens) * itemsize)
+        for split in SPLITS:
+            os.replace(partial[split], split_path(out, split))
+    finally:
+        for path in (all_tokens, *partial.values()):
+            path.unlink(missing_ok=True)
+    meta = make_meta(tokenizer.name, tokenizer.vocab_size, total - val_tokens, val_tokens,
+                     tokenizer.eos_id)
+    write_meta(out, meta)
+    return meta

@@ -1,0 +1,78 @@
+"""Cached generation against the uncached forward, and its refusals."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew import models
+from dew.sampling import Sampling, generate
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    model = models.build("causal_transformer", vocab_size=64, emb_features=32, num_layers=2, num_heads=4,
+                         num_kv_heads=2, mlp_features=64, max_seq_len=48, sliding_window=6, tie_embeddings=True)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    # Larger weights make the argmax depend on the context, so a masking error would show.
+    return model, jax.tree_util.tree_map(lambda x: x * 6.0, variables)
+
+
+def _uncached_greedy(model, variables, prompt, steps):
+    # One fixed width: causal attention makes the trailing zeros invisible to earlier positions.
+    forward = jax.jit(lambda tokens: model.apply(variables, tokens))
+    sequence = list(prompt)
+    for _ in range(steps):
+        padded = np.zeros((1, 32), np.int32)
+        padded[0, : len(sequence)] = sequence
+        sequence.append(int(jnp.argmax(forward(jnp.asarray(padded))[0, len(sequence) - 1])))
+    return sequence
+
+
+def test_greedy_cached_generation_equals_uncached_argmax(windowed):
+    model, variables = windowed
+    prompts = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9], [2, 7]]
+    generation = generate(model, variables, prompts, 12, key=jax.random.key(1), sampling=Sampling(temperature=0.0))
+    for row, prompt in enumerate(prompts):
+        expected = _uncached_greedy(model, variables, prompt, 12)
+        assert list(generation.tokens[row, : generation.lengths[row]]) == expected
+        assert generation.continuations()[row] == expected[len(prompt):]
+
+
+def test_eos_stops_a_row_and_pads_the_rest(windowed):
+    model, variables = windowed
+    greedy = generate(model, variables, [[3, 1, 4]], 8, key=jax.random.key(0), sampling=Sampling(temperature=0.0))
+    stop = int(greedy.continuations()[0][2])
+    first_stop = greedy.continuations()[0].index(stop)
+    stopped = generate(model, variables, [[3, 1, 4]], 8, key=jax.random.key(0),
+                       sampling=Sampling(temperature=0.0, eos_token_ids=(stop,), pad_id=63))
+    assert bool(stopped.terminated[0]) and int(stopped.new_tokens[0]) == first_stop + 1
+    assert list(stopped.tokens[0, 3 + first_stop + 1:]) == [63] * (8 - first_stop - 1)
+
+
+def test_continuation_zero_does_not_change_with_n(windowed):
+    model, variables = windowed
+    sampling = Sampling(temperature=1.0, top_k=20)
+    one = generate(model, variables, [[1, 2, 3], [4, 5]], 6, key=jax.random.key(7), sampling=sampling, n=1)
+    three = generate(model, variables, [[1, 2, 3], [4, 5]], 6, key=jax.random.key(7), sampling=sampling, n=3)
+    assert three.continuations()[0] == one.continuations()[0]
+    assert three.continuations()[3] == one.continuations()[1]
+    again = generate(model, variables, [[1, 2, 3], [4, 5]], 6, key=jax.random.key(7), sampling=sampling, n=3)
+    np.testing.assert_array_equal(again.tokens, three.tokens)
+
+
+def test_bad_requests_are_refused_by_name(windowed):
+    model, variables = windowed
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match="plus max_new_tokens 40 is 50, beyond the model's max_seq_len 48"):
+        generate(model, variables, [list(range(10))], 40, key=key)
+    with pytest.raises(ValueError, match="token id 64, outside the model's vocab_size 64"):
+        generate(model, variables, [[1, 64]], 4, key=key)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(model, variables, [[1], []], 4, key=key)
+    with pytest.raises(ValueError, match="max_new_tokens is 0"):
+        generate(model, variables, [[1]], 0, key=key)
+    with pytest.raises(ValueError, match="temperature is -1"):
+        Sampling(temperature=-1)
