@@ -29,7 +29,7 @@ $(CORPUS): $(GPT2) data/kjv.txt.xz tools/tokenize_text.py
 	    --tokenizer gpt2 --val-fraction 0.01
 
 quickstart: $(CORPUS)
-	$(BIN)/python examples/quickstart.py --data $(dir $(CORPUS)) --tokenizer $(dir $(GPT2))
+	$(BIN)/python examples/quickstart.py --data $(dir $(CORPUS)) --tokenizer gpt2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -168,3 +168,63 @@ def test_eight_device_mesh_matches_one_device():
     done = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+class _Recorder:
+    """Wraps a Grain iterator, keeping every batch it hands out (and its checkpointable state)."""
+
+    def __init__(self, iterator, seen: list):
+        self.iterator, self.seen = iterator, seen
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.iterator)
+        self.seen.append(batch["text"].copy())
+        return batch
+
+    def get_state(self):
+        return self.iterator.get_state()
+
+    def set_state(self, state):
+        self.iterator.set_state(state)
+
+
+def test_resume_from_token_windows_reads_the_same_batches(tiny_model, tmp_path):
+    import dataclasses
+
+    from dew.data import TokenWindows
+    from dew.data.tokenize import tokenize_text
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(200)))
+    tokenize_text(str(corpus), str(tmp_path / "tokens"), "byte", val_fraction=0.1, workers=1)
+    model = dataclasses.replace(tiny_model, config=dataclasses.replace(tiny_model.config, vocab_size=256))
+    objective = LMObjective(model, SEQ)
+    windows = TokenWindows(str(tmp_path / "tokens"), SEQ).load(batch=4)
+
+    def recorded(seen):
+        return dataclasses.replace(windows, train=lambda partition: _Recorder(windows.train(partition), seen))
+
+    straight_batches, resumed_batches = [], []
+    straight = Trainer(objective, optax.adamw(1e-2), key=jax.random.key(5)).fit(
+        recorded(straight_batches), steps=6, verbose=False)
+    Trainer(objective, optax.adamw(1e-2), key=jax.random.key(5)).fit(
+        recorded(resumed_batches), steps=3, checkpoint_dir=str(tmp_path / "run"), verbose=False)
+    resumed = Trainer(objective, optax.adamw(1e-2), key=jax.random.key(5)).fit(
+        recorded(resumed_batches), steps=6, checkpoint_dir=str(tmp_path / "run"), verbose=False)
+    assert len(resumed_batches) == len(straight_batches) == 6
+    for ours, theirs in zip(resumed_batches, straight_batches):
+        np.testing.assert_array_equal(ours, theirs)
+    np.testing.assert_array_equal(_flat(resumed.params), _flat(straight.params))
+
+
+def test_trainable_filter_freezes_the_rest(tiny_model):
+    objective = LMObjective(tiny_model, SEQ, ema_decay=None, trainable=r"/mlp/")
+    trainer = Trainer(objective, optax.adamw(1e-2, weight_decay=0.1), key=jax.random.key(6))
+    before = jax.device_get(trainer.init_state().params)
+    after = jax.device_get(trainer.fit(_stream(4), steps=2, verbose=False).params)
+    for (path, old), new in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree_util.tree_leaves(after)):
+        moved = not np.array_equal(old, new)
+        assert moved == ("'mlp'" in jax.tree_util.keystr(path)), jax.tree_util.keystr(path)

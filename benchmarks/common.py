@@ -1,0 +1,44 @@
+"""Shared pieces of the benchmarks: timing, the machine's matmul peak, and the FLOP count of a step."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def timed(run, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of `run()` (which must block until its work is done)."""
+    for _ in range(warmup):
+        run()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def matmul_peak(dtype, size: int = 2048) -> float:
+    """FLOP/s of one `size`-square XLA matmul in `dtype` (float32 accumulation)."""
+    a = jnp.ones((size, size), dtype)
+    b = jnp.ones((size, size), dtype)
+    product = jax.jit(lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.float32))
+    seconds = timed(lambda: product(a, b).block_until_ready(), repeats=10)
+    return 2 * size**3 / seconds
+
+
+def decoder_flops_per_token(layers: int, width: int, heads: int, kv_heads: int, mlp: int, vocab: int, seq: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward) of the decoder's matmuls."""
+    head_dim = width // heads
+    projections = width * (heads + 2 * kv_heads) * head_dim + heads * head_dim * width + 3 * width * mlp
+    attention = 2 * seq * heads * head_dim  # scores and weighted values, per token, causal not discounted
+    forward = 2 * layers * (projections + attention) + 2 * width * vocab
+    return 3 * forward
+
+
+def machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {jax.local_device_count()} XLA CPU device(s), jax {jax.__version__}"
