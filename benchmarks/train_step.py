@@ -79,6 +79,13 @@ def torch_step(vocab: int, seq: int, batch: int, precision: str, steps: int, com
     return timed(run, steps)
 
 
+def torch_matmul_flops(dtype, size: int = 512) -> float:
+    import torch
+
+    a, b = torch.ones(size, size, dtype=dtype), torch.ones(size, size, dtype=dtype)
+    return 2 * size**3 / timed(lambda: a @ b, repeats=3, warmup=1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=256)
@@ -86,6 +93,8 @@ def main():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile (slow to compile)")
+    parser.add_argument("--torch-bf16", action="store_true",
+                        help="time torch autocast bf16 even where torch's bf16 matmul is slow (no AVX512-BF16/AMX)")
     args = parser.parse_args()
     import torch
 
@@ -96,15 +105,20 @@ def main():
     print(f"machine: {machine()}, torch {torch.__version__} with {torch.get_num_threads()} threads")
     print(f"shape: {SHAPE}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, AdamW")
     print(f"XLA matmul peak (2048^2): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
+    torch_bf16 = torch_matmul_flops(torch.bfloat16)
+    print(f"torch matmul (512^2): fp32 {torch_matmul_flops(torch.float32) / 1e9:.0f} GFLOP/s, "
+          f"bf16 {torch_bf16 / 1e9:.1f} GFLOP/s")
     for precision, dtype in (("fp32", jnp.float32), ("bf16", jnp.bfloat16)):
         ours, compile_seconds = dew_step(args.vocab, args.seq, args.batch, dtype, args.steps)
+        line = (f"{precision}: dew {tokens / ours:,.0f} tokens/s ({flops / ours / 1e9:.0f} GFLOP/s, "
+                f"{flops / ours / peaks[precision]:.0%} of peak, first step compiled in {compile_seconds:.1f} s)")
+        if precision == "bf16" and torch_bf16 < 20e9 and not args.torch_bf16:
+            print(f"{line} | torch autocast not run: its bf16 matmul runs at {torch_bf16 / 1e9:.1f} GFLOP/s "
+                  "on this CPU (pass --torch-bf16 to time it anyway)")
+            continue
         theirs = torch_step(args.vocab, args.seq, args.batch, precision, args.steps, compiled=False)
         label = "torch eager" if precision == "fp32" else "torch autocast"
-        print(
-            f"{precision}: dew {tokens / ours:,.0f} tokens/s ({flops / ours / 1e9:.0f} GFLOP/s, "
-            f"{flops / ours / peaks[precision]:.0%} of peak, first step compiled in {compile_seconds:.1f} s) | "
-            f"{label} {tokens / theirs:,.0f} tokens/s | ratio {theirs / ours:.2f}x"
-        )
+        print(f"{line} | {label} {tokens / theirs:,.0f} tokens/s | ratio {theirs / ours:.2f}x")
         if args.compile:
             compiled = torch_step(args.vocab, args.seq, args.batch, precision, args.steps, compiled=True)
             print(f"{precision}: torch.compile {tokens / compiled:,.0f} tokens/s | ratio {compiled / ours:.2f}x")
