@@ -182,6 +182,13 @@ def cap_logits(logits: jax.Array, softcap: float | None) -> jax.Array:
     return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
 
 
+def project(config: DecoderConfig, params, hidden_NE: jax.Array) -> jax.Array:
+    """float32 logits `[N, vocab]` of final hidden states `[N, emb]`, softcapped when configured."""
+    weight, transposed = head_weight(config, params)
+    return cap_logits(vocab_logits(hidden_NE.astype(config.dtype), weight.astype(config.dtype), transposed),
+                      config.logit_softcap)
+
+
 def head_weight(config: DecoderConfig, params) -> tuple[jax.Array, bool]:
     """The output projection and its layout: (`[emb, vocab]`, False) or the tied `[vocab, emb]`, True."""
     if config.tie_embeddings:

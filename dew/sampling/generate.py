@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.nn.transformer import project
 from dew.sampling.sampling import Sampling
 
 PROMPT_BUCKET = 16
@@ -119,25 +120,34 @@ def _compiled(model, sampling: Sampling, max_new_tokens: int):
         B, P = tokens_BP.shape
         cache = model.init_cache(B, P + max_new_tokens)
         positions_BP = jnp.maximum(jnp.cumsum(valid_BP, axis=1) - 1, 0)
-        logits_BPV, cache = model.apply(params, tokens_BP, positions=positions_BP, segment_ids=valid_BP, cache=cache)
+        # Only the last slot's logits are needed: left padding puts every row's last token there.
+        hidden_BPE, cache = model.apply(params, tokens_BP, positions=positions_BP, segment_ids=valid_BP,
+                                        cache=cache, head=False)
+        last_BV = project(model.config, params["params"], hidden_BPE[:, -1])
         next_position_B = jnp.sum(valid_BP, axis=1)
 
         def step(carry, t):
-            cache, logits_BV, position_B, done_B, count_B = carry
+            cache, logits_BV, position_B, done_B, count_B, seen_BV = carry
             keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(keys_B)
-            token_B, log_prob_B = sampling.draw(keys, logits_BV)
+            token_B, log_prob_B = sampling.draw(keys, logits_BV, seen_BV)
             token_B = jnp.where(done_B, sampling.pad_id, token_B)
+            if seen_BV is not None:
+                seen_BV = seen_BV | (jax.nn.one_hot(token_B, seen_BV.shape[1], dtype=bool) & ~done_B[:, None])
             log_prob_B = jnp.where(done_B, 0.0, log_prob_B)
             count_B = count_B + (~done_B).astype(jnp.int32)
             done_B = done_B | jnp.isin(token_B, eos)
-            logits_B1V, cache = model.apply(
+            hidden_B1E, cache = model.apply(
                 params, token_B[:, None], positions=position_B[:, None],
-                segment_ids=jnp.ones((B, 1), jnp.int32), cache=cache,
+                segment_ids=jnp.ones((B, 1), jnp.int32), cache=cache, head=False,
             )
-            return (cache, logits_B1V[:, 0], position_B + 1, done_B, count_B), (token_B, log_prob_B)
+            return (cache, project(model.config, params["params"], hidden_B1E[:, 0]), position_B + 1, done_B, count_B, seen_BV), (token_B, log_prob_B)
 
-        start = (cache, logits_BPV[:, -1], next_position_B, jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32))
-        (_, _, _, done_B, count_B), (tokens_NB, log_probs_NB) = jax.lax.scan(step, start, jnp.arange(max_new_tokens))
+        seen_BV = None
+        if sampling.repetition_penalty is not None:
+            vocab = last_BV.shape[-1]
+            seen_BV = jnp.zeros((B, vocab), bool).at[jnp.arange(B)[:, None], tokens_BP].max(valid_BP.astype(bool))
+        start = (cache, last_BV, next_position_B, jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32), seen_BV)
+        (_, _, _, done_B, count_B, _), (tokens_NB, log_probs_NB) = jax.lax.scan(step, start, jnp.arange(max_new_tokens))
         return tokens_NB.T, log_probs_NB.T, done_B, count_B
 
     return run

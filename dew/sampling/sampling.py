@@ -14,16 +14,18 @@ _NEG = -jnp.inf
 class Sampling:
     """How the next token is drawn from the logits.
 
-    `temperature` 0 takes the argmax; otherwise the logits are divided by it, then `top_k` keeps the k
-    largest, `top_p` the smallest set whose probability reaches p, and `min_p` drops tokens below
-    `min_p` times the top probability. A row stops after emitting one of `eos_token_ids`; its later
-    slots hold `pad_id`.
+    In transformers' order: `repetition_penalty` first divides the positive logits (multiplies the
+    negative ones) of every token already in the row, prompt included; then `temperature` 0 takes
+    the argmax, otherwise the logits are divided by it, `top_k` keeps the k largest, `top_p` the
+    smallest set whose probability reaches p, and `min_p` drops tokens below `min_p` times the top
+    probability. A row stops after emitting one of `eos_token_ids`; its later slots hold `pad_id`.
     """
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_id: int = 0
 
@@ -37,14 +39,24 @@ class Sampling:
             raise ValueError(f"top_p is {self.top_p}; it must lie in (0, 1]")
         if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p is {self.min_p}; it must lie in [0, 1]")
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty is {self.repetition_penalty}; use None, or a value > 0 (1 is neutral)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def filter(self, logits_BV: jax.Array) -> jax.Array:
-        """float32 logits with the temperature applied and filtered-out tokens at -inf."""
+    def filter(self, logits_BV: jax.Array, seen_BV: jax.Array | None = None) -> jax.Array:
+        """float32 logits, penalised, tempered, with filtered-out tokens at -inf.
+
+        `seen_BV` marks the tokens each row already holds (needed with `repetition_penalty`).
+        """
         logits_BV = logits_BV.astype(jnp.float32)
+        if self.repetition_penalty is not None:
+            if seen_BV is None:
+                raise ValueError("repetition_penalty needs the tokens each row has seen")
+            penalised = jnp.where(logits_BV < 0, logits_BV * self.repetition_penalty, logits_BV / self.repetition_penalty)
+            logits_BV = jnp.where(seen_BV, penalised, logits_BV)
         if self.greedy:
             return logits_BV
         logits_BV = logits_BV / self.temperature
@@ -64,9 +76,9 @@ class Sampling:
             logits_BV = jnp.where(probs < floor, _NEG, logits_BV)
         return logits_BV
 
-    def draw(self, keys_B: jax.Array, logits_BV: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def draw(self, keys_B: jax.Array, logits_BV: jax.Array, seen_BV: jax.Array | None = None):
         """(token ids `[B]` int32, their log-probabilities under the filtered distribution `[B]`)."""
-        filtered = self.filter(logits_BV)
+        filtered = self.filter(logits_BV, seen_BV)
         if self.greedy:
             tokens = jnp.argmax(filtered, axis=-1).astype(jnp.int32)
         else:

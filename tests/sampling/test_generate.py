@@ -76,3 +76,39 @@ def test_bad_requests_are_refused_by_name(windowed):
         generate(model, variables, [[1]], 0, key=key)
     with pytest.raises(ValueError, match="temperature is -1"):
         Sampling(temperature=-1)
+
+
+def test_prompts_that_pad_to_one_width_reuse_the_executable(windowed):
+    from dew.sampling.generate import _compiled
+
+    model, variables = windowed
+    sampling = Sampling(temperature=0.0)
+    run = _compiled(model, sampling, 5)
+    before = run._cache_size()
+    for prompts in ([[1, 2, 3]], [[4, 5, 6, 7, 8, 9, 10]], [[9] * 16]):
+        generate(model, variables, prompts, 5, key=jax.random.key(0), sampling=sampling)
+    assert run._cache_size() - before <= 1  # all three pad to the 16-token bucket
+
+
+def test_greedy_with_repetition_penalty_matches_transformers_generate():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tests.hf_llama import copy_into_torch
+
+    kwargs = dict(vocab_size=50, emb_features=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_features=48,
+                  max_seq_len=40)
+    model = models.build("causal_transformer", **kwargs)
+    variables = jax.tree_util.tree_map(lambda x: x * 6.0, model.init(jax.random.key(3), jnp.zeros((1, 4), jnp.int32)))
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=40, rms_norm_eps=1e-6, attn_implementation="eager",
+    )
+    torch_model = transformers.LlamaForCausalLM(config).eval()
+    copy_into_torch(variables, torch_model, 2)
+    prompt = [7, 3, 9, 3, 1]
+    with torch.no_grad():
+        theirs = torch_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16,
+                                      repetition_penalty=1.5, pad_token_id=0, eos_token_id=None)[0].tolist()
+    ours = generate(model, variables, [prompt], 16, key=jax.random.key(0),
+                    sampling=Sampling(temperature=0.0, repetition_penalty=1.5))
+    assert list(ours.tokens[0]) == theirs

@@ -1,0 +1,73 @@
+"""The sampling filters against transformers' own logits processors, and sampled frequencies."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.sampling import Sampling
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from transformers.generation import logits_process as hf  # noqa: E402
+
+CASES = {
+    "temperature": (Sampling(temperature=0.7), [hf.TemperatureLogitsWarper(0.7)]),
+    "top-k": (Sampling(temperature=1.3, top_k=5), [hf.TemperatureLogitsWarper(1.3), hf.TopKLogitsWarper(5)]),
+    "top-p": (Sampling(temperature=0.9, top_p=0.8), [hf.TemperatureLogitsWarper(0.9), hf.TopPLogitsWarper(0.8)]),
+    "min-p": (Sampling(temperature=1.0, min_p=0.1), [hf.MinPLogitsWarper(0.1)]),
+    "all": (
+        Sampling(temperature=0.8, top_k=12, top_p=0.9, min_p=0.05, repetition_penalty=1.3),
+        [hf.RepetitionPenaltyLogitsProcessor(1.3), hf.TemperatureLogitsWarper(0.8), hf.TopKLogitsWarper(12),
+         hf.TopPLogitsWarper(0.9), hf.MinPLogitsWarper(0.05)],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_filters_match_transformers(case):
+    sampling, processors = CASES[case]
+    rng = np.random.default_rng(0)
+    logits = (rng.normal(size=(6, 40)) * 3).astype(np.float32)
+    history = rng.integers(0, 40, (6, 9))
+    seen = np.zeros((6, 40), bool)
+    np.put_along_axis(seen, history, True, axis=1)
+    ours = np.asarray(sampling.filter(jnp.asarray(logits), jnp.asarray(seen)))
+    scores = torch.from_numpy(logits.copy())
+    for processor in processors:
+        scores = processor(torch.from_numpy(history), scores)
+    theirs = scores.numpy()
+    np.testing.assert_array_equal(np.isinf(ours), np.isinf(theirs))
+    finite = np.isfinite(theirs)
+    # Same float32 arithmetic: observed differences are at most 1 ulp.
+    np.testing.assert_allclose(ours[finite], theirs[finite], rtol=1e-6)
+
+
+def test_sampled_frequencies_follow_the_filtered_distribution():
+    sampling = Sampling(temperature=0.9, top_k=4, top_p=0.95)
+    logits = jnp.asarray([[2.0, 1.5, 1.0, 0.2, -0.5, 0.0]], jnp.float32)
+    probs = np.asarray(jax.nn.softmax(sampling.filter(logits), axis=-1))[0]
+    draws = 20000
+    keys = jax.random.split(jax.random.key(42), draws)
+    tokens, _ = jax.jit(lambda k: sampling.draw(k, jnp.repeat(logits, draws, axis=0)))(keys)
+    counts = np.bincount(np.asarray(tokens), minlength=6)
+    assert counts[probs == 0].sum() == 0
+    # Each kept token's frequency lies within 5 standard deviations of its probability (fixed seed).
+    sigma = np.sqrt(probs * (1 - probs) / draws)
+    np.testing.assert_array_less(np.abs(counts / draws - probs), 5 * sigma + 1e-12)
+
+
+def test_greedy_takes_the_first_maximum_and_reports_its_log_probability():
+    logits = jnp.asarray([[0.0, 3.0, 3.0, 1.0]], jnp.float32)
+    token, log_prob = Sampling(temperature=0.0).draw(jax.random.split(jax.random.key(0), 1), logits)
+    assert int(token[0]) == 1
+    np.testing.assert_allclose(float(log_prob[0]), float(jax.nn.log_softmax(logits)[0, 1]), rtol=1e-6)
+
+
+def test_bad_sampling_is_refused_by_name():
+    for kwargs, message in (({"top_k": 0}, "top_k is 0"), ({"top_p": 1.5}, "top_p is 1.5"),
+                            ({"min_p": -0.1}, "min_p is -0.1"), ({"repetition_penalty": 0.0}, "repetition_penalty is 0.0")):
+        with pytest.raises(ValueError, match=message):
+            Sampling(**kwargs)
