@@ -251,6 +251,29 @@ class LMObjective:
             values["token_accuracy"] = float(stats.token_accuracy.total) / max(float(stats.token_accuracy.count), 1.0)
         return values
 
+    # -- generation ------------------------------------------------------------------------------
+    def policy(self, params: Variables, sampling=None):
+        """Expose the model over this training tree as a generation task."""
+        from dew.inference import TextGeneration
+        from dew.sampling import Sampling
+
+        return TextGeneration(self.model, params, sampling=sampling or Sampling())
+
+    def pipeline(self, state, *, ema: bool = True, processor=None):
+        """Publish the decoder over the state's weights as a generation task.
+
+        It reads the averaged weights when `ema` is set and the objective keeps them (the live ones
+        otherwise), samples and is budgeted the way this objective's previews are, and `processor`
+        (a tokenizer) encodes text prompts and decodes the results.
+        """
+        from dew.inference import TextGeneration
+        from dew.sampling import Sampling
+
+        params = state.ema if ema and state.ema is not None else state.params
+        sampling = (self.samples.sampling if self.samples else None) or Sampling()
+        budget = self.samples.max_new_tokens if self.samples and self.samples.max_new_tokens else None
+        return TextGeneration(self.model, params, tokenizer=processor, sampling=sampling, max_new_tokens=budget)
+
     # -- previews --------------------------------------------------------------------------------
     def preview(self, params, batch=None, step: Step | None = None, *, scored=None) -> list[str] | None:
         """Sample the configured prompt once and decode it; None when no `samples` are configured."""

@@ -1,0 +1,5 @@
+"""Generation tasks over trained weights."""
+
+from dew.inference.text import TextGeneration
+
+__all__ = ["TextGeneration"]

@@ -1,0 +1,49 @@
+"""`TextGeneration`: a decoder bound to its weights, tokenizer, sampling policy and budget."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from dew.sampling import Generation, Sampling, generate
+
+
+@dataclasses.dataclass(frozen=True)
+class TextGeneration:
+    """Generate from `model` with `params`: `task(prompts, max_new_tokens, seed=0, n=1)`.
+
+    Prompts are a string, a list of strings (encoded with `tokenizer`), a list of token ids, or a
+    list of such lists. `max_new_tokens` defaults to the task's own budget when it has one. The
+    result's `.text` decodes each row (prompt and continuation) when a tokenizer is bound.
+    """
+
+    model: Any
+    params: Any
+    tokenizer: Any = None
+    sampling: Sampling = Sampling()
+    max_new_tokens: int | None = None
+
+    def encode(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], str)):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this task has none, so pass token ids")
+            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            return [self.tokenizer.encode(text) for text in texts]
+        if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):
+            return [list(prompts)]
+        return [list(row) for row in prompts]
+
+    def __call__(self, prompts, max_new_tokens: int | None = None, *, seed: int = 0, n: int = 1,
+                 key: jax.Array | None = None) -> Generation:
+        budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if budget is None:
+            raise ValueError("this task has no default budget: pass max_new_tokens")
+        key = jax.random.key(seed) if key is None else key
+        decode = None if self.tokenizer is None else self.tokenizer.decode
+        return generate(self.model, self.params, self.encode(prompts), budget, key=key, sampling=self.sampling,
+                        n=n, decode=decode)
+
+    def with_sampling(self, sampling: Sampling) -> "TextGeneration":
+        return dataclasses.replace(self, sampling=sampling)
