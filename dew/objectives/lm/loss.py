@@ -1,8 +1,14 @@
 """Cross entropy over the vocabulary in tiles, so neither pass holds the `[N, V]` logits.
 
-The forward pass keeps a running float32 log-sum-exp across tiles; the backward pass recomputes each
-tile's logits and turns them into the gradient of that tile at once. Under bf16 compute both products
-take bf16 operands and accumulate in float32, forward and backward, as torch autocast runs the head.
+The forward pass scans the tiles keeping a running float32 log-sum-exp; the backward pass scans
+them again, recomputing each tile's logits and turning them into that tile's gradient at once. The
+scans (not an unrolled loop) make the tiles run one after another: XLA would otherwise compute the
+independent tile products side by side and hold every tile at once. Under bf16 compute both
+products take bf16 operands and accumulate in float32, forward and backward, as torch autocast
+runs the head.
+
+Tiles are `ceil(V / chunks)` wide; the last one starts early enough to end at `V`, and the columns
+it shares with the tile before are masked out of it.
 """
 
 from __future__ import annotations
@@ -16,21 +22,26 @@ from jax import lax
 from dew.nn.transformer import vocab_logits
 
 
-def _tiles(vocab: int, chunks: int) -> list[tuple[int, int]]:
+def _layout(vocab: int, chunks: int) -> tuple[int, int]:
+    """(tile width, tile count)."""
     chunks = max(1, min(chunks, vocab))
     width = -(-vocab // chunks)
-    return [(start, min(start + width, vocab)) for start in range(0, vocab, width)]
+    return width, -(-vocab // width)
 
 
-def _tile_weight(weight, start, stop, transposed):
-    return weight[start:stop] if transposed else weight[:, start:stop]
-
-
-def _tile_logits(hidden_NE, weight, start, stop, transposed, softcap):
-    raw_NC = vocab_logits(hidden_NE, _tile_weight(weight, start, stop, transposed), transposed)
-    if softcap is None:
-        return raw_NC, raw_NC
-    return raw_NC, softcap * jnp.tanh(raw_NC / softcap)
+def _tile(hidden_NE, weight, index, width, transposed, softcap):
+    """The tile's first column, its float32 logits `[N, width]` (shared columns at -inf), and the mask."""
+    vocab = weight.shape[0] if transposed else weight.shape[1]
+    start = jnp.minimum(index * width, vocab - width)
+    if transposed:
+        w_tile = lax.dynamic_slice_in_dim(weight, start, width, axis=0)
+    else:
+        w_tile = lax.dynamic_slice_in_dim(weight, start, width, axis=1)
+    logits_NC = vocab_logits(hidden_NE, w_tile, transposed)
+    if softcap is not None:
+        logits_NC = softcap * jnp.tanh(logits_NC / softcap)
+    fresh_C = start + jnp.arange(width) >= index * width
+    return start, w_tile, jnp.where(fresh_C[None, :], logits_NC, -jnp.inf), fresh_C
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -46,25 +57,25 @@ def chunked_cross_entropy(hidden_NE, weight, targets_N, transposed: bool, chunks
 
 def _forward(hidden_NE, weight, targets_N, transposed, chunks, softcap):
     N = hidden_NE.shape[0]
-    running_max = jnp.full((N,), -jnp.inf, jnp.float32)
-    running_sum = jnp.zeros((N,), jnp.float32)
-    target_logit = jnp.zeros((N,), jnp.float32)
-    best_value = jnp.full((N,), -jnp.inf, jnp.float32)
-    best_index = jnp.zeros((N,), jnp.int32)
-    for start, stop in _tiles(weight.shape[0] if transposed else weight.shape[1], chunks):
-        _, logits_NC = _tile_logits(hidden_NE, weight, start, stop, transposed, softcap)
+    width, count = _layout(weight.shape[0] if transposed else weight.shape[1], chunks)
+
+    def body(carry, index):
+        running_max, running_sum, target_logit, best_value, best_index = carry
+        start, _, logits_NC, _ = _tile(hidden_NE, weight, index, width, transposed, softcap)
         tile_max = jnp.max(logits_NC, axis=-1)
         new_max = jnp.maximum(running_max, tile_max)
-        running_sum = running_sum * jnp.exp(running_max - new_max) + jnp.sum(
-            jnp.exp(logits_NC - new_max[:, None]), axis=-1
-        )
-        running_max = new_max
-        inside = (targets_N >= start) & (targets_N < stop)
-        picked = jnp.take_along_axis(logits_NC, jnp.clip(targets_N - start, 0, stop - start - 1)[:, None], axis=-1)
-        target_logit = jnp.where(inside, picked[:, 0], target_logit)
+        running_sum = running_sum * jnp.exp(running_max - new_max) + jnp.sum(jnp.exp(logits_NC - new_max[:, None]), -1)
+        column = targets_N - start
+        inside = (column >= 0) & (column < width) & (targets_N >= index * width)
+        picked = jnp.take_along_axis(logits_NC, jnp.clip(column, 0, width - 1)[:, None], axis=-1)[:, 0]
+        target_logit = jnp.where(inside, picked, target_logit)
         better = tile_max > best_value
         best_index = jnp.where(better, start + jnp.argmax(logits_NC, axis=-1).astype(jnp.int32), best_index)
-        best_value = jnp.maximum(best_value, tile_max)
+        return (new_max, running_sum, target_logit, jnp.maximum(best_value, tile_max), best_index), None
+
+    minus_inf = jnp.full((N,), -jnp.inf, jnp.float32)
+    start = (minus_inf, jnp.zeros((N,), jnp.float32), jnp.zeros((N,), jnp.float32), minus_inf, jnp.zeros((N,), jnp.int32))
+    (running_max, running_sum, target_logit, _, best_index), _ = lax.scan(body, start, jnp.arange(count))
     lse = running_max + jnp.log(running_sum)
     correct = (best_index == targets_N).astype(jnp.float32)
     return (lse - target_logit, lse, correct), (hidden_NE, weight, targets_N, lse)
@@ -74,27 +85,32 @@ def _backward(transposed, chunks, softcap, residuals, cotangents):
     hidden_NE, weight, targets_N, lse = residuals
     g_ce, g_lse, _ = cotangents
     g_total = (g_ce + g_lse)[:, None]
-    d_hidden = jnp.zeros(hidden_NE.shape, jnp.float32)
-    d_tiles = []
-    for start, stop in _tiles(weight.shape[0] if transposed else weight.shape[1], chunks):
-        raw_NC, logits_NC = _tile_logits(hidden_NE, weight, start, stop, transposed, softcap)
-        probs_NC = jnp.exp(logits_NC - lse[:, None])
-        onehot_NC = (targets_N[:, None] - start) == jnp.arange(stop - start)[None, :]
-        d_logits = probs_NC * g_total - jnp.where(onehot_NC, g_ce[:, None], 0.0)
+    width, count = _layout(weight.shape[0] if transposed else weight.shape[1], chunks)
+    axis = 0 if transposed else 1
+
+    def body(carry, index):
+        d_hidden, d_weight = carry
+        start, w_tile, logits_NC, fresh_C = _tile(hidden_NE, weight, index, width, transposed, softcap)
+        probs_NC = jnp.exp(logits_NC - lse[:, None])  # 0 on the shared columns
+        target_NC = (targets_N[:, None] - start == jnp.arange(width)[None, :]) & fresh_C[None, :]
+        d_logits = probs_NC * g_total - jnp.where(target_NC, g_ce[:, None], 0.0)
         if softcap is not None:
-            d_logits = d_logits * (1.0 - jnp.square(logits_NC / softcap))
+            d_logits = jnp.where(fresh_C[None, :], d_logits * (1.0 - jnp.square(logits_NC / softcap)), 0.0)
         d_logits = d_logits.astype(hidden_NE.dtype)
-        w_tile = _tile_weight(weight, start, stop, transposed)
-        # d_hidden = d_logits @ w_tile^T; d_w = hidden^T @ d_logits (or its transpose when tied).
+        # d_hidden += d_logits @ w_tile^T; the tile's weight gradient is hidden^T @ d_logits (or its transpose).
         w_contract = ((1,), (0,)) if transposed else ((1,), (1,))
         d_hidden += lax.dot_general(d_logits, w_tile, (w_contract, ((), ())), preferred_element_type=jnp.float32)
         if transposed:
-            d_w = lax.dot_general(d_logits, hidden_NE, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            d_tile = lax.dot_general(d_logits, hidden_NE, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         else:
-            d_w = lax.dot_general(hidden_NE, d_logits, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        d_tiles.append(d_w.astype(weight.dtype))
-    d_weight = jnp.concatenate(d_tiles, axis=0 if transposed else 1)
-    return d_hidden.astype(hidden_NE.dtype), d_weight, None
+            d_tile = lax.dot_general(hidden_NE, d_logits, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        before = lax.dynamic_slice_in_dim(d_weight, start, width, axis=axis)
+        d_weight = lax.dynamic_update_slice_in_dim(d_weight, before + d_tile, start, axis=axis)
+        return (d_hidden, d_weight), None
+
+    start = (jnp.zeros(hidden_NE.shape, jnp.float32), jnp.zeros(weight.shape, jnp.float32))
+    (d_hidden, d_weight), _ = lax.scan(body, start, jnp.arange(count))
+    return d_hidden.astype(hidden_NE.dtype), d_weight.astype(weight.dtype), None
 
 
 chunked_cross_entropy.defvjp(
