@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from dew.nn.transformer import project
 from dew.sampling.sampling import Sampling
@@ -71,8 +72,14 @@ def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
 
 
 def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, key: jax.Array,
-             sampling: Sampling = Sampling(), n: int = 1, decode=None) -> Generation:
-    """Continue each prompt by `max_new_tokens` tokens, `n` times each, in one compiled call."""
+             sampling: Sampling = Sampling(), n: int = 1, decode=None,
+             on_token: Callable[[np.ndarray, np.ndarray], None] | None = None) -> Generation:
+    """Continue each prompt by `max_new_tokens` tokens, `n` times each, in one compiled call.
+
+    `on_token(tokens, live)`, when given, is called on the host after every decode step with that
+    step's int32 tokens `[rows]` and which rows were still generating; it streams output while the
+    compiled call runs.
+    """
     config = model.config
     rows = _check_prompts(prompts, config.vocab_size)
     if max_new_tokens < 1:
@@ -98,8 +105,12 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
     row_keys = jax.vmap(lambda p, c: jax.random.fold_in(jax.random.fold_in(key, p), c))(
         jnp.asarray(prompt_ids), jnp.asarray(continuation_ids)
     )
-    run = _compiled(model, sampling, max_new_tokens)
-    new_BN, log_probs_BN, done_B, count_B = jax.device_get(run(params, tokens, valid, row_keys))
+    run = _compiled(model, sampling, max_new_tokens, on_token is not None)
+    _LISTENER[0] = on_token
+    try:
+        new_BN, log_probs_BN, done_B, count_B = jax.device_get(run(params, tokens, valid, row_keys))
+    finally:
+        _LISTENER[0] = None
 
     prompt_lengths = valid.sum(axis=1)
     out = np.full((len(rows) * n, longest + max_new_tokens), sampling.pad_id, np.int32)
@@ -111,8 +122,17 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
                       log_probs=log_probs_BN, decode=decode)
 
 
+# The executable is shared across calls, so it reports to whichever listener the current call set.
+_LISTENER: list = [None]
+
+
+def _emit(tokens_B, live_B) -> None:
+    if _LISTENER[0] is not None:
+        _LISTENER[0](np.asarray(tokens_B), np.asarray(live_B))
+
+
 @functools.lru_cache(maxsize=32)
-def _compiled(model, sampling: Sampling, max_new_tokens: int):
+def _compiled(model, sampling: Sampling, max_new_tokens: int, stream: bool = False):
     eos = jnp.asarray(sampling.eos_token_ids or (-1,), jnp.int32)
 
     @jax.jit
@@ -134,6 +154,8 @@ def _compiled(model, sampling: Sampling, max_new_tokens: int):
             if seen_BV is not None:
                 seen_BV = seen_BV | (jax.nn.one_hot(token_B, seen_BV.shape[1], dtype=bool) & ~done_B[:, None])
             log_prob_B = jnp.where(done_B, 0.0, log_prob_B)
+            if stream:
+                io_callback(_emit, None, token_B, ~done_B, ordered=True)
             count_B = count_B + (~done_B).astype(jnp.int32)
             done_B = done_B | jnp.isin(token_B, eos)
             hidden_B1E, cache = model.apply(

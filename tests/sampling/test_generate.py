@@ -112,3 +112,12 @@ def test_greedy_with_repetition_penalty_matches_transformers_generate():
     ours = generate(model, variables, [prompt], 16, key=jax.random.key(0),
                     sampling=Sampling(temperature=0.0, repetition_penalty=1.5))
     assert list(ours.tokens[0]) == theirs
+
+
+def test_on_token_streams_every_step_in_order(windowed):
+    model, variables = windowed
+    streamed = []
+    generation = generate(model, variables, [[3, 1, 4], [2, 7]], 6, key=jax.random.key(0),
+                          sampling=Sampling(temperature=0.0), on_token=lambda tokens, live: streamed.append(tokens))
+    assert len(streamed) == 6
+    np.testing.assert_array_equal(np.stack(streamed, axis=1), [c for c in generation.continuations()])
