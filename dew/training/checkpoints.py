@@ -15,6 +15,13 @@ import orbax.checkpoint as ocp
 from dew.training.state import TrainState
 
 
+def saved_steps(directory: str | os.PathLike) -> list[int]:
+    """The steps of the complete checkpoints under `directory`, ascending ([] when there is none)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(ocp.utils.checkpoint_steps(directory))
+
+
 class Checkpoints:
     """The checkpoints under `directory`, keeping the newest `keep`."""
 

@@ -4,6 +4,8 @@ checkpoints and logging the same way for every objective."""
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +21,7 @@ from dew.training.checkpoints import Checkpoints
 from dew.training.mesh import Layout, MeshSpec, place_batch, replicated
 from dew.training.progress import Reporter, format_values
 from dew.training.state import TrainState
+from dew.training.trackers import Tracker
 
 # Each stream folds its own constant into the run key, so evaluation and previews never reuse the
 # keys training draws.
@@ -40,6 +43,45 @@ def _host_sum(trees: list) -> Any:
     for tree in trees[1:]:
         total = jax.tree_util.tree_map(lambda a, b: a + np.asarray(b, np.float64), total, tree)
     return total
+
+
+class TrainingInterrupted(Exception):
+    """SIGINT or SIGTERM stopped `Trainer.fit` after it checkpointed `state` at `step`."""
+
+    def __init__(self, signal_number: int, step: int, state: TrainState):
+        self.signal_number, self.step, self.state = signal_number, step, state
+        super().__init__(f"{signal.Signals(signal_number).name} stopped training at step {step}; "
+                         "the checkpoint there resumes it")
+
+
+class _StopSignals:
+    """While entered, SIGINT and SIGTERM ask the loop to checkpoint and stop; a second one stops at once.
+
+    Signal handlers belong to the main thread, so elsewhere this installs nothing.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, reporter: Reporter):
+        self.reporter = reporter
+        self.received: int | None = None
+        self.previous: dict = {}
+
+    def _handle(self, number, frame):
+        if self.received is not None:
+            raise KeyboardInterrupt(f"a second {signal.Signals(number).name} while saving: stopped without it")
+        self.received = number
+        self.reporter.line(f"{signal.Signals(number).name} received: saving a checkpoint after this step, "
+                           "then stopping (send it again to stop at once)")
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {number: signal.signal(number, self._handle) for number in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
 
 
 class Trainer:
@@ -221,13 +263,16 @@ class Trainer:
         keep: int | None = 3,
         accumulation: int = 1,
         verbose: bool = True,
+        trackers: Sequence[Tracker] = (),
     ) -> TrainState:
         """Train until `steps` batches have been consumed and return the final `TrainState`.
 
         With `checkpoint_dir`, a run resumes from its latest checkpoint (same next batch, same keys)
-        and saves every `checkpoint_every` steps (default: at each evaluation) and at the end.
+        and saves every `checkpoint_every` steps (default: at each evaluation) and at the end; and
+        SIGINT or SIGTERM saves a checkpoint after the current step and raises `TrainingInterrupted`.
         Every `accumulation` micro-batches of a batch add their loss numerators and target counts
-        before one division and one update.
+        before one division and one update. Each tracker is started at the first step this call
+        trains and receives every logged and evaluated value and every preview; the caller closes it.
         """
         for name, value in (("steps", steps), ("log_every", log_every), ("accumulation", accumulation)):
             if value < 1:
@@ -242,14 +287,19 @@ class Trainer:
         checkpoint_every = checkpoint_every or eval_every
         reporter = Reporter(steps, 0, verbose)
         try:
-            return self._fit(data, steps, log_every, eval_every, metrics, checkpoints, checkpoint_every,
-                             accumulation, reporter)
+            if checkpoints is None:
+                return self._fit(data, steps, log_every, eval_every, metrics, checkpoints, checkpoint_every,
+                                 accumulation, reporter, trackers, None)
+            with _StopSignals(reporter) as stop:
+                return self._fit(data, steps, log_every, eval_every, metrics, checkpoints, checkpoint_every,
+                                 accumulation, reporter, trackers, stop)
         finally:
             reporter.close()
             if checkpoints is not None:
                 checkpoints.close()
 
-    def _fit(self, data, steps, log_every, eval_every, metrics, checkpoints, checkpoint_every, accumulation, reporter):
+    def _fit(self, data, steps, log_every, eval_every, metrics, checkpoints, checkpoint_every, accumulation, reporter,
+             trackers, stop):
         state = self.init_state()
         iterator = data.train(self._partition())
         position = None
@@ -265,6 +315,8 @@ class Trainer:
         if start >= steps:
             return state
         reporter.advance(start)
+        for tracker in trackers:
+            tracker.start(start)
 
         window: list = []
         window_started = time.perf_counter()
@@ -286,6 +338,10 @@ class Trainer:
                 )
             window.append(out)
 
+        def save():
+            settle()
+            checkpoints.save(state, iterator.get_state() if hasattr(iterator, "get_state") else None)
+
         step_fn = None
         for index in range(start, steps):
             host_batch = next(iterator)
@@ -302,23 +358,23 @@ class Trainer:
             reporter.advance(done)
             if done % log_every == 0 or done == steps:
                 settle()
-                self._log(done, window, time.perf_counter() - window_started, reporter)
+                self._log(done, window, time.perf_counter() - window_started, reporter, trackers)
                 window, window_started = [], time.perf_counter()
             if eval_every and (done % eval_every == 0 or done == steps) and data.val is not None:
                 settle()
-                values = self.evaluate(state, data, metrics)
-                self.history.append({"step": done, **values})
-                reporter.line(f"step {done} | " + format_values(values))
-                self._preview(state, done, reporter)
+                self._record(done, self.evaluate(state, data, metrics), reporter, trackers)
+                self._preview(state, done, reporter, trackers)
                 window_started = time.perf_counter()
             if checkpoints is not None and ((checkpoint_every and done % checkpoint_every == 0) or done == steps):
-                settle()
-                checkpoints.save(state, iterator.get_state() if hasattr(iterator, "get_state") else None)
+                save()
                 window_started = time.perf_counter()
+            if stop is not None and stop.received is not None and done < steps:
+                save()
+                raise TrainingInterrupted(stop.received, done, state)
         settle()
         return state
 
-    def _log(self, done: int, window: list, seconds: float, reporter: Reporter) -> None:
+    def _log(self, done: int, window: list, seconds: float, reporter: Reporter, trackers: Sequence[Tracker]) -> None:
         if not window:
             return
         stats = _host_sum([out["stats"] for out in window])
@@ -327,11 +383,16 @@ class Trainer:
         tokens = float(sum(float(out["stats"].loss.count) for out in window))
         values["step_s"] = seconds / len(window)
         values["tokens_per_s"] = tokens / seconds if seconds > 0 else math.nan
-        self.history.append({"step": done, **values})
         reporter.advance(done, values["train/loss"])
-        reporter.line(f"step {done} | " + format_values(values))
+        self._record(done, values, reporter, trackers)
 
-    def _preview(self, state: TrainState, done: int, reporter: Reporter) -> None:
+    def _record(self, done: int, values: dict[str, float], reporter: Reporter, trackers: Sequence[Tracker]) -> None:
+        self.history.append({"step": done, **values})
+        reporter.line(f"step {done} | " + format_values(values))
+        for tracker in trackers:
+            tracker.scalars(done, values)
+
+    def _preview(self, state: TrainState, done: int, reporter: Reporter, trackers: Sequence[Tracker]) -> None:
         preview = getattr(self.objective, "preview", None)
         if preview is None:
             return
@@ -340,3 +401,5 @@ class Trainer:
         texts = preview(state.evaluated, None, Step(jnp.asarray(done), key))
         for text in texts or ():
             reporter.line(f"sample @ {done}: {text}")
+        for tracker in trackers if texts else ():
+            tracker.texts(done, "samples", texts)

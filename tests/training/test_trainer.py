@@ -228,3 +228,44 @@ def test_trainable_filter_freezes_the_rest(tiny_model):
     for (path, old), new in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree_util.tree_leaves(after)):
         moved = not np.array_equal(old, new)
         assert moved == ("'mlp'" in jax.tree_util.keystr(path)), jax.tree_util.keystr(path)
+
+
+class _SignalAt:
+    """A tracker that sends this process `number` once step `step` is logged."""
+
+    def __init__(self, number, step):
+        self.number, self.step = number, step
+
+    def start(self, step):
+        pass
+
+    def scalars(self, step, values):
+        if step == self.step:
+            os.kill(os.getpid(), self.number)
+
+    def texts(self, step, name, texts):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_sigint_checkpoints_the_step_and_stops_cleanly(tiny_model, tmp_path):
+    import signal
+
+    from dew.training import Checkpoints
+    from dew.training.trainer import TrainingInterrupted
+
+    objective = LMObjective(tiny_model, SEQ, ema_decay=None)
+    trainer = Trainer(objective, optax.sgd(0.1), key=jax.random.key(7))
+    with pytest.raises(TrainingInterrupted, match="SIGINT stopped training at step 2") as stopped:
+        trainer.fit(_stream(4), steps=10, log_every=1, checkpoint_dir=str(tmp_path), verbose=False,
+                    trackers=[_SignalAt(signal.SIGINT, 2)])
+    assert stopped.value.step == 2 and int(stopped.value.state.step) == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    checkpoints = Checkpoints(tmp_path)
+    assert checkpoints.latest() == 2
+    checkpoints.close()
+    # Without a checkpoint directory there is nothing to save: SIGINT interrupts as Python's default does.
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(_stream(4), steps=10, log_every=1, verbose=False, trackers=[_SignalAt(signal.SIGINT, 2)])

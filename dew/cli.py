@@ -1,0 +1,136 @@
+"""The `dew` command: `dew train`, `dew tokenize`, `dew plot`, `dew runs`.
+
+    dew tokenize --input data/corpus.txt --out data/corpus-byte --tokenizer byte
+    dew train data:token-windows --data.path data/corpus-byte --trainer.run-dir runs/corpus
+    dew runs runs
+    dew plot runs/corpus runs/other --out curves.png
+
+Each command's `--help` lists its flags; `dew train` is `python recipes/lm/train.py`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Annotated
+
+import tyro
+from tyro.conf import Positional
+
+# Errors that mean the command cannot do what it was asked; they print as one line, not a traceback.
+_REFUSALS = (ValueError, TypeError, NotImplementedError, FileNotFoundError, ImportError)
+
+
+def tokenize(input: str, out: str, tokenizer: str, val_fraction: float = 0.01, workers: int | None = None,
+             eos_between_files: bool = False) -> None:
+    """Tokenize text into train.bin, val.bin and meta.json, the token files a run trains on.
+
+    Args:
+        input: A text file (.xz and .gz are decompressed) or a directory of *.txt, *.txt.xz, *.txt.gz files.
+        out: The directory for train.bin, val.bin and meta.json.
+        tokenizer: "byte", a Hugging Face tokenizer name, or a tokenizer.json path.
+        val_fraction: The share of the tokens, from the start, held out as val.bin.
+        workers: Tokenizing processes (None: every core).
+        eos_between_files: Put the tokenizer's EOS id between consecutive input files.
+    """
+    from dew.data.tokenize import tokenize_text
+
+    started = time.perf_counter()
+    meta = tokenize_text(input, out, tokenizer, val_fraction, workers, eos_between_files=eos_between_files)
+    tokens = meta["train_tokens"] + meta["val_tokens"]
+    print(f"{out}: {tokens:,} tokens ({meta['val_tokens']:,} val, {meta['dtype']}, {meta['tokenizer']}) "
+          f"in {time.perf_counter() - started:.1f} s")
+
+
+def plot(runs: Positional[Annotated[tuple[str, ...], tyro.conf.arg(metavar="RUN [RUN ...]")]], out: str) -> None:
+    """Plot runs' train and validation loss and perplexity against steps and tokens, overlaid, as a PNG.
+
+    Args:
+        runs: Run directories.
+        out: The image to write, e.g. curves.png.
+    """
+    from dew.recipes.plot import plot_runs
+
+    print(f"wrote {plot_runs(runs, out)}")
+
+
+def _number(value, digits: int = 4) -> str:
+    return "" if value is None else f"{value:.{digits}g}"
+
+
+def runs(directory: Positional[Annotated[str, tyro.conf.arg(metavar="DIR")]] = "runs") -> None:
+    """List the runs in a directory (or one run): status, step, latest checkpoint and last losses.
+
+    Args:
+        directory: A run directory, or a directory holding run directories.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from dew.recipes.run_dir import find_runs
+
+    found = find_runs(directory)
+    if not found:
+        print(f"{directory} holds no run (no run.json below it)")
+        return
+    table = Table("run", "status", "step", "checkpoint", "train loss", "val loss", "val perplexity", "updated")
+    for run in found:
+        summary = run.summary()
+        table.add_row(summary["run"], summary["status"], f"{summary['step']}/{summary['steps']}",
+                      str(summary["checkpoint"] or ""), _number(summary["train/loss"]),
+                      _number(summary["val/loss"]), _number(summary["val/perplexity"]),
+                      (summary["updated"] or "")[:16].replace("T", " "))
+    console = Console()
+    # Into a file or a pipe, the table keeps its columns whole rather than fitting 80 characters.
+    Console(width=console.width if console.is_terminal else 240).print(table)
+
+
+def _train(argv: Sequence[str]) -> int:
+    from dew.recipes.lm import main as train_main
+
+    return train_main(argv, prog="dew train")
+
+
+def _function(function: Callable[..., None]) -> Callable[[Sequence[str]], int]:
+    def run(argv: Sequence[str]) -> int:
+        tyro.cli(function, args=list(argv), prog=f"dew {function.__name__}")
+        return 0
+
+    return run
+
+
+# name -> (summary, entry point taking the remaining arguments and returning the exit status).
+# `dew generate` joins here once dew.pipeline builds a generation task from a run directory (run.json
+# records the model, tokenizer and sampling for it), and `dew export` once checkpoints can be saved.
+COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
+    "train": ("train a language model from flags (python recipes/lm/train.py)", _train),
+    "tokenize": ("tokenize text into train.bin, val.bin and meta.json", _function(tokenize)),
+    "plot": ("plot runs' loss and perplexity against steps and tokens into a PNG", _function(plot)),
+    "runs": ("list runs: status, step, checkpoint, last losses", _function(runs)),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: dew COMMAND [ARGS]  (dew COMMAND --help for its flags)", "", "commands:"]
+    lines += [f"  {name:<10}{summary}" for name, (summary, _) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        print(f"error: dew has no command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[argv[0]][1](argv[1:])
+    except _REFUSALS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

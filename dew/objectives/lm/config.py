@@ -1,0 +1,92 @@
+"""`LMRunConfig`: a run of the language-model recipe (`recipes/lm/train.py`, `dew train`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any
+
+import tyro
+
+from dew.data import TokenWindows
+from dew.recipes.config import DataSpec, ModelConfig, OptimConfig, TrainerConfig
+from dew.sampling import Sampling
+
+_OBJECTIVES = {"lm": None, "masked_diffusion": "masked diffusion (MDLM)", "block_diffusion": "block diffusion"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LMRunConfig:
+    """A run, plus the language model's own knobs."""
+
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig("causal_transformer"))
+    data: DataSpec = TokenWindows()
+    optim: OptimConfig = dataclasses.field(
+        default_factory=lambda: OptimConfig(learning_rate=0.0006, weight_decay=0.1, clip_grads=1.0))
+    trainer: TrainerConfig = TrainerConfig()
+    objective: str = "lm"
+    """Loss convention: lm; masked_diffusion (MDLM) and block_diffusion (DiffusionGemma's) are not built yet."""
+    lora: tyro.conf.Suppress[Any] = None
+    """LoRA adapters (not built yet: refused)."""
+    tokenizer: str = "byte"
+    """What the ids were written with: 'byte', or an HF tokenizer name."""
+    ema_decay: float | None = 0.999
+    """None disables EMA; 1.0 retains a frozen copy."""
+    sample_prompt: str = ""
+    """Prompt the validation samples continue; empty continues a newline."""
+    sample_tokens: int = 128
+    """Tokens generated per validation sample; 0 logs no text."""
+    sampling: Annotated[Sampling, tyro.conf.arg(help="The preview policy, recorded with the run for inference.")] = (
+        dataclasses.field(default_factory=lambda: Sampling(temperature=0.8, top_k=40)))
+    pretrained: str | None = None
+    """Hugging Face decoder to continue training (not built yet: refused)."""
+    balance_rate: float | None = None
+    """Routers' balancing-bias rate, DeepSeek's aux-loss-free balancing (mixtures of experts: not built yet)."""
+    aux_loss_alpha: float | None = None
+    """The expert balance loss's weight (mixtures of experts: not built yet)."""
+    seq_aux: bool = True
+    """Form aux_loss_alpha's balance loss within each sequence (DeepSeek V2) rather than over the whole step."""
+    router_z_loss: float = 0.0
+    """The routers' z-loss weight (mixtures of experts: not built yet)."""
+    mtp_weight: float | None = None
+    """DeepSeek's lambda on the multi-token-prediction term (not built yet)."""
+    indexer: tyro.conf.Suppress[Any] = None
+    """DeepSeek-V3.2's lightning-indexer phase (not built yet: refused)."""
+    token_accuracy: bool = True
+    """Report the argmax accuracy beside the loss; False skips the argmax over every logit it costs."""
+    block_prompt_tokens: int = 256
+    """Clean prompt prefix in a block-diffusion token row (objective block_diffusion only)."""
+    block_canvas_size: int | None = None
+    """Training canvas width of block diffusion (objective block_diffusion only)."""
+
+    def __post_init__(self):
+        if self.objective not in _OBJECTIVES:
+            raise ValueError(f"objective is {self.objective!r}; use one of {sorted(_OBJECTIVES)}")
+        if _OBJECTIVES[self.objective] is not None:
+            raise NotImplementedError(
+                f"--objective {self.objective}: {_OBJECTIVES[self.objective]} is not built in Dew yet; "
+                "leave --objective at lm"
+            )
+        if self.pretrained is not None:
+            raise NotImplementedError(
+                f"--pretrained {self.pretrained}: loading published checkpoints is not built in Dew yet; "
+                "leave --pretrained unset to train from scratch"
+            )
+        if self.lora is not None:
+            raise NotImplementedError(f"lora={self.lora!r}: LoRA adapters are not built in Dew yet; leave lora unset")
+        block = {"block_prompt_tokens": (self.block_prompt_tokens, 256),
+                 "block_canvas_size": (self.block_canvas_size, None)}
+        for name, (value, default) in block.items():
+            if value != default:
+                raise ValueError(
+                    f"{name} is {value}, but it shapes only --objective block_diffusion rows and this run's "
+                    f"objective is {self.objective}: leave {name} unset"
+                )
+        if not self.seq_aux and self.aux_loss_alpha is None:
+            raise ValueError(
+                "--no-seq-aux shapes the expert balance loss, and aux_loss_alpha is unset, so there is none: "
+                "drop --no-seq-aux"
+            )
+        if self.ema_decay is not None and not 0.0 <= self.ema_decay <= 1.0:
+            raise ValueError(f"ema_decay is {self.ema_decay}; use a value in [0, 1], or None for no EMA")
+        if self.sample_tokens < 0:
+            raise ValueError(f"sample_tokens is {self.sample_tokens}; use 0 for no previews, or more")

@@ -1,0 +1,201 @@
+"""The language-model recipe: an `LMRunConfig` in, a trained run directory out.
+
+`prepare(config)` builds the data, model, objective and trainer and opens the run directory,
+refusing a bad config before anything is written; `LMRun.fit()` trains, resuming the directory's
+last checkpoint. `main` is `recipes/lm/train.py` and `dew train`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import tyro
+
+from dew.data import Dataset, load_tokenizer
+from dew.data.tokenizers import tokenizer_name
+from dew.objectives.lm import LMObjective, LMRunConfig, Samples
+from dew.recipes.config import to_json
+from dew.recipes.run_dir import RunDirectory
+from dew.training.state import TrainState
+from dew.training.trackers import JsonLines, TensorBoard, Tracker, WandB
+from dew.training.trainer import Trainer, TrainingInterrupted
+
+RECIPE = "lm"
+# Errors that mean the command asked for something this recipe refuses; anything else is a failure.
+REFUSALS = (ValueError, TypeError, NotImplementedError, FileNotFoundError, ImportError)
+
+
+def _load_data(config: LMRunConfig) -> Dataset:
+    """The train stream and validation pass, refused unless meta.json names the run's tokenizer."""
+    spec = config.data
+    if spec.tokenizer is not None and tokenizer_name(spec.tokenizer) != tokenizer_name(config.tokenizer):
+        raise ValueError(
+            f"--data.tokenizer {spec.tokenizer!r} and --tokenizer {config.tokenizer!r} disagree: "
+            "leave --data.tokenizer unset; --tokenizer names the run's tokenizer"
+        )
+    data = spec.load(batch=config.trainer.batch, val_batch=config.trainer.val_batch)
+    if tokenizer_name(config.tokenizer) != data.meta["tokenizer"]:
+        raise ValueError(
+            f"--tokenizer {config.tokenizer!r} is not the tokenizer {data.meta['tokenizer']!r} that wrote "
+            f"{spec.path} (its meta.json): pass --tokenizer {data.meta['tokenizer']}, or rewrite the token files "
+            f"with `dew tokenize --input TEXT --out {spec.path} --tokenizer {config.tokenizer}`"
+        )
+    if data.val is None and config.trainer.eval_every is not None:
+        raise ValueError(
+            f"--trainer.eval-every {config.trainer.eval_every} asks for validation, and {spec.path} has no val.bin "
+            "tokens: pass --trainer.eval-every None, or tokenize with a --val-fraction above 0"
+        )
+    return data
+
+
+def _samples(config: LMRunConfig, max_seq_len: int) -> Samples | None:
+    """The preview drawn at each evaluation, checked against the model's length up front."""
+    if config.sample_tokens == 0:
+        return None
+    tokenizer = load_tokenizer(config.tokenizer)
+    prompt = tokenizer.encode(config.sample_prompt or "\n")
+    if len(prompt) + config.sample_tokens > max_seq_len:
+        raise ValueError(
+            f"the preview's prompt ({len(prompt)} tokens) plus --sample-tokens {config.sample_tokens} is "
+            f"{len(prompt) + config.sample_tokens}, beyond the model's max_seq_len {max_seq_len}: pass a smaller "
+            "--sample-tokens (0 for no previews), a shorter --sample-prompt, or a larger max_seq_len"
+        )
+    return Samples(prompt=prompt, max_new_tokens=config.sample_tokens, sampling=config.sampling,
+                   decode=tokenizer.decode)
+
+
+def _record(config: LMRunConfig, model, meta: dict[str, Any], command: Sequence[str] | None) -> dict[str, Any]:
+    """run.json's content (RunDirectory adds the versions and the time)."""
+    settings = to_json(config)
+    settings["data"] = {"type": type(config.data).__name__, **settings["data"]}
+    return {
+        "recipe": RECIPE,
+        "settings": settings,
+        "model": {"name": config.model.name, "config": to_json(model.config)},
+        "data": meta,
+        "tokenizer": meta["tokenizer"],
+        "generation": {"sampling": to_json(config.sampling), "max_new_tokens": config.sample_tokens,
+                       "ema": config.ema_decay is not None},
+        "tokens_per_step": config.trainer.batch * config.data.seq_len,
+        "command": list(command) if command is not None else None,
+    }
+
+
+@dataclasses.dataclass
+class LMRun:
+    """A prepared run: its pieces, its directory and its trackers. `fit()` trains it."""
+
+    config: LMRunConfig
+    data: Dataset
+    objective: LMObjective
+    trainer: Trainer
+    directory: RunDirectory
+    trackers: list[Tracker]
+    notes: list[str]
+
+    def fit(self, verbose: bool = True) -> TrainState:
+        """Train to trainer.steps, resuming the last checkpoint; record the run's status as it ends."""
+        settings, primary = self.config.trainer, jax.process_index() == 0
+        status = self.directory.set_status if primary else lambda *args, **kwargs: None
+        status("running")
+        try:
+            state = self.trainer.fit(
+                self.data, steps=settings.steps, log_every=settings.log_every, eval_every=settings.eval_every,
+                checkpoint_dir=str(self.directory.checkpoints), checkpoint_every=settings.checkpoint_every,
+                keep=settings.keep, accumulation=settings.accumulation, verbose=verbose, trackers=self.trackers,
+            )
+        except TrainingInterrupted as stop:
+            status("interrupted", stop.step, str(stop))
+            raise
+        except BaseException as error:
+            status("failed", None, f"{type(error).__name__}: {error}")
+            raise
+        finally:
+            for tracker in self.trackers:
+                tracker.close()
+        status("finished", int(jax.device_get(state.step)))
+        return state
+
+
+def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
+    """Build everything `config` describes and open its run directory; refuse before writing anything."""
+    data = _load_data(config)
+    meta = data.meta
+    model = config.model.build(vocab_size=meta["vocab_size"])
+    if model.config.vocab_size < meta["vocab_size"]:
+        raise ValueError(
+            f"--model.config vocab_size {model.config.vocab_size} is below the vocab_size {meta['vocab_size']} "
+            f"of {config.data.path} (meta.json): leave vocab_size out of --model.config to take the files' one"
+        )
+    objective = LMObjective(
+        model, config.data.seq_len, ema_decay=config.ema_decay, samples=_samples(config, model.config.max_seq_len),
+        balance_rate=config.balance_rate, aux_loss_alpha=config.aux_loss_alpha, seq_aux=config.seq_aux,
+        router_z_loss=config.router_z_loss, mtp_weight=config.mtp_weight, indexer=config.indexer,
+        token_accuracy=config.token_accuracy,
+    )
+    settings = config.trainer
+    trainer = Trainer(objective, config.optim.build(settings.steps), key=jax.random.key(settings.seed),
+                      mesh=settings.mesh, layout=settings.layout)
+    directory = RunDirectory(settings.run_dir)
+    trackers: list[Tracker] = []
+    notes: list[str] = []
+    if jax.process_index() == 0:
+        trackers = [JsonLines(directory.path), TensorBoard(directory.path)]
+        if settings.wandb is not None:
+            run_id = "dew-" + hashlib.sha1(str(directory.path.resolve()).encode()).hexdigest()[:16]
+            trackers.append(WandB(directory.path, settings.wandb, run_id=run_id, mode=settings.wandb_mode,
+                                  config=to_json(config)))
+        notes = directory.open(_record(config, model, meta, command))
+    return LMRun(config, data, objective, trainer, directory, trackers, notes)
+
+
+def train(config: LMRunConfig, *, verbose: bool = True) -> TrainState:
+    """Prepare and fit the run `config` describes."""
+    return prepare(config).fit(verbose)
+
+
+_DESCRIPTION = """Train a language model on token files and keep the run in --trainer.run-dir.
+
+Rerunning the same command resumes the run from its last checkpoint, reading the same next batch;
+SIGINT or SIGTERM saves a checkpoint first. A command whose settings differ from the run's run.json
+is refused: start a new run with another --trainer.run-dir.
+
+  python recipes/lm/train.py data:token-windows --data.path data/tinystories --data.seq-len 256 \\
+      --model.config '{"emb_features": 256, "num_layers": 4, "num_heads": 4, "max_seq_len": 256}' \\
+      --trainer.steps 2000 --trainer.batch 32 --trainer.run-dir runs/tinystories
+"""
+
+
+def parse(argv: Sequence[str], prog: str = "python recipes/lm/train.py") -> LMRunConfig:
+    """The `LMRunConfig` a command line describes; flags may follow the data subcommand."""
+    return tyro.cli(LMRunConfig, args=list(argv), prog=prog, description=_DESCRIPTION,
+                    config=(tyro.conf.CascadeSubcommandArgs,))
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python recipes/lm/train.py") -> int:
+    """Parse `argv` into an `LMRunConfig` and train it; the exit status: 0 finished, 2 refused,
+    128 + the signal's number when SIGINT or SIGTERM stopped it after a checkpoint."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        run = prepare(parse(argv, prog), command=[*prog.split(), *argv])
+    except REFUSALS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    saved = run.directory.checkpoint_steps()
+    if saved and saved[-1] >= run.config.trainer.steps:
+        print(f"{run.directory.path} finished at step {saved[-1]}: nothing left to train")
+        return 0
+    print(f"run directory {run.directory.path}" + ("" if saved else " (a new run)"))
+    for note in run.notes:
+        print(f"note: {note}")
+    try:
+        run.fit()
+    except TrainingInterrupted as stop:
+        print(f"{stop}: rerun the same command to resume", file=sys.stderr)
+        return 128 + stop.signal_number
+    return 0

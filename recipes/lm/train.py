@@ -1,0 +1,16 @@
+"""Train a language model from the command line: `LMRunConfig`'s fields are the flags.
+
+    python recipes/lm/train.py data:token-windows --data.path data/tinystories --data.seq-len 256 \
+        --model.config '{"emb_features": 256, "num_layers": 4, "num_heads": 4, "max_seq_len": 256}' \
+        --trainer.steps 2000 --trainer.run-dir runs/tinystories
+
+`dew train` is the same command. `--help` lists every flag; docs/recipes.md describes the run
+directory it leaves.
+"""
+
+import sys
+
+from dew.recipes.lm import main
+
+if __name__ == "__main__":
+    sys.exit(main())
