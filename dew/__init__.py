@@ -2,7 +2,8 @@
 
 from dew import metrics, models
 from dew.data.dataset import Dataset
+from dew.inference import pipeline
 from dew.training import Trainer
 
-__all__ = ["Dataset", "Trainer", "metrics", "models"]
+__all__ = ["Dataset", "Trainer", "metrics", "models", "pipeline"]
 __version__ = "0.1.0"

@@ -1,7 +1,8 @@
-"""The `dew` command: `dew train`, `dew tokenize`, `dew plot`, `dew runs`.
+"""The `dew` command: `dew train`, `dew tokenize`, `dew generate`, `dew plot`, `dew runs`.
 
     dew tokenize --input data/corpus.txt --out data/corpus-byte --tokenizer byte
     dew train data:token-windows --data.path data/corpus-byte --trainer.run-dir runs/corpus
+    dew generate runs/corpus --prompt "And God said" --max-new-tokens 40
     dew runs runs
     dew plot runs/corpus runs/other --out curves.png
 
@@ -55,6 +56,59 @@ def plot(runs: Positional[Annotated[tuple[str, ...], tyro.conf.arg(metavar="RUN 
     print(f"wrote {plot_runs(runs, out)}")
 
 
+def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], prompt: str,
+             max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
+             top_p: float | None = None, seed: int = 0, n: int = 1, live: bool = False) -> None:
+    """Continue a prompt from a run directory or a checkpoint, printing the text as it is produced.
+
+    Sampling defaults to the source's own (the run's preview policy, or generation_config.json);
+    the flags below override it field by field.
+
+    Args:
+        source: A run directory (holding run.json) or a checkpoint directory.
+        prompt: The text to continue.
+        max_new_tokens: Tokens to generate (default: the source's budget).
+        temperature: 0 is greedy.
+        top_k: Keep the k most likely tokens.
+        top_p: Keep the smallest set of tokens whose probability reaches p.
+        seed: The sampling seed.
+        n: Continuations of the prompt; with more than one they print when all are done.
+        live: Use a run's live weights instead of its moving average.
+    """
+    import dataclasses
+
+    from dew.inference import pipeline
+
+    task = pipeline(source, ema=not live)
+    overrides = {name: value for name, value in
+                 (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)) if value is not None}
+    task = task.with_sampling(dataclasses.replace(task.sampling, **overrides))
+    if task.tokenizer is None:
+        raise ValueError(f"{source} has no tokenizer to encode the prompt with")
+    prompt_ids = task.encode(prompt)[0]
+    streamed: list[int] = []
+    shown = [task.tokenizer.decode(prompt_ids)]
+
+    def show(tokens, live_rows) -> None:
+        if live_rows[0]:
+            streamed.append(int(tokens[0]))
+            text = task.tokenizer.decode(prompt_ids + streamed)
+            # Print only once the text grows, so a partial multi-byte character is never shown.
+            if text.startswith(shown[0]) and not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(shown[0]):])
+                sys.stdout.flush()
+                shown[0] = text
+
+    if n == 1:
+        sys.stdout.write(shown[0])
+        result = task([prompt_ids], max_new_tokens, seed=seed, on_token=show)
+        rest = result.text[0]
+        sys.stdout.write(rest[len(shown[0]):] + "\n" if rest.startswith(shown[0]) else "\n")
+    else:
+        for index, text in enumerate(task([prompt_ids], max_new_tokens, seed=seed, n=n).text):
+            print(f"[{index}] {text}")
+
+
 def _number(value, digits: int = 4) -> str:
     return "" if value is None else f"{value:.{digits}g}"
 
@@ -101,11 +155,11 @@ def _function(function: Callable[..., None]) -> Callable[[Sequence[str]], int]:
 
 
 # name -> (summary, entry point taking the remaining arguments and returning the exit status).
-# `dew generate` joins here once dew.pipeline builds a generation task from a run directory (run.json
-# records the model, tokenizer and sampling for it), and `dew export` once checkpoints can be saved.
+# `dew export` joins here once checkpoints can be saved in the Hugging Face layout.
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "train": ("train a language model from flags (python recipes/lm/train.py)", _train),
     "tokenize": ("tokenize text into train.bin, val.bin and meta.json", _function(tokenize)),
+    "generate": ("continue a prompt from a run or a checkpoint, streaming the text", _function(generate)),
     "plot": ("plot runs' loss and perplexity against steps and tokens into a PNG", _function(plot)),
     "runs": ("list runs: status, step, checkpoint, last losses", _function(runs)),
 }

@@ -1,5 +1,6 @@
 """Generation tasks over trained weights."""
 
+from dew.inference.pipeline import pipeline
 from dew.inference.text import TextGeneration
 
-__all__ = ["TextGeneration"]
+__all__ = ["TextGeneration", "pipeline"]

@@ -36,14 +36,14 @@ class TextGeneration:
         return [list(row) for row in prompts]
 
     def __call__(self, prompts, max_new_tokens: int | None = None, *, seed: int = 0, n: int = 1,
-                 key: jax.Array | None = None) -> Generation:
+                 key: jax.Array | None = None, on_token=None) -> Generation:
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if budget is None:
             raise ValueError("this task has no default budget: pass max_new_tokens")
         key = jax.random.key(seed) if key is None else key
         decode = None if self.tokenizer is None else self.tokenizer.decode
         return generate(self.model, self.params, self.encode(prompts), budget, key=key, sampling=self.sampling,
-                        n=n, decode=decode)
+                        n=n, decode=decode, on_token=on_token)
 
     def with_sampling(self, sampling: Sampling) -> "TextGeneration":
         return dataclasses.replace(self, sampling=sampling)

@@ -70,5 +70,13 @@ class Checkpoints:
         )
         return restored["state"], restored["data"]["position"]
 
+    def restore_tree(self, step: int | None = None) -> dict[str, Any]:
+        """The saved state as a plain tree of arrays on this host, without a target to restore into."""
+        step = self.latest() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"{self.directory} holds no complete checkpoint")
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        return restored["state"]
+
     def close(self) -> None:
         self.manager.close()
