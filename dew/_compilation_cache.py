@@ -1,0 +1,21 @@
+"""A persistent XLA compilation cache, so a second process skips compiles the first one paid for."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+
+def configure() -> None:
+    """Point JAX's cache at `$XDG_CACHE_HOME/dew/jax` (default `~/.cache/dew/jax`).
+
+    A cache directory the user already configured (`JAX_COMPILATION_CACHE_DIR` or
+    `jax.config.update`) is left alone, and `DEW_COMPILATION_CACHE=0` turns this off.
+    """
+    if os.environ.get("DEW_COMPILATION_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
+        return
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    jax.config.update("jax_compilation_cache_dir", os.path.join(root, "dew", "jax"))
+    # Cache every executable that took half a second or more to build (the train step takes seconds).
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
