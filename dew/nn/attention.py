@@ -39,9 +39,12 @@ def attention_mask(
     return allowed
 
 
-def attend(q_BSHD, k_BTKD, v_BTKD, mask_BST, *, causal_blocks: bool = False, softcap: float | None = None,
-           block: int = 128) -> jax.Array:
+def attend(q_BSHD, k_BTKD, v_BTKD, mask_BST, *, causal_blocks: bool = False, scale: float | None = None,
+           softcap: float | None = None, block: int = 128) -> jax.Array:
     """Softmax attention in float32 for `H` query heads over `K` shared key/value heads.
+
+    Scores are `q . k` times `scale` (default `head_dim ** -0.5`), then, with `softcap`, squashed
+    to `softcap * tanh(scores / softcap)` (Gemma 2).
 
     With `causal_blocks` (a causal pass whose query slot `i` is key slot `i`) the queries go in
     blocks of `block`, each scoring only the keys up to its end: the masked upper triangle is mostly
@@ -51,6 +54,7 @@ def attend(q_BSHD, k_BTKD, v_BTKD, mask_BST, *, causal_blocks: bool = False, sof
     K, T = k_BTKD.shape[2], k_BTKD.shape[1]
     q_BKGSD = q_BSHD.reshape(B, S, K, H // K, D).transpose(0, 2, 3, 1, 4)
     k_BKTD, v_BKTD = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3)
+    scale = D**-0.5 if scale is None else scale
     starts = range(0, S, block) if causal_blocks else (0,)
     outputs = []
     for start in starts:
@@ -58,7 +62,7 @@ def attend(q_BSHD, k_BTKD, v_BTKD, mask_BST, *, causal_blocks: bool = False, sof
         end = stop if causal_blocks else T
         scores_BKGST = jnp.einsum(
             "bkgsd,bktd->bkgst", q_BKGSD[:, :, :, start:stop], k_BKTD[:, :, :end], preferred_element_type=jnp.float32
-        ) * (D**-0.5)
+        ) * scale
         if softcap is not None:
             scores_BKGST = softcap * jnp.tanh(scores_BKGST / softcap)
         scores_BKGST = jnp.where(mask_BST[:, None, None, start:stop, :end], scores_BKGST, _MASKED)
@@ -71,7 +75,11 @@ def attend(q_BSHD, k_BTKD, v_BTKD, mask_BST, *, causal_blocks: bool = False, sof
 
 
 class Attention(nn.Module):
-    """Self-attention with the projections named as in transformers (`q_proj` ... `o_proj`)."""
+    """Self-attention with the projections named as in transformers (`q_proj` ... `o_proj`).
+
+    `qk_norm` normalises queries and keys before the rotation: per head (`qk_norm_scope="head"`,
+    Qwen 3, Gemma 3) or over the whole projection (`"projection"`, OLMo 2).
+    """
 
     num_heads: int
     num_kv_heads: int
@@ -79,7 +87,13 @@ class Attention(nn.Module):
     causal: bool = True
     window: int | None = None
     qk_norm: bool = False
+    qk_norm_scope: str = "head"
+    norm_style: str = "llama"
     norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    o_bias: bool = False
+    scale: float | None = None
+    softcap: float | None = None
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -93,12 +107,18 @@ class Attention(nn.Module):
         cache: LayerCache | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         B, S, E = x_BSE.shape
-        dense = lambda features, name: Linear(features, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
-        q_BSHD = dense(self.num_heads * self.head_dim, "q_proj")(x_BSE).reshape(B, S, self.num_heads, self.head_dim)
-        k_BSKD = dense(self.num_kv_heads * self.head_dim, "k_proj")(x_BSE).reshape(B, S, self.num_kv_heads, self.head_dim)
-        v_BSKD = dense(self.num_kv_heads * self.head_dim, "v_proj")(x_BSE).reshape(B, S, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            norm = lambda name: RMSNorm(self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
+        dense = lambda features, bias, name: Linear(features, use_bias=bias, dtype=self.dtype,
+                                                    param_dtype=self.param_dtype, name=name)
+        q_BSF = dense(H * D, self.qkv_bias, "q_proj")(x_BSE)
+        k_BSF = dense(K * D, self.qkv_bias, "k_proj")(x_BSE)
+        v_BSKD = dense(K * D, self.qkv_bias, "v_proj")(x_BSE).reshape(B, S, K, D)
+        norm = lambda name: RMSNorm(self.norm_eps, self.norm_style, dtype=self.dtype, param_dtype=self.param_dtype,
+                                    name=name)
+        if self.qk_norm and self.qk_norm_scope == "projection":
+            q_BSF, k_BSF = norm("q_norm")(q_BSF), norm("k_norm")(k_BSF)
+        q_BSHD, k_BSKD = q_BSF.reshape(B, S, H, D), k_BSF.reshape(B, S, K, D)
+        if self.qk_norm and self.qk_norm_scope == "head":
             q_BSHD, k_BSKD = norm("q_norm")(q_BSHD), norm("k_norm")(k_BSKD)
         q_BSHD = apply_rotary(q_BSHD, *rotary)
         k_BSKD = apply_rotary(k_BSKD, *rotary)
@@ -111,5 +131,6 @@ class Attention(nn.Module):
             k_slots = jnp.broadcast_to(jnp.arange(keys.shape[1], dtype=jnp.int32), keys.shape[:2])
         mask_BST = attention_mask(slots_BS, k_slots, segments_BS, k_segments, causal=self.causal, window=self.window)
         # Without a cache the query slots are the key slots, so a causal pass can skip future blocks.
-        out_BSHD = attend(q_BSHD, keys, values, mask_BST, causal_blocks=self.causal and cache is None)
-        return dense(E, "o_proj")(out_BSHD.reshape(B, S, self.num_heads * self.head_dim)), cache
+        out_BSHD = attend(q_BSHD, keys, values, mask_BST, causal_blocks=self.causal and cache is None,
+                          scale=self.scale, softcap=self.softcap)
+        return dense(E, self.o_bias, "o_proj")(out_BSHD.reshape(B, S, H * D)), cache

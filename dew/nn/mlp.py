@@ -1,4 +1,4 @@
-"""The gated (SwiGLU) feed-forward block: `down(silu(gate(x)) * up(x))`."""
+"""The gated feed-forward block: `down(act(gate(x)) * up(x))`, SwiGLU with `silu`, GeGLU with gelu."""
 
 from __future__ import annotations
 
@@ -8,15 +8,24 @@ from flax import linen as nn
 
 from dew.nn.linear import Linear
 
+ACTIVATIONS = {
+    "silu": nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # transformers' gelu_pytorch_tanh
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # the exact erf form
+}
+
 
 class GatedMLP(nn.Module):
     features: int
+    activation: str = "silu"
+    use_bias: bool = False
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        dense = lambda features, name: Linear(features, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        dense = lambda features, name: Linear(features, use_bias=self.use_bias, dtype=self.dtype,
+                                              param_dtype=self.param_dtype, name=name)
         gate = dense(self.features, "gate_proj")(x)
         up = dense(self.features, "up_proj")(x)
-        return dense(x.shape[-1], "down_proj")(nn.silu(gate) * up)
+        return dense(x.shape[-1], "down_proj")(ACTIVATIONS[self.activation](gate) * up)

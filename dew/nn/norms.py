@@ -1,4 +1,12 @@
-"""RMSNorm, computed in float32 and returned in the compute dtype (where transformers rounds)."""
+"""RMSNorm in the three roundings transformers' decoders use, computed in float32.
+
+- `"llama"` (Llama, Mistral, Qwen): the normalised input is rounded to the compute dtype, then
+  multiplied by `scale`; `scale` starts at one.
+- `"olmo"` (OLMo 2): `scale * x_hat` in float32, rounded once.
+- `"gemma"` (Gemma 1-3): `(1 + scale) * x_hat` in float32, rounded once; `scale` starts at zero.
+
+In float32 the first two agree; in bf16 they round at different points, as the families do.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +14,24 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+NORM_STYLES = ("llama", "olmo", "gemma")
+
 
 class RMSNorm(nn.Module):
-    """`x / rms(x) * scale` over the last axis; `scale` starts at one."""
+    """`x / rms(x)` times the learned `scale` over the last axis, in the rounding of `style`."""
 
     eps: float = 1e-6
+    style: str = "llama"
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],), self.param_dtype)
+        init = nn.initializers.zeros_init() if self.style == "gemma" else nn.initializers.ones_init()
+        scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        # transformers' Llama rounds the normalised input to the input dtype before the weight.
-        return (scale.astype(self.dtype) * normed.astype(self.dtype)).astype(self.dtype)
+        if self.style == "llama":
+            return (scale.astype(self.dtype) * normed.astype(self.dtype)).astype(self.dtype)
+        weight = scale.astype(jnp.float32) + (1.0 if self.style == "gemma" else 0.0)
+        return (weight * normed).astype(self.dtype)

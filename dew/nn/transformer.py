@@ -1,7 +1,9 @@
-"""`CausalTransformer`: the one decoder every family configures (RMSNorm, rotary, GQA, SwiGLU).
+"""`CausalTransformer`: the one decoder every family configures (RMSNorm, rotary, GQA, gated MLP).
 
 Its parameter tree uses the transformers decoder names (`embed_tokens`, `layers_N.self_attn.q_proj`,
-`mlp.gate_proj`, `norm`, `lm_head`), so a checkpoint maps tensor to tensor.
+`mlp.gate_proj`, `norm`, `lm_head`), so a checkpoint maps tensor to tensor. The families differ only
+in the knobs of `DecoderConfig`: biases, norm rounding and placement, q/k norms, embedding scale,
+activation, attention scale and softcaps, and which layers slide.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from flax import linen as nn
 
 from dew.nn.attention import Attention
 from dew.nn.kv_cache import LayerCache
-from dew.nn.mlp import GatedMLP
-from dew.nn.norms import RMSNorm
+from dew.nn.mlp import ACTIVATIONS, GatedMLP
+from dew.nn.norms import NORM_STYLES, RMSNorm
 from dew.nn.rotary import rotary_angles
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+FULL, SLIDING = "full_attention", "sliding_attention"
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
 
 
 def as_dtype(value) -> jnp.dtype:
@@ -38,6 +42,22 @@ class DecoderConfig:
     `head_dim` defaults to `emb_features // num_heads`, `num_kv_heads` to `num_heads` and
     `mlp_features` to `4 * emb_features`. `dtype` is the compute dtype (activations, matmul operands);
     `param_dtype` is how parameters are stored.
+
+    The family knobs, each named after what it computes:
+    - `qkv_bias`, `o_bias`, `mlp_bias`: biases on the query/key/value, output and MLP projections.
+    - `norm_style`: the RMSNorm rounding, "llama", "olmo" or "gemma" (`(1 + scale)`; see `dew.nn.norms`).
+    - `norm_placement`: "pre" (norm before attention and MLP; the MLP's norm is named
+      `post_attention_layernorm`, as in Llama), "sandwich" (Gemma 2/3: also a norm after each
+      sublayer, `pre_feedforward_layernorm` before the MLP) or "post" (OLMo 2: norms only after each
+      sublayer, before the residual add).
+    - `qk_norm_scope`: with `qk_norm`, normalise per head ("head") or the whole projection ("projection").
+    - `scale_embeddings`: multiply the embeddings by `sqrt(emb_features)` rounded to `dtype` (Gemma).
+    - `activation`: the MLP gate's "silu", "gelu_tanh" or "gelu".
+    - `query_scale`: the attention scores' factor (default `head_dim ** -0.5`); `attn_softcap` caps
+      the scores, `logit_softcap` the output logits, `c * tanh(x / c)`.
+    - `layer_types`: one "full_attention" or "sliding_attention" per layer; only sliding layers
+      use `sliding_window` and `local_rope_theta` (default `rope_theta`). Without it, every layer
+      uses `sliding_window`.
     """
 
     vocab_size: int
@@ -55,6 +75,18 @@ class DecoderConfig:
     sliding_window: int | None = None
     logit_softcap: float | None = None
     norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    norm_style: str = "llama"
+    norm_placement: str = "pre"
+    qk_norm_scope: str = "head"
+    scale_embeddings: bool = False
+    activation: str = "silu"
+    query_scale: float | None = None
+    attn_softcap: float | None = None
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -87,23 +119,59 @@ class DecoderConfig:
             raise ValueError(f"head_dim {self.head_dim} is odd; rotary positions rotate pairs of features")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window is {self.sliding_window}; use None for full attention or a width >= 1")
+        choices = {"norm_style": NORM_STYLES, "norm_placement": NORM_PLACEMENTS, "qk_norm_scope": ("head", "projection"),
+                   "activation": tuple(ACTIVATIONS)}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} is {getattr(self, name)!r}; it must be one of {list(allowed)}")
+        if self.layer_types is not None:
+            set_("layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types names {len(self.layer_types)} layers but num_layers is {self.num_layers}")
+            unknown = sorted(set(self.layer_types) - {FULL, SLIDING})
+            if unknown:
+                raise ValueError(f"layer_types holds {unknown}; each layer is {FULL!r} or {SLIDING!r}")
+            if SLIDING in self.layer_types and self.sliding_window is None:
+                raise ValueError(f"layer_types names {SLIDING!r} layers but sliding_window is None: give the width")
+        elif self.local_rope_theta is not None:
+            raise ValueError("local_rope_theta applies to sliding layers: give layer_types too, or drop it")
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer `index`, None for full attention."""
+        if self.layer_types is None or self.layer_types[index] == SLIDING:
+            return self.sliding_window
+        return None
+
+    def layer_rope_theta(self, index: int) -> float:
+        sliding = self.layer_types is not None and self.layer_types[index] == SLIDING
+        return self.local_rope_theta if sliding and self.local_rope_theta is not None else self.rope_theta
 
 
 class DecoderLayer(nn.Module):
     config: DecoderConfig
+    index: int
 
     @nn.compact
     def __call__(self, x_BSE, rotary, slots_BS, segments_BS, cache: LayerCache | None):
         c = self.config
-        norm = lambda name: RMSNorm(c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name=name)
+        norm = lambda name: RMSNorm(c.norm_eps, c.norm_style, dtype=c.dtype, param_dtype=c.param_dtype, name=name)
         attention = Attention(
-            c.num_heads, c.num_kv_heads, c.head_dim, causal=c.causal, window=c.sliding_window,
-            qk_norm=c.qk_norm, norm_eps=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name="self_attn",
+            c.num_heads, c.num_kv_heads, c.head_dim, causal=c.causal, window=c.layer_window(self.index),
+            qk_norm=c.qk_norm, qk_norm_scope=c.qk_norm_scope, norm_style=c.norm_style, norm_eps=c.norm_eps,
+            qkv_bias=c.qkv_bias, o_bias=c.o_bias, scale=c.query_scale, softcap=c.attn_softcap,
+            dtype=c.dtype, param_dtype=c.param_dtype, name="self_attn",
         )
-        attended, cache = attention(norm("input_layernorm")(x_BSE), rotary, slots_BS, segments_BS, cache)
+        mlp = GatedMLP(c.mlp_features, c.activation, c.mlp_bias, dtype=c.dtype, param_dtype=c.param_dtype, name="mlp")
+        attention_in = x_BSE if c.norm_placement == "post" else norm("input_layernorm")(x_BSE)
+        attended, cache = attention(attention_in, rotary, slots_BS, segments_BS, cache)
+        if c.norm_placement != "pre":
+            attended = norm("post_attention_layernorm")(attended)
         x_BSE = x_BSE + attended
-        mlp = GatedMLP(c.mlp_features, dtype=c.dtype, param_dtype=c.param_dtype, name="mlp")
-        return x_BSE + mlp(norm("post_attention_layernorm")(x_BSE)), cache
+        mlp_norm = {"pre": "post_attention_layernorm", "sandwich": "pre_feedforward_layernorm"}.get(c.norm_placement)
+        fed = mlp(x_BSE if mlp_norm is None else norm(mlp_norm)(x_BSE))
+        if c.norm_placement != "pre":
+            fed = norm("post_feedforward_layernorm")(fed)
+        return x_BSE + fed, cache
 
 
 class CausalTransformer(nn.Module):
@@ -138,13 +206,18 @@ class CausalTransformer(nn.Module):
         embed = nn.Embed(c.vocab_size, c.emb_features, dtype=c.dtype, param_dtype=c.param_dtype,
                          embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
         x_BSE = embed(tokens).astype(c.dtype)
-        rotary = rotary_angles(positions, c.head_dim, c.rope_theta)
+        if c.scale_embeddings:
+            x_BSE = x_BSE * jnp.asarray(c.emb_features**0.5, c.dtype)
+        thetas = sorted({c.layer_rope_theta(i) for i in range(c.num_layers)})
+        rotary = {theta: rotary_angles(positions, c.head_dim, theta) for theta in thetas}
         new_cache = []
         for i in range(c.num_layers):
             layer_cache = None if cache is None else cache[i]
-            x_BSE, layer_cache = DecoderLayer(c, name=f"layers_{i}")(x_BSE, rotary, slots_BS, segments_BS, layer_cache)
+            x_BSE, layer_cache = DecoderLayer(c, i, name=f"layers_{i}")(
+                x_BSE, rotary[c.layer_rope_theta(i)], slots_BS, segments_BS, layer_cache
+            )
             new_cache.append(layer_cache)
-        hidden_BSE = RMSNorm(c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name="norm")(x_BSE)
+        hidden_BSE = RMSNorm(c.norm_eps, c.norm_style, dtype=c.dtype, param_dtype=c.param_dtype, name="norm")(x_BSE)
         if c.tie_embeddings:
             weight, transposed = embed.embedding, True
         else:

@@ -110,3 +110,25 @@ def test_bad_configurations_are_refused():
         models.build("causal_transformer", vocab_size=8, hidden_size=32)
     with pytest.raises(ValueError, match="unknown model 'gpt5'"):
         models.build("gpt5")
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (dict(norm_style="layer"), "norm_style is 'layer'; it must be one of"),
+    (dict(norm_placement="after"), "norm_placement is 'after'"),
+    (dict(activation="relu"), "activation is 'relu'"),
+    (dict(layer_types=("full_attention",)), "layer_types names 1 layers but num_layers is 2"),
+    (dict(layer_types=("full_attention", "local")), "layer_types holds \\['local'\\]"),
+    (dict(layer_types=("full_attention", "sliding_attention")), "names 'sliding_attention' layers but sliding_window is None"),
+    (dict(local_rope_theta=10.0), "local_rope_theta applies to sliding layers"),
+])
+def test_bad_family_knobs_are_refused(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        models.build("causal_transformer", vocab_size=8, emb_features=32, num_layers=2, num_heads=4, **knobs)
+
+
+def test_layer_types_choose_window_and_rotary_base():
+    config = models.build("causal_transformer", vocab_size=8, emb_features=32, num_layers=2, num_heads=4,
+                          sliding_window=4, layer_types=("sliding_attention", "full_attention"), rope_theta=1e6,
+                          local_rope_theta=1e4).config
+    assert [config.layer_window(i) for i in range(2)] == [4, None]
+    assert [config.layer_rope_theta(i) for i in range(2)] == [1e4, 1e6]

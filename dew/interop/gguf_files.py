@@ -1,0 +1,193 @@
+"""GGUF files (llama.cpp): metadata as a transformers config, tensors dequantized to float32, the tokenizer.
+
+The llama, qwen2 and qwen3 architectures load; the file's metadata becomes a config.json-style dict
+read by the same family code as a safetensors checkpoint, and each tensor is dequantized from the
+memory-mapped file when the loader asks for it, under its transformers name and layout. llama.cpp
+stores a llama model's query and key rows permuted for its interleaved rotary layout; they are put
+back in transformers' order here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from dew.interop.hf_decoders import FAMILIES
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_BLOCK = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# How llama.cpp's pre-tokenizer names split text before byte-level BPE (as transformers reads them);
+# a name not listed splits with GPT-2's own pattern.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+
+def _require_gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("reading GGUF files needs the gguf package: pip install 'dew-ml[gguf]'") from None
+    return gguf
+
+
+def hf_tensor_name(name: str) -> str | None:
+    """The transformers name of a GGUF tensor (`blk.3.attn_q.weight` is `model.layers.3.self_attn.q_proj.weight`)."""
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if match and match.group(2) in _BLOCK:
+        return f"model.layers.{match.group(1)}.{_BLOCK[match.group(2)]}.{match.group(3)}"
+    match = re.fullmatch(r"(\w+)\.(weight|bias)", name)
+    if match and match.group(1) in _TOP:
+        return f"{_TOP[match.group(1)]}.{match.group(2)}"
+    return None
+
+
+class GGUFCheckpoint:
+    """One GGUF file, memory-mapped: its metadata, its config, and its tensors under transformers names.
+
+    Offers the reader interface the loader uses for safetensors (`names`, `shape`, `dtype`, `read`,
+    `location`); every tensor reads as float32 `[out, in]`. Use as a context manager.
+    """
+
+    def __init__(self, path: Path):
+        gguf = _require_gguf()
+        self.path = Path(path)
+        try:
+            self._reader = gguf.GGUFReader(self.path)
+        except (ValueError, OSError) as error:
+            raise ValueError(f"{self.path} is not a readable GGUF file ({error}): it is truncated or corrupt; "
+                             "download it again") from None
+        self.metadata = {key: field.contents() for key, field in self._reader.fields.items()
+                         if key not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")}
+        self.architecture = self.metadata.get("general.architecture")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"{self.path.name} holds a {self.architecture!r} model: Dew reads the GGUF architectures "
+                             f"{list(ARCHITECTURES)}; load this model from its safetensors checkpoint instead")
+        self._tensors, unknown = {}, []
+        for tensor in self._reader.tensors:
+            name = hf_tensor_name(tensor.name)
+            if name is None:
+                unknown.append(tensor.name)
+            self._tensors[name or tensor.name] = tensor
+        if "rope_freqs.weight" in unknown:
+            raise ValueError(f"{self.path.name} holds rope_freqs.weight: a Llama 3 rotary scaling, which is not built "
+                             "in Dew (only rope_type 'default' is)")
+        self.location = {name: self.path for name in self._tensors}
+
+    def __enter__(self) -> "GGUFCheckpoint":
+        return self
+
+    def __exit__(self, *exc_info):
+        self._tensors.clear()  # releases the memory map once the loader is done with it
+
+    def field(self, key: str):
+        return self._reader.fields[key].contents() if key in self._reader.fields else None
+
+    def config(self) -> dict:
+        """A transformers config.json for the file's model, from its metadata."""
+        arch, meta = self.architecture, self.metadata
+        get = lambda key, default=None: meta.get(f"{arch}.{key}", default)
+        heads = get("attention.head_count")
+        config = {
+            "model_type": arch, "hidden_size": get("embedding_length"), "intermediate_size": get("feed_forward_length"),
+            "num_hidden_layers": get("block_count"), "num_attention_heads": heads,
+            "num_key_value_heads": get("attention.head_count_kv", heads),
+            "max_position_embeddings": get("context_length"), "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+            "rope_theta": get("rope.freq_base", 10000.0),
+            "vocab_size": get("vocab_size") or self.shape("model.embed_tokens.weight")[0],
+            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        }
+        head_dim = get("attention.key_length", config["hidden_size"] // heads)
+        if "head_dim" in FAMILIES[arch].fields:
+            config["head_dim"] = head_dim
+        rotated = get("rope.dimension_count", head_dim)
+        if rotated != head_dim:
+            config["partial_rotary_factor"] = rotated / head_dim
+        scaling = get("rope.scaling.type")
+        if scaling not in (None, "none"):
+            config["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor")}
+        return config
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in reversed(self._tensors[name].shape))
+
+    def dtype(self, name: str) -> str:
+        return "F32"  # every tensor is dequantized to float32
+
+    def read(self, name: str) -> np.ndarray:
+        gguf = _require_gguf()
+        tensor = self._tensors[name]
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ValueError(f"tensor {tensor.name} in {self.path.name} is quantized as {tensor.tensor_type.name}, "
+                             f"which the gguf package ({gguf.__name__}) cannot dequantize; use a file quantized "
+                             "with a K-quant, Q8_0, Q4_0/Q4_1 or a float type") from None
+        array = np.asarray(array, np.float32).reshape(self.shape(name))
+        if self.architecture == "llama" and re.search(r"self_attn\.[qk]_proj\.", name):
+            heads = self.metadata[f"llama.attention.head_count{'_kv' if '.k_proj.' in name else ''}"]
+            array = _unpermute(array, heads)
+        return array
+
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's query/key permutation (each head's halves interleaved) back to transformers' rows."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def write_tokenizer(checkpoint: GGUFCheckpoint, directory: Path) -> bool:
+    """Write tokenizer.json and tokenizer_config.json for the file's byte-level BPE vocabulary.
+
+    Returns False (writing nothing) when the file holds no vocabulary or a kind Dew cannot build.
+    """
+    import tokenizers
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+    kind = checkpoint.metadata.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        return False
+    tokens = checkpoint.field("tokenizer.ggml.tokens")
+    merges = checkpoint.field("tokenizer.ggml.merges") or []
+    token_types = checkpoint.field("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokenizer = tokenizers.Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)},
+                                                [tuple(merge.split(" ", 1)) for merge in merges]))
+    split = _SPLITS.get(checkpoint.metadata.get("tokenizer.ggml.pre"))
+    if split is None:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                           pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                    use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                  for token, kind in zip(tokens, token_types) if kind == _CONTROL])
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False)
+                          for token, kind in zip(tokens, token_types) if kind == _USER_DEFINED])
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {name: tokens[checkpoint.metadata[key]] for name, key in (
+        ("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id"),
+        ("pad_token", "tokenizer.ggml.padding_token_id")) if key in checkpoint.metadata}
+    if "tokenizer.chat_template" in checkpoint.metadata:
+        config["chat_template"] = checkpoint.metadata["tokenizer.chat_template"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return True

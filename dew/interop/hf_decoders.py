@@ -1,0 +1,360 @@
+"""Hugging Face decoder families: config.json to `DecoderConfig`, and tensor names to Dew parameter paths.
+
+A family reads only the fields its transformers config class declares (`Family.fields`, with
+transformers' defaults), plus the older spellings transformers still converts on load (`torch_dtype`,
+`rope_theta`, `rope_scaling`). Any other field is refused by name unless it is in `_INERT_FIELDS`,
+fields transformers neither declares nor reads. A declared field whose value Dew cannot compute is
+refused by name too, with what would load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from dew.nn.transformer import FULL, SLIDING, DecoderConfig
+
+# Fields of transformers' PreTrainedConfig that say nothing about the decoder's numbers.
+_BASE_FIELDS = frozenset({
+    "architectures", "chunk_size_feed_forward", "id2label", "is_encoder_decoder", "label2id", "model_type",
+    "output_hidden_states", "problem_type", "return_dict", "transformers_version",
+})
+# Keys transformers pops from a config on load and never uses for the model (bookkeeping, and the
+# generation parameters older versions saved in config.json; generation_config.json holds those).
+_DROPPED_ON_LOAD = frozenset({
+    "_name_or_path", "_commit_hash", "name_or_path", "output_attentions", "attn_implementation",
+    "experts_implementation", "_attn_implementation_internal", "num_labels",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "temperature", "top_k", "top_p",
+    "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "epsilon_cutoff", "eta_cutoff", "encoder_repetition_penalty", "num_beam_groups",
+    "diversity_penalty", "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+    "assistant_lookbehind", "target_lookbehind",
+})
+# The older spellings transformers converts: the dtype and the rotary settings.
+_LEGACY_FIELDS = frozenset({"torch_dtype", "rope_theta", "rope_scaling", "partial_rotary_factor"})
+
+# Fields transformers neither declares nor reads, accepted with the values listed (None: any value).
+_INERT_FIELDS: dict[str, tuple | None] = {
+    "transformers.js_config": None,  # SmolLM2: settings for transformers.js
+    "is_llama_config": None,  # SmolLM2: nanotron's marker
+    "rope_interleaved": (False,),  # SmolLM2: nanotron's rotary layout, false is transformers' own
+    "use_mrope": (False,),  # Qwen2.5: multimodal rotary switched off
+    "hidden_act": None,  # Gemma 2: the older spelling of hidden_activation, which is what transformers reads
+    "cache_implementation": None,  # Gemma 2 and 3: a generation setting
+    "sliding_window": (None,),  # a windowless family's config naming no window
+}
+
+# Declared fields that do not change what the decoder computes.
+_NO_EFFECT = frozenset({"initializer_range", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
+                        "pretraining_tp"})
+
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+_LLAMA_FIELDS = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu", "max_position_embeddings": 2048,
+    "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True, "pad_token_id": None, "bos_token_id": 1,
+    "eos_token_id": 2, "pretraining_tp": 1, "tie_word_embeddings": False, "rope_parameters": None,
+    "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "head_dim": None,
+}
+_MISTRAL_FIELDS = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": None, "hidden_act": "silu",
+    "max_position_embeddings": 131072, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
+    "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+    "rope_parameters": None, "sliding_window": 4096, "attention_dropout": 0.0,
+}
+_QWEN2_FIELDS = {
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu", "max_position_embeddings": 32768,
+    "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True, "tie_word_embeddings": False,
+    "rope_parameters": None, "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+    "layer_types": None, "attention_dropout": 0.0, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
+}
+_GEMMA_FIELDS = {
+    "vocab_size": 256000, "hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
+    "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True, "rope_parameters": None,
+    "attention_bias": False, "attention_dropout": 0.0, "use_bidirectional_attention": None,
+}
+_GEMMA2_FIELDS = {
+    **{k: v for k, v in _GEMMA_FIELDS.items() if k != "hidden_act"},
+    "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "layer_types": None, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+}
+_OLMO2_FIELDS = {
+    "vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu", "max_position_embeddings": 2048,
+    "initializer_range": 0.02, "use_cache": True, "pad_token_id": 1, "bos_token_id": None, "eos_token_id": 50279,
+    "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0,
+    "rms_norm_eps": 1e-5,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One transformers decoder family: its config class's fields and the Dew knobs it fixes.
+
+    `window` says how the family reads a sliding window: "none" (attends to every key), "all"
+    (Mistral: every layer), "layer_types" (per-layer types, with `default_pattern` when the config
+    has none) or "qwen" (`use_sliding_window` and `max_window_layers`). `rope_thetas` are the
+    full and sliding layers' defaults when the config names no theta.
+    """
+
+    model_type: str
+    config_class: str
+    fields: Mapping[str, Any]
+    knobs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    window: str = "none"
+    default_pattern: Any = None
+    rope_thetas: tuple[float, float] = (10000.0, 10000.0)
+    activation_field: str = "hidden_act"
+    sliding_theta_field: str = "rope_theta"
+    legacy_fields: frozenset[str] = frozenset()
+
+
+def _gemma3_pattern(source: Mapping, layers: int) -> list[str]:
+    every = source.get("sliding_window_pattern", 6)
+    return [SLIDING if (i + 1) % every else FULL for i in range(layers)]
+
+
+_GEMMA_KNOBS = dict(norm_style="gemma", scale_embeddings=True)
+FAMILIES: dict[str, Family] = {family.model_type: family for family in [
+    Family("llama", "LlamaConfig", _LLAMA_FIELDS),
+    Family("mistral", "MistralConfig", _MISTRAL_FIELDS, window="all"),
+    Family("ministral", "MinistralConfig", {**_MISTRAL_FIELDS, "layer_types": None}, window="layer_types",
+           default_pattern=lambda source, layers: [SLIDING] * layers),
+    Family("qwen2", "Qwen2Config", _QWEN2_FIELDS, dict(qkv_bias=True), window="qwen"),
+    Family("qwen3", "Qwen3Config", {**_QWEN2_FIELDS, "head_dim": 128, "attention_bias": False},
+           dict(qk_norm=True), window="qwen"),
+    Family("gemma", "GemmaConfig", _GEMMA_FIELDS, _GEMMA_KNOBS),
+    Family("gemma2", "Gemma2Config", _GEMMA2_FIELDS, dict(_GEMMA_KNOBS, norm_placement="sandwich"),
+           window="layer_types", default_pattern=lambda source, layers: [SLIDING if (i + 1) % 2 else FULL
+                                                                        for i in range(layers)],
+           activation_field="hidden_activation"),
+    Family("gemma3_text", "Gemma3TextConfig",
+           {**_GEMMA2_FIELDS, "vocab_size": 262208, "max_position_embeddings": 131072,
+            "final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False},
+           dict(_GEMMA_KNOBS, norm_placement="sandwich", qk_norm=True), window="layer_types",
+           default_pattern=_gemma3_pattern, rope_thetas=(1_000_000.0, 10_000.0), activation_field="hidden_activation",
+           sliding_theta_field="rope_local_base_freq",
+           legacy_fields=frozenset({"rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern"})),
+    Family("olmo2", "Olmo2Config", _OLMO2_FIELDS, dict(norm_style="olmo", norm_placement="post", qk_norm=True,
+                                                        qk_norm_scope="projection")),
+    Family("olmo3", "Olmo3Config", {**_OLMO2_FIELDS, "sliding_window": 4096, "layer_types": None},
+           dict(norm_style="olmo", norm_placement="post", qk_norm=True, qk_norm_scope="projection"),
+           window="layer_types", default_pattern=lambda source, layers: [SLIDING if (i + 1) % 4 else FULL
+                                                                        for i in range(layers)],
+           rope_thetas=(500_000.0, 500_000.0)),
+]}
+
+
+def family_of(source: Mapping[str, Any], where: str = "config.json") -> Family:
+    """The family of a config.json, refusing an unknown or missing model_type by name."""
+    model_type = source.get("model_type")
+    if "quantization" in source:
+        raise ValueError(f"{where} names 'quantization' {source['quantization']!r}: an MLX-quantized checkpoint, which "
+                         "Dew does not read; load the float checkpoint it was made from")
+    if "quantization_config" in source:
+        method = (source["quantization_config"] or {}).get("quant_method")
+        raise ValueError(f"{where} names quantization_config (quant_method {method!r}): quantized safetensors are not "
+                         "built in Dew; load the float checkpoint, or a GGUF file with gguf_file=")
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    if model_type is None:
+        raise ValueError(f"{where} has no model_type: Dew loads transformers decoders whose config names one of "
+                         f"{sorted(FAMILIES)}")
+    raise ValueError(f"{where} names model_type {model_type!r}, which is not a Dew family: native families are "
+                     f"{sorted(FAMILIES)} (loading other types through a verified mapping is not built yet)")
+
+
+class _Fields:
+    """A config's fields as one family reads them: declared ones with transformers' defaults."""
+
+    def __init__(self, source: Mapping[str, Any], family: Family, where: str):
+        self.source, self.family, self.where = source, family, where
+        self.unread = set(family.fields)
+        known = set(family.fields) | _BASE_FIELDS | _DROPPED_ON_LOAD | _LEGACY_FIELDS | family.legacy_fields | {"dtype"}
+        for name, value in source.items():
+            if name in known:
+                continue
+            if name == "sliding_window" and value is not None:
+                raise ValueError(
+                    f"{where} names sliding_window {value} but transformers' {family.config_class} attends to "
+                    f"every key: a checkpoint trained with a window is a Mistral (model_type 'mistral'); "
+                    f"set sliding_window to null if the model was trained without one"
+                )
+            allowed = _INERT_FIELDS.get(name, ())
+            if name in _INERT_FIELDS and (allowed is None or value in allowed):
+                continue
+            raise ValueError(
+                f"{where} field {name!r} = {value!r} is not a field of transformers' {family.config_class} and Dew "
+                f"cannot compute it: remove it if the model was trained without it"
+            )
+
+    def get(self, name: str):
+        self.unread.discard(name)
+        value = self.source.get(name)
+        return self.family.fields[name] if value is None and name not in self.source else value
+
+    def refuse(self, name: str, value, fix: str):
+        raise ValueError(f"{self.where} field {name!r} = {value!r} is not something Dew computes for "
+                         f"{self.family.model_type}: {fix}")
+
+    def require(self, name: str, neutral: tuple, fix: str):
+        value = self.get(name)
+        if value not in neutral:
+            self.refuse(name, value, fix)
+
+    def finish(self):
+        if self.unread - _NO_EFFECT:
+            raise AssertionError(f"{self.family.model_type}: declared fields {sorted(self.unread - _NO_EFFECT)} are unread")
+
+
+def decoder_kwargs(source: Mapping[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """`DecoderConfig` keyword arguments (without dtypes) for a transformers config.json's contents."""
+    family = family_of(source, where)
+    fields = _Fields(source, family, where)
+    heads, hidden = fields.get("num_attention_heads"), fields.get("hidden_size")
+    head_dim = fields.get("head_dim") if "head_dim" in family.fields else None
+    kwargs = dict(family.knobs)
+    kwargs.update(
+        vocab_size=fields.get("vocab_size"), emb_features=hidden, num_layers=fields.get("num_hidden_layers"),
+        num_heads=heads, num_kv_heads=fields.get("num_key_value_heads") or heads,
+        head_dim=head_dim or hidden // heads, mlp_features=fields.get("intermediate_size"),
+        max_seq_len=fields.get("max_position_embeddings"), norm_eps=fields.get("rms_norm_eps"),
+        tie_embeddings=bool(fields.get("tie_word_embeddings")),
+    )
+    activation = fields.get(family.activation_field)
+    if family.model_type == "gemma" and activation == "gelu":
+        activation = "gelu_pytorch_tanh"  # transformers reads Gemma's legacy "gelu" as the tanh form
+    if activation not in _ACTIVATIONS:
+        fields.refuse(family.activation_field, activation, f"the MLP activations Dew has are {sorted(_ACTIVATIONS)}")
+    kwargs["activation"] = _ACTIVATIONS[activation]
+    fields.require("attention_dropout", (0, 0.0, None), "Dew has no attention dropout; set it to 0.0")
+    if "attention_bias" in family.fields and fields.get("attention_bias"):
+        kwargs.update(qkv_bias=True, o_bias=True)
+    if "mlp_bias" in family.fields:
+        kwargs["mlp_bias"] = bool(fields.get("mlp_bias"))
+    if "use_bidirectional_attention" in family.fields:
+        fields.require("use_bidirectional_attention", (None, False),
+                       "bidirectional Gemma (an encoder) is not built in Dew; set it to false for the causal decoder")
+    if "query_pre_attn_scalar" in family.fields:
+        kwargs["query_scale"] = float(fields.get("query_pre_attn_scalar")) ** -0.5
+    if "attn_logit_softcapping" in family.fields:
+        kwargs["attn_softcap"] = fields.get("attn_logit_softcapping")
+        kwargs["logit_softcap"] = fields.get("final_logit_softcapping")
+    layer_types = _read_window(fields, kwargs)
+    thetas = _rope_thetas(fields)
+    kwargs["rope_theta"] = thetas[FULL]
+    if layer_types is not None and thetas[SLIDING] != thetas[FULL]:
+        kwargs["local_rope_theta"] = thetas[SLIDING]
+    fields.finish()
+    return kwargs
+
+
+def _read_window(fields: _Fields, kwargs: dict) -> list[str] | None:
+    """Set `sliding_window` and `layer_types` as the family applies them; returns the layer types."""
+    family, layers = fields.family, kwargs["num_layers"]
+    if family.window == "none":
+        return None
+    window = fields.get("sliding_window")
+    if family.window == "all":
+        kwargs["sliding_window"] = window
+        return None
+    if family.window == "qwen":
+        if not fields.get("use_sliding_window"):
+            window = None
+        first_sliding = fields.get("max_window_layers")
+        layer_types = fields.get("layer_types") or [
+            SLIDING if window is not None and i >= first_sliding else FULL for i in range(layers)
+        ]
+    else:
+        layer_types = fields.get("layer_types") or family.default_pattern(fields.source, layers)
+    if window is None or SLIDING not in layer_types:
+        return None  # transformers' sliding layers attend to every key when the config has no window
+    kwargs.update(sliding_window=window, layer_types=tuple(layer_types))
+    return layer_types
+
+
+def _rope_thetas(fields: _Fields) -> dict[str, float]:
+    """The rotary base of full and sliding layers, from `rope_parameters` or the older `rope_theta`."""
+    family, source = fields.family, fields.source
+    parameters = fields.get("rope_parameters")
+    scaling = source.get("rope_scaling")
+    defaults = {FULL: source.get("rope_theta", family.rope_thetas[0]),
+                SLIDING: source.get(family.sliding_theta_field, family.rope_thetas[1])}
+    nested = isinstance(parameters, Mapping) and any(key in parameters for key in (FULL, SLIDING))
+    if nested:
+        by_type = {FULL: dict(parameters.get(FULL) or {}), SLIDING: dict(parameters.get(SLIDING) or {})}
+        if scaling:
+            by_type[FULL].update(scaling)
+    else:
+        flat = dict(scaling or parameters or {})
+        by_type = {FULL: flat, SLIDING: dict(flat)}
+    thetas = {}
+    for layer_type, rope in by_type.items():
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        extra = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")}
+        if extra.get("partial_rotary_factor", 1.0) == 1.0:
+            extra.pop("partial_rotary_factor", None)
+        if kind != "default" or extra:
+            fields.refuse("rope_parameters", rope, "Dew builds only rope_type 'default' (no scaling, every feature "
+                          "rotated); other rotary scalings are not built yet")
+        thetas[layer_type] = float(rope.get("rope_theta", defaults[layer_type]))
+    partial = source.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        fields.refuse("partial_rotary_factor", partial, "Dew rotates every feature of a head")
+    return thetas
+
+
+def param_dtype_name(source: Mapping[str, Any]) -> str | None:
+    """The checkpoint's own dtype as config.json states it (`dtype`, else the older `torch_dtype`)."""
+    value = source.get("dtype") or source.get("torch_dtype")
+    return None if value is None else str(value).removeprefix("torch.")
+
+
+# ---- tensor names ---------------------------------------------------------------------------------
+
+_LEAVES = {"kernel": "weight", "bias": "bias", "scale": "weight", "embedding": "weight"}
+
+
+def hf_name(path: tuple[str, ...]) -> tuple[str, bool]:
+    """The transformers tensor name of a Dew parameter path, and whether the tensor is transposed.
+
+    `("layers_3", "self_attn", "q_proj", "kernel")` is `model.layers.3.self_attn.q_proj.weight`,
+    stored `[out, in]` where Dew keeps `[in, out]`; `lm_head` sits outside `model.`.
+    """
+    *modules, leaf = path
+    head = modules[0]
+    if head.startswith("layers_"):
+        modules = ["layers", head.removeprefix("layers_"), *modules[1:]]
+    prefix = "" if head == "lm_head" else "model."
+    return prefix + ".".join([*modules, _LEAVES[leaf]]), leaf == "kernel"
+
+
+def _flat_paths(tree, prefix=()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from _flat_paths(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+def tensor_plan(params) -> list[tuple[str, tuple[str, ...], bool]]:
+    """`(transformers name, Dew path, transposed)` for every parameter of a Dew tree (arrays or shapes)."""
+    plan = []
+    for path, _ in _flat_paths(params):
+        name, transposed = hf_name(path)
+        plan.append((name, path, transposed))
+    return plan
+
+
+def ignorable(name: str, config: DecoderConfig) -> bool:
+    """Tensors a checkpoint may hold that transformers drops too: rotary buffers, a tied head's copy."""
+    return name.endswith("rotary_emb.inv_freq") or (config.tie_embeddings and name == "lm_head.weight")

@@ -1,0 +1,275 @@
+"""`load_pretrained` and `Pretrained`: a transformers decoder checkpoint as a native Dew model, and back.
+
+Weights are renamed and transposed once at load (one tensor at a time from the memory-mapped files)
+and once at save (each tensor built when its shard is written).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.data.tokenizers import HFTokenizer
+from dew.inference import TextGeneration
+from dew.interop import gguf_files, hf_decoders
+from dew.interop.gguf_files import GGUFCheckpoint
+from dew.interop.hub import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, resolve, resolve_gguf
+from dew.interop.safetensors_files import SafetensorsReader, write_atomically, write_checkpoint
+from dew.nn.transformer import CausalTransformer, DecoderConfig
+from dew.sampling import Sampling
+
+ATTENTION_IMPLS = ("xla",)
+_STORED_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+# generation_config.json fields Dew's sampler does not apply, with the value that leaves output unchanged.
+_UNAPPLIED_GENERATION = {
+    "num_beams": 1, "no_repeat_ngram_size": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+    "penalty_alpha": None, "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "forced_bos_token_id": None, "forced_eos_token_id": None, "min_length": 0, "min_new_tokens": None,
+    "sequence_bias": None, "guidance_scale": None, "encoder_repetition_penalty": 1.0, "diversity_penalty": 0.0,
+    "exponential_decay_length_penalty": None,
+}
+
+
+@dataclasses.dataclass
+class Pretrained:
+    """A loaded checkpoint: `model` (a `CausalTransformer`), its `variables` (`{"params": ...}`), the
+    checkpoint's `tokenizer` (an `HFTokenizer`, or None without tokenizer.json), the source `config`
+    (config.json as a dict, or the one a GGUF file's metadata gives), the `generation` defaults (a
+    `Sampling` from generation_config.json) and their `max_new_tokens` budget, and `revision`, the
+    Hub commit (None for a local directory). `directory` holds the tokenizer files `save` copies;
+    `generation_config` is generation_config.json as read (None when the source has none)."""
+
+    model: CausalTransformer
+    variables: dict
+    tokenizer: HFTokenizer | None
+    config: dict
+    generation: Sampling
+    max_new_tokens: int | None
+    revision: str | None
+    directory: Path
+    generation_config: dict | None
+
+    def text_generation(self, sampling: Sampling | None = None) -> TextGeneration:
+        """A generation task over these weights, with the checkpoint's sampling unless `sampling` is given."""
+        return TextGeneration(self.model, self.variables, self.tokenizer, sampling or self.generation,
+                              self.max_new_tokens)
+
+    def save(self, directory: str | Path, variables=None, max_shard_size: int | str = "5GB") -> Path:
+        """Write `variables` (default: the loaded ones) as a transformers checkpoint in `directory`.
+
+        Writes safetensors under the source tensor names in the parameters' own dtype (sharded past
+        `max_shard_size`, with an index), config.json (its `dtype` set to that dtype),
+        generation_config.json and the tokenizer files. Over an earlier export the switch is atomic;
+        files the export does not write are left alone.
+        """
+        directory = Path(directory)
+        params = _params_of(self.variables if variables is None else variables)
+        expected = _expected_params(self.model)
+        if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(expected):
+            raise ValueError("the variables to save do not have this model's parameter tree: pass the loaded "
+                             "variables or a training state's params for the same model")
+        for (path, want), have in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree_util.tree_leaves(params)):
+            if tuple(want.shape) != tuple(have.shape):
+                raise ValueError(f"the variables to save hold {jax.tree_util.keystr(path)} with shape {have.shape}; "
+                                 f"this model has {want.shape}")
+        tensors, dtypes = [], set()
+        for name, path, transposed in hf_decoders.tensor_plan(params):
+            leaf = _leaf(params, path)
+            dtypes.add(jnp.dtype(leaf.dtype).name)
+            tensors.append((name, leaf.size * jnp.dtype(leaf.dtype).itemsize, _builder(leaf, transposed)))
+        config = {key: value for key, value in self.config.items() if key != "torch_dtype"}
+        config["dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
+
+        def write_configs():
+            write_atomically(directory / CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
+            write_atomically(directory / GENERATION_CONFIG,
+                             json.dumps(self._generation_file(), indent=2, sort_keys=True) + "\n")
+            for name in TOKENIZER_FILES:
+                if (self.directory / name).is_file() and self.directory.resolve() != directory.resolve():
+                    write_atomically(directory / name, (self.directory / name).read_bytes())
+
+        write_checkpoint(directory, tensors, max_shard_size, before_switch=write_configs)
+        return directory
+
+    def _generation_file(self) -> dict:
+        if self.generation_config is not None:
+            return self.generation_config
+        # transformers writes the model config's special tokens when the source has no generation config
+        return {key: self.config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+                if self.config.get(key) is not None}
+
+
+def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", max_seq_len: int | None = None,
+                    attention_impl: str | None = None, gguf_file: str | None = None) -> Pretrained:
+    """Load a transformers decoder checkpoint, or one GGUF file, as a native Dew model.
+
+    `source` is a local directory (config.json and model.safetensors, or shards with
+    model.safetensors.index.json), a Hub id, or `repo@revision`. With `gguf_file` (a file name in
+    that directory or repository) the config comes from the file's metadata, every tensor is
+    dequantized to float32, and the tokenizer comes from the file when the source has no
+    tokenizer.json. `dtype` is the compute dtype; `param_dtype="auto"` stores parameters in the
+    checkpoint's dtype (config.json's `dtype` or `torch_dtype`, else the first floating tensor's;
+    float32 for GGUF). `max_seq_len` overrides the config's max_position_embeddings;
+    `attention_impl` names the attention kernel ("xla", the one Dew has).
+    """
+    if attention_impl not in (None, *ATTENTION_IMPLS):
+        raise ValueError(f"attention_impl {attention_impl!r} is not built; Dew's attention kernels are "
+                         f"{list(ATTENTION_IMPLS)}")
+    if gguf_file is not None:
+        snapshot = resolve_gguf(source, gguf_file)
+        reader = GGUFCheckpoint(snapshot.weights[0])
+        config, where = reader.config(), str(snapshot.weights[0])
+        directory = snapshot.directory
+        if not (directory / "tokenizer.json").is_file():
+            converted = converted_directory(snapshot.weights[0])
+            if gguf_files.write_tokenizer(reader, converted):
+                directory = converted
+            else:
+                kind = reader.metadata.get("tokenizer.ggml.model")
+                warnings.warn(f"{where}: building a tokenizer of kind {kind!r} from a GGUF file is not built (only "
+                              "byte-level BPE, 'gpt2', is); the bundle has no tokenizer: put the model's "
+                              "tokenizer.json beside the file", stacklevel=2)
+    else:
+        snapshot = resolve(source)
+        reader = SafetensorsReader(snapshot.weights, snapshot.index)
+        config_path = snapshot.directory / CONFIG
+        config, where, directory = _read_json(config_path), str(config_path), snapshot.directory
+    kwargs = hf_decoders.decoder_kwargs(config, where=where)
+    if max_seq_len is not None:
+        kwargs["max_seq_len"] = max_seq_len
+    generation_path = snapshot.directory / GENERATION_CONFIG
+    generation_config = _read_json(generation_path) if generation_path.is_file() else None
+    sampling, budget = generation_defaults(generation_config, config, where=str(generation_path))
+    with reader:
+        if param_dtype == "auto":
+            param_dtype = hf_decoders.param_dtype_name(config) or _first_float_dtype(reader)
+        model = CausalTransformer(DecoderConfig(**kwargs, dtype=dtype, param_dtype=param_dtype))
+        params = _read_params(reader, model, config["model_type"])
+    tokenizer = HFTokenizer(directory) if (directory / "tokenizer.json").is_file() else None
+    return Pretrained(model, {"params": params}, tokenizer, config, sampling, budget, snapshot.revision,
+                      directory, generation_config)
+
+
+def converted_directory(path: Path) -> Path:
+    """Where files Dew derives from a checkpoint file are kept: `$XDG_CACHE_HOME/dew/converted/` (or ~/.cache)."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "dew" / "converted" / f"{path.stem}-{key}"
+
+
+def generation_defaults(generation: Mapping[str, Any] | None, config: Mapping[str, Any],
+                        where: str = GENERATION_CONFIG) -> tuple[Sampling, int | None]:
+    """The `Sampling` and `max_new_tokens` a checkpoint's generation_config.json asks for.
+
+    As in transformers: without `do_sample` decoding is greedy (temperature 0); sampling keeps
+    transformers' defaults (top_k 50) for fields the file leaves out; EOS and padding fall back to
+    config.json's, and padding to the first EOS id.
+    """
+    generation = dict(generation or {})
+    unapplied = {k: generation[k] for k, neutral in _UNAPPLIED_GENERATION.items()
+                 if generation.get(k, neutral) != neutral}
+    if unapplied:
+        warnings.warn(f"{where} sets {unapplied}, which Dew's sampler does not apply; its default policy ignores "
+                      "them (pass text_generation(sampling=...) to choose one)", stacklevel=3)
+    eos = generation.get("eos_token_id", config.get("eos_token_id"))
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    pad = generation.get("pad_token_id", config.get("pad_token_id"))
+    pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
+    penalty = generation.get("repetition_penalty")
+    policy = dict(eos_token_ids=eos_ids, pad_id=pad,
+                  repetition_penalty=None if penalty in (None, 1.0) else penalty)
+    if generation.get("do_sample"):
+        top_k, top_p, min_p = generation.get("top_k", 50), generation.get("top_p", 1.0), generation.get("min_p")
+        policy.update(temperature=generation.get("temperature", 1.0), top_k=top_k or None,
+                      top_p=None if top_p in (None, 1.0) else top_p, min_p=min_p or None)
+    else:
+        policy["temperature"] = 0.0
+    return Sampling(**policy), generation.get("max_new_tokens")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); fetch or export it again") from None
+
+
+def _first_float_dtype(reader: SafetensorsReader) -> str:
+    for name in reader.names():
+        if reader.dtype(name) in _STORED_DTYPES:
+            return _STORED_DTYPES[reader.dtype(name)]
+    return "float32"
+
+
+def _read_params(reader: SafetensorsReader, model: CausalTransformer, model_type: str) -> dict:
+    """The Dew parameter tree from the checkpoint's tensors, checking names, shapes and dtypes."""
+    config = model.config
+    shapes = _expected_params(model)
+    plan = hf_decoders.tensor_plan(shapes)
+    expected = {name for name, _, _ in plan}
+    present = set(reader.names())
+    missing = sorted(expected - present)
+    describe = (f"config.json's {model_type} decoder ({config.num_layers} layers, width {config.emb_features}, "
+                f"tie_word_embeddings {config.tie_embeddings})")
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) {describe} needs, such as {missing[:4]}: "
+                         "the weights and config.json come from different models, or a shard is missing")
+    extra = sorted(name for name in present - expected if not hf_decoders.ignorable(name, config))
+    if extra:
+        raise ValueError(f"the checkpoint holds {len(extra)} tensor(s) that {describe} has no place for, such as "
+                         f"{extra[:4]} (in {reader.location[extra[0]].name}): the weights and config.json come from "
+                         "different models")
+    params: dict = {}
+    for name, path, transposed in plan:
+        want = tuple(_leaf(shapes, path).shape)
+        stored = reader.shape(name)
+        if (tuple(reversed(stored)) if transposed else stored) != want:
+            need = tuple(reversed(want)) if transposed else want
+            raise ValueError(f"tensor {name!r} in {reader.location[name].name} has shape {stored}; {describe} needs "
+                             f"{need}: the weights and config.json come from different models")
+        if reader.dtype(name) not in _STORED_DTYPES:
+            raise ValueError(f"tensor {name!r} in {reader.location[name].name} is stored as {reader.dtype(name)}: "
+                             "Dew reads float16, bfloat16 and float32 weights; load the unquantized checkpoint")
+        array = reader.read(name)
+        _set_leaf(params, path, jnp.asarray(array.T if transposed else array, dtype=config.param_dtype))
+    return params
+
+
+def _expected_params(model: CausalTransformer):
+    """The model's parameter tree as shapes, without allocating it."""
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+
+
+def _params_of(variables) -> Mapping:
+    return variables["params"] if "params" in variables else variables
+
+
+def _leaf(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set_leaf(tree: dict, path, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _builder(leaf, transposed: bool):
+    def build() -> np.ndarray:
+        array = np.asarray(jax.device_get(leaf))
+        return array.T if transposed else array
+
+    return build

@@ -1,0 +1,205 @@
+"""Safetensors checkpoints: one file or index-listed shards, read memory-mapped and written atomically.
+
+Reading opens every file with `safe_open` (a memory map) and hands out one tensor at a time, so a
+load never holds a second whole copy of the model on the host. Writing over an earlier export is one
+step: shards take fresh names, `model.safetensors` is replaced by rename, the index is written last,
+and only then are the files the previous export named removed. A save that stops anywhere before
+the switch leaves the previous export whole; files no export wrote are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def weight_files(directory: Path) -> tuple[list[Path], Path | None]:
+    """The weight files a checkpoint directory's index names (or `model.safetensors`), and the index."""
+    index = directory / INDEX
+    if index.is_file():
+        weight_map = read_index(index)
+        names = sorted(set(weight_map.values()))
+        missing = [name for name in names if not (directory / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shard(s) {missing} that {directory} does not hold: the download "
+                                    "stopped partway or the index belongs to another export; fetch the shards again")
+        return [directory / name for name in names], index
+    if (directory / SINGLE).is_file():
+        return [directory / SINGLE], None
+    raise FileNotFoundError(f"{directory} holds neither {INDEX} nor {SINGLE}")
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """An index's weight_map (tensor name to shard file name), refusing one it cannot read."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{index} is not a safetensors index with a weight_map ({error}); fetch it again") from None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: weight_map is a {type(weight_map).__name__}, not a tensor-to-file mapping")
+    return weight_map
+
+
+class SafetensorsReader:
+    """The tensors of a checkpoint's files, each file memory-mapped; use as a context manager.
+
+    Refuses a truncated or corrupt file, a tensor stored in two files, and an index whose weight_map
+    disagrees with the shards, each by file and tensor name.
+    """
+
+    def __init__(self, files: Sequence[Path], index: Path | None = None):
+        self.files, self.index = [Path(f) for f in files], index
+        self._stack = ExitStack()
+        self._handles: dict[Path, object] = {}
+        self.location: dict[str, Path] = {}
+
+    def __enter__(self) -> "SafetensorsReader":
+        for file in self.files:
+            try:
+                handle = self._stack.enter_context(safe_open(str(file), framework="numpy"))
+            except SafetensorError as error:
+                self._stack.close()
+                raise ValueError(f"{file} is not a readable safetensors file ({error}): it is truncated or corrupt; "
+                                 "download or export it again") from None
+            self._handles[file] = handle
+            for name in handle.keys():
+                if name in self.location:
+                    self._stack.close()
+                    raise ValueError(f"tensor {name!r} is stored in two shards, {self.location[name].name} and "
+                                     f"{file.name}: the checkpoint mixes two exports; keep the files its index names")
+                self.location[name] = file
+        if self.index is not None:
+            self._check_index()
+        return self
+
+    def __exit__(self, *exc_info):
+        self._stack.close()
+
+    def _check_index(self):
+        weight_map = read_index(self.index)
+        for name, file in self.location.items():
+            listed = weight_map.get(name)
+            if listed != file.name:
+                where = "does not list it" if listed is None else f"lists it in {listed}"
+                raise ValueError(f"tensor {name!r} is stored in {file.name} but {self.index.name} {where}: the index "
+                                 "and the shards come from different exports; fetch them together")
+        absent = sorted(set(weight_map) - set(self.location))
+        if absent:
+            raise ValueError(f"{self.index.name} lists tensor(s) {absent[:5]} that no shard holds: a shard is "
+                             "truncated or from another export; fetch the shards again")
+
+    def names(self) -> list[str]:
+        return list(self.location)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.location[name]].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The stored dtype as safetensors spells it: "BF16", "F16", "F32", ..."""
+        return self._handles[self.location[name]].get_slice(name).get_dtype()
+
+    def read(self, name: str) -> np.ndarray:
+        """One tensor, copied out of the memory map."""
+        return self._handles[self.location[name]].get_tensor(name)
+
+
+def shard_size_bytes(max_shard_size: int | str) -> int:
+    """Bytes from an int or a string such as "5GB" (10^9) or "2GiB" (2^30), as transformers reads them."""
+    if isinstance(max_shard_size, int):
+        return max_shard_size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B)\s*", max_shard_size.upper())
+    if not match:
+        raise ValueError(f"max_shard_size {max_shard_size!r} is not a size: give bytes, or a string like '5GB' or "
+                         "'500MiB'")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def write_checkpoint(directory: Path, tensors: Sequence[tuple[str, int, Callable[[], np.ndarray]]],
+                     max_shard_size: int | str, before_switch: Callable[[], None] = lambda: None) -> list[str]:
+    """Write `(name, nbytes, build)` tensors as safetensors over whatever export `directory` holds.
+
+    Each tensor is built only when its shard is written. `before_switch` runs once the new weights are
+    on disk and before they replace the previous export (the caller writes its configs there).
+    Returns the weight file names written.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    limit = shard_size_bytes(max_shard_size)
+    shards: list[list[tuple[str, Callable[[], np.ndarray]]]] = [[]]
+    size = 0
+    for name, nbytes, build in tensors:
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, build))
+        size += nbytes
+    previous = _previous_files(directory)
+    token = secrets.token_hex(4)
+    if len(shards) == 1:
+        staged = directory / f".{SINGLE}.{token}.tmp"
+        _write_shard(staged, shards[0])
+        before_switch()
+        os.replace(staged, directory / SINGLE)
+        written = [SINGLE]
+        stale = previous - {SINGLE}
+    else:
+        written = [f"model-{token}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        weight_map, total = {}, 0
+        for file_name, shard in zip(written, shards):
+            total += _write_shard(directory / file_name, shard)
+            weight_map.update({name: file_name for name, _ in shard})
+        before_switch()
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        write_atomically(directory / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        stale = previous - {INDEX}
+    for name in sorted(stale):
+        (directory / name).unlink(missing_ok=True)
+    return written
+
+
+def _write_shard(path: Path, shard: list[tuple[str, Callable[[], np.ndarray]]]) -> int:
+    arrays = {name: np.ascontiguousarray(build()) for name, build in shard}
+    staged = path.with_name(f".{path.name}.tmp")
+    save_file(arrays, str(staged), metadata={"format": "pt"})
+    _fsync(staged)
+    os.replace(staged, path)
+    return sum(array.nbytes for array in arrays.values())
+
+
+def _previous_files(directory: Path) -> set[str]:
+    """The weight files of the export `directory` holds now: its index and shards, or model.safetensors."""
+    files = set()
+    if (directory / INDEX).is_file():
+        files.add(INDEX)
+        try:
+            files.update(read_index(directory / INDEX).values())
+        except ValueError:
+            pass  # an unreadable index is replaced; its shards cannot be known, so they stay
+    if (directory / SINGLE).is_file():
+        files.add(SINGLE)
+    return files
+
+
+def write_atomically(path: Path, text: str | bytes) -> None:
+    """Replace `path` in one rename, so a reader sees the old file or the new one, never a part."""
+    staged = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    staged.write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
+    _fsync(staged)
+    os.replace(staged, path)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())

