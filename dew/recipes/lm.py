@@ -122,11 +122,32 @@ class LMRun:
         return state
 
 
+# What --model.config may still set when --pretrained decides the architecture.
+_PRETRAINED_OVERRIDES = ("max_seq_len", "dtype", "attention_impl")
+
+
+def _model(config: LMRunConfig, meta: dict[str, Any]):
+    """(model, variables to start from or None, the source as recorded: a hub id pinned to its commit)."""
+    if config.pretrained is None:
+        return config.model.build(vocab_size=meta["vocab_size"]), None, None
+    fixed = sorted(set(config.model.config) - set(_PRETRAINED_OVERRIDES))
+    if fixed:
+        raise ValueError(
+            f"--pretrained {config.pretrained} decides the architecture, so --model.config may set only "
+            f"{list(_PRETRAINED_OVERRIDES)}, not {fixed}: drop them from --model.config"
+        )
+    from dew.interop import load_pretrained
+
+    bundle = load_pretrained(config.pretrained, **config.model.config)
+    source = config.pretrained if bundle.revision is None else f"{config.pretrained.split('@')[0]}@{bundle.revision}"
+    return bundle.model, bundle.variables, source
+
+
 def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
     """Build everything `config` describes and open its run directory; refuse before writing anything."""
     data = _load_data(config)
     meta = data.meta
-    model = config.model.build(vocab_size=meta["vocab_size"])
+    model, held, source = _model(config, meta)
     if model.config.vocab_size < meta["vocab_size"]:
         raise ValueError(
             f"--model.config vocab_size {model.config.vocab_size} is below the vocab_size {meta['vocab_size']} "
@@ -136,7 +157,7 @@ def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
         model, config.data.seq_len, ema_decay=config.ema_decay, samples=_samples(config, model.config.max_seq_len),
         balance_rate=config.balance_rate, aux_loss_alpha=config.aux_loss_alpha, seq_aux=config.seq_aux,
         router_z_loss=config.router_z_loss, mtp_weight=config.mtp_weight, indexer=config.indexer,
-        token_accuracy=config.token_accuracy,
+        token_accuracy=config.token_accuracy, pretrained=held,
     )
     settings = config.trainer
     trainer = Trainer(objective, config.optim.build(settings.steps), key=jax.random.key(settings.seed),
@@ -150,7 +171,7 @@ def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
             run_id = "dew-" + hashlib.sha1(str(directory.path.resolve()).encode()).hexdigest()[:16]
             trackers.append(WandB(directory.path, settings.wandb, run_id=run_id, mode=settings.wandb_mode,
                                   config=to_json(config)))
-        notes = directory.open(_record(config, model, meta, command))
+        notes = directory.open({**_record(config, model, meta, command), "pretrained": source})
     return LMRun(config, data, objective, trainer, directory, trackers, notes)
 
 

@@ -100,7 +100,7 @@ def test_the_guides_flags_parse():
 
 @pytest.mark.parametrize("flags, message", [
     (["--tokenizer", "gpt2"], "--tokenizer 'gpt2' is not the tokenizer 'byte' that wrote"),
-    (["--pretrained", "Qwen/Qwen3-0.6B"], "loading published checkpoints is not built"),
+    (["--pretrained", "Qwen/Qwen3-0.6B"], "decides the architecture, so --model.config may set only"),
     (["--objective", "block_diffusion"], "block diffusion is not built"),
     (["--objective", "ar"], "objective is 'ar'; use one of"),
     (["--block-prompt-tokens", "128"], "block_prompt_tokens is 128, but it shapes only --objective block_diffusion"),

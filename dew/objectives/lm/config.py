@@ -66,11 +66,6 @@ class LMRunConfig:
                 f"--objective {self.objective}: {_OBJECTIVES[self.objective]} is not built in Dew yet; "
                 "leave --objective at lm"
             )
-        if self.pretrained is not None:
-            raise NotImplementedError(
-                f"--pretrained {self.pretrained}: loading published checkpoints is not built in Dew yet; "
-                "leave --pretrained unset to train from scratch"
-            )
         if self.lora is not None:
             raise NotImplementedError(f"lora={self.lora!r}: LoRA adapters are not built in Dew yet; leave lora unset")
         block = {"block_prompt_tokens": (self.block_prompt_tokens, 256),
