@@ -40,8 +40,9 @@ def tokenize(input: str, out: str, tokenizer: str, val_fraction: float = 0.01, w
     started = time.perf_counter()
     meta = tokenize_text(input, out, tokenizer, val_fraction, workers, eos_between_files=eos_between_files)
     tokens = meta["train_tokens"] + meta["val_tokens"]
+    seconds = time.perf_counter() - started
     print(f"{out}: {tokens:,} tokens ({meta['val_tokens']:,} val, {meta['dtype']}, {meta['tokenizer']}) "
-          f"in {time.perf_counter() - started:.1f} s")
+          f"in {seconds:.1f} s, {tokens / max(seconds, 1e-9):,.0f} tokens/s")
 
 
 def plot(runs: Positional[Annotated[tuple[str, ...], tyro.conf.arg(metavar="RUN [RUN ...]")]], out: str) -> None:

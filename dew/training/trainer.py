@@ -214,7 +214,7 @@ class Trainer:
             self.compile_seconds = time.perf_counter() - started
         return self._compiled[signature]
 
-    def _eval_step(self, state: TrainState, batch: dict):
+    def _eval_step(self, batch: dict):
         signature = ("eval", tuple((k, v.shape) for k, v in sorted(batch.items())))
         if signature not in self._compiled:
 
@@ -234,7 +234,7 @@ class Trainer:
         for host_batch in data.val(self._partition()):
             self.objective.check_batch(host_batch)
             batch = place_batch(self.mesh, host_batch)
-            run = self._eval_step(state, batch)
+            run = self._eval_step(batch)
             stats_list.append(jax.device_get(run(state.evaluated, batch, state.step, state.key)))
         if not stats_list:
             raise ValueError("the validation split produced no batch")
