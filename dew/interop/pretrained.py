@@ -7,9 +7,7 @@ and once at save (each tensor built when its shard is written).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +21,7 @@ from dew.data.tokenizers import HFTokenizer
 from dew.inference import TextGeneration
 from dew.interop import gguf_files, hf_decoders
 from dew.interop.gguf_files import GGUFCheckpoint
-from dew.interop.hub import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, resolve, resolve_gguf
+from dew.interop.hub import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, converted_directory, resolve, resolve_gguf
 from dew.interop.safetensors_files import SafetensorsReader, write_atomically, write_checkpoint
 from dew.nn.transformer import CausalTransformer, DecoderConfig
 from dew.sampling import Sampling
@@ -158,14 +156,6 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     tokenizer = HFTokenizer(directory) if (directory / "tokenizer.json").is_file() else None
     return Pretrained(model, {"params": params}, tokenizer, config, sampling, budget, snapshot.revision,
                       directory, generation_config)
-
-
-def converted_directory(path: Path) -> Path:
-    """Where files Dew derives from a checkpoint file are kept: `$XDG_CACHE_HOME/dew/converted/` (or ~/.cache)."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "dew" / "converted" / f"{path.stem}-{key}"
 
 
 def generation_defaults(generation: Mapping[str, Any] | None, config: Mapping[str, Any],

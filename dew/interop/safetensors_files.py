@@ -173,7 +173,7 @@ def _write_shard(path: Path, shard: list[tuple[str, Callable[[], np.ndarray]]]) 
     arrays = {name: np.ascontiguousarray(build()) for name, build in shard}
     staged = path.with_name(f".{path.name}.tmp")
     save_file(arrays, str(staged), metadata={"format": "pt"})
-    _fsync(staged)
+    fsync(staged)
     os.replace(staged, path)
     return sum(array.nbytes for array in arrays.values())
 
@@ -196,10 +196,11 @@ def write_atomically(path: Path, text: str | bytes) -> None:
     """Replace `path` in one rename, so a reader sees the old file or the new one, never a part."""
     staged = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     staged.write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
-    _fsync(staged)
+    fsync(staged)
     os.replace(staged, path)
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush `path`'s bytes to the disk, so a rename that follows never publishes a partly written file."""
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())

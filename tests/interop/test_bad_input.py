@@ -113,8 +113,12 @@ def test_directory_without_safetensors(checkpoint):
     (directory / "model.safetensors").rename(directory / "Model-Q4_K_M.gguf")
     with pytest.raises(FileNotFoundError, match=r"GGUF file\(s\) \['Model-Q4_K_M.gguf'\]: .*gguf_file='Model-Q4_K_M.gguf'"):
         load_pretrained(directory)
-    (directory / "Model-Q4_K_M.gguf").rename(directory / "pytorch_model.bin")
-    with pytest.raises(FileNotFoundError, match=r"only PyTorch pickles \['pytorch_model.bin'\]"):
+    (directory / "Model-Q4_K_M.gguf").rename(directory / "pytorch_model-00001-of-00002.bin")
+    with pytest.raises(FileNotFoundError, match=r"PyTorch pickles \['pytorch_model-00001-of-00002.bin'\] but neither "
+                                                r"pytorch_model.bin nor the pytorch_model.bin.index.json"):
+        load_pretrained(directory)
+    (directory / "pytorch_model-00001-of-00002.bin").rename(directory / "pytorch_model.bin")  # safetensors bytes
+    with pytest.raises(ValueError, match=r"pytorch_model.bin is not a PyTorch weights file torch.load\(weights_only"):
         load_pretrained(directory)
     with pytest.raises(FileNotFoundError, match="neither a local directory nor a Hub repository id"):
         load_pretrained(str(directory / "no such" / "dir"))
