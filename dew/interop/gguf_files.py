@@ -32,6 +32,10 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# llama.cpp's rotary scaling keys (after `{arch}.rope.scaling.`) and the transformers rope_parameters key each is;
+# with these alone, llama.cpp's linear and YaRN rotations are transformers' ones.
+_ROPE_SCALING_KEYS = {"factor": "factor", "original_context_length": "original_max_position_embeddings",
+                      "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
 _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
            "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 
@@ -83,8 +87,9 @@ class GGUFCheckpoint:
                 unknown.append(tensor.name)
             self._tensors[name or tensor.name] = tensor
         if "rope_freqs.weight" in unknown:
-            raise ValueError(f"{self.path.name} holds rope_freqs.weight: a Llama 3 rotary scaling, which is not built "
-                             "in Dew (only rope_type 'default' is)")
+            raise ValueError(f"{self.path.name} holds rope_freqs.weight, llama.cpp's precomputed Llama 3 rotary "
+                             "scaling, which Dew does not read: load the safetensors checkpoint, whose config.json "
+                             "gives the scaling as rope_parameters")
         self.location = {name: self.path for name in self._tensors}
 
     def __enter__(self) -> "GGUFCheckpoint":
@@ -120,8 +125,26 @@ class GGUFCheckpoint:
             config["partial_rotary_factor"] = rotated / head_dim
         scaling = get("rope.scaling.type")
         if scaling not in (None, "none"):
-            config["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor")}
+            config["rope_scaling"] = self._rope_scaling(scaling)
         return config
+
+    def _rope_scaling(self, kind: str) -> dict:
+        """transformers' rope_parameters for llama.cpp's `rope.scaling.*` metadata."""
+        if kind not in ("linear", "yarn"):
+            raise ValueError(f"{self.path.name} uses llama.cpp's {kind!r} rotary scaling, which Dew does not read "
+                             "from a GGUF file (linear and yarn it does): load the safetensors checkpoint")
+        prefix = f"{self.architecture}.rope.scaling."
+        scaling = {"rope_type": kind}
+        for key, value in self.metadata.items():
+            suffix = key.removeprefix(prefix)
+            if key == suffix or suffix in ("type", "finetuned"):
+                continue
+            if suffix not in _ROPE_SCALING_KEYS:
+                raise ValueError(f"{self.path.name} sets {key} = {value!r}, which Dew does not compute: it reads "
+                                 f"{sorted(_ROPE_SCALING_KEYS)} of llama.cpp's rotary scaling; load the safetensors "
+                                 "checkpoint")
+            scaling[_ROPE_SCALING_KEYS[suffix]] = value
+        return scaling
 
     def names(self) -> list[str]:
         return list(self._tensors)

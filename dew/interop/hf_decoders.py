@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from dew.nn.rotary import SCALINGS, RopeScaling
 from dew.nn.transformer import FULL, SLIDING, DecoderConfig
 
 # Fields of transformers' PreTrainedConfig that say nothing about the decoder's numbers.
@@ -103,7 +104,10 @@ class Family:
     `window` says how the family reads a sliding window: "none" (attends to every key), "all"
     (Mistral: every layer), "layer_types" (per-layer types, with `default_pattern` when the config
     has none) or "qwen" (`use_sliding_window` and `max_window_layers`). `rope_thetas` are the
-    full and sliding layers' defaults when the config names no theta.
+    full and sliding layers' defaults when the config names no theta. With `rope_by_layer_type`
+    (Gemma 3, OLMo 3) each layer type has its own rotary setting: `rope_parameters` is nested by
+    type, the older `rope_scaling` applies to full layers only, and sliding layers take the older
+    theta from `sliding_theta_field` (None: the family default).
     """
 
     model_type: str
@@ -114,7 +118,8 @@ class Family:
     default_pattern: Any = None
     rope_thetas: tuple[float, float] = (10000.0, 10000.0)
     activation_field: str = "hidden_act"
-    sliding_theta_field: str = "rope_theta"
+    rope_by_layer_type: bool = False
+    sliding_theta_field: str | None = None
     legacy_fields: frozenset[str] = frozenset()
 
 
@@ -142,7 +147,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in [
             "final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False},
            dict(_GEMMA_KNOBS, norm_placement="sandwich", qk_norm=True), window="layer_types",
            default_pattern=_gemma3_pattern, rope_thetas=(1_000_000.0, 10_000.0), activation_field="hidden_activation",
-           sliding_theta_field="rope_local_base_freq",
+           rope_by_layer_type=True, sliding_theta_field="rope_local_base_freq",
            legacy_fields=frozenset({"rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern"})),
     Family("olmo2", "Olmo2Config", _OLMO2_FIELDS, dict(norm_style="olmo", norm_placement="post", qk_norm=True,
                                                         qk_norm_scope="projection")),
@@ -150,7 +155,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in [
            dict(norm_style="olmo", norm_placement="post", qk_norm=True, qk_norm_scope="projection"),
            window="layer_types", default_pattern=lambda source, layers: [SLIDING if (i + 1) % 4 else FULL
                                                                         for i in range(layers)],
-           rope_thetas=(500_000.0, 500_000.0)),
+           rope_thetas=(500_000.0, 500_000.0), rope_by_layer_type=True),
 ]}
 
 
@@ -250,16 +255,26 @@ def decoder_kwargs(source: Mapping[str, Any], where: str = "config.json") -> dic
         kwargs["attn_softcap"] = fields.get("attn_logit_softcapping")
         kwargs["logit_softcap"] = fields.get("final_logit_softcapping")
     layer_types = _read_window(fields, kwargs)
-    thetas = _rope_thetas(fields)
-    kwargs["rope_theta"] = thetas[FULL]
-    if layer_types is not None and thetas[SLIDING] != thetas[FULL]:
-        kwargs["local_rope_theta"] = thetas[SLIDING]
+    ropes = _rotary(fields, kwargs["max_seq_len"])
+    kwargs["rope_theta"], kwargs["rope_scaling"] = ropes[FULL]
+    if ropes[SLIDING] != ropes[FULL] and SLIDING in (layer_types or ()):
+        if "layer_types" not in kwargs:
+            fields.refuse("sliding_window", None, "its sliding layers rotate with their own rotary setting, and Dew "
+                          "tells them apart only with a window: give the window the model was trained with")
+        (theta, scaling), (full_theta, full_scaling) = ropes[SLIDING], ropes[FULL]
+        if theta != full_theta:
+            kwargs["local_rope_theta"] = theta
+        if scaling != full_scaling:
+            kwargs["local_rope_scaling"] = scaling
     fields.finish()
     return kwargs
 
 
 def _read_window(fields: _Fields, kwargs: dict) -> list[str] | None:
-    """Set `sliding_window` and `layer_types` as the family applies them; returns the layer types."""
+    """Set `sliding_window` and `layer_types` as the family applies them.
+
+    Returns the type transformers gives each layer (None where the family has no types), windowed or not.
+    """
     family, layers = fields.family, kwargs["num_layers"]
     if family.window == "none":
         return None
@@ -276,41 +291,82 @@ def _read_window(fields: _Fields, kwargs: dict) -> list[str] | None:
         ]
     else:
         layer_types = fields.get("layer_types") or family.default_pattern(fields.source, layers)
-    if window is None or SLIDING not in layer_types:
-        return None  # transformers' sliding layers attend to every key when the config has no window
-    kwargs.update(sliding_window=window, layer_types=tuple(layer_types))
-    return layer_types
+    # transformers' sliding layers attend to every key when the config has no window
+    if window is not None and SLIDING in layer_types:
+        kwargs.update(sliding_window=window, layer_types=tuple(layer_types))
+    return list(layer_types)
 
 
-def _rope_thetas(fields: _Fields) -> dict[str, float]:
-    """The rotary base of full and sliding layers, from `rope_parameters` or the older `rope_theta`."""
+# The rope_parameters keys each rotary scaling reads besides rope_type and rope_theta, as transformers
+# names them, and the `RopeScaling` field each becomes.
+_ROPE_KEYS = {"factor": "factor", "original_max_position_embeddings": "original_max_seq_len",
+              "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor", "beta_fast": "beta_fast",
+              "beta_slow": "beta_slow", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim",
+              "attention_factor": "attention_factor", "truncate": "truncate"}
+_ROPE_PARAMETERS = {kind: [key for key, field in _ROPE_KEYS.items() if field in reads]
+                    for kind, reads in SCALINGS.items()}
+
+
+def _rotary(fields: _Fields, max_seq_len: int) -> dict[str, tuple[float, RopeScaling]]:
+    """The rotary base and scaling of full and sliding layers, from `rope_parameters` or the older
+    `rope_theta` and `rope_scaling`, as the family's transformers config resolves them."""
     family, source = fields.family, fields.source
-    parameters = fields.get("rope_parameters")
-    scaling = source.get("rope_scaling")
-    defaults = {FULL: source.get("rope_theta", family.rope_thetas[0]),
-                SLIDING: source.get(family.sliding_theta_field, family.rope_thetas[1])}
-    nested = isinstance(parameters, Mapping) and any(key in parameters for key in (FULL, SLIDING))
-    if nested:
-        by_type = {FULL: dict(parameters.get(FULL) or {}), SLIDING: dict(parameters.get(SLIDING) or {})}
-        if scaling:
-            by_type[FULL].update(scaling)
+    parameters = fields.get("rope_parameters") or {}
+    scaling = source.get("rope_scaling") or {}
+    nested = any(key in parameters for key in (FULL, SLIDING))
+    if family.rope_by_layer_type:
+        if parameters and not nested:
+            fields.refuse("rope_parameters", parameters, f"transformers' {family.config_class} reads one setting per "
+                          f"layer type and ignores a flat one: nest it as {{{FULL!r}: {{...}}, {SLIDING!r}: {{...}}}}")
+        by_type = {FULL: {**(parameters.get(FULL) or {}), **scaling}, SLIDING: dict(parameters.get(SLIDING) or {})}
+        by_type[FULL].setdefault("rope_theta", source.get("rope_theta", family.rope_thetas[0]))
+        sliding_theta = family.rope_thetas[1]
+        if family.sliding_theta_field is not None:
+            sliding_theta = source.get(family.sliding_theta_field, sliding_theta)
+        by_type[SLIDING].setdefault("rope_theta", sliding_theta)
     else:
-        flat = dict(scaling or parameters or {})
-        by_type = {FULL: flat, SLIDING: dict(flat)}
-    thetas = {}
-    for layer_type, rope in by_type.items():
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        extra = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")}
-        if extra.get("partial_rotary_factor", 1.0) == 1.0:
-            extra.pop("partial_rotary_factor", None)
-        if kind != "default" or extra:
-            fields.refuse("rope_parameters", rope, "Dew builds only rope_type 'default' (no scaling, every feature "
-                          "rotated); other rotary scalings are not built yet")
-        thetas[layer_type] = float(rope.get("rope_theta", defaults[layer_type]))
+        if nested:
+            fields.refuse("rope_parameters", parameters, f"transformers' {family.config_class} gives every layer one "
+                          "rotary setting: write rope_parameters as one dict, not one per layer type")
+        rope = dict(scaling or parameters)
+        rope.setdefault("rope_theta", source.get("rope_theta", family.rope_thetas[0]))
+        by_type = {FULL: rope, SLIDING: rope}
     partial = source.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         fields.refuse("partial_rotary_factor", partial, "Dew rotates every feature of a head")
-    return thetas
+    return {layer_type: _rope(fields, rope, max_seq_len) for layer_type, rope in by_type.items()}
+
+
+def _rope(fields: _Fields, rope: Mapping[str, Any], max_seq_len: int) -> tuple[float, RopeScaling]:
+    """One layer type's rotary base and `RopeScaling`, with the defaults transformers fills in."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    given = {key: value for key, value in rope.items() if key not in ("rope_type", "type", "rope_theta")}
+    if given.pop("partial_rotary_factor", 1.0) != 1.0:
+        fields.refuse("rope_parameters", rope, "Dew rotates every feature of a head (partial_rotary_factor 1)")
+    if kind not in SCALINGS:
+        fields.refuse("rope_parameters", rope, f"rope_type {kind!r} is not built; Dew builds {', '.join(SCALINGS)}")
+    unknown = sorted(set(given) - set(_ROPE_PARAMETERS[kind]))
+    if unknown:
+        fields.refuse("rope_parameters", rope, f"rope_type {kind!r} reads {_ROPE_PARAMETERS[kind]}, not {unknown}: "
+                      "remove them if the model was trained without them")
+    if kind in ("llama3", "yarn"):
+        given.setdefault("original_max_position_embeddings", max_seq_len)
+    if kind == "yarn":
+        # transformers' YaRN: no factor is the ratio of the lengths, and an unset or zero beta its default
+        if given.get("factor") is None:
+            given["factor"] = max_seq_len / given["original_max_position_embeddings"]
+        given.update(beta_fast=given.get("beta_fast") or 32.0, beta_slow=given.get("beta_slow") or 1.0,
+                     truncate=bool(given.get("truncate", True)))
+        if fields.family.rope_by_layer_type and not given["truncate"]:
+            fields.refuse("rope_parameters", rope, f"transformers' {fields.family.config_class} reads truncate only "
+                          "from a flat rope_parameters, and always truncates in a per-layer-type one: remove it")
+    if kind != "default" and given.get("factor") is None:
+        fields.refuse("rope_parameters", rope, f"rope_type {kind!r} needs a factor")
+    try:
+        scaling = RopeScaling(kind, **{_ROPE_KEYS[key]: value for key, value in given.items()})
+    except (TypeError, ValueError) as error:
+        fields.refuse("rope_parameters", rope, str(error))
+    return float(rope["rope_theta"]), scaling
 
 
 def param_dtype_name(source: Mapping[str, Any]) -> str | None:

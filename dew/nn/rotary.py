@@ -1,18 +1,144 @@
-"""Rotary position embeddings in the rotate-half layout transformers' Llama uses."""
+"""Rotary position embeddings in the rotate-half layout transformers' Llama uses, with the frequency
+scalings published checkpoints use (linear, Llama 3's, YaRN), computed the way transformers computes them."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+# Each kind of scaling and the `RopeScaling` fields it reads.
+SCALINGS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "original_max_seq_len", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate"),
+}
 
 
-def rotary_angles(positions_BS: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How a rotary embedding stretches its frequencies past the length it was trained at.
+
+    `kind` is transformers' `rope_type`, and the fields its parameters:
+    - "default": no scaling.
+    - "linear": every frequency divided by `factor`.
+    - "llama3" (Llama 3.1/3.2): frequencies whose wavelength is above `original_max_seq_len / low_freq_factor`
+      divided by `factor`, those below `original_max_seq_len / high_freq_factor` kept, a smooth blend between.
+    - "yarn": the lowest frequencies divided by `factor` and the highest kept, blended over the dimensions
+      that turn between `beta_slow` and `beta_fast` times in `original_max_seq_len` positions (the band
+      widened to whole dimensions with `truncate`); cos and sin are multiplied by `attention_factor`,
+      by default `0.1 * ln(factor) + 1`, or the ratio of that with `mscale` and with `mscale_all_dim`.
+    A field the kind does not read keeps its default.
+    """
+
+    kind: str = "default"
+    factor: float = 1.0
+    original_max_seq_len: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.kind not in SCALINGS:
+            raise ValueError(f"rope_type {self.kind!r} is not built; Dew builds {', '.join(SCALINGS)}")
+        unread = [field.name for field in dataclasses.fields(self)
+                  if field.name != "kind" and field.name not in SCALINGS[self.kind]
+                  and getattr(self, field.name) != field.default]
+        if unread:
+            raise ValueError(f"rope_type {self.kind!r} does not read {unread}; it reads {list(SCALINGS[self.kind])}")
+        if self.factor <= 0:
+            raise ValueError(f"rope_type {self.kind!r} has factor {self.factor}; it must be positive")
+        if self.kind in ("llama3", "yarn") and (self.original_max_seq_len or 0) < 1:
+            raise ValueError(f"rope_type {self.kind!r} has original_max_seq_len {self.original_max_seq_len}: give "
+                             "the context length the model was pretrained at")
+        if self.kind == "llama3":
+            low, high = self.low_freq_factor, self.high_freq_factor
+            if low is None or high is None or not 0 < low < high:
+                raise ValueError(f"rope_type 'llama3' has low_freq_factor {low} and high_freq_factor {high}: both are "
+                                 "needed, with 0 < low_freq_factor < high_freq_factor (Llama 3.1 uses 1 and 4)")
+
+
+def rotary_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()) -> tuple[np.ndarray, float]:
+    """The inverse frequencies, float32 `[head_dim // 2]`, and the factor cos and sin are multiplied by.
+
+    Computed on the host in float32, one rounding per step in transformers' order, so the tables agree
+    with its own up to its float32 power function's last bit.
+    """
+    f32 = np.float32
+    exponents_F = np.arange(0, head_dim, 2).astype(f32) / f32(head_dim)
+    powers_F = f32(theta) ** exponents_F
+    inv_freq_F = f32(1) / powers_F
+    s = scaling
+    if s.kind == "default":
+        return inv_freq_F, 1.0
+    if s.kind == "linear":
+        return inv_freq_F / f32(s.factor), 1.0
+    if s.kind == "llama3":
+        # torch divides a scalar by a tensor as reciprocal-then-multiply; so does this.
+        wavelen_F = (f32(1) / inv_freq_F) * f32(2 * math.pi)
+        long_wavelen = s.original_max_seq_len / s.low_freq_factor
+        short_wavelen = s.original_max_seq_len / s.high_freq_factor
+        scaled_F = np.where(wavelen_F > f32(long_wavelen), inv_freq_F / f32(s.factor), inv_freq_F)
+        span = f32(s.high_freq_factor - s.low_freq_factor)
+        smooth_F = ((f32(1) / wavelen_F) * f32(s.original_max_seq_len) - f32(s.low_freq_factor)) / span
+        blended_F = (f32(1) - smooth_F) * scaled_F / f32(s.factor) + smooth_F * scaled_F
+        between = ~(wavelen_F < f32(short_wavelen)) & ~(wavelen_F > f32(long_wavelen))
+        return np.where(between, blended_F, scaled_F).astype(f32), 1.0
+    return _yarn_frequencies(head_dim, theta, s, powers_F)
+
+
+def _yarn_frequencies(head_dim: int, theta: float, s: RopeScaling, powers_F: np.ndarray) -> tuple[np.ndarray, float]:
+    """YaRN's frequencies from the unscaled `theta ** (2i / head_dim)`, and its attention factor."""
+    f32 = np.float32
+
+    def magnitude(factor: float, mscale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+    attention_factor = s.attention_factor
+    if attention_factor is None:
+        if s.mscale and s.mscale_all_dim:
+            attention_factor = magnitude(s.factor, s.mscale) / magnitude(s.factor, s.mscale_all_dim)
+        else:
+            attention_factor = magnitude(s.factor)
+
+    def dimension_turning(turns: float) -> float:
+        """The (fractional) dimension whose frequency turns `turns` times in `original_max_seq_len` positions."""
+        return head_dim * math.log(s.original_max_seq_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_turning(s.beta_fast), dimension_turning(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp_F = np.clip((np.arange(head_dim // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1)
+    kept_F = f32(1) - ramp_F  # 1 where a frequency is kept, 0 where it is divided by factor
+    divided_F = f32(1) / (f32(s.factor) * powers_F)
+    inv_freq_F = divided_F * (f32(1) - kept_F) + (f32(1) / powers_F) * kept_F
+    return inv_freq_F.astype(f32), float(attention_factor)
+
+
+def rotary_angles(positions_BS: jax.Array, head_dim: int, theta: float,
+                  scaling: RopeScaling = RopeScaling()) -> tuple[jax.Array, jax.Array]:
     """cos and sin tables, float32 `[B, S, head_dim]`, for integer positions `[B, S]`."""
-    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
-    inv_freq_F = 1.0 / (theta**exponents)
-    freqs_BSF = positions_BS.astype(jnp.float32)[..., None] * inv_freq_F
+    inv_freq_F, attention_factor = rotary_frequencies(head_dim, theta, scaling)
+    freqs_BSF = positions_BS.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F)
     angles_BSD = jnp.concatenate([freqs_BSF, freqs_BSF], axis=-1)
-    return jnp.cos(angles_BSD), jnp.sin(angles_BSD)
+    cos_BSD, sin_BSD = jnp.cos(angles_BSD), jnp.sin(angles_BSD)
+    if attention_factor != 1.0:
+        factor = jnp.float32(attention_factor)
+        cos_BSD, sin_BSD = cos_BSD * factor, sin_BSD * factor
+    return cos_BSD, sin_BSD
 
 
 def apply_rotary(x_BSHD: jax.Array, cos_BSD: jax.Array, sin_BSD: jax.Array) -> jax.Array:

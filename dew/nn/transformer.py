@@ -9,7 +9,7 @@ activation, attention scale and softcaps, and which layers slide.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,7 @@ from dew.nn.attention import Attention
 from dew.nn.kv_cache import LayerCache
 from dew.nn.mlp import ACTIVATIONS, GatedMLP
 from dew.nn.norms import NORM_STYLES, RMSNorm
-from dew.nn.rotary import rotary_angles
+from dew.nn.rotary import RopeScaling, rotary_angles
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -55,9 +55,11 @@ class DecoderConfig:
     - `activation`: the MLP gate's "silu", "gelu_tanh" or "gelu".
     - `query_scale`: the attention scores' factor (default `head_dim ** -0.5`); `attn_softcap` caps
       the scores, `logit_softcap` the output logits, `c * tanh(x / c)`.
+    - `rope_scaling`: how the rotary frequencies are stretched past the pretraining length (a
+      `dew.nn.rotary.RopeScaling`, or its fields as a dict); the default scales nothing.
     - `layer_types`: one "full_attention" or "sliding_attention" per layer; only sliding layers
-      use `sliding_window` and `local_rope_theta` (default `rope_theta`). Without it, every layer
-      uses `sliding_window`.
+      use `sliding_window`, `local_rope_theta` (default `rope_theta`) and `local_rope_scaling`
+      (default `rope_scaling`). Without it, every layer uses `sliding_window`.
     """
 
     vocab_size: int
@@ -87,6 +89,8 @@ class DecoderConfig:
     attn_softcap: float | None = None
     layer_types: tuple[str, ...] | None = None
     local_rope_theta: float | None = None
+    rope_scaling: RopeScaling = RopeScaling()
+    local_rope_scaling: RopeScaling | None = None
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -94,6 +98,9 @@ class DecoderConfig:
         set_ = lambda name, value: object.__setattr__(self, name, value)
         set_("dtype", as_dtype(self.dtype))
         set_("param_dtype", as_dtype(self.param_dtype))
+        for name in ("rope_scaling", "local_rope_scaling"):
+            if isinstance(getattr(self, name), Mapping):  # a config read back from JSON
+                set_(name, RopeScaling(**getattr(self, name)))
         if self.num_kv_heads is None:
             set_("num_kv_heads", self.num_heads)
         if self.head_dim is None:
@@ -133,8 +140,10 @@ class DecoderConfig:
                 raise ValueError(f"layer_types holds {unknown}; each layer is {FULL!r} or {SLIDING!r}")
             if SLIDING in self.layer_types and self.sliding_window is None:
                 raise ValueError(f"layer_types names {SLIDING!r} layers but sliding_window is None: give the width")
-        elif self.local_rope_theta is not None:
-            raise ValueError("local_rope_theta applies to sliding layers: give layer_types too, or drop it")
+        else:
+            for name in ("local_rope_theta", "local_rope_scaling"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} applies to sliding layers: give layer_types too, or drop it")
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer `index`, None for full attention."""
@@ -143,8 +152,14 @@ class DecoderConfig:
         return None
 
     def layer_rope_theta(self, index: int) -> float:
+        return self.layer_rope(index)[0]
+
+    def layer_rope(self, index: int) -> tuple[float, RopeScaling]:
+        """The rotary base and scaling of layer `index`; sliding layers take the local ones where given."""
         sliding = self.layer_types is not None and self.layer_types[index] == SLIDING
-        return self.local_rope_theta if sliding and self.local_rope_theta is not None else self.rope_theta
+        theta = self.local_rope_theta if sliding and self.local_rope_theta is not None else self.rope_theta
+        scaling = self.local_rope_scaling if sliding and self.local_rope_scaling is not None else self.rope_scaling
+        return theta, scaling
 
 
 class DecoderLayer(nn.Module):
@@ -208,13 +223,13 @@ class CausalTransformer(nn.Module):
         x_BSE = embed(tokens).astype(c.dtype)
         if c.scale_embeddings:
             x_BSE = x_BSE * jnp.asarray(c.emb_features**0.5, c.dtype)
-        thetas = sorted({c.layer_rope_theta(i) for i in range(c.num_layers)})
-        rotary = {theta: rotary_angles(positions, c.head_dim, theta) for theta in thetas}
+        ropes = dict.fromkeys(c.layer_rope(i) for i in range(c.num_layers))  # in layer order, each once
+        rotary = {rope: rotary_angles(positions, c.head_dim, *rope) for rope in ropes}
         new_cache = []
         for i in range(c.num_layers):
             layer_cache = None if cache is None else cache[i]
             x_BSE, layer_cache = DecoderLayer(c, i, name=f"layers_{i}")(
-                x_BSE, rotary[c.layer_rope_theta(i)], slots_BS, segments_BS, layer_cache
+                x_BSE, rotary[c.layer_rope(i)], slots_BS, segments_BS, layer_cache
             )
             new_cache.append(layer_cache)
         hidden_BSE = RMSNorm(c.norm_eps, c.norm_style, dtype=c.dtype, param_dtype=c.param_dtype, name="norm")(x_BSE)

@@ -40,8 +40,10 @@ def _gguf_name(name: str) -> str:
     return f"{ {hf: g for g, hf in _TOP.items()}['.'.join(parts[:-1])] }.{parts[-1]}"
 
 
-def write_gguf(model, path: Path) -> Path:
-    """The model as llama.cpp would write it: Q8_0 where the rows allow, float32 elsewhere."""
+def write_gguf(model, path: Path, extra=None) -> Path:
+    """The model as llama.cpp would write it: Q8_0 where the rows allow, float32 elsewhere.
+
+    `extra(writer)`, when given, adds to the metadata and tensors before the model's tensors."""
     config, arch = model.config, model.config.model_type
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
@@ -55,6 +57,12 @@ def write_gguf(model, path: Path) -> Path:
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    if rope["rope_type"] != "default":
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        writer.add_rope_scaling_factor(rope["factor"])
+        if "original_max_position_embeddings" in rope:
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_tokenizer_model("gpt2")
@@ -64,6 +72,8 @@ def write_gguf(model, path: Path) -> Path:
     writer.add_token_merges(["H i"])
     writer.add_bos_token_id(95)
     writer.add_eos_token_id(96)
+    if extra is not None:
+        extra(writer)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -113,6 +123,35 @@ def test_gguf_export_is_a_transformers_checkpoint(tiny_gguf, tmp_path):
     np.testing.assert_array_equal(np.asarray(exported.model.apply(exported.variables, jnp.asarray(TOKENS_IN))),
                                   np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(TOKENS_IN))))
     assert exported.tokenizer.encode("Hi!") == [94, 0]
+
+
+@pytest.mark.parametrize("case", ["llama-linear-rope", "qwen3-yarn-rope"])
+def test_gguf_rotary_scaling_matches_transformers(case, tmp_path):
+    model = torch_model(case)
+    path = write_gguf(model, tmp_path / "tiny.Q8_0.gguf")
+    bundle = load_pretrained(tmp_path, gguf_file=path.name)
+    assert bundle.model.config.rope_scaling.kind == model.config.rope_parameters["rope_type"]
+    # transformers' GGUF config drops llama.cpp's rotary scaling for these architectures, so the oracle
+    # reads the file's weights under the checkpoint's own config. Observed: 7.9e-6 (linear), 8.3e-6 (yarn).
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                                                     config=model.config).eval()
+    with torch.no_grad():
+        theirs = theirs_model(torch.from_numpy(TOKENS_IN)).logits.numpy()
+    ours = np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(TOKENS_IN, jnp.int32)))
+    assert np.abs(theirs).max() > 2.0
+    np.testing.assert_allclose(ours, theirs, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (lambda writer: writer.add_rope_scaling_yarn_log_mul(0.1),
+     r"sets qwen3.rope.scaling.yarn_log_multiplier = 0.1.*which Dew does not compute"),
+    (lambda writer: writer.add_tensor("rope_freqs.weight", np.ones(8, np.float32)),
+     r"holds rope_freqs.weight, llama.cpp's precomputed Llama 3 rotary scaling, which Dew does not read"),
+])
+def test_gguf_rotary_scalings_dew_does_not_read_are_refused(extra, message, tmp_path):
+    path = write_gguf(torch_model("qwen3-yarn-rope"), tmp_path / "tiny.gguf", extra=extra)
+    with pytest.raises(ValueError, match=message):
+        load_pretrained(tmp_path, gguf_file=path.name)
 
 
 def test_unsupported_architecture_and_missing_file(tmp_path):

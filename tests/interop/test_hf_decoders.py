@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from dew.interop.hf_decoders import FAMILIES, decoder_kwargs, hf_name, param_dtype_name
+from dew.nn.rotary import RopeScaling
 from tests.interop.conftest import transformers
 
 _CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "ministral": "MinistralConfig", "qwen2": "Qwen2Config",
@@ -90,9 +91,26 @@ def test_qwen25_inert_mrope_flag():
 
 @pytest.mark.parametrize("source, message", [
     ({"model_type": "llama", "sliding_window": 4096}, "sliding_window 4096 but transformers' LlamaConfig attends to every key"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     "'rope_parameters' .* rope_type 'dynamic' is not built; Dew builds default, linear, llama3, yarn"),
+    ({"model_type": "qwen2", "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0],
+                                                 "long_factor": [2.0]}},
+     "rope_type 'longrope' is not built; Dew builds default, linear, llama3, yarn"),
     ({"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
-     "'rope_parameters' .* only rope_type 'default'"),
-    ({"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0}}, "'rope_parameters'"),
+     "'rope_parameters' .* low_freq_factor None and high_freq_factor None: both are needed"),
+    ({"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0, "low_freq_factor": 1.0}},
+     "rope_type 'linear' reads \\['factor'\\], not \\['low_freq_factor'\\]"),
+    ({"model_type": "llama", "rope_scaling": {"type": "linear"}}, "rope_type 'linear' needs a factor"),
+    ({"model_type": "llama", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+     "rotates every feature of a head"),
+    ({"model_type": "llama", "partial_rotary_factor": 0.5}, "'partial_rotary_factor' = 0.5.*every feature"),
+    ({"model_type": "llama", "rope_parameters": {"full_attention": {"rope_type": "default"}}},
+     "transformers' LlamaConfig gives every layer one rotary setting"),
+    ({"model_type": "olmo3", "rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+     "transformers' Olmo3Config reads one setting per layer type and ignores a flat one"),
+    ({"model_type": "olmo3", "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "truncate": False}},
+     "always truncates in a per-layer-type one"),
+    ({"model_type": "gemma3_text", "sliding_window": None}, "'sliding_window' = None .* sliding layers rotate with"),
     ({"model_type": "llama", "hidden_act": "relu"}, "'hidden_act' = 'relu'.*activations Dew has"),
     ({"model_type": "qwen2", "attention_dropout": 0.1}, "'attention_dropout' = 0.1.*no attention dropout"),
     ({"model_type": "llama", "mup_scale": 2.0}, "field 'mup_scale' = 2.0 is not a field of transformers' LlamaConfig"),
@@ -121,6 +139,47 @@ def test_gemma3_legacy_rotary_and_pattern():
                              "rope_local_base_freq": 1e4, "sliding_window_pattern": 2})
     assert kwargs["layer_types"] == ("sliding_attention", "full_attention") * 2
     assert (kwargs["rope_theta"], kwargs["local_rope_theta"]) == (1e6, 1e4)
+
+
+# The rotary scalings of published configs (Llama 3.2, Qwen3's long-context recipe, Gemma 3 4B, OLMo 3) and
+# a DeepSeek-style YaRN that leaves the factor to the lengths.
+UNSCALED = RopeScaling()
+
+
+@pytest.mark.parametrize("source, full, sliding", [
+    ({"model_type": "llama", "max_position_embeddings": 131072, "rope_theta": 500000.0,
+      "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                       "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
+     RopeScaling("llama3", 32.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0), None),
+    ({"model_type": "qwen3", "max_position_embeddings": 131072,
+      "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+     RopeScaling("yarn", 4.0, 32768), None),
+    ({"model_type": "llama", "max_position_embeddings": 163840,
+      "rope_parameters": {"type": "yarn", "factor": None, "original_max_position_embeddings": 4096, "mscale": 1.0,
+                          "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}},
+     RopeScaling("yarn", 40.0, 4096, mscale=1.0, mscale_all_dim=1.0), None),
+    ({"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0}}, RopeScaling("linear", 2.0), None),
+    ({"model_type": "gemma3_text", "num_hidden_layers": 6, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+     RopeScaling("linear", 8.0), UNSCALED),
+    ({"model_type": "olmo3", "num_hidden_layers": 4, "max_position_embeddings": 65536,
+      "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+                       "attention_factor": 1.2079441541679836, "beta_fast": 32, "beta_slow": 1}},
+     RopeScaling("yarn", 8.0, 8192, attention_factor=1.2079441541679836), UNSCALED),
+], ids=["llama-3.2", "qwen3-yarn", "deepseek-style-yarn", "llama-linear", "gemma-3-4b", "olmo-3"])
+def test_rotary_scalings_read_as_transformers_resolves_them(source, full, sliding):
+    kwargs = decoder_kwargs(source)
+    assert kwargs["rope_scaling"] == full
+    assert kwargs.get("local_rope_scaling") == sliding  # Gemma 3 and OLMo 3 scale only their full layers
+    resaved = getattr(transformers, _CLASSES[source["model_type"]])(**source).to_dict()
+    assert decoder_kwargs(resaved) == kwargs
+
+
+def test_olmo3_older_rope_theta_is_the_full_layers_only():
+    # transformers' Olmo3Config gives sliding layers its default 500000 whatever the older rope_theta says.
+    kwargs = decoder_kwargs({"model_type": "olmo3", "num_hidden_layers": 4, "rope_theta": 1000.0})
+    assert (kwargs["rope_theta"], kwargs["local_rope_theta"]) == (1000.0, 500000.0)
+    resaved = transformers.Olmo3Config(num_hidden_layers=4, rope_theta=1000.0).to_dict()
+    assert decoder_kwargs(resaved) == kwargs
 
 
 def test_tensor_names():

@@ -1,0 +1,109 @@
+"""Rotary frequencies and tables against transformers' own, for each scaling Dew builds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew import models
+from dew.nn.rotary import SCALINGS, RopeScaling, rotary_angles, rotary_frequencies
+from dew.recipes.config import to_json
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: E402
+
+# (head_dim, theta, scaling): the published settings, and the tiny ones the family parity tests use.
+CASES = {
+    "default": (128, 10000.0, RopeScaling()),
+    "default-tiny": (16, 500.0, RopeScaling()),
+    "linear-gemma-3": (256, 1e6, RopeScaling("linear", 8.0)),
+    "llama3-llama-3.1": (128, 5e5, RopeScaling("llama3", 8.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0)),
+    "llama3-llama-3.2": (64, 5e5, RopeScaling("llama3", 32.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0)),
+    "llama3-tiny": (16, 500.0, RopeScaling("llama3", 4.0, 32, low_freq_factor=1.0, high_freq_factor=4.0)),
+    "yarn-qwen3": (128, 1e6, RopeScaling("yarn", 4.0, 32768)),
+    "yarn-olmo-3": (128, 5e5, RopeScaling("yarn", 8.0, 8192, attention_factor=1.2079441541679836)),
+    "yarn-mscale": (64, 1e4, RopeScaling("yarn", 40.0, 4096, beta_fast=24.0, beta_slow=2.0, mscale=0.707,
+                                         mscale_all_dim=1.0)),
+    "yarn-untruncated": (16, 100.0, RopeScaling("yarn", 4.0, 64, truncate=False)),
+    "yarn-tiny": (16, 100.0, RopeScaling("yarn", 4.0, 64)),
+}
+# torch's float32 power function and numpy's can differ in the last bit: 2 of these 480 frequencies
+# differ, by 1 ulp (1.1e-7 relative); the attention factors agree exactly.
+RTOL = 2.5e-7
+_TRANSFORMERS_NAMES = {"kind": "rope_type", "original_max_seq_len": "original_max_position_embeddings"}
+
+
+def _transformers_config(head_dim: int, theta: float, scaling: RopeScaling):
+    rope = {"rope_theta": theta}
+    for field in dataclasses.fields(scaling):
+        if field.name == "kind" or field.name in SCALINGS[scaling.kind]:
+            value = getattr(scaling, field.name)
+            if value is not None:
+                rope[_TRANSFORMERS_NAMES.get(field.name, field.name)] = value
+    return transformers.LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                                    max_position_embeddings=int(scaling.factor * (scaling.original_max_seq_len or 64)),
+                                    rope_parameters=rope)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_frequencies_match_transformers(case):
+    head_dim, theta, scaling = CASES[case]
+    config = _transformers_config(head_dim, theta, scaling)
+    if scaling.kind == "default":
+        theirs, their_factor = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        theirs, their_factor = ROPE_INIT_FUNCTIONS[scaling.kind](config)
+    ours, our_factor = rotary_frequencies(head_dim, theta, scaling)
+    assert ours.dtype == np.float32 and ours.shape == (head_dim // 2,)
+    np.testing.assert_allclose(ours, theirs.numpy(), rtol=RTOL, atol=0, err_msg=case)
+    assert our_factor == pytest.approx(their_factor, rel=1e-15)
+
+
+@pytest.mark.parametrize("case", ["llama3-tiny", "yarn-mscale", "yarn-tiny"])
+def test_tables_match_transformers_rotary_embedding(case):
+    head_dim, theta, scaling = CASES[case]
+    module = LlamaRotaryEmbedding(_transformers_config(head_dim, theta, scaling))
+    positions = np.array([[0, 1, 2, 7, 63, 255], [5, 16, 31, 64, 200, 1000]])
+    with torch.no_grad():
+        their_cos, their_sin = module(torch.zeros(1, dtype=torch.float32), torch.from_numpy(positions))
+    our_cos, our_sin = rotary_angles(jnp.asarray(positions, jnp.int32), head_dim, theta, scaling)
+    # cos and sin of the same float32 angles, scaled: the largest difference observed is 1.2e-7.
+    np.testing.assert_allclose(np.asarray(our_cos), their_cos.numpy(), atol=2e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(our_sin), their_sin.numpy(), atol=2e-6, rtol=0)
+    attention_factor = rotary_frequencies(head_dim, theta, scaling)[1]
+    assert np.abs(np.asarray(our_cos)).max() == pytest.approx(attention_factor)  # YaRN's factor scales the tables
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(kind="dynamic", factor=2.0), "rope_type 'dynamic' is not built; Dew builds default, linear, llama3, yarn"),
+    (dict(kind="linear", factor=2.0, beta_fast=16.0), "rope_type 'linear' does not read \\['beta_fast'\\]"),
+    (dict(kind="default", factor=2.0), "rope_type 'default' does not read \\['factor'\\]"),
+    (dict(kind="llama3", factor=8.0, original_max_seq_len=8192), "low_freq_factor None and high_freq_factor None"),
+    (dict(kind="llama3", factor=8.0, original_max_seq_len=8192, low_freq_factor=4.0, high_freq_factor=1.0),
+     "0 < low_freq_factor < high_freq_factor"),
+    (dict(kind="yarn", factor=4.0), "original_max_seq_len None: give the context length"),
+    (dict(kind="linear", factor=0.0), "factor 0.0; it must be positive"),
+])
+def test_bad_scalings_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        RopeScaling(**fields)
+
+
+def test_decoder_config_reads_scaling_back_from_json_and_stays_hashable():
+    scaling = RopeScaling("yarn", 4.0, 64)
+    model = models.build("causal_transformer", vocab_size=8, emb_features=32, num_layers=2, num_heads=4,
+                         sliding_window=4, layer_types=("sliding_attention", "full_attention"),
+                         rope_scaling=scaling, local_rope_scaling=RopeScaling())
+    config = model.config
+    rebuilt = models.build("causal_transformer", **json.loads(json.dumps(to_json(config)))).config
+    assert rebuilt == config and hash(rebuilt) == hash(config)
+    assert [config.layer_rope(i) for i in range(2)] == [(10000.0, RopeScaling()), (10000.0, scaling)]
+    with pytest.raises(ValueError, match="local_rope_scaling applies to sliding layers"):
+        models.build("causal_transformer", vocab_size=8, emb_features=32, num_layers=2, num_heads=4,
+                     local_rope_scaling=scaling)
