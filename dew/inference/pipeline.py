@@ -19,7 +19,8 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
     A run directory (it holds `run.json`) rebuilds the recorded model and tokenizer and reads the
     checkpoint at `step` (default the latest): the averaged weights when `ema` is set and the run
     keeps them, else the live ones. Anything else is a published checkpoint for
-    `dew.interop.load_pretrained(source, **load)`.
+    `dew.interop.load_pretrained(source, **load)`, its weights placed once on the current device
+    mesh (`mesh=MeshSpec()`, `layout=Layout()` unless `load` names others).
     """
     path = Path(source)
     if (path / "run.json").is_file():
@@ -32,7 +33,9 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
         raise ValueError(
             f"{source} is not a run directory (no run.json), and loading published checkpoints is not available: {error}"
         ) from None
-    return load_pretrained(source, **load).text_generation()
+    from dew.training.mesh import Layout, MeshSpec
+
+    return load_pretrained(source, **{"mesh": MeshSpec(), "layout": Layout(), **load}).text_generation()
 
 
 def _from_run(path: Path, *, ema: bool, step: int | None) -> TextGeneration:

@@ -1,7 +1,8 @@
 """`load_pretrained` and `Pretrained`: a transformers decoder checkpoint as a native Dew model, and back.
 
-Weights are renamed and transposed once at load (one tensor at a time from the memory-mapped files)
-and once at save (each tensor built when its shard is written).
+Weights are renamed and transposed once at load (one tensor at a time from the memory-mapped files,
+placed on a device mesh one device shard at a time when a mesh is given) and once at save (each
+tensor built when its shard is written).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from dew.data.tokenizers import HFTokenizer
 from dew.inference import TextGeneration
@@ -25,6 +27,7 @@ from dew.interop.hub import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, converte
 from dew.interop.safetensors_files import SafetensorsReader, write_atomically, write_checkpoint
 from dew.nn.transformer import CausalTransformer, DecoderConfig
 from dew.sampling import Sampling
+from dew.training.mesh import Layout, MeshSpec
 
 ATTENTION_IMPLS = ("xla",)
 _STORED_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -108,7 +111,8 @@ class Pretrained:
 
 
 def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", max_seq_len: int | None = None,
-                    attention_impl: str | None = None, gguf_file: str | None = None) -> Pretrained:
+                    attention_impl: str | None = None, gguf_file: str | None = None, mesh: MeshSpec | None = None,
+                    layout: Layout | None = None) -> Pretrained:
     """Load a transformers decoder checkpoint, or one GGUF file, as a native Dew model.
 
     `source` is a local directory (config.json and model.safetensors, or shards with
@@ -119,7 +123,15 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     checkpoint's dtype (config.json's `dtype` or `torch_dtype`, else the first floating tensor's;
     float32 for GGUF). `max_seq_len` overrides the config's max_position_embeddings;
     `attention_impl` names the attention kernel ("xla", the one Dew has).
+
+    With `mesh` or `layout` (the other defaults to `MeshSpec()` or `Layout()`), every parameter is a
+    `jax.Array` split over `mesh.build()` the way `Layout.shardings` splits it for the `Trainer`:
+    each device's shard is cut from one tensor read from the memory-mapped file, and that tensor is
+    released before the next is read, so the host never holds the whole translated model. Without
+    either, parameters are uncommitted arrays on the default device.
     """
+    device_mesh = None if mesh is None and layout is None else (mesh or MeshSpec()).build()
+    layout = layout or Layout()
     if attention_impl not in (None, *ATTENTION_IMPLS):
         raise ValueError(f"attention_impl {attention_impl!r} is not built; Dew's attention kernels are "
                          f"{list(ATTENTION_IMPLS)}")
@@ -152,7 +164,7 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         if param_dtype == "auto":
             param_dtype = hf_decoders.param_dtype_name(config) or _first_float_dtype(reader)
         model = CausalTransformer(DecoderConfig(**kwargs, dtype=dtype, param_dtype=param_dtype))
-        params = _read_params(reader, model, config["model_type"])
+        params = _read_params(reader, model, config["model_type"], device_mesh, layout)
     tokenizer = HFTokenizer(directory) if (directory / "tokenizer.json").is_file() else None
     return Pretrained(model, {"params": params}, tokenizer, config, sampling, budget, snapshot.revision,
                       directory, generation_config)
@@ -202,10 +214,16 @@ def _first_float_dtype(reader: SafetensorsReader) -> str:
     return "float32"
 
 
-def _read_params(reader: SafetensorsReader, model: CausalTransformer, model_type: str) -> dict:
-    """The Dew parameter tree from the checkpoint's tensors, checking names, shapes and dtypes."""
+def _read_params(reader: SafetensorsReader, model: CausalTransformer, model_type: str, mesh: Mesh | None = None,
+                 layout: Layout = Layout()) -> dict:
+    """The Dew parameter tree from the checkpoint's tensors, checking names, shapes and dtypes.
+
+    On a `mesh`, each tensor is placed shard by shard with the sharding `layout` gives it; without
+    one, every parameter is uncommitted on the default device.
+    """
     config = model.config
     shapes = _expected_params(model)
+    shardings = None if mesh is None else layout.shardings(mesh, shapes)
     plan = hf_decoders.tensor_plan(shapes)
     expected = {name for name, _, _ in plan}
     present = set(reader.names())
@@ -231,9 +249,20 @@ def _read_params(reader: SafetensorsReader, model: CausalTransformer, model_type
         if reader.dtype(name) not in _STORED_DTYPES:
             raise ValueError(f"tensor {name!r} in {reader.location[name].name} is stored as {reader.dtype(name)}: "
                              "Dew reads float16, bfloat16 and float32 weights; load the unquantized checkpoint")
-        array = reader.read(name)
-        _set_leaf(params, path, jnp.asarray(array.T if transposed else array, dtype=config.param_dtype))
+        host = _host_tensor(reader, name, transposed, config.param_dtype)
+        if shardings is None:
+            _set_leaf(params, path, jnp.asarray(host))
+        else:
+            _set_leaf(params, path, jax.make_array_from_callback(host.shape, _leaf(shardings, path),
+                                                                 lambda index, host=host: host[index]))
+        del host  # rebinding it only after the next read would hold two tensors on the host at once
     return params
+
+
+def _host_tensor(reader: SafetensorsReader, name: str, transposed: bool, dtype) -> np.ndarray:
+    """One checkpoint tensor in Dew's orientation and parameter dtype, as a host array."""
+    array = reader.read(name)
+    return np.asarray(array.T if transposed else array, dtype=jnp.dtype(dtype))
 
 
 def _expected_params(model: CausalTransformer):
