@@ -39,9 +39,11 @@ def attention_mask(
     return allowed
 
 
-def attend(q_BSHD, k_BTKD, v_BTKD, mask_BST, *, causal_blocks: bool = False, scale: float | None = None,
+def attend(q_BSHD, k_BKTD, v_BKTD, mask_BST, *, causal_blocks: bool = False, scale: float | None = None,
            softcap: float | None = None, block: int = 128) -> jax.Array:
     """Softmax attention in float32 for `H` query heads over `K` shared key/value heads.
+
+    Queries are `[B, S, H, D]`, keys and values heads-major `[B, K, T, D]` (the KV cache's layout).
 
     Scores are `q . k` times `scale` (default `head_dim ** -0.5`), then, with `softcap`, squashed
     to `softcap * tanh(scores / softcap)` (Gemma 2).
@@ -51,15 +53,14 @@ def attend(q_BSHD, k_BTKD, v_BTKD, mask_BST, *, causal_blocks: bool = False, sca
     never computed, and each block's scores stay in cache (2x faster on this CPU at 256 tokens).
     """
     B, S, H, D = q_BSHD.shape
-    K, T = k_BTKD.shape[2], k_BTKD.shape[1]
+    K = k_BKTD.shape[1]
     q_BKGSD = q_BSHD.reshape(B, S, K, H // K, D).transpose(0, 2, 3, 1, 4)
-    k_BKTD, v_BKTD = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3)
     scale = D**-0.5 if scale is None else scale
     starts = range(0, S, block) if causal_blocks else (0,)
     outputs = []
     for start in starts:
         stop = min(start + block, S) if causal_blocks else S
-        end = stop if causal_blocks else T
+        end = stop if causal_blocks else k_BKTD.shape[2]
         scores_BKGST = jnp.einsum(
             "bkgsd,bktd->bkgst", q_BKGSD[:, :, :, start:stop], k_BKTD[:, :, :end], preferred_element_type=jnp.float32
         ) * scale
@@ -124,11 +125,12 @@ class Attention(nn.Module):
         k_BSKD = apply_rotary(k_BSKD, *rotary)
 
         if cache is None:
-            keys, values, k_slots, k_segments = k_BSKD, v_BSKD, slots_BS, segments_BS
+            keys, values = k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3)
+            k_slots, k_segments = slots_BS, segments_BS
         else:
             cache = cache.write(k_BSKD, v_BSKD, segments_BS)
             keys, values, k_segments = cache.keys, cache.values, cache.segments
-            k_slots = jnp.broadcast_to(jnp.arange(keys.shape[1], dtype=jnp.int32), keys.shape[:2])
+            k_slots = jnp.broadcast_to(jnp.arange(keys.shape[2], dtype=jnp.int32), k_segments.shape)
         mask_BST = attention_mask(slots_BS, k_slots, segments_BS, k_segments, causal=self.causal, window=self.window)
         # Without a cache the query slots are the key slots, so a causal pass can skip future blocks.
         out_BSHD = attend(q_BSHD, keys, values, mask_BST, causal_blocks=self.causal and cache is None,

@@ -14,8 +14,8 @@ def test_causal_blocks_equal_one_full_pass(window):
     rng = np.random.default_rng(0)
     B, S, H, K, D = 2, 11, 4, 2, 8
     q = jnp.asarray(rng.normal(size=(B, S, H, D)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(B, S, K, D)), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(B, S, K, D)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, K, S, D)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, K, S, D)), jnp.float32)
     slots = jnp.broadcast_to(jnp.arange(S), (B, S))
     segments = jnp.asarray([[1] * 5 + [2] * 6, [1] * 9 + [0] * 2], jnp.int32)
     mask = attention_mask(slots, slots, segments, segments, causal=True, window=window)
