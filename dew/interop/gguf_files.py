@@ -4,7 +4,8 @@ The llama, qwen2 and qwen3 architectures load; the file's metadata becomes a con
 read by the same family code as a safetensors checkpoint, and each tensor is dequantized from the
 memory-mapped file when the loader asks for it, under its transformers name and layout. llama.cpp
 stores a llama model's query and key rows permuted for its interleaved rotary layout; they are put
-back in transformers' order here.
+back in transformers' order here. The tokenizer is rebuilt from the vocabulary in the metadata the way
+transformers builds it: byte-level BPE ("gpt2") or SentencePiece BPE ("llama").
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ import numpy as np
 from dew.interop.hf_decoders import FAMILIES
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp token types
+_SPACE = "\u2581"  # SentencePiece's spelling of a space
+# Per-token arrays, read with `field` when the tokenizer is built rather than kept in `metadata`.
+_VOCABULARY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.merges",
+                    "tokenizer.ggml.token_type")
+_SPECIAL_TOKEN_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                      "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
 _BLOCK = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -75,7 +82,7 @@ class GGUFCheckpoint:
             raise ValueError(f"{self.path} is not a readable GGUF file ({error}): it is truncated or corrupt; "
                              "download it again") from None
         self.metadata = {key: field.contents() for key, field in self._reader.fields.items()
-                         if key not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")}
+                         if key not in _VOCABULARY_KEYS}
         self.architecture = self.metadata.get("general.architecture")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"{self.path.name} holds a {self.architecture!r} model: Dew reads the GGUF architectures "
@@ -178,19 +185,48 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_tokenizer(checkpoint: GGUFCheckpoint, directory: Path) -> bool:
-    """Write tokenizer.json and tokenizer_config.json for the file's byte-level BPE vocabulary.
+    """Write tokenizer.json and tokenizer_config.json for the file's vocabulary, as transformers builds it.
 
-    Returns False (writing nothing) when the file holds no vocabulary or a kind Dew cannot build.
+    Byte-level BPE ("gpt2") and SentencePiece BPE ("llama") are built. Returns False (writing nothing)
+    when the file holds no vocabulary or another kind (unigram "t5", WordPiece "bert", "rwkv").
     """
-    import tokenizers
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
 
     kind = checkpoint.metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in _TOKENIZER_BUILDERS:
         return False
     tokens = checkpoint.field("tokenizer.ggml.tokens")
+    token_types = checkpoint.field("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    tokenizer = _TOKENIZER_BUILDERS[kind](checkpoint, tokens)
+    named = {name: tokens[checkpoint.metadata[key]] for name, key in _SPECIAL_TOKEN_IDS.items()
+             if key in checkpoint.metadata}
+    # transformers makes the tokens the file names (bos, eos, unk, pad) special whatever their type
+    special = [token for token, token_type in zip(tokens, token_types) if token_type == _CONTROL]
+    special += [token for token in named.values() if token not in special]
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in special])
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False)
+                          for token, token_type in zip(tokens, token_types) if token_type == _USER_DEFINED])
+    # llama.cpp starts a SentencePiece sequence with BOS unless the file says otherwise
+    add_bos = bool(checkpoint.metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")) and "bos_token" in named
+    add_eos = bool(checkpoint.metadata.get("tokenizer.ggml.add_eos_token", False)) and "eos_token" in named
+    if add_bos or add_eos:
+        tokenizer.post_processor = _bos_eos_template(named.get("bos_token") if add_bos else None,
+                                                     named.get("eos_token") if add_eos else None, tokenizer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {**named, "add_bos_token": add_bos, "add_eos_token": add_eos}
+    if "tokenizer.chat_template" in checkpoint.metadata:
+        config["chat_template"] = checkpoint.metadata["tokenizer.chat_template"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return True
+
+
+def _byte_level_bpe(checkpoint: GGUFCheckpoint, tokens: list[str]):
+    """GPT-2-style BPE over bytes spelled as characters, split first by the file's pre-tokenizer pattern."""
+    import tokenizers
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+
     merges = checkpoint.field("tokenizer.ggml.merges") or []
-    token_types = checkpoint.field("tokenizer.ggml.token_type") or [1] * len(tokens)
     tokenizer = tokenizers.Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)},
                                                 [tuple(merge.split(" ", 1)) for merge in merges]))
     split = _SPLITS.get(checkpoint.metadata.get("tokenizer.ggml.pre"))
@@ -201,16 +237,65 @@ def write_tokenizer(checkpoint: GGUFCheckpoint, directory: Path) -> bool:
                                                            pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                     use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
-                                  for token, kind in zip(tokens, token_types) if kind == _CONTROL])
-    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False)
-                          for token, kind in zip(tokens, token_types) if kind == _USER_DEFINED])
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    config = {name: tokens[checkpoint.metadata[key]] for name, key in (
-        ("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id"),
-        ("pad_token", "tokenizer.ggml.padding_token_id")) if key in checkpoint.metadata}
-    if "tokenizer.chat_template" in checkpoint.metadata:
-        config["chat_template"] = checkpoint.metadata["tokenizer.chat_template"]
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    return True
+    return tokenizer
+
+
+def _sentencepiece_bpe(checkpoint: GGUFCheckpoint, tokens: list[str]):
+    """SentencePiece BPE (Llama 2, Mistral 7B, TinyLlama): spaces are "▁", text outside the vocabulary
+    falls back to the `<0xNN>` byte tokens, and a space is put before the text unless the file's
+    `add_space_prefix` is false."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    merges = checkpoint.field("tokenizer.ggml.merges")
+    if merges is not None:
+        pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    else:
+        scores = checkpoint.field("tokenizer.ggml.scores")
+        if scores is None:
+            raise ValueError(f"{checkpoint.path.name} holds a SentencePiece vocabulary with neither "
+                             "tokenizer.ggml.merges nor tokenizer.ggml.scores, so its merges cannot be rebuilt: "
+                             "put the model's tokenizer.json beside the file")
+        pairs = _merges_from_scores(tokens, scores)
+    unk_id = checkpoint.metadata.get("tokenizer.ggml.unknown_token_id")
+    tokenizer = tokenizers.Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, pairs,
+                                                unk_token=None if unk_id is None else tokens[unk_id],
+                                                fuse_unk=True, byte_fallback=True))
+    space_prefix = bool(checkpoint.metadata.get("tokenizer.ggml.add_space_prefix", True))
+    # "first": the space goes before the text's first piece only, not after each special token within it
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, split=False,
+                                                       prepend_scheme="first" if space_prefix else "never")
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] * space_prefix)
+    return tokenizer
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies: every cut of a piece into two pieces of the vocabulary,
+    ranked by the whole piece's score, best first; ties go to the longer left part, then the longer right part,
+    then file order (transformers' order, so its GGUF tokenizer and this one agree)."""
+    vocab = set(tokens)
+    ranked = []  # (sort key, merge)
+    for token, score in dict(zip(tokens, scores)).items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append(((-score, -len(left), -len(right)), (left, right)))
+    ranked.sort(key=lambda entry: entry[0])  # stable: equal keys keep file order
+    return [merge for _, merge in ranked]
+
+
+def _bos_eos_template(bos: str | None, eos: str | None, tokenizer):
+    """The post-processor that puts BOS before and EOS after each sequence, as transformers' GGUF tokenizers do."""
+    from tokenizers import processors
+
+    def wrapped(sequence: str, type_id: int) -> list[str]:
+        return ([f"{bos}:{type_id}"] * (bos is not None) + [f"${sequence}:{type_id}"]
+                + [f"{eos}:{type_id}"] * (eos is not None))
+
+    return processors.TemplateProcessing(single=wrapped("A", 0), pair=wrapped("A", 0) + wrapped("B", 1),
+                                         special_tokens=[(token, tokenizer.token_to_id(token))
+                                                         for token in (bos, eos) if token is not None])
+
+
+_TOKENIZER_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}

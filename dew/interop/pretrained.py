@@ -146,8 +146,8 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
                 directory = converted
             else:
                 kind = reader.metadata.get("tokenizer.ggml.model")
-                warnings.warn(f"{where}: building a tokenizer of kind {kind!r} from a GGUF file is not built (only "
-                              "byte-level BPE, 'gpt2', is); the bundle has no tokenizer: put the model's "
+                warnings.warn(f"{where}: Dew builds GGUF tokenizers of kinds 'gpt2' (byte-level BPE) and 'llama' "
+                              f"(SentencePiece), not {kind!r}; the bundle has no tokenizer: put the model's "
                               "tokenizer.json beside the file", stacklevel=2)
     else:
         snapshot = resolve(source)
