@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import machine, smollm2_directory
+from benchmarks.common import decoder_flops_per_token, machine, matmul_peak, smollm2_directory
 from dew import models
 from dew.sampling import Sampling, generate
 
@@ -106,8 +106,16 @@ def main():
     else:
         model, variables, torch_model, shape = random_llama(SHAPES[args.shape])
 
+    c = model.config
+    # a decoded token's forward FLOPs at the mean context length of the decode
+    flops_per_token = decoder_flops_per_token(c.num_layers, c.emb_features, c.num_heads, c.num_kv_heads,
+                                              c.mlp_features, c.vocab_size, args.prompt + args.new // 2) / 3
+    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(variables))
+    peak = matmul_peak(jnp.float32)
     print(f"machine: {machine()}, torch {torch.__version__} with {torch.get_num_threads()} threads")
-    print(f"model: {args.shape} {shape}; prompt {args.prompt} tokens, {args.new} new, greedy")
+    print(f"model: {args.shape} {shape}; prompt {args.prompt} tokens, {args.new} new, greedy; "
+          f"{weight_bytes / 2**20:,.0f} MiB of weights read per decode step")
+    print(f"XLA matmul peak (2048^2, fp32): {peak / 1e9:.0f} GFLOP/s")
     rng = np.random.default_rng(0)
     for batch in (1, 8):
         prompts = rng.integers(1, shape["vocab_size"], (batch, args.prompt)).tolist()
@@ -121,6 +129,10 @@ def main():
             f"transformers first token {theirs_first * 1e3:.0f} ms, decode {theirs_rate:,.1f} tokens/s | "
             f"decode ratio {ours_rate / theirs_rate:.2f}x, first-token ratio {theirs_first / ours_first:.2f}x"
         )
+        step_seconds = batch / ours_rate
+        print(f"batch {batch}: dew decode {ours_rate * flops_per_token / 1e9:.1f} GFLOP/s "
+              f"({ours_rate * flops_per_token / peak:.0%} of the matmul peak), weights streamed at "
+              f"{weight_bytes / step_seconds / 1e9:.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from benchmarks.common import machine
-from benchmarks.train_step import dew_step
+from benchmarks.common import decoder_flops_per_token, machine, matmul_peak
+from benchmarks.train_step import SHAPE, dew_step
 from dew.nn.transformer import project
 from dew.objectives.base import Mean
 from dew.objectives.lm import LMObjective, LMStatistics
@@ -69,7 +69,10 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     tokens = args.batch * args.seq
-    print(f"machine: {machine()}")
+    flops = decoder_flops_per_token(SHAPE["num_layers"], SHAPE["emb_features"], SHAPE["num_heads"],
+                                    SHAPE["num_kv_heads"], SHAPE["mlp_features"], args.vocab, args.seq) * tokens
+    peak = matmul_peak(jnp.float32)
+    print(f"machine: {machine()}; XLA matmul peak (2048^2, fp32) {peak / 1e9:.0f} GFLOP/s")
     print(f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}, fp32, AdamW; logits [N, V] float32 = "
           f"{tokens * args.vocab * 4 / 2**20:,.0f} MiB")
 
@@ -86,7 +89,8 @@ def main():
         seconds, _, temp = dew_step(args.vocab, args.seq, args.batch, jnp.float32, args.steps,
                                     objective_class=objective)
         results[name] = (seconds, temp)
-        print(f"{name}: {tokens / seconds:,.0f} tokens/s, step temporaries {temp / 2**20:,.0f} MiB")
+        print(f"{name}: {tokens / seconds:,.0f} tokens/s ({flops / seconds / 1e9:.0f} GFLOP/s, "
+              f"{flops / seconds / peak:.0%} of peak), step temporaries {temp / 2**20:,.0f} MiB")
     (chunked_s, chunked_temp), (plain_s, plain_temp) = results.values()
     print(f"whole step, chunked / unchunked: memory {chunked_temp / plain_temp:.2f}x (target <= 0.5x), "
           f"speed {plain_s / chunked_s:.3f}x (target >= 0.95x)")

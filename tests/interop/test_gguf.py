@@ -167,6 +167,23 @@ def test_unsupported_architecture_and_missing_file(tmp_path):
         load_pretrained(tmp_path, gguf_file="other.gguf")
 
 
+def test_quantization_the_gguf_package_cannot_dequantize_is_refused(tmp_path):
+    def store_query_as_q8_1(writer):
+        add_tensor = writer.add_tensor
+
+        def add(name, array, raw_dtype=None, **kwargs):
+            if name == "blk.0.attn_q.weight":  # 32 x 32: one Q8_1 block of 40 bytes per row
+                return add_tensor(name, np.zeros((32, 40), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+            return add_tensor(name, array, raw_dtype=raw_dtype, **kwargs)
+
+        writer.add_tensor = add
+
+    write_gguf(torch_model("llama"), tmp_path / "odd.gguf", extra=store_query_as_q8_1)
+    with pytest.raises(ValueError, match=r"tensor blk.0.attn_q.weight in odd.gguf is quantized as Q8_1, which the "
+                                         r"gguf package .* cannot dequantize"):
+        load_pretrained(tmp_path, gguf_file="odd.gguf")
+
+
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SmolLM2's 30 layers, logits up to 30: observed difference 1.5e-4 from transformers' GGUF load.
 SMOLLM2_TOLERANCE = 1e-3
