@@ -13,7 +13,7 @@ from flax import struct
 
 from dew.nn.transformer import head_weight
 from dew.objectives.base import Aux, Mean, PathFilter, Step, Variables, path_filter
-from dew.objectives.lm.loss import chunked_cross_entropy, weighted_cross_entropy
+from dew.objectives.lm.loss import chunked_cross_entropy
 
 TEXT_KEY = "text"
 """Batch key the token pipeline packs `[B, seq_len + 1]` int32 ids under."""
@@ -190,7 +190,6 @@ class LMObjective:
 
         With `segment_ids`, the last token of a document does not predict the first of the next one
         and padding (segment 0) predicts nothing; the model reads `positions` for its rotary angles.
-        The scores differentiate per token (the head's logits are made again in the backward pass).
         """
         hidden_NE, weight, targets_N, weights_BS, transposed = self._head_inputs(params, tokens, rngs, segment_ids,
                                                                                  positions)
@@ -221,20 +220,17 @@ class LMObjective:
                 weights_BS, transposed)
 
     def _statistics(self, params, batch) -> LMStatistics:
-        """The batch's loss, cross entropy and accuracy sums over its target count.
-
-        Only the loss differentiates; its gradient is made in the same pass over the head as the
-        loss (`weighted_cross_entropy`), so the head's logits are never made twice.
-        """
-        hidden_NE, weight, targets_N, weights_BS, transposed = self._head_inputs(
-            params, batch[TEXT_KEY], None, batch.get(SEGMENTS_KEY), batch.get(POSITIONS_KEY))
-        w = weights_BS.reshape(-1)
-        total, (ce, lse, correct) = weighted_cross_entropy(
-            hidden_NE, weight, targets_N, w, self.z_loss * w, transposed=transposed, chunks=self.head_chunks,
-            softcap=self.model.config.logit_softcap)
+        scores = self.token_scores(
+            params, batch[TEXT_KEY], segment_ids=batch.get(SEGMENTS_KEY), positions=batch.get(POSITIONS_KEY)
+        )
+        w = scores.weights
         count = jnp.sum(w)
-        accuracy = Mean(jnp.sum(correct * w), count) if self.token_accuracy else None
-        return LMStatistics(loss=Mean(total, count), ce=Mean(jnp.sum(ce * w), count), token_accuracy=accuracy)
+        ce = Mean(jnp.sum(scores.losses * w), count)
+        loss = ce
+        if self.z_loss:
+            loss = Mean(ce.total + self.z_loss * jnp.sum(jnp.square(scores.lse) * w), count)
+        accuracy = Mean(jnp.sum(scores.correct * w), count) if self.token_accuracy else None
+        return LMStatistics(loss=loss, ce=ce, token_accuracy=accuracy)
 
     def loss(self, params, batch, step: Step) -> tuple[LMStatistics, Aux]:
         return self._statistics(params, batch), {}
