@@ -19,26 +19,30 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
     A run directory (it holds `run.json`) rebuilds the recorded model and tokenizer and reads the
     checkpoint at `step` (default the latest): the averaged weights when `ema` is set and the run
     keeps them, else the live ones. Anything else is a published checkpoint for
-    `dew.interop.load_pretrained(source, **load)`, its weights placed once on the current device
-    mesh (`mesh=MeshSpec()`, `layout=Layout()` unless `load` names others).
+    `dew.interop.load_pretrained(source, **load)`. Either way the weights are placed once on the
+    current device mesh, split as the Trainer splits them (`mesh=MeshSpec()`, `layout=Layout()`
+    unless `load` names others; those two are the only options a run directory takes).
     """
+    from dew.training.mesh import Layout, MeshSpec
+
     path = Path(source)
     if (path / "run.json").is_file():
-        if load:
-            raise TypeError(f"a run directory takes no loading options; got {sorted(load)}")
-        return _from_run(path, ema=ema, step=step)
+        unknown = sorted(set(load) - {"mesh", "layout"})
+        if unknown:
+            raise TypeError(f"a run directory takes only the placement options mesh= and layout=; got {unknown}")
+        return _from_run(path, ema=ema, step=step, mesh=load.get("mesh") or MeshSpec(),
+                         layout=load.get("layout") or Layout())
     try:
         from dew.interop import load_pretrained
     except ImportError as error:
         raise ValueError(
             f"{source} is not a run directory (no run.json), and loading published checkpoints is not available: {error}"
         ) from None
-    from dew.training.mesh import Layout, MeshSpec
 
     return load_pretrained(source, **{"mesh": MeshSpec(), "layout": Layout(), **load}).text_generation()
 
 
-def _from_run(path: Path, *, ema: bool, step: int | None) -> TextGeneration:
+def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextGeneration:
     from dew.data import load_tokenizer
     from dew.training.checkpoints import Checkpoints
 
@@ -52,7 +56,8 @@ def _from_run(path: Path, *, ema: bool, step: int | None) -> TextGeneration:
     finally:
         checkpoints.close()
     use_ema = ema and saved.get("ema") is not None
-    params = jax.tree_util.tree_map(jax.numpy.asarray, saved["ema"] if use_ema else saved["params"])
+    params = saved["ema"] if use_ema else saved["params"]
+    params = jax.device_put(params, layout.shardings(mesh.build(), params))
     generation = record.get("generation", {})
     sampling = Sampling(**generation.get("sampling", {}))
     budget = generation.get("max_new_tokens") or None

@@ -5,11 +5,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 
 import dew
 from dew.recipes import lm
 from dew.sampling import Sampling
 from dew.training.checkpoints import Checkpoints
+from dew.training.mesh import Layout
 from tests.recipes.conftest import recipe_args, token_dir  # noqa: F401  (the fixture)
 
 
@@ -29,6 +31,13 @@ def test_pipeline_from_a_run_reads_its_weights_tokenizer_and_sampling(token_dir,
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     result = task("line 3", seed=0)
     assert result.text[0].startswith("line 3") and int(result.new_tokens[0]) == 5
+    # placed once on the mesh, split as the Trainer splits them
+    for leaf in jax.tree_util.tree_leaves(task.params):
+        assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.mesh.axis_names == ("data", "fsdp")
+    with pytest.raises(TypeError, match=r"only the placement options mesh= and layout=; got \['dtype'\]"):
+        dew.pipeline(run, dtype="bfloat16")
+    placed = dew.pipeline(run, layout=Layout(min_shard=2**40))
+    assert placed("line 3", seed=0).text == result.text
 
 
 def test_pipeline_refuses_a_run_without_checkpoints(tmp_path):
