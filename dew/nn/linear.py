@@ -15,7 +15,6 @@ from jax import lax
 
 _MATMUL = (((1,), (0,)), ((), ()))  # [N, D] x [D, F]
 _TRANSPOSED_B = (((1,), (1,)), ((), ()))  # [N, F] x [D, F]
-_TRANSPOSED_A = (((0,), (0,)), ((), ()))  # [N, D] x [N, F]
 
 
 @jax.custom_vjp
@@ -32,7 +31,11 @@ def _matmul_bwd(residuals, g_NF):
     x_ND, w_DF = residuals
     g_NF = g_NF.astype(x_ND.dtype)
     dx_ND = lax.dot_general(g_NF, w_DF, _TRANSPOSED_B, preferred_element_type=jnp.float32)
-    dw_DF = lax.dot_general(x_ND, g_NF, _TRANSPOSED_A, preferred_element_type=jnp.float32)
+    # x^T laid out as its own [D, N] array: XLA's CPU backend sends a dot that contracts the leading
+    # axis of both operands to Eigen, and a plain [D, N] x [N, F] to YNNPACK, 9-13% faster for these
+    # shapes on this CPU. The barrier keeps XLA from folding the transpose back into the dot.
+    x_DN = lax.optimization_barrier(x_ND.T)
+    dw_DF = lax.dot_general(x_DN, g_NF, _MATMUL, preferred_element_type=jnp.float32)
     return dx_ND.astype(x_ND.dtype), dw_DF.astype(w_DF.dtype)
 
 
