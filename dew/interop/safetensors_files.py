@@ -28,18 +28,26 @@ _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MI
 
 def weight_files(directory: Path) -> tuple[list[Path], Path | None]:
     """The weight files a checkpoint directory's index names (or `model.safetensors`), and the index."""
-    index = directory / INDEX
+    found = indexed_files(directory, INDEX, SINGLE)
+    if found is None:
+        raise FileNotFoundError(f"{directory} holds neither {INDEX} nor {SINGLE}")
+    return found
+
+
+def indexed_files(directory: Path, index_name: str, single_name: str) -> tuple[list[Path], Path | None] | None:
+    """The files the index `index_name` names, and that index; else `single_name` alone; None when the
+    directory holds neither. An index naming a file the directory lacks is refused."""
+    index = directory / index_name
     if index.is_file():
-        weight_map = read_index(index)
-        names = sorted(set(weight_map.values()))
+        names = sorted(set(read_index(index).values()))
         missing = [name for name in names if not (directory / name).is_file()]
         if missing:
             raise FileNotFoundError(f"{index} names shard(s) {missing} that {directory} does not hold: the download "
                                     "stopped partway or the index belongs to another export; fetch the shards again")
         return [directory / name for name in names], index
-    if (directory / SINGLE).is_file():
-        return [directory / SINGLE], None
-    raise FileNotFoundError(f"{directory} holds neither {INDEX} nor {SINGLE}")
+    if (directory / single_name).is_file():
+        return [directory / single_name], None
+    return None
 
 
 def read_index(index: Path) -> dict[str, str]:

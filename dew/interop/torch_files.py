@@ -18,7 +18,7 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from dew.interop.safetensors_files import INDEX, SINGLE, fsync, read_index, weight_files
+from dew.interop.safetensors_files import INDEX, SINGLE, fsync, indexed_files, read_index, weight_files
 
 PICKLE = "pytorch_model.bin"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
@@ -31,17 +31,7 @@ logger = logging.getLogger("dew.interop")
 def pickle_files(directory: Path) -> tuple[list[Path], Path | None] | None:
     """The pickles `directory`'s pytorch_model.bin.index.json names (or pytorch_model.bin) and that index;
     None when it has neither."""
-    index = directory / PICKLE_INDEX
-    if index.is_file():
-        names = sorted(set(read_index(index).values()))
-        missing = [name for name in names if not (directory / name).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} names shard(s) {missing} that {directory} does not hold: the download "
-                                    "stopped partway or the index belongs to another export; fetch the shards again")
-        return [directory / name for name in names], index
-    if (directory / PICKLE).is_file():
-        return [directory / PICKLE], None
-    return None
+    return indexed_files(directory, PICKLE_INDEX, PICKLE)
 
 
 def safetensors_copy(pickles: Sequence[Path], index: Path | None, destination: Path) -> tuple[list[Path], Path | None]:
