@@ -14,6 +14,7 @@ import os
 import pickle
 import secrets
 import shutil
+import time
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +48,7 @@ def _convert(pickles: Sequence[Path], index: Path | None, destination: Path) -> 
     torch = _import_torch(pickles)
     logger.info("converting PyTorch pickles %s to safetensors in %s (once; later loads read that copy)",
                 [str(path) for path in pickles], destination)
+    _remove_abandoned_staging(destination)
     staging = destination.with_name(f".{destination.name}.{secrets.token_hex(4)}.tmp")
     staging.mkdir(parents=True)
     try:
@@ -67,6 +69,18 @@ def _convert(pickles: Sequence[Path], index: Path | None, destination: Path) -> 
             # another process finished the same conversion first; its copy is as good as this one
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _remove_abandoned_staging(destination: Path, age_seconds: float = 24 * 3600) -> None:
+    """Delete staging directories of earlier conversions to `destination` that a killed process left,
+    judged by age (a day untouched), so a conversion running now in another process keeps its own."""
+    now = time.time()
+    for staging in destination.parent.glob(f".{destination.name}.*.tmp"):
+        try:
+            if now - staging.stat().st_mtime > age_seconds:
+                shutil.rmtree(staging, ignore_errors=True)
+        except FileNotFoundError:
+            pass  # another process removed it first
 
 
 def _import_torch(pickles: Sequence[Path]):

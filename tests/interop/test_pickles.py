@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -112,9 +114,13 @@ def test_killed_conversion_leaves_no_copy_that_loads(tmp_path, dew_cache):
     killed = subprocess.run([sys.executable, "-c", textwrap.dedent(_KILLED_CONVERSION), str(source)],
                             capture_output=True, text=True)
     assert killed.returncode == -9, killed.stderr
-    assert all(path.name.endswith(".tmp") for path in dew_cache.iterdir())  # only the staging directory is left
+    left = list(dew_cache.iterdir())
+    assert len(left) == 1 and left[0].name.endswith(".tmp")  # only the staging directory is left
     reference = load_pretrained(save_checkpoint(torch_model("llama"), tmp_path / "safetensors"))
+    two_days_ago = time.time() - 2 * 24 * 3600
+    os.utime(left[0], (two_days_ago, two_days_ago))  # abandoned a while ago: the next conversion removes it
     np.testing.assert_array_equal(_logits(load_pretrained(source)), _logits(reference))
+    assert [path.name.endswith(".tmp") for path in dew_cache.iterdir()] == [False]
 
 
 def test_without_torch_the_refusal_names_the_extra_and_the_space(tmp_path, dew_cache, monkeypatch):
