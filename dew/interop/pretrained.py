@@ -112,7 +112,7 @@ class Pretrained:
 
 def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", max_seq_len: int | None = None,
                     attention_impl: str | None = None, gguf_file: str | None = None, mesh: MeshSpec | None = None,
-                    layout: Layout | None = None) -> Pretrained:
+                    layout: Layout | None = None, fallback: str | None = None) -> Pretrained:
     """Load a transformers decoder checkpoint, or one GGUF file, as a native Dew model.
 
     `source` is a local directory (config.json and model.safetensors, or shards with
@@ -128,8 +128,13 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     `jax.Array` split over `mesh.build()` the way `Layout.shardings` splits it for the `Trainer`:
     each device's shard is cut from one tensor read from the memory-mapped file, and that tensor is
     released before the next is read, so the host never holds the whole translated model. Without
-    either, parameters are uncommitted arrays on the default device.
+    either, parameters are uncommitted arrays on the default device. `fallback` (the guide's generic
+    torchax tier) is not built and is refused.
     """
+    if fallback is not None:
+        raise NotImplementedError(f"fallback={fallback!r}, the generic tier that runs transformers' own model through "
+                                  "torchax, is not built in Dew yet: load a model type Dew has a family for "
+                                  f"({', '.join(sorted(hf_decoders.FAMILIES))})")
     device_mesh = None if mesh is None and layout is None else (mesh or MeshSpec()).build()
     layout = layout or Layout()
     if attention_impl not in (None, *ATTENTION_IMPLS):

@@ -122,3 +122,9 @@ def test_directory_without_safetensors(checkpoint):
         load_pretrained(directory)
     with pytest.raises(FileNotFoundError, match="neither a local directory nor a Hub repository id"):
         load_pretrained(str(directory / "no such" / "dir"))
+
+
+def test_generic_fallback_tier_is_refused_as_not_built(checkpoint):
+    directory, _ = checkpoint
+    with pytest.raises(NotImplementedError, match=r"fallback='torchax', the generic tier .* is not built"):
+        load_pretrained(directory, fallback="torchax")
