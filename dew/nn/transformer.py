@@ -60,6 +60,9 @@ class DecoderConfig:
     - `layer_types`: one "full_attention" or "sliding_attention" per layer; only sliding layers
       use `sliding_window`, `local_rope_theta` (default `rope_theta`) and `local_rope_scaling`
       (default `rope_scaling`). Without it, every layer uses `sliding_window`.
+    - `attention_dropout`: the dropout rate a checkpoint was trained with on the attention
+      probabilities. It changes nothing at inference; Dew does not apply dropout, so training
+      objectives refuse a model whose rate is above zero.
     """
 
     vocab_size: int
@@ -91,6 +94,7 @@ class DecoderConfig:
     local_rope_theta: float | None = None
     rope_scaling: RopeScaling = RopeScaling()
     local_rope_scaling: RopeScaling | None = None
+    attention_dropout: float = 0.0
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -124,6 +128,8 @@ class DecoderConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} is odd; rotary positions rotate pairs of features")
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout is {self.attention_dropout}; it is a rate in [0, 1)")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window is {self.sliding_window}; use None for full attention or a width >= 1")
         choices = {"norm_style": NORM_STYLES, "norm_placement": NORM_PLACEMENTS, "qk_norm_scope": ("head", "projection"),
