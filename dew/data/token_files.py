@@ -2,14 +2,21 @@
 
 The .bin files hold flat token ids, native byte order, in the narrowest unsigned dtype that holds
 the vocabulary: uint8 up to 256 ids, uint16 up to 65,536, else uint32. meta.json records
-`{tokenizer, vocab_size, dtype, train_tokens, val_tokens, eos_id}`. tools/tokenize_text.py writes
-them; readers open a split as a read-only `np.memmap`, never reading it whole.
+`{tokenizer, vocab_size, dtype, train_tokens, val_tokens, eos_id}`. `dew tokenize` writes them
+(through `staging_directory` and `commit_staged`, so a directory is never left holding a mix of
+two writes); readers open a split as a read-only `np.memmap`, never reading it whole.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +27,8 @@ META = "meta.json"
 DTYPES = ("uint8", "uint16", "uint32")
 _META_FIELDS = ("tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens", "eos_id")
 _WRITER = "tools/tokenize_text.py"
+# A writer's files live in `<out>/.staging-XXXXXXXX/` until `commit_staged` moves them into `out`.
+STAGING_PREFIX = ".staging-"
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -116,3 +125,94 @@ def open_split(path: str | os.PathLike, split: str, meta: dict[str, Any] | None 
     if tokens == 0:
         return np.empty(0, dtype=meta["dtype"])
     return np.memmap(split_path(path, split), dtype=meta["dtype"], mode="r", shape=(tokens,))
+
+
+def _flock(path: Path, flags: int) -> int | None:
+    """An open descriptor of `path` holding `flock(flags)`, or None when another process holds it.
+
+    The kernel drops the lock when its process dies, however it dies, which is what tells a
+    live writer's staging directory from one a killed writer abandoned.
+    """
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, flags)
+    except BlockingIOError:
+        os.close(descriptor)
+        return None
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def remove_abandoned_staging(out: Path) -> list[Path]:
+    """Delete the staging directories in `out` that killed writers left; returns them.
+
+    A live writer holds a lock on its own staging directory, so one still writing is left alone.
+    """
+    removed = []
+    for staging in sorted(out.glob(STAGING_PREFIX + "*")):
+        try:
+            descriptor = _flock(staging, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # removed meanwhile by another process, or not one of ours
+        if descriptor is not None:
+            try:
+                shutil.rmtree(staging, ignore_errors=True)
+                removed.append(staging)
+            finally:
+                os.close(descriptor)
+    return removed
+
+
+@contextlib.contextmanager
+def staging_directory(out: str | os.PathLike) -> Iterator[Path]:
+    """A fresh, locked directory inside `out` to write a new set of token files in.
+
+    Inside `out` rather than beside it, so it is on the same filesystem even when `out` is a
+    mount point, and `commit_staged` can rename its files into place. Leaving the block removes
+    it with whatever it still holds; one whose process was killed is removed by the next call
+    (`remove_abandoned_staging`).
+    """
+    out = Path(out)
+    remove_abandoned_staging(out)
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out))
+    descriptor = _flock(staging, fcntl.LOCK_EX)
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.close(descriptor)
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def commit_staged(staging: Path, out: Path) -> None:
+    """Move the complete train.bin, val.bin and meta.json in `staging` into `out`, replacing its own.
+
+    The files reach the disk before they are renamed, so a power cut never leaves a renamed but
+    empty file. The old meta.json goes first and the new one comes last: in between, for the few
+    renames this takes, a reader finds no meta.json and refuses the directory rather than reading
+    new .bin files beside the old counts. SIGINT and SIGTERM wait until the renames are done, and
+    two writers to one `out` commit one at a time.
+    """
+    names = [split_path(staging, split).name for split in SPLITS]
+    for name in (*names, META):
+        _fsync(staging / name)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    out_lock = _flock(out, fcntl.LOCK_EX)
+    try:
+        (out / META).unlink(missing_ok=True)
+        for name in names:
+            os.replace(staging / name, out / name)
+        os.replace(staging / META, out / META)
+        _fsync(out)
+    finally:
+        os.close(out_lock)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

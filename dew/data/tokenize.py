@@ -1,26 +1,33 @@
-"""Text to token files: the logic behind tools/tokenize_text.py.
+"""Text to token files: the logic behind `dew tokenize` and tools/tokenize_text.py.
 
 The input is read in ~1 MiB chunks cut at line ends, tokenized by a pool of worker processes in
 order, and appended to a file as it goes, so memory stays bounded whatever the corpus size. The
-first `val_fraction` of the tokens becomes val.bin and the rest train.bin; meta.json is written
-last, so a directory with a meta.json always holds whole files.
+first `val_fraction` of the tokens becomes val.bin and the rest train.bin. Everything is written in
+a staging directory and swapped into `--out` only when complete (see `token_files.commit_staged`),
+so a run that fails or is stopped leaves the token files already there as they were.
 """
 
 from __future__ import annotations
 
 import collections
 import codecs
+import contextlib
+import errno
 import gzip
 import lzma
 import multiprocessing
 import os
+import signal
+import threading
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
-from dew.data.token_files import META, SPLITS, dtype_for_vocab, make_meta, split_path, write_meta
+from dew.data.token_files import (SPLITS, commit_staged, dtype_for_vocab, make_meta, split_path,
+                                  staging_directory, write_meta)
 from dew.data.tokenizers import Tokenizer, load_tokenizer
 
 CHUNK_BYTES = 1 << 20
@@ -28,6 +35,8 @@ TEXT_SUFFIXES = (".txt", ".txt.xz", ".txt.gz")
 _COPY_BYTES = 64 << 20
 # Text this many chunks long with no strict cut is cut at a loose one (see `text_chunks`).
 _LOOSE_AFTER = 16
+# What a cut-short or damaged .xz / .gz stream raises while it is read.
+_DECOMPRESSION_ERRORS = (EOFError, lzma.LZMAError, gzip.BadGzipFile, zlib.error)
 
 
 def input_files(input: str | os.PathLike) -> list[Path]:
@@ -70,6 +79,17 @@ def _last_cut(text: str, start: int = 0, strict: bool = True) -> int:
     return -1
 
 
+def _read(stream: IO[bytes], size: int, name: str, offset: int) -> bytes:
+    """Up to `size` bytes of `stream`; a damaged compressed stream is a ValueError naming `name`."""
+    try:
+        return stream.read(size)
+    except _DECOMPRESSION_ERRORS as error:
+        raise ValueError(
+            f"{name} is truncated or corrupt: decompressing it failed after {offset:,} bytes of "
+            f"text ({error}); copy or download it again, or check it with `xz -t` / `gzip -t`"
+        ) from None
+
+
 def text_chunks(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES,
                 name: str = "input") -> Iterator[str]:
     """UTF-8 text from `stream` in pieces of about `chunk_bytes`, each cut at a line end.
@@ -78,20 +98,26 @@ def text_chunks(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES,
     the whole text. Text with no strict cut for `_LOOSE_AFTER` chunks (a file with CRLF line ends,
     where every newline follows a "\\r") is cut at a loose one instead, to keep memory bounded;
     a tokenizer may then split the whitespace at that cut differently. The chunks concatenate to
-    the whole text.
+    the whole text. Text that is not UTF-8, and a truncated or damaged compressed stream, are
+    ValueErrors naming `name` and the byte offset (in the decompressed text).
     """
     decoder = codecs.getincrementaldecoder("utf-8")("strict")
     pending = ""
     searched = 0  # pending[:searched] holds no strict cut
-    offset = 0
+    offset = 0  # bytes of text read so far
     while True:
-        block = stream.read(chunk_bytes)
+        block = _read(stream, chunk_bytes, name, offset)
+        # The decoder may hold the first bytes of a character cut at the previous block's end.
+        held = len(decoder.getstate()[0])
         try:
             pending += decoder.decode(block, final=not block)
         except UnicodeDecodeError as error:
+            start = offset - held + error.start
+            decompressed = " of its decompressed text" if name.endswith((".xz", ".gz")) else ""
             raise ValueError(
-                f"{name} is not UTF-8 text: the bytes near offset {offset + error.start} do not "
-                f"decode; convert it first (e.g. `iconv -f latin1 -t utf-8`)"
+                f"{name} is not UTF-8 text: the byte at offset {start:,}{decompressed} "
+                f"(0x{error.object[error.start]:02x}) does not decode ({error.reason}); convert the "
+                f"file first (e.g. `iconv -f latin1 -t utf-8`)"
             ) from None
         offset += len(block)
         if not block:
@@ -179,6 +205,77 @@ def _copy_range(source: IO[bytes], target_path: Path, start: int, length: int) -
             length -= len(block)
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived: unwinds like KeyboardInterrupt so `finally` blocks remove staging files."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """Within, SIGTERM raises `_Terminated` instead of ending the process on the spot; once the
+    block has cleaned up, the process ends by SIGTERM as it would have (exit status 143).
+
+    Only where SIGTERM has its default action and in the main thread (where handlers live): a
+    handler the caller installed is left to do its own work.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def unwind(number, frame):
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise  # not reached: the default action ends the process
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _writing(out: Path) -> Iterator[None]:
+    """Turns a failed write (a full disk, a file size limit) into an OSError that says the token
+    files already in `out` are unchanged."""
+    try:
+        yield
+    except OSError as error:
+        full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise OSError(
+            f"writing new token files in {out} failed ({error.strerror or error}); the token "
+            f"files already there are unchanged: "
+            f"{'free space on its disk' if full else 'fix that'} and run again"
+        ) from error
+
+
+def _write_tokens(chunks: Iterator[np.ndarray], staging: Path, out: Path, itemsize: int,
+                  val_fraction: float) -> tuple[int, int]:
+    """Write the ids of `chunks` into `staging` as val.bin (the first `val_fraction`, rounded
+    down) and train.bin; returns (train_tokens, val_tokens)."""
+    all_tokens = staging / "tokens"
+    total = 0
+    with _writing(out):
+        sink = open(all_tokens, "wb")
+    # Only the writes are wrapped: an input that cannot be read is an error of its own.
+    with contextlib.closing(sink):
+        for ids in chunks:
+            with _writing(out):
+                sink.write(ids)  # not ndarray.tofile, whose failures carry no errno
+            total += ids.size
+        with _writing(out):
+            sink.flush()
+    val_tokens = int(total * val_fraction)
+    with _writing(out), open(all_tokens, "rb") as source:
+        _copy_range(source, split_path(staging, "val"), 0, val_tokens * itemsize)
+        _copy_range(source, split_path(staging, "train"), val_tokens * itemsize,
+                    (total - val_tokens) * itemsize)
+    all_tokens.unlink()
+    return total - val_tokens, val_tokens
+
+
 def tokenize_text(input: str | os.PathLike, out: str | os.PathLike, tokenizer: str | Tokenizer,
                   val_fraction: float = 0.01, workers: int | None = None, *,
                   eos_between_files: bool = False,
@@ -191,6 +288,11 @@ def tokenize_text(input: str | os.PathLike, out: str | os.PathLike, tokenizer: s
     `eos_between_files`, the tokenizer's EOS id separates consecutive files. Returns meta.json's
     record. Workers are spawned processes, so a script that calls this with `workers` above 1
     does so under `if __name__ == "__main__":`.
+
+    The new files replace those in `out` only once all three are written: an input that is not
+    UTF-8, truncated or holds no text (ValueError), a failed write (OSError), Ctrl-C or SIGTERM
+    leave `out` as it was and remove this call's staging files. A SIGKILLed call's staging
+    directory is removed by the next call that writes to `out`.
     """
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction is {val_fraction}: it must be at least 0 and below 1")
@@ -207,29 +309,20 @@ def tokenize_text(input: str | os.PathLike, out: str | os.PathLike, tokenizer: s
         )
     files = input_files(input)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    # Without meta.json readers refuse the directory, so a run cut short is never read as whole.
-    (out / META).unlink(missing_ok=True)
+    with _writing(out):
+        out.mkdir(parents=True, exist_ok=True)
     itemsize = dtype_for_vocab(tokenizer.vocab_size).itemsize
-    all_tokens = out / "tokens.partial"
-    partial = {split: split_path(out, split).with_suffix(".bin.partial") for split in SPLITS}
-    try:
-        total = 0
-        with open(all_tokens, "wb") as sink:
-            for ids in _encoded_chunks(files, tokenizer, workers, chunk_bytes, eos_between_files):
-                ids.tofile(sink)
-                total += ids.size
-        val_tokens = int(total * val_fraction)
-        with open(all_tokens, "rb") as source:
-            _copy_range(source, partial["val"], 0, val_tokens * itemsize)
-            _copy_range(source, partial["train"], val_tokens * itemsize,
-                        (total - val_tokens) * itemsize)
-        for split in SPLITS:
-            os.replace(partial[split], split_path(out, split))
-    finally:
-        for path in (all_tokens, *partial.values()):
-            path.unlink(missing_ok=True)
-    meta = make_meta(tokenizer.name, tokenizer.vocab_size, total - val_tokens, val_tokens,
-                     tokenizer.eos_id)
-    write_meta(out, meta)
+    with _sigterm_unwinds(), staging_directory(out) as staging:
+        chunks = _encoded_chunks(files, tokenizer, workers, chunk_bytes, eos_between_files)
+        train_tokens, val_tokens = _write_tokens(chunks, staging, out, itemsize, val_fraction)
+        if train_tokens + val_tokens == 0:
+            raise ValueError(
+                f"{input} holds no text: tokenizing it gave 0 tokens, and a run needs some; pass "
+                f"a file or directory with text in it (the files in {out} are unchanged)"
+            )
+        meta = make_meta(tokenizer.name, tokenizer.vocab_size, train_tokens, val_tokens,
+                         tokenizer.eos_id)
+        with _writing(out):
+            write_meta(staging, meta)
+            commit_staged(staging, out)
     return meta
