@@ -125,7 +125,7 @@ class GGUFCheckpoint:
             "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         }
         head_dim = get("attention.key_length", config["hidden_size"] // heads)
-        if "head_dim" in FAMILIES[arch].fields:
+        if FAMILIES[arch].reads("head_dim"):
             config["head_dim"] = head_dim
         rotated = get("rope.dimension_count", head_dim)
         if rotated != head_dim:

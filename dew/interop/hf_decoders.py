@@ -1,10 +1,11 @@
 """Hugging Face decoder families: config.json to `DecoderConfig`, and tensor names to Dew parameter paths.
 
-A family reads only the fields its transformers config class declares (`Family.fields`, with
-transformers' defaults), plus the older spellings transformers still converts on load (`torch_dtype`,
-`rope_theta`, `rope_scaling`). Any other field is refused by name unless it is in `_INERT_FIELDS`,
-fields transformers neither declares nor reads. A declared field whose value Dew cannot compute is
-refused by name too, with what would load.
+A family reads the fields its transformers config class declares (`Family.fields`, with
+transformers' defaults), the fields transformers' modeling code reads with `getattr` although the class
+does not declare them (`Family.getattr_fields`, and `_MASK_FIELDS` for every family), and the older
+spellings transformers still converts on load (`torch_dtype`, `rope_theta`, `rope_scaling`). Any other
+field is refused by name unless it is in `_INERT_FIELDS`, fields transformers neither declares nor
+reads. A field whose value Dew cannot compute is refused by name too, with what would load.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ _INERT_FIELDS: dict[str, tuple | None] = {
     "cache_implementation": None,  # Gemma 2 and 3: a generation setting
     "sliding_window": (None,),  # a windowless family's config naming no window
 }
+
+# Fields transformers' mask code (masking_utils.create_causal_mask and its sliding form) reads from every
+# family's config with getattr, and the default it reads when the config lacks them.
+_MASK_FIELDS = {"is_causal": True}
+# What transformers' attention and rotary code read with getattr where the config class does not declare the
+# field: `getattr(config, "head_dim", hidden_size // num_attention_heads)`; None stands for that quotient.
+_HEAD_DIM_READ = {"head_dim": None}
 
 # Declared fields that do not change what the decoder computes.
 _NO_EFFECT = frozenset({"initializer_range", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
@@ -107,7 +115,9 @@ class Family:
     full and sliding layers' defaults when the config names no theta. With `rope_by_layer_type`
     (Gemma 3, OLMo 3) each layer type has its own rotary setting: `rope_parameters` is nested by
     type, the older `rope_scaling` applies to full layers only, and sliding layers take the older
-    theta from `sliding_theta_field` (None: the family default).
+    theta from `sliding_theta_field` (None: the family default). `getattr_fields` are the fields the
+    family's modeling code reads with getattr although `config_class` does not declare them, each with
+    the default getattr falls back to.
     """
 
     model_type: str
@@ -121,6 +131,11 @@ class Family:
     rope_by_layer_type: bool = False
     sliding_theta_field: str | None = None
     legacy_fields: frozenset[str] = frozenset()
+    getattr_fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def reads(self, name: str) -> bool:
+        """Whether transformers reads `name` from this family's config (declared or through getattr)."""
+        return name in self.fields or name in self.getattr_fields or name in _MASK_FIELDS
 
 
 def _gemma3_pattern(source: Mapping, layers: int) -> list[str]:
@@ -134,7 +149,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in [
     Family("mistral", "MistralConfig", _MISTRAL_FIELDS, window="all"),
     Family("ministral", "MinistralConfig", {**_MISTRAL_FIELDS, "layer_types": None}, window="layer_types",
            default_pattern=lambda source, layers: [SLIDING] * layers),
-    Family("qwen2", "Qwen2Config", _QWEN2_FIELDS, dict(qkv_bias=True), window="qwen"),
+    Family("qwen2", "Qwen2Config", _QWEN2_FIELDS, dict(qkv_bias=True), window="qwen", getattr_fields=_HEAD_DIM_READ),
     Family("qwen3", "Qwen3Config", {**_QWEN2_FIELDS, "head_dim": 128, "attention_bias": False},
            dict(qk_norm=True), window="qwen"),
     Family("gemma", "GemmaConfig", _GEMMA_FIELDS, _GEMMA_KNOBS),
@@ -150,12 +165,12 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in [
            rope_by_layer_type=True, sliding_theta_field="rope_local_base_freq",
            legacy_fields=frozenset({"rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern"})),
     Family("olmo2", "Olmo2Config", _OLMO2_FIELDS, dict(norm_style="olmo", norm_placement="post", qk_norm=True,
-                                                        qk_norm_scope="projection")),
+                                                        qk_norm_scope="projection"), getattr_fields=_HEAD_DIM_READ),
     Family("olmo3", "Olmo3Config", {**_OLMO2_FIELDS, "sliding_window": 4096, "layer_types": None},
            dict(norm_style="olmo", norm_placement="post", qk_norm=True, qk_norm_scope="projection"),
            window="layer_types", default_pattern=lambda source, layers: [SLIDING if (i + 1) % 4 else FULL
                                                                         for i in range(layers)],
-           rope_thetas=(500_000.0, 500_000.0), rope_by_layer_type=True),
+           rope_thetas=(500_000.0, 500_000.0), rope_by_layer_type=True, getattr_fields=_HEAD_DIM_READ),
 ]}
 
 
@@ -179,12 +194,13 @@ def family_of(source: Mapping[str, Any], where: str = "config.json") -> Family:
 
 
 class _Fields:
-    """A config's fields as one family reads them: declared ones with transformers' defaults."""
+    """A config's fields as one family reads them: declared and getattr-read ones with transformers' defaults."""
 
     def __init__(self, source: Mapping[str, Any], family: Family, where: str):
         self.source, self.family, self.where = source, family, where
-        self.unread = set(family.fields)
-        known = set(family.fields) | _BASE_FIELDS | _DROPPED_ON_LOAD | _LEGACY_FIELDS | family.legacy_fields | {"dtype"}
+        self.defaults = {**_MASK_FIELDS, **family.getattr_fields, **family.fields}
+        self.unread = set(self.defaults)
+        known = set(self.defaults) | _BASE_FIELDS | _DROPPED_ON_LOAD | _LEGACY_FIELDS | family.legacy_fields | {"dtype"}
         for name, value in source.items():
             if name in known:
                 continue
@@ -205,7 +221,7 @@ class _Fields:
     def get(self, name: str):
         self.unread.discard(name)
         value = self.source.get(name)
-        return self.family.fields[name] if value is None and name not in self.source else value
+        return self.defaults[name] if value is None and name not in self.source else value
 
     def refuse(self, name: str, value, fix: str):
         raise ValueError(f"{self.where} field {name!r} = {value!r} is not something Dew computes for "
@@ -218,7 +234,7 @@ class _Fields:
 
     def finish(self):
         if self.unread - _NO_EFFECT:
-            raise AssertionError(f"{self.family.model_type}: declared fields {sorted(self.unread - _NO_EFFECT)} are unread")
+            raise AssertionError(f"{self.family.model_type}: fields {sorted(self.unread - _NO_EFFECT)} are unread")
 
 
 def decoder_kwargs(source: Mapping[str, Any], where: str = "config.json") -> dict[str, Any]:
@@ -226,7 +242,7 @@ def decoder_kwargs(source: Mapping[str, Any], where: str = "config.json") -> dic
     family = family_of(source, where)
     fields = _Fields(source, family, where)
     heads, hidden = fields.get("num_attention_heads"), fields.get("hidden_size")
-    head_dim = fields.get("head_dim") if "head_dim" in family.fields else None
+    head_dim = fields.get("head_dim") if family.reads("head_dim") else None
     kwargs = dict(family.knobs)
     kwargs.update(
         vocab_size=fields.get("vocab_size"), emb_features=hidden, num_layers=fields.get("num_hidden_layers"),
@@ -242,6 +258,8 @@ def decoder_kwargs(source: Mapping[str, Any], where: str = "config.json") -> dic
         fields.refuse(family.activation_field, activation, f"the MLP activations Dew has are {sorted(_ACTIVATIONS)}")
     kwargs["activation"] = _ACTIVATIONS[activation]
     fields.require("attention_dropout", (0, 0.0, None), "Dew has no attention dropout; set it to 0.0")
+    fields.require("is_causal", (True,), "attention that sees later tokens (a bidirectional encoder) is not built "
+                   "in Dew; set it to true for the causal decoder")
     if "attention_bias" in family.fields and fields.get("attention_bias"):
         kwargs.update(qkv_bias=True, o_bias=True)
     if "mlp_bias" in family.fields:
