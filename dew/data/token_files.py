@@ -26,7 +26,9 @@ SPLITS = ("train", "val")
 META = "meta.json"
 DTYPES = ("uint8", "uint16", "uint32")
 _META_FIELDS = ("tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens", "eos_id")
-_WRITER = "tools/tokenize_text.py"
+_WRITER = "`dew tokenize` (tools/tokenize_text.py)"
+# The id check reads a split this many tokens at a time, so its memory stays bounded.
+_CHECK_TOKENS = 1 << 24
 # A writer's files live in `<out>/.staging-XXXXXXXX/` until `commit_staged` moves them into `out`.
 STAGING_PREFIX = ".staging-"
 
@@ -73,15 +75,16 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     """Read and check meta.json against itself and the .bin files beside it.
 
     Raises FileNotFoundError when meta.json is missing and ValueError when a field is missing,
-    the dtype is unknown or does not fit the vocabulary, or a .bin file's size disagrees with
-    its token count.
+    the dtype is unknown or does not fit the vocabulary, a .bin file's size disagrees with its
+    token count, or a .bin file holds an id outside the vocabulary (`check_ids`).
     """
     path = Path(path)
     meta_path = path / META
     if not meta_path.is_file():
         raise FileNotFoundError(
             f"{meta_path} does not exist: token files are a directory holding train.bin, val.bin "
-            f"and meta.json, written by `python {_WRITER} --input TEXT --out {path} --tokenizer NAME`"
+            f"and meta.json, written by `dew tokenize --input TEXT --out {path} --tokenizer NAME` "
+            f"(or tools/tokenize_text.py)"
         )
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
     missing = [field for field in _META_FIELDS if field not in meta]
@@ -103,6 +106,13 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         bin_path = split_path(path, split)
         tokens = meta[f"{split}_tokens"]
         size = bin_path.stat().st_size if bin_path.is_file() else None
+        if size is not None and size % itemsize:
+            raise ValueError(
+                f"{bin_path} holds {size} bytes, not a whole number of {meta['dtype']} tokens "
+                f"({itemsize} bytes each), and meta.json says {split}_tokens = {tokens} "
+                f"({tokens * itemsize} bytes): a write was cut short or the file is damaged; "
+                f"rewrite it with {_WRITER}"
+            )
         if size != tokens * itemsize:
             found = "does not exist" if size is None else (
                 f"holds {size} bytes = {size / itemsize:g} {meta['dtype']} tokens")
@@ -111,7 +121,33 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
                 f"({tokens * itemsize} bytes): the files are from different runs or a write was "
                 f"cut short; rewrite them with {_WRITER}"
             )
+    for split in SPLITS:
+        check_ids(path, split, meta)
     return meta
+
+
+def check_ids(path: str | os.PathLike, split: str, meta: dict[str, Any]) -> None:
+    """Refuse a split holding an id at or above meta.json's vocab_size, naming the first one.
+
+    One vectorised pass over the memmap, `_CHECK_TOKENS` tokens at a time, at about memory
+    bandwidth; the ids are unsigned, so none is below 0. A dtype that holds no id outside the
+    vocabulary (vocab_size 256 in uint8, 65,536 in uint16) needs no pass.
+    """
+    vocab_size = meta["vocab_size"]
+    tokens = open_split(path, split, meta)
+    if vocab_size > np.iinfo(tokens.dtype).max:
+        return
+    for start in range(0, tokens.size, _CHECK_TOKENS):
+        block = tokens[start:start + _CHECK_TOKENS]
+        if block.max() >= vocab_size:
+            index = start + int(np.argmax(block >= vocab_size))
+            raise ValueError(
+                f"{split_path(path, split)} holds token id {tokens[index]} at token {index:,} (byte "
+                f"offset {index * tokens.itemsize:,}), outside vocab_size {vocab_size} from "
+                f"meta.json: the file is damaged or was not written with tokenizer "
+                f"{meta['tokenizer']!r}; rewrite it with `dew tokenize --input TEXT --out {path} "
+                f"--tokenizer {meta['tokenizer']}`"
+            )
 
 
 def open_split(path: str | os.PathLike, split: str, meta: dict[str, Any] | None = None) -> np.ndarray:

@@ -3,8 +3,9 @@ documents (`PackedTokens`).
 
 Both read a split through a memmap, shuffle by seed (reshuffled each epoch, deterministically),
 repeat without end, and return Grain iterators, whose `get_state()` / `set_state(state)` let a
-resumed run read the same next batch. Token ids arrive as int32 and are not checked against the
-model's vocabulary here; the objective does that.
+resumed run read the same next batch. Token ids arrive as int32; `load` has checked every id
+against meta.json's vocab_size (`token_files.read_meta`), and the objective checks them against
+the model's vocabulary.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def _open(path: str, seq_len: int, seed: int, tokenizer: str | None) -> dict[str
         raise ValueError(
             f"{path} was written with tokenizer {meta['tokenizer']!r} (meta.json), not "
             f"{tokenizer_name(tokenizer)!r}: pass tokenizer={meta['tokenizer']!r}, or rewrite the "
-            f"files with `python tools/tokenize_text.py --tokenizer {tokenizer}`"
+            f"files with `dew tokenize --tokenizer {tokenizer}`"
         )
     return meta
 
