@@ -8,14 +8,16 @@ key lies fewer than `window` slots behind the query.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from dew.nn.kv_cache import LayerCache
+from dew.nn.kv_cache import AttentionCache
 from dew.nn.linear import Linear
 from dew.nn.norms import RMSNorm
-from dew.nn.rotary import apply_rotary
+from dew.nn.rotary import RopeScaling, apply_rotary
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -27,9 +29,9 @@ def attention_mask(
     k_segments_BT: jax.Array,
     *,
     causal: bool,
-    window: int | None,
+    window: jax.Array | int | None,
 ) -> jax.Array:
-    """Boolean `[B, S, T]`: which key slot each query slot may read."""
+    """Boolean `[B, S, T]`: which key slot each query slot may read (`window` may be traced)."""
     q, k = q_slots_BS[:, :, None], k_slots_BT[:, None, :]
     allowed = q_segments_BS[:, :, None] == k_segments_BT[:, None, :]
     if causal:
@@ -75,11 +77,17 @@ def attend(q_BSHD, k_BKTD, v_BKTD, mask_BST, *, causal_blocks: bool = False, sca
     return out_BKGSD.transpose(0, 3, 1, 2, 4).reshape(B, S, H, D).astype(q_BSHD.dtype)
 
 
-class Attention(nn.Module):
-    """Self-attention with the projections named as in transformers (`q_proj` ... `o_proj`).
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Grouped-query self-attention: full, sliding-window (`window`) or bidirectional (`causal=False`).
 
-    `qk_norm` normalises queries and keys before the rotation: per head (`qk_norm_scope="head"`,
-    Qwen 3, Gemma 3) or over the whole projection (`"projection"`, OLMo 2).
+    `num_heads` query heads share `num_kv_heads` key/value heads of `head_dim` features; rotary
+    angles use `rope_theta` and `rope_scaling`. `qk_norm` normalises queries and keys before the
+    rotation, per head (`qk_norm_scope="head"`, Qwen 3, Gemma 3) or over the whole projection
+    (`"projection"`, OLMo 2); `qkv_bias`/`o_bias` add biases; `query_scale` replaces
+    `head_dim ** -0.5`; `softcap` caps the scores (Gemma 2). `window` and the rotary setting may
+    differ between the layers of one scanned run; everything else shapes the parameters or the
+    program and may not.
     """
 
     num_heads: int
@@ -87,52 +95,73 @@ class Attention(nn.Module):
     head_dim: int
     causal: bool = True
     window: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
     qk_norm: bool = False
     qk_norm_scope: str = "head"
-    norm_style: str = "llama"
-    norm_eps: float = 1e-6
     qkv_bias: bool = False
     o_bias: bool = False
-    scale: float | None = None
+    query_scale: float | None = None
     softcap: float | None = None
+
+    def rope(self) -> tuple[int, float, RopeScaling]:
+        """The rotary table this mixer reads: (rotated features, base, scaling)."""
+        return self.head_dim, self.rope_theta, self.rope_scaling
+
+    def scan_key(self) -> "AttentionSpec":
+        """This spec with the per-layer values erased: layers with equal keys scan together."""
+        return dataclasses.replace(self, window=None, rope_theta=0.0, rope_scaling=RopeScaling())
+
+    def empty_cache(self, layers: int, rows: int, capacity: int, dtype) -> AttentionCache:
+        return AttentionCache.empty(layers, rows, capacity, self.num_kv_heads, self.head_dim, dtype)
+
+    def module(self, *, norm_style: str, norm_eps: float, dtype, param_dtype, name: str) -> "Attention":
+        return Attention(self, norm_style, norm_eps, dtype, param_dtype, name=name)
+
+
+class Attention(nn.Module):
+    """Self-attention with the projections named as in transformers (`q_proj` ... `o_proj`)."""
+
+    spec: AttentionSpec
+    norm_style: str = "llama"
+    norm_eps: float = 1e-6
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(
-        self,
-        x_BSE: jax.Array,
-        rotary: tuple[jax.Array, jax.Array],
-        slots_BS: jax.Array,
-        segments_BS: jax.Array,
-        cache: LayerCache | None = None,
-    ) -> tuple[jax.Array, LayerCache | None]:
+    def __call__(self, x_BSE: jax.Array, rotary: tuple[jax.Array, jax.Array], context, knobs,
+                 cache: AttentionCache | None = None) -> tuple[jax.Array, AttentionCache | None]:
+        """`context` is the stack's `LayerContext` (slots, segments, the cache's filled slots) and
+        `knobs` this layer's `LayerKnobs` (its window and its index in the cache)."""
+        s = self.spec
         B, S, E = x_BSE.shape
-        H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
+        H, K, D = s.num_heads, s.num_kv_heads, s.head_dim
         dense = lambda features, bias, name: Linear(features, use_bias=bias, dtype=self.dtype,
                                                     param_dtype=self.param_dtype, name=name)
-        q_BSF = dense(H * D, self.qkv_bias, "q_proj")(x_BSE)
-        k_BSF = dense(K * D, self.qkv_bias, "k_proj")(x_BSE)
-        v_BSKD = dense(K * D, self.qkv_bias, "v_proj")(x_BSE).reshape(B, S, K, D)
+        q_BSF = dense(H * D, s.qkv_bias, "q_proj")(x_BSE)
+        k_BSF = dense(K * D, s.qkv_bias, "k_proj")(x_BSE)
+        v_BSKD = dense(K * D, s.qkv_bias, "v_proj")(x_BSE).reshape(B, S, K, D)
         norm = lambda name: RMSNorm(self.norm_eps, self.norm_style, dtype=self.dtype, param_dtype=self.param_dtype,
                                     name=name)
-        if self.qk_norm and self.qk_norm_scope == "projection":
+        if s.qk_norm and s.qk_norm_scope == "projection":
             q_BSF, k_BSF = norm("q_norm")(q_BSF), norm("k_norm")(k_BSF)
         q_BSHD, k_BSKD = q_BSF.reshape(B, S, H, D), k_BSF.reshape(B, S, K, D)
-        if self.qk_norm and self.qk_norm_scope == "head":
+        if s.qk_norm and s.qk_norm_scope == "head":
             q_BSHD, k_BSKD = norm("q_norm")(q_BSHD), norm("k_norm")(k_BSKD)
         q_BSHD = apply_rotary(q_BSHD, *rotary)
         k_BSKD = apply_rotary(k_BSKD, *rotary)
 
         if cache is None:
             keys, values = k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3)
-            k_slots, k_segments = slots_BS, segments_BS
+            k_slots, k_segments = context.slots_BS, context.segments_BS
         else:
-            cache = cache.write(k_BSKD, v_BSKD, segments_BS)
-            keys, values, k_segments = cache.keys, cache.values, cache.segments
+            cache = cache.write(knobs.local, context.write_slots_BS, k_BSKD, v_BSKD)
+            keys, values = cache.read(knobs.local)
+            k_segments = context.filled_BT
             k_slots = jnp.broadcast_to(jnp.arange(keys.shape[2], dtype=jnp.int32), k_segments.shape)
-        mask_BST = attention_mask(slots_BS, k_slots, segments_BS, k_segments, causal=self.causal, window=self.window)
+        mask_BST = attention_mask(context.slots_BS, k_slots, context.segments_BS, k_segments, causal=s.causal,
+                                  window=knobs.window)
         # Without a cache the query slots are the key slots, so a causal pass can skip future blocks.
-        out_BSHD = attend(q_BSHD, keys, values, mask_BST, causal_blocks=self.causal and cache is None,
-                          scale=self.scale, softcap=self.softcap)
-        return dense(E, self.o_bias, "o_proj")(out_BSHD.reshape(B, S, H * D)), cache
+        out_BSHD = attend(q_BSHD, keys, values, mask_BST, causal_blocks=s.causal and cache is None,
+                          scale=s.query_scale, softcap=s.softcap)
+        return dense(E, s.o_bias, "o_proj")(out_BSHD.reshape(B, S, H * D)), cache

@@ -1,10 +1,10 @@
-"""A dense KV cache: `[rows, kv_heads, capacity, head_dim]` per layer and one write cursor.
+"""The KV cache: one length per row, and per run of layers the keys and values of every layer in it.
 
-Heads-major, the layout attention reads, so a decode step reads the cache in place: with the
-`[rows, capacity, ...]` layout XLA copied every layer's whole cache into this order at every step.
-
-Rows are left-padded to a common prompt width, so every row writes its next token at the same slot;
-`segments` marks which slots hold a real token (1) and which hold padding or nothing yet (0).
+Each row holds its own tokens from slot 0 in order: `lengths[b]` slots of row `b` are filled, and
+its next token goes to slot `lengths[b]`. A prompt's padding is never written, so padded slots take
+no cache and rows of different lengths decode side by side. Arrays are heads-major,
+`[layers, rows, kv_heads, capacity, head_dim]`, the layout attention reads, so a decode step reads a
+layer's cache in place.
 """
 
 from __future__ import annotations
@@ -12,33 +12,49 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax import lax
 
 
 @struct.dataclass
-class LayerCache:
-    keys: jax.Array  # [B, K, T, D]
-    values: jax.Array  # [B, K, T, D]
-    segments: jax.Array  # [B, T] int32, 0 = empty or padding
-    cursor: jax.Array  # int32 scalar: the slot the next token is written to
+class AttentionCache:
+    """Keys and values of a run of attention layers, `[L, B, K, T, D]` each."""
+
+    keys: jax.Array
+    values: jax.Array
 
     @classmethod
-    def empty(cls, rows: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> "LayerCache":
-        shape = (rows, kv_heads, capacity, head_dim)
-        return cls(
-            keys=jnp.zeros(shape, dtype),
-            values=jnp.zeros(shape, dtype),
-            segments=jnp.zeros((rows, capacity), jnp.int32),
-            cursor=jnp.zeros((), jnp.int32),
-        )
+    def empty(cls, layers: int, rows: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> "AttentionCache":
+        shape = (layers, rows, kv_heads, capacity, head_dim)
+        return cls(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype))
 
-    def write(self, k_BSKD: jax.Array, v_BSKD: jax.Array, segments_BS: jax.Array) -> "LayerCache":
-        """Store `S` new slots at the cursor and move it past them."""
-        at = (0, 0, self.cursor, 0)
-        heads_major = lambda x_BSKD, into: x_BSKD.transpose(0, 2, 1, 3).astype(into.dtype)
-        return LayerCache(
-            keys=lax.dynamic_update_slice(self.keys, heads_major(k_BSKD, self.keys), at),
-            values=lax.dynamic_update_slice(self.values, heads_major(v_BSKD, self.values), at),
-            segments=lax.dynamic_update_slice(self.segments, segments_BS.astype(jnp.int32), (0, self.cursor)),
-            cursor=self.cursor + k_BSKD.shape[1],
-        )
+    def write(self, layer, slots_BS: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array) -> "AttentionCache":
+        """Store token `s` of row `b` at slot `slots_BS[b, s]` of layer `layer`; a slot at or past the
+        capacity (how padding is marked) is dropped."""
+        rows_B1 = jnp.arange(slots_BS.shape[0])[:, None]
+        put = lambda into, new_BSKD: into.at[layer, rows_B1, :, slots_BS, :].set(new_BSKD.astype(into.dtype),
+                                                                                mode="drop")
+        return AttentionCache(keys=put(self.keys, k_BSKD), values=put(self.values, v_BSKD))
+
+    def read(self, layer) -> tuple[jax.Array, jax.Array]:
+        """Layer `layer`'s keys and values, `[B, K, T, D]` each."""
+        return self.keys[layer], self.values[layer]
+
+
+@struct.dataclass
+class Cache:
+    """The whole model's cache: `runs` holds one mixer cache per run of layers (`AttentionCache` for
+    attention), `lengths` the filled slots of each row, int32 `[B]`."""
+
+    runs: tuple
+    lengths: jax.Array
+
+    @property
+    def rows(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return jax.tree_util.tree_leaves(self.runs)[0].shape[3]
+
+    def reset(self, rows_B: jax.Array) -> "Cache":
+        """Empty the rows where `rows_B` is true (their slots are reused; nothing else changes)."""
+        return self.replace(lengths=jnp.where(rows_B, 0, self.lengths))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -13,6 +15,22 @@ ACTIVATIONS = {
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # transformers' gelu_pytorch_tanh
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # the exact erf form
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseSpec:
+    """A dense gated MLP of `features` hidden units, its gate's `activation` and optional biases."""
+
+    features: int
+    activation: str = "silu"
+    bias: bool = False
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation is {self.activation!r}; it must be one of {list(ACTIVATIONS)}")
+
+    def module(self, *, dtype, param_dtype, name: str) -> "GatedMLP":
+        return GatedMLP(self.features, self.activation, self.bias, dtype=dtype, param_dtype=param_dtype, name=name)
 
 
 class GatedMLP(nn.Module):

@@ -1,29 +1,35 @@
-"""`CausalTransformer`: the one decoder every family configures (RMSNorm, rotary, GQA, gated MLP).
+"""`CausalTransformer`: the one decoder every family configures, a sequence of layer specs.
 
 Its parameter tree uses the transformers decoder names (`embed_tokens`, `layers_N.self_attn.q_proj`,
-`mlp.gate_proj`, `norm`, `lm_head`), so a checkpoint maps tensor to tensor. The families differ only
-in the knobs of `DecoderConfig`: biases, norm rounding and placement, q/k norms, embedding scale,
-activation, attention scale and softcaps, and which layers slide.
+`mlp.gate_proj`, `norm`, `lm_head`), so a checkpoint maps tensor to tensor. `DecoderConfig` holds the
+global knobs and describes each layer as a `LayerSpec` (`DecoderConfig.layer_specs`): its mixer and
+its feed-forward block. Runs of layers that differ only in per-layer values (window, rotary table)
+are scanned (`dew.nn.stack`), so compile time does not grow with depth.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from dew.nn.attention import Attention
-from dew.nn.kv_cache import LayerCache
-from dew.nn.mlp import ACTIVATIONS, GatedMLP
+from flax import struct
+
+from dew.nn.attention import AttentionSpec
+from dew.nn.head import Head
+from dew.nn.kv_cache import Cache
+from dew.nn.layer import NORM_PLACEMENTS, LayerContext, LayerSpec
+from dew.nn.mlp import ACTIVATIONS, DenseSpec
 from dew.nn.norms import NORM_STYLES, RMSNorm
 from dew.nn.rotary import RopeScaling, rotary_angles
+from dew.nn.stack import REMAT_POLICIES, apply_layers, runs, stack_variables, unstack_variables
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 FULL, SLIDING = "full_attention", "sliding_attention"
-NORM_PLACEMENTS = ("pre", "sandwich", "post")
 
 
 def as_dtype(value) -> jnp.dtype:
@@ -60,6 +66,9 @@ class DecoderConfig:
     - `layer_types`: one "full_attention" or "sliding_attention" per layer; only sliding layers
       use `sliding_window`, `local_rope_theta` (default `rope_theta`) and `local_rope_scaling`
       (default `rope_scaling`). Without it, every layer uses `sliding_window`.
+    - `scan_layers`: run runs of like layers as one `nn.scan` (default); False unrolls every layer.
+    - `remat`: what a scanned layer keeps for the backward pass: "none" (everything), "full"
+      (nothing: recompute the layer), "dots" (matmul outputs), "dots_no_batch".
     - `attention_dropout`: the dropout rate a checkpoint was trained with on the attention
       probabilities. It changes nothing at inference; Dew does not apply dropout, so training
       objectives refuse a model whose rate is above zero.
@@ -95,6 +104,8 @@ class DecoderConfig:
     rope_scaling: RopeScaling = RopeScaling()
     local_rope_scaling: RopeScaling | None = None
     attention_dropout: float = 0.0
+    scan_layers: bool = True
+    remat: str = "none"
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -133,7 +144,7 @@ class DecoderConfig:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window is {self.sliding_window}; use None for full attention or a width >= 1")
         choices = {"norm_style": NORM_STYLES, "norm_placement": NORM_PLACEMENTS, "qk_norm_scope": ("head", "projection"),
-                   "activation": tuple(ACTIVATIONS)}
+                   "activation": tuple(ACTIVATIONS), "remat": tuple(REMAT_POLICIES)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} is {getattr(self, name)!r}; it must be one of {list(allowed)}")
@@ -150,6 +161,21 @@ class DecoderConfig:
             for name in ("local_rope_theta", "local_rope_scaling"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} applies to sliding layers: give layer_types too, or drop it")
+
+    @functools.cached_property
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """Each layer's `LayerSpec`, as the flat knobs describe it."""
+        feed_forward = DenseSpec(self.mlp_features, self.activation, self.mlp_bias)
+        specs = []
+        for index in range(self.num_layers):
+            theta, scaling = self.layer_rope(index)
+            mixer = AttentionSpec(
+                self.num_heads, self.num_kv_heads, self.head_dim, causal=self.causal, window=self.layer_window(index),
+                rope_theta=theta, rope_scaling=scaling, qk_norm=self.qk_norm, qk_norm_scope=self.qk_norm_scope,
+                qkv_bias=self.qkv_bias, o_bias=self.o_bias, query_scale=self.query_scale, softcap=self.attn_softcap,
+            )
+            specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps))
+        return tuple(specs)
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer `index`, None for full attention."""
@@ -168,44 +194,63 @@ class DecoderConfig:
         return theta, scaling
 
 
-class DecoderLayer(nn.Module):
-    config: DecoderConfig
-    index: int
+@struct.dataclass
+class ModelOutput:
+    """What the decoder returns with `head=False`: the final-norm hidden states `[B, S, E]` in the
+    compute dtype, the output `head` (`Head`: capped float32 logits for any states), and `aux`, what
+    layers report (`layers_N`: the output states of layer N when asked for with `layers=`)."""
 
-    @nn.compact
-    def __call__(self, x_BSE, rotary, slots_BS, segments_BS, cache: LayerCache | None):
-        c = self.config
-        norm = lambda name: RMSNorm(c.norm_eps, c.norm_style, dtype=c.dtype, param_dtype=c.param_dtype, name=name)
-        attention = Attention(
-            c.num_heads, c.num_kv_heads, c.head_dim, causal=c.causal, window=c.layer_window(self.index),
-            qk_norm=c.qk_norm, qk_norm_scope=c.qk_norm_scope, norm_style=c.norm_style, norm_eps=c.norm_eps,
-            qkv_bias=c.qkv_bias, o_bias=c.o_bias, scale=c.query_scale, softcap=c.attn_softcap,
-            dtype=c.dtype, param_dtype=c.param_dtype, name="self_attn",
-        )
-        mlp = GatedMLP(c.mlp_features, c.activation, c.mlp_bias, dtype=c.dtype, param_dtype=c.param_dtype, name="mlp")
-        attention_in = x_BSE if c.norm_placement == "post" else norm("input_layernorm")(x_BSE)
-        attended, cache = attention(attention_in, rotary, slots_BS, segments_BS, cache)
-        if c.norm_placement != "pre":
-            attended = norm("post_attention_layernorm")(attended)
-        x_BSE = x_BSE + attended
-        mlp_norm = {"pre": "post_attention_layernorm", "sandwich": "pre_feedforward_layernorm"}.get(c.norm_placement)
-        fed = mlp(x_BSE if mlp_norm is None else norm(mlp_norm)(x_BSE))
-        if c.norm_placement != "pre":
-            fed = norm("post_feedforward_layernorm")(fed)
-        return x_BSE + fed, cache
+    hidden: jax.Array
+    head: Head
+    aux: dict = struct.field(default_factory=dict)
+
+    def logits(self) -> jax.Array:
+        """float32 logits `[B, S, V]` of every position (`head.logits(hidden)`)."""
+        return self.head.logits(self.hidden)
 
 
 class CausalTransformer(nn.Module):
     """A decoder-only transformer over int32 token ids `[B, S]`.
 
-    `__call__` returns float32 logits `[B, S, vocab]`, or with `head=False` the final-norm hidden
-    states `[B, S, emb]` in the compute dtype (the chunked loss applies the head itself, see
-    `head_weight`). `segment_ids` (1-based documents, 0 for padding) keep packed documents apart and
-    `positions` restart the rotary angles per document. With `cache` (one `LayerCache` per layer) the
-    tokens are written at the cache cursor and the call returns `(output, cache)`.
+    `__call__` returns float32 logits `[B, S, vocab]`, or with `head=False` a `ModelOutput` (hidden
+    states, the head, what layers report). `segment_ids` (1-based documents, 0 for padding) keep
+    packed documents apart and `positions` restart the rotary angles per document;
+    `attention_mask` (`[B, S]`, true for real tokens) marks padding, which reads and is read by no
+    real token. `layers` lists layer numbers whose output states to keep in `aux` (`layers_N`).
+
+    With `cache` (from `init_cache`) each row's real tokens are written after the tokens it already
+    holds (padding takes no slot) and read by every later token; the call returns `(output, cache)`.
+    Positions then default to each row's filled length plus the real tokens before each slot.
     """
 
     config: DecoderConfig
+
+    @nn.nowrap
+    def apply(self, variables, *args, **kwargs):
+        """Apply to the model's own (stacked) variables, or to per-layer ones (stacked on the way in)."""
+        return super().apply(self.stack_variables(variables), *args, **kwargs)
+
+    @nn.nowrap
+    def stack_variables(self, variables):
+        """Per-layer variables (`layers_N`, as published checkpoints name them) in this model's own
+        form, each scanned run stacked (see `dew.nn.stack`); the model's own form is returned as is."""
+        c = self.config
+        return stack_variables(c.layer_specs, c.scan_layers, variables)
+
+    @nn.nowrap
+    def unstack_variables(self, variables):
+        """The per-layer form (`layers_N`) of this model's variables, for exports and per-layer reading."""
+        return unstack_variables(variables)
+
+    @nn.nowrap
+    def init_cache(self, rows: int, capacity: int) -> Cache:
+        """An empty cache of `capacity` slots per row."""
+        c = self.config
+        return Cache(
+            runs=tuple(c.layer_specs[start].mixer.empty_cache(stop - start, rows, capacity, c.dtype)
+                       for start, stop in runs(c.layer_specs, c.scan_layers)),
+            lengths=jnp.zeros((rows,), jnp.int32),
+        )
 
     @nn.compact
     def __call__(
@@ -214,45 +259,68 @@ class CausalTransformer(nn.Module):
         *,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
-        cache: Sequence[LayerCache] | None = None,
+        attention_mask: jax.Array | None = None,
+        cache: Cache | None = None,
         head: bool = True,
+        layers: Sequence[int] = (),
     ):
         c = self.config
+        specs = c.layer_specs
         B, S = tokens.shape
-        start = 0 if cache is None else cache[0].cursor
-        slots_BS = jnp.broadcast_to(start + jnp.arange(S, dtype=jnp.int32), (B, S))
-        positions = slots_BS if positions is None else positions
-        segments_BS = jnp.ones((B, S), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        keep = tuple(int(i) for i in layers)
+        bad = [i for i in keep if not 0 <= i < c.num_layers]
+        if bad:
+            raise ValueError(f"layers {bad} are not layers of this {c.num_layers}-layer model")
+        real_BS = jnp.ones((B, S), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
+        segments_BS = real_BS if segment_ids is None else segment_ids.astype(jnp.int32) * real_BS
+        if cache is None:
+            slots_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+            context_cache = {}
+            if positions is None:
+                positions = slots_BS if attention_mask is None else jnp.maximum(jnp.cumsum(real_BS, 1) - 1, 0)
+        else:
+            capacity = cache.capacity
+            # Real tokens take consecutive slots after the row's filled ones; padding is sent past the end.
+            before_BS = cache.lengths[:, None] + jnp.cumsum(real_BS, axis=1) - real_BS
+            write_slots_BS = jnp.where(real_BS > 0, before_BS, capacity)
+            lengths_B = cache.lengths + jnp.sum(real_BS, axis=1)
+            slots_BS = jnp.minimum(before_BS, capacity - 1)
+            filled_BT = (jnp.arange(capacity, dtype=jnp.int32)[None, :] < lengths_B[:, None]).astype(jnp.int32)
+            context_cache = dict(write_slots_BS=write_slots_BS, filled_BT=filled_BT)
+            if positions is None:
+                positions = slots_BS
 
         embed = nn.Embed(c.vocab_size, c.emb_features, dtype=c.dtype, param_dtype=c.param_dtype,
                          embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
         x_BSE = embed(tokens).astype(c.dtype)
         if c.scale_embeddings:
             x_BSE = x_BSE * jnp.asarray(c.emb_features**0.5, c.dtype)
-        ropes = dict.fromkeys(c.layer_rope(i) for i in range(c.num_layers))  # in layer order, each once
-        rotary = {rope: rotary_angles(positions, c.head_dim, *rope) for rope in ropes}
-        new_cache = []
-        for i in range(c.num_layers):
-            layer_cache = None if cache is None else cache[i]
-            x_BSE, layer_cache = DecoderLayer(c, i, name=f"layers_{i}")(
-                x_BSE, rotary[c.layer_rope(i)], slots_BS, segments_BS, layer_cache
-            )
-            new_cache.append(layer_cache)
+
+        # One cos/sin table per distinct rotary setting, stacked by rotated width; layers pick theirs.
+        ropes = list(dict.fromkeys(spec.mixer.rope() for spec in specs))
+        tables, rotary = {}, {}
+        for width in dict.fromkeys(rope[0] for rope in ropes):
+            same = [rope for rope in ropes if rope[0] == width]
+            tables.update({rope: index for index, rope in enumerate(same)})
+            pairs = [rotary_angles(positions, *rope) for rope in same]
+            rotary[width] = (jnp.stack([cos for cos, _ in pairs]), jnp.stack([sin for _, sin in pairs]))
+        context = LayerContext(rotary=rotary, slots_BS=slots_BS, segments_BS=segments_BS, **context_cache)
+
+        x_BSE, cache_runs, kept = apply_layers(
+            self, specs, x_BSE, context, None if cache is None else cache.runs, scan=c.scan_layers, remat=c.remat,
+            keep=keep, tables=tables, dtype=c.dtype, param_dtype=c.param_dtype,
+        )
         hidden_BSE = RMSNorm(c.norm_eps, c.norm_style, dtype=c.dtype, param_dtype=c.param_dtype, name="norm")(x_BSE)
         if c.tie_embeddings:
-            weight, transposed = embed.embedding, True
+            output_head = Head(embed.embedding.astype(c.dtype), transposed=True, softcap=c.logit_softcap)
         else:
-            weight, transposed = _Kernel(c.vocab_size, c.param_dtype, name="lm_head")(c.emb_features), False
-        if head:
-            logits_NV = vocab_logits(hidden_BSE.reshape(B * S, -1), weight.astype(c.dtype), transposed)
-            output = cap_logits(logits_NV, c.logit_softcap).reshape(B, S, c.vocab_size)
-        else:
-            output = hidden_BSE
-        return output if cache is None else (output, new_cache)
-
-    def init_cache(self, rows: int, capacity: int) -> list[LayerCache]:
-        c = self.config
-        return [LayerCache.empty(rows, capacity, c.num_kv_heads, c.head_dim, c.dtype) for _ in range(c.num_layers)]
+            kernel = _Kernel(c.vocab_size, c.param_dtype, name="lm_head")(c.emb_features)
+            output_head = Head(kernel.astype(c.dtype), transposed=False, softcap=c.logit_softcap)
+        aux = {f"layers_{i}": states for i, states in zip(keep, kept)}
+        output = output_head.logits(hidden_BSE) if head else ModelOutput(hidden_BSE, output_head, aux)
+        if cache is None:
+            return output
+        return output, Cache(runs=cache_runs, lengths=lengths_B)
 
 
 class _Kernel(nn.Module):
@@ -264,27 +332,3 @@ class _Kernel(nn.Module):
     @nn.compact
     def __call__(self, in_features: int) -> jax.Array:
         return self.param("kernel", nn.initializers.normal(0.02), (in_features, self.features), self.param_dtype)
-
-
-def vocab_logits(hidden_NE: jax.Array, weight: jax.Array, transposed: bool) -> jax.Array:
-    """float32 logits `[N, V]` from hidden states and the head (`[E, V]`, or `[V, E]` when tied)."""
-    contract = ((1,), (1,)) if transposed else ((1,), (0,))
-    return jax.lax.dot_general(hidden_NE, weight, (contract, ((), ())), preferred_element_type=jnp.float32)
-
-
-def cap_logits(logits: jax.Array, softcap: float | None) -> jax.Array:
-    return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
-
-
-def project(config: DecoderConfig, params, hidden_NE: jax.Array) -> jax.Array:
-    """float32 logits `[N, vocab]` of final hidden states `[N, emb]`, softcapped when configured."""
-    weight, transposed = head_weight(config, params)
-    return cap_logits(vocab_logits(hidden_NE.astype(config.dtype), weight.astype(config.dtype), transposed),
-                      config.logit_softcap)
-
-
-def head_weight(config: DecoderConfig, params) -> tuple[jax.Array, bool]:
-    """The output projection and its layout: (`[emb, vocab]`, False) or the tied `[vocab, emb]`, True."""
-    if config.tie_embeddings:
-        return params["embed_tokens"]["embedding"], True
-    return params["lm_head"]["kernel"], False

@@ -1,0 +1,120 @@
+"""One decoder layer, described by a `LayerSpec`: a mixer, a feed-forward block, and where the norms sit.
+
+A new mixer (latent attention, say) or feed-forward block (a mixture of experts) is a spec class in
+its own module with a `module(...)` builder; `DecoderLayer` builds whatever its spec names. The
+layer's call signature is the scan body's, `(carry, knobs, context) -> (carry, None)`, so a run of
+layers whose specs agree up to their per-layer values (`LayerSpec.scan_key`) runs as one `nn.scan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import struct
+
+from dew.nn.attention import AttentionSpec
+from dew.nn.mlp import DenseSpec
+from dew.nn.norms import NORM_STYLES, RMSNorm
+
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """A layer: its `mixer` (`AttentionSpec`), its `feed_forward` (`DenseSpec`) and its norms.
+
+    `norm_placement` is "pre" (a norm before the mixer and the feed-forward; the latter is named
+    `post_attention_layernorm`, as in Llama), "sandwich" (Gemma 2/3: also a norm after each
+    sublayer, `pre_feedforward_layernorm` before the feed-forward) or "post" (OLMo 2: norms only
+    after each sublayer, before the residual add). `norm_style` is the RMSNorm rounding
+    (`dew.nn.norms`).
+    """
+
+    mixer: AttentionSpec
+    feed_forward: DenseSpec
+    norm_placement: str = "pre"
+    norm_style: str = "llama"
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"norm_placement is {self.norm_placement!r}; it must be one of {list(NORM_PLACEMENTS)}")
+        if self.norm_style not in NORM_STYLES:
+            raise ValueError(f"norm_style is {self.norm_style!r}; it must be one of {list(NORM_STYLES)}")
+
+    def scan_key(self) -> "LayerSpec":
+        """The spec with its per-layer values erased: consecutive layers with equal keys scan together."""
+        return dataclasses.replace(self, mixer=self.mixer.scan_key())
+
+
+@struct.dataclass
+class LayerKnobs:
+    """What differs between the layers of one scanned run, one value per layer (scanned over):
+    `window` (int32; None when no layer of the run slides), `rope` (which rotary table of its width
+    the mixer reads), `index` (the layer's number in the model) and `local` (its number in the run,
+    the index of its slice of the run's cache)."""
+
+    window: Any
+    rope: jax.Array
+    index: jax.Array
+    local: jax.Array
+
+
+@struct.dataclass
+class LayerContext:
+    """What every layer reads, broadcast over a run.
+
+    `rotary` maps a rotated width to its stacked cos and sin tables, float32 `[R, B, S, width]` each.
+    `slots_BS` are the query slots and `segments_BS` their documents (0 for padding). With a cache,
+    `write_slots_BS` says where each token is stored (the capacity for padding, which is dropped)
+    and `filled_BT` marks, per row, the slots that hold a token once this call's tokens are written.
+    """
+
+    rotary: dict
+    slots_BS: jax.Array
+    segments_BS: jax.Array
+    write_slots_BS: jax.Array | None = None
+    filled_BT: jax.Array | None = None
+
+
+class DecoderLayer(nn.Module):
+    """`x + mixer(norm(x))`, then `x + feed_forward(norm(x))`, with the norms where the spec puts them.
+
+    The carry is `(x_BSE, cache, kept)`: the residual stream, this run's cache (None without one),
+    and the outputs of the layers listed in `keep`, each replaced when this layer's index matches.
+    """
+
+    spec: LayerSpec
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+    keep: tuple[int, ...] = ()
+
+    @nn.compact
+    def __call__(self, carry, knobs: LayerKnobs, context: LayerContext):
+        x_BSE, cache, kept = carry
+        s = self.spec
+        norm = lambda name: RMSNorm(s.norm_eps, s.norm_style, dtype=self.dtype, param_dtype=self.param_dtype,
+                                    name=name)
+        mixer = s.mixer.module(norm_style=s.norm_style, norm_eps=s.norm_eps, dtype=self.dtype,
+                               param_dtype=self.param_dtype, name="self_attn")
+        feed_forward = s.feed_forward.module(dtype=self.dtype, param_dtype=self.param_dtype, name="mlp")
+        width = s.mixer.rope()[0]
+        cos_RBSD, sin_RBSD = context.rotary[width]
+        rotary = (cos_RBSD[knobs.rope], sin_RBSD[knobs.rope])
+
+        mixer_in = x_BSE if s.norm_placement == "post" else norm("input_layernorm")(x_BSE)
+        mixed, cache = mixer(mixer_in, rotary, context, knobs, cache)
+        if s.norm_placement != "pre":
+            mixed = norm("post_attention_layernorm")(mixed)
+        x_BSE = x_BSE + mixed
+        ff_norm = {"pre": "post_attention_layernorm", "sandwich": "pre_feedforward_layernorm"}.get(s.norm_placement)
+        fed = feed_forward(x_BSE if ff_norm is None else norm(ff_norm)(x_BSE))
+        if s.norm_placement != "pre":
+            fed = norm("post_feedforward_layernorm")(fed)
+        x_BSE = x_BSE + fed
+        kept = tuple(jnp.where(knobs.index == layer, x_BSE, states) for layer, states in zip(self.keep, kept))
+        return (x_BSE, cache, kept), None

@@ -1,0 +1,147 @@
+"""The layers of a decoder as runs: consecutive layers whose specs agree up to their per-layer values
+scan as one `nn.scan`, so the program (and its compile time) does not grow with depth.
+
+A scanned run keeps its layers' variables stacked on a leading axis under one name,
+`layers_{first}to{last}` (`layers_0to29` for a uniform 30-layer decoder), with transformers' names
+inside; that is the tree `init` returns, the trainer updates (one optimizer op per stacked leaf, not
+per layer) and checkpoints hold. `unstack_variables` gives the per-layer form (`layers_N`), which
+published checkpoints and exports use, and `stack_variables` the reverse; `apply` accepts either
+(a per-layer tree is stacked on the way in, at the cost of one copy of the weights per call).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from dew.nn.layer import DecoderLayer, LayerKnobs, LayerSpec
+
+REMAT_POLICIES = {
+    "none": None,  # keep every activation for the backward pass
+    "full": "nothing_saveable",  # recompute each layer in the backward pass
+    "dots": "checkpoint_dots",  # keep matmul outputs, recompute the rest
+    "dots_no_batch": "dots_with_no_batch_dims_saveable",  # keep matmuls without batch dims (not attention's)
+}
+# The window of a layer that does not slide: wider than any sequence.
+NO_WINDOW = np.iinfo(np.int32).max
+
+
+def runs(specs: Sequence[LayerSpec], scan: bool) -> list[tuple[int, int]]:
+    """`(start, stop)` of each run; without `scan` every layer is its own, unscanned, run."""
+    bounds: list[tuple[int, int]] = []
+    for index, spec in enumerate(specs):
+        if scan and bounds and specs[bounds[-1][0]].scan_key() == spec.scan_key():
+            bounds[-1] = (bounds[-1][0], index + 1)
+        else:
+            bounds.append((index, index + 1))
+    return bounds
+
+
+def _layer_name(index: int) -> str:
+    return f"layers_{index}"
+
+
+_RUN = re.compile(r"layers_(\d+)to(\d+)")
+
+
+def run_name(start: int, stop: int) -> str:
+    """The name a scanned run of layers `start` to `stop - 1` keeps its stacked variables under."""
+    return f"layers_{start}to{stop - 1}"
+
+
+def stack_variables(specs: Sequence[LayerSpec], scan: bool, variables):
+    """Variables in the form a model with these specs keeps: per-layer ones (`layers_N`) stacked into
+    its scanned runs (or, with `scan` off, stacked runs split into layers). A tree already in that
+    form is returned as it is."""
+    if not scan:
+        return unstack_variables(variables)
+    if not isinstance(variables, Mapping):
+        return variables
+    bounds = runs(specs, scan)
+    stacked, changed = {}, False
+    for collection, tree in variables.items():
+        if not isinstance(tree, Mapping) or not any(_layer_name(i) in tree for start, stop in bounds
+                                                    for i in range(start, stop)):
+            stacked[collection] = tree  # not a layered tree, or stacked already
+            continue
+        moved = dict(tree)
+        for start, stop in bounds:
+            layers = [moved.pop(_layer_name(i)) for i in range(start, stop) if _layer_name(i) in moved]
+            if layers:
+                moved[run_name(start, stop)] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
+        stacked[collection], changed = moved, True
+    return stacked if changed else variables
+
+
+def unstack_variables(variables):
+    """The inverse of `stack_variables`: each `layers_{first}to{last}` subtree split into `layers_N`
+    subtrees (run names say their layers, so no spec is needed)."""
+    if not isinstance(variables, Mapping) or not any(
+            isinstance(tree, Mapping) and any(_RUN.fullmatch(key) for key in tree) for tree in variables.values()):
+        return variables
+    unstacked = {}
+    for collection, tree in variables.items():
+        if not isinstance(tree, Mapping):
+            unstacked[collection] = tree
+            continue
+        moved = {}
+        for key, value in tree.items():
+            match = _RUN.fullmatch(key)
+            if match is None:
+                moved[key] = value
+                continue
+            first, last = int(match[1]), int(match[2])
+            for i in range(first, last + 1):
+                moved[_layer_name(i)] = jax.tree_util.tree_map(lambda x, i=i: x[i - first], value)
+        unstacked[collection] = dict(sorted(moved.items(), key=lambda item: _order(item[0])))
+    return unstacked
+
+
+def _order(name: str):
+    """Sort `layers_N` by N among the other names, so trees print in layer order."""
+    return (1, int(name.removeprefix("layers_")), "") if name.startswith("layers_") else (0, 0, name)
+
+
+def _knobs(specs: Sequence[LayerSpec], tables: Mapping, start: int, stop: int) -> LayerKnobs:
+    windows = [spec.mixer.window for spec in specs[start:stop]]
+    return LayerKnobs(
+        window=None if all(w is None for w in windows) else jnp.asarray(
+            [NO_WINDOW if w is None else w for w in windows], jnp.int32),
+        rope=jnp.asarray([tables[spec.mixer.rope()] for spec in specs[start:stop]], jnp.int32),
+        index=jnp.arange(start, stop, dtype=jnp.int32),
+        local=jnp.arange(stop - start, dtype=jnp.int32),
+    )
+
+
+def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, cache_runs, *, scan: bool,
+                 remat: str, keep: tuple[int, ...], tables: Mapping, dtype, param_dtype):
+    """Run every layer inside `parent`'s compact scope; returns `(x_BSE, cache runs, kept states)`.
+
+    `tables` maps each layer's `mixer.rope()` key to its index among the tables of its width.
+    """
+    kept = tuple(jnp.zeros_like(x_BSE) for _ in keep)
+    new_cache = []
+    layer_class = DecoderLayer
+    if REMAT_POLICIES[remat] is not None:
+        policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[remat])
+        layer_class = nn.remat(DecoderLayer, policy=policy, prevent_cse=not scan)
+    for run, (start, stop) in enumerate(runs(specs, scan)):
+        spec = specs[start].scan_key() if scan else specs[start]
+        knobs = _knobs(specs, tables, start, stop)
+        cache = None if cache_runs is None else cache_runs[run]
+        if scan:
+            scanned = nn.scan(layer_class, variable_axes={"params": 0}, split_rngs={"params": True},
+                              in_axes=(0, nn.broadcast), length=stop - start)
+            layer = scanned(spec, dtype, param_dtype, keep, parent=parent, name=run_name(start, stop))
+            (x_BSE, cache, kept), _ = layer((x_BSE, cache, kept), knobs, context)
+        else:
+            layer = layer_class(spec, dtype, param_dtype, keep, parent=parent, name=_layer_name(start))
+            one = jax.tree_util.tree_map(lambda v: v[0], knobs)
+            (x_BSE, cache, kept), _ = layer((x_BSE, cache, kept), one, context)
+        new_cache.append(cache)
+    return x_BSE, None if cache_runs is None else tuple(new_cache), kept
