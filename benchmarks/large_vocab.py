@@ -19,7 +19,7 @@ import optax
 
 from benchmarks.common import decoder_flops_per_token, machine, matmul_peak
 from benchmarks.train_step import SHAPE, dew_step
-from dew.nn.transformer import project
+from dew.nn.head import Head
 from dew.objectives.base import Mean
 from dew.objectives.lm import LMObjective, LMStatistics
 from dew.objectives.lm.loss import chunked_cross_entropy
@@ -32,9 +32,9 @@ class UnchunkedHead(LMObjective):
     It reports the same statistics as LMObjective's default (loss, cross entropy, token accuracy)."""
 
     def _statistics(self, params, batch) -> LMStatistics:
-        hidden_NE, _, targets_N, weights_BS, _ = self._head_inputs(
+        hidden_NE, weight, targets_N, weights_BS, transposed = self._head_inputs(
             params, batch[TEXT_KEY], None, batch.get(SEGMENTS_KEY), batch.get(POSITIONS_KEY))
-        logits_NV = project(self.model.config, params["params"], hidden_NE)
+        logits_NV = Head(weight, transposed, self.model.config.logit_softcap).logits(hidden_NE)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits_NV, targets_N)
         correct = (jnp.argmax(logits_NV, axis=-1) == targets_N).astype(jnp.float32)
         w = weights_BS.reshape(-1)

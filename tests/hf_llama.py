@@ -6,11 +6,13 @@ import numpy as np
 import torch
 
 from dew.interop.hf_decoders import tensor_plan
+from dew.nn.stack import unstack_variables
 
 
 def copy_into_torch(variables, torch_model, num_layers: int) -> None:
-    """Set the torch model's weights from Dew's `variables`, named and transposed as `Pretrained.save` writes them."""
-    params = variables["params"]
+    """Set the torch model's weights from Dew's `variables` (stacked runs split into layers first),
+    named and transposed as `Pretrained.save` writes them."""
+    params = unstack_variables(variables)["params"]
     layers = sum(key.startswith("layers_") for key in params)
     assert layers == num_layers, f"the Dew tree has {layers} layers, the caller expects {num_layers}"
     state = {}

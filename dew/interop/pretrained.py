@@ -74,7 +74,7 @@ class Pretrained:
         files the export does not write are left alone.
         """
         directory = Path(directory)
-        params = _params_of(self.variables if variables is None else variables)
+        params = _params_of(self.model.unstack_variables(self.variables if variables is None else variables))
         expected = _expected_params(self.model)
         if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(expected):
             raise ValueError("the variables to save do not have this model's parameter tree: pass the loaded "
@@ -271,8 +271,10 @@ def _host_tensor(reader: SafetensorsReader, name: str, transposed: bool, dtype) 
 
 
 def _expected_params(model: CausalTransformer):
-    """The model's parameter tree as shapes, without allocating it."""
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+    """The model's parameter tree in its per-layer form (as checkpoints name it), as shapes, without
+    allocating it."""
+    return jax.eval_shape(
+        lambda: model.unstack_variables(model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))))["params"]
 
 
 def _params_of(variables) -> Mapping:

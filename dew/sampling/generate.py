@@ -1,8 +1,12 @@
-"""Cached generation: host-side preparation, then prefill and a `lax.scan` decode in one compiled call.
+"""Cached generation: host-side preparation, then prefill and decode steps as pure compiled functions.
 
 Prompts are validated and left-padded on the host to a bucketed width, so prompts whose valid lengths
-differ but pad to the same width reuse the executable. The dense cache holds the bucket plus the new
-tokens, never the model's maximum; padded slots carry segment 0 and take no attention.
+differ but pad to the same width reuse the executable. Each row of the cache holds its own tokens
+from slot 0 (padding takes no slot), so the cache holds the longest prompt plus the new tokens,
+never the model's maximum. `prefill` and `decode_step` are the pure pieces; `generate` runs them as
+one compiled call (prefill, then a `lax.scan` of decode steps), or, when it streams, as a host loop
+over the compiled step. Sampling values travel as per-row arrays (`SamplingParams`), so a new
+temperature does not recompile.
 """
 
 from __future__ import annotations
@@ -14,10 +18,9 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
+from flax import struct
 
-from dew.nn.transformer import project
-from dew.sampling.sampling import Sampling
+from dew.sampling.sampling import Sampling, SamplingParams, draw
 
 PROMPT_BUCKET = 16
 
@@ -71,14 +74,72 @@ def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
     return rows
 
 
+def prefill(model, params, tokens_BP: jax.Array, valid_BP: jax.Array, cache):
+    """Write each row's real prompt tokens into `cache` after the ones it holds; returns the float32
+    logits of each row's last real token `[B, V]` and the cache. `valid_BP` marks real tokens
+    (padding may sit on either side)."""
+    output, cache = model.apply(params, tokens_BP, attention_mask=valid_BP, cache=cache, head=False)
+    P = tokens_BP.shape[1]
+    last_B = P - 1 - jnp.argmax(valid_BP[:, ::-1] > 0, axis=1)
+    hidden_BE = jnp.take_along_axis(output.hidden, last_B[:, None, None], axis=1)[:, 0]
+    return output.head.logits(hidden_BE), cache
+
+
+def decode_step(model, params, tokens_B: jax.Array, live_B: jax.Array, cache):
+    """Append one token per live row (a finished row writes nothing) and return the next float32
+    logits `[B, V]` and the cache."""
+    output, cache = model.apply(params, tokens_B[:, None], attention_mask=live_B[:, None], cache=cache, head=False)
+    return output.head.logits(output.hidden[:, 0]), cache
+
+
+@struct.dataclass
+class DecodeState:
+    """Where decoding stands: the cache, the logits of each row's next token, which rows emitted EOS,
+    how many tokens each emitted, and (with a repetition penalty) which tokens each row holds."""
+
+    cache: object
+    logits_BV: jax.Array
+    done_B: jax.Array
+    count_B: jax.Array
+    seen_BV: jax.Array | None
+
+
+def start(model, params, tokens_BP, valid_BP, capacity: int, penalty: bool) -> DecodeState:
+    """Prefill a fresh cache of `capacity` slots per row."""
+    B = tokens_BP.shape[0]
+    logits_BV, cache = prefill(model, params, tokens_BP, valid_BP, model.init_cache(B, capacity))
+    seen_BV = None
+    if penalty:
+        seen_BV = jnp.zeros(logits_BV.shape, bool).at[jnp.arange(B)[:, None], tokens_BP].max(valid_BP > 0)
+    return DecodeState(cache, logits_BV, jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32), seen_BV)
+
+
+def advance(model, params, state: DecodeState, keys_B, step, sampling: SamplingParams, eos: tuple[int, ...],
+            pad_id: int):
+    """Draw each live row's next token, then feed it back; returns the new state and
+    `(tokens [B], log-probabilities [B], live [B])` of this step (finished rows give `pad_id`)."""
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys_B)
+    token_B, log_prob_B = draw(sampling, keys, state.logits_BV, state.seen_BV)
+    live_B = ~state.done_B
+    token_B = jnp.where(live_B, token_B, pad_id)
+    log_prob_B = jnp.where(live_B, log_prob_B, 0.0)
+    seen_BV = state.seen_BV
+    if seen_BV is not None:
+        seen_BV = seen_BV | (jax.nn.one_hot(token_B, seen_BV.shape[1], dtype=bool) & live_B[:, None])
+    done_B = state.done_B | jnp.isin(token_B, jnp.asarray(eos or (-1,), jnp.int32))
+    logits_BV, cache = decode_step(model, params, token_B, live_B, state.cache)
+    new = DecodeState(cache, logits_BV, done_B, state.count_B + live_B.astype(jnp.int32), seen_BV)
+    return new, (token_B, log_prob_B, live_B)
+
+
 def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, key: jax.Array,
              sampling: Sampling = Sampling(), n: int = 1, decode=None,
              on_token: Callable[[np.ndarray, np.ndarray], None] | None = None) -> Generation:
     """Continue each prompt by `max_new_tokens` tokens, `n` times each, in one compiled call.
 
     `on_token(tokens, live)`, when given, is called on the host after every decode step with that
-    step's int32 tokens `[rows]` and which rows were still generating; it streams output while the
-    compiled call runs.
+    step's int32 tokens `[rows]` and which rows were still generating; decoding then runs as a host
+    loop over the compiled step, so output streams as it is produced.
     """
     config = model.config
     rows = _check_prompts(prompts, config.vocab_size)
@@ -105,12 +166,14 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
     row_keys = jax.vmap(lambda p, c: jax.random.fold_in(jax.random.fold_in(key, p), c))(
         jnp.asarray(prompt_ids), jnp.asarray(continuation_ids)
     )
-    run = _compiled(model, sampling, max_new_tokens, on_token is not None)
-    _LISTENER[0] = on_token
-    try:
-        new_BN, log_probs_BN, done_B, count_B = jax.device_get(run(params, tokens, valid, row_keys))
-    finally:
-        _LISTENER[0] = None
+    sampling_params = SamplingParams.of([sampling] * len(prompt_ids))
+    capacity = width + max_new_tokens
+    if on_token is None:
+        run = _compiled(model, max_new_tokens, sampling.eos_token_ids, sampling.pad_id)
+        new_BN, log_probs_BN, done_B, count_B = jax.device_get(run(params, tokens, valid, row_keys, sampling_params))
+    else:
+        new_BN, log_probs_BN, done_B, count_B = _streamed(model, params, tokens, valid, row_keys, sampling_params,
+                                                          capacity, max_new_tokens, sampling, on_token)
 
     prompt_lengths = valid.sum(axis=1)
     out = np.full((len(rows) * n, longest + max_new_tokens), sampling.pad_id, np.int32)
@@ -122,54 +185,46 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
                       log_probs=log_probs_BN, decode=decode)
 
 
-# The executable is shared across calls, so it reports to whichever listener the current call set.
-_LISTENER: list = [None]
+@functools.lru_cache(maxsize=32)
+def _compiled(model, max_new_tokens: int, eos: tuple[int, ...], pad_id: int):
+    """Prefill and `max_new_tokens` decode steps as one compiled call (sampling values are arguments)."""
 
+    @jax.jit
+    def run(params, tokens_BP, valid_BP, keys_B, sampling: SamplingParams):
+        params = model.stack_variables(params)  # once, not at every decode step
+        state = start(model, params, tokens_BP, valid_BP, tokens_BP.shape[1] + max_new_tokens,
+                      sampling.use_penalty)
 
-def _emit(tokens_B, live_B) -> None:
-    if _LISTENER[0] is not None:
-        _LISTENER[0](np.asarray(tokens_B), np.asarray(live_B))
+        def step(state, t):
+            return advance(model, params, state, keys_B, t, sampling, eos, pad_id)
+
+        state, (tokens_NB, log_probs_NB, _) = jax.lax.scan(step, state, jnp.arange(max_new_tokens))
+        return tokens_NB.T, log_probs_NB.T, state.done_B, state.count_B
+
+    return run
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(model, sampling: Sampling, max_new_tokens: int, stream: bool = False):
-    eos = jnp.asarray(sampling.eos_token_ids or (-1,), jnp.int32)
+def _pieces(model, capacity: int, eos: tuple[int, ...], pad_id: int):
+    """The compiled prefill and decode step a streamed generation loops over on the host."""
+    stack = jax.jit(model.stack_variables)
+    first = jax.jit(lambda params, tokens, valid, penalty: start(model, params, tokens, valid, capacity, penalty),
+                    static_argnums=3)
+    step = jax.jit(lambda params, state, keys, t, sampling: advance(model, params, state, keys, t, sampling, eos,
+                                                                   pad_id))
+    return stack, first, step
 
-    @jax.jit
-    def run(params, tokens_BP, valid_BP, keys_B):
-        B, P = tokens_BP.shape
-        cache = model.init_cache(B, P + max_new_tokens)
-        positions_BP = jnp.maximum(jnp.cumsum(valid_BP, axis=1) - 1, 0)
-        # Only the last slot's logits are needed: left padding puts every row's last token there.
-        hidden_BPE, cache = model.apply(params, tokens_BP, positions=positions_BP, segment_ids=valid_BP,
-                                        cache=cache, head=False)
-        last_BV = project(model.config, params["params"], hidden_BPE[:, -1])
-        next_position_B = jnp.sum(valid_BP, axis=1)
 
-        def step(carry, t):
-            cache, logits_BV, position_B, done_B, count_B, seen_BV = carry
-            keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(keys_B)
-            token_B, log_prob_B = sampling.draw(keys, logits_BV, seen_BV)
-            token_B = jnp.where(done_B, sampling.pad_id, token_B)
-            if seen_BV is not None:
-                seen_BV = seen_BV | (jax.nn.one_hot(token_B, seen_BV.shape[1], dtype=bool) & ~done_B[:, None])
-            log_prob_B = jnp.where(done_B, 0.0, log_prob_B)
-            if stream:
-                io_callback(_emit, None, token_B, ~done_B, ordered=True)
-            count_B = count_B + (~done_B).astype(jnp.int32)
-            done_B = done_B | jnp.isin(token_B, eos)
-            hidden_B1E, cache = model.apply(
-                params, token_B[:, None], positions=position_B[:, None],
-                segment_ids=jnp.ones((B, 1), jnp.int32), cache=cache, head=False,
-            )
-            return (cache, project(model.config, params["params"], hidden_B1E[:, 0]), position_B + 1, done_B, count_B, seen_BV), (token_B, log_prob_B)
-
-        seen_BV = None
-        if sampling.repetition_penalty is not None:
-            vocab = last_BV.shape[-1]
-            seen_BV = jnp.zeros((B, vocab), bool).at[jnp.arange(B)[:, None], tokens_BP].max(valid_BP.astype(bool))
-        start = (cache, last_BV, next_position_B, jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32), seen_BV)
-        (_, _, _, done_B, count_B, _), (tokens_NB, log_probs_NB) = jax.lax.scan(step, start, jnp.arange(max_new_tokens))
-        return tokens_NB.T, log_probs_NB.T, done_B, count_B
-
-    return run
+def _streamed(model, params, tokens, valid, keys_B, sampling_params, capacity, max_new_tokens, sampling, on_token):
+    stack, first, step = _pieces(model, capacity, sampling.eos_token_ids, sampling.pad_id)
+    params = stack(params)
+    state = first(params, tokens, valid, sampling_params.use_penalty)
+    new, log_probs = [], []
+    for t in range(max_new_tokens):
+        state, (token_B, log_prob_B, live_B) = step(params, state, keys_B, jnp.int32(t), sampling_params)
+        token_B, live_B = np.asarray(token_B), np.asarray(live_B)
+        on_token(token_B, live_B)
+        new.append(token_B)
+        log_probs.append(np.asarray(log_prob_B))
+    done_B, count_B = jax.device_get((state.done_B, state.count_B))
+    return np.stack(new, axis=1), np.stack(log_probs, axis=1), done_B, count_B

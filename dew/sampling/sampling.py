@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 _NEG = -jnp.inf
 
@@ -19,6 +22,9 @@ class Sampling:
     the argmax, otherwise the logits are divided by it, `top_k` keeps the k largest, `top_p` the
     smallest set whose probability reaches p, and `min_p` drops tokens below `min_p` times the top
     probability. A row stops after emitting one of `eos_token_ids`; its later slots hold `pad_id`.
+
+    Compiled decoding reads the values as per-row arrays (`SamplingParams`), so a new temperature,
+    top-p or penalty reuses the executable.
     """
 
     temperature: float = 1.0
@@ -51,37 +57,96 @@ class Sampling:
 
         `seen_BV` marks the tokens each row already holds (needed with `repetition_penalty`).
         """
-        logits_BV = logits_BV.astype(jnp.float32)
-        if self.repetition_penalty is not None:
-            if seen_BV is None:
-                raise ValueError("repetition_penalty needs the tokens each row has seen")
-            penalised = jnp.where(logits_BV < 0, logits_BV * self.repetition_penalty, logits_BV / self.repetition_penalty)
-            logits_BV = jnp.where(seen_BV, penalised, logits_BV)
-        if self.greedy:
-            return logits_BV
-        logits_BV = logits_BV / self.temperature
-        if self.top_k is not None and self.top_k < logits_BV.shape[-1]:
-            kth = jax.lax.top_k(logits_BV, self.top_k)[0][:, -1:]
-            logits_BV = jnp.where(logits_BV < kth, _NEG, logits_BV)
-        if self.top_p is not None and self.top_p < 1.0:
-            sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
-            probs = jax.nn.softmax(sorted_BV, axis=-1)
-            # keep a token while the mass before it is below p (the top token always stays)
-            before = jnp.cumsum(probs, axis=-1) - probs
-            cutoff = jnp.min(jnp.where(before < self.top_p, sorted_BV, jnp.inf), axis=-1, keepdims=True)
-            logits_BV = jnp.where(logits_BV < cutoff, _NEG, logits_BV)
-        if self.min_p is not None and self.min_p > 0.0:
-            probs = jax.nn.softmax(logits_BV, axis=-1)
-            floor = self.min_p * jnp.max(probs, axis=-1, keepdims=True)
-            logits_BV = jnp.where(probs < floor, _NEG, logits_BV)
-        return logits_BV
+        return filter_logits(SamplingParams.of([self] * logits_BV.shape[0]), logits_BV, seen_BV)
 
     def draw(self, keys_B: jax.Array, logits_BV: jax.Array, seen_BV: jax.Array | None = None):
         """(token ids `[B]` int32, their log-probabilities under the filtered distribution `[B]`)."""
-        filtered = self.filter(logits_BV, seen_BV)
-        if self.greedy:
-            tokens = jnp.argmax(filtered, axis=-1).astype(jnp.int32)
-        else:
-            tokens = jax.vmap(jax.random.categorical)(keys_B, filtered).astype(jnp.int32)
-        log_probs = jax.nn.log_softmax(filtered, axis=-1)
-        return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+        return draw(SamplingParams.of([self] * logits_BV.shape[0]), keys_B, logits_BV, seen_BV)
+
+
+def _bucket(count: int) -> int:
+    """The next power of two: how many candidates `lax.top_k` computes for a largest `top_k` of `count`."""
+    return 1 << max(count - 1, 0).bit_length()
+
+
+@struct.dataclass
+class SamplingParams:
+    """One row's `Sampling` values per row, as arrays `[B]`, for compiled decoding.
+
+    Off values: `top_k` 0, `top_p` 1, `min_p` 0, `repetition_penalty` 1. The static part says
+    which filters any row uses (`top_k_bound`, the power of two at or above the largest `top_k`, 0
+    when no row filters by rank), so values change without a recompile; switching a filter on
+    for the first time compiles once more.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    top_k_bound: int = struct.field(pytree_node=False, default=0)
+    use_top_p: bool = struct.field(pytree_node=False, default=False)
+    use_min_p: bool = struct.field(pytree_node=False, default=False)
+    use_penalty: bool = struct.field(pytree_node=False, default=False)
+
+    @classmethod
+    def of(cls, rows: Sequence[Sampling]) -> "SamplingParams":
+        """The arrays of one `Sampling` per row (host numpy, placed by the compiled call)."""
+        column = lambda values, dtype: np.asarray(values, dtype)
+        top_k = column([s.top_k or 0 for s in rows], np.int32)
+        top_p = column([1.0 if s.top_p is None else s.top_p for s in rows], np.float32)
+        min_p = column([s.min_p or 0.0 for s in rows], np.float32)
+        penalty = column([1.0 if s.repetition_penalty is None else s.repetition_penalty for s in rows], np.float32)
+        # Flags follow the values whatever the temperature, so a switch to greedy does not recompile.
+        return cls(
+            temperature=column([s.temperature for s in rows], np.float32), top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=penalty, top_k_bound=_bucket(int(top_k.max())) if (top_k > 0).any() else 0,
+            use_top_p=bool((top_p < 1.0).any()), use_min_p=bool((min_p > 0.0).any()),
+            use_penalty=any(s.repetition_penalty is not None for s in rows),
+        )
+
+
+def filter_logits(params: SamplingParams, logits_BV: jax.Array, seen_BV: jax.Array | None = None) -> jax.Array:
+    """float32 logits with each row's policy applied (see `Sampling`); greedy rows are only penalised."""
+    logits_BV = logits_BV.astype(jnp.float32)
+    column = lambda values: jnp.asarray(values)[:, None]
+    if params.use_penalty:
+        if seen_BV is None:
+            raise ValueError("repetition_penalty needs the tokens each row has seen")
+        penalty = column(params.repetition_penalty)
+        penalised = jnp.where(logits_BV < 0, logits_BV * penalty, logits_BV / penalty)
+        logits_BV = jnp.where(seen_BV, penalised, logits_BV)
+    greedy = column(params.temperature) == 0.0
+    sampled_BV = logits_BV / jnp.where(greedy, 1.0, column(params.temperature))
+    vocab = logits_BV.shape[-1]
+    if params.top_k_bound:
+        top_BK = jax.lax.top_k(sampled_BV, min(params.top_k_bound, vocab))[0]
+        k = jnp.clip(jnp.asarray(params.top_k), 1, top_BK.shape[1])
+        kth = jnp.take_along_axis(top_BK, (k - 1)[:, None], axis=1)
+        by_rank = (column(params.top_k) > 0) & (column(params.top_k) < vocab)
+        sampled_BV = jnp.where(by_rank & (sampled_BV < kth), _NEG, sampled_BV)
+    if params.use_top_p:
+        sorted_BV = jnp.sort(sampled_BV, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_BV, axis=-1)
+        # keep a token while the mass before it is below p (the top token always stays)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        top_p = column(params.top_p)
+        cutoff = jnp.min(jnp.where(before < top_p, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+        sampled_BV = jnp.where((top_p < 1.0) & (sampled_BV < cutoff), _NEG, sampled_BV)
+    if params.use_min_p:
+        probs = jax.nn.softmax(sampled_BV, axis=-1)
+        floor = column(params.min_p) * jnp.max(probs, axis=-1, keepdims=True)
+        sampled_BV = jnp.where(probs < floor, _NEG, sampled_BV)
+    return jnp.where(greedy, logits_BV, sampled_BV)
+
+
+def draw(params: SamplingParams, keys_B: jax.Array, logits_BV: jax.Array, seen_BV: jax.Array | None = None):
+    """(token ids `[B]` int32, their log-probabilities under each row's filtered distribution `[B]`).
+
+    A greedy row (temperature 0) takes the first maximum; the others draw from their filtered logits.
+    """
+    filtered = filter_logits(params, logits_BV, seen_BV)
+    drawn = jax.vmap(jax.random.categorical)(keys_B, filtered).astype(jnp.int32)
+    tokens = jnp.where(jnp.asarray(params.temperature) == 0.0, jnp.argmax(filtered, axis=-1).astype(jnp.int32), drawn)
+    log_probs = jax.nn.log_softmax(filtered, axis=-1)
+    return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]

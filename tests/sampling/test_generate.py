@@ -83,11 +83,24 @@ def test_prompts_that_pad_to_one_width_reuse_the_executable(windowed):
 
     model, variables = windowed
     sampling = Sampling(temperature=0.0)
-    run = _compiled(model, sampling, 5)
+    run = _compiled(model, 5, sampling.eos_token_ids, sampling.pad_id)
     before = run._cache_size()
     for prompts in ([[1, 2, 3]], [[4, 5, 6, 7, 8, 9, 10]], [[9] * 16]):
         generate(model, variables, prompts, 5, key=jax.random.key(0), sampling=sampling)
     assert run._cache_size() - before <= 1  # all three pad to the 16-token bucket
+
+
+def test_new_sampling_values_reuse_the_executable(windowed):
+    from dew.sampling.generate import _compiled
+
+    model, variables = windowed
+    run = _compiled(model, 5, (), 0)
+    generate(model, variables, [[1, 2, 3]], 5, key=jax.random.key(0), sampling=Sampling(temperature=0.7, top_p=0.9))
+    before = run._cache_size()
+    for sampling in (Sampling(temperature=1.3, top_p=0.5), Sampling(temperature=0.0, top_p=0.95),
+                     Sampling(temperature=0.2, top_p=0.99)):
+        generate(model, variables, [[4, 5, 6]], 5, key=jax.random.key(0), sampling=sampling)
+    assert run._cache_size() == before
 
 
 def test_greedy_with_repetition_penalty_matches_transformers_generate():

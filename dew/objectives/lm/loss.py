@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dew.nn.transformer import vocab_logits
+from dew.nn.head import vocab_logits
 
 
 def _layout(vocab: int, chunks: int) -> tuple[int, int]:

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dew.nn.transformer import head_weight
 from dew.objectives.base import Aux, Mean, PathFilter, Step, Variables, path_filter
 from dew.objectives.lm.loss import chunked_cross_entropy
 
@@ -148,6 +147,7 @@ class LMObjective:
         if variables is None:
             return self.model.init(key, tokens, head=False)
         expected = jax.eval_shape(lambda: self.model.init(key, tokens, head=False))
+        variables = self.model.stack_variables(variables)  # a checkpoint's per-layer tree, in the model's form
         got = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), variables)
         if jax.tree_util.tree_structure(expected) != jax.tree_util.tree_structure(got):
             raise ValueError("the pretrained variables do not have this model's parameter tree")
@@ -213,11 +213,9 @@ class LMObjective:
             kwargs["segment_ids"] = segment_ids[:, :-1]
         if positions is not None:
             kwargs["positions"] = positions[:, :-1]
-        hidden_BSE = self.model.apply(params, inputs_BS, head=False, rngs=rngs, **kwargs)
-        config = self.model.config
-        weight, transposed = head_weight(config, params["params"])
-        return (hidden_BSE.reshape(B * S, -1), weight.astype(config.dtype), targets_BS.reshape(-1).astype(jnp.int32),
-                weights_BS, transposed)
+        output = self.model.apply(params, inputs_BS, head=False, rngs=rngs, **kwargs)
+        return (output.hidden.reshape(B * S, -1), output.head.weight, targets_BS.reshape(-1).astype(jnp.int32),
+                weights_BS, output.head.transposed)
 
     def _statistics(self, params, batch) -> LMStatistics:
         scores = self.token_scores(
