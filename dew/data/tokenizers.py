@@ -109,11 +109,31 @@ def _find_tokenizer_file(name: str) -> Path:
     raise FileNotFoundError(_missing_message(name))
 
 
+def _damaged(path: Path, reason: object) -> ValueError:
+    reason = str(reason).strip().splitlines()[0] if str(reason).strip() else type(reason).__name__
+    return ValueError(
+        f"{path} is not a valid {path.name} ({reason}): the file is damaged or is not a Hugging "
+        f"Face tokenizer file; delete it and recreate it (for GPT-2, `make gpt2-tokenizer`), or "
+        f"copy the model's {path.name} again"
+    )
+
+
+def _read_tokenizer_file(path: Path) -> tokenizers.Tokenizer:
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises a bare Exception that names no file
+        raise _damaged(path, error) from None
+
+
 def _eos_id(tokenizer: tokenizers.Tokenizer, directory: Path) -> int | None:
     """The id of the end-of-document token: tokenizer_config.json's eos_token, else a known name."""
     config = directory / "tokenizer_config.json"
     if config.is_file():
-        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+        try:
+            settings = json.loads(config.read_text(encoding="utf-8"))
+        except ValueError as error:  # not JSON, or not UTF-8
+            raise _damaged(config, error) from None
+        eos = settings.get("eos_token") if isinstance(settings, dict) else None
         if isinstance(eos, dict):
             eos = eos.get("content")
         if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
@@ -137,7 +157,7 @@ class HFTokenizer:
     def __init__(self, name_or_path: str | os.PathLike):
         self.name = tokenizer_name(name_or_path)
         self.path = _find_tokenizer_file(os.fspath(name_or_path))
-        self.tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
+        self.tokenizer = _read_tokenizer_file(self.path)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = _eos_id(self.tokenizer, self.path.parent)
 
