@@ -103,9 +103,10 @@ def _read(stream: IO[bytes], size: int, name: str, offset: int) -> bytes:
     try:
         return stream.read(size)
     except _DECOMPRESSION_ERRORS as error:
+        after = f" after {offset:,} bytes of text" if offset else ""
         raise ValueError(
-            f"{name} is truncated or corrupt: decompressing it failed after {offset:,} bytes of "
-            f"text ({error}); copy or download it again, or check it with `xz -t` / `gzip -t`"
+            f"{name} is truncated or corrupt: decompressing it failed{after} ({error}); copy or "
+            f"download it again, or check it with `xz -t` / `gzip -t`"
         ) from None
 
 
