@@ -99,7 +99,8 @@ class Pretrained:
                 if (self.directory / name).is_file() and self.directory.resolve() != directory.resolve():
                     write_atomically(directory / name, (self.directory / name).read_bytes())
 
-        write_checkpoint(directory, tensors, max_shard_size, before_switch=write_configs)
+        write_checkpoint(directory, tensors, max_shard_size, before_switch=write_configs,
+                         staged_names=(CONFIG, GENERATION_CONFIG, *TOKENIZER_FILES))
         return directory
 
     def _generation_file(self) -> dict:
