@@ -398,7 +398,10 @@ class Trainer:
             return
         base = jax.random.wrap_key_data(jax.device_get(state.key))
         key = jax.random.fold_in(jax.random.fold_in(base, PREVIEW_STREAM), done)
-        texts = preview(state.evaluated, None, Step(jnp.asarray(done), key))
+        # The objective says which weights its previews draw from (an EMA slot holding a frozen
+        # reference is not the policy being trained); evaluation reads state.evaluated regardless.
+        chooser = getattr(self.objective, "preview_variables", None)
+        texts = preview(state.evaluated if chooser is None else chooser(state), None, Step(jnp.asarray(done), key))
         for text in texts or ():
             reporter.line(f"sample @ {done}: {text}")
         for tracker in trackers if texts else ():
