@@ -1,0 +1,105 @@
+"""A run directory under faults and second thoughts: one process holds it, a refused command writes
+nothing, a rerun compares resolved settings, a diverged run says where to continue from and
+continues with an explicit, recorded change, and a corrupt newest checkpoint is skipped."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from dew.recipes.config import OptimConfig, TrainerConfig
+from dew.recipes.lm import main, parse, prepare
+from dew.recipes.run_dir import RunDirectory
+from tests.recipes.conftest import recipe_args
+
+
+def test_a_second_process_on_a_held_run_directory_is_refused_naming_the_holder(token_dir, tmp_path, capsys):
+    argv = recipe_args(token_dir, tmp_path / "run", steps=2)
+    holder = prepare(parse(argv))  # holds the directory's lock, as a training process does
+    try:
+        assert main(argv) == 1
+        error = capsys.readouterr().err.strip()
+        assert error.startswith(f"error: {tmp_path / 'run'} is held by process {os.getpid()} on ")
+        assert "\n" not in error and "kill" in error
+    finally:
+        holder.close()
+    assert main(argv) == 0  # released: the same command trains
+
+
+def test_a_refused_config_writes_nothing_and_the_corrected_command_starts_the_run(token_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    argv = recipe_args(token_dir, run_dir, steps=2)
+    assert main(argv + ["--trainer.batch", "3", "--trainer.accumulation", "2"]) == 2
+    assert "--trainer.batch 3 does not split into --trainer.accumulation 2" in capsys.readouterr().err
+    assert not run_dir.exists()
+    assert main(argv) == 0
+
+
+def test_a_rerun_compares_resolved_paths_and_the_built_model(token_dir, tmp_path, monkeypatch, capsys):
+    # The same token files spelled ./tokens/ and tokens, from the directory above them or from
+    # another one by an absolute path; and vocab_size spelled out at the value meta.json gives it.
+    monkeypatch.chdir(os.path.dirname(token_dir))
+    name = os.path.basename(token_dir)
+    run_dir = tmp_path / "run"
+    assert main(recipe_args(f"./{name}/", run_dir, steps=2)) == 0
+    spelled = recipe_args(name, run_dir, steps=2)
+    model = spelled.index("--model.config") + 1
+    spelled[model] = json.dumps({**json.loads(spelled[model]), "vocab_size": 256})
+    assert main(spelled) == 0
+    monkeypatch.chdir(tmp_path)
+    assert main(recipe_args(token_dir, run_dir, steps=2)) == 0
+    assert capsys.readouterr().out.count("nothing left to train") == 2
+    assert RunDirectory(run_dir).record()["settings"]["data"]["path"] == token_dir
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(learning_rate=math.nan), "optim.learning_rate is nan; it must be a finite number"),
+    (dict(learning_rate=math.inf), "optim.learning_rate is inf; it must be a finite number"),
+    (dict(learning_rate=-1e-3), "optim.learning_rate is -0.001; it must be positive"),
+    (dict(weight_decay=math.nan), "optim.weight_decay is nan"),
+    (dict(b2=1.0), r"optim.b2 is 1.0; it must lie in \[0, 1\)"),
+    (dict(eps=-1.0), "optim.eps is -1.0"),
+])
+def test_non_finite_and_meaningless_hyperparameters_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OptimConfig(**kwargs)
+
+
+def test_allow_changes_names_only_optimizer_settings():
+    assert TrainerConfig(allow_changes=("optim.learning-rate",)).allow_changes == ("optim.learning_rate",)
+    with pytest.raises(ValueError, match="a run may change only its optimizer settings"):
+        TrainerConfig(allow_changes=("model.config",))
+
+
+def test_a_diverged_run_names_its_last_good_checkpoint_and_continues_from_it_with_a_recorded_change(
+        token_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    # Warm-up from 0: step 1 applies a zero learning rate (and is saved); step 2's 2.5e24 overflows.
+    argv = recipe_args(token_dir, run_dir, "--optim.learning-rate", "1e25", "--optim.warmup-steps", "4",
+                       "--optim.clip-grads", "None", "--trainer.checkpoint-every", "1", steps=6)
+    assert main(argv) == 1
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "Traceback" not in error
+    assert f"the last good checkpoint is step 1 ({run_dir / 'checkpoints' / '1'})" in error
+    assert "--trainer.allow-changes optim.learning-rate" in error
+    status = RunDirectory(run_dir).status()
+    assert status["state"] == "diverged" and status["step"] == 2 and status["checkpoint"] == 1
+
+    assert main(argv) == 1  # the same command diverges again, from the same checkpoint
+    capsys.readouterr()
+    changed = argv + ["--optim.learning-rate", "0.001"]
+    assert main(changed) == 2  # a changed setting needs the explicit flag
+    assert "add --trainer.allow-changes optim.learning-rate" in capsys.readouterr().err
+    assert main(changed + ["--trainer.allow-changes", "optim.learning-rate"]) == 0
+    assert "changed optim.learning_rate 1e+25 -> 0.001, from step 1 on" in capsys.readouterr().out
+    run = RunDirectory(run_dir)
+    record = run.record()
+    assert record["settings"]["optim"]["learning_rate"] == 0.001
+    assert [(change["step"], change["settings"]) for change in record["changes"]] == [
+        (1, {"optim.learning_rate": {"from": 1e25, "to": 0.001}})]
+    assert run.status()["state"] == "finished" and run.checkpoint_steps()[-1] == 6
+    assert main(changed) == 0  # the changed command is now the run's own
+    assert main(argv) == 2  # and the first one is not
