@@ -117,7 +117,9 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     """Load a transformers decoder checkpoint, or one GGUF file, as a native Dew model.
 
     `source` is a local directory (config.json and model.safetensors, or shards with
-    model.safetensors.index.json), a Hub id, or `repo@revision`. With `gguf_file` (a file name in
+    model.safetensors.index.json), a Hub id, or `repo@revision` (`hf://repo` when a local directory
+    shares the owner's name); a path that does not exist is refused at once (`hub.locate` has the rule),
+    and an unreachable Hub after one short attempt. With `gguf_file` (a file name in
     that directory or repository) the config comes from the file's metadata, every tensor is
     dequantized to float32, and the tokenizer comes from the file when the source has no
     tokenizer.json. `dtype` is the compute dtype; `param_dtype="auto"` stores parameters in the
