@@ -14,17 +14,18 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import tyro
 
 from dew.data import Dataset, load_tokenizer
-from dew.data.tokenizers import tokenizer_name
+from dew.data.tokenizers import tokenizer_file, tokenizer_name
 from dew.errors import describe, exit_status, report
 from dew.objectives.lm import LMObjective, LMRunConfig, Samples
 from dew.recipes.config import to_json
-from dew.recipes.run_dir import PATH_SETTINGS, RunDirectory, resolve_path_setting
+from dew.recipes.run_dir import PATH_SETTINGS, TOKENIZER, RunDirectory, resolve_path_setting
 from dew.training.state import TrainState
 from dew.training.trackers import JsonLines, TensorBoard, Tracker, WandB
 from dew.training.trainer import Trainer, TrainingInterrupted
@@ -238,8 +239,18 @@ def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
                                   config=to_json(config)))
         # Everything above only reads; this is the first write (and it takes the directory's lock).
         notes = directory.open({**_record(config, model, meta, command), "pretrained": resolve_path_setting(source)},
-                               allow_changes=settings.allow_changes)
+                               allow_changes=settings.allow_changes, keep=_tokenizer_files(config.tokenizer))
     return LMRun(config, data, objective, trainer, directory, trackers, notes)
+
+
+def _tokenizer_files(name: str) -> dict[str, Path]:
+    """The files a run keeps a copy of so that it needs nothing outside its directory: the tokenizer's
+    tokenizer.json and, beside it, the tokenizer_config.json that names its EOS token (none for bytes)."""
+    path = tokenizer_file(name)
+    if path is None:
+        return {}
+    config = path.parent / "tokenizer_config.json"
+    return {TOKENIZER: path, **({config.name: config} if config.is_file() else {})}
 
 
 def _check_batches(settings, devices: int) -> None:

@@ -3,6 +3,8 @@
     RUN/run.json                 the resolved config, package versions and tokenizer (written when the
                                  run starts; again only when --trainer.allow-changes changes a setting)
     RUN/run.lock                 held (flock) by the one process training the run, with its pid
+    RUN/tokenizer.json           the run's own copy of its tokenizer (and tokenizer_config.json), so
+                                 generation needs nothing outside the directory
     RUN/status.json              running, finished, interrupted, diverged or failed; the process and its host
     RUN/checkpoints/STEP/        Orbax checkpoints, the newest trainer.keep of them
     RUN/metrics.jsonl            one line per logged step and per evaluation
@@ -25,8 +27,9 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +38,9 @@ from dew.training.checkpoints import saved_steps
 from dew.training.trackers import METRICS, read_jsonl
 
 RUN_JSON, STATUS, CHECKPOINTS, LOCK = "run.json", "status.json", "checkpoints", "run.lock"
-# 2: settings' paths are absolute, so a rerun from another directory compares the same files.
+TOKENIZER = "tokenizer.json"
+# 2: settings' paths are absolute, so a rerun from another directory compares the same files; the
+# run keeps a copy of its tokenizer.
 FORMAT = 2
 
 # What a rerun may change: these decide what is logged and kept, not what is trained.
@@ -161,11 +166,12 @@ class RunDirectory:
             return None
         fix = f"restore it from a backup, or move {self.path} aside and start the run again"
         record = _read_json(path, fix)
-        if not isinstance(record, dict) or not {"recipe", "settings", "model"} <= set(record):
-            raise RunRecordError(f"{path} is JSON but not a run's record (it lacks recipe, settings or model); {fix}")
+        if not isinstance(record, dict) or not isinstance(record.get("model"), dict):
+            raise RunRecordError(f"{path} is JSON but not a run's record (it has no model); {fix}")
         return record
 
-    def open(self, record: dict[str, Any], allow_changes: Sequence[str] = ()) -> list[str]:
+    def open(self, record: dict[str, Any], allow_changes: Sequence[str] = (),
+             keep: Mapping[str, Path] | None = None) -> list[str]:
         """Start a run described by `record`, or find the same run to resume; hold the directory.
 
         Refuses, writing nothing, a path that is not a directory or a directory holding something
@@ -174,8 +180,10 @@ class RunDirectory:
         `record` in every setting but those in MAY_CHANGE and the optimizer settings named in
         `allow_changes` (RESUMABLE_CHANGES, e.g. "optim.learning_rate"), else `RunMismatch` says what
         differs. An allowed change is written into run.json's settings and appended to its `changes`
-        with the step of the checkpoint it continues from. Returns notes on what differs harmlessly
-        (package versions) and on the changes made.
+        with the step of the checkpoint it continues from. `keep` maps file names to the files the
+        run keeps a copy of (its tokenizer's): copied when missing, and a tokenizer.json that differs
+        from the run's copy is refused. Returns notes on what differs harmlessly (package versions)
+        and on the changes made.
         """
         if self.path.exists() and not self.path.is_dir():
             raise NotADirectoryError(f"--trainer.run-dir {self.path} is a file: pass a directory (new or a run's)")
@@ -191,8 +199,11 @@ class RunDirectory:
             if saved is None:
                 _write_json(self.path / RUN_JSON,
                             {"format": FORMAT, **record, "versions": versions(), "created": _now()})
+                self._keep(keep or {})
                 return []
+            self._check_kept(keep or {})
             notes = self._compare(record, saved, allow_changes)
+            self._keep(keep or {})
         except BaseException:
             self.close()
             raise
@@ -255,6 +266,39 @@ class RunDirectory:
         _write_json(self.path / RUN_JSON, {**saved, "changes": [*saved.get("changes", []), change]})
         listed = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in values.items())
         return f"changed {listed}, from step {step} on (recorded in {self.path / RUN_JSON})"
+
+    def _check_kept(self, keep: Mapping[str, Path]) -> None:
+        copy = self.path / TOKENIZER
+        if TOKENIZER in keep and copy.is_file() and copy.read_bytes() != keep[TOKENIZER].read_bytes():
+            raise RunMismatch(
+                f"the command's tokenizer {keep[TOKENIZER]} is not the one {self.path} was trained with (its copy "
+                f"{copy} differs): pass --tokenizer {self.path}, or start a new run with --trainer.run-dir NEW_DIRECTORY"
+            )
+
+    def _keep(self, keep: Mapping[str, Path]) -> None:
+        """Copy the files the run keeps (each written beside, then renamed into place)."""
+        for name, source in keep.items():
+            copy = self.path / name
+            if not copy.is_file():
+                partial = copy.with_name(name + ".partial")
+                shutil.copyfile(source, partial)
+                os.replace(partial, copy)
+
+    def tokenizer(self):
+        """The run's tokenizer: its own copy, else bytes; a run from before runs kept a copy loads it by
+        the name run.json records, unless that name is a path relative to where the run was started."""
+        from dew.data import load_tokenizer
+        from dew.data.tokenizers import BYTE, HFTokenizer
+
+        if (self.path / TOKENIZER).is_file():
+            return HFTokenizer(self.path)
+        name = (self.record() or {}).get("tokenizer", BYTE)
+        if name != BYTE and not os.path.isabs(name) and (os.sep in name or name.startswith(".")):
+            raise FileNotFoundError(
+                f"{self.path} holds no {TOKENIZER}, and its run.json names the tokenizer {name!r}, a path relative "
+                f"to the directory the run was started in: copy that {TOKENIZER} into {self.path}/"
+            )
+        return load_tokenizer(name)
 
     def _hold(self) -> None:
         """Create the directory and take its lock, recording this process in run.lock."""

@@ -103,3 +103,63 @@ def test_a_diverged_run_names_its_last_good_checkpoint_and_continues_from_it_wit
     assert run.status()["state"] == "finished" and run.checkpoint_steps()[-1] == 6
     assert main(changed) == 0  # the changed command is now the run's own
     assert main(argv) == 2  # and the first one is not
+
+
+def _word_tokenizer(directory, words: list[str]):
+    """A word-level tokenizer.json over `words` (ids in that order) plus an unknown token."""
+    import tokenizers
+
+    vocab = {word: index for index, word in enumerate(["[UNK]", " ", "\n", *words])}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Split(" ", behavior="isolated")
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def word_run(tmp_path_factory):
+    """A 2-step run on word-level token files, its tokenizer given by a relative path."""
+    from dew.data.tokenize import tokenize_text
+
+    root = tmp_path_factory.mktemp("word-run")
+    words = "the quick brown fox jumps over lazy dog".split()
+    _word_tokenizer(root / "tok", words)
+    (root / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        tokenize_text("corpus.txt", "tokens", "tok", val_fraction=0.1, workers=1)
+        argv = recipe_args("tokens", root / "run", "--tokenizer", "tok", steps=2)
+        assert main(argv) == 0
+    finally:
+        os.chdir(cwd)
+    return root, argv
+
+
+def test_a_run_keeps_its_tokenizer_and_generates_from_any_directory(word_run, tmp_path, monkeypatch):
+    import dew
+
+    root, _ = word_run
+    assert (root / "run" / "tokenizer.json").read_bytes() == (root / "tok" / "tokenizer.json").read_bytes()
+    # Elsewhere, a different tokenizer.json at the same relative path must not be picked up.
+    _word_tokenizer(tmp_path / "tok", ["dog", "lazy", "the"])
+    monkeypatch.chdir(tmp_path)
+    task = dew.pipeline(root / "run")
+    assert task.tokenizer.path == root / "run" / "tokenizer.json"
+    assert task.encode("the dog") == [[3, 1, 10]]
+    assert task("the dog", 2).tokens.shape == (1, 5)
+
+
+def test_a_rerun_whose_tokenizer_changed_at_the_same_path_is_refused(word_run, capsys):
+    root, argv = word_run
+    original = (root / "tok" / "tokenizer.json").read_bytes()
+    _word_tokenizer(root / "tok", ["dog", "lazy", "the"])
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        assert main(argv) == 2
+    finally:
+        os.chdir(cwd)
+        (root / "tok" / "tokenizer.json").write_bytes(original)
+    assert f"is not the one {root / 'run'} was trained with" in capsys.readouterr().err
