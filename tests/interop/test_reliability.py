@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import huggingface_hub.constants as constants
+import numpy as np
 import pytest
 
 import dew
@@ -183,3 +184,29 @@ def test_cli_generate_with_a_mistyped_run_prints_one_line(workdir, tmp_path):
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: runs/sigg is neither")
     assert "the nearest is runs/sig" in done.stderr
     assert time.monotonic() - start < 60  # the import of jax and dew, then no Hub look-up
+
+
+# ---- a GGUF file cut short -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["metadata", "tensor data"])
+def test_truncated_gguf_is_refused_in_one_line(where, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_token_list([f"t{i}" for i in range(50)])
+    writer.add_tensor("token_embd.weight", np.ones((50, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = path.read_bytes()
+    cut = data.index(b"t25") if where == "metadata" else len(data) - 100  # inside the token list, or the tensor
+    path.write_bytes(data[:cut])
+    with pytest.raises(ValueError) as refused:
+        load_pretrained(tmp_path, gguf_file="model.gguf")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path} ({cut:,} bytes) is not a readable GGUF file, it is truncated or corrupt (")
+    assert message.endswith("download it again and check its size or checksum against the source's")
