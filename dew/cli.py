@@ -184,8 +184,9 @@ def _usage() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `dew ARGV`; a refusal or a fault prints `error: ...` as one line (see `dew.errors`)."""
-    from dew.errors import report
+    from dew.errors import one_line_warnings, report
 
+    one_line_warnings()
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())

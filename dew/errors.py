@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import warnings
 
 # The library's refusals of what it was asked: the fix is in the command.
 REFUSALS = (ValueError, TypeError, NotImplementedError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
@@ -58,3 +59,12 @@ def report(error: BaseException) -> int:
         raise error
     print(f"error: {describe(error)}", file=sys.stderr)
     return status
+
+
+def one_line_warnings() -> None:
+    """Print warnings as `warning: MESSAGE`, one line each, as a command's other messages read."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"warning: {message}", file=file or sys.stderr)
+
+    warnings.showwarning = show

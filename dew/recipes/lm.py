@@ -22,7 +22,7 @@ import tyro
 
 from dew.data import Dataset, load_tokenizer
 from dew.data.tokenizers import tokenizer_file, tokenizer_name
-from dew.errors import describe, exit_status, report
+from dew.errors import describe, exit_status, one_line_warnings, report
 from dew.objectives.lm import LMObjective, LMRunConfig, Samples
 from dew.recipes.config import to_json
 from dew.recipes.run_dir import PATH_SETTINGS, TOKENIZER, RunDirectory, resolve_path_setting
@@ -290,6 +290,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python recipes/lm/train
     1 the environment failed or the run diverged, 2 refused (before anything was written), 128 + the
     signal's number when SIGINT or SIGTERM stopped it; each but 0 with one line on stderr."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    one_line_warnings()
     try:
         run = prepare(parse(argv, prog), command=[*prog.split(), *argv])
     except Exception as error:  # noqa: BLE001 - `report` re-raises what is not a refusal or a fault

@@ -163,3 +163,50 @@ def test_a_rerun_whose_tokenizer_changed_at_the_same_path_is_refused(word_run, c
         os.chdir(cwd)
         (root / "tok" / "tokenizer.json").write_bytes(original)
     assert f"is not the one {root / 'run'} was trained with" in capsys.readouterr().err
+
+
+def _truncate_newest_checkpoint(run_dir) -> int:
+    """Cut the largest data file of the newest checkpoint to 100 bytes, as a failing disk might."""
+    step = RunDirectory(run_dir).checkpoint_steps()[-1]
+    files = [path for path in (run_dir / "checkpoints" / str(step)).rglob("*") if path.is_file()]
+    largest = max(files, key=lambda path: path.stat().st_size)
+    os.truncate(largest, 100)
+    return step
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(token_dir, tmp_path, monkeypatch, capsys):
+    import signal
+
+    import dew
+    from dew.training.checkpoints import CheckpointSkipped
+    from dew.training.trackers import JsonLines
+
+    run_dir = tmp_path / "run"
+    argv = recipe_args(token_dir, run_dir)
+    write = JsonLines.scalars
+
+    def terminate_at_step_3(self, step, values):
+        write(self, step, values)
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(JsonLines, "scalars", terminate_at_step_3)
+    assert main(argv) == 128 + signal.SIGTERM
+    monkeypatch.undo()
+    assert _truncate_newest_checkpoint(run_dir) == 3
+    capsys.readouterr()
+
+    assert main(argv) == 0  # resumes from step 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: skipped")]
+    assert len(lines) == 1
+    assert f"skipped checkpoint {run_dir / 'checkpoints' / '3'}, which cannot be read (" in lines[0]
+    assert f"for step 2; it is kept as {run_dir / 'checkpoints' / '3.unreadable'}" in lines[0]
+    run = RunDirectory(run_dir)
+    assert run.checkpoint_steps() == [2, 4, 6] and (run_dir / "checkpoints" / "3.unreadable").is_dir()
+    assert [entry["step"] for entry in run.metrics()] == [1, 2, 3, 4, 5, 6]
+
+    _truncate_newest_checkpoint(run_dir)
+    with pytest.warns(CheckpointSkipped, match=r"cannot be read \(.*\), for step 4$"):
+        task = dew.pipeline(run_dir)
+    assert task("line", 2).tokens.shape == (1, 6)
+    assert run.checkpoint_steps() == [2, 4, 6]  # generation reads; it moves nothing
