@@ -69,7 +69,9 @@ class _StopSignals:
 
     def _handle(self, number, frame):
         if self.received is not None:
-            raise KeyboardInterrupt(f"a second {signal.Signals(number).name} while saving: stopped without it")
+            stop = KeyboardInterrupt(f"a second {signal.Signals(number).name} while saving: stopped without it")
+            stop.signal_number = number  # the command exits with 128 + it, as the signal itself would
+            raise stop
         self.received = number
         self.reporter.line(f"{signal.Signals(number).name} received: saving a checkpoint after this step, "
                            "then stopping (send it again to stop at once)")
