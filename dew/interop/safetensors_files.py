@@ -30,6 +30,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from dew.interop.progress import byte_progress
+
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # The shards a save writes (named with its token) and the staging copy of any file it writes.
@@ -156,18 +158,35 @@ def write_checkpoint(directory: Path, tensors: Sequence[tuple[str, int, Callable
     Each tensor is built only when its shard is written. `before_switch` runs once the new weights are
     on disk and before they replace the previous export (the caller writes its configs there, with
     `write_atomically`, under `staged_names`). First removes what a killed save left (see the module).
-    Returns the weight file names written.
+    On a terminal a bar counts the bytes built. Returns the weight file names written.
     """
     directory.mkdir(parents=True, exist_ok=True)
     limit = shard_size_bytes(max_shard_size)
     shards: list[list[tuple[str, Callable[[], np.ndarray]]]] = [[]]
     size = 0
-    for name, nbytes, build in tensors:
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, build))
-        size += nbytes
+    with byte_progress(f"saving {directory}", sum(nbytes for _, nbytes, _ in tensors)) as advance:
+        for name, nbytes, build in tensors:
+            if shards[-1] and size + nbytes > limit:
+                shards.append([])
+                size = 0
+            shards[-1].append((name, _counted(build, nbytes, advance)))
+            size += nbytes
+        return _write_shards(directory, shards, before_switch, staged_names)
+
+
+def _counted(build: Callable[[], np.ndarray], nbytes: int, advance: Callable[[int], None]) -> Callable[[], np.ndarray]:
+    """`build`, reporting `nbytes` done once it has run."""
+    def counted_build() -> np.ndarray:
+        array = build()
+        advance(nbytes)
+        return array
+
+    return counted_build
+
+
+def _write_shards(directory: Path, shards: list[list[tuple[str, Callable[[], np.ndarray]]]],
+                  before_switch: Callable[[], None], staged_names: Sequence[str]) -> list[str]:
+    """Write the shards (one becomes model.safetensors) and switch the directory's export to them."""
     with _save_lock(directory, staged_names):
         previous = _previous_files(directory)
         token = secrets.token_hex(4)

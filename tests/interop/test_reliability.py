@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 import logging
 import os
@@ -15,12 +16,14 @@ import time
 from pathlib import Path
 
 import huggingface_hub.constants as constants
+import jax
 import numpy as np
 import pytest
+from rich.console import Console
 
 import dew
 import dew.interop.hub as hub
-from dew.interop import load_pretrained
+from dew.interop import load_pretrained, progress
 from dew.interop.hub import HubSource, locate
 from tests.interop.test_save import _KILLED_SAVE
 
@@ -210,3 +213,19 @@ def test_truncated_gguf_is_refused_in_one_line(where, tmp_path):
     assert "\n" not in message
     assert message.startswith(f"{path} ({cut:,} bytes) is not a readable GGUF file, it is truncated or corrupt (")
     assert message.endswith("download it again and check its size or checksum against the source's")
+
+
+# ---- progress on a terminal, silence elsewhere --------------------------------------------------------------
+
+
+def test_load_and_save_show_bytes_on_a_terminal_only(llama_checkpoint, tmp_path, monkeypatch, capfd):
+    load_pretrained(llama_checkpoint[0]).save(tmp_path / "quiet")
+    assert capfd.readouterr().err == ""  # stderr is not a terminal here
+    screen = io.StringIO()
+    monkeypatch.setattr(progress, "_console", lambda: Console(file=screen, force_terminal=True, width=120))
+    bundle = load_pretrained(llama_checkpoint[0])
+    bundle.save(tmp_path / "shown", max_shard_size="20KB")
+    total = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(bundle.variables))
+    shown = screen.getvalue()
+    assert f"loading {llama_checkpoint[0]}" in shown and f"saving {tmp_path / 'shown'}" in shown
+    assert f"{total / 1000:.1f}/{total / 1000:.1f} kB" in shown  # the bar reached the model's bytes
