@@ -30,27 +30,52 @@ def ulp_bound(ulps, magnitude=1.0, dtype=np.float32):
     return ulps * float(jnp.finfo(dtype).eps) * magnitude
 
 
-def decoder_ulps(*, layers: int, width: int, mlp_width: int, head_dim: int, seq_len: int,
-                 libraries: int = 2) -> float:
-    """Ulps of the logits' size by which two fp32 evaluations of one decoder (Dew and transformers, or
-    Dew in two layouts) may differ.
+# float32 roundings each side takes after `theta ** (2i / head_dim)` (an exponent division, then the
+# scaling's formula), each of which may break differently once two pow functions disagree.
+_FREQUENCY_ROUNDINGS = {"default": 2, "linear": 3, "llama3": 14, "yarn": 7}
+
+
+def rotary_frequency_ulps(scaling=None) -> float:
+    """Relative ulps between two libraries' rotary inverse frequencies under `scaling` (a `RopeScaling`;
+    None is the default): two pow functions (`LIBRARY_ULPS`) and the scaling's roundings, times the
+    formula's gain on a relative error. The gain is 1, but Llama 3's blend weighs x / factor and x by a
+    weight made from x itself, which multiplies it by 1 + max((f - 1) low / span, (f - 1) high / (f span))."""
+    kind = "default" if scaling is None else scaling.kind
+    gain = 1.0
+    if kind == "llama3":
+        f, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+        gain += max((f - 1) * low / (high - low), (f - 1) * high / (f * (high - low)))
+    return gain * (LIBRARY_ULPS + _FREQUENCY_ROUNDINGS[kind])
+
+
+def decoder_ulps(*, layers: int, width: int, mlp_width: int, heads: int, head_dim: int, seq_len: int,
+                 libraries: int = 2, frequency_ulps: float | None = None) -> float:
+    """Ulps of the logits' size by which two fp32 evaluations of one decoder may differ: Dew against
+    transformers (`libraries=2`), or Dew against itself in another layout or order (`libraries=1`).
 
     Along the chain from an embedding to a logit each layer rounds in two RMS norms (a `width`-term
-    mean of squares, an rsqrt, two products), the query/key/value projections (`width` terms), rotary,
-    the scores (`head_dim` terms), a softmax (a `seq_len`-term sum and a division), the weighted values
-    (`seq_len` terms), the output, gate and up projections (`width` each), the activation, the down
-    projection (`mlp_width`) and two residual adds; a final norm and the head (`width`) close it. Those
-    roundings are unbiased and independent, so their difference walks randomly: six standard deviations,
-    sqrt(6 N) ulps for N roundings of up to an ulp, is the bound. Two libraries' transcendentals may
-    instead differ systematically, so they add up in full: per layer two rsqrts, the softmax's exp, the
-    activation, a softcap's tanh, and cos and sin of angles up to `seq_len` radians whose inverse
-    frequencies come from two pow functions (`LIBRARY_ULPS` of the angle, twice). `libraries=1` (the
-    same library on both sides) drops that term.
+    mean of squares, an rsqrt, two products), the query/key/value projections (`width` terms), the
+    rotation (3), the scores (`head_dim` terms), a softmax (a `seq_len`-term sum, a division), the
+    weighted values (`seq_len` terms), the output projection (`heads * head_dim`), gate and up (`width`
+    each), the activation (3), down (`mlp_width`) and two residual adds; a final norm and the head
+    (`width`) close it. Rounding errors are unbiased and independent, so their difference walks
+    randomly: six standard deviations, sqrt(6 N) ulps for N roundings of up to an ulp, bounds it.
+    Two libraries' transcendentals may instead differ systematically, so they add up in full: per
+    layer two rsqrts, the softmax's exp, the activation and a softcap's tanh (`LIBRARY_ULPS` each), and
+    the rotation of queries and keys, whose angles reach `seq_len` radians and carry their inverse
+    frequencies' error (`frequency_ulps`, by default `rotary_frequency_ulps()`), their own rounding and
+    cos and sin's `LIBRARY_ULPS` of the angle.
     """
-    per_layer = 2 * (width + 3) + width + head_dim + 2 * seq_len + 1 + 3 * width + 3 + mlp_width + 2
+    per_layer = (2 * (width + 3) + width + 3 + head_dim + 2 * seq_len + 1 + heads * head_dim + 2 * width + 3
+                 + mlp_width + 2)
     roundings = layers * per_layer + (width + 3) + width
-    library_ulps = 0 if libraries == 1 else LIBRARY_ULPS * (layers * (5 + 2 * seq_len) + 1)
-    return library_ulps + math.sqrt(6 * roundings)
+    random_walk = math.sqrt(6 * roundings)
+    if libraries == 1:
+        return random_walk
+    if frequency_ulps is None:
+        frequency_ulps = rotary_frequency_ulps()
+    rotation = (frequency_ulps + 1 + LIBRARY_ULPS) * seq_len + LIBRARY_ULPS
+    return random_walk + LIBRARY_ULPS * (5 * layers + 1) + 2 * layers * rotation
 
 
 def assert_within(actual, desired, bound, what: str = "") -> None:

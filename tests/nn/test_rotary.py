@@ -12,7 +12,7 @@ import pytest
 from dew import models
 from dew.nn.rotary import SCALINGS, RopeScaling, rotary_angles, rotary_frequencies
 from dew.recipes.config import to_json
-from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound
+from tests.tolerances import LIBRARY_ULPS, assert_within, rotary_frequency_ulps, ulp_bound
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -34,21 +34,12 @@ CASES = {
     "yarn-untruncated": (16, 100.0, RopeScaling("yarn", 4.0, 64, truncate=False)),
     "yarn-tiny": (16, 100.0, RopeScaling("yarn", 4.0, 64)),
 }
-# float32 roundings each side takes after `theta ** (2i / head_dim)` (an exponent division, then the
-# scaling's formula), each of which may break differently once the two pow functions disagree.
-_ROUNDINGS = {"default": 2, "linear": 3, "llama3": 14, "yarn": 7}
 _TRANSFORMERS_NAMES = {"kind": "rope_type", "original_max_seq_len": "original_max_position_embeddings"}
 
 
 def _frequency_rtol(scaling: RopeScaling) -> float:
-    """numpy's and torch's float32 pow (LIBRARY_ULPS apart), then the scaling's roundings, all times the
-    formula's gain on a relative error: 1, but Llama 3's blend weighs x / factor and x by a weight made
-    from x itself, which multiplies it by up to 1 + max((f - 1) low / span, (f - 1) high / (f span))."""
-    gain = 1.0
-    if scaling.kind == "llama3":
-        f, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
-        gain += max((f - 1) * low / (high - low), (f - 1) * high / (f * (high - low)))
-    return ulp_bound(gain * (LIBRARY_ULPS + _ROUNDINGS[scaling.kind]))
+    """numpy's and torch's float32 pow, then the scaling's roundings (see rotary_frequency_ulps)."""
+    return ulp_bound(rotary_frequency_ulps(scaling))
 
 
 def _transformers_config(head_dim: int, theta: float, scaling: RopeScaling):

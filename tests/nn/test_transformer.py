@@ -16,8 +16,8 @@ from tests.hf_llama import copy_into_torch  # noqa: E402
 from tests.tolerances import decoder_ulps, ulp_bound  # noqa: E402
 
 # fp32 logits of 2-layer width-32 decoders over 12 tokens, Dew against transformers (see decoder_ulps):
-# 298 ulps of the largest logit, 1.2e-4 at 3.3. Observed: 3.3e-6 (llama-gqa).
-PARITY_ULPS = decoder_ulps(layers=2, width=32, mlp_width=48, head_dim=8, seq_len=12)
+# 650 ulps of the largest logit, 2.6e-4 at 3.3. Observed: 3.3e-6 (llama-gqa).
+PARITY_ULPS = decoder_ulps(layers=2, width=32, mlp_width=48, heads=4, head_dim=8, seq_len=12)
 
 CASES = {
     "llama-gqa": dict(family="llama", num_kv_heads=2),
@@ -98,7 +98,7 @@ def test_packed_documents_do_not_see_each_other(tiny_model, tiny_variables):
     # ulps of the largest logit, 2.7e-6 at 0.36. Observed: 6.0e-8.
     alone_first = np.asarray(tiny_model.apply(tiny_variables, jnp.asarray(first[None].astype(np.int32))))
     alone_second = np.asarray(tiny_model.apply(tiny_variables, jnp.asarray(second[None].astype(np.int32))))
-    ulps = decoder_ulps(layers=2, width=32, mlp_width=64, head_dim=8, seq_len=16, libraries=1)
+    ulps = decoder_ulps(layers=2, width=32, mlp_width=64, heads=4, head_dim=8, seq_len=16, libraries=1)
     for alone, inside in ((alone_first[0], packed[0, :6]), (alone_second[0], packed[0, 6:13])):
         np.testing.assert_allclose(inside, alone, atol=ulp_bound(ulps, np.abs(alone).max()), rtol=0)
 

@@ -128,7 +128,7 @@ def test_z_loss_adds_the_squared_log_normaliser(tiny_model, tiny_variables):
     # fp32: the z term's 16 squares summed in another order, scaled (17 roundings of its size), its
     # normalisers off by what a forward pass in another order gives (twice decoder_ulps for a square),
     # and the float32 sum with the CE total (one rounding of the value). Bound 5.5e-5; observed 1.2e-6.
-    lse_ulps = decoder_ulps(layers=2, width=32, mlp_width=64, head_dim=8, seq_len=8, libraries=1)
+    lse_ulps = decoder_ulps(layers=2, width=32, mlp_width=64, heads=4, head_dim=8, seq_len=8, libraries=1)
     bound = ulp_bound(17 + 2 * lse_ulps, z_term) + ulp_bound(1, expected)
     np.testing.assert_allclose(float(with_z.loss.total), expected, atol=bound, rtol=0)
     assert float(with_z.ce.total) == float(plain.ce.total)
