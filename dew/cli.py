@@ -112,7 +112,8 @@ def _number(value, digits: int = 4) -> str:
 
 
 def runs(directory: Positional[Annotated[str, tyro.conf.arg(metavar="DIR")]] = "runs") -> None:
-    """List the runs in a directory (or one run): status, step, latest checkpoint and last losses.
+    """List the runs in a directory (or one run): status, step, latest checkpoint, last losses, and why
+    a run stopped when it did not finish.
 
     Args:
         directory: A run directory, or a directory holding run directories.
@@ -126,16 +127,18 @@ def runs(directory: Positional[Annotated[str, tyro.conf.arg(metavar="DIR")]] = "
     if not found:
         print(f"{directory} holds no run (no run.json below it)")
         return
-    table = Table("run", "status", "step", "checkpoint", "train loss", "val loss", "val perplexity", "updated")
-    for run in found:
-        summary = run.summary()
-        table.add_row(summary["run"], summary["status"], f"{summary['step']}/{summary['steps']}",
+    summaries = [run.summary() for run in found]
+    why = any(summary["why"] for summary in summaries)
+    columns = ["run", "status", "step", "checkpoint", "train loss", "val loss", "val perplexity", "updated"]
+    table = Table(*columns, *(["why"] if why else []))
+    for summary in summaries:
+        table.add_row(summary["run"], summary["status"], f"{summary['step']}/{summary['steps'] or '?'}",
                       str(summary["checkpoint"] or ""), _number(summary["train/loss"]),
                       _number(summary["val/loss"]), _number(summary["val/perplexity"]),
-                      (summary["updated"] or "")[:16].replace("T", " "))
+                      (summary["updated"] or "")[:16].replace("T", " "), *([summary["why"] or ""] if why else []))
     console = Console()
     # Into a file or a pipe, the table keeps its columns whole rather than fitting 80 characters.
-    Console(width=console.width if console.is_terminal else 240).print(table)
+    Console(width=console.width if console.is_terminal else 400).print(table)
 
 
 def _train(argv: Sequence[str]) -> int:

@@ -23,7 +23,7 @@ REFUSALS = (ValueError, TypeError, NotImplementedError, FileNotFoundError, NotAD
 # What the machine or the run did: the fix is outside the command (FloatingPointError is a diverged run).
 FAULTS = (OSError, ImportError, FloatingPointError)
 
-_ADVICE = {
+ADVICE = {
     errno.EACCES: "check its permissions, or choose a directory this user can write",
     errno.EPERM: "check its permissions, or choose a directory this user can write",
     errno.EROFS: "the file system is read-only: choose a directory on a writable one",
@@ -36,10 +36,10 @@ def describe(error: BaseException) -> str:
     """The error as the line a command prints after `error: `; an OSError raised by the system
     (errno, strerror, filename) reads as `PATH: PROBLEM: FIX`."""
     if isinstance(error, OSError) and error.strerror and error.filename is not None:
-        advice = _ADVICE.get(error.errno)
+        advice = ADVICE.get(error.errno)
         return f"{os.fsdecode(error.filename)}: {error.strerror}" + (f": {advice}" if advice else "")
-    if isinstance(error, OSError) and error.strerror and error.errno in _ADVICE:
-        return f"{error.strerror}: {_ADVICE[error.errno]}"
+    if isinstance(error, OSError) and error.strerror and error.errno in ADVICE:
+        return f"{error.strerror}: {ADVICE[error.errno]}"
     return str(error) or type(error).__name__
 
 

@@ -132,7 +132,10 @@ class LMRun:
             raise
         finally:
             for tracker in self.trackers:
-                tracker.close()
+                try:
+                    tracker.close()
+                except OSError as error:  # a full disk: the error that ended the run is the one to show
+                    print(f"warning: {type(tracker).__name__} could not close: {describe(error)}", file=sys.stderr)
         self._status("finished", int(jax.device_get(state.step)))
         self.close()
         return state

@@ -9,13 +9,21 @@ saved afresh when the run reaches it again.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
+import re
+import shutil
+import sys
+import time
 import warnings
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from dew.errors import ADVICE
 from dew.training.state import TrainState
 
 
@@ -32,6 +40,68 @@ class CheckpointMismatch(ValueError):
 
 class UnreadableCheckpoint(OSError):
     """No checkpoint under a directory (or not the one asked for) can be read."""
+
+
+class CheckpointNotSaved(OSError):
+    """A checkpoint could not be written; `errno` is the system's reason when one was given."""
+
+    def __init__(self, step: int, directory: str, complete: list[int], error: BaseException):
+        code = _errno(error)
+        advice = ADVICE.get(code, "check that the directory can be written, then rerun the same command to resume")
+        last = f"the last complete checkpoint is step {complete[-1]}" if complete else "no checkpoint is complete"
+        reason = os.strerror(code) if code is not None else _reason(error)
+        super().__init__(f"checkpoint {os.path.join(directory, str(step))} could not be written ({reason}); "
+                         f"{last}: {advice}")
+        self.errno = code
+
+
+def _errno(error: BaseException) -> int | None:
+    """The system error number behind `error`: an OSError's, or the one TensorStore writes in its message."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno is not None:
+            return error.errno
+        found = re.search(r"os_error_code='(\d+)'", str(error))
+        if found:
+            return int(found.group(1))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+@contextlib.contextmanager
+def _held_storage_output():
+    """Hold what Orbax's and TensorStore's threads print (log records, tracebacks of their event
+    loops) while a save runs: printed after a save that succeeds, dropped for the one-line error of
+    one that fails."""
+    records = []
+
+    class Hold(logging.Filter):
+        def filter(self, record):
+            records.append(record)
+            return False
+
+    hold, printed, stderr = Hold(), io.StringIO(), sys.stderr
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    for logger in loggers:
+        logger.addFilter(hold)
+    sys.stderr = printed
+    try:
+        yield
+    except BaseException:
+        # TensorStore's callbacks still report into the closed event loop of a failed save for a
+        # moment: wait until they fall silent (at most 2 s) so that they too are dropped.
+        for _ in range(20):
+            heard = printed.tell()
+            time.sleep(0.1)
+            if printed.tell() == heard:
+                break
+        raise
+    finally:
+        sys.stderr = stderr
+        for logger in loggers:
+            logger.removeFilter(hold)
+    stderr.write(printed.getvalue())
+    for record in records:
+        logging.getLogger(record.name).handle(record)
 
 
 def _reason(error: BaseException) -> str:
@@ -74,16 +144,26 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def save(self, state: TrainState, data_position: dict[str, Any] | None) -> None:
+        """Write the checkpoint of `state.step`; a failure (a full disk, a directory that cannot be
+        written) is a `CheckpointNotSaved` naming the step, the cause and the last complete checkpoint,
+        and the partial files it left are removed."""
         step = int(jax.device_get(state.step))
         if step in self.manager.all_steps():
             return
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave({"position": data_position})
-            ),
-        )
-        self.manager.wait_until_finished()
+        try:
+            with _held_storage_output():
+                self.manager.save(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave({"position": data_position})
+                    ),
+                )
+                self.manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001 - reported with its cause
+            for name in os.listdir(self.directory):
+                if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            raise CheckpointNotSaved(step, self.directory, self.manager.all_steps(), error) from error
 
     def restore(self, like: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any] | None]:
         """The state at `step` placed like `like`, and the saved data position.

@@ -210,3 +210,170 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(token_dir, tm
         task = dew.pipeline(run_dir)
     assert task("line", 2).tokens.shape == (1, 6)
     assert run.checkpoint_steps() == [2, 4, 6]  # generation reads; it moves nothing
+
+
+# -- faults of the environment, in real processes ------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _dew(*args: str, cwd=None, timeout: float = 300) -> "subprocess.CompletedProcess":
+    """`python -m dew.cli ARGS` in a fresh process importing this checkout, bounded in time."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-m", "dew.cli", *args], cwd=cwd or ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _can_mount_privately() -> bool:
+    """Whether this user may mount a tmpfs in a private mount namespace (root with CAP_SYS_ADMIN)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+needs_mount = pytest.mark.skipif(not _can_mount_privately(), reason="needs a private tmpfs mount (unshare -m)")
+
+
+def _in_private_mount(script: str, timeout: float = 300) -> "subprocess.CompletedProcess":
+    """Run a shell `script` in its own mount namespace: its mounts vanish with it."""
+    import subprocess
+
+    return subprocess.run(["unshare", "-m", "sh", "-ec", script], env={**os.environ, "PYTHONPATH": ROOT},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _train_command(token_dir, run_dir, *extra: str, steps: int = 6) -> str:
+    import shlex
+    import sys
+
+    return shlex.join([sys.executable, "-m", "dew.cli", "train", *recipe_args(token_dir, run_dir, *extra, steps=steps)])
+
+
+@pytest.mark.slow
+@needs_mount
+def test_a_full_disk_while_checkpointing_is_one_line_and_status_says_failed(token_dir, tmp_path):
+    # 700 kB hold run.json and the step-2 checkpoint (about 470 kB) but not the step-4 one.
+    disk, kept = tmp_path / "disk", tmp_path / "kept"
+    disk.mkdir()
+    done = _in_private_mount(f"""
+        mount -t tmpfs -o size=700k tmpfs {disk}
+        set +e
+        {_train_command(token_dir, disk / 'run')} > {tmp_path / 'out'} 2> {tmp_path / 'err'}
+        echo "exit $?"
+        set -e
+        cp -r {disk / 'run'} {kept}
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "exit 1"
+    error = (tmp_path / "err").read_text().strip()
+    assert error == (f"error: checkpoint {disk / 'run' / 'checkpoints' / '4'} could not be written (No space left on "
+                     "device); the last complete checkpoint is step 2: the disk is full: free space (or choose "
+                     "another disk) and rerun the same command")
+    status = json.loads((kept / "status.json").read_text())
+    assert status["state"] == "failed" and status["checkpoint"] == 2 and "No space left" in status["message"]
+    assert sorted(os.listdir(kept / "checkpoints")) == ["2"]  # the partial step 4 was removed
+
+
+@pytest.mark.slow
+@needs_mount
+def test_a_read_only_run_directory_is_one_line(token_dir, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = _in_private_mount(f"""
+        mount -t tmpfs -o size=2m tmpfs {disk}
+        {_train_command(token_dir, disk / 'run', steps=2)} > /dev/null
+        mount -o remount,ro {disk}
+        set +e
+        {_train_command(token_dir, disk / 'run', steps=2)}
+        echo "exit $?"
+        {_train_command(token_dir, disk / 'new', steps=2)}
+        echo "exit $?"
+    """)
+    assert done.stdout.split() == ["exit", "1", "exit", "1"], done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines == [
+        f"error: cannot create the run directory's files in {disk / 'run'} (Read-only file system: "
+        f"{disk / 'run' / 'run.lock'}): pass --trainer.run-dir with a directory this user can write",
+        f"error: cannot create the run directory's files in {disk / 'new'} (Read-only file system: "
+        f"{disk / 'new'}): pass --trainer.run-dir with a directory this user can write",
+    ]
+
+
+def test_status_is_recorded_in_place_when_the_disk_is_full(tmp_path, monkeypatch):
+    import errno
+
+    from dew.recipes import run_dir as run_dir_module
+
+    run = RunDirectory(tmp_path)
+    run.set_status("running", 3)
+
+    def disk_full(path, record):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path) + ".partial")
+
+    monkeypatch.setattr(run_dir_module, "_write_json", disk_full)
+    run.set_status("failed", 3, "checkpoint 4 could not be written")
+    assert run.status()["state"] == "failed" and run.status()["message"] == "checkpoint 4 could not be written"
+
+
+SECOND_SIGTERM = """
+import json, os, signal, sys
+from dew.recipes.lm import main
+from dew.training.checkpoints import Checkpoints
+from dew.training.trackers import JsonLines
+
+write, save = JsonLines.scalars, Checkpoints.save
+
+def first_at_step_3(self, step, values):
+    write(self, step, values)
+    if step == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+def second_while_saving(self, state, position):
+    if int(state.step) == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return save(self, state, position)
+
+JsonLines.scalars, Checkpoints.save = first_at_step_3, second_while_saving
+sys.exit(main(json.loads(sys.argv[1])))
+"""
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_while_saving_exits_143_in_one_line(token_dir, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-c", SECOND_SIGTERM, json.dumps(recipe_args(token_dir, run_dir))],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
+    assert done.stderr.strip() == ("error: SIGTERM stopped training at once (a second SIGTERM while saving: stopped "
+                                   "without it); the last checkpoint is step 2: rerun the same command to resume")
+    status = RunDirectory(run_dir).status()
+    assert status["state"] == "interrupted" and status["checkpoint"] == 2
+
+
+def test_one_malformed_run_json_does_not_hide_the_other_runs(token_dir, tmp_path, capsys):
+    from dew.cli import main as dew
+
+    assert main(recipe_args(token_dir, tmp_path / "good", steps=2)) == 0
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "run.json").write_text('{"recipe": "lm", ')
+    capsys.readouterr()
+    assert dew(["runs", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "finished" in table and "unreadable" in table
+    assert f"{tmp_path / 'bad' / 'run.json'} is not valid JSON (Expecting property name" in " ".join(table.split())
+    for command in (["generate", str(tmp_path / "bad"), "--prompt", "x"], ["train", *recipe_args(token_dir, tmp_path / "bad")]):
+        assert dew(command) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.startswith(f"error: {tmp_path / 'bad' / 'run.json'} is not valid JSON") and "\n" not in error
