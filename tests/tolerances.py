@@ -35,15 +35,15 @@ def ulp_bound(ulps, magnitude=1.0, dtype=np.float32):
 _FREQUENCY_ROUNDINGS = {"default": 2, "linear": 3, "llama3": 14, "yarn": 7}
 
 
-def rotary_frequency_ulps(scaling=None) -> float:
-    """Relative ulps between two libraries' rotary inverse frequencies under `scaling` (a `RopeScaling`;
-    None is the default): two pow functions (`LIBRARY_ULPS`) and the scaling's roundings, times the
-    formula's gain on a relative error. The gain is 1, but Llama 3's blend weighs x / factor and x by a
-    weight made from x itself, which multiplies it by 1 + max((f - 1) low / span, (f - 1) high / (f span))."""
-    kind = "default" if scaling is None else scaling.kind
+def rotary_frequency_ulps(kind: str = "default", factor: float = 1.0, low_freq_factor: float | None = None,
+                          high_freq_factor: float | None = None) -> float:
+    """Relative ulps between two libraries' float32 rotary inverse frequencies under a scaling of `kind`
+    (transformers' `rope_type`): two pow functions (`LIBRARY_ULPS`) and the scaling's roundings, times
+    the formula's gain on a relative error. The gain is 1, but Llama 3's blend weighs x / factor and x by
+    a weight made from x itself, which multiplies it by 1 + max((f - 1) low / span, (f - 1) high / (f span))."""
     gain = 1.0
     if kind == "llama3":
-        f, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+        f, low, high = factor, low_freq_factor, high_freq_factor
         gain += max((f - 1) * low / (high - low), (f - 1) * high / (f * (high - low)))
     return gain * (LIBRARY_ULPS + _FREQUENCY_ROUNDINGS[kind])
 
@@ -87,3 +87,16 @@ def assert_within(actual, desired, bound, what: str = "") -> None:
     worst = np.unravel_index(np.argmax(difference - bound), difference.shape)
     raise AssertionError(f"{what}: {int((difference > bound).sum())} of {difference.size} differences exceed their "
                          f"bound; the worst is {difference[worst]:.3g} at {tuple(map(int, worst))}, against a bound of {bound[worst]:.3g}")
+
+
+def transformers_decoder_ulps(config, seq_len: int, libraries: int = 2) -> float:
+    """`decoder_ulps` for a decoder with transformers' `config` over `seq_len` tokens, its rotary
+    scalings' frequency error included (the largest, where layer types carry their own)."""
+    heads = config.num_attention_heads
+    rope = config.rope_parameters
+    ropes = [rope] if "rope_type" in rope else list(rope.values())
+    frequency = max(rotary_frequency_ulps(r["rope_type"], r.get("factor", 1.0), r.get("low_freq_factor"),
+                                          r.get("high_freq_factor")) for r in ropes)
+    return decoder_ulps(layers=config.num_hidden_layers, width=config.hidden_size, mlp_width=config.intermediate_size,
+                        heads=heads, head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                        seq_len=seq_len, libraries=libraries, frequency_ulps=frequency)
