@@ -39,7 +39,8 @@ _TRANSFORMERS_NAMES = {"kind": "rope_type", "original_max_seq_len": "original_ma
 
 def _frequency_rtol(scaling: RopeScaling) -> float:
     """numpy's and torch's float32 pow, then the scaling's roundings (see rotary_frequency_ulps)."""
-    return ulp_bound(rotary_frequency_ulps(scaling))
+    return ulp_bound(rotary_frequency_ulps(scaling.kind, scaling.factor, scaling.low_freq_factor,
+                                           scaling.high_freq_factor))
 
 
 def _transformers_config(head_dim: int, theta: float, scaling: RopeScaling):
