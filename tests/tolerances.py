@@ -86,11 +86,12 @@ def assert_within(actual, desired, bound, what: str = "") -> None:
         return
     worst = np.unravel_index(np.argmax(difference - bound), difference.shape)
     raise AssertionError(f"{what}: {int((difference > bound).sum())} of {difference.size} differences exceed their "
-                         f"bound; the worst is {difference[worst]:.3g} at {tuple(map(int, worst))}, against a bound of {bound[worst]:.3g}")
+                         f"bound; the worst is {difference[worst]:.3g} at {tuple(map(int, worst))}, against a "
+                         f"bound of {bound[worst]:.3g}")
 
 
-def transformers_decoder_ulps(config, seq_len: int, libraries: int = 2) -> float:
-    """`decoder_ulps` for a decoder with transformers' `config` over `seq_len` tokens, its rotary
+def transformers_decoder_ulps(config, seq_len: int) -> float:
+    """`decoder_ulps` for Dew against transformers' decoder with `config` over `seq_len` tokens, its rotary
     scalings' frequency error included (the largest, where layer types carry their own)."""
     heads = config.num_attention_heads
     rope = config.rope_parameters
@@ -99,4 +100,4 @@ def transformers_decoder_ulps(config, seq_len: int, libraries: int = 2) -> float
                                           r.get("high_freq_factor")) for r in ropes)
     return decoder_ulps(layers=config.num_hidden_layers, width=config.hidden_size, mlp_width=config.intermediate_size,
                         heads=heads, head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                        seq_len=seq_len, libraries=libraries, frequency_ulps=frequency)
+                        seq_len=seq_len, frequency_ulps=frequency)

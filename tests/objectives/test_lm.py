@@ -35,7 +35,8 @@ def _term_sizes(hidden, weight, targets, w, transposed, softcap, z_loss):
     dlogits = np.asarray(w, np.float64)[:, None] * (np.exp(logits - lse[:, None]) + onehot)
     dlogits *= (1 + 2 * z_loss * np.abs(lse))[:, None]
     dhead = np.abs(h).T @ dlogits
-    return float((np.abs(h) @ np.abs(head)).max()), np.abs(lse), (dlogits @ np.abs(head).T, dhead.T if transposed else dhead)
+    gradient_terms = (dlogits @ np.abs(head).T, dhead.T if transposed else dhead)
+    return float((np.abs(h) @ np.abs(head)).max()), np.abs(lse), gradient_terms
 
 
 def _reference(hidden, weight, targets, transposed, softcap):
