@@ -11,6 +11,7 @@ Each command's `--help` lists its flags; `dew train` is `python recipes/lm/train
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -18,10 +19,6 @@ from typing import Annotated
 
 import tyro
 from tyro.conf import Positional
-
-# Errors that mean the command cannot do what it was asked; they print as one line, not a traceback.
-_REFUSALS = (ValueError, TypeError, NotImplementedError, FileNotFoundError, ImportError)
-
 
 def tokenize(input: str, out: str, tokenizer: str, val_fraction: float = 0.01, workers: int | None = None,
              eos_between_files: bool = False) -> None:
@@ -115,7 +112,8 @@ def _number(value, digits: int = 4) -> str:
 
 
 def runs(directory: Positional[Annotated[str, tyro.conf.arg(metavar="DIR")]] = "runs") -> None:
-    """List the runs in a directory (or one run): status, step, latest checkpoint and last losses.
+    """List the runs in a directory (or one run): status, step, latest checkpoint, last losses, and why
+    a run stopped when it did not finish.
 
     Args:
         directory: A run directory, or a directory holding run directories.
@@ -129,16 +127,18 @@ def runs(directory: Positional[Annotated[str, tyro.conf.arg(metavar="DIR")]] = "
     if not found:
         print(f"{directory} holds no run (no run.json below it)")
         return
-    table = Table("run", "status", "step", "checkpoint", "train loss", "val loss", "val perplexity", "updated")
-    for run in found:
-        summary = run.summary()
-        table.add_row(summary["run"], summary["status"], f"{summary['step']}/{summary['steps']}",
+    summaries = [run.summary() for run in found]
+    why = any(summary["why"] for summary in summaries)
+    columns = ["run", "status", "step", "checkpoint", "train loss", "val loss", "val perplexity", "updated"]
+    table = Table(*columns, *(["why"] if why else []))
+    for summary in summaries:
+        table.add_row(summary["run"], summary["status"], f"{summary['step']}/{summary['steps'] or '?'}",
                       str(summary["checkpoint"] or ""), _number(summary["train/loss"]),
                       _number(summary["val/loss"]), _number(summary["val/perplexity"]),
-                      (summary["updated"] or "")[:16].replace("T", " "))
+                      (summary["updated"] or "")[:16].replace("T", " "), *([summary["why"] or ""] if why else []))
     console = Console()
     # Into a file or a pipe, the table keeps its columns whole rather than fitting 80 characters.
-    Console(width=console.width if console.is_terminal else 240).print(table)
+    Console(width=console.width if console.is_terminal else 400).print(table)
 
 
 def _train(argv: Sequence[str]) -> int:
@@ -166,25 +166,47 @@ COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
 }
 
 
+def version() -> str:
+    """The installed dew-ml's version (the source tree's pyproject.toml is what `pip install -e` reads)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("dew-ml")
+    except PackageNotFoundError:
+        return "unknown (dew-ml is not installed: pip install -e .)"
+
+
 def _usage() -> str:
-    lines = ["usage: dew COMMAND [ARGS]  (dew COMMAND --help for its flags)", "", "commands:"]
+    lines = ["usage: dew COMMAND [ARGS]  (dew COMMAND --help for its flags; dew --version)", "", "commands:"]
     lines += [f"  {name:<10}{summary}" for name, (summary, _) in COMMANDS.items()]
+    lines += ["", "exit status: 0 done, 1 the environment failed (permissions, disk, a held run directory, a",
+              "diverged run), 2 the command was refused, 128 + N stopped by signal N after saving a checkpoint"]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run `dew ARGV`; a refusal or a fault prints `error: ...` as one line (see `dew.errors`)."""
+    from dew.errors import one_line_warnings, report
+
+    one_line_warnings()
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"dew {version()}")
+        return 0
     if argv[0] not in COMMANDS:
         print(f"error: dew has no command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     try:
         return COMMANDS[argv[0]][1](argv[1:])
-    except _REFUSALS as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except Exception as error:  # noqa: BLE001 - `report` re-raises what is not a refusal or a fault
+        return report(error)
+    except KeyboardInterrupt:  # Ctrl-C outside training (which saves and reports it itself)
+        print("error: interrupted (SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import os
 import signal
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -52,13 +52,32 @@ def input_files(input: str | os.PathLike) -> list[Path]:
     return files
 
 
-def open_binary(path: Path) -> IO[bytes]:
-    """Open a text file for reading bytes, decompressing .xz and .gz."""
+def open_binary(path: Path, raw: IO[bytes] | None = None) -> IO[bytes]:
+    """Open a text file for reading bytes, decompressing .xz and .gz.
+
+    With `raw` (`path` already opened "rb"), the bytes come from it, and its position tells how
+    much of the stored file has been read; the caller closes it.
+    """
+    source = path if raw is None else raw
     if path.name.endswith(".xz"):
-        return lzma.open(path, "rb")
+        return lzma.open(source, "rb")
     if path.name.endswith(".gz"):
-        return gzip.open(path, "rb")
-    return open(path, "rb")
+        return gzip.open(source, "rb")
+    return open(path, "rb") if raw is None else raw
+
+
+class _InputRead:
+    """How much of the input files has been read, in bytes as stored (compressed for .xz/.gz)."""
+
+    def __init__(self, files: list[Path]):
+        self.total = sum(path.stat().st_size for path in files)
+        self.finished = 0  # bytes of the files read to the end
+        self.current: IO[bytes] | None = None
+
+    @property
+    def bytes(self) -> int:
+        current = self.current
+        return self.finished + (current.tell() if current is not None and not current.closed else 0)
 
 
 def _last_cut(text: str, start: int = 0, strict: bool = True) -> int:
@@ -84,9 +103,10 @@ def _read(stream: IO[bytes], size: int, name: str, offset: int) -> bytes:
     try:
         return stream.read(size)
     except _DECOMPRESSION_ERRORS as error:
+        after = f" after {offset:,} bytes of text" if offset else ""
         raise ValueError(
-            f"{name} is truncated or corrupt: decompressing it failed after {offset:,} bytes of "
-            f"text ({error}); copy or download it again, or check it with `xz -t` / `gzip -t`"
+            f"{name} is truncated or corrupt: decompressing it failed{after} ({error}); copy or "
+            f"download it again, or check it with `xz -t` / `gzip -t`"
         ) from None
 
 
@@ -156,16 +176,19 @@ def _encode(text: str, tokenizer: Tokenizer | None = None) -> np.ndarray:
 
 
 def _encoded_chunks(files: list[Path], tokenizer: Tokenizer, workers: int, chunk_bytes: int,
-                    eos_between_files: bool) -> Iterator[np.ndarray]:
-    """The ids of every chunk of every file, in order; EOS between files when asked."""
+                    eos_between_files: bool, read: _InputRead) -> Iterator[np.ndarray]:
+    """The ids of every chunk of every file, in order; EOS between files when asked. `read`
+    follows the reading (a few chunks ahead of the ids yielded)."""
     dtype = dtype_for_vocab(tokenizer.vocab_size)
 
     def pieces() -> Iterator[str | np.ndarray]:
         for index, path in enumerate(files):
             if index and eos_between_files:
                 yield np.array([tokenizer.eos_id], dtype=dtype)
-            with open_binary(path) as stream:
+            with open(path, "rb") as raw, open_binary(path, raw) as stream:
+                read.current = raw
                 yield from text_chunks(stream, chunk_bytes, name=str(path))
+                read.finished, read.current = read.finished + raw.tell(), None
 
     if workers == 1:
         for piece in pieces():
@@ -251,10 +274,31 @@ def _writing(out: Path) -> Iterator[None]:
         ) from error
 
 
+@contextlib.contextmanager
+def _progress(shown: bool | None, read: _InputRead) -> Iterator[Callable[[int], None]]:
+    """A function of the tokens written so far that updates a progress display on stderr (bytes
+    read of the total, tokens written); `shown` None shows it when stderr is a terminal."""
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    console = Console(stderr=True)
+    if not (console.is_terminal if shown is None else shown):
+        yield lambda tokens: None
+        return
+    columns = (TextColumn("tokenizing"), BarColumn(), DownloadColumn(),
+               TextColumn("{task.fields[tokens]:,} tokens"), TimeElapsedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("tokenizing", total=read.total, tokens=0)
+        yield lambda tokens: progress.update(task, completed=read.bytes, tokens=tokens)
+
+
 def _write_tokens(chunks: Iterator[np.ndarray], staging: Path, out: Path, itemsize: int,
-                  val_fraction: float) -> tuple[int, int]:
+                  val_fraction: float, report: Callable[[int], None]) -> tuple[int, int]:
     """Write the ids of `chunks` into `staging` as val.bin (the first `val_fraction`, rounded
-    down) and train.bin; returns (train_tokens, val_tokens)."""
+    down) and train.bin, calling `report(tokens so far)` after each chunk; returns
+    (train_tokens, val_tokens)."""
     all_tokens = staging / "tokens"
     total = 0
     with _writing(out):
@@ -265,6 +309,7 @@ def _write_tokens(chunks: Iterator[np.ndarray], staging: Path, out: Path, itemsi
             with _writing(out):
                 sink.write(ids)  # not ndarray.tofile, whose failures carry no errno
             total += ids.size
+            report(total)
         with _writing(out):
             sink.flush()
     val_tokens = int(total * val_fraction)
@@ -278,8 +323,8 @@ def _write_tokens(chunks: Iterator[np.ndarray], staging: Path, out: Path, itemsi
 
 def tokenize_text(input: str | os.PathLike, out: str | os.PathLike, tokenizer: str | Tokenizer,
                   val_fraction: float = 0.01, workers: int | None = None, *,
-                  eos_between_files: bool = False,
-                  chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
+                  eos_between_files: bool = False, chunk_bytes: int = CHUNK_BYTES,
+                  progress: bool | None = None) -> dict[str, Any]:
     """Tokenize a text file or directory into `out`/train.bin, val.bin and meta.json.
 
     `tokenizer` is "byte", a Hugging Face tokenizer name or path, or a tokenizer object.
@@ -287,7 +332,9 @@ def tokenize_text(input: str | os.PathLike, out: str | os.PathLike, tokenizer: s
     processes tokenize (default: every core; 1 tokenizes in this process). With
     `eos_between_files`, the tokenizer's EOS id separates consecutive files. Returns meta.json's
     record. Workers are spawned processes, so a script that calls this with `workers` above 1
-    does so under `if __name__ == "__main__":`.
+    does so under `if __name__ == "__main__":`. A progress display on stderr (input bytes read of
+    the total, tokens written) is shown with `progress=True`, or by default when stderr is a
+    terminal.
 
     The new files replace those in `out` only once all three are written: an input that is not
     UTF-8, truncated or holds no text (ValueError), a failed write (OSError), Ctrl-C or SIGTERM
@@ -312,9 +359,11 @@ def tokenize_text(input: str | os.PathLike, out: str | os.PathLike, tokenizer: s
     with _writing(out):
         out.mkdir(parents=True, exist_ok=True)
     itemsize = dtype_for_vocab(tokenizer.vocab_size).itemsize
-    with _sigterm_unwinds(), staging_directory(out) as staging:
-        chunks = _encoded_chunks(files, tokenizer, workers, chunk_bytes, eos_between_files)
-        train_tokens, val_tokens = _write_tokens(chunks, staging, out, itemsize, val_fraction)
+    read = _InputRead(files)
+    with _sigterm_unwinds(), staging_directory(out) as staging, _progress(progress, read) as report:
+        chunks = _encoded_chunks(files, tokenizer, workers, chunk_bytes, eos_between_files, read)
+        train_tokens, val_tokens = _write_tokens(chunks, staging, out, itemsize, val_fraction,
+                                                 report)
         if train_tokens + val_tokens == 0:
             raise ValueError(
                 f"{input} holds no text: tokenizing it gave 0 tokens, and a run needs some; pass "

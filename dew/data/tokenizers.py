@@ -3,11 +3,13 @@
 `ByteTokenizer` treats UTF-8 bytes as ids (vocabulary 256). `HFTokenizer` wraps a Hugging Face
 `tokenizers.Tokenizer` read from a local `tokenizer.json`; it never downloads. Neither adds
 special tokens, so the ids of a corpus's chunks, cut where the tokenizer ends a piece anyway,
-concatenate to the ids of the whole corpus (what `tokenize_text` relies on).
+concatenate to the ids of the whole corpus (what `tokenize_text` relies on). `tokenizer_file`
+finds the tokenizer.json a name or path means, the same from any working directory.
 """
 
 from __future__ import annotations
 
+import filecmp
 import json
 import os
 from collections.abc import Sequence
@@ -20,9 +22,9 @@ from huggingface_hub.errors import HFValidationError
 
 BYTE = "byte"
 
-# Where `make gpt2-tokenizer` (tools/fetch_gpt2_tokenizer.py) writes tokenizer files: a bare name
-# such as "gpt2" is found here when the working directory is a repository checkout.
-LOCAL_TOKENIZERS = Path("data/tokenizers")
+# The Dew checkout this package runs from when it is installed editable (its pyproject.toml is
+# there); `make gpt2-tokenizer` writes its data/tokenizers/gpt2/.
+_CHECKOUT = Path(__file__).resolve().parents[2]
 
 # Tokens that end a document in common vocabularies, tried in this order when no
 # tokenizer_config.json names the EOS token.
@@ -64,31 +66,71 @@ class ByteTokenizer:
         return "ByteTokenizer()"
 
 
-def tokenizer_name(name_or_path: str | os.PathLike) -> str:
-    """The name meta.json records for a tokenizer: "byte", a hub name, or a normalised path.
+def tokenizer_store() -> Path:
+    """The Dew tokenizer store, where a name such as "gpt2" is <store>/gpt2/tokenizer.json.
 
-    A `tokenizer.json` file and the directory holding it name the same tokenizer, so a file path
-    is recorded as its directory.
+    `$DEW_TOKENIZERS` when set; else data/tokenizers of the Dew checkout this package is installed
+    from (editable), where `make gpt2-tokenizer` writes; else `$XDG_CACHE_HOME/dew/tokenizers`
+    (~/.cache/dew/tokenizers). None depends on the working directory, and it need not exist yet.
     """
-    name = os.path.normpath(os.fspath(name_or_path))
+    if os.environ.get("DEW_TOKENIZERS"):
+        return Path(os.path.abspath(os.path.expanduser(os.environ["DEW_TOKENIZERS"])))
+    if (_CHECKOUT / "pyproject.toml").is_file():
+        return _CHECKOUT / "data" / "tokenizers"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dew" / "tokenizers"
+
+
+def _looks_like_path(text: str) -> bool:
+    """Whether `text` can only be a path: absolute, from ~ or ., or ending in / or .json."""
+    return (os.path.isabs(text) or text.startswith(("~", "./", "../")) or text in (".", "..")
+            or text.endswith(("/", os.sep, ".json")))
+
+
+def tokenizer_name(name_or_path: str | os.PathLike) -> str:
+    """The name meta.json and run.json record for a tokenizer, the same from any directory.
+
+    "byte"; for an existing file or directory, its absolute path (a `tokenizer.json` file is
+    recorded as its directory), so "./tok/", "tok" and "tok/tokenizer.json" record one name that
+    still means the same files from elsewhere; otherwise the name as given, normalised ("gpt2",
+    "org/model"), which `tokenizer_file` looks up in the store and the Hugging Face cache.
+    """
+    text = os.fspath(name_or_path)
+    if text == BYTE:
+        return BYTE
+    path = os.path.expanduser(text)
+    name = os.path.abspath(path) if os.path.exists(path) else os.path.normpath(text)
     if os.path.basename(name) == "tokenizer.json":
         name = os.path.dirname(name) or "."
     return name
 
 
 def _missing_message(name: str) -> str:
+    store = tokenizer_store()
     return (
-        f"no tokenizer.json for {name!r}: it is not a tokenizer.json file, a directory holding one, "
-        f"{LOCAL_TOKENIZERS / name}, or a Hugging Face cache entry (Dew never downloads it). "
-        f"For GPT-2 run `make gpt2-tokenizer`, which writes {LOCAL_TOKENIZERS}/gpt2/tokenizer.json "
-        f'for HFTokenizer("gpt2") or HFTokenizer("{LOCAL_TOKENIZERS}/gpt2"); for another model, '
-        f"copy its tokenizer.json into a directory and pass that path"
+        f"no tokenizer.json for {name!r}: Dew looked for (1) a file or directory {name!r} in the "
+        f"working directory {os.getcwd()}, (2) {store / name / 'tokenizer.json'} in the Dew "
+        f"tokenizer store ($DEW_TOKENIZERS, else the checkout's data/tokenizers, else "
+        f"~/.cache/dew/tokenizers), (3) the Hugging Face cache, offline (Dew never downloads it). "
+        f"For GPT-2 run `make gpt2-tokenizer` in the Dew checkout (it writes "
+        f"data/tokenizers/gpt2/tokenizer.json) or `python tools/fetch_gpt2_tokenizer.py --out "
+        f"{store / 'gpt2'}`; for another model copy its tokenizer.json into {store / 'NAME'}/ "
+        f"or pass the path of the directory holding it"
     )
 
 
-def _find_tokenizer_file(name: str) -> Path:
-    """The tokenizer.json that `name` refers to, looked up offline."""
-    path = Path(name)
+def tokenizer_file(name_or_path: str | os.PathLike) -> Path | None:
+    """The absolute path of the tokenizer.json `name_or_path` means, found offline; None for "byte".
+
+    Looked up in this order: an existing tokenizer.json file or a directory holding one (a
+    relative path is made absolute at once, from the working directory); then
+    <tokenizer_store()>/<name>/tokenizer.json; then the Hugging Face cache, local files only.
+    A name found nowhere, or a path that does not exist, is a FileNotFoundError saying where Dew
+    looked and how to get the file.
+    """
+    text = os.fspath(name_or_path)
+    if text == BYTE:
+        return None
+    path = Path(os.path.abspath(os.path.expanduser(text)))
     if path.is_file():
         return path
     if path.is_dir():
@@ -98,22 +140,60 @@ def _find_tokenizer_file(name: str) -> Path:
             f"directory {path} holds no tokenizer.json: Dew reads a Hugging Face tokenizer from its "
             f"tokenizer.json (a slow tokenizer's vocab.json/merges.txt alone is not enough)"
         )
-    if (LOCAL_TOKENIZERS / name / "tokenizer.json").is_file():
-        return LOCAL_TOKENIZERS / name / "tokenizer.json"
+    if _looks_like_path(text):
+        raise FileNotFoundError(
+            f"tokenizer path {text} does not exist (from the working directory {os.getcwd()}, it "
+            f"is {path}): pass the tokenizer.json, or the directory holding it"
+        )
+    stored = tokenizer_store() / text / "tokenizer.json"
+    if stored.is_file():
+        return stored
     try:
-        cached = try_to_load_from_cache(repo_id=name, filename="tokenizer.json")
+        cached = try_to_load_from_cache(repo_id=text, filename="tokenizer.json")
     except HFValidationError:  # not a hub repository id, so it cannot be in the cache
         cached = None
     if isinstance(cached, str):
-        return Path(cached)
-    raise FileNotFoundError(_missing_message(name))
+        return Path(os.path.abspath(cached))
+    raise FileNotFoundError(_missing_message(text))
+
+
+def same_tokenizer(first: str | os.PathLike, second: str | os.PathLike) -> bool:
+    """Whether two tokenizer names or paths mean one tokenizer: the same recorded name, or two
+    tokenizer.json files with the same bytes (as "gpt2" and the path of its store directory)."""
+    if tokenizer_name(first) == tokenizer_name(second):
+        return True
+    try:
+        files = tokenizer_file(first), tokenizer_file(second)
+    except FileNotFoundError:
+        return False
+    return None not in files and filecmp.cmp(*files, shallow=False)
+
+
+def _damaged(path: Path, reason: object) -> ValueError:
+    reason = str(reason).strip().splitlines()[0] if str(reason).strip() else type(reason).__name__
+    return ValueError(
+        f"{path} is not a valid {path.name} ({reason}): the file is damaged or is not a Hugging "
+        f"Face tokenizer file; delete it and recreate it (for GPT-2, `make gpt2-tokenizer`), or "
+        f"copy the model's {path.name} again"
+    )
+
+
+def _read_tokenizer_file(path: Path) -> tokenizers.Tokenizer:
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises a bare Exception that names no file
+        raise _damaged(path, error) from None
 
 
 def _eos_id(tokenizer: tokenizers.Tokenizer, directory: Path) -> int | None:
     """The id of the end-of-document token: tokenizer_config.json's eos_token, else a known name."""
     config = directory / "tokenizer_config.json"
     if config.is_file():
-        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+        try:
+            settings = json.loads(config.read_text(encoding="utf-8"))
+        except ValueError as error:  # not JSON, or not UTF-8
+            raise _damaged(config, error) from None
+        eos = settings.get("eos_token") if isinstance(settings, dict) else None
         if isinstance(eos, dict):
             eos = eos.get("content")
         if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
@@ -127,17 +207,25 @@ def _eos_id(tokenizer: tokenizers.Tokenizer, directory: Path) -> int | None:
 class HFTokenizer:
     """A Hugging Face `tokenizers.Tokenizer` read from a local tokenizer.json.
 
-    `name_or_path` is a tokenizer.json file, a directory holding one, or a hub name ("gpt2"),
-    which is looked up as a local directory, then under data/tokenizers/, then in the Hugging Face
-    cache with local files only. `vocab_size` counts added tokens; `eos_id` is the EOS token named by
-    tokenizer_config.json or, failing that, `<|endoftext|>` / `</s>` / `<eos>` / `<|end_of_text|>`
-    when the vocabulary has one, else None. `encode` adds no special tokens.
+    `name_or_path` is a tokenizer.json file, a directory holding one, or a name ("gpt2",
+    "org/model"), found the same from any working directory (`tokenizer_file`): first as an
+    existing path, then as <store>/<name>/tokenizer.json in the Dew tokenizer store
+    (`$DEW_TOKENIZERS`, else the checkout's data/tokenizers, else ~/.cache/dew/tokenizers), then
+    in the Hugging Face cache with local files only. `name` is what meta.json records
+    (`tokenizer_name`) and `path` the absolute tokenizer.json read. `vocab_size` counts added
+    tokens; `eos_id` is the EOS token named by tokenizer_config.json or, failing that,
+    `<|endoftext|>` / `</s>` / `<eos>` / `<|end_of_text|>` when the vocabulary has one, else None.
+    `encode` adds no special tokens.
     """
 
     def __init__(self, name_or_path: str | os.PathLike):
         self.name = tokenizer_name(name_or_path)
-        self.path = _find_tokenizer_file(os.fspath(name_or_path))
-        self.tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
+        path = tokenizer_file(name_or_path)
+        if path is None:
+            raise ValueError(f"{BYTE!r} is ByteTokenizer(), not a Hugging Face tokenizer: use "
+                             f"load_tokenizer({BYTE!r}) or ByteTokenizer()")
+        self.path = path
+        self.tokenizer = _read_tokenizer_file(self.path)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = _eos_id(self.tokenizer, self.path.parent)
 

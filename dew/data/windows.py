@@ -22,7 +22,7 @@ from grain.experimental import FirstFitPackIterDataset, ThreadPrefetchIterDatase
 
 from dew.data.dataset import Batch, Dataset, Partition
 from dew.data.token_files import open_split, read_meta
-from dew.data.tokenizers import tokenizer_name
+from dew.data.tokenizers import same_tokenizer, tokenizer_name
 
 TEXT = "text"
 # Reading a split for EOS positions goes this many tokens at a time, to bound memory.
@@ -126,7 +126,7 @@ def _open(path: str, seq_len: int, seed: int, tokenizer: str | None) -> dict[str
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed is {seed}: Grain's shuffle takes 0 <= seed < 2**32")
     meta = read_meta(path)
-    if tokenizer is not None and tokenizer_name(tokenizer) != meta["tokenizer"]:
+    if tokenizer is not None and not same_tokenizer(tokenizer, meta["tokenizer"]):
         raise ValueError(
             f"{path} was written with tokenizer {meta['tokenizer']!r} (meta.json), not "
             f"{tokenizer_name(tokenizer)!r}: pass tokenizer={meta['tokenizer']!r}, or rewrite the "

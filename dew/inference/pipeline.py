@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -43,10 +42,11 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
 
 
 def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextGeneration:
-    from dew.data import load_tokenizer
+    from dew.recipes.run_dir import RunDirectory
     from dew.training.checkpoints import Checkpoints
 
-    record = json.loads((path / "run.json").read_text())
+    run = RunDirectory(path)
+    record = run.record()
     model = models.build(record["model"]["name"], **record["model"]["config"])
     checkpoints = Checkpoints(path / "checkpoints", keep=None)
     try:
@@ -61,5 +61,4 @@ def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextG
     generation = record.get("generation", {})
     sampling = Sampling(**generation.get("sampling", {}))
     budget = generation.get("max_new_tokens") or None
-    return TextGeneration(model, params, tokenizer=load_tokenizer(record["tokenizer"]), sampling=sampling,
-                          max_new_tokens=budget)
+    return TextGeneration(model, params, tokenizer=run.tokenizer(), sampling=sampling, max_new_tokens=budget)

@@ -78,9 +78,12 @@ class GGUFCheckpoint:
         self.path = Path(path)
         try:
             self._reader = gguf.GGUFReader(self.path)
-        except (ValueError, OSError) as error:
-            raise ValueError(f"{self.path} is not a readable GGUF file ({error}): it is truncated or corrupt; "
-                             "download it again") from None
+        except (ValueError, IndexError, KeyError, OverflowError, OSError) as error:
+            # gguf's reader indexes past the end of a file cut inside its metadata or tensor table
+            size = self.path.stat().st_size if self.path.is_file() else 0
+            raise ValueError(f"{self.path} ({size:,} bytes) is not a readable GGUF file, it is truncated or corrupt "
+                             f"({type(error).__name__}: {error}): download it again and check its size or checksum "
+                             "against the source's") from None
         self.metadata = {key: field.contents() for key, field in self._reader.fields.items()
                          if key not in _VOCABULARY_KEYS}
         self.architecture = self.metadata.get("general.architecture")

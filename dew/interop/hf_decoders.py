@@ -38,16 +38,31 @@ _DROPPED_ON_LOAD = frozenset({
 # The older spellings transformers converts: the dtype and the rotary settings.
 _LEGACY_FIELDS = frozenset({"torch_dtype", "rope_theta", "rope_scaling", "partial_rotary_factor"})
 
-# Fields transformers neither declares nor reads, accepted with the values listed (None: any value).
-_INERT_FIELDS: dict[str, tuple | None] = {
-    "transformers.js_config": None,  # SmolLM2: settings for transformers.js
-    "is_llama_config": None,  # SmolLM2: nanotron's marker
+# Fields that change no computation, accepted with any value: transformers 4's PretrainedConfig declared the
+# first group on every config (transformers 5 keeps them as plain attributes, and no family's modeling code
+# reads them); the rest are what the Hub and tools write beside the model's fields.
+_METADATA_FIELDS = frozenset({
+    "add_cross_attention", "cross_attention_hidden_size", "decoder_start_token_id", "finetuning_task",
+    "gradient_checkpointing", "is_decoder", "prefix", "sep_token_id", "task_specific_params", "tf_legacy_loss",
+    "tie_encoder_decoder", "tokenizer_class", "torchscript", "use_bfloat16", "_attn_implementation_autoset",
+    "pretraining_tp",  # transformers 4's Llama split its matmuls in that many slices: the same products
+    "auto_map", "custom_pipelines",  # remote code the Hub offers; transformers runs the native class without it
+    "unsloth_version", "unsloth_fixed",  # Unsloth's markers
+    "transformers.js_config",  # SmolLM2: settings for transformers.js
+    "is_llama_config",  # SmolLM2: nanotron's marker
+    "cache_implementation",  # Gemma 2 and 3: a generation setting
+})
+# Fields transformers neither declares nor reads, accepted with the values listed, the ones that compute what
+# transformers computes.
+_INERT_FIELDS: dict[str, tuple] = {
+    "pruned_heads": ({},),  # transformers 4's record of heads removed after training: none
     "rope_interleaved": (False,),  # SmolLM2: nanotron's rotary layout, false is transformers' own
     "use_mrope": (False,),  # Qwen2.5: multimodal rotary switched off
-    "hidden_act": None,  # Gemma 2: the older spelling of hidden_activation, which is what transformers reads
-    "cache_implementation": None,  # Gemma 2 and 3: a generation setting
     "sliding_window": (None,),  # a windowless family's config naming no window
 }
+# Qwen's window switches, which other families never read: accepted where no window is in effect
+# (use_sliding_window only when it says so too), refused where the family windows layers regardless.
+_QWEN_WINDOW_FIELDS = ("use_sliding_window", "max_window_layers")
 
 # Fields transformers' mask code (masking_utils.create_causal_mask and its sliding form) reads from every
 # family's config with getattr, and the default it reads when the config lacks them.
@@ -200,18 +215,24 @@ class _Fields:
         self.source, self.family, self.where = source, family, where
         self.defaults = {**_MASK_FIELDS, **family.getattr_fields, **family.fields}
         self.unread = set(self.defaults)
-        known = set(self.defaults) | _BASE_FIELDS | _DROPPED_ON_LOAD | _LEGACY_FIELDS | family.legacy_fields | {"dtype"}
+        known = (set(self.defaults) | _BASE_FIELDS | _DROPPED_ON_LOAD | _LEGACY_FIELDS | _METADATA_FIELDS
+                 | family.legacy_fields | {"dtype"})
+        self.window_switches = {}  # Qwen's window fields in a family that does not read them
         for name, value in source.items():
             if name in known:
                 continue
+            if name in _QWEN_WINDOW_FIELDS:
+                self.window_switches[name] = value
+                continue
+            if name == "hidden_act" and family.activation_field != "hidden_act":
+                continue  # Gemma 2 and 3: the older spelling of hidden_activation, which is what transformers reads
             if name == "sliding_window" and value is not None:
                 raise ValueError(
                     f"{where} names sliding_window {value} but transformers' {family.config_class} attends to "
                     f"every key: a checkpoint trained with a window is a Mistral (model_type 'mistral'); "
                     f"set sliding_window to null if the model was trained without one"
                 )
-            allowed = _INERT_FIELDS.get(name, ())
-            if name in _INERT_FIELDS and (allowed is None or value in allowed):
+            if value in _INERT_FIELDS.get(name, ()):
                 continue
             raise ValueError(
                 f"{where} field {name!r} = {value!r} is not a field of transformers' {family.config_class} and Dew "
@@ -231,6 +252,16 @@ class _Fields:
         value = self.get(name)
         if value not in neutral:
             self.refuse(name, value, fix)
+
+    def check_window_switches(self, window: int | None):
+        """Refuse Qwen's window fields in another family where they disagree with the window it computes."""
+        for name, value in self.window_switches.items():
+            if window is None and (name == "max_window_layers" or not value):
+                continue
+            applied = f"windows every sliding layer at {window}" if window is not None else "applies no window"
+            raise ValueError(f"{self.where} field {name!r} = {value!r} is Qwen's window switch, which transformers' "
+                             f"{self.family.config_class} never reads: it {applied}, so the checkpoint may have been "
+                             f"trained otherwise; remove {name!r} if the model was trained as {self.family.model_type}")
 
     def finish(self):
         if self.unread - _NO_EFFECT:
@@ -257,7 +288,8 @@ def decoder_kwargs(source: Mapping[str, Any], where: str = "config.json") -> dic
     if activation not in _ACTIVATIONS:
         fields.refuse(family.activation_field, activation, f"the MLP activations Dew has are {sorted(_ACTIVATIONS)}")
     kwargs["activation"] = _ACTIVATIONS[activation]
-    fields.require("attention_dropout", (0, 0.0, None), "Dew has no attention dropout; set it to 0.0")
+    # a training-only rate: recorded for training to refuse, nothing at inference
+    kwargs["attention_dropout"] = float(fields.get("attention_dropout") or 0.0)
     fields.require("is_causal", (True,), "attention that sees later tokens (a bidirectional encoder) is not built "
                    "in Dew; set it to true for the causal decoder")
     if "attention_bias" in family.fields and fields.get("attention_bias"):
@@ -273,6 +305,7 @@ def decoder_kwargs(source: Mapping[str, Any], where: str = "config.json") -> dic
         kwargs["attn_softcap"] = fields.get("attn_logit_softcapping")
         kwargs["logit_softcap"] = fields.get("final_logit_softcapping")
     layer_types = _read_window(fields, kwargs)
+    fields.check_window_switches(kwargs.get("sliding_window"))
     ropes = _rotary(fields, kwargs["max_seq_len"])
     kwargs["rope_theta"], kwargs["rope_scaling"] = ropes[FULL]
     if ropes[SLIDING] != ropes[FULL] and SLIDING in (layer_types or ()):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ from dew.inference import TextGeneration
 from dew.interop import gguf_files, hf_decoders
 from dew.interop.gguf_files import GGUFCheckpoint
 from dew.interop.hub import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, converted_directory, resolve, resolve_gguf
+from dew.interop.progress import byte_progress
 from dew.interop.safetensors_files import SafetensorsReader, write_atomically, write_checkpoint
 from dew.nn.transformer import CausalTransformer, DecoderConfig
 from dew.sampling import Sampling
@@ -99,7 +101,8 @@ class Pretrained:
                 if (self.directory / name).is_file() and self.directory.resolve() != directory.resolve():
                     write_atomically(directory / name, (self.directory / name).read_bytes())
 
-        write_checkpoint(directory, tensors, max_shard_size, before_switch=write_configs)
+        write_checkpoint(directory, tensors, max_shard_size, before_switch=write_configs,
+                         staged_names=(CONFIG, GENERATION_CONFIG, *TOKENIZER_FILES))
         return directory
 
     def _generation_file(self) -> dict:
@@ -116,7 +119,9 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     """Load a transformers decoder checkpoint, or one GGUF file, as a native Dew model.
 
     `source` is a local directory (config.json and model.safetensors, or shards with
-    model.safetensors.index.json), a Hub id, or `repo@revision`. With `gguf_file` (a file name in
+    model.safetensors.index.json), a Hub id, or `repo@revision` (`hf://repo` when a local directory
+    shares the owner's name); a path that does not exist is refused at once (`hub.locate` has the rule),
+    and an unreachable Hub after one short attempt. With `gguf_file` (a file name in
     that directory or repository) the config comes from the file's metadata, every tensor is
     dequantized to float32, and the tokenizer comes from the file when the source has no
     tokenizer.json. `dtype` is the compute dtype; `param_dtype="auto"` stores parameters in the
@@ -169,7 +174,7 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         if param_dtype == "auto":
             param_dtype = hf_decoders.param_dtype_name(config) or _first_float_dtype(reader)
         model = CausalTransformer(DecoderConfig(**kwargs, dtype=dtype, param_dtype=param_dtype))
-        params = _read_params(reader, model, config["model_type"], device_mesh, layout)
+        params = _read_params(reader, model, config["model_type"], device_mesh, layout, label=f"loading {source}")
     tokenizer = HFTokenizer(directory) if (directory / "tokenizer.json").is_file() else None
     return Pretrained(model, {"params": params}, tokenizer, config, sampling, budget, snapshot.revision,
                       directory, generation_config)
@@ -220,11 +225,12 @@ def _first_float_dtype(reader: SafetensorsReader) -> str:
 
 
 def _read_params(reader: SafetensorsReader, model: CausalTransformer, model_type: str, mesh: Mesh | None = None,
-                 layout: Layout = Layout()) -> dict:
+                 layout: Layout = Layout(), label: str = "loading") -> dict:
     """The Dew parameter tree from the checkpoint's tensors, checking names, shapes and dtypes.
 
     On a `mesh`, each tensor is placed shard by shard with the sharding `layout` gives it; without
-    one, every parameter is uncommitted on the default device.
+    one, every parameter is uncommitted on the default device. On a terminal a bar labelled `label`
+    counts the bytes read.
     """
     config = model.config
     shapes = _expected_params(model)
@@ -244,24 +250,32 @@ def _read_params(reader: SafetensorsReader, model: CausalTransformer, model_type
                          f"{extra[:4]} (in {reader.location[extra[0]].name}): the weights and config.json come from "
                          "different models")
     params: dict = {}
-    for name, path, transposed in plan:
-        want = tuple(_leaf(shapes, path).shape)
-        stored = reader.shape(name)
-        if (tuple(reversed(stored)) if transposed else stored) != want:
-            need = tuple(reversed(want)) if transposed else want
-            raise ValueError(f"tensor {name!r} in {reader.location[name].name} has shape {stored}; {describe} needs "
-                             f"{need}: the weights and config.json come from different models")
-        if reader.dtype(name) not in _STORED_DTYPES:
-            raise ValueError(f"tensor {name!r} in {reader.location[name].name} is stored as {reader.dtype(name)}: "
-                             "Dew reads float16, bfloat16 and float32 weights; load the unquantized checkpoint")
-        host = _host_tensor(reader, name, transposed, config.param_dtype)
-        if shardings is None:
-            _set_leaf(params, path, jnp.asarray(host))
-        else:
-            _set_leaf(params, path, jax.make_array_from_callback(host.shape, _leaf(shardings, path),
-                                                                 lambda index, host=host: host[index]))
-        del host  # rebinding it only after the next read would hold two tensors on the host at once
+    stored_bytes = {name: _stored_nbytes(reader, name) for name, _, _ in plan}
+    with byte_progress(label, sum(stored_bytes.values())) as advance:
+        for name, path, transposed in plan:
+            want = tuple(_leaf(shapes, path).shape)
+            stored = reader.shape(name)
+            if (tuple(reversed(stored)) if transposed else stored) != want:
+                need = tuple(reversed(want)) if transposed else want
+                raise ValueError(f"tensor {name!r} in {reader.location[name].name} has shape {stored}; {describe} "
+                                 f"needs {need}: the weights and config.json come from different models")
+            if reader.dtype(name) not in _STORED_DTYPES:
+                raise ValueError(f"tensor {name!r} in {reader.location[name].name} is stored as {reader.dtype(name)}: "
+                                 "Dew reads float16, bfloat16 and float32 weights; load the unquantized checkpoint")
+            host = _host_tensor(reader, name, transposed, config.param_dtype)
+            if shardings is None:
+                _set_leaf(params, path, jnp.asarray(host))
+            else:
+                _set_leaf(params, path, jax.make_array_from_callback(host.shape, _leaf(shardings, path),
+                                                                     lambda index, host=host: host[index]))
+            del host  # rebinding it only after the next read would hold two tensors on the host at once
+            advance(stored_bytes[name])
     return params
+
+
+def _stored_nbytes(reader: SafetensorsReader, name: str) -> int:
+    """A tensor's bytes as the loader reads them (float32's width for a dtype it goes on to refuse)."""
+    return math.prod(reader.shape(name)) * jnp.dtype(_STORED_DTYPES.get(reader.dtype(name), "float32")).itemsize
 
 
 def _host_tensor(reader: SafetensorsReader, name: str, transposed: bool, dtype) -> np.ndarray:

@@ -5,15 +5,24 @@ load never holds a second whole copy of the model on the host. Writing over an e
 step: shards take fresh names, `model.safetensors` is replaced by rename, the index is written last,
 and only then are the files the previous export named removed. A save that stops anywhere before
 the switch leaves the previous export whole; files no export wrote are never touched.
+
+A save killed before its switch leaves its staging files behind (whole shards among them). Each save
+holds a shared `flock` on the directory, so the next save, when it can take that lock exclusively (no
+other save is live there), removes them: the `model-<8 hex>-NNNNN-of-NNNNN.safetensors` shards the
+current index does not name, and the hidden `.<name>.<8 hex>.tmp` staging copies of the files a save
+writes. Other files are never removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import os
 import re
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -21,8 +30,14 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from dew.interop.progress import byte_progress
+
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+# The shards a save writes (named with its token) and the staging copy of any file it writes.
+_SHARD = re.compile(r"model-[0-9a-f]{8}-\d{5}-of-\d{5}\.safetensors")
+_STAGED = re.compile(r"\.(?P<name>.+?)(?P<token>\.[0-9a-f]{8})?\.tmp")
+logger = logging.getLogger("dew.interop")
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
@@ -136,54 +151,116 @@ def shard_size_bytes(max_shard_size: int | str) -> int:
 
 
 def write_checkpoint(directory: Path, tensors: Sequence[tuple[str, int, Callable[[], np.ndarray]]],
-                     max_shard_size: int | str, before_switch: Callable[[], None] = lambda: None) -> list[str]:
+                     max_shard_size: int | str, before_switch: Callable[[], None] = lambda: None,
+                     staged_names: Sequence[str] = ()) -> list[str]:
     """Write `(name, nbytes, build)` tensors as safetensors over whatever export `directory` holds.
 
     Each tensor is built only when its shard is written. `before_switch` runs once the new weights are
-    on disk and before they replace the previous export (the caller writes its configs there).
-    Returns the weight file names written.
+    on disk and before they replace the previous export (the caller writes its configs there, with
+    `write_atomically`, under `staged_names`). First removes what a killed save left (see the module).
+    On a terminal a bar counts the bytes built. Returns the weight file names written.
     """
     directory.mkdir(parents=True, exist_ok=True)
     limit = shard_size_bytes(max_shard_size)
     shards: list[list[tuple[str, Callable[[], np.ndarray]]]] = [[]]
     size = 0
-    for name, nbytes, build in tensors:
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, build))
-        size += nbytes
-    previous = _previous_files(directory)
-    token = secrets.token_hex(4)
-    if len(shards) == 1:
-        staged = directory / f".{SINGLE}.{token}.tmp"
-        _write_shard(staged, shards[0])
-        before_switch()
-        os.replace(staged, directory / SINGLE)
-        written = [SINGLE]
-        stale = previous - {SINGLE}
-    else:
-        written = [f"model-{token}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        weight_map, total = {}, 0
-        for file_name, shard in zip(written, shards):
-            total += _write_shard(directory / file_name, shard)
-            weight_map.update({name: file_name for name, _ in shard})
-        before_switch()
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        write_atomically(directory / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
-        stale = previous - {INDEX}
-    for name in sorted(stale):
-        (directory / name).unlink(missing_ok=True)
+    with byte_progress(f"saving {directory}", sum(nbytes for _, nbytes, _ in tensors)) as advance:
+        for name, nbytes, build in tensors:
+            if shards[-1] and size + nbytes > limit:
+                shards.append([])
+                size = 0
+            shards[-1].append((name, _counted(build, nbytes, advance)))
+            size += nbytes
+        return _write_shards(directory, shards, before_switch, staged_names)
+
+
+def _counted(build: Callable[[], np.ndarray], nbytes: int, advance: Callable[[int], None]) -> Callable[[], np.ndarray]:
+    """`build`, reporting `nbytes` done once it has run."""
+    def counted_build() -> np.ndarray:
+        array = build()
+        advance(nbytes)
+        return array
+
+    return counted_build
+
+
+def _write_shards(directory: Path, shards: list[list[tuple[str, Callable[[], np.ndarray]]]],
+                  before_switch: Callable[[], None], staged_names: Sequence[str]) -> list[str]:
+    """Write the shards (one becomes model.safetensors) and switch the directory's export to them."""
+    with _save_lock(directory, staged_names):
+        previous = _previous_files(directory)
+        token = secrets.token_hex(4)
+        if len(shards) == 1:
+            staged = _staged_path(directory / SINGLE, token)
+            _write_shard(staged, shards[0])
+            before_switch()
+            os.replace(staged, directory / SINGLE)
+            written = [SINGLE]
+            stale = previous - {SINGLE}
+        else:
+            written = [f"model-{token}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+            weight_map, total = {}, 0
+            for file_name, shard in zip(written, shards):
+                total += _write_shard(directory / file_name, shard, _staged_path(directory / file_name, token))
+                weight_map.update({name: file_name for name, _ in shard})
+            before_switch()
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            write_atomically(directory / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
+            stale = previous - {INDEX}
+        for name in sorted(stale):
+            (directory / name).unlink(missing_ok=True)
     return written
 
 
-def _write_shard(path: Path, shard: list[tuple[str, Callable[[], np.ndarray]]]) -> int:
+def _write_shard(path: Path, shard: list[tuple[str, Callable[[], np.ndarray]]], staging: Path | None = None) -> int:
+    """Write one shard's tensors to `path`, through `staging` (renamed into place once flushed) when given;
+    returns the tensors' bytes."""
     arrays = {name: np.ascontiguousarray(build()) for name, build in shard}
-    staged = path.with_name(f".{path.name}.tmp")
-    save_file(arrays, str(staged), metadata={"format": "pt"})
-    fsync(staged)
-    os.replace(staged, path)
+    target = staging or path
+    save_file(arrays, str(target), metadata={"format": "pt"})
+    fsync(target)
+    if staging is not None:
+        os.replace(staging, path)
     return sum(array.nbytes for array in arrays.values())
+
+
+@contextlib.contextmanager
+def _save_lock(directory: Path, staged_names: Sequence[str]) -> Iterator[None]:
+    """Hold a shared lock on `directory` for one save; a save that finds no other live (it gets the lock
+    exclusively) first removes the files killed saves abandoned there."""
+    handle = os.open(directory, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("another save into %s is running: its staging files stay", directory)
+        except OSError as error:  # a file system without locks: no save can be proven dead
+            logger.info("cannot lock %s (%s): staging files of earlier saves stay", directory, error)
+        else:
+            _remove_abandoned(directory, {SINGLE, INDEX, *staged_names})
+        with contextlib.suppress(OSError):
+            fcntl.flock(handle, fcntl.LOCK_SH)  # from exclusive after the removal, else beside the other saves
+        yield
+    finally:
+        os.close(handle)  # releases the lock
+
+
+def _remove_abandoned(directory: Path, written_names: set[str]) -> None:
+    """Remove the shards and staging copies of saves that died in `directory` (no save is live there)."""
+    try:
+        current = set(read_index(directory / INDEX).values()) if (directory / INDEX).is_file() else set()
+    except ValueError:
+        current = None  # an unreadable index: which shards it names cannot be known, so they stay
+    for path in directory.iterdir():
+        staged = _STAGED.fullmatch(path.name)
+        if staged is not None and ((staged["token"] and staged["name"] in written_names)
+                                   or _SHARD.fullmatch(staged["name"])):  # earlier versions staged shards untokened
+            abandoned = True
+        else:
+            abandoned = current is not None and bool(_SHARD.fullmatch(path.name)) and path.name not in current
+        if abandoned and path.is_file():
+            logger.info("removing %s, left by a save that was stopped before it finished", path)
+            path.unlink(missing_ok=True)
 
 
 def _previous_files(directory: Path) -> set[str]:
@@ -200,9 +277,14 @@ def _previous_files(directory: Path) -> set[str]:
     return files
 
 
+def _staged_path(path: Path, token: str) -> Path:
+    """The hidden name `path` is written under before it is renamed into place."""
+    return path.with_name(f".{path.name}.{token}.tmp")
+
+
 def write_atomically(path: Path, text: str | bytes) -> None:
     """Replace `path` in one rename, so a reader sees the old file or the new one, never a part."""
-    staged = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    staged = _staged_path(path, secrets.token_hex(4))
     staged.write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
     fsync(staged)
     os.replace(staged, path)

@@ -49,7 +49,11 @@ class Mean:
 
 
 class Objective(Protocol):
-    """The contract `Trainer` compiles. Statistics are pytrees of sums that add across micro-batches."""
+    """The contract `Trainer` compiles. Statistics are pytrees of sums that add across micro-batches.
+
+    An objective may also offer `preview(params, batch, step)` (texts to show at each evaluation, or
+    None) and `preview_variables(state)` (the weights previews draw from; default `state.evaluated`).
+    """
 
     ema_decay: float | None
     trainable: PathFilter | None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Annotated, Any, Literal
 
 import jax
@@ -65,6 +66,10 @@ class ModelConfig:
 
 
 _SCHEDULES = ("cosine", "linear", "constant")
+# The settings --trainer.allow-changes may name: the optimizer's, which a checkpoint's optimizer
+# state serves unchanged. The model, the data and the run's length never change within a run.
+RESUMABLE_CHANGES = tuple(f"optim.{name}" for name in ("learning_rate", "schedule", "warmup_steps", "final_fraction",
+                                                      "weight_decay", "clip_grads", "b1", "b2", "eps"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +93,24 @@ class OptimConfig:
     clip_grads: float | None = None
     """Clip the gradient to this global norm; None does not clip."""
     b1: float = 0.9
+    """Adam's decay rate for the gradient's running mean, in [0, 1)."""
     b2: float = 0.95
+    """Adam's decay rate for the squared gradient's running mean, in [0, 1)."""
     eps: float = 1e-8
+    """Added to the root of the squared gradient's mean before dividing, so the step stays bounded."""
 
     def __post_init__(self):
+        for name in ("learning_rate", "final_fraction", "weight_decay", "clip_grads", "b1", "b2", "eps"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"optim.{name} is {value}; it must be a finite number")
         if self.learning_rate <= 0:
             raise ValueError(f"optim.learning_rate is {self.learning_rate}; it must be positive")
+        for name in ("b1", "b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"optim.{name} is {getattr(self, name)}; it must lie in [0, 1)")
+        if self.eps < 0:
+            raise ValueError(f"optim.eps is {self.eps}; use 0 or more (1e-8 is usual)")
         if self.schedule not in _SCHEDULES:
             raise ValueError(f"optim.schedule is {self.schedule!r}; use one of {_SCHEDULES}")
         if self.warmup_steps < 0:
@@ -164,6 +181,8 @@ class TrainerConfig:
     """Seeds the initialization and every step's randomness (the data order has its own data.seed)."""
     mesh: MeshSpec = MeshSpec()
     layout: Layout = Layout()
+    allow_changes: tuple[str, ...] = ()
+    """Optimizer settings a rerun may change (e.g. optim.learning-rate): the run continues from its last checkpoint with the new values, and run.json records each change and the step it took effect at."""
     wandb: str | None = None
     """A Weights & Biases project to log to as well; None (the default) logs to none."""
     wandb_mode: Literal["offline", "online"] = "offline"
@@ -177,6 +196,15 @@ class TrainerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"trainer.{name} is {value}; use at least 1, or None")
+        names = tuple(name.removeprefix("--").replace("-", "_") for name in self.allow_changes)
+        unknown = [name for name in names if name not in RESUMABLE_CHANGES]
+        if unknown:
+            raise ValueError(
+                f"trainer.allow_changes names {unknown}; a run may change only its optimizer settings "
+                f"({', '.join(name.replace('_', '-') for name in RESUMABLE_CHANGES)}): a different model or data "
+                "is a new run, in a new --trainer.run-dir"
+            )
+        object.__setattr__(self, "allow_changes", names)
         if self.wandb is None and self.wandb_mode != "offline":
             raise ValueError(
                 f"trainer.wandb_mode is {self.wandb_mode!r} but no W&B project is set: pass --trainer.wandb PROJECT"

@@ -8,26 +8,29 @@ last checkpoint. `main` is `recipes/lm/train.py` and `dew train`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import os
+import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import tyro
 
 from dew.data import Dataset, load_tokenizer
-from dew.data.tokenizers import tokenizer_name
+from dew.data.tokenizers import tokenizer_file, tokenizer_name
+from dew.errors import describe, exit_status, one_line_warnings, report
 from dew.objectives.lm import LMObjective, LMRunConfig, Samples
 from dew.recipes.config import to_json
-from dew.recipes.run_dir import RunDirectory
+from dew.recipes.run_dir import PATH_SETTINGS, TOKENIZER, RunDirectory, resolve_path_setting
 from dew.training.state import TrainState
 from dew.training.trackers import JsonLines, TensorBoard, Tracker, WandB
 from dew.training.trainer import Trainer, TrainingInterrupted
 
 RECIPE = "lm"
-# Errors that mean the command asked for something this recipe refuses; anything else is a failure.
-REFUSALS = (ValueError, TypeError, NotImplementedError, FileNotFoundError, ImportError)
 
 
 def _load_data(config: LMRunConfig) -> Dataset:
@@ -73,6 +76,11 @@ def _record(config: LMRunConfig, model, meta: dict[str, Any], command: Sequence[
     """run.json's content (RunDirectory adds the versions and the time)."""
     settings = to_json(config)
     settings["data"] = {"type": type(config.data).__name__, **settings["data"]}
+    # Paths as absolute ones: the run compares and finds the same files from any working directory.
+    for name in PATH_SETTINGS:
+        *parents, leaf = name.split(".")
+        holder = functools.reduce(dict.get, parents, settings)
+        holder[leaf] = resolve_path_setting(holder[leaf])
     return {
         "recipe": RECIPE,
         "settings": settings,
@@ -100,9 +108,8 @@ class LMRun:
 
     def fit(self, verbose: bool = True) -> TrainState:
         """Train to trainer.steps, resuming the last checkpoint; record the run's status as it ends."""
-        settings, primary = self.config.trainer, jax.process_index() == 0
-        status = self.directory.set_status if primary else lambda *args, **kwargs: None
-        status("running")
+        settings = self.config.trainer
+        self._status("running")
         try:
             state = self.trainer.fit(
                 self.data, steps=settings.steps, log_every=settings.log_every, eval_every=settings.eval_every,
@@ -110,16 +117,77 @@ class LMRun:
                 keep=settings.keep, accumulation=settings.accumulation, verbose=verbose, trackers=self.trackers,
             )
         except TrainingInterrupted as stop:
-            status("interrupted", stop.step, str(stop))
+            self._status("interrupted", stop.step, str(stop))
             raise
+        except KeyboardInterrupt as stop:
+            self._status("interrupted", self._last_checkpoint(), f"stopped at once, without a final checkpoint ({stop})")
+            raise
+        except FloatingPointError as error:  # the trainer's TrainingDiverged: a step was not finite
+            diverged = Diverged(self, error)
+            self._status("diverged", diverged.step, str(diverged))
+            raise diverged from error
         except BaseException as error:
-            status("failed", None, f"{type(error).__name__}: {error}")
+            known = exit_status(error) is not None
+            self._status("failed", self._last_checkpoint(), describe(error) if known else f"{type(error).__name__}: {error}")
             raise
         finally:
             for tracker in self.trackers:
-                tracker.close()
-        status("finished", int(jax.device_get(state.step)))
+                try:
+                    tracker.close()
+                except OSError as error:  # a full disk: the error that ended the run is the one to show
+                    print(f"warning: {type(tracker).__name__} could not close: {describe(error)}", file=sys.stderr)
+        self._status("finished", int(jax.device_get(state.step)))
+        self.close()
         return state
+
+    def _last_checkpoint(self) -> int | None:
+        saved = self.directory.checkpoint_steps()
+        return saved[-1] if saved else None
+
+    def _status(self, state: str, step: int | None = None, message: str | None = None, **details) -> None:
+        """Record the state in status.json (process 0 only); a failure to write it is reported, not raised,
+        so that the error that ended the run is the one the user sees."""
+        if jax.process_index() != 0:
+            return
+        try:
+            self.directory.set_status(state, step, message, checkpoint=self._last_checkpoint(), **details)
+        except OSError as error:
+            print(f"warning: could not record the run's state ({state}) in status.json: {describe(error)}",
+                  file=sys.stderr)
+
+    def close(self) -> None:
+        """Let another process have the run directory."""
+        self.directory.close()
+
+
+class Diverged(FloatingPointError):
+    """A run stopped at a non-finite step: `step`, and `checkpoint`, the last good checkpoint's step
+    (None when none was saved), with the command-line way to continue from it."""
+
+    def __init__(self, run: LMRun, error: FloatingPointError):
+        self.step = getattr(error, "step", None)
+        self.checkpoint = _checkpoint_step(getattr(error, "last_checkpoint", None))
+        if self.checkpoint is None:
+            saved = [step for step in run.directory.checkpoint_steps() if self.step is None or step < self.step]
+            self.checkpoint = saved[-1] if saved else None
+        what = str(error) if hasattr(error, "last_checkpoint") else (
+            f"training diverged{'' if self.step is None else f' at step {self.step}'} ({error})")
+        lower = f"--optim.learning-rate {run.config.optim.learning_rate / 2:g} --trainer.allow-changes optim.learning-rate"
+        if self.checkpoint is None:
+            advice = (f"no checkpoint was saved before it: rerun the command with {lower} to start the run again "
+                      "with a lower learning rate")
+        else:
+            advice = (f"the last good checkpoint is step {self.checkpoint} ({run.directory.checkpoints / str(self.checkpoint)}): "
+                      f"rerun the command with {lower} to continue from it with a lower learning rate")
+        super().__init__(f"{what.rstrip('.')}; {advice}")
+
+
+def _checkpoint_step(checkpoint) -> int | None:
+    """A checkpoint given as its step or as its directory (named by its step) -> the step."""
+    if checkpoint is None or isinstance(checkpoint, int):
+        return checkpoint
+    name = os.path.basename(os.fspath(checkpoint).rstrip("/"))
+    return int(name) if name.isdigit() else None
 
 
 # What --model.config may still set when --pretrained decides the architecture.
@@ -162,6 +230,7 @@ def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
     settings = config.trainer
     trainer = Trainer(objective, config.optim.build(settings.steps), key=jax.random.key(settings.seed),
                       mesh=settings.mesh, layout=settings.layout)
+    _check_batches(settings, trainer.mesh.devices.size)
     directory = RunDirectory(settings.run_dir)
     trackers: list[Tracker] = []
     notes: list[str] = []
@@ -171,8 +240,29 @@ def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
             run_id = "dew-" + hashlib.sha1(str(directory.path.resolve()).encode()).hexdigest()[:16]
             trackers.append(WandB(directory.path, settings.wandb, run_id=run_id, mode=settings.wandb_mode,
                                   config=to_json(config)))
-        notes = directory.open({**_record(config, model, meta, command), "pretrained": source})
+        # Everything above only reads; this is the first write (and it takes the directory's lock).
+        notes = directory.open({**_record(config, model, meta, command), "pretrained": resolve_path_setting(source)},
+                               allow_changes=settings.allow_changes, keep=_tokenizer_files(config.tokenizer))
     return LMRun(config, data, objective, trainer, directory, trackers, notes)
+
+
+def _tokenizer_files(name: str) -> dict[str, Path]:
+    """The files a run keeps a copy of so that it needs nothing outside its directory: the tokenizer's
+    tokenizer.json and, beside it, the tokenizer_config.json that names its EOS token (none for bytes)."""
+    path = tokenizer_file(name)
+    if path is None:
+        return {}
+    config = path.parent / "tokenizer_config.json"
+    return {TOKENIZER: path, **({config.name: config} if config.is_file() else {})}
+
+
+def _check_batches(settings, devices: int) -> None:
+    """Refuse batches the trainer cannot split, before the run directory is written."""
+    if settings.batch % (settings.accumulation * devices):
+        raise ValueError(
+            f"--trainer.batch {settings.batch} does not split into --trainer.accumulation {settings.accumulation} "
+            f"micro-batches over {devices} device(s): use a batch that is a multiple of {settings.accumulation * devices}"
+        )
 
 
 def train(config: LMRunConfig, *, verbose: bool = True) -> TrainState:
@@ -199,24 +289,41 @@ def parse(argv: Sequence[str], prog: str = "python recipes/lm/train.py") -> LMRu
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python recipes/lm/train.py") -> int:
-    """Parse `argv` into an `LMRunConfig` and train it; the exit status: 0 finished, 2 refused,
-    128 + the signal's number when SIGINT or SIGTERM stopped it after a checkpoint."""
+    """Parse `argv` into an `LMRunConfig` and train it. The exit status is `dew.errors`': 0 finished,
+    1 the environment failed or the run diverged, 2 refused (before anything was written), 128 + the
+    signal's number when SIGINT or SIGTERM stopped it; each but 0 with one line on stderr."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    one_line_warnings()
     try:
         run = prepare(parse(argv, prog), command=[*prog.split(), *argv])
-    except REFUSALS as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    saved = run.directory.checkpoint_steps()
-    if saved and saved[-1] >= run.config.trainer.steps:
-        print(f"{run.directory.path} finished at step {saved[-1]}: nothing left to train")
-        return 0
-    print(f"run directory {run.directory.path}" + ("" if saved else " (a new run)"))
-    for note in run.notes:
-        print(f"note: {note}")
+    except Exception as error:  # noqa: BLE001 - `report` re-raises what is not a refusal or a fault
+        return report(error)
     try:
+        for note in run.notes:
+            print(f"note: {note}")
+        saved = run.directory.checkpoint_steps()
+        if saved and saved[-1] >= run.config.trainer.steps:
+            print(f"{run.directory.path} finished at step {saved[-1]}: nothing left to train")
+            return 0
+        print(f"run directory {run.directory.path}" + ("" if saved else " (a new run)"))
         run.fit()
     except TrainingInterrupted as stop:
         print(f"{stop}: rerun the same command to resume", file=sys.stderr)
         return 128 + stop.signal_number
+    except KeyboardInterrupt as stop:  # a second signal while saving, or Ctrl-C before training began
+        return _stopped_at_once(run, stop)
+    except Exception as error:  # noqa: BLE001
+        return report(error)
+    finally:
+        run.close()
     return 0
+
+
+def _stopped_at_once(run: LMRun, stop: KeyboardInterrupt) -> int:
+    """One line for a run stopped without its final checkpoint, and 128 + the signal's number."""
+    number = getattr(stop, "signal_number", signal.SIGINT)
+    saved = run.directory.checkpoint_steps()
+    resume = f"the last checkpoint is step {saved[-1]}" if saved else "no checkpoint was saved"
+    print(f"error: {signal.Signals(number).name} stopped training at once ({stop or 'interrupted'}); {resume}: "
+          "rerun the same command to resume", file=sys.stderr)
+    return 128 + number

@@ -1,45 +1,71 @@
 """A run directory: what a recipe run leaves behind, and how a rerun of the same command finds it.
 
-    RUN/run.json                 the resolved config, package versions and tokenizer (written once)
-    RUN/status.json              running, finished, interrupted or failed; the process and its host
+    RUN/run.json                 the resolved config, package versions and tokenizer (written when the
+                                 run starts; again only when --trainer.allow-changes changes a setting)
+    RUN/run.lock                 held (flock) by the one process training the run, with its pid
+    RUN/tokenizer.json           the run's own copy of its tokenizer (and tokenizer_config.json), so
+                                 generation needs nothing outside the directory
+    RUN/status.json              running, finished, interrupted, diverged or failed; the process and its host
     RUN/checkpoints/STEP/        Orbax checkpoints, the newest trainer.keep of them
     RUN/metrics.jsonl            one line per logged step and per evaluation
     RUN/samples.jsonl            the preview texts of each evaluation
     RUN/events.out.tfevents.*    TensorBoard (`tensorboard --logdir RUN`, or the directory of runs)
     RUN/wandb/                   Weights & Biases' files, when --trainer.wandb is set
 
-run.json's `settings` is the command's config as JSON; `model` the model's resolved keywords;
-`tokenizer`, `sampling`, `sample_tokens` and `ema_decay` what generation from the run needs.
+run.json's `settings` is the command's config as JSON, its paths made absolute; `model` the model's
+resolved keywords; `tokenizer`, `generation` what generation from the run needs; `changes` the
+settings a rerun changed with --trainer.allow-changes, each with the step it took effect at.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
+import fcntl
 import importlib.metadata
 import json
 import os
 import platform
 import shlex
+import shutil
 import socket
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dew.recipes.config import RESUMABLE_CHANGES
 from dew.training.checkpoints import saved_steps
 from dew.training.trackers import METRICS, read_jsonl
 
-RUN_JSON, STATUS, CHECKPOINTS = "run.json", "status.json", "checkpoints"
-FORMAT = 1
+RUN_JSON, STATUS, CHECKPOINTS, LOCK = "run.json", "status.json", "checkpoints", "run.lock"
+TOKENIZER = "tokenizer.json"
+# 2: settings' paths are absolute, so a rerun from another directory compares the same files; the
+# run keeps a copy of its tokenizer.
+FORMAT = 2
 
 # What a rerun may change: these decide what is logged and kept, not what is trained.
 MAY_CHANGE = ("trainer.run_dir", "trainer.log_every", "trainer.eval_every", "trainer.val_batch",
-              "trainer.checkpoint_every", "trainer.keep", "trainer.wandb", "trainer.wandb_mode")
-# The parts of run.json that decide what the run trains.
+              "trainer.checkpoint_every", "trainer.keep", "trainer.wandb", "trainer.wandb_mode",
+              "trainer.allow_changes")
+# The parts of run.json that decide what the run trains. The model is compared as built (defaults
+# filled in), not as --model.config spelled it.
 COMPARED = ("recipe", "settings", "model", "data")
+_SPELLED = "settings.model.config."
+# Settings that name files: compared as absolute paths (a hub name that is not a local path stays as is).
+PATH_SETTINGS = ("data.path", "data.tokenizer", "tokenizer", "pretrained")
 _PACKAGES = ("dew-ml", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy", "tokenizers")
 
 
 class RunMismatch(ValueError):
     """A run directory holds a run that the command does not describe."""
+
+
+class RunRecordError(ValueError):
+    """run.json cannot be read: not JSON, or not a run's record."""
+
+
+class RunLocked(BlockingIOError):
+    """Another process holds the run directory (it is training it)."""
 
 
 def versions() -> dict[str, str]:
@@ -63,10 +89,25 @@ def flatten(record: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def resolve_path_setting(value: Any) -> Any:
+    """A path setting as an absolute, normalised path when it names something on disk (else as given)."""
+    if isinstance(value, str) and value and os.path.exists(value):
+        return os.path.abspath(value)
+    return value
+
+
+def _compared(record: dict[str, Any]) -> dict[str, Any]:
+    flat = flatten({key: record.get(key) for key in COMPARED})
+    for name in PATH_SETTINGS:
+        if f"settings.{name}" in flat:
+            flat[f"settings.{name}"] = resolve_path_setting(flat[f"settings.{name}"])
+    return {name: value for name, value in flat.items() if not name.startswith(_SPELLED)}
+
+
 def _flag(name: str) -> str:
-    """`settings.optim.learning_rate` -> `--optim.learning-rate`; other parts keep their path."""
-    if name.startswith("settings.model.config."):
-        return f"--model.config's {name.removeprefix('settings.model.config.')}"
+    """`settings.optim.learning_rate` -> `--optim.learning-rate`; `model.config.x` -> `--model.config's x`."""
+    if name.startswith("model.config."):
+        return f"--model.config's {name.removeprefix('model.config.')}"
     if name.startswith("settings."):
         return "--" + name.removeprefix("settings.").replace("_", "-")
     return name
@@ -82,6 +123,17 @@ def _write_json(path: Path, record: dict[str, Any]) -> None:
     os.replace(partial, path)
 
 
+def _read_json(path: Path, what: str) -> Any:
+    """A JSON file's value, or RunRecordError naming the file, the problem and the fix."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        problem = f"is not UTF-8 text ({error.reason} at byte {error.start})"
+    except json.JSONDecodeError as error:
+        problem = f"is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})"
+    raise RunRecordError(f"{path} {problem}: it was edited or cut short; {what}")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -93,66 +145,225 @@ def _alive(pid: int) -> bool:
 
 
 class RunDirectory:
-    """The run directory at `path` (see the module's docstring for its files)."""
+    """The run directory at `path` (see the module's docstring for its files).
+
+    `open` takes the directory's lock for this process; `close` (or the process's end, even by
+    kill -9) releases it.
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        self._lock = None
 
     @property
     def checkpoints(self) -> Path:
         return self.path / CHECKPOINTS
 
     def record(self) -> dict[str, Any] | None:
-        """run.json, or None when the directory holds no run."""
+        """run.json, or None when the directory holds no run; RunRecordError when it cannot be read."""
         path = self.path / RUN_JSON
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        if not path.is_file():
+            return None
+        fix = f"restore it from a backup, or move {self.path} aside and start the run again"
+        record = _read_json(path, fix)
+        if not isinstance(record, dict) or not isinstance(record.get("model"), dict):
+            raise RunRecordError(f"{path} is JSON but not a run's record (it has no model); {fix}")
+        return record
 
-    def open(self, record: dict[str, Any]) -> list[str]:
-        """Start a run described by `record`, or find the same run to resume.
+    def open(self, record: dict[str, Any], allow_changes: Sequence[str] = (),
+             keep: Mapping[str, Path] | None = None) -> list[str]:
+        """Start a run described by `record`, or find the same run to resume; hold the directory.
 
-        A new run writes run.json with the package versions and the time. An existing one must agree
-        with `record` in every setting but those in MAY_CHANGE, else `RunMismatch` says what differs;
-        returns notes on what differs harmlessly (package versions).
+        Refuses, writing nothing, a path that is not a directory or a directory holding something
+        other than a run; then takes the lock (`RunLocked` names the process that has it). A new run
+        writes run.json with the package versions and the time. An existing one must agree with
+        `record` in every setting but those in MAY_CHANGE and the optimizer settings named in
+        `allow_changes` (RESUMABLE_CHANGES, e.g. "optim.learning_rate"), else `RunMismatch` says what
+        differs. An allowed change is written into run.json's settings and appended to its `changes`
+        with the step of the checkpoint it continues from. `keep` maps file names to the files the
+        run keeps a copy of (its tokenizer's): copied when missing, and a tokenizer.json that differs
+        from the run's copy is refused. Returns notes on what differs harmlessly (package versions)
+        and on the changes made.
         """
-        saved = self.record()
-        if saved is None:
-            if self.path.exists() and any(self.path.iterdir()):
-                raise RunMismatch(
-                    f"{self.path} is not empty and holds no {RUN_JSON}, so it is not a Dew run: pass "
-                    f"--trainer.run-dir with a new or empty directory"
-                )
-            self.path.mkdir(parents=True, exist_ok=True)
-            _write_json(self.path / RUN_JSON, {"format": FORMAT, **record, "versions": versions(), "created": _now()})
-            return []
-        ours, theirs = (flatten({key: run.get(key) for key in COMPARED}) for run in (record, saved))
+        if self.path.exists() and not self.path.is_dir():
+            raise NotADirectoryError(f"--trainer.run-dir {self.path} is a file: pass a directory (new or a run's)")
+        if self.path.is_dir() and not (self.path / RUN_JSON).is_file() and any(
+                entry.name != LOCK for entry in self.path.iterdir()):
+            raise RunMismatch(
+                f"{self.path} is not empty and holds no {RUN_JSON}, so it is not a Dew run: pass "
+                f"--trainer.run-dir with a new or empty directory"
+            )
+        self._hold()
+        try:
+            saved = self.record()
+            if saved is None:
+                _write_json(self.path / RUN_JSON,
+                            {"format": FORMAT, **record, "versions": versions(), "created": _now()})
+                self._keep(keep or {})
+                return []
+            self._check_kept(keep or {})
+            notes = self._compare(record, saved, allow_changes)
+            self._keep(keep or {})
+        except BaseException:
+            self.close()
+            raise
+        now = versions()
+        return [f"{package} was {version} when the run started and is {now.get(package)} now"
+                for package, version in saved.get("versions", {}).items() if now.get(package) != version] + notes
+
+    def _compare(self, record: dict[str, Any], saved: dict[str, Any], allow_changes: Sequence[str]) -> list[str]:
+        """Refuse a record that differs from the run's beyond what may change; apply allowed changes."""
+        ours, theirs = _compared(record), _compared(saved)
         differing = [name for name in sorted(set(ours) | set(theirs))
                      if ours.get(name) != theirs.get(name) and name.removeprefix("settings.") not in MAY_CHANGE]
-        # What the command says first; what follows from it (the resolved model) only when it says the same.
+        allowed = [name for name in differing if name.removeprefix("settings.") in allow_changes]
+        differing = [name for name in differing if name not in allowed]
+        # What the command says first; what follows from it (the built model) only when it says the same.
         differing = [name for name in differing if name.startswith("settings.")] or differing
         if differing:
             differences = [f"  {_flag(name)}: the run has {json.dumps(theirs.get(name))}, "
                            f"this command {json.dumps(ours.get(name))}" for name in differing]
-            started = shlex.join(saved["command"]) if saved.get("command") else "(not recorded)"
+            latest = saved.get("changes", [{}])[-1].get("command") or saved.get("command")
+            started = shlex.join(latest) if latest else "(not recorded)"
+            changeable = [name.removeprefix("settings.") for name in differing
+                          if name.removeprefix("settings.") in RESUMABLE_CHANGES]
+            continuing = (f"\nTo continue this run from its last checkpoint with the new value, add "
+                          f"--trainer.allow-changes {' '.join(name.replace('_', '-') for name in changeable)}."
+                          if len(changeable) == len(differing) else "")
             raise RunMismatch(
                 f"{self.path} holds a run that this command does not describe:\n" + "\n".join(differences) +
                 f"\nThe run was started with: {started}\nRerun that command to resume it, or start a new run "
-                f"with --trainer.run-dir NEW_DIRECTORY (or delete {self.path} to start this one over)."
+                f"with --trainer.run-dir NEW_DIRECTORY (or delete {self.path} to start this one over)." + continuing
             )
-        now = versions()
-        return [f"{package} was {version} when the run started and is {now.get(package)} now"
-                for package, version in saved.get("versions", {}).items() if now.get(package) != version]
+        unchanged = [name for name in allow_changes if f"settings.{name}" not in allowed]
+        notes = [f"--trainer.allow-changes {name.replace('_', '-')}: the run already has this value"
+                 for name in unchanged]
+        if allowed:
+            notes.append(self._change(saved, record, [name.removeprefix("settings.") for name in allowed]))
+        return notes
 
-    def set_status(self, state: str, step: int | None = None, message: str | None = None) -> None:
-        """Record the run's state: running, finished, interrupted or failed."""
-        _write_json(self.path / STATUS, {"state": state, "step": step, "message": message, "pid": os.getpid(),
-                                         "host": socket.gethostname(), "updated": _now()})
+    def _change(self, saved: dict[str, Any], record: dict[str, Any], names: list[str]) -> str:
+        """Write `names`' new values from `record` into run.json, with the step they take effect at."""
+        values = {name: (flatten(saved["settings"]).get(name), flatten(record["settings"]).get(name)) for name in names}
+        if "optim.clip_grads" in values and None in values["optim.clip_grads"]:
+            raise RunMismatch(
+                f"{self.path}: optim.clip_grads cannot change between {values['optim.clip_grads'][0]} and "
+                f"{values['optim.clip_grads'][1]} within a run (clipping adds a step to the optimizer, so the "
+                "checkpoint's optimizer state no longer fits): change it between two norms, or start a new run"
+            )
+        saved_steps_ = self.checkpoint_steps()
+        step = saved_steps_[-1] if saved_steps_ else 0
+        if step >= saved["settings"]["trainer"]["steps"]:
+            return f"the run finished at step {step}, so its settings stay as they were (nothing is left to train)"
+        for name, (_, new) in values.items():
+            *parents, leaf = name.split(".")
+            holder = saved["settings"]
+            for part in parents:
+                holder = holder[part]
+            holder[leaf] = new
+        change = {"step": step, "settings": {name: {"from": old, "to": new} for name, (old, new) in values.items()},
+                  "command": record.get("command"), "time": _now()}
+        _write_json(self.path / RUN_JSON, {**saved, "changes": [*saved.get("changes", []), change]})
+        listed = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in values.items())
+        return f"changed {listed}, from step {step} on (recorded in {self.path / RUN_JSON})"
+
+    def _check_kept(self, keep: Mapping[str, Path]) -> None:
+        copy = self.path / TOKENIZER
+        if TOKENIZER in keep and copy.is_file() and copy.read_bytes() != keep[TOKENIZER].read_bytes():
+            raise RunMismatch(
+                f"the command's tokenizer {keep[TOKENIZER]} is not the one {self.path} was trained with (its copy "
+                f"{copy} differs): pass --tokenizer {self.path}, or start a new run with --trainer.run-dir NEW_DIRECTORY"
+            )
+
+    def _keep(self, keep: Mapping[str, Path]) -> None:
+        """Copy the files the run keeps (each written beside, then renamed into place)."""
+        for name, source in keep.items():
+            copy = self.path / name
+            if not copy.is_file():
+                partial = copy.with_name(name + ".partial")
+                shutil.copyfile(source, partial)
+                os.replace(partial, copy)
+
+    def tokenizer(self):
+        """The run's tokenizer: its own copy, else bytes; a run from before runs kept a copy loads it by
+        the name run.json records, unless that name is a path relative to where the run was started."""
+        from dew.data import load_tokenizer
+        from dew.data.tokenizers import BYTE, HFTokenizer
+
+        if (self.path / TOKENIZER).is_file():
+            return HFTokenizer(self.path)
+        name = (self.record() or {}).get("tokenizer", BYTE)
+        if name != BYTE and not os.path.isabs(name) and (os.sep in name or name.startswith(".")):
+            raise FileNotFoundError(
+                f"{self.path} holds no {TOKENIZER}, and its run.json names the tokenizer {name!r}, a path relative "
+                f"to the directory the run was started in: copy that {TOKENIZER} into {self.path}/"
+            )
+        return load_tokenizer(name)
+
+    def _hold(self) -> None:
+        """Create the directory and take its lock, recording this process in run.lock."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            handle = open(self.path / LOCK, "a+", encoding="utf-8")
+        except OSError as error:
+            raise type(error)(
+                f"cannot create the run directory's files in {self.path} ({error.strerror}: {error.filename}): "
+                f"pass --trainer.run-dir with a directory this user can write"
+            ) from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read()
+            handle.close()
+            raise RunLocked(_held_message(self.path, holder)) from None
+        handle.truncate(0)
+        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": _now()}) + "\n")
+        handle.flush()
+        self._lock = handle
+
+    def close(self) -> None:
+        """Release the directory's lock (kept until then by `open`)."""
+        if self._lock is not None:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
+            self._lock = None
+
+    def set_status(self, state: str, step: int | None = None, message: str | None = None, **details: Any) -> None:
+        """Record the run's state (running, finished, interrupted, diverged or failed) and `details`.
+
+        On a full disk the new file cannot be written beside the old one, so the record is written
+        over status.json in place (its block is already allocated): a run that stops for want of
+        space still says so.
+        """
+        record = {"state": state, "step": step, "message": message, **details, "pid": os.getpid(),
+                  "host": socket.gethostname(), "updated": _now()}
+        path = self.path / STATUS
+        try:
+            _write_json(path, record)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT) or not path.is_file():
+                raise
+            path.with_name(path.name + ".partial").unlink(missing_ok=True)
+            with open(path, "r+", encoding="utf-8") as handle:
+                handle.write(json.dumps(record, indent=2) + "\n")
+                handle.truncate()
 
     def status(self) -> dict[str, Any]:
-        """status.json, with a `running` run whose process is gone on this host reported as `killed`."""
+        """status.json, with a `running` run whose process is gone on this host reported as `killed`;
+        `unknown`, with the reason as its message, when status.json cannot be read."""
         path = self.path / STATUS
-        status = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {"state": "new"}
+        if not path.is_file():
+            return {"state": "new"}
+        try:
+            status = _read_json(path, "the next run of the command rewrites it")
+        except RunRecordError as error:
+            return {"state": "unknown", "message": str(error)}
+        if not isinstance(status, dict) or "state" not in status:
+            return {"state": "unknown", "message": f"{path} holds no state: the next run of the command rewrites it"}
         if status["state"] == "running" and status.get("host") == socket.gethostname() and not _alive(status["pid"]):
-            status = {**status, "state": "killed"}
+            status = {**status, "state": "killed",
+                      "message": f"process {status['pid']} ended without recording why (killed, or the machine stopped)"}
         return status
 
     def metrics(self) -> list[dict[str, Any]]:
@@ -163,18 +374,33 @@ class RunDirectory:
         return saved_steps(self.checkpoints)
 
     def summary(self) -> dict[str, Any]:
-        """The run at a glance: status, last logged step of how many, latest checkpoint, last losses."""
-        record, metrics, saved = self.record() or {}, self.metrics(), self.checkpoint_steps()
+        """The run at a glance: status and why, last logged step of how many, latest checkpoint, last losses."""
+        metrics, saved, status = self.metrics(), self.checkpoint_steps(), self.status()
+        try:
+            record = self.record() or {}
+        except RunRecordError as error:
+            record, status = {}, {**status, "state": "unreadable", "message": str(error)}
         last = lambda key: next((entry[key] for entry in reversed(metrics) if key in entry), None)
-        status = self.status()
         return {
             "run": str(self.path), "status": status["state"],
-            "step": max([entry["step"] for entry in metrics[-1:]] + saved[-1:], default=0),
+            "step": max([entry.get("step", 0) for entry in metrics[-1:]] + saved[-1:], default=0),
             "steps": record.get("settings", {}).get("trainer", {}).get("steps"),
             "checkpoint": saved[-1] if saved else None,
             "train/loss": last("train/loss"), "val/loss": last("val/loss"), "val/perplexity": last("val/perplexity"),
             "updated": status.get("updated"),
+            "why": status.get("message") if status["state"] not in ("running", "finished") else None,
         }
+
+
+def _held_message(path: Path, holder: str) -> str:
+    try:
+        who = json.loads(holder)
+        process = f"process {who['pid']} on {who['host']} (since {who['since']})"
+        stop = f"stop it (kill {who['pid']} saves a checkpoint first)"
+    except (json.JSONDecodeError, KeyError, TypeError):
+        process, stop = "another process", "stop it"
+    return (f"{path} is held by {process}, which is training it: wait for it to finish or {stop}, then rerun "
+            f"this command; or pass another --trainer.run-dir")
 
 
 def find_runs(directory: str | os.PathLike) -> list[RunDirectory]:

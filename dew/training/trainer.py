@@ -69,7 +69,9 @@ class _StopSignals:
 
     def _handle(self, number, frame):
         if self.received is not None:
-            raise KeyboardInterrupt(f"a second {signal.Signals(number).name} while saving: stopped without it")
+            stop = KeyboardInterrupt(f"a second {signal.Signals(number).name} while saving: stopped without it")
+            stop.signal_number = number  # the command exits with 128 + it, as the signal itself would
+            raise stop
         self.received = number
         self.reporter.line(f"{signal.Signals(number).name} received: saving a checkpoint after this step, "
                            "then stopping (send it again to stop at once)")
@@ -398,7 +400,10 @@ class Trainer:
             return
         base = jax.random.wrap_key_data(jax.device_get(state.key))
         key = jax.random.fold_in(jax.random.fold_in(base, PREVIEW_STREAM), done)
-        texts = preview(state.evaluated, None, Step(jnp.asarray(done), key))
+        # The objective says which weights its previews draw from (an EMA slot holding a frozen
+        # reference is not the policy being trained); evaluation reads state.evaluated regardless.
+        chooser = getattr(self.objective, "preview_variables", None)
+        texts = preview(state.evaluated if chooser is None else chooser(state), None, Step(jnp.asarray(done), key))
         for text in texts or ():
             reporter.line(f"sample @ {done}: {text}")
         for tracker in trackers if texts else ():

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 import dew
 from dew.recipes import lm
 from dew.sampling import Sampling
+from dew.sharding import MESH_AXES
 from dew.training.checkpoints import Checkpoints
 from dew.training.mesh import Layout
 from tests.recipes.conftest import recipe_args, token_dir  # noqa: F401  (the fixture)
@@ -33,7 +34,7 @@ def test_pipeline_from_a_run_reads_its_weights_tokenizer_and_sampling(token_dir,
     assert result.text[0].startswith("line 3") and int(result.new_tokens[0]) == 5
     # placed once on the mesh, split as the Trainer splits them
     for leaf in jax.tree_util.tree_leaves(task.params):
-        assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.mesh.axis_names == ("data", "fsdp")
+        assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.mesh.axis_names == MESH_AXES
     with pytest.raises(TypeError, match=r"only the placement options mesh= and layout=; got \['dtype'\]"):
         dew.pipeline(run, dtype="bfloat16")
     placed = dew.pipeline(run, layout=Layout(min_shard=2**40))

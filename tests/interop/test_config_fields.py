@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -71,3 +72,84 @@ def test_is_causal_true_loads_and_false_is_refused(model_type):
     assert decoder_kwargs({"model_type": model_type, "is_causal": True}) == decoder_kwargs({"model_type": model_type})
     with pytest.raises(ValueError, match=r"'is_causal' = False .* bidirectional encoder\) is not built"):
         decoder_kwargs({"model_type": model_type, "is_causal": False})
+
+
+# Fields published configs carry that change no computation, each with a value seen on the Hub.
+METADATA = {
+    "auto_map": {"AutoConfig": "configuration_custom.CustomConfig", "AutoModelForCausalLM": "modeling_custom.Custom"},
+    "tokenizer_class": "LlamaTokenizer",
+    "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}},
+    "custom_pipelines": {"text-generation": {"impl": "pipeline_custom.Pipeline", "pt": ["AutoModelForCausalLM"]}},
+    "unsloth_version": "2024.9", "unsloth_fixed": True,
+    "_attn_implementation_autoset": True, "gradient_checkpointing": False, "is_decoder": True,
+    "torchscript": False, "use_bfloat16": False, "finetuning_task": None, "prefix": None,
+    "pruned_heads": {}, "pretraining_tp": 1,
+}
+
+
+@pytest.mark.parametrize("name", sorted(METADATA))
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text"])
+def test_metadata_fields_change_nothing(model_type, name):
+    plain = {"model_type": model_type}
+    assert decoder_kwargs({**plain, name: METADATA[name]}) == decoder_kwargs(plain)
+
+
+def test_published_config_with_metadata_loads_and_computes_the_same(llama_checkpoint, tmp_path):
+    directory = tmp_path / "copy"
+    shutil.copytree(llama_checkpoint[0], directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **METADATA, "max_window_layers": 28,
+                                                       "use_sliding_window": False, "attention_dropout": 0.1}))
+    bundle, plain = load_pretrained(directory), load_pretrained(llama_checkpoint[0])
+    assert bundle.model.config.attention_dropout == 0.1
+    tokens = jnp.asarray(TOKENS, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(bundle.model.apply(bundle.variables, tokens)),
+                                  np.asarray(plain.model.apply(plain.variables, tokens)))
+    assert bundle.text_generation()([[5, 17, 3]], 4).tokens.shape == (1, 7)
+
+
+@pytest.mark.parametrize("source", [
+    {"model_type": "llama", "max_window_layers": 28},
+    {"model_type": "llama", "max_window_layers": 28, "use_sliding_window": False, "sliding_window": None},
+    {"model_type": "qwen2", "max_window_layers": 21, "use_sliding_window": False, "sliding_window": 131072},
+    {"model_type": "mistral", "max_window_layers": 28, "sliding_window": None},
+    {"model_type": "gemma", "use_sliding_window": False},
+], ids=["llama", "llama-window-off", "qwen2-window-off", "mistral-no-window", "gemma-window-off"])
+def test_qwen_window_switches_load_where_no_window_is_in_effect(source):
+    kwargs = decoder_kwargs(source)
+    assert kwargs.get("sliding_window") is None
+    plain = {k: v for k, v in source.items() if k not in ("max_window_layers", "use_sliding_window")}
+    if source["model_type"] != "qwen2":
+        assert kwargs == decoder_kwargs(plain)
+
+
+@pytest.mark.parametrize("source, message", [
+    ({"model_type": "mistral", "max_window_layers": 28, "sliding_window": 4096},
+     r"'max_window_layers' = 28 is Qwen's window switch, which transformers' MistralConfig never reads: it windows "
+     r"every sliding layer at 4096"),
+    ({"model_type": "ministral", "use_sliding_window": False},
+     r"'use_sliding_window' = False .* MinistralConfig never reads: it windows every sliding layer at 4096"),
+    ({"model_type": "llama", "use_sliding_window": True}, r"'use_sliding_window' = True .* it applies no window"),
+    ({"model_type": "llama", "attention_chunk_size": 8192}, r"'attention_chunk_size' = 8192 is not a field"),
+    ({"model_type": "llama", "per_layer_config": {"0": {"intermediate_size": 8}}}, r"'per_layer_config' = .* not a field"),
+    ({"model_type": "llama", "pruned_heads": {"0": [1]}}, r"'pruned_heads' = \{'0': \[1\]\} is not a field"),
+    ({"model_type": "llama", "use_mrope": True}, r"'use_mrope' = True is not a field"),
+])
+def test_computational_fields_are_still_refused_by_name(source, message):
+    with pytest.raises(ValueError, match=message):
+        decoder_kwargs(source)
+
+
+def test_attention_dropout_loads_for_inference_and_saves_back(tmp_path):
+    """transformers applies attention dropout only in training mode: an eval model with rate 0.1 computes
+    what Dew's inference computes (same fp32 bound as the head_dim tests)."""
+    model = torch_model("llama", attention_dropout=0.1)
+    directory = save_checkpoint(model, tmp_path / "dropout")
+    bundle = load_pretrained(directory)
+    assert bundle.model.config.attention_dropout == 0.1
+    ours = np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(TOKENS, jnp.int32)))
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(TOKENS)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=RELATIVE_TOLERANCE * np.abs(theirs).max(), rtol=0)
+    again = load_pretrained(bundle.save(tmp_path / "export"))
+    assert again.config["attention_dropout"] == 0.1 and again.model.config.attention_dropout == 0.1

@@ -112,7 +112,6 @@ def test_qwen25_inert_mrope_flag():
      "always truncates in a per-layer-type one"),
     ({"model_type": "gemma3_text", "sliding_window": None}, "'sliding_window' = None .* sliding layers rotate with"),
     ({"model_type": "llama", "hidden_act": "relu"}, "'hidden_act' = 'relu'.*activations Dew has"),
-    ({"model_type": "qwen2", "attention_dropout": 0.1}, "'attention_dropout' = 0.1.*no attention dropout"),
     ({"model_type": "llama", "mup_scale": 2.0}, "field 'mup_scale' = 2.0 is not a field of transformers' LlamaConfig"),
     ({"model_type": "gpt_neox"}, "model_type 'gpt_neox', which is not a Dew family: native families are"),
     ({"hidden_size": 32}, "no model_type"),

@@ -206,6 +206,7 @@ def test_gguf_only_hub_repo_names_its_files_and_the_argument(monkeypatch):
 
     listing = SimpleNamespace(list_repo_files=lambda repo_id, revision: ["README.md", "Model-Q4_K_M.gguf"])
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "get_hf_file_metadata", lambda *args, **kwargs: None)  # the Hub answers
     monkeypatch.setattr(hub, "hf_hub_download", no_config)
     monkeypatch.setattr(hub, "HfApi", lambda: listing)
     with pytest.raises(FileNotFoundError, match=expected):  # online: the Hub lists the repository

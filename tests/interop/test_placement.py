@@ -25,6 +25,7 @@ FOUR_DEVICE_SCRIPT = textwrap.dedent(
     import dew
     from dew.interop import load_pretrained, pretrained
     from dew.training.mesh import Layout, MeshSpec
+    from tests.tolerances import decoder_ulps, ulp_bound
 
     assert len(jax.devices()) == 4, jax.devices()
     directory = sys.argv[1]
@@ -78,8 +79,11 @@ FOUR_DEVICE_SCRIPT = textwrap.dedent(
     reference = np.asarray(plain.model.apply(plain.variables, tokens))
     difference = float(np.max(np.abs(logits - reference)))
     print("max logit difference", difference, "of logits up to", float(np.max(np.abs(reference))))
-    # Split contractions sum in another order: observed 5.8e-6 on logits up to 5.2.
-    assert difference <= 5e-5, difference
+    # Split contractions sum in another order, in one library: decoder_ulps with libraries=1 gives 61 ulps
+    # of the largest logit, 3.8e-5 at 5.2. Observed: 5.8e-6.
+    ulps = decoder_ulps(layers=2, width=32, mlp_width=48, heads=4, head_dim=8, seq_len=6, libraries=1)
+    bound = ulp_bound(ulps, float(np.max(np.abs(reference))))
+    assert difference <= bound, (difference, bound)
 
     prompt = "w5 w17 w3"
     greedy = plain.text_generation()(prompt, 6).tokens.tolist()

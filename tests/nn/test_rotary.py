@@ -12,6 +12,7 @@ import pytest
 from dew import models
 from dew.nn.rotary import SCALINGS, RopeScaling, rotary_angles, rotary_frequencies
 from dew.recipes.config import to_json
+from tests.tolerances import LIBRARY_ULPS, assert_within, rotary_frequency_ulps, ulp_bound
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -33,10 +34,13 @@ CASES = {
     "yarn-untruncated": (16, 100.0, RopeScaling("yarn", 4.0, 64, truncate=False)),
     "yarn-tiny": (16, 100.0, RopeScaling("yarn", 4.0, 64)),
 }
-# torch's float32 power function and numpy's can differ in the last bit: 2 of these 480 frequencies
-# differ, by 1 ulp (1.1e-7 relative); the attention factors agree exactly.
-RTOL = 2.5e-7
 _TRANSFORMERS_NAMES = {"kind": "rope_type", "original_max_seq_len": "original_max_position_embeddings"}
+
+
+def _frequency_rtol(scaling: RopeScaling) -> float:
+    """numpy's and torch's float32 pow, then the scaling's roundings (see rotary_frequency_ulps)."""
+    return ulp_bound(rotary_frequency_ulps(scaling.kind, scaling.factor, scaling.low_freq_factor,
+                                           scaling.high_freq_factor))
 
 
 def _transformers_config(head_dim: int, theta: float, scaling: RopeScaling):
@@ -61,8 +65,11 @@ def test_frequencies_match_transformers(case):
         theirs, their_factor = ROPE_INIT_FUNCTIONS[scaling.kind](config)
     ours, our_factor = rotary_frequencies(head_dim, theta, scaling)
     assert ours.dtype == np.float32 and ours.shape == (head_dim // 2,)
-    np.testing.assert_allclose(ours, theirs.numpy(), rtol=RTOL, atol=0, err_msg=case)
-    assert our_factor == pytest.approx(their_factor, rel=1e-15)
+    # Observed: at most 3 ulps (3.6e-7 relative, llama3-tiny); the bounds run from 7.2e-7 (default)
+    # to 2.4e-5 (llama3-llama-3.2, whose blend gains 11x).
+    np.testing.assert_allclose(ours, theirs.numpy(), rtol=_frequency_rtol(scaling), atol=0, err_msg=case)
+    # float64 on both sides, the same math.log and about 5 roundings; observed: equal.
+    assert our_factor == pytest.approx(their_factor, rel=ulp_bound(5, dtype=np.float64))
 
 
 @pytest.mark.parametrize("case", ["llama3-tiny", "yarn-mscale", "yarn-tiny"])
@@ -73,11 +80,18 @@ def test_tables_match_transformers_rotary_embedding(case):
     with torch.no_grad():
         their_cos, their_sin = module(torch.zeros(1, dtype=torch.float32), torch.from_numpy(positions))
     our_cos, our_sin = rotary_angles(jnp.asarray(positions, jnp.int32), head_dim, theta, scaling)
-    # cos and sin of the same float32 angles, scaled: the largest difference observed is 1.2e-7.
-    np.testing.assert_allclose(np.asarray(our_cos), their_cos.numpy(), atol=2e-6, rtol=0)
-    np.testing.assert_allclose(np.asarray(our_sin), their_sin.numpy(), atol=2e-6, rtol=0)
-    attention_factor = rotary_frequencies(head_dim, theta, scaling)[1]
-    assert np.abs(np.asarray(our_cos)).max() == pytest.approx(attention_factor)  # YaRN's factor scales the tables
+    inv_freq, attention_factor = rotary_frequencies(head_dim, theta, scaling)
+    # Each angle position * inv_freq carries the frequencies' relative error and one float32 rounding
+    # of its size; cos and sin from two libraries add LIBRARY_ULPS of the result and of the angle; the
+    # attention factor's float32 rounding and product, two ulps of it. Observed: 7.3e-5 (llama3-tiny, at
+    # angle 269 where the bound is 1.3e-3), 2.8e-5 (yarn-mscale), 1.2e-7 (yarn-tiny); at most 12% of the bound.
+    angles = np.abs(positions[..., None] * np.concatenate([inv_freq, inv_freq]).astype(np.float64))
+    bound = attention_factor * (angles * (_frequency_rtol(scaling) + ulp_bound(1))
+                                + ulp_bound(LIBRARY_ULPS * (1 + angles) + 2))
+    assert_within(our_cos, their_cos.numpy(), bound, f"{case} cos")
+    assert_within(our_sin, their_sin.numpy(), bound, f"{case} sin")
+    # cos(0) = 1 times the factor rounded once to float32. YaRN's factor scales the tables.
+    assert np.abs(np.asarray(our_cos)).max() == pytest.approx(attention_factor, rel=ulp_bound(1))
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -16,6 +16,7 @@ import pytest
 from dew import Trainer
 from dew.data.dataset import Dataset
 from dew.objectives.lm import LMObjective
+from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound
 
 SEQ = 16
 
@@ -53,7 +54,9 @@ def test_accumulated_micro_batches_equal_one_batch(tiny_model):
     data = _stream(8, pad_tail=True)  # the micro-batches count different numbers of targets
     one = Trainer(objective, optax.sgd(0.5), key=jax.random.key(0)).fit(data, steps=2, verbose=False)
     four = Trainer(objective, optax.sgd(0.5), key=jax.random.key(0)).fit(data, steps=2, accumulation=4, verbose=False)
-    # Same numerators and counts summed in another order: fp32 rounding only (observed 3e-8).
+    # Not bit-identical: four 32-token gradient sums and their scan against one 128-token sum. The worst
+    # case, 80 ulps of lr x the per-token gradients' summed sizes a step, reaches 1.5e-6 at the largest
+    # entries, above this 1e-6; kept, not loosened, until accumulation is made exact. Observed: 1.9e-8.
     np.testing.assert_allclose(_flat(four.params), _flat(one.params), atol=1e-6, rtol=0)
     assert int(four.updates) == int(one.updates) == 2
 
@@ -69,8 +72,11 @@ def test_ema_follows_the_updates_by_hand(tiny_model, tmp_path):
     second = Trainer(objective, optax.sgd(0.5), key=jax.random.key(1)).fit(
         data, steps=2, checkpoint_dir=str(tmp_path), verbose=False)
     p2, ema2 = _flat(second.params), _flat(second.ema)
-    np.testing.assert_allclose(ema1, decay * start + (1 - decay) * p1, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(ema2, decay * ema1 + (1 - decay) * p2, rtol=1e-6, atol=1e-7)
+    # The same float32 formula on both sides, 3 roundings each (2 with a fused multiply-add) of terms of
+    # size decay |ema| + (1 - decay) |p|: 3 ulps of that, per entry. Observed: 1 ulp (1.2e-7).
+    for ema, (previous, params) in ((ema1, (start, p1)), (ema2, (ema1, p2))):
+        assert_within(ema, decay * previous + (1 - decay) * params,
+                      ulp_bound(3, decay * np.abs(previous) + (1 - decay) * np.abs(params)), "ema")
     assert not np.allclose(p2, ema2)
 
 
@@ -119,7 +125,9 @@ def test_evaluation_reads_the_whole_validation_pass(tiny_model):
     trainer.fit(_stream(4), steps=2, eval_every=2, metrics=(metrics.perplexity(),), verbose=False)
     evaluation = [row for row in trainer.history if "val/perplexity" in row]
     assert len(evaluation) == 1 and evaluation[0]["step"] == 2
-    assert np.isclose(evaluation[0]["val/perplexity"], np.exp(evaluation[0]["val/ce"]))
+    # Both exponentiate the same float64 mean (math.exp and numpy's exp): LIBRARY_ULPS of the result.
+    np.testing.assert_allclose(evaluation[0]["val/perplexity"], np.exp(evaluation[0]["val/ce"]),
+                               rtol=ulp_bound(LIBRARY_ULPS, dtype=np.float64), atol=0)
     logged = [row for row in trainer.history if "train/loss" in row]
     assert logged and {"train/ce", "train/perplexity", "train/token_accuracy", "tokens_per_s"} <= set(logged[0])
 
@@ -155,6 +163,9 @@ MESH_SCRIPT = textwrap.dedent(
             kernel = state.params["params"]["layers_0"]["mlp"]["up_proj"]["kernel"]
             assert len(kernel.sharding.device_set) == 8 and kernel.addressable_shards[0].data.shape != kernel.shape
     print(losses)
+    # Not bit-identical: the loss's 128 terms and the gradients sum across devices in another order. The
+    # worst case, 127 ulps of the loss (1.5e-5) on the first step alone, is above this 1e-5; kept, not
+    # loosened, until the meshes are made exact. Observed: 1 ulp (1.1e-7 relative).
     np.testing.assert_allclose(losses["data"], losses["one"], rtol=1e-5)
     np.testing.assert_allclose(losses["fsdp"], losses["one"], rtol=1e-5)
     """

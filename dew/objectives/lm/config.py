@@ -37,8 +37,11 @@ class LMRunConfig:
     """Tokens generated per validation sample; 0 logs no text."""
     sampling: Annotated[Sampling, tyro.conf.arg(help="The preview policy, recorded with the run for inference.")] = (
         dataclasses.field(default_factory=lambda: Sampling(temperature=0.8, top_k=40)))
-    pretrained: str | None = None
-    """Hugging Face decoder to continue training (not built yet: refused)."""
+    pretrained: Annotated[str | None, tyro.conf.arg(help=(
+        "Hugging Face decoder to continue training: a hub repo id, repo@revision (a branch, tag or commit), or a "
+        "local directory in that layout. A run records a hub repo as repo@commit, the commit it resolved to. The "
+        "checkpoint decides the architecture, so --model.config may then carry only max_seq_len, dtype and "
+        "attention_impl."))] = None
     balance_rate: float | None = None
     """Routers' balancing-bias rate, DeepSeek's aux-loss-free balancing (mixtures of experts: not built yet)."""
     aux_loss_alpha: float | None = None
@@ -48,7 +51,7 @@ class LMRunConfig:
     router_z_loss: float = 0.0
     """The routers' z-loss weight (mixtures of experts: not built yet)."""
     mtp_weight: float | None = None
-    """DeepSeek's lambda on the multi-token-prediction term (not built yet)."""
+    """DeepSeek's lambda on the multi-token-prediction term (not built yet: refused)."""
     indexer: tyro.conf.Suppress[Any] = None
     """DeepSeek-V3.2's lightning-indexer phase (not built yet: refused)."""
     token_accuracy: bool = True

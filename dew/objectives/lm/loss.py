@@ -44,23 +44,25 @@ def _tile(hidden_NE, weight, index, width, transposed, softcap):
     return start, w_tile, jnp.where(fresh_C[None, :], logits_NC, -jnp.inf), fresh_C
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def chunked_cross_entropy(hidden_NE, weight, targets_N, transposed: bool, chunks: int, softcap: float | None):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def chunked_cross_entropy(hidden_NE, weight, targets_N, transposed: bool, chunks: int, softcap: float | None,
+                          accuracy: bool = True):
     """Per-token `(ce, lse, correct)`, float32 `[N]` each.
 
     `weight` is the head, `[E, V]` (or `[V, E]` with `transposed`, a tied embedding); `hidden_NE` is in
     the compute dtype and `weight` already cast to it. `ce = lse - logit[target]`; `correct` is 1.0
-    where the argmax (first maximum) is the target. Gradients flow through `ce` and `lse`.
+    where the argmax (first maximum) is the target. Gradients flow through `ce` and `lse`. With
+    `accuracy` False (a static flag) `correct` is None and the scan takes no argmax over the tiles.
     """
-    return _forward(hidden_NE, weight, targets_N, transposed, chunks, softcap)[0]
+    return _forward(hidden_NE, weight, targets_N, transposed, chunks, softcap, accuracy)[0]
 
 
-def _forward(hidden_NE, weight, targets_N, transposed, chunks, softcap):
+def _forward(hidden_NE, weight, targets_N, transposed, chunks, softcap, accuracy):
     N = hidden_NE.shape[0]
     width, count = _layout(weight.shape[0] if transposed else weight.shape[1], chunks)
 
     def body(carry, index):
-        running_max, running_sum, target_logit, best_value, best_index = carry
+        running_max, running_sum, target_logit, best = carry
         start, _, logits_NC, _ = _tile(hidden_NE, weight, index, width, transposed, softcap)
         tile_max = jnp.max(logits_NC, axis=-1)
         new_max = jnp.maximum(running_max, tile_max)
@@ -69,19 +71,23 @@ def _forward(hidden_NE, weight, targets_N, transposed, chunks, softcap):
         inside = (column >= 0) & (column < width) & (targets_N >= index * width)
         picked = jnp.take_along_axis(logits_NC, jnp.clip(column, 0, width - 1)[:, None], axis=-1)[:, 0]
         target_logit = jnp.where(inside, picked, target_logit)
-        better = tile_max > best_value
-        best_index = jnp.where(better, start + jnp.argmax(logits_NC, axis=-1).astype(jnp.int32), best_index)
-        return (new_max, running_sum, target_logit, jnp.maximum(best_value, tile_max), best_index), None
+        if accuracy:  # the running first maximum: (its value, its column); absent from the carry otherwise
+            best_value, best_index = best
+            better = tile_max > best_value
+            best_index = jnp.where(better, start + jnp.argmax(logits_NC, axis=-1).astype(jnp.int32), best_index)
+            best = (jnp.maximum(best_value, tile_max), best_index)
+        return (new_max, running_sum, target_logit, best), None
 
     minus_inf = jnp.full((N,), -jnp.inf, jnp.float32)
-    start = (minus_inf, jnp.zeros((N,), jnp.float32), jnp.zeros((N,), jnp.float32), minus_inf, jnp.zeros((N,), jnp.int32))
-    (running_max, running_sum, target_logit, _, best_index), _ = lax.scan(body, start, jnp.arange(count))
+    best = (minus_inf, jnp.zeros((N,), jnp.int32)) if accuracy else ()
+    start = (minus_inf, jnp.zeros((N,), jnp.float32), jnp.zeros((N,), jnp.float32), best)
+    (running_max, running_sum, target_logit, best), _ = lax.scan(body, start, jnp.arange(count))
     lse = running_max + jnp.log(running_sum)
-    correct = (best_index == targets_N).astype(jnp.float32)
+    correct = (best[1] == targets_N).astype(jnp.float32) if accuracy else None
     return (lse - target_logit, lse, correct), (hidden_NE, weight, targets_N, lse)
 
 
-def _backward(transposed, chunks, softcap, residuals, cotangents):
+def _backward(transposed, chunks, softcap, accuracy, residuals, cotangents):
     hidden_NE, weight, targets_N, lse = residuals
     g_ce, g_lse, _ = cotangents
     g_total = (g_ce + g_lse)[:, None]
@@ -113,6 +119,4 @@ def _backward(transposed, chunks, softcap, residuals, cotangents):
     return d_hidden.astype(hidden_NE.dtype), d_weight.astype(weight.dtype), None
 
 
-chunked_cross_entropy.defvjp(
-    lambda h, w, t, transposed, chunks, softcap: _forward(h, w, t, transposed, chunks, softcap), _backward
-)
+chunked_cross_entropy.defvjp(_forward, _backward)

@@ -13,6 +13,7 @@ from flax import struct
 
 from dew.objectives.base import Aux, Mean, PathFilter, Step, Variables, path_filter
 from dew.objectives.lm.loss import chunked_cross_entropy
+from dew.sampling import Sampling, generate
 
 TEXT_KEY = "text"
 """Batch key the token pipeline packs `[B, seq_len + 1]` int32 ids under."""
@@ -31,7 +32,7 @@ class Samples:
 
     prompt: Sequence[int] | Sequence[Sequence[int]]
     max_new_tokens: int
-    sampling: Any = None  # dew.sampling.Sampling; None means Sampling()
+    sampling: Sampling = Sampling()
     decode: Callable[[list[int]], str] = lambda ids: str(ids)
 
 
@@ -57,7 +58,8 @@ class LMStatistics:
 
 @struct.dataclass
 class Scores:
-    """Per-target results `[B, S]`: the losses, each target's weight, whether the argmax was right."""
+    """Per-target results `[B, S]`: the losses, each target's weight, whether the argmax was right
+    (None when the objective has `token_accuracy=False`, which takes no argmax), and the log-normaliser."""
 
     losses: jax.Array
     weights: jax.Array
@@ -76,6 +78,38 @@ _LATER = {
 }
 _NEUTRAL = {"balance_rate": None, "aux_loss_alpha": None, "router_z_loss": 0.0, "loss_role": None,
             "mtp_weight": None, "indexer": None, "qk_stats": False}
+
+# What `token_scores` can be asked to report beside the losses, the capability each needs, and the
+# value that asks for nothing.
+_SCORED_LATER = {
+    "routing": ("mixture-of-experts routing", False),
+    "depths": ("multi-token prediction", False),
+    "roles": ("chat role masks", None),
+    "qk_stats": ("attention logit statistics", False),
+    "indexer": ("DeepSeek-V3.2's lightning indexer", False),
+    "layers": ("keeping layers' output states for feature distillation", ()),
+    "routes": ("mixture-of-experts routing (replayed expert choices)", None),
+}
+
+
+def _refuse_unbuilt_scoring(requested: dict[str, Any]) -> None:
+    for name, value in requested.items():
+        capability, neutral = _SCORED_LATER[name]
+        if name == "layers":
+            value = tuple(value)
+        # roles and routes are arrays when given: only None asks for nothing.
+        asked = value is not None if neutral is None else value != neutral
+        if asked:
+            raise NotImplementedError(
+                f"token_scores({name}={_brief(value)}): {capability} is not built in Dew yet; leave {name} unset"
+            )
+
+
+def _brief(value) -> str:
+    """A value as an error names it: arrays by their shape, not their contents."""
+    if isinstance(value, tuple) and any(hasattr(item, "shape") for item in value):
+        return "(" + ", ".join(_brief(item) for item in value) + ")"
+    return f"<array of shape {tuple(np.shape(value))}>" if hasattr(value, "shape") else repr(value)
 
 
 class LMObjective:
@@ -110,7 +144,18 @@ class LMObjective:
                 raise NotImplementedError(
                     f"LMObjective({name}={value!r}): {_LATER[name]} is not built in Dew yet; leave {name} unset"
                 )
+        if not seq_aux and aux_loss_alpha is None:
+            raise ValueError(
+                "LMObjective(seq_aux=False) shapes the expert balance loss, and aux_loss_alpha is unset, so there is "
+                "none: leave seq_aux at True"
+            )
         config = model.config
+        if config.attention_dropout > 0:
+            raise NotImplementedError(
+                f"the model's attention_dropout is {config.attention_dropout}: Dew does not apply attention dropout, "
+                "so training would not be the training that rate asks for; build the model with attention_dropout "
+                "0.0 to train without it (generation reads the rate nowhere and needs no change)"
+            )
         if seq_len < 1:
             raise ValueError(f"seq_len is {seq_len}; it must be at least 1")
         if seq_len > config.max_seq_len:
@@ -185,17 +230,26 @@ class LMObjective:
                 raise ValueError(f"{key} has shape {np.shape(batch[key])}; it must match the token rows' {tokens.shape}")
 
     # -- scoring ---------------------------------------------------------------------------------
-    def token_scores(self, params, tokens, train: bool = False, rngs=None, segment_ids=None, positions=None) -> Scores:
+    def token_scores(self, params, tokens, train: bool = False, rngs=None, segment_ids=None, positions=None,
+                     routing: bool = False, depths: bool = False, roles=None, qk_stats: bool = False,
+                     indexer: bool = False, layers: Sequence[int] = (), routes=None) -> Scores:
         """Score per-token next-token cross entropy over a `[B, seq_len + 1]` batch.
 
         With `segment_ids`, the last token of a document does not predict the first of the next one
         and padding (segment 0) predicts nothing; the model reads `positions` for its rotary angles.
+        `train` changes nothing today: Dew's decoder has no training-only layer (no dropout).
+        `routing`, `depths`, `roles`, `qk_stats`, `indexer`, `layers` and `routes` ask for what
+        mixtures of experts, multi-token prediction, chat masks, attention statistics, the lightning
+        indexer and feature distillation report; none is built yet, so each is refused by name when
+        set, and accepted at its neutral value (False, None or no layers).
         """
+        _refuse_unbuilt_scoring(dict(routing=routing, depths=depths, roles=roles, qk_stats=qk_stats, indexer=indexer,
+                                     layers=layers, routes=routes))
         hidden_NE, weight, targets_N, weights_BS, transposed = self._head_inputs(params, tokens, rngs, segment_ids,
                                                                                  positions)
         ce, lse, correct = chunked_cross_entropy(hidden_NE, weight, targets_N, transposed, self.head_chunks,
-                                                 self.model.config.logit_softcap)
-        shape = lambda x: x.reshape(weights_BS.shape)
+                                                 self.model.config.logit_softcap, self.token_accuracy)
+        shape = lambda x: None if x is None else x.reshape(weights_BS.shape)
         return Scores(losses=shape(ce), weights=weights_BS, correct=shape(correct), lse=shape(lse))
 
     def _head_inputs(self, params, tokens, rngs, segment_ids, positions):
@@ -234,8 +288,10 @@ class LMObjective:
         return self._statistics(params, batch), {}
 
     @staticmethod
-    def reduce_loss(stats: LMStatistics) -> tuple[jax.Array, jax.Array]:
-        return stats.loss.total, stats.loss.count
+    def reduce_loss(stats: Mean | LMStatistics) -> tuple[jax.Array, jax.Array]:
+        """(loss numerator, counted targets); a plain `Mean` is its own numerator and count."""
+        loss = stats if isinstance(stats, Mean) else stats.loss
+        return loss.total, loss.count
 
     def apply_effects(self, variables: Variables, effects: Aux) -> Variables:
         if effects:
@@ -243,7 +299,8 @@ class LMObjective:
         return variables
 
     def evaluate(self, params, batch, step: Step) -> LMStatistics:
-        """Score the complete batch teacher-forced (the trainer passes the EMA weights when kept)."""
+        """Score the complete batch teacher-forced, using EMA when present (the trainer passes the EMA
+        weights whenever the state keeps them, a frozen reference included)."""
         return self._statistics(params, batch)
 
     @staticmethod
@@ -256,12 +313,11 @@ class LMObjective:
         return values
 
     # -- generation ------------------------------------------------------------------------------
-    def policy(self, params: Variables, sampling=None):
+    def policy(self, params: Variables, sampling: Sampling = Sampling()):
         """Expose the model over this training tree as a generation task."""
         from dew.inference import TextGeneration
-        from dew.sampling import Sampling
 
-        return TextGeneration(self.model, params, sampling=sampling or Sampling())
+        return TextGeneration(self.model, params, sampling=sampling)
 
     def pipeline(self, state, *, ema: bool = True, processor=None):
         """Publish the decoder over the state's weights as a generation task.
@@ -271,22 +327,37 @@ class LMObjective:
         (a tokenizer) encodes text prompts and decodes the results.
         """
         from dew.inference import TextGeneration
-        from dew.sampling import Sampling
 
         params = state.ema if ema and state.ema is not None else state.params
-        sampling = (self.samples.sampling if self.samples else None) or Sampling()
+        sampling = self.samples.sampling if self.samples else Sampling()
         budget = self.samples.max_new_tokens if self.samples and self.samples.max_new_tokens else None
         return TextGeneration(self.model, params, tokenizer=processor, sampling=sampling, max_new_tokens=budget)
 
     # -- previews --------------------------------------------------------------------------------
+    @property
+    def _ema_is_reference(self) -> bool:
+        """Whether the EMA slot holds a frozen reference (`ema_decay=1.0`) rather than an average, so
+        previews draw from the live policy instead of it."""
+        return self.ema_decay == 1.0
+
+    def preview_variables(self, state):
+        """The variables `preview` draws from in `state`: the live ones when the EMA slot holds a frozen
+        reference (`_ema_is_reference`), else the evaluated ones (the EMA when kept)."""
+        return state.params if self._ema_is_reference else state.evaluated
+
     def preview(self, params, batch=None, step: Step | None = None, *, scored=None) -> list[str] | None:
-        """Sample the configured prompt once and decode it; None when no `samples` are configured."""
+        """Sample the configured prompt once, then decode only on process zero.
+
+        Every process runs the sampling (the weights may be sharded across them); process zero gets
+        the decoded texts, the others None. None too when no `samples` are configured. `batch` and
+        `scored` are the event's batch and its scores, which this preview does not read.
+        """
         if self.samples is None or self.samples.max_new_tokens == 0:
             return None
-        from dew.sampling import Sampling, generate
-
         key = jax.random.key(0) if step is None else step.key
         prompts = np.asarray(prompt_batch(self.samples.prompt))
         generation = generate(self.model, params, [list(row) for row in prompts], self.samples.max_new_tokens,
-                              key=key, sampling=self.samples.sampling or Sampling())
+                              key=key, sampling=self.samples.sampling)
+        if jax.process_index() != 0:
+            return None
         return [self.samples.decode(list(row)) for row in generation.host().tokens]

@@ -1,0 +1,93 @@
+"""One process of tests/test_multiprocess.py: train a tiny decoder for a few steps and report.
+
+Run as `python -m tests.multiprocess_worker RESULT_JSON RUN_DIR [RESTORE_FROM]` from the repository
+root. With DEW_COORDINATOR / DEW_NUM_PROCESSES / DEW_PROCESS_ID set it is one process of a
+multi-process run, else a single process. It trains on `MESH` with a checkpoint in RUN_DIR, then
+process 0 writes the per-step losses and the final parameters (gathered to the host) to
+RESULT_JSON and RESULT_JSON's .npz sibling. With RESTORE_FROM (a run directory another run wrote),
+it also restores that checkpoint under `RESTORE_MESH` and writes its parameters to
+RESULT_JSON's .restored.npz sibling.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from dew import sharding
+
+started = time.perf_counter()
+joined = sharding.initialize(timeout_s=120)  # before anything starts JAX's backend
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+from dew import models  # noqa: E402
+from dew.data.dataset import Dataset  # noqa: E402
+from dew.objectives.lm import LMObjective  # noqa: E402
+from dew.training import Checkpoints, Trainer  # noqa: E402
+
+SEQ, VOCAB, BATCH, STEPS = 16, 64, 8, 3
+# Rows over data x fsdp, parameters split over fsdp: across two processes the gradient's reduction
+# over `data` crosses the process boundary, the parameter gathers over `fsdp` stay inside one.
+MESH, LAYOUT = sharding.MeshSpec(data=2, fsdp=2), sharding.Layout(min_shard=0)
+RESTORE_MESH = sharding.MeshSpec(data=1, fsdp=4)
+
+
+def global_rows(step: int) -> np.ndarray:
+    """The whole batch of `step`, the same in every process and every run."""
+    return np.random.default_rng(step).integers(1, VOCAB, (BATCH, SEQ + 1)).astype(np.int32)
+
+
+def train(partition):
+    share = BATCH // partition.count
+    step = 0
+    while True:
+        yield {"text": global_rows(step)[partition.index * share:(partition.index + 1) * share]}
+        step += 1
+
+
+def host_params(state) -> dict[str, np.ndarray]:
+    gathered = multihost_utils.process_allgather(state.params, tiled=True)
+    leaves = jax.tree_util.tree_leaves_with_path(gathered)
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+def main(result_path: str, run_dir: str, restore_from: str | None = None) -> None:
+    assert jax.device_count() == 4, jax.devices()
+    model = models.build("causal_transformer", vocab_size=VOCAB, emb_features=32, num_layers=1, num_heads=2,
+                         max_seq_len=SEQ)
+    objective = LMObjective(model, SEQ, ema_decay=None)
+    trainer = Trainer(objective, optax.adamw(1e-2), key=jax.random.key(0), mesh=MESH, layout=LAYOUT)
+    data = Dataset(train=train, val=None, records=10**6, batch=BATCH)
+    fit_started = time.perf_counter()
+    state = trainer.fit(data, steps=STEPS, log_every=1, checkpoint_dir=run_dir, verbose=False)
+    fit_seconds = time.perf_counter() - fit_started
+    params = host_params(state)
+    restored = None
+    if restore_from is not None:
+        other = Trainer(objective, optax.adamw(1e-2), key=jax.random.key(1), mesh=RESTORE_MESH, layout=LAYOUT)
+        checkpoints = Checkpoints(restore_from)
+        state, _ = checkpoints.restore(other.init_state())
+        checkpoints.close()
+        kernel = state.params["params"]["layers_0"]["mlp"]["up_proj"]["kernel"]
+        assert kernel.sharding.mesh.shape["fsdp"] == 4 and kernel.sharding.spec != jax.sharding.PartitionSpec()
+        restored = host_params(state)
+    if jax.process_index() == 0:
+        np.savez(result_path.removesuffix(".json") + ".npz", **params)
+        if restored is not None:
+            np.savez(result_path.removesuffix(".json") + ".restored.npz", **restored)
+        with open(result_path, "w") as result:
+            json.dump({
+                "joined": joined, "processes": jax.process_count(), "devices": jax.device_count(),
+                "losses": [row["train/loss"] for row in trainer.history if "train/loss" in row],
+                "fit_s": fit_seconds, "total_s": time.perf_counter() - started,
+                "compile_s": trainer.compile_seconds,
+            }, result)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
