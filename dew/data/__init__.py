@@ -1,6 +1,7 @@
 """Data for training: tokenizers, token files, and the Grain pipelines that batch them."""
 
 from dew.data.dataset import Dataset, Partition
+from dew.data.inputs import ModelInputs
 from dew.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from dew.data.windows import Loading, PackedTokens, TokenWindows
 
@@ -9,6 +10,7 @@ __all__ = [
     "Dataset",
     "HFTokenizer",
     "Loading",
+    "ModelInputs",
     "PackedTokens",
     "Partition",
     "TokenWindows",

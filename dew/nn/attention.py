@@ -136,11 +136,11 @@ class Attention(nn.Module):
         s = self.spec
         B, S, E = x_BSE.shape
         H, K, D = s.num_heads, s.num_kv_heads, s.head_dim
-        dense = lambda features, bias, name: Linear(features, use_bias=bias, dtype=self.dtype,
-                                                    param_dtype=self.param_dtype, name=name)
-        q_BSF = dense(H * D, s.qkv_bias, "q_proj")(x_BSE)
-        k_BSF = dense(K * D, s.qkv_bias, "k_proj")(x_BSE)
-        v_BSKD = dense(K * D, s.qkv_bias, "v_proj")(x_BSE).reshape(B, S, K, D)
+        dense = lambda features, bias, names, name: Linear(features, use_bias=bias, dtype=self.dtype,
+                                                           param_dtype=self.param_dtype, names=names, name=name)
+        q_BSF = dense(H * D, s.qkv_bias, ("embed", "heads"), "q_proj")(x_BSE)
+        k_BSF = dense(K * D, s.qkv_bias, ("embed", "kv"), "k_proj")(x_BSE)
+        v_BSKD = dense(K * D, s.qkv_bias, ("embed", "kv"), "v_proj")(x_BSE).reshape(B, S, K, D)
         norm = lambda name: RMSNorm(self.norm_eps, self.norm_style, dtype=self.dtype, param_dtype=self.param_dtype,
                                     name=name)
         if s.qk_norm and s.qk_norm_scope == "projection":
@@ -164,4 +164,4 @@ class Attention(nn.Module):
         # Without a cache the query slots are the key slots, so a causal pass can skip future blocks.
         out_BSHD = attend(q_BSHD, keys, values, mask_BST, causal_blocks=s.causal and cache is None,
                           scale=s.query_scale, softcap=s.softcap)
-        return dense(E, s.o_bias, "o_proj")(out_BSHD.reshape(B, S, H * D)), cache
+        return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache

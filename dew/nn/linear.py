@@ -42,22 +42,33 @@ def _matmul_bwd(residuals, g_NF):
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
+def named(init: nn.initializers.Initializer, names: tuple[str, ...] | None):
+    """`init` whose parameter carries logical axis `names` (see `dew.sharding.Rules`), or `init` as is."""
+    return init if names is None else nn.with_logical_partitioning(init, names)
+
+
 class Linear(nn.Module):
-    """A bias-free (by default) linear map over the last axis; `kernel` is `[in, out]`."""
+    """A bias-free (by default) linear map over the last axis; `kernel` is `[in, out]`.
+
+    `names` are the kernel's logical axes, `(in, out)` (e.g. `("embed", "mlp")`); the bias takes the
+    second."""
 
     features: int
     use_bias: bool = False
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     kernel_init: nn.initializers.Initializer = nn.initializers.normal(0.02)
+    names: tuple[str, str] | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
+        kernel = self.param("kernel", named(self.kernel_init, self.names), (x.shape[-1], self.features),
+                            self.param_dtype)
         lead = x.shape[:-1]
         x_ND = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         y_NF = matmul(x_ND, kernel.astype(self.dtype))
         if self.use_bias:
-            bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
+            bias = self.param("bias", named(nn.initializers.zeros_init(), self.names and self.names[1:]),
+                              (self.features,), self.param_dtype)
             y_NF = y_NF + bias.astype(jnp.float32)
         return y_NF.astype(self.dtype).reshape(*lead, self.features)

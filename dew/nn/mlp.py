@@ -42,8 +42,8 @@ class GatedMLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        dense = lambda features, name: Linear(features, use_bias=self.use_bias, dtype=self.dtype,
-                                              param_dtype=self.param_dtype, name=name)
-        gate = dense(self.features, "gate_proj")(x)
-        up = dense(self.features, "up_proj")(x)
-        return dense(x.shape[-1], "down_proj")(ACTIVATIONS[self.activation](gate) * up)
+        dense = lambda features, names, name: Linear(features, use_bias=self.use_bias, dtype=self.dtype,
+                                                     param_dtype=self.param_dtype, names=names, name=name)
+        gate = dense(self.features, ("embed", "mlp"), "gate_proj")(x)
+        up = dense(self.features, ("embed", "mlp"), "up_proj")(x)
+        return dense(x.shape[-1], ("mlp", "embed"), "down_proj")(ACTIVATIONS[self.activation](gate) * up)

@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         init = nn.initializers.zeros_init() if self.style == "gemma" else nn.initializers.ones_init()
-        scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
+        scale = self.param("scale", nn.with_logical_partitioning(init, ("norm",)), (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
         if self.style == "llama":

@@ -136,7 +136,8 @@ def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, 
         cache = None if cache_runs is None else cache_runs[run]
         if scan:
             scanned = nn.scan(layer_class, variable_axes={"params": 0}, split_rngs={"params": True},
-                              in_axes=(0, nn.broadcast), length=stop - start)
+                              in_axes=(0, nn.broadcast), length=stop - start,
+                              metadata_params={nn.PARTITION_NAME: "layers"})
             layer = scanned(spec, dtype, param_dtype, keep, parent=parent, name=run_name(start, stop))
             (x_BSE, cache, kept), _ = layer((x_BSE, cache, kept), knobs, context)
         else:

@@ -19,9 +19,12 @@ from flax import linen as nn
 
 from flax import struct
 
+from dew.data.inputs import ModelInputs, text_fields
+
 from dew.nn.attention import AttentionSpec
 from dew.nn.head import Head
 from dew.nn.kv_cache import Cache
+from dew.nn.linear import named
 from dew.nn.layer import NORM_PLACEMENTS, LayerContext, LayerSpec
 from dew.nn.mlp import ACTIVATIONS, DenseSpec
 from dew.nn.norms import NORM_STYLES, RMSNorm
@@ -210,7 +213,7 @@ class ModelOutput:
 
 
 class CausalTransformer(nn.Module):
-    """A decoder-only transformer over int32 token ids `[B, S]`.
+    """A decoder-only transformer over int32 token ids `[B, S]` (or a `ModelInputs` holding them).
 
     `__call__` returns float32 logits `[B, S, vocab]`, or with `head=False` a `ModelOutput` (hidden
     states, the head, what layers report). `segment_ids` (1-based documents, 0 for padding) keep
@@ -224,6 +227,20 @@ class CausalTransformer(nn.Module):
     """
 
     config: DecoderConfig
+
+    @nn.nowrap
+    def init(self, rngs, *args, boxed: bool = False, **kwargs):
+        """Fresh variables in the model's own form (scanned runs stacked); with `boxed`, each parameter
+        wrapped in its logical axis names (`flax.linen.LogicallyPartitioned`), which `dew.sharding`
+        maps onto a mesh."""
+        variables = super().init(rngs, *args, **kwargs)
+        return variables if boxed else nn.meta.unbox(variables)
+
+    @nn.nowrap
+    def logical_names(self):
+        """The logical axis names of every parameter: a tree of `PartitionSpec`s like `init`'s."""
+        boxed = jax.eval_shape(lambda: self.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32), boxed=True))
+        return nn.get_partition_spec(boxed)
 
     @nn.nowrap
     def apply(self, variables, *args, **kwargs):
@@ -263,7 +280,13 @@ class CausalTransformer(nn.Module):
         cache: Cache | None = None,
         head: bool = True,
         layers: Sequence[int] = (),
+        **media,
     ):
+        if isinstance(tokens, ModelInputs):
+            fields = text_fields(tokens.kwargs(), "CausalTransformer")
+            return self(tokens.tokens, cache=cache, head=head, layers=layers, **fields)
+        if media:
+            text_fields(media, "CausalTransformer")
         c = self.config
         specs = c.layer_specs
         B, S = tokens.shape
@@ -291,7 +314,7 @@ class CausalTransformer(nn.Module):
                 positions = slots_BS
 
         embed = nn.Embed(c.vocab_size, c.emb_features, dtype=c.dtype, param_dtype=c.param_dtype,
-                         embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
+                         embedding_init=named(nn.initializers.normal(0.02), ("vocab", "embed")), name="embed_tokens")
         x_BSE = embed(tokens).astype(c.dtype)
         if c.scale_embeddings:
             x_BSE = x_BSE * jnp.asarray(c.emb_features**0.5, c.dtype)
@@ -331,4 +354,5 @@ class _Kernel(nn.Module):
 
     @nn.compact
     def __call__(self, in_features: int) -> jax.Array:
-        return self.param("kernel", nn.initializers.normal(0.02), (in_features, self.features), self.param_dtype)
+        return self.param("kernel", named(nn.initializers.normal(0.02), ("embed", "vocab")),
+                          (in_features, self.features), self.param_dtype)

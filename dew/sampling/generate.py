@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dew.data.inputs import ModelInputs, text_fields
 from dew.sampling.sampling import Sampling, SamplingParams, draw
 
 PROMPT_BUCKET = 16
@@ -137,11 +138,17 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
              on_token: Callable[[np.ndarray, np.ndarray], None] | None = None) -> Generation:
     """Continue each prompt by `max_new_tokens` tokens, `n` times each, in one compiled call.
 
+    `prompts` are lists of token ids, or a `ModelInputs` whose `attention_mask` marks each row's
+    real tokens.
+
     `on_token(tokens, live)`, when given, is called on the host after every decode step with that
     step's int32 tokens `[rows]` and which rows were still generating; decoding then runs as a host
     loop over the compiled step, so output streams as it is produced.
     """
     config = model.config
+    if isinstance(prompts, ModelInputs):
+        text_fields(prompts.kwargs(), "generate")  # text decoders: media are refused by name
+        prompts = prompts.valid_rows()
     rows = _check_prompts(prompts, config.vocab_size)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens is {max_new_tokens}; ask for at least one new token")

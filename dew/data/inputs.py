@@ -1,0 +1,75 @@
+"""`ModelInputs`: what a model, an objective and generation read, tokens and their per-slot fields.
+
+Three parts: `tokens` `[B, S]` int32; `token_fields`, per-slot arrays `[B, S, ...]` such as
+`attention_mask` (true for real tokens; absent when every slot is real, so attention runs with
+causality as a flag) and `positions`; and `conditioning`, what is not per slot (media, padded to the
+row with the most items). Text decoders read the token fields; a model that takes no media refuses
+conditioning by name. The host builds and checks inputs; compiled code does no checking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+TEXT_FIELDS = ("attention_mask", "positions", "segment_ids")
+"""The token fields a text decoder reads."""
+
+
+@struct.dataclass
+class ModelInputs:
+    """Token ids `[B, S]` with their per-slot `token_fields` and the row's `conditioning`."""
+
+    tokens: Any
+    token_fields: dict = struct.field(default_factory=dict)
+    conditioning: dict = struct.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, tokens, **token_fields) -> "ModelInputs":
+        """Inputs from token ids and any token fields, checked to share the tokens' `[B, S]`."""
+        tokens = np.asarray(tokens) if not isinstance(tokens, jax.Array) else tokens
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens have shape {tuple(tokens.shape)}; ModelInputs holds [rows, slots]")
+        fields = {name: value for name, value in token_fields.items() if value is not None}
+        for name, value in fields.items():
+            if tuple(np.shape(value))[:2] != tuple(tokens.shape):
+                raise ValueError(f"token field {name!r} has shape {tuple(np.shape(value))}; it must start with the "
+                                 f"tokens' {tuple(tokens.shape)}")
+        return cls(tokens, fields)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tokens.shape)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments `model.apply(variables, inputs.tokens, **inputs.kwargs())` takes."""
+        return {**self.token_fields, **self.conditioning}
+
+    def take_rows(self, rows) -> "ModelInputs":
+        """The inputs of the given rows (an index array; repeats allowed), every part alike."""
+        take = lambda x: jnp.take(jnp.asarray(x), jnp.asarray(rows), axis=0)
+        return ModelInputs(take(self.tokens), {k: take(v) for k, v in self.token_fields.items()},
+                           {k: take(v) for k, v in self.conditioning.items()})
+
+    def valid_rows(self) -> list[list[int]]:
+        """Each row's real token ids, on the host, padding (where `attention_mask` is false) dropped."""
+        tokens = np.asarray(self.tokens)
+        mask = self.token_fields.get("attention_mask")
+        if mask is None:
+            return [list(map(int, row)) for row in tokens]
+        mask = np.asarray(mask).astype(bool)
+        return [list(map(int, row[keep])) for row, keep in zip(tokens, mask)]
+
+
+def text_fields(fields: Mapping[str, Any], who: str) -> dict[str, Any]:
+    """The token fields of `fields` a text decoder reads; anything else (media) is refused by name."""
+    unknown = sorted(set(fields) - set(TEXT_FIELDS))
+    if unknown:
+        raise ValueError(f"{who} takes text only and has no place for {unknown}: it reads the token fields "
+                         f"{list(TEXT_FIELDS)}")
+    return dict(fields)
