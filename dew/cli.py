@@ -76,6 +76,7 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
     import dataclasses
 
     from dew.inference import pipeline
+    from dew.inference.text import printable
 
     task = pipeline(source, ema=not live)
     overrides = {name: value for name, value in
@@ -93,18 +94,19 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
             text = task.tokenizer.decode(prompt_ids + streamed)
             # Print only once the text grows, so a partial multi-byte character is never shown.
             if text.startswith(shown[0]) and not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(shown[0]):])
+                sys.stdout.write(printable(text[len(shown[0]):]))
                 sys.stdout.flush()
                 shown[0] = text
 
+    # Control characters a model emits are printed escaped, never sent raw to the terminal.
     if n == 1:
-        sys.stdout.write(shown[0])
+        sys.stdout.write(printable(shown[0]))
         result = task([prompt_ids], max_new_tokens, seed=seed, on_token=show)
         rest = result.text[0]
-        sys.stdout.write(rest[len(shown[0]):] + "\n" if rest.startswith(shown[0]) else "\n")
+        sys.stdout.write(printable(rest[len(shown[0]):]) + "\n" if rest.startswith(shown[0]) else "\n")
     else:
         for index, text in enumerate(task([prompt_ids], max_new_tokens, seed=seed, n=n).text):
-            print(f"[{index}] {text}")
+            print(f"[{index}] {printable(text)}")
 
 
 def _number(value, digits: int = 4) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,10 @@ class Sampling:
 
     def __post_init__(self):
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} is {value}; it must be a finite number")
         if self.temperature < 0:
             raise ValueError(f"temperature is {self.temperature}; use 0 for greedy or a positive value")
         if self.top_k is not None and self.top_k < 1:
