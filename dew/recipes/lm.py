@@ -297,11 +297,16 @@ _DESCRIPTION = """Train a language model on token files and keep the run in --tr
 
 Rerunning the same command resumes the run from its last checkpoint, reading the same next batch;
 SIGINT or SIGTERM saves a checkpoint first. A command whose settings differ from the run's run.json
-is refused: start a new run with another --trainer.run-dir.
+is refused: start a new run with another --trainer.run-dir (or, for an optimizer setting, continue
+this one with --trainer.allow-changes). One process trains a run directory at a time.
 
-  python recipes/lm/train.py data:token-windows --data.path data/tinystories --data.seq-len 256 \\
+  dew tokenize --input data/kjv.txt.xz --out data/kjv-byte --tokenizer byte
+  dew train data:token-windows --data.path data/kjv-byte --data.seq-len 256 \\
       --model.config '{"emb_features": 256, "num_layers": 4, "num_heads": 4, "max_seq_len": 256}' \\
-      --trainer.steps 2000 --trainer.batch 32 --trainer.run-dir runs/tinystories
+      --trainer.steps 2000 --trainer.batch 32 --trainer.run-dir runs/kjv
+
+(`python recipes/lm/train.py` is `dew train`. `make quickstart` tokenizes the same text with a BPE
+tokenizer trained on it, into data/kjv-bpe: train on those with --tokenizer kjv-bpe.)
 """
 
 
