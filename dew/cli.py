@@ -1,12 +1,16 @@
 """The `dew` command: `dew train`, `dew tokenize`, `dew generate`, `dew plot`, `dew runs`.
 
-    dew tokenize --input data/corpus.txt --out data/corpus-byte --tokenizer byte
-    dew train data:token-windows --data.path data/corpus-byte --trainer.run-dir runs/corpus
-    dew generate runs/corpus --prompt "And God said" --max-new-tokens 40
+    dew tokenize --input data/kjv.txt.xz --out data/kjv-byte --tokenizer byte
+    dew train data:token-windows --data.path data/kjv-byte --trainer.run-dir runs/kjv
+    dew generate runs/kjv --prompt "And God said" --max-new-tokens 40
     dew runs runs
-    dew plot runs/corpus runs/other --out curves.png
+    dew plot runs/kjv runs/other --out curves.png
 
-Each command's `--help` lists its flags; `dew train` is `python recipes/lm/train.py`.
+Each command's `--help` lists its flags; `dew train` is `python recipes/lm/train.py`; `dew --version`
+prints the version. A refusal or a fault prints one `error:` line; the exit statuses are in
+`dew.errors`. There is no `dew export` yet: `dew.interop.load_pretrained(...).save(directory)`
+writes a loaded Hugging Face checkpoint back in that layout from Python, and a run's own checkpoints
+have no conversion to it.
 """
 
 from __future__ import annotations
@@ -56,19 +60,24 @@ def plot(runs: Positional[Annotated[tuple[str, ...], tyro.conf.arg(metavar="RUN 
 
 def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], prompt: str,
              max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
-             top_p: float | None = None, seed: int = 0, n: int = 1, live: bool = False) -> None:
-    """Continue a prompt from a run directory or a checkpoint, printing the text as it is produced.
+             top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
+             seed: int = 0, n: int = 1, live: bool = False) -> None:
+    """Continue a prompt from a run or a published checkpoint, printing the text as it is produced.
 
     Sampling defaults to the source's own (the run's preview policy, or generation_config.json);
-    the flags below override it field by field.
+    the flags below override it field by field. Control characters in the text are printed escaped.
 
     Args:
-        source: A run directory (holding run.json) or a checkpoint directory.
+        source: A run directory (holding run.json), one of its checkpoints (RUN/checkpoints/STEP), a
+            Hugging Face checkpoint directory or Hub id, or a GGUF file.
         prompt: The text to continue.
         max_new_tokens: Tokens to generate (default: the source's budget).
         temperature: 0 is greedy.
         top_k: Keep the k most likely tokens.
         top_p: Keep the smallest set of tokens whose probability reaches p.
+        min_p: Drop the tokens less likely than min_p times the most likely one.
+        repetition_penalty: Divide the positive logits (multiply the negative ones) of tokens already in
+            the text by this; 1 changes nothing.
         seed: The sampling seed.
         n: Continuations of the prompt; with more than one they print when all are done.
         live: Use a run's live weights instead of its moving average.
@@ -76,10 +85,12 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
     import dataclasses
 
     from dew.inference import pipeline
+    from dew.inference.text import printable
 
     task = pipeline(source, ema=not live)
     overrides = {name: value for name, value in
-                 (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)) if value is not None}
+                 (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p),
+                  ("repetition_penalty", repetition_penalty)) if value is not None}
     task = task.with_sampling(dataclasses.replace(task.sampling, **overrides))
     if task.tokenizer is None:
         raise ValueError(f"{source} has no tokenizer to encode the prompt with")
@@ -93,18 +104,19 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
             text = task.tokenizer.decode(prompt_ids + streamed)
             # Print only once the text grows, so a partial multi-byte character is never shown.
             if text.startswith(shown[0]) and not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(shown[0]):])
+                sys.stdout.write(printable(text[len(shown[0]):]))
                 sys.stdout.flush()
                 shown[0] = text
 
+    # Control characters a model emits are printed escaped, never sent raw to the terminal.
     if n == 1:
-        sys.stdout.write(shown[0])
+        sys.stdout.write(printable(shown[0]))
         result = task([prompt_ids], max_new_tokens, seed=seed, on_token=show)
         rest = result.text[0]
-        sys.stdout.write(rest[len(shown[0]):] + "\n" if rest.startswith(shown[0]) else "\n")
+        sys.stdout.write(printable(rest[len(shown[0]):]) + "\n" if rest.startswith(shown[0]) else "\n")
     else:
         for index, text in enumerate(task([prompt_ids], max_new_tokens, seed=seed, n=n).text):
-            print(f"[{index}] {text}")
+            print(f"[{index}] {printable(text)}")
 
 
 def _number(value, digits: int = 4) -> str:
@@ -156,11 +168,12 @@ def _function(function: Callable[..., None]) -> Callable[[Sequence[str]], int]:
 
 
 # name -> (summary, entry point taking the remaining arguments and returning the exit status).
-# `dew export` joins here once checkpoints can be saved in the Hugging Face layout.
+# `dew export` joins here once a run's checkpoint converts to the Hugging Face layout.
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "train": ("train a language model from flags (python recipes/lm/train.py)", _train),
     "tokenize": ("tokenize text into train.bin, val.bin and meta.json", _function(tokenize)),
-    "generate": ("continue a prompt from a run or a checkpoint, streaming the text", _function(generate)),
+    "generate": ("continue a prompt from a run, a checkpoint or a GGUF file, streaming the text",
+                 _function(generate)),
     "plot": ("plot runs' loss and perplexity against steps and tokens into a PNG", _function(plot)),
     "runs": ("list runs: status, step, checkpoint, last losses", _function(runs)),
 }

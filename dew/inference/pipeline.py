@@ -15,21 +15,29 @@ from dew.sampling import Sampling
 def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = None, **load) -> TextGeneration:
     """The decoder behind `source` as a `TextGeneration` task, with the source's sampling and budget.
 
-    A run directory (it holds `run.json`) rebuilds the recorded model and tokenizer and reads the
-    checkpoint at `step` (default the latest): the averaged weights when `ema` is set and the run
-    keeps them, else the live ones. Anything else is a published checkpoint for
-    `dew.interop.load_pretrained(source, **load)`. Either way the weights are placed once on the
-    current device mesh, split as the Trainer splits them (`mesh=MeshSpec()`, `layout=Layout()`
-    unless `load` names others; those two are the only options a run directory takes).
+    `source` is one of:
+    - a run directory (it holds `run.json`): the recorded model and the run's own tokenizer, with
+      the checkpoint at `step` (default the newest that reads): the averaged weights when `ema` is
+      set and the run keeps them, else the live ones;
+    - a run's checkpoint directory, RUN/checkpoints/STEP: that run at that step;
+    - a GGUF file (`*.gguf`): `dew.interop.load_pretrained(its directory, gguf_file=its name, **load)`;
+    - anything else, a published checkpoint for `dew.interop.load_pretrained(source, **load)`.
+    Either way the weights are placed once on the current device mesh, split as the Trainer splits
+    them (`mesh=MeshSpec()`, `layout=Layout()` unless `load` names others; those two are the only
+    options a run takes).
     """
     from dew.training.mesh import Layout, MeshSpec
 
     path = Path(source)
-    if (path / "run.json").is_file():
+    run, run_step = _run_of(path)
+    if run is not None:
+        if step is not None and run_step is not None and step != run_step:
+            raise ValueError(f"{source} is the checkpoint of step {run_step}, and step={step} asks for another: "
+                             "pass the run directory with step=, or the checkpoint directory alone")
         unknown = sorted(set(load) - {"mesh", "layout"})
         if unknown:
             raise TypeError(f"a run directory takes only the placement options mesh= and layout=; got {unknown}")
-        return _from_run(path, ema=ema, step=step, mesh=load.get("mesh") or MeshSpec(),
+        return _from_run(run, ema=ema, step=run_step if step is None else step, mesh=load.get("mesh") or MeshSpec(),
                          layout=load.get("layout") or Layout())
     try:
         from dew.interop import load_pretrained
@@ -38,7 +46,22 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
             f"{source} is not a run directory (no run.json), and loading published checkpoints is not available: {error}"
         ) from None
 
+    if path.suffix == ".gguf" and path.is_file():
+        load = {"gguf_file": path.name, **load}
+        source = path.parent
     return load_pretrained(source, **{"mesh": MeshSpec(), "layout": Layout(), **load}).text_generation()
+
+
+def _run_of(path: Path) -> tuple[Path | None, int | None]:
+    """(the run directory, the checkpoint step) that `path` names: a run, RUN/checkpoints (its newest
+    checkpoint) or RUN/checkpoints/STEP; (None, None) for anything else."""
+    if (path / "run.json").is_file():
+        return path, None
+    if path.name == "checkpoints" and (path.parent / "run.json").is_file():
+        return path.parent, None
+    if path.name.isdigit() and path.parent.name == "checkpoints" and (path.parent.parent / "run.json").is_file():
+        return path.parent.parent, int(path.name)
+    return None, None
 
 
 def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextGeneration:
@@ -48,10 +71,10 @@ def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextG
     run = RunDirectory(path)
     record = run.record()
     model = models.build(record["model"]["name"], **record["model"]["config"])
-    checkpoints = Checkpoints(path / "checkpoints", keep=None)
+    if not run.checkpoint_steps():
+        raise FileNotFoundError(f"{path} has no checkpoint yet: train it first (its run.json holds the command)")
+    checkpoints = Checkpoints(run.checkpoints, keep=None)
     try:
-        if checkpoints.latest() is None:
-            raise FileNotFoundError(f"{path} has no checkpoint yet: train it first (its run.json holds the command)")
         saved = checkpoints.restore_tree(step)
     finally:
         checkpoints.close()

@@ -1,13 +1,27 @@
-"""`TextGeneration`: a decoder bound to its weights, tokenizer, sampling policy and budget."""
+"""`TextGeneration`: a decoder bound to its weights, tokenizer, sampling policy and budget; and
+`printable`, generated text made safe to print to a terminal."""
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import re
 from typing import Any
 
 import jax
+import numpy as np
 
 from dew.sampling import Generation, Sampling, generate
+
+
+# C0 and C1 control characters and DEL, but for newline and tab: a model's bytes can hold escape
+# sequences that would move the cursor, recolour or retitle a terminal.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` with every control character but newline and tab written as its escape (`\\x1b`)."""
+    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,9 +45,11 @@ class TextGeneration:
                 raise ValueError("text prompts need a tokenizer; this task has none, so pass token ids")
             texts = [prompts] if isinstance(prompts, str) else list(prompts)
             return [self.tokenizer.encode(text) for text in texts]
-        if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):
-            return [list(prompts)]
-        return [list(row) for row in prompts]
+        if isinstance(prompts, (np.ndarray, jax.Array)):
+            prompts = np.asarray(prompts).tolist()
+        if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Number):
+            return [list(prompts)]  # one row of ids (generate refuses any that is not an integer)
+        return [list(row) if isinstance(row, (list, tuple)) else row for row in prompts]
 
     def __call__(self, prompts, max_new_tokens: int | None = None, *, seed: int = 0, n: int = 1,
                  key: jax.Array | None = None, on_token=None) -> Generation:

@@ -23,6 +23,7 @@ import tyro
 from dew.data import Dataset, load_tokenizer
 from dew.data.tokenizers import tokenizer_file, tokenizer_name
 from dew.errors import describe, exit_status, one_line_warnings, report
+from dew.inference.text import printable
 from dew.objectives.lm import LMObjective, LMRunConfig, Samples
 from dew.recipes.config import to_json
 from dew.recipes.run_dir import PATH_SETTINGS, TOKENIZER, RunDirectory, resolve_path_setting
@@ -68,8 +69,9 @@ def _samples(config: LMRunConfig, max_seq_len: int) -> Samples | None:
             f"{len(prompt) + config.sample_tokens}, beyond the model's max_seq_len {max_seq_len}: pass a smaller "
             "--sample-tokens (0 for no previews), a shorter --sample-prompt, or a larger max_seq_len"
         )
+    # Previews are printed to the terminal: control characters a model emits are escaped.
     return Samples(prompt=prompt, max_new_tokens=config.sample_tokens, sampling=config.sampling,
-                   decode=tokenizer.decode)
+                   decode=lambda ids: printable(tokenizer.decode(ids)))
 
 
 def _record(config: LMRunConfig, model, meta: dict[str, Any], command: Sequence[str] | None) -> dict[str, Any]:
@@ -195,9 +197,10 @@ _PRETRAINED_OVERRIDES = ("max_seq_len", "dtype", "attention_impl")
 
 
 def _model(config: LMRunConfig, meta: dict[str, Any]):
-    """(model, variables to start from or None, the source as recorded: a hub id pinned to its commit)."""
+    """(model, variables to start from or None, the source as recorded: a hub id pinned to its commit,
+    notes for the user)."""
     if config.pretrained is None:
-        return config.model.build(vocab_size=meta["vocab_size"]), None, None
+        return config.model.build(vocab_size=meta["vocab_size"]), None, None, []
     fixed = sorted(set(config.model.config) - set(_PRETRAINED_OVERRIDES))
     if fixed:
         raise ValueError(
@@ -208,14 +211,33 @@ def _model(config: LMRunConfig, meta: dict[str, Any]):
 
     bundle = load_pretrained(config.pretrained, **config.model.config)
     source = config.pretrained if bundle.revision is None else f"{config.pretrained.split('@')[0]}@{bundle.revision}"
-    return bundle.model, bundle.variables, source
+    return bundle.model, bundle.variables, source, _check_pretrained_tokenizer(config, bundle, meta)
+
+
+def _check_pretrained_tokenizer(config: LMRunConfig, bundle, meta: dict[str, Any]) -> list[str]:
+    """Refuse token files whose ids mean other tokens than the checkpoint's: its vocabulary (token ->
+    id, added tokens included) must be the one of the tokenizer meta.json names."""
+    files = f"{config.data.path} (meta.json: {meta['tokenizer']!r})"
+    if bundle.tokenizer is None:
+        return [f"--pretrained {config.pretrained} has no tokenizer.json, so the tokenizer of {files} could not be "
+                "checked against it: the token ids must be the checkpoint's"]
+    theirs = bundle.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+    path = tokenizer_file(meta["tokenizer"])
+    ours = None if path is None else load_tokenizer(meta["tokenizer"]).tokenizer.get_vocab(with_added_tokens=True)
+    if ours != theirs:
+        raise ValueError(
+            f"the token files {files}, {meta['vocab_size']} ids, were written with another tokenizer than "
+            f"--pretrained {config.pretrained}'s ({bundle.directory / TOKENIZER}, {len(theirs)} tokens): tokenize the text "
+            f"again with `dew tokenize --input TEXT --out DIR --tokenizer {bundle.directory}` and train on DIR"
+        )
+    return []
 
 
 def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
     """Build everything `config` describes and open its run directory; refuse before writing anything."""
     data = _load_data(config)
     meta = data.meta
-    model, held, source = _model(config, meta)
+    model, held, source, pretrained_notes = _model(config, meta)
     if model.config.vocab_size < meta["vocab_size"]:
         raise ValueError(
             f"--model.config vocab_size {model.config.vocab_size} is below the vocab_size {meta['vocab_size']} "
@@ -243,6 +265,7 @@ def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
         # Everything above only reads; this is the first write (and it takes the directory's lock).
         notes = directory.open({**_record(config, model, meta, command), "pretrained": resolve_path_setting(source)},
                                allow_changes=settings.allow_changes, keep=_tokenizer_files(config.tokenizer))
+        notes += pretrained_notes
     return LMRun(config, data, objective, trainer, directory, trackers, notes)
 
 
@@ -274,11 +297,16 @@ _DESCRIPTION = """Train a language model on token files and keep the run in --tr
 
 Rerunning the same command resumes the run from its last checkpoint, reading the same next batch;
 SIGINT or SIGTERM saves a checkpoint first. A command whose settings differ from the run's run.json
-is refused: start a new run with another --trainer.run-dir.
+is refused: start a new run with another --trainer.run-dir (or, for an optimizer setting, continue
+this one with --trainer.allow-changes). One process trains a run directory at a time.
 
-  python recipes/lm/train.py data:token-windows --data.path data/tinystories --data.seq-len 256 \\
+  dew tokenize --input data/kjv.txt.xz --out data/kjv-byte --tokenizer byte
+  dew train data:token-windows --data.path data/kjv-byte --data.seq-len 256 \\
       --model.config '{"emb_features": 256, "num_layers": 4, "num_heads": 4, "max_seq_len": 256}' \\
-      --trainer.steps 2000 --trainer.batch 32 --trainer.run-dir runs/tinystories
+      --trainer.steps 2000 --trainer.batch 32 --trainer.run-dir runs/kjv
+
+(`python recipes/lm/train.py` is `dew train`. `make quickstart` tokenizes the same text with a BPE
+tokenizer trained on it, into data/kjv-bpe: train on those with --tokenizer kjv-bpe.)
 """
 
 

@@ -59,15 +59,27 @@ class Generation:
 
 
 def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    """The prompts as lists of Python ints, refused unless each is a non-empty row of integer ids
+    inside the vocabulary (a float id is refused, never truncated)."""
     if isinstance(prompts, (np.ndarray, jax.Array)):
         prompts = np.asarray(prompts).tolist()
     if len(prompts) == 0:
         raise ValueError("no prompts were given; pass a list of token-id lists")
     rows = []
     for index, prompt in enumerate(prompts):
-        row = [int(t) for t in prompt]
+        if isinstance(prompt, (np.ndarray, jax.Array)):
+            prompt = np.asarray(prompt).tolist()
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+            raise ValueError(f"prompt {index} is {prompt!r}, not a row of token ids: pass a list of token-id lists "
+                             "(a text prompt needs a tokenizer, as TextGeneration has)")
+        row = list(prompt)
         if not row:
             raise ValueError(f"prompt {index} is empty; every prompt needs at least one token id")
+        wrong = [t for t in row if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+        if wrong:
+            raise ValueError(f"prompt {index} holds {wrong[0]!r} ({type(wrong[0]).__name__}); token ids are integers: "
+                             "pass int ids (an id is never rounded)")
+        row = [int(t) for t in row]
         bad = [t for t in row if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt {index} holds token id {bad[0]}, outside the model's vocab_size {vocab_size}")

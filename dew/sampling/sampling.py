@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -28,15 +29,26 @@ class Sampling:
     """
 
     temperature: float = 1.0
+    """Divides the logits; 0 takes the most likely token (greedy)."""
     top_k: int | None = None
+    """Keep the k most likely tokens; None keeps all."""
     top_p: float | None = None
+    """Keep the smallest set of tokens whose probability reaches p, in (0, 1]; None keeps all."""
     min_p: float | None = None
+    """Drop tokens less likely than min_p times the most likely one, in [0, 1]; None drops none."""
     repetition_penalty: float | None = None
+    """Penalise tokens already in the row (1 is neutral, above 1 discourages repeats); None applies none."""
     eos_token_ids: tuple[int, ...] = ()
+    """Token ids that end a row; none: every row runs to the budget."""
     pad_id: int = 0
+    """The id written after a row has ended."""
 
     def __post_init__(self):
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} is {value}; it must be a finite number")
         if self.temperature < 0:
             raise ValueError(f"temperature is {self.temperature}; use 0 for greedy or a positive value")
         if self.top_k is not None and self.top_k < 1:

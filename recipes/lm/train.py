@@ -1,8 +1,9 @@
 """Train a language model from the command line: `LMRunConfig`'s fields are the flags.
 
-    python recipes/lm/train.py data:token-windows --data.path data/tinystories --data.seq-len 256 \
+    dew tokenize --input data/kjv.txt.xz --out data/kjv-byte --tokenizer byte
+    python recipes/lm/train.py data:token-windows --data.path data/kjv-byte --data.seq-len 256 \
         --model.config '{"emb_features": 256, "num_layers": 4, "num_heads": 4, "max_seq_len": 256}' \
-        --trainer.steps 2000 --trainer.run-dir runs/tinystories
+        --trainer.steps 2000 --trainer.run-dir runs/kjv
 
 `dew train` is the same command. `--help` lists every flag; docs/recipes.md describes the run
 directory it leaves.

@@ -8,6 +8,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 
 from dew.recipes.config import OptimConfig, TrainerConfig
@@ -362,10 +363,20 @@ def test_a_second_sigterm_while_saving_exits_143_in_one_line(token_dir, tmp_path
     assert status["state"] == "interrupted" and status["checkpoint"] == 2
 
 
-def test_one_malformed_run_json_does_not_hide_the_other_runs(token_dir, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def byte_run(token_dir, tmp_path_factory):
+    """A finished 2-step run on the byte-level token files."""
+    run_dir = tmp_path_factory.mktemp("byte-run") / "run"
+    assert main(recipe_args(token_dir, run_dir, steps=2)) == 0
+    return run_dir
+
+
+def test_one_malformed_run_json_does_not_hide_the_other_runs(token_dir, byte_run, tmp_path, capsys):
+    import shutil
+
     from dew.cli import main as dew
 
-    assert main(recipe_args(token_dir, tmp_path / "good", steps=2)) == 0
+    shutil.copytree(byte_run, tmp_path / "good")
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "run.json").write_text('{"recipe": "lm", ')
     capsys.readouterr()
@@ -377,3 +388,82 @@ def test_one_malformed_run_json_does_not_hide_the_other_runs(token_dir, tmp_path
         assert dew(command) == 2
         error = capsys.readouterr().err.strip()
         assert error.startswith(f"error: {tmp_path / 'bad' / 'run.json'} is not valid JSON") and "\n" not in error
+
+
+# -- what was silently accepted --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=math.nan), dict(temperature=math.inf), dict(top_p=math.nan),
+                                    dict(min_p=math.nan), dict(repetition_penalty=math.inf)])
+def test_non_finite_sampling_values_are_refused(kwargs):
+    from dew.sampling import Sampling
+
+    name, value = next(iter(kwargs.items()))
+    with pytest.raises(ValueError, match=f"{name} is {value}"):
+        Sampling(**kwargs)
+
+
+@pytest.mark.parametrize("prompts", [[[1.0, 2.0]], [[1, 2.7]], [np.array([1.5, 2.0])], np.array([[1.0, 2.0]]),
+                                     [[True, 2]]])
+def test_float_token_ids_are_refused_not_truncated(tiny_model, tiny_variables, prompts):
+    import jax
+
+    from dew.sampling import generate
+
+    with pytest.raises(ValueError, match=r"token ids are integers"):
+        generate(tiny_model, tiny_variables, prompts, 2, key=jax.random.key(0))
+
+
+def test_a_flat_list_of_float_ids_is_one_refused_row(tiny_model, tiny_variables):
+    from dew.inference import TextGeneration
+
+    with pytest.raises(ValueError, match=r"prompt 0 holds 1.5 \(float\)"):
+        TextGeneration(tiny_model, tiny_variables)([1.5, 2.0], 2)
+
+
+def test_control_characters_are_escaped_but_newlines_and_tabs_kept():
+    from dew.inference.text import printable
+
+    assert printable("a\x00b\x1b[31mc\nd\te\x7f\x9b\r") == "a\\x00b\\x1b[31mc\nd\te\\x7f\\x9b\\x0d"
+
+
+def test_dew_generate_prints_no_raw_control_characters(byte_run, capsys):
+    from dew.cli import main as dew
+
+    assert dew(["generate", str(byte_run), "--prompt", "\x1b]0;title\x07red", "--max-new-tokens", "8",
+                "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("\\x1b]0;title\\x07red")
+    assert not any(ord(character) < 32 and character not in "\n\t" for character in out)
+
+
+def test_pretrained_weights_refuse_token_files_of_another_tokenizer(token_dir, word_run, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    import shutil
+
+    from dew.data.tokenize import tokenize_text
+
+    root, _ = word_run  # token files written with the word tokenizer at root/tok
+    checkpoint = tmp_path / "llama"
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(checkpoint)
+    shutil.copy(root / "tok" / "tokenizer.json", checkpoint / "tokenizer.json")
+    flags = ["--pretrained", str(checkpoint), "--model.config", "{}", "--ema-decay", "None"]
+
+    same = prepare(parse(recipe_args(str(root / "tokens"), tmp_path / "same", "--tokenizer", str(root / "tok"), *flags)))
+    same.close()
+    assert same.notes == []
+
+    assert main(recipe_args(token_dir, tmp_path / "bytes", *flags)) == 2
+    error = capsys.readouterr().err
+    assert f"the token files {token_dir} (meta.json: 'byte'), 256 ids, were written with another tokenizer than " \
+           f"--pretrained {checkpoint}'s ({checkpoint / 'tokenizer.json'}, 11 tokens)" in error
+    assert not (tmp_path / "bytes").exists()
+
+    _word_tokenizer(tmp_path / "other", ["dog", "lazy", "the", "fox", "quick", "brown", "jumps", "over"])
+    tokenize_text(str(root / "corpus.txt"), str(tmp_path / "other-tokens"), str(tmp_path / "other"), val_fraction=0.1,
+                  workers=1)
+    assert main(recipe_args(str(tmp_path / "other-tokens"), tmp_path / "other-run", "--tokenizer",
+                            str(tmp_path / "other"), *flags)) == 2
+    assert "were written with another tokenizer than --pretrained" in capsys.readouterr().err
