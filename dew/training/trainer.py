@@ -18,6 +18,7 @@ import optax
 from dew.data.dataset import Dataset, Partition
 from dew.objectives.base import Step
 from dew.training.checkpoints import Checkpoints
+from dew.training.in_flight import InFlight
 from dew.training.mesh import Layout, MeshSpec, place_batch, replicated
 from dew.training.progress import Reporter, format_values
 from dew.training.state import TrainState
@@ -26,6 +27,8 @@ from dew.training.trackers import Tracker
 # Each stream folds its own constant into the run key, so evaluation and previews never reuse the
 # keys training draws.
 TRAIN_STREAM, EVAL_STREAM, PREVIEW_STREAM = 0, 1, 2
+# How many dispatched steps (or validation batches) may be outstanding before the host waits.
+STEPS_AHEAD = 2
 
 
 def _key_data(key) -> jax.Array:
@@ -233,11 +236,13 @@ class Trainer:
         if data.val is None:
             raise ValueError("this dataset has no validation split; build it with val data to evaluate")
         stats_list = []
-        for host_batch in data.val(self._partition()):
+        unread = InFlight(STEPS_AHEAD, lambda index, stats: stats_list.append(stats))
+        for index, host_batch in enumerate(data.val(self._partition())):
             self.objective.check_batch(host_batch)
             batch = place_batch(self.mesh, host_batch)
             run = self._eval_step(batch)
-            stats_list.append(jax.device_get(run(state.evaluated, batch, state.step, state.key)))
+            unread.push(index, run(state.evaluated, batch, state.step, state.key))
+        unread.drain()
         if not stats_list:
             raise ValueError("the validation split produced no batch")
         values = {f"val/{name}": value for name, value in self.objective.summarize(_host_sum(stats_list)).items()}
@@ -320,17 +325,10 @@ class Trainer:
         for tracker in trackers:
             tracker.start(start)
 
-        window: list = []
+        window: list = []  # host outputs of the steps since the last log line
         window_started = time.perf_counter()
-        pending = None
 
-        def settle():
-            nonlocal pending
-            if pending is None:
-                return
-            index, out = pending
-            pending = None
-            out = jax.device_get(out)
+        def read(index, out):
             if not out["finite"]:
                 loss = float(out["stats"].loss.total) / max(float(out["stats"].loss.count), 1.0)
                 raise FloatingPointError(
@@ -340,8 +338,12 @@ class Trainer:
                 )
             window.append(out)
 
+        # Steps run ahead of the host by at most STEPS_AHEAD: reading each output only once computed
+        # keeps the devices busy while the host reads, validates and places the next batch.
+        unread = InFlight(STEPS_AHEAD, read)
+
         def save():
-            settle()
+            unread.drain()
             checkpoints.save(state, iterator.get_state() if hasattr(iterator, "get_state") else None)
 
         step_fn = None
@@ -354,16 +356,15 @@ class Trainer:
                 reporter.line(f"compiled the train step in {self.compile_seconds:.2f} s")
                 window_started = time.perf_counter()
             state, out = step_fn(state, batch)
-            settle()
-            pending = (index, out)
+            unread.push(index, out)
             done = index + 1
             reporter.advance(done)
             if done % log_every == 0 or done == steps:
-                settle()
+                unread.drain()
                 self._log(done, window, time.perf_counter() - window_started, reporter, trackers)
                 window, window_started = [], time.perf_counter()
             if eval_every and (done % eval_every == 0 or done == steps) and data.val is not None:
-                settle()
+                unread.drain()
                 self._record(done, self.evaluate(state, data, metrics), reporter, trackers)
                 self._preview(state, done, reporter, trackers)
                 window_started = time.perf_counter()
@@ -373,7 +374,7 @@ class Trainer:
             if stop is not None and stop.received is not None and done < steps:
                 save()
                 raise TrainingInterrupted(stop.received, done, state)
-        settle()
+        unread.drain()
         return state
 
     def _log(self, done: int, window: list, seconds: float, reporter: Reporter, trackers: Sequence[Tracker]) -> None:

@@ -71,6 +71,8 @@ def test_hub_name_is_read_from_the_local_cache(bpe_dir, tmp_path, monkeypatch):
 
 def test_missing_tokenizer_says_how_to_get_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    # A store with no gpt2 in it: the checkout's data/tokenizers is found from any directory.
+    monkeypatch.setenv("DEW_TOKENIZERS", str(tmp_path / "store"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
     with pytest.raises(FileNotFoundError, match="make gpt2-tokenizer") as error:
         HFTokenizer("gpt2")
