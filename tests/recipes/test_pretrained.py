@@ -37,12 +37,14 @@ def test_a_run_starts_from_the_checkpoint(token_dir, tmp_path, checkpoint):
     record = json.loads((run / "run.json").read_text())
     assert record["pretrained"] == str(checkpoint) and record["model"]["config"]["max_seq_len"] == 32
     # An EMA of decay 1.0 keeps the starting weights: they are the checkpoint's, tensor for tensor.
-    started = dew.pipeline(run).params
+    task = dew.pipeline(run)
+    started = task.model.unstack_variables(task.params)
     source = load_pretrained(checkpoint).variables
     for ours, theirs in zip(jax.tree_util.tree_leaves(started), jax.tree_util.tree_leaves(source)):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     assert not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
-                   zip(jax.tree_util.tree_leaves(dew.pipeline(run, ema=False).params), jax.tree_util.tree_leaves(source)))
+                   zip(jax.tree_util.tree_leaves(task.model.unstack_variables(dew.pipeline(run, ema=False).params)),
+                       jax.tree_util.tree_leaves(source)))
 
 
 def test_the_checkpoint_decides_the_architecture(token_dir, tmp_path, checkpoint, capsys):
