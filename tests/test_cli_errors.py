@@ -17,6 +17,7 @@ import pytest
 
 from dew.recipes.lm import main as train
 from tests.recipes.conftest import recipe_args, token_dir  # noqa: F401 - the shared token files
+from tests.recipes.test_reliability import _truncate_newest_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The table's model: the smallest the recipe builds (1 layer of width 32, byte vocabulary).
@@ -85,8 +86,7 @@ def places(token_dir, tmp_path_factory):  # noqa: F811
     assert train([*_tiny(token_dir, run), "--trainer.checkpoint-every", "2"]) == 0  # checkpoint 2
     damaged = work / "damaged"
     assert train([*_tiny(token_dir, damaged), "--trainer.steps", "4"]) == 0  # checkpoints 2 and 4
-    newest = [path for path in (damaged / "checkpoints" / "4").rglob("*") if path.is_file()]
-    os.truncate(max(newest, key=lambda path: path.stat().st_size), 100)
+    assert _truncate_newest_checkpoint(damaged) == 4
     bad_json = work / "bad-json"
     bad_json.mkdir()
     (bad_json / "run.json").write_text('{"recipe": "lm", ')
