@@ -1,13 +1,19 @@
-# The two set-up commands: `make quickstart` (install, tokenize the shipped corpus, train, generate)
-# and `make test` (install, run the test suite). Both work on a fresh machine.
+# The two set-up commands: `make quickstart` (install, train a BPE on the shipped corpus, tokenize
+# it, train, generate) and `make test` (install, run the test suite). Both work on a fresh machine.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 GPT2 := data/tokenizers/gpt2/tokenizer.json
-CORPUS := data/kjv-gpt2/meta.json
+# The shipped King James Bible without its verse references, one verse a line.
+VERSES := data/kjv-verses.txt
+# A byte-level BPE trained on it (the same file on every machine), and the corpus in its ids.
+KJV_BPE := data/tokenizers/kjv-bpe/tokenizer.json
+KJV_VOCAB := 4096
+CORPUS := data/kjv-bpe/meta.json
+GPT2_CORPUS := data/kjv-gpt2/meta.json
 
-.PHONY: install quickstart test test-quick gpt2-tokenizer benchmark clean
+.PHONY: install quickstart quickstart-gpt2 test test-quick gpt2-tokenizer benchmark clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,12 +33,26 @@ $(GPT2): $(STAMP) tools/fetch_gpt2_tokenizer.py
 gpt2-tokenizer: $(GPT2)
 
 # The King James Bible (Debian's bible-kjv-text), shipped compressed in data/kjv.txt.xz.
-$(CORPUS): $(GPT2) data/kjv.txt.xz tools/tokenize_text.py
-	$(BIN)/python tools/tokenize_text.py --input data/kjv.txt.xz --out $(dir $(CORPUS)) \
-	    --tokenizer gpt2 --val-fraction 0.01
+$(VERSES): $(STAMP) data/kjv.txt.xz tools/kjv_verses.py
+	$(BIN)/python tools/kjv_verses.py --input data/kjv.txt.xz --out $@
+
+$(KJV_BPE): $(VERSES) tools/train_tokenizer.py
+	$(BIN)/python tools/train_tokenizer.py --input $(VERSES) --vocab-size $(KJV_VOCAB) --out $(dir $(KJV_BPE))
+
+$(CORPUS): $(KJV_BPE) $(VERSES) tools/tokenize_text.py
+	$(BIN)/python tools/tokenize_text.py --input $(VERSES) --out $(dir $(CORPUS)) \
+	    --tokenizer kjv-bpe --val-fraction 0.01
 
 quickstart: $(CORPUS)
-	$(BIN)/python examples/quickstart.py --data $(dir $(CORPUS)) --tokenizer gpt2
+	$(BIN)/python examples/quickstart.py --data $(dir $(CORPUS)) --tokenizer kjv-bpe
+
+# The same example with GPT-2's 50,257-id vocabulary: the guide's tokenizer, a slower step.
+$(GPT2_CORPUS): $(GPT2) $(VERSES) tools/tokenize_text.py
+	$(BIN)/python tools/tokenize_text.py --input $(VERSES) --out $(dir $(GPT2_CORPUS)) \
+	    --tokenizer gpt2 --val-fraction 0.01
+
+quickstart-gpt2: $(GPT2_CORPUS)
+	$(BIN)/python examples/quickstart.py --data $(dir $(GPT2_CORPUS)) --tokenizer gpt2
 
 test: $(STAMP) $(GPT2)
 	$(BIN)/python -m pytest -q
@@ -44,4 +64,4 @@ benchmark: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
 
 clean:
-	rm -rf $(VENV) data/tokenizers data/kjv-gpt2 .pytest_cache
+	rm -rf $(VENV) data/tokenizers $(VERSES) data/kjv-bpe data/kjv-gpt2 .pytest_cache

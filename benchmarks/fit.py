@@ -8,7 +8,9 @@ that step back to back on one placed batch and blocks once at the end. The fit s
 API (`TokenWindows`, `Trainer.fit`, log every 10): its per-step cost is the difference between a
 fit of `steps + 2` steps and one of 2 steps, over `steps`, so the fixed costs of a call (the
 initial state, the data iterator) drop out. Rounds alternate the two sides and the medians are
-compared; on a shared machine the spread between rounds says how far to trust the ratio.
+compared; on a shared machine the spread between rounds says how far to trust the ratio. Each
+side's process CPU time a step is printed too: host work fit adds (reading, validating and placing
+batches, reading outputs, logging) shows there even when other programs make the wall clock noisy.
 """
 
 from __future__ import annotations

@@ -211,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dew {version()}")
         return 0
     if argv[0] not in COMMANDS:
-        print(f"error: dew has no command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"error: dew has no command {argv[0]!r}: the commands are {', '.join(COMMANDS)} (dew --help)",
+              file=sys.stderr)
         return 2
     try:
         return COMMANDS[argv[0]][1](argv[1:])

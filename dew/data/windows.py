@@ -161,10 +161,14 @@ class TokenWindows:
     """
 
     path: str = "data/tinystories"
+    """The directory of train.bin, val.bin and meta.json (written by `dew tokenize`)."""
     seq_len: int = 256
+    """Tokens each row trains on (a row reads one more, for the last target)."""
     loading: Loading = Loading()
     seed: int = 0
+    """Seeds the order rows are read in (the model's initialization has trainer.seed)."""
     tokenizer: str | None = None
+    """The tokenizer the files must have been written with (checked against meta.json); None checks nothing. In dew train, leave it unset: --tokenizer names the run's."""
 
     def load(self, batch: int, *, val_batch: int | None = None) -> Dataset:
         """The train stream and validation pass, `batch` rows per global train batch."""
@@ -258,11 +262,16 @@ class PackedTokens:
     """
 
     path: str = "data/tinystories"
+    """The directory of train.bin, val.bin and meta.json (written by `dew tokenize`)."""
     seq_len: int = 256
+    """Tokens each row trains on (a row reads one more, for the last target)."""
     loading: Loading = Loading()
     seed: int = 0
+    """Seeds the order documents are packed in (the model's initialization has trainer.seed)."""
     eos_id: int | None = None
+    """The id that ends a document; None takes meta.json's eos_id."""
     tokenizer: str | None = None
+    """The tokenizer the files must have been written with (checked against meta.json); None checks nothing. In dew train, leave it unset: --tokenizer names the run's."""
 
     def load(self, batch: int, *, val_batch: int | None = None) -> Dataset:
         """The train stream and validation pass, `batch` packed rows per global train batch."""

@@ -5,6 +5,8 @@ the parts every recipe's config shares and `run_dir` what a run leaves behind.
 """
 
 from dew.recipes.config import DataSpec, ModelConfig, OptimConfig, TrainerConfig
-from dew.recipes.run_dir import RunDirectory, RunMismatch, find_runs
+from dew.recipes.run_dir import RunDirectory, RunMismatch, RunRecordError, find_runs
+from dew.recipes.run_lock import RunLocked
 
-__all__ = ["DataSpec", "ModelConfig", "OptimConfig", "RunDirectory", "RunMismatch", "TrainerConfig", "find_runs"]
+__all__ = ["DataSpec", "ModelConfig", "OptimConfig", "RunDirectory", "RunLocked", "RunMismatch", "RunRecordError",
+           "TrainerConfig", "find_runs"]

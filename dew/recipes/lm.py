@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ from dew.recipes.config import to_json
 from dew.recipes.run_dir import PATH_SETTINGS, TOKENIZER, RunDirectory, resolve_path_setting
 from dew.training.state import TrainState
 from dew.training.trackers import JsonLines, TensorBoard, Tracker, WandB
-from dew.training.trainer import Trainer, TrainingInterrupted
+from dew.training.trainer import Trainer, TrainingDiverged, TrainingInterrupted
 
 RECIPE = "lm"
 
@@ -124,7 +123,7 @@ class LMRun:
         except KeyboardInterrupt as stop:
             self._status("interrupted", self._last_checkpoint(), f"stopped at once, without a final checkpoint ({stop})")
             raise
-        except FloatingPointError as error:  # the trainer's TrainingDiverged: a step was not finite
+        except TrainingDiverged as error:
             diverged = Diverged(self, error)
             self._status("diverged", diverged.step, str(diverged))
             raise diverged from error
@@ -166,14 +165,8 @@ class Diverged(FloatingPointError):
     """A run stopped at a non-finite step: `step`, and `checkpoint`, the last good checkpoint's step
     (None when none was saved), with the command-line way to continue from it."""
 
-    def __init__(self, run: LMRun, error: FloatingPointError):
-        self.step = getattr(error, "step", None)
-        self.checkpoint = _checkpoint_step(getattr(error, "last_checkpoint", None))
-        if self.checkpoint is None:
-            saved = [step for step in run.directory.checkpoint_steps() if self.step is None or step < self.step]
-            self.checkpoint = saved[-1] if saved else None
-        what = str(error) if hasattr(error, "last_checkpoint") else (
-            f"training diverged{'' if self.step is None else f' at step {self.step}'} ({error})")
+    def __init__(self, run: LMRun, error: TrainingDiverged):
+        self.step, self.checkpoint = error.step, error.last_checkpoint
         lower = f"--optim.learning-rate {run.config.optim.learning_rate / 2:g} --trainer.allow-changes optim.learning-rate"
         if self.checkpoint is None:
             advice = (f"no checkpoint was saved before it: rerun the command with {lower} to start the run again "
@@ -181,15 +174,8 @@ class Diverged(FloatingPointError):
         else:
             advice = (f"the last good checkpoint is step {self.checkpoint} ({run.directory.checkpoints / str(self.checkpoint)}): "
                       f"rerun the command with {lower} to continue from it with a lower learning rate")
-        super().__init__(f"{what.rstrip('.')}; {advice}")
-
-
-def _checkpoint_step(checkpoint) -> int | None:
-    """A checkpoint given as its step or as its directory (named by its step) -> the step."""
-    if checkpoint is None or isinstance(checkpoint, int):
-        return checkpoint
-    name = os.path.basename(os.fspath(checkpoint).rstrip("/"))
-    return int(name) if name.isdigit() else None
+        super().__init__(f"training diverged at step {error.step}: its loss ({error.loss:.6g}), gradient norm "
+                         f"({error.grad_norm:.6g}) or update was not finite, and it was not applied; {advice}")
 
 
 # What --model.config may still set when --pretrained decides the architecture.

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import errno
-import fcntl
 import importlib.metadata
 import json
 import os
@@ -34,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from dew.recipes.config import RESUMABLE_CHANGES
+from dew.recipes.run_lock import LOCK, RunLock
 from dew.training.checkpoints import saved_steps
 from dew.training.trackers import METRICS, read_jsonl
 
-RUN_JSON, STATUS, CHECKPOINTS, LOCK = "run.json", "status.json", "checkpoints", "run.lock"
+RUN_JSON, STATUS, CHECKPOINTS = "run.json", "status.json", "checkpoints"
 TOKENIZER = "tokenizer.json"
 # 2: settings' paths are absolute, so a rerun from another directory compares the same files; the
 # run keeps a copy of its tokenizer.
@@ -62,10 +62,6 @@ class RunMismatch(ValueError):
 
 class RunRecordError(ValueError):
     """run.json cannot be read: not JSON, or not a run's record."""
-
-
-class RunLocked(BlockingIOError):
-    """Another process holds the run directory (it is training it)."""
 
 
 def versions() -> dict[str, str]:
@@ -153,7 +149,7 @@ class RunDirectory:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._lock = None
+        self._lock = RunLock(self.path)
 
     @property
     def checkpoints(self) -> Path:
@@ -193,7 +189,7 @@ class RunDirectory:
                 f"{self.path} is not empty and holds no {RUN_JSON}, so it is not a Dew run: pass "
                 f"--trainer.run-dir with a new or empty directory"
             )
-        self._hold()
+        self._lock.take()
         try:
             saved = self.record()
             if saved is None:
@@ -300,34 +296,9 @@ class RunDirectory:
             )
         return load_tokenizer(name)
 
-    def _hold(self) -> None:
-        """Create the directory and take its lock, recording this process in run.lock."""
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            handle = open(self.path / LOCK, "a+", encoding="utf-8")
-        except OSError as error:
-            raise type(error)(
-                f"cannot create the run directory's files in {self.path} ({error.strerror}: {error.filename}): "
-                f"pass --trainer.run-dir with a directory this user can write"
-            ) from None
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read()
-            handle.close()
-            raise RunLocked(_held_message(self.path, holder)) from None
-        handle.truncate(0)
-        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": _now()}) + "\n")
-        handle.flush()
-        self._lock = handle
-
     def close(self) -> None:
         """Release the directory's lock (kept until then by `open`)."""
-        if self._lock is not None:
-            fcntl.flock(self._lock, fcntl.LOCK_UN)
-            self._lock.close()
-            self._lock = None
+        self._lock.release()
 
     def set_status(self, state: str, step: int | None = None, message: str | None = None, **details: Any) -> None:
         """Record the run's state (running, finished, interrupted, diverged or failed) and `details`.
@@ -390,17 +361,6 @@ class RunDirectory:
             "updated": status.get("updated"),
             "why": status.get("message") if status["state"] not in ("running", "finished") else None,
         }
-
-
-def _held_message(path: Path, holder: str) -> str:
-    try:
-        who = json.loads(holder)
-        process = f"process {who['pid']} on {who['host']} (since {who['since']})"
-        stop = f"stop it (kill {who['pid']} saves a checkpoint first)"
-    except (json.JSONDecodeError, KeyError, TypeError):
-        process, stop = "another process", "stop it"
-    return (f"{path} is held by {process}, which is training it: wait for it to finish or {stop}, then rerun "
-            f"this command; or pass another --trainer.run-dir")
 
 
 def find_runs(directory: str | os.PathLike) -> list[RunDirectory]:

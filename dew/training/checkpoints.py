@@ -9,14 +9,9 @@ saved afresh when the run reaches it again.
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import os
 import re
 import shutil
-import sys
-import time
 import warnings
 from typing import Any
 
@@ -24,6 +19,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from dew.errors import ADVICE
+from dew.training.held_output import HeldOutput
 from dew.training.state import TrainState
 
 
@@ -45,13 +41,10 @@ class UnreadableCheckpoint(OSError):
 class CheckpointNotSaved(OSError):
     """A checkpoint could not be written; `errno` is the system's reason when one was given."""
 
-    def __init__(self, step: int, directory: str, complete: list[int], error: BaseException):
-        code = _errno(error)
+    def __init__(self, where: str, complete: list[int], code: int | None, reason: str):
         advice = ADVICE.get(code, "check that the directory can be written, then rerun the same command to resume")
         last = f"the last complete checkpoint is step {complete[-1]}" if complete else "no checkpoint is complete"
-        reason = os.strerror(code) if code is not None else _reason(error)
-        super().__init__(f"checkpoint {os.path.join(directory, str(step))} could not be written ({reason}); "
-                         f"{last}: {advice}")
+        super().__init__(f"checkpoint {where} could not be written ({reason}); {last}: {advice}")
         self.errno = code
 
 
@@ -65,43 +58,6 @@ def _errno(error: BaseException) -> int | None:
             return int(found.group(1))
         error = error.__cause__ or error.__context__
     return None
-
-
-@contextlib.contextmanager
-def _held_storage_output():
-    """Hold what Orbax's and TensorStore's threads print (log records, tracebacks of their event
-    loops) while a save runs: printed after a save that succeeds, dropped for the one-line error of
-    one that fails."""
-    records = []
-
-    class Hold(logging.Filter):
-        def filter(self, record):
-            records.append(record)
-            return False
-
-    hold, printed, stderr = Hold(), io.StringIO(), sys.stderr
-    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
-    for logger in loggers:
-        logger.addFilter(hold)
-    sys.stderr = printed
-    try:
-        yield
-    except BaseException:
-        # TensorStore's callbacks still report into the closed event loop of a failed save for a
-        # moment: wait until they fall silent (at most 2 s) so that they too are dropped.
-        for _ in range(20):
-            heard = printed.tell()
-            time.sleep(0.1)
-            if printed.tell() == heard:
-                break
-        raise
-    finally:
-        sys.stderr = stderr
-        for logger in loggers:
-            logger.removeFilter(hold)
-    stderr.write(printed.getvalue())
-    for record in records:
-        logging.getLogger(record.name).handle(record)
 
 
 def _reason(error: BaseException) -> str:
@@ -150,8 +106,9 @@ class Checkpoints:
         step = int(jax.device_get(state.step))
         if step in self.manager.all_steps():
             return
-        try:
-            with _held_storage_output():
+        failure = None
+        with HeldOutput() as held:
+            try:
                 self.manager.save(
                     step,
                     args=ocp.args.Composite(
@@ -159,11 +116,16 @@ class Checkpoints:
                     ),
                 )
                 self.manager.wait_until_finished()
-        except Exception as error:  # noqa: BLE001 - reported with its cause
+            except Exception as error:  # noqa: BLE001 - reported below with its cause
+                code = _errno(error)
+                failure = (code, os.strerror(code) if code is not None else _reason(error))
+            if failure is not None:
+                held.drop()
+        if failure is not None:
             for name in os.listdir(self.directory):
                 if name.startswith(f"{step}.orbax-checkpoint-tmp"):
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-            raise CheckpointNotSaved(step, self.directory, self.manager.all_steps(), error) from error
+            raise CheckpointNotSaved(os.path.join(self.directory, str(step)), self.manager.all_steps(), *failure)
 
     def restore(self, like: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any] | None]:
         """The state at `step` placed like `like`, and the saved data position.
@@ -171,31 +133,38 @@ class Checkpoints:
         Without `step`, the newest checkpoint that reads: each newer one that does not is renamed
         STEP.unreadable (kept for inspection, out of the run's way) with a `CheckpointSkipped` warning.
         """
-        if step is not None:
-            return self._read(step, lambda: self._restore(like, step))
-        return self._newest_readable(lambda candidate: self._restore(like, candidate), set_aside=True)
+        read = lambda candidate: self._restore(like, candidate)
+        return self._read(step, read) if step is not None else self._newest_readable(read, set_aside=True)
+
+    def _attempt(self, read, step: int):
+        """(what `read(step)` returns, None), or (None, why it failed) when the checkpoint is damaged."""
+        failure = None
+        with HeldOutput() as held:
+            try:
+                return read(step), None
+            except CheckpointMismatch:
+                raise
+            except Exception as error:  # noqa: BLE001 - any failure to read is damage, reported with its cause
+                failure = _reason(error)
+            held.drop()
+        return None, failure
 
     def _read(self, step: int, read):
-        try:
-            return read()
-        except CheckpointMismatch:
-            raise
-        except Exception as error:  # noqa: BLE001 - any failure to read is reported with its cause
+        restored, failure = self._attempt(read, step)
+        if failure is not None:
             raise UnreadableCheckpoint(
-                f"checkpoint {os.path.join(self.directory, str(step))} cannot be read ({_reason(error)}): it is "
+                f"checkpoint {os.path.join(self.directory, str(step))} cannot be read ({failure}): it is "
                 f"damaged; the complete checkpoints here are steps {self.manager.all_steps()}"
-            ) from error
+            )
+        return restored
 
     def _newest_readable(self, read, set_aside: bool):
         """`read(step)` of the newest step it succeeds on, warning about (and maybe setting aside) the others."""
         failures = []
         for step in sorted(self.manager.all_steps(), reverse=True):
-            try:
-                restored = read(step)
-            except CheckpointMismatch:
-                raise
-            except Exception as error:  # noqa: BLE001 - a damaged checkpoint: try the one before it
-                failures.append((step, _reason(error)))
+            restored, failure = self._attempt(read, step)
+            if failure is not None:
+                failures.append((step, failure))
                 continue
             # Several processes share the directory: the first one moves it.
             set_aside = set_aside and jax.process_index() == 0
@@ -247,7 +216,7 @@ class Checkpoints:
         if step not in self.manager.all_steps():
             raise FileNotFoundError(f"{self.directory} holds no complete checkpoint at step {step}; "
                                     f"it holds steps {self.manager.all_steps()}")
-        return self._read(step, lambda: read(step))
+        return self._read(step, read)
 
     def close(self) -> None:
         self.manager.close()

@@ -48,6 +48,32 @@ def _host_sum(trees: list) -> Any:
     return total
 
 
+class TrainingDiverged(FloatingPointError):
+    """A step's loss, gradient norm or update was not finite: it was not applied and `Trainer.fit` stopped.
+
+    `step` is the diverged step (batches consumed, counting it), `loss` and `grad_norm` its values,
+    `last_checkpoint` the step of the newest complete checkpoint in `directory` (None when none was
+    written, or no `checkpoint_dir` was given). Up to `STEPS_AHEAD` steps after it may have run
+    before it was read; no checkpoint holds them.
+    """
+
+    def __init__(self, step: int, loss: float, grad_norm: float, last_checkpoint: int | None,
+                 directory: str | None):
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        self.last_checkpoint, self.directory = last_checkpoint, directory
+        if directory is None:
+            where = "no checkpoint was written (fit had no checkpoint_dir)"
+        elif last_checkpoint is None:
+            where = f"no checkpoint was written to {directory}"
+        else:
+            where = f"the last complete checkpoint is step {last_checkpoint} in {directory}"
+        super().__init__(
+            f"step {step} is not finite (loss {loss:.6g}, gradient norm {grad_norm:.6g}, or its update): it was "
+            f"not applied and training stopped; {where}. Non-finite steps come from a learning rate too large for "
+            "the model, unclipped gradients, or data the model cannot score."
+        )
+
+
 class TrainingInterrupted(Exception):
     """SIGINT or SIGTERM stopped `Trainer.fit` after it checkpointed `state` at `step`."""
 
@@ -231,18 +257,33 @@ class Trainer:
         return self._compiled[signature]
 
     # -- the loop --------------------------------------------------------------------------------
-    def evaluate(self, state: TrainState, data: Dataset, metrics: Sequence = ()) -> dict[str, float]:
-        """Score one whole validation pass on the evaluated weights (EMA when kept)."""
+    def evaluate(self, state: TrainState, data: Dataset, metrics: Sequence = (), *,
+                 reporter: Reporter | None = None) -> dict[str, float]:
+        """Score one whole validation pass on the evaluated weights (EMA when kept).
+
+        `reporter` (fit's) shows the batches scored while the pass runs."""
         if data.val is None:
             raise ValueError("this dataset has no validation split; build it with val data to evaluate")
         stats_list = []
-        unread = InFlight(STEPS_AHEAD, lambda index, stats: stats_list.append(stats))
-        for index, host_batch in enumerate(data.val(self._partition())):
-            self.objective.check_batch(host_batch)
-            batch = place_batch(self.mesh, host_batch)
-            run = self._eval_step(batch)
-            unread.push(index, run(state.evaluated, batch, state.step, state.key))
-        unread.drain()
+
+        def read(index, stats):
+            stats_list.append(stats)
+            if reporter is not None:
+                reporter.pass_advance(len(stats_list))
+
+        unread = InFlight(STEPS_AHEAD, read)
+        if reporter is not None:
+            reporter.pass_begin("val")
+        try:
+            for index, host_batch in enumerate(data.val(self._partition())):
+                self.objective.check_batch(host_batch)
+                batch = place_batch(self.mesh, host_batch)
+                run = self._eval_step(batch)
+                unread.push(index, run(state.evaluated, batch, state.step, state.key))
+            unread.drain()
+        finally:
+            if reporter is not None:
+                reporter.pass_end()
         if not stats_list:
             raise ValueError("the validation split produced no batch")
         values = {f"val/{name}": value for name, value in self.objective.summarize(_host_sum(stats_list)).items()}
@@ -280,6 +321,13 @@ class Trainer:
         Every `accumulation` micro-batches of a batch add their loss numerators and target counts
         before one division and one update. Each tracker is started at the first step this call
         trains and receives every logged and evaluated value and every preview; the caller closes it.
+        A step that is not finite is not applied, and fit raises `TrainingDiverged` naming it.
+
+        Every `log_every` steps fit logs the training statistics of the steps since the last log and
+        their speed: `step_s` is the wall time per step between two log lines less the time spent
+        evaluating, previewing and writing checkpoints (`tokens_per_s` is the counted targets over the
+        same time), and `checkpoint_s` the seconds spent writing checkpoints in that span, when any
+        were. An evaluation record carries `eval_s`, the seconds of its validation pass.
         """
         for name, value in (("steps", steps), ("log_every", log_every), ("accumulation", accumulation)):
             if value < 1:
@@ -327,15 +375,11 @@ class Trainer:
 
         window: list = []  # host outputs of the steps since the last log line
         window_started = time.perf_counter()
+        aside = {"checkpoint": 0.0, "evaluation": 0.0}  # seconds of the window spent outside the steps
 
         def read(index, out):
             if not out["finite"]:
-                loss = float(out["stats"].loss.total) / max(float(out["stats"].loss.count), 1.0)
-                raise FloatingPointError(
-                    f"step {index + 1} is not finite (loss {loss}, gradient norm {float(out['grad_norm'])}, or its "
-                    "update): it was not applied and the run stopped; the last checkpoint is intact. Lower the "
-                    "learning rate, clip gradients or check the data."
-                )
+                raise self._diverged(index + 1, out, checkpoints)
             window.append(out)
 
         # Steps run ahead of the host by at most STEPS_AHEAD: reading each output only once computed
@@ -343,8 +387,10 @@ class Trainer:
         unread = InFlight(STEPS_AHEAD, read)
 
         def save():
-            unread.drain()
+            unread.drain()  # a diverged step raises here, before it could be saved
+            started = time.perf_counter()
             checkpoints.save(state, iterator.get_state() if hasattr(iterator, "get_state") else None)
+            aside["checkpoint"] += time.perf_counter() - started
 
         step_fn = None
         for index in range(start, steps):
@@ -359,39 +405,64 @@ class Trainer:
             unread.push(index, out)
             done = index + 1
             reporter.advance(done)
-            if done % log_every == 0 or done == steps:
-                unread.drain()
-                self._log(done, window, time.perf_counter() - window_started, reporter, trackers)
-                window, window_started = [], time.perf_counter()
-            if eval_every and (done % eval_every == 0 or done == steps) and data.val is not None:
-                unread.drain()
-                self._record(done, self.evaluate(state, data, metrics), reporter, trackers)
-                self._preview(state, done, reporter, trackers)
-                window_started = time.perf_counter()
+            # The checkpoint comes first, so the log line of the same step reports its time.
             if checkpoints is not None and ((checkpoint_every and done % checkpoint_every == 0) or done == steps):
                 save()
-                window_started = time.perf_counter()
+            if done % log_every == 0 or done == steps:
+                unread.drain()
+                elapsed = time.perf_counter() - window_started
+                self._log(done, window, elapsed - aside["checkpoint"] - aside["evaluation"], aside["checkpoint"],
+                          reporter, trackers)
+                window, window_started = [], time.perf_counter()
+                aside.update(checkpoint=0.0, evaluation=0.0)
+            if eval_every and (done % eval_every == 0 or done == steps) and data.val is not None:
+                unread.drain()
+                started = time.perf_counter()
+                values = self.evaluate(state, data, metrics, reporter=reporter)
+                values["eval_s"] = time.perf_counter() - started
+                self._record(done, values, reporter, trackers, label=self._evaluated_label(state))
+                self._preview(state, done, reporter, trackers)
+                aside["evaluation"] += time.perf_counter() - started
             if stop is not None and stop.received is not None and done < steps:
                 save()
                 raise TrainingInterrupted(stop.received, done, state)
         unread.drain()
         return state
 
-    def _log(self, done: int, window: list, seconds: float, reporter: Reporter, trackers: Sequence[Tracker]) -> None:
+    def _diverged(self, step: int, out, checkpoints: Checkpoints | None) -> TrainingDiverged:
+        numerator, count = self.objective.reduce_loss(out["stats"])
+        return TrainingDiverged(step, float(numerator) / max(float(count), 1.0), float(out["grad_norm"]),
+                                None if checkpoints is None else checkpoints.latest(),
+                                None if checkpoints is None else checkpoints.directory)
+
+    def _evaluated_label(self, state: TrainState) -> str:
+        """How a validation line names the weights it scored (its metric keys stay `val/...`)."""
+        if state.ema is None:
+            return "val"
+        if self.objective.ema_decay == 1.0:
+            return "val (the frozen EMA reference, ema_decay 1.0)"
+        return f"val (EMA weights, decay {self.objective.ema_decay})"
+
+    def _log(self, done: int, window: list, seconds: float, checkpoint_seconds: float, reporter: Reporter,
+             trackers: Sequence[Tracker]) -> None:
+        """Log the window's statistics; `seconds` is its time in steps, `checkpoint_seconds` in saving."""
         if not window:
             return
         stats = _host_sum([out["stats"] for out in window])
         values = {f"train/{k}": v for k, v in self.objective.summarize(stats).items()}
         values["train/grad_norm"] = float(np.mean([out["grad_norm"] for out in window]))
-        tokens = float(sum(float(out["stats"].loss.count) for out in window))
+        tokens = float(sum(float(self.objective.reduce_loss(out["stats"])[1]) for out in window))
         values["step_s"] = seconds / len(window)
         values["tokens_per_s"] = tokens / seconds if seconds > 0 else math.nan
+        if checkpoint_seconds:
+            values["checkpoint_s"] = checkpoint_seconds
         reporter.advance(done, values["train/loss"])
         self._record(done, values, reporter, trackers)
 
-    def _record(self, done: int, values: dict[str, float], reporter: Reporter, trackers: Sequence[Tracker]) -> None:
+    def _record(self, done: int, values: dict[str, float], reporter: Reporter, trackers: Sequence[Tracker],
+                label: str | None = None) -> None:
         self.history.append({"step": done, **values})
-        reporter.line(f"step {done} | " + format_values(values))
+        reporter.line(f"step {done} | " + ("" if label is None else f"{label} | ") + format_values(values))
         for tracker in trackers:
             tracker.scalars(done, values)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -175,25 +176,32 @@ def _truncate_newest_checkpoint(run_dir) -> int:
     return step
 
 
-def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(token_dir, tmp_path, monkeypatch, capsys):
-    import signal
+class _StopAtStep3:
+    """A tracker that sends this process SIGTERM once step 3 is logged: the run saves step 3 and stops."""
 
-    import dew
-    from dew.training.checkpoints import CheckpointSkipped
-    from dew.training.trackers import JsonLines
+    def start(self, step): ...
 
-    run_dir = tmp_path / "run"
-    argv = recipe_args(token_dir, run_dir)
-    write = JsonLines.scalars
-
-    def terminate_at_step_3(self, step, values):
-        write(self, step, values)
+    def scalars(self, step, values):
         if step == 3:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(JsonLines, "scalars", terminate_at_step_3)
-    assert main(argv) == 128 + signal.SIGTERM
-    monkeypatch.undo()
+    def texts(self, step, name, texts): ...
+
+    def close(self): ...
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(token_dir, tmp_path, capsys):
+    import dew
+    from dew.training.checkpoints import CheckpointSkipped
+    from dew.training.trainer import TrainingInterrupted
+
+    run_dir = tmp_path / "run"
+    argv = recipe_args(token_dir, run_dir)
+    stopped = prepare(parse(argv))
+    stopped.trackers.append(_StopAtStep3())
+    with pytest.raises(TrainingInterrupted):
+        stopped.fit(verbose=False)
+    stopped.close()
     assert _truncate_newest_checkpoint(run_dir) == 3
     capsys.readouterr()
 
@@ -349,7 +357,6 @@ sys.exit(main(json.loads(sys.argv[1])))
 
 @pytest.mark.slow
 def test_a_second_sigterm_while_saving_exits_143_in_one_line(token_dir, tmp_path):
-    import signal
     import subprocess
     import sys
 
