@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 import dew
+from dew.inference.text import printable
 from dew.recipes import lm
 from dew.sampling import Sampling
 from dew.sharding import MESH_AXES
@@ -57,6 +58,6 @@ def test_dew_generate_streams_the_continuation(token_dir, tmp_path, capsys):  # 
     assert main(["generate", str(run), "--prompt", "line 1", "--max-new-tokens", "6", "--temperature", "0"]) == 0
     printed = capsys.readouterr().out
     expected = dew.pipeline(run).with_sampling(Sampling(temperature=0.0))("line 1", 6).text[0]
-    assert printed == expected + "\n"
+    assert printed == printable(expected) + "\n"  # control characters a tiny model emits are escaped
     assert main(["generate", str(run), "--prompt", "line 1", "--max-new-tokens", "3", "--n", "2"]) == 0
     assert capsys.readouterr().out.count("[") >= 2
