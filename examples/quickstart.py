@@ -7,12 +7,12 @@ James Bible on the CPU, then continue a prompt greedily and by sampling.
 The code below is the guide's "Train a decoder on TinyStories" sized for about three minutes on a
 2-core CPU. The tokenizer is a 4,096-id byte-level BPE trained on the corpus
 (tools/train_tokenizer.py), not GPT-2's 50,257 ids, whose output head would cost several times the
-rest of a step this narrow. `make quickstart-gpt2` runs this same file on GPT-2's tokenizer, the
-guide's. The choices, measured in docs/performance.md: width 128 learns as much per step as width
-256 here at a third of the cost, so the step budget goes to more tokens; warmup and cosine decay
-let a run this short use a high peak rate; four micro-batches a step keep the matmuls in this
-CPU's cache (the same update as the whole batch, about 15% faster); float32, because these CPUs
-(AVX2, no bf16 instructions) run bf16 slower.
+rest of a step this narrow; `make quickstart-gpt2` runs this same file on GPT-2's tokenizer, the
+guide's. The other choices, measured in docs/performance.md: width 128 learns as much per step as
+width 256 here at two fifths of the cost, so the budget goes to more steps; warmup and cosine
+decay let a run this short use a high peak rate; four micro-batches a step keep the matmuls in
+this CPU's cache (the same update as the whole batch, in three quarters of the time); float32,
+because these CPUs (AVX2, no bf16 instructions) run bf16 slower.
 """
 
 from __future__ import annotations

@@ -97,7 +97,9 @@ def _record(config: LMRunConfig, model, meta: dict[str, Any], command: Sequence[
 
 @dataclasses.dataclass
 class LMRun:
-    """A prepared run: its pieces, its directory and its trackers. `fit()` trains it."""
+    """A prepared run: its pieces, its directory (held by this process) and its trackers. `fit()`
+    trains it and lets the directory go when it returns; after it raises, or without it, `close()`
+    does (as the process's end would)."""
 
     config: LMRunConfig
     data: Dataset
