@@ -6,7 +6,8 @@ threads, tracebacks of callbacks into an event loop already closed, and, when th
 abandoned are collected, "Exception ignored" and "Task exception was never retrieved" reports.
 Within `with HeldOutput() as held:` stderr and the `absl` and `asyncio` loggers are held; on
 leaving, what was held is printed, unless `held.drop()` discarded it; after a drop, what the
-storage layer's abandoned coroutines report when collected later is dropped too.
+storage layer's abandoned coroutines report when collected later (asyncio's "exception was never
+retrieved", "coroutine ... was never awaited") is dropped too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import io
 import logging
 import sys
 import time
+import warnings
 
 _LOGGERS = ("absl", "asyncio")
 _STORAGE = ("orbax", "tensorstore")
@@ -26,11 +28,13 @@ def _from_storage(text: str) -> bool:
 
 
 class _AbandonedReports(logging.Filter):
-    """Drops asyncio's "Task (or Future) exception was never retrieved" for the storage layer's work."""
+    """Drops asyncio's "Task (Future, _GatheringFuture) exception was never retrieved" for the storage
+    layer's work."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if not message.startswith(("Task exception was never retrieved", "Future exception was never retrieved")):
+        # asyncio names the object's class: Task, Future, _GatheringFuture ...
+        if "exception was never retrieved" not in message.split("\n", 1)[0]:
             return True
         where = [message]
         traceback = record.exc_info[2] if record.exc_info else None
@@ -56,6 +60,9 @@ def _drop_abandoned_reports() -> None:
     hook.dew_drops_storage_reports = True
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(_AbandonedReports())
+    # The writes jax's serialization had queued (`async_serialize_from_host.<locals>.write_fragment`)
+    # warn when collected unawaited; only a failed storage operation leaves such coroutines behind.
+    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
 
 
 class _Hold(logging.Filter):
