@@ -73,7 +73,7 @@ def main(result_path: str, run_dir: str, restore_from: str | None = None) -> Non
         checkpoints = Checkpoints(restore_from)
         state, _ = checkpoints.restore(other.init_state())
         checkpoints.close()
-        kernel = state.params["params"]["layers_0to0"]["mlp"]["up_proj"]["kernel"]
+        kernel = state.params["params"]["layers_0"]["mlp"]["up_proj"]["kernel"]
         assert kernel.sharding.mesh.shape["fsdp"] == 4 and kernel.sharding.spec != jax.sharding.PartitionSpec()
         restored = host_params(state)
     if jax.process_index() == 0:

@@ -285,7 +285,7 @@ EIGHT_DEVICE_SCRIPT = textwrap.dedent(
         for ours, theirs, target in zip(jax.tree_util.tree_leaves(restored), expected, jax.tree_util.tree_leaves(like)):
             assert ours.sharding == target.sharding, (ours.sharding, target.sharding)
             np.testing.assert_array_equal(np.asarray(ours), theirs)
-        kernel = restored.params["params"]["layers_0to0"]["mlp"]["up_proj"]["kernel"]
+        kernel = restored.params["params"]["layers_0"]["mlp"]["up_proj"]["kernel"]
         assert kernel.sharding.spec.count("fsdp") == 1
         assert len(kernel.sharding.device_set) == trainer.mesh.devices.size
     checkpoints.close()

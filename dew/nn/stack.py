@@ -31,14 +31,22 @@ REMAT_POLICIES = {
 NO_WINDOW = np.iinfo(np.int32).max
 
 
-def runs(specs: Sequence[LayerSpec], scan: bool) -> list[tuple[int, int]]:
-    """`(start, stop)` of each run; without `scan` every layer is its own, unscanned, run."""
-    bounds: list[tuple[int, int]] = []
+def runs(specs: Sequence[LayerSpec], scan_from: int) -> list[tuple[int, int, bool]]:
+    """`(start, stop, scanned)` of each run: consecutive like layers (equal `scan_key`) form a run,
+    scanned when it holds at least `scan_from` layers (0: never); a shorter run is unrolled, one
+    layer a run."""
+    groups: list[list[int]] = []
     for index, spec in enumerate(specs):
-        if scan and bounds and specs[bounds[-1][0]].scan_key() == spec.scan_key():
-            bounds[-1] = (bounds[-1][0], index + 1)
+        if groups and specs[groups[-1][0]].scan_key() == spec.scan_key():
+            groups[-1].append(index)
         else:
-            bounds.append((index, index + 1))
+            groups.append([index])
+    bounds = []
+    for group in groups:
+        if scan_from and len(group) >= scan_from:
+            bounds.append((group[0], group[-1] + 1, True))
+        else:
+            bounds.extend((i, i + 1, False) for i in group)
     return bounds
 
 
@@ -54,28 +62,29 @@ def run_name(start: int, stop: int) -> str:
     return f"layers_{start}to{stop - 1}"
 
 
-def stack_variables(specs: Sequence[LayerSpec], scan: bool, variables):
-    """Variables in the form a model with these specs keeps: per-layer ones (`layers_N`) stacked into
-    its scanned runs (or, with `scan` off, stacked runs split into layers). A tree already in that
-    form is returned as it is."""
-    if not scan:
-        return unstack_variables(variables)
+def stack_variables(specs: Sequence[LayerSpec], scan_from: int, variables):
+    """Variables in the form a model with these specs keeps: its scanned runs stacked
+    (`layers_{first}to{last}`), every other layer on its own (`layers_N`). A tree already in that
+    form is returned as it is; any other is brought to it from its per-layer form."""
     if not isinstance(variables, Mapping):
         return variables
-    bounds = runs(specs, scan)
-    stacked, changed = {}, False
-    for collection, tree in variables.items():
-        if not isinstance(tree, Mapping) or not any(_layer_name(i) in tree for start, stop in bounds
-                                                    for i in range(start, stop)):
-            stacked[collection] = tree  # not a layered tree, or stacked already
+    wanted = {run_name(start, stop): (start, stop) for start, stop, scanned in runs(specs, scan_from) if scanned}
+    inside = {_layer_name(i) for start, stop in wanted.values() for i in range(start, stop)}
+    trees = [tree for tree in variables.values() if isinstance(tree, Mapping)]
+    if all(key in wanted or (not _RUN.fullmatch(key) and key not in inside) for tree in trees for key in tree):
+        return variables
+    stacked = {}
+    for collection, tree in unstack_variables(variables).items():
+        if not isinstance(tree, Mapping):
+            stacked[collection] = tree
             continue
         moved = dict(tree)
-        for start, stop in bounds:
+        for name, (start, stop) in wanted.items():
             layers = [moved.pop(_layer_name(i)) for i in range(start, stop) if _layer_name(i) in moved]
             if layers:
-                moved[run_name(start, stop)] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
-        stacked[collection], changed = moved, True
-    return stacked if changed else variables
+                moved[name] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
+        stacked[collection] = moved
+    return stacked
 
 
 def unstack_variables(variables):
@@ -118,7 +127,7 @@ def _knobs(specs: Sequence[LayerSpec], tables: Mapping, start: int, stop: int) -
     )
 
 
-def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, cache_runs, *, scan: bool,
+def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, cache_runs, *, scan_from: int,
                  remat: str, keep: tuple[int, ...], tables: Mapping, dtype, param_dtype):
     """Run every layer inside `parent`'s compact scope; returns `(x_BSE, cache runs, kept states)`.
 
@@ -129,8 +138,8 @@ def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, 
     layer_class = DecoderLayer
     if REMAT_POLICIES[remat] is not None:
         policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[remat])
-        layer_class = nn.remat(DecoderLayer, policy=policy, prevent_cse=not scan)
-    for run, (start, stop) in enumerate(runs(specs, scan)):
+        layer_class = nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
+    for run, (start, stop, scan) in enumerate(runs(specs, scan_from)):
         spec = specs[start].scan_key() if scan else specs[start]
         knobs = _knobs(specs, tables, start, stop)
         cache = None if cache_runs is None else cache_runs[run]

@@ -19,8 +19,8 @@ KNOBS = dict(vocab_size=61, emb_features=32, num_layers=4, num_heads=4, num_kv_h
 
 
 def _pair(**knobs):
-    scanned = models.build("causal_transformer", **{**KNOBS, **knobs})
-    unrolled = models.build("causal_transformer", **{**KNOBS, **knobs, "scan_layers": False})
+    scanned = models.build("causal_transformer", **{**KNOBS, **knobs, "scan_layers": 1})
+    unrolled = models.build("causal_transformer", **{**KNOBS, **knobs, "scan_layers": 0})
     return scanned, unrolled
 
 
@@ -31,10 +31,12 @@ def _loss(model, variables, tokens):
 
 def test_alternating_windows_and_rotary_bases_scan_as_one_run():
     scanned, unrolled = _pair()
-    assert runs(scanned.config.layer_specs, True) == [(0, 4)]
-    assert runs(unrolled.config.layer_specs, False) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert runs(scanned.config.layer_specs, 1) == [(0, 4, True)]
+    assert runs(unrolled.config.layer_specs, 0) == [(0, 1, False), (1, 2, False), (2, 3, False), (3, 4, False)]
+    # Runs shorter than the threshold unroll: the default (8) leaves this 4-layer decoder unrolled.
+    assert runs(scanned.config.layer_specs, 8) == runs(unrolled.config.layer_specs, 0)
     mixed = dataclasses.replace(scanned.config, qk_norm=True)
-    assert runs(mixed.layer_specs, True) == [(0, 4)]
+    assert runs(mixed.layer_specs, 1) == [(0, 4, True)]
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])

@@ -15,11 +15,12 @@ from dew.sampling.generate import decode_step, prefill
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7], [1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5, 2, 3, 5, 3, 6]]
 
 
-@pytest.fixture(scope="module", params=["full", "sliding"])
+@pytest.fixture(scope="module", params=["full-unrolled", "sliding-scanned"])
 def decoder(request):
-    window = dict(sliding_window=4) if request.param == "sliding" else {}
+    # The scanned decoder keeps each run's cache stacked and writes it layer by layer inside the scan.
+    knobs = dict(sliding_window=4, scan_layers=1) if request.param == "sliding-scanned" else dict(scan_layers=0)
     model = models.build("causal_transformer", vocab_size=64, emb_features=32, num_layers=2, num_heads=4,
-                         num_kv_heads=2, mlp_features=64, max_seq_len=64, **window)
+                         num_kv_heads=2, mlp_features=64, max_seq_len=64, **knobs)
     variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     # Larger weights make the argmax depend on the context, so a slot error would show.
     return model, jax.tree_util.tree_map(lambda x: x * 6.0, variables)
@@ -44,7 +45,8 @@ def test_padding_takes_no_cache_slot(decoder):
     np.testing.assert_array_equal(np.asarray(cache.lengths), [3, 3])
     alone_logits, alone = prefill(model, variables, jnp.asarray([[4, 5, 6]]), jnp.ones((1, 3), jnp.int32),
                                   model.init_cache(1, 12))
-    keys, alone_keys = np.asarray(cache.runs[0].keys), np.asarray(alone.runs[0].keys)
+    # Layer 0's cache: the first run, its first (or only) layer.
+    keys, alone_keys = np.asarray(cache.runs[0].keys[:1]), np.asarray(alone.runs[0].keys[:1])
     for row in range(2):
         # Both rows hold the same three tokens in slots 0-2 and nothing after them.
         np.testing.assert_allclose(keys[:, row, :, :3], alone_keys[:, 0, :, :3], rtol=0, atol=1e-5)
