@@ -8,12 +8,15 @@ from pathlib import Path
 import jax
 
 from dew import models
+from dew.inference.masked import MaskedGeneration
 from dew.inference.text import TextGeneration
 from dew.sampling import Sampling
 
 
-def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = None, **load) -> TextGeneration:
-    """The decoder behind `source` as a `TextGeneration` task, with the source's sampling and budget.
+def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = None,
+             **load) -> TextGeneration | MaskedGeneration:
+    """The decoder behind `source` as a `TextGeneration` task, with the source's sampling and budget
+    (a `MaskedGeneration` for a masked-diffusion run, with native MDLM's default sampler).
 
     `source` is one of:
     - a run directory (it holds `run.json`): the recorded model and the run's own tokenizer, with
@@ -64,7 +67,7 @@ def _run_of(path: Path) -> tuple[Path | None, int | None]:
     return None, None
 
 
-def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextGeneration:
+def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextGeneration | MaskedGeneration:
     from dew.recipes.run_dir import RunDirectory
     from dew.training.checkpoints import Checkpoints
 
@@ -82,6 +85,12 @@ def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextG
     params = saved["ema"] if use_ema else saved["params"]
     params = jax.device_put(params, layout.shardings(mesh.build(), params))
     generation = record.get("generation", {})
-    sampling = Sampling(**generation.get("sampling", {}))
     budget = generation.get("max_new_tokens") or None
+    if generation.get("process") == "mdlm":
+        # Native MDLM with its default sampler (64 steps): a run records no sampler choice and no EOS.
+        from dew.diffusion.discrete import MDLM
+
+        process = MDLM(mask_id=generation["mask_id"])()
+        return MaskedGeneration(model, params, process, tokenizer=run.tokenizer(), max_new_tokens=budget)
+    sampling = Sampling(**generation.get("sampling", {}))
     return TextGeneration(model, params, tokenizer=run.tokenizer(), sampling=sampling, max_new_tokens=budget)

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from dew.data.inputs import ModelInputs
 from dew.sampling import Generation, Sampling, generate
 
 
@@ -22,6 +23,23 @@ _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 def printable(text: str) -> str:
     """`text` with every control character but newline and tab written as its escape (`\\x1b`)."""
     return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
+
+
+def encode_prompts(tokenizer, prompts) -> list[list[int]]:
+    """Prompts as rows of ids: a string or a list of strings (encoded with `tokenizer`), a list of ids,
+    or a list of such lists. A `ModelInputs` passes through as it is."""
+    if isinstance(prompts, ModelInputs):
+        return prompts
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], str)):
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; this task has none, so pass token ids")
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        return [tokenizer.encode(text) for text in texts]
+    if isinstance(prompts, (np.ndarray, jax.Array)):
+        prompts = np.asarray(prompts).tolist()
+    if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Number):
+        return [list(prompts)]  # one row of ids (generate refuses any that is not an integer)
+    return [list(row) if isinstance(row, (list, tuple)) else row for row in prompts]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,16 +58,7 @@ class TextGeneration:
     max_new_tokens: int | None = None
 
     def encode(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], str)):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; this task has none, so pass token ids")
-            texts = [prompts] if isinstance(prompts, str) else list(prompts)
-            return [self.tokenizer.encode(text) for text in texts]
-        if isinstance(prompts, (np.ndarray, jax.Array)):
-            prompts = np.asarray(prompts).tolist()
-        if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Number):
-            return [list(prompts)]  # one row of ids (generate refuses any that is not an integer)
-        return [list(row) if isinstance(row, (list, tuple)) else row for row in prompts]
+        return encode_prompts(self.tokenizer, prompts)
 
     def __call__(self, prompts, max_new_tokens: int | None = None, *, seed: int = 0, n: int = 1,
                  key: jax.Array | None = None, on_token=None) -> Generation:

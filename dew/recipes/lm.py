@@ -21,11 +21,14 @@ import tyro
 
 from dew.data import Dataset, load_tokenizer
 from dew.data.tokenizers import tokenizer_file, tokenizer_name
+from dew.diffusion.discrete import MDLM
 from dew.errors import describe, exit_status, one_line_warnings, report
 from dew.inference.text import printable
+from dew.objectives.diffusion import MaskedDiffusionObjective
 from dew.objectives.lm import LMObjective, LMRunConfig, Samples
 from dew.recipes.config import to_json
 from dew.recipes.run_dir import PATH_SETTINGS, TOKENIZER, RunDirectory, resolve_path_setting
+from dew.sampling import Sampling
 from dew.training.state import TrainState
 from dew.training.trackers import JsonLines, TensorBoard, Tracker, WandB
 from dew.training.trainer import Trainer, TrainingDiverged, TrainingInterrupted
@@ -57,7 +60,8 @@ def _load_data(config: LMRunConfig) -> Dataset:
 
 
 def _samples(config: LMRunConfig, max_seq_len: int) -> Samples | None:
-    """The preview drawn at each evaluation, checked against the model's length up front."""
+    """The preview drawn at each evaluation, checked against the model's length up front (a masked
+    diffusion preview unmasks with its process's sampler, so it carries no sampling policy)."""
     if config.sample_tokens == 0:
         return None
     tokenizer = load_tokenizer(config.tokenizer)
@@ -69,11 +73,21 @@ def _samples(config: LMRunConfig, max_seq_len: int) -> Samples | None:
             "--sample-tokens (0 for no previews), a shorter --sample-prompt, or a larger max_seq_len"
         )
     # Previews are printed to the terminal: control characters a model emits are escaped.
-    return Samples(prompt=prompt, max_new_tokens=config.sample_tokens, sampling=config.sampling,
+    sampling = config.sampling if config.objective == "lm" else Sampling()
+    return Samples(prompt=prompt, max_new_tokens=config.sample_tokens, sampling=sampling,
                    decode=lambda ids: printable(tokenizer.decode(ids)))
 
 
-def _record(config: LMRunConfig, model, meta: dict[str, Any], command: Sequence[str] | None) -> dict[str, Any]:
+def _generation_record(config: LMRunConfig, objective) -> dict[str, Any]:
+    """What generation from the run reads: the preview policy and budget, or for masked diffusion the
+    mask id native MDLM is rebuilt with (its default sampler, 64 steps) and the budget."""
+    record = {"max_new_tokens": config.sample_tokens, "ema": config.ema_decay is not None}
+    if config.objective == "masked_diffusion":
+        return {"process": "mdlm", "mask_id": objective.process.mask_id, **record}
+    return {"sampling": to_json(config.sampling), **record}
+
+
+def _record(config: LMRunConfig, objective, meta: dict[str, Any], command: Sequence[str] | None) -> dict[str, Any]:
     """run.json's content (RunDirectory adds the versions and the time)."""
     settings = to_json(config)
     settings["data"] = {"type": type(config.data).__name__, **settings["data"]}
@@ -85,12 +99,11 @@ def _record(config: LMRunConfig, model, meta: dict[str, Any], command: Sequence[
     return {
         "recipe": RECIPE,
         "settings": settings,
-        "model": {"name": config.model.name, "config": to_json(model.config)},
+        "model": {"name": config.model.name, "config": to_json(objective.model.config)},
         "data": meta,
         "tokenizer": meta["tokenizer"],
-        "generation": {"sampling": to_json(config.sampling), "max_new_tokens": config.sample_tokens,
-                       "ema": config.ema_decay is not None},
-        "tokens_per_step": config.trainer.batch * config.data.seq_len,
+        "generation": _generation_record(config, objective),
+        "tokens_per_step": config.trainer.batch * objective.seq_len,
         "command": list(command) if command is not None else None,
     }
 
@@ -103,7 +116,7 @@ class LMRun:
 
     config: LMRunConfig
     data: Dataset
-    objective: LMObjective
+    objective: LMObjective | MaskedDiffusionObjective
     trainer: Trainer
     directory: RunDirectory
     trackers: list[Tracker]
@@ -188,6 +201,9 @@ def _model(config: LMRunConfig, meta: dict[str, Any]):
     """(model, variables to start from or None, the source as recorded: a hub id pinned to its commit,
     notes for the user)."""
     if config.pretrained is None:
+        if config.objective == "masked_diffusion":
+            # The mask takes the id after the tokenizer's last, and reads both ways.
+            return config.model.build(vocab_size=meta["vocab_size"] + 1, causal=False), None, None, []
         return config.model.build(vocab_size=meta["vocab_size"]), None, None, []
     fixed = sorted(set(config.model.config) - set(_PRETRAINED_OVERRIDES))
     if fixed:
@@ -231,12 +247,7 @@ def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
             f"--model.config vocab_size {model.config.vocab_size} is below the vocab_size {meta['vocab_size']} "
             f"of {config.data.path} (meta.json): leave vocab_size out of --model.config to take the files' one"
         )
-    objective = LMObjective(
-        model, config.data.seq_len, ema_decay=config.ema_decay, samples=_samples(config, model.config.max_seq_len),
-        balance_rate=config.balance_rate, aux_loss_alpha=config.aux_loss_alpha, seq_aux=config.seq_aux,
-        router_z_loss=config.router_z_loss, mtp_weight=config.mtp_weight, indexer=config.indexer,
-        token_accuracy=config.token_accuracy, pretrained=held,
-    )
+    objective = _objective(config, model, held, meta)
     settings = config.trainer
     trainer = Trainer(objective, config.optim.build(settings.steps), key=jax.random.key(settings.seed),
                       mesh=settings.mesh, layout=settings.layout)
@@ -251,10 +262,34 @@ def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
             trackers.append(WandB(directory.path, settings.wandb, run_id=run_id, mode=settings.wandb_mode,
                                   config=to_json(config)))
         # Everything above only reads; this is the first write (and it takes the directory's lock).
-        notes = directory.open({**_record(config, model, meta, command), "pretrained": resolve_path_setting(source)},
+        notes = directory.open({**_record(config, objective, meta, command), "pretrained": resolve_path_setting(source)},
                                allow_changes=settings.allow_changes, keep=_tokenizer_files(config.tokenizer))
         notes += pretrained_notes
     return LMRun(config, data, objective, trainer, directory, trackers, notes)
+
+
+def _objective(config: LMRunConfig, model, held, meta: dict[str, Any]) -> LMObjective | MaskedDiffusionObjective:
+    """The objective --objective names. Both train on the data's rows of --data.seq-len + 1 ids: the
+    autoregressive one predicts the last seq_len of them from the first, masked diffusion reads them
+    whole with the mask id after the tokenizer's last."""
+    samples = _samples(config, model.config.max_seq_len)
+    if config.objective == "masked_diffusion":
+        mask_id = meta["vocab_size"]
+        if model.config.vocab_size <= mask_id:
+            raise ValueError(
+                f"--model.config vocab_size {model.config.vocab_size} leaves no id for the mask: masked diffusion "
+                f"masks with id {mask_id}, the one after the {meta['vocab_size']} ids of {config.data.path} "
+                "(meta.json); leave vocab_size out of --model.config to take one more than the files' vocab_size"
+            )
+        return MaskedDiffusionObjective(model, MDLM(mask_id=mask_id)(), config.data.seq_len + 1,
+                                        ema_decay=config.ema_decay, samples=samples,
+                                        token_accuracy=config.token_accuracy, pretrained=held)
+    return LMObjective(
+        model, config.data.seq_len, ema_decay=config.ema_decay, samples=samples,
+        balance_rate=config.balance_rate, aux_loss_alpha=config.aux_loss_alpha, seq_aux=config.seq_aux,
+        router_z_loss=config.router_z_loss, mtp_weight=config.mtp_weight, indexer=config.indexer,
+        token_accuracy=config.token_accuracy, pretrained=held,
+    )
 
 
 def _tokenizer_files(name: str) -> dict[str, Path]:

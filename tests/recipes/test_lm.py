@@ -130,8 +130,8 @@ def test_refusals_name_the_value_and_write_nothing(token_dir, tmp_path, capsys, 
 def test_unbuilt_fields_are_refused_in_python_too():
     with pytest.raises(NotImplementedError, match="LoRA adapters are not built"):
         LMRunConfig(lora={"rank": 8})
-    with pytest.raises(NotImplementedError, match="masked diffusion"):
-        dataclasses.replace(LMRunConfig(), objective="masked_diffusion")
+    with pytest.raises(NotImplementedError, match="block diffusion"):
+        dataclasses.replace(LMRunConfig(), objective="block_diffusion")
 
 
 def test_a_non_run_directory_is_refused(token_dir, tmp_path, capsys):

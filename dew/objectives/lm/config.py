@@ -11,7 +11,12 @@ from dew.data import TokenWindows
 from dew.recipes.config import DataSpec, ModelConfig, OptimConfig, TrainerConfig
 from dew.sampling import Sampling
 
-_OBJECTIVES = {"lm": None, "masked_diffusion": "masked diffusion (MDLM)", "block_diffusion": "block diffusion"}
+# Each objective, and None where it is built or what is not built yet.
+_OBJECTIVES = {"lm": None, "masked_diffusion": None, "block_diffusion": "block diffusion"}
+_DEFAULT_SAMPLING = Sampling(temperature=0.8, top_k=40)
+# Knobs of the autoregressive loss alone, with the value that asks for nothing.
+_LM_ONLY = {"balance_rate": None, "aux_loss_alpha": None, "seq_aux": True, "router_z_loss": 0.0, "mtp_weight": None,
+            "indexer": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +29,7 @@ class LMRunConfig:
         default_factory=lambda: OptimConfig(learning_rate=0.0006, weight_decay=0.1, clip_grads=1.0))
     trainer: TrainerConfig = TrainerConfig()
     objective: str = "lm"
-    """Loss convention: lm; masked_diffusion (MDLM) and block_diffusion (DiffusionGemma's) are not built yet."""
+    """Loss convention: lm (next-token cross entropy over rows of --data.seq-len + 1 ids), or masked_diffusion (MDLM's negative ELBO on a bidirectional decoder, over the same rows whole: --data.seq-len 127 trains on 128 ids; the mask takes the id after the tokenizer's last); block_diffusion (DiffusionGemma's) is not built yet."""
     lora: tyro.conf.Suppress[Any] = None
     """LoRA adapters (not built yet: refused)."""
     tokenizer: str = "byte"
@@ -35,8 +40,9 @@ class LMRunConfig:
     """Prompt the validation samples continue; empty continues a newline."""
     sample_tokens: int = 128
     """Tokens generated per validation sample; 0 logs no text."""
-    sampling: Annotated[Sampling, tyro.conf.arg(help="The preview policy, recorded with the run for inference.")] = (
-        dataclasses.field(default_factory=lambda: Sampling(temperature=0.8, top_k=40)))
+    sampling: Annotated[Sampling, tyro.conf.arg(help=(
+        "The preview policy, recorded with the run for inference (objective lm; masked_diffusion unmasks with "
+        "MDLM's sampler instead)."))] = dataclasses.field(default_factory=lambda: _DEFAULT_SAMPLING)
     pretrained: Annotated[str | None, tyro.conf.arg(help=(
         "Hugging Face decoder to continue training: a hub repo id, repo@revision (a branch, tag or commit), or a "
         "local directory in that layout. A run records a hub repo as repo@commit, the commit it resolved to. The "
@@ -69,6 +75,8 @@ class LMRunConfig:
                 f"--objective {self.objective}: {_OBJECTIVES[self.objective]} is not built in Dew yet; "
                 "leave --objective at lm"
             )
+        if self.objective == "masked_diffusion":
+            self._check_masked_diffusion()
         if self.lora is not None:
             raise NotImplementedError(f"lora={self.lora!r}: LoRA adapters are not built in Dew yet; leave lora unset")
         block = {"block_prompt_tokens": (self.block_prompt_tokens, 256),
@@ -88,3 +96,21 @@ class LMRunConfig:
             raise ValueError(f"ema_decay is {self.ema_decay}; use a value in [0, 1], or None for no EMA")
         if self.sample_tokens < 0:
             raise ValueError(f"sample_tokens is {self.sample_tokens}; use 0 for no previews, or more")
+
+    def _check_masked_diffusion(self):
+        """Refuse settings masked diffusion has no use for, rather than ignore them."""
+        for name, neutral in _LM_ONLY.items():
+            if getattr(self, name) != neutral:
+                flag = "--no-seq-aux" if name == "seq_aux" else f"--{name.replace('_', '-')} {getattr(self, name)}"
+                raise ValueError(f"{flag} shapes the autoregressive objective, and --objective masked_diffusion does "
+                                 f"not read it: drop {flag.split()[0]}")
+        if self.sampling != _DEFAULT_SAMPLING:
+            raise ValueError(
+                f"--sampling sets an autoregressive policy ({self.sampling}), and --objective masked_diffusion "
+                "previews and generates by unmasking with MDLM's sampler: drop the --sampling flags"
+            )
+        if self.pretrained is not None:
+            raise NotImplementedError(
+                f"--pretrained {self.pretrained} with --objective masked_diffusion needs a masked-diffusion "
+                "checkpoint (LLaDA, Dream), and loading those is not built in Dew yet: train from scratch"
+            )

@@ -1,0 +1,5 @@
+"""Diffusion objectives: `MaskedDiffusionObjective` (MDLM's negative ELBO)."""
+
+from dew.objectives.diffusion.masked import MaskedDiffusionObjective, MaskedStatistics
+
+__all__ = ["MaskedDiffusionObjective", "MaskedStatistics"]

@@ -1,0 +1,77 @@
+"""The recipe's --objective masked_diffusion: what it trains and records, dew.pipeline over its run, refusals."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import dew
+from dew.diffusion.discrete import MDLM
+from dew.inference import MaskedGeneration
+from dew.recipes import lm
+from dew.recipes.run_dir import RunDirectory
+from dew.training.checkpoints import Checkpoints
+from tests.recipes.conftest import recipe_args, token_dir  # noqa: F401  (the fixture)
+
+MASKED = ("--objective", "masked_diffusion")
+
+
+@pytest.fixture(scope="module")
+def masked_run(token_dir, tmp_path_factory):  # noqa: F811
+    run = tmp_path_factory.mktemp("masked") / "run"
+    argv = recipe_args(token_dir, run, *MASKED, "--sample-tokens", "4", "--sample-prompt", "line",
+                       "--trainer.eval-every", "3", steps=6)
+    assert lm.main(argv) == 0
+    return run
+
+
+def test_the_run_trains_mdlm_and_records_the_mask(masked_run):
+    run = RunDirectory(masked_run)
+    record = run.record()
+    # Byte files: 256 ids, the mask the 257th; the rows of --data.seq-len 16 hold 17 ids, read whole.
+    assert record["model"]["config"]["vocab_size"] == 257 and record["model"]["config"]["causal"] is False
+    assert record["generation"] == {"process": "mdlm", "mask_id": 256, "max_new_tokens": 4, "ema": True}
+    assert record["settings"]["objective"] == "masked_diffusion" and record["tokens_per_step"] == 4 * 17
+    metrics = run.metrics()
+    train = [m for m in metrics if "train/loss" in m]
+    assert len(train) == 6 and {"train/masked_accuracy", "train/masked_fraction"} <= set(train[-1])
+    assert [m["step"] for m in metrics if "val/perplexity" in m] == [3, 6]
+    samples = (masked_run / "samples.jsonl").read_text()
+    assert samples.count("line") == 2  # one preview at each evaluation, from the prompt
+
+
+def test_pipeline_rebuilds_native_mdlm_with_64_steps(masked_run):
+    task = dew.pipeline(masked_run)
+    assert isinstance(task, MaskedGeneration) and task.process == MDLM(mask_id=256)()
+    assert task.process.sampler.steps == 64 and task.max_new_tokens == 4 and task.eos_token_ids == ()
+    checkpoints = Checkpoints(masked_run / "checkpoints")
+    saved = checkpoints.restore_tree()
+    checkpoints.close()
+    for ours, theirs in zip(jax.tree_util.tree_leaves(task.params), jax.tree_util.tree_leaves(saved["ema"])):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    result = task("line 3", seed=0)
+    assert result.text[0].startswith("line 3") and list(result.refinements) == [64]
+    assert int(result.new_tokens[0]) == 4 and (np.asarray(result.continuations()) < 256).all()
+    live = dew.pipeline(masked_run, ema=False)
+    for ours, theirs in zip(jax.tree_util.tree_leaves(live.params), jax.tree_util.tree_leaves(saved["params"])):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sampling.temperature", "0"], "--sampling sets an autoregressive policy"),
+    (["--balance-rate", "0.001"], "--balance-rate 0.001 shapes the autoregressive objective"),
+    (["--pretrained", "some/model"], "loading those is not built in Dew yet"),
+    (["--model.config", '{"vocab_size": 256}'], "vocab_size 256 leaves no id for the mask"),
+    (["--model.config", '{"causal": true, "max_seq_len": 64}'], "the model is causal (causal=True)"),
+    (["--model.config", '{"max_seq_len": 16}'], "seq_len 17 is longer than the model's max_seq_len 16"),
+])
+def test_refusals_name_the_value_and_write_nothing(token_dir, tmp_path, capsys, flags, message):  # noqa: F811
+    run_dir = tmp_path / "refused"
+    try:
+        code = lm.main(recipe_args(token_dir, run_dir, *MASKED) + flags)
+    except SystemExit as exit:  # tyro reports a config's ValueError itself, in a box
+        code = exit.code
+    assert code == 2
+    assert message in " ".join(capsys.readouterr().err.replace("│", " ").split())
+    assert not run_dir.exists()
