@@ -39,8 +39,7 @@ class UnchunkedHead(LMObjective):
         correct = (jnp.argmax(logits_NV, axis=-1) == targets_N).astype(jnp.float32)
         w = weights_BS.reshape(-1)
         count = jnp.sum(w)
-        return LMStatistics(loss=Mean(jnp.sum(ce * w), count), ce=Mean(jnp.sum(ce * w), count),
-                            token_accuracy=Mean(jnp.sum(correct * w), count))
+        return LMStatistics(ce=Mean(jnp.sum(ce * w), count), token_accuracy=Mean(jnp.sum(correct * w), count))
 
 
 def head_temporaries(vocab: int, rows: int, width: int, chunks: int) -> tuple[int, int]:

@@ -17,11 +17,13 @@ import math
 import os
 import socket
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 from flax.core import meta
+from flax.linen import LogicallyPartitioned
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # `tensor` is the innermost axis: neighbouring devices (one host, one NVLink island) exchange the most.
@@ -130,6 +132,20 @@ def logical_names(tree) -> tuple[Any, Any]:
     plain = jax.tree_util.tree_map(lambda x: x.value if _is_box(x) else x, tree, is_leaf=_is_box)
     names = jax.tree_util.tree_map(lambda x: PartitionSpec(*x.names) if _is_box(x) else None, tree, is_leaf=_is_box)
     return plain, names
+
+
+def with_names(tree, names):
+    """`tree` with each leaf boxed in its logical axis names from `names` (a tree of `PartitionSpec`s
+    matching it, as `flax.linen.get_partition_spec` or a model's `logical_names()` gives); a leaf with
+    no names, or a subtree `names` does not cover (a collection the objective adds), stays plain.
+    `logical_names` undoes it."""
+    if isinstance(tree, Mapping) and isinstance(names, Mapping):
+        return {key: with_names(value, names[key]) if key in names else value for key, value in tree.items()}
+
+    def box(value, spec):
+        return value if spec is None or len(spec) == 0 else LogicallyPartitioned(value, tuple(spec))
+
+    return jax.tree_util.tree_map(box, tree, names)
 
 
 @dataclasses.dataclass(frozen=True)

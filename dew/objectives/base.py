@@ -49,10 +49,24 @@ class Mean:
 
 
 class Objective(Protocol):
-    """The contract `Trainer` compiles. Statistics are pytrees of sums that add across micro-batches.
+    """The contract `Trainer` compiles; every objective (language modelling, masked or block diffusion,
+    preference and reinforcement objectives) implements it.
 
-    An objective may also offer `preview(params, batch, step)` (texts to show at each evaluation, or
-    None) and `preview_variables(state)` (the weights previews draw from; default `state.evaluated`).
+    - `init(key, variables)` makes fresh variables, or checks `variables` (`held_variables()`, a
+      checkpoint to continue) against the model and returns them in the model's own form.
+    - `loss(params, batch, step)` returns `(statistics, effects)`. Statistics are a pytree of sums
+      (`Mean`s of named terms) that add across micro-batches; `reduce_loss(statistics)` gives the
+      loss's numerator and denominator, which the trainer divides once after summing a window's
+      micro-batches, logs through, and checks for finiteness. Effects are what a loss asks to change
+      outside the gradient (a router's balancing bias, say): pytrees that add across micro-batches,
+      summed over the accumulation window and handed to `apply_effects(variables, effects)` once,
+      after the optimizer's update.
+    - `evaluate(params, batch, step)` returns statistics for a validation batch; `summarize(stats)`
+      the scalars to log; `check_batch(batch)` refuses a host batch before it is placed.
+    - Optional: `preview(params, batch, step)` (texts to show at each evaluation, or None),
+      `preview_variables(state)` (the weights previews draw from; default `state.evaluated`),
+      `predict(...)` (scores with the logits behind them, for distillation), and
+      `logical_names()` (each parameter's logical axes, which the trainer maps onto the mesh).
     """
 
     ema_decay: float | None
@@ -60,10 +74,18 @@ class Objective(Protocol):
 
     def init(self, key: jax.Array, variables: Variables | None = None) -> Variables: ...
 
+    def held_variables(self) -> Variables | None:
+        """The checkpoint a run starts from (None: fresh variables); bound as the initializer's argument."""
+        ...
+
     def loss(self, params: Variables, batch: Mapping[str, jax.Array], step: Step) -> tuple[Any, Aux]: ...
 
     def reduce_loss(self, stats: Any) -> tuple[jax.Array, jax.Array]:
         """(loss numerator, its denominator): the trainer divides once, after summing micro-batches."""
+        ...
+
+    def apply_effects(self, variables: Variables, effects: Aux) -> Variables:
+        """`variables` with the window's summed effects applied (after the optimizer's update)."""
         ...
 
     def evaluate(self, params: Variables, batch: Mapping[str, jax.Array], step: Step) -> Any: ...

@@ -14,11 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import linen as nn
 
 from dew.data.dataset import Dataset, Partition
 from dew.objectives.base import Step
 from dew.training.checkpoints import Checkpoints
 from dew.training.in_flight import InFlight
+from dew.sharding import BATCH_AXES, logical_names, with_names
 from dew.training.mesh import Layout, MeshSpec, place_batch, replicated
 from dew.training.progress import Reporter, format_values
 from dew.training.state import TrainState
@@ -34,6 +36,10 @@ STEPS_AHEAD = 2
 def _key_data(key) -> jax.Array:
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
     return jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+
+
+def _is_box(x) -> bool:
+    return isinstance(x, nn.meta.AxisMetadata)
 
 
 def _path(path) -> str:
@@ -139,16 +145,22 @@ class Trainer:
             return optimizer
 
         def labels(params):
+            # A parameter boxed with its logical names is one leaf: its path is the parameter's.
             return jax.tree_util.tree_map_with_path(
-                lambda path, _: "train" if keep("params/" + _path(path)) else "frozen", params
+                lambda path, _: "train" if keep("params/" + _path(path)) else "frozen", params, is_leaf=_is_box
             )
 
         return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
 
-    def _init(self, held):
+    def _init(self, held, boxed: bool = False):
+        """The fresh state; with `boxed`, each parameter (and what mirrors it: the EMA, the optimizer's
+        moments) wrapped in its logical axis names, for `state_shardings` to read."""
         base = jax.random.wrap_key_data(self.key)
         init_key, run_key = jax.random.split(base)
         variables = self.objective.init(init_key, held)
+        names = getattr(self.objective, "logical_names", None)
+        if boxed and names is not None:
+            variables = with_names(variables, names())
         ema = None if self.objective.ema_decay is None else variables
         return TrainState(
             params=variables, ema=ema, opt_state=self.optimizer.init(variables["params"]),
@@ -156,8 +168,10 @@ class Trainer:
         )
 
     def state_shardings(self, held=None):
-        abstract = jax.eval_shape(self._init, held)
-        return abstract, self.layout.shardings(self.mesh, abstract)
+        """The state's shapes and its shardings: parameters placed by their logical names through the
+        layout's rules (`dew.sharding`), anything unnamed by the layout's size rule."""
+        abstract = jax.eval_shape(lambda held: self._init(held, boxed=True), held)
+        return logical_names(abstract)[0], self.layout.shardings(self.mesh, abstract)
 
     def init_state(self) -> TrainState:
         """A fresh state, each leaf created directly on its devices."""
@@ -192,20 +206,17 @@ class Trainer:
                 )
                 first = jax.tree_util.tree_map(lambda x: x[0], micro)
                 (_, (stats_shape, effects_shape)) = jax.eval_shape(lambda: grad_fn(trained, first, 0)[0])
-                if jax.tree_util.tree_leaves(effects_shape):
-                    raise NotImplementedError("an objective with effects cannot accumulate micro-batches yet")
 
+                # Gradients, statistics and effects all add over the window; effects are applied once,
+                # after the update, so every micro-batch sees the same variables.
                 def body(carry, inputs):
-                    grads_sum, stats_sum = carry
-                    (_, (stats, _)), grads = grad_fn(trained, *inputs)
-                    add = lambda a, b: jax.tree_util.tree_map(jnp.add, a, b)
-                    return (add(grads_sum, grads), add(stats_sum, stats)), None
+                    (_, (stats, effects)), grads = grad_fn(trained, *inputs)
+                    return jax.tree_util.tree_map(jnp.add, carry, (grads, stats, effects)), None
 
                 zeros = lambda tree: jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
-                (grads, stats), _ = jax.lax.scan(
-                    body, (zeros(trained), zeros(stats_shape)), (micro, jnp.arange(accumulation))
+                (grads, stats, effects), _ = jax.lax.scan(
+                    body, zeros((trained, stats_shape, effects_shape)), (micro, jnp.arange(accumulation))
                 )
-                effects = {}
             numer, denom = objective.reduce_loss(stats)
             scale = 1.0 / jnp.maximum(denom, 1.0)
             grads = jax.tree_util.tree_map(lambda g: (g * scale).astype(g.dtype), grads)
@@ -332,11 +343,11 @@ class Trainer:
         for name, value in (("steps", steps), ("log_every", log_every), ("accumulation", accumulation)):
             if value < 1:
                 raise ValueError(f"{name} is {value}; it must be at least 1")
-        devices = self.mesh.devices.size
-        if data.batch % (accumulation * devices):
+        shards = math.prod(self.mesh.shape[axis] for axis in BATCH_AXES)  # the tensor and expert axes share rows
+        if data.batch % (accumulation * shards):
             raise ValueError(
-                f"batch {data.batch} does not split into {accumulation} micro-batches over {devices} devices: "
-                f"use a batch that is a multiple of {accumulation * devices}"
+                f"batch {data.batch} does not split into {accumulation} micro-batches over {shards} batch shards "
+                f"(data x fsdp): use a batch that is a multiple of {accumulation * shards}"
             )
         checkpoints = None if checkpoint_dir is None else Checkpoints(checkpoint_dir, keep)
         checkpoint_every = checkpoint_every or eval_every

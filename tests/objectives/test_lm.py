@@ -137,9 +137,9 @@ def test_z_loss_adds_the_squared_log_normaliser(tiny_model, tiny_variables):
 
 def test_perplexity_weighs_batches_by_counted_targets():
     metric = perplexity()
-    small = LMStatistics(loss=None, ce=Mean(jnp.asarray(2.0), jnp.asarray(1.0)), token_accuracy=None)
-    large = LMStatistics(loss=None, ce=Mean(jnp.asarray(30.0), jnp.asarray(10.0)), token_accuracy=None)
-    empty = LMStatistics(loss=None, ce=Mean(jnp.asarray(0.0), jnp.asarray(0.0)), token_accuracy=None)
+    small = LMStatistics(ce=Mean(jnp.asarray(2.0), jnp.asarray(1.0)), token_accuracy=None)
+    large = LMStatistics(ce=Mean(jnp.asarray(30.0), jnp.asarray(10.0)), token_accuracy=None)
+    empty = LMStatistics(ce=Mean(jnp.asarray(0.0), jnp.asarray(0.0)), token_accuracy=None)
     accumulated = metric.initial()
     for stats in (small, large, empty):
         accumulated = metric.merge(accumulated, metric.contribution(stats))

@@ -49,11 +49,20 @@ def prompt_batch(prompt) -> jax.Array:
 
 @struct.dataclass
 class LMStatistics:
-    """Sums over counted targets: the loss (ce plus any z-loss), the ce, and the argmax hits."""
+    """Sums over counted targets: the cross entropy, the argmax hits (None without `token_accuracy`),
+    and the loss's other named `terms` (`z_loss`, ...), each a sum over the same counted targets.
 
-    loss: Mean
+    `loss` is the whole loss as one `Mean` over the counted targets, what `reduce_loss` returns, so
+    micro-batches add up and the trainer divides once.
+    """
+
     ce: Mean
     token_accuracy: Mean | None
+    terms: dict = struct.field(default_factory=dict)
+
+    @property
+    def loss(self) -> Mean:
+        return Mean(self.ce.total + sum(term.total for term in self.terms.values()), self.ce.count)
 
 
 @struct.dataclass
@@ -186,6 +195,10 @@ class LMObjective:
         """Return the checkpoint a continued-pretraining run starts from."""
         return self.pretrained
 
+    def logical_names(self):
+        """Each parameter's logical axis names (a tree like `init`'s), for placement on a mesh."""
+        return self.model.logical_names()
+
     def init(self, key, variables: Variables | None = None) -> Variables:
         """Fresh variables from `key`, or `variables` (the pretrained ones) checked against the model."""
         tokens = jnp.zeros((1, self.seq_len), jnp.int32)
@@ -278,11 +291,11 @@ class LMObjective:
         w = scores.weights
         count = jnp.sum(w)
         ce = Mean(jnp.sum(scores.losses * w), count)
-        loss = ce
+        terms = {}
         if self.z_loss:
-            loss = Mean(ce.total + self.z_loss * jnp.sum(jnp.square(scores.lse) * w), count)
+            terms["z_loss"] = Mean(self.z_loss * jnp.sum(jnp.square(scores.lse) * w), count)
         accuracy = Mean(jnp.sum(scores.correct * w), count) if self.token_accuracy else None
-        return LMStatistics(loss=loss, ce=ce, token_accuracy=accuracy)
+        return LMStatistics(ce=ce, token_accuracy=accuracy, terms=terms)
 
     def loss(self, params, batch, step: Step) -> tuple[LMStatistics, Aux]:
         return self._statistics(params, batch), {}
@@ -310,6 +323,8 @@ class LMObjective:
                   "perplexity": float(np.exp(min(ce, 700.0)))}
         if stats.token_accuracy is not None:
             values["token_accuracy"] = float(stats.token_accuracy.total) / max(float(stats.token_accuracy.count), 1.0)
+        for name, term in stats.terms.items():
+            values[name] = float(term.total) / max(float(term.count), 1.0)
         return values
 
     # -- generation ------------------------------------------------------------------------------
