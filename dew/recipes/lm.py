@@ -29,6 +29,7 @@ from dew.objectives.lm import LMObjective, LMRunConfig, Samples
 from dew.recipes.config import to_json
 from dew.recipes.run_dir import PATH_SETTINGS, TOKENIZER, RunDirectory, resolve_path_setting
 from dew.sampling import Sampling
+from dew.sharding import initialize
 from dew.training.state import TrainState
 from dew.training.trackers import JsonLines, TensorBoard, Tracker, WandB
 from dew.training.trainer import Trainer, TrainingDiverged, TrainingInterrupted
@@ -346,7 +347,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python recipes/lm/train
     argv = sys.argv[1:] if argv is None else list(argv)
     one_line_warnings()
     try:
-        run = prepare(parse(argv, prog), command=[*prog.split(), *argv])
+        config = parse(argv, prog)
+        # Several processes (DEW_COORDINATOR, DEW_NUM_PROCESSES, DEW_PROCESS_ID) join before any
+        # JAX computation; a single process starts nothing.
+        initialize()
+        run = prepare(config, command=[*prog.split(), *argv])
     except Exception as error:  # noqa: BLE001 - `report` re-raises what is not a refusal or a fault
         return report(error)
     try:
