@@ -119,6 +119,51 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
             print(f"[{index}] {printable(text)}")
 
 
+def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], host: str = "127.0.0.1",
+          port: int = 8000, slots: int = 8, capacity: int | None = None, queue: int = 256, prefill_rows: int = 4,
+          name: str | None = None, chat_template: str | None = None, live: bool = False) -> None:
+    """Serve a model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health)
+    with continuous batching, until interrupted. Needs the serve extra (pip install 'dew-ml[serve]').
+
+    Args:
+        source: A run directory, one of its checkpoints (RUN/checkpoints/STEP), a Hugging Face
+            checkpoint directory or Hub id in the local cache, or a GGUF file.
+        host: The address to listen on (127.0.0.1: this machine only).
+        port: The port to listen on.
+        slots: Requests generated at once (rows of the KV cache); more wait in the queue.
+        capacity: Positions per request, prompt plus new tokens (default: the model's max_seq_len, at most 1024).
+        queue: Requests that may wait for a slot; past that a request is answered 503.
+        prefill_rows: The most new prompts prefilled together.
+        name: The model id clients send (default: SOURCE as given).
+        chat_template: A Jinja chat template file, used instead of the checkpoint's.
+        live: Use a run's live weights instead of its moving average.
+    """
+    import importlib.util
+    import logging
+
+    missing = [package for package in ("fastapi", "uvicorn", "jinja2") if importlib.util.find_spec(package) is None]
+    if missing:
+        raise ImportError(f"dew serve needs {', '.join(missing)}: pip install 'dew-ml[serve]'")
+    from dew.serve.app import run
+    from dew.serve.service import Served
+
+    log = logging.getLogger("dew.serve")  # lines in uvicorn's format, whatever the root logger holds
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    served = Served.load(source, slots=slots, capacity=capacity, queue=queue, prefill_rows=prefill_rows, name=name,
+                         chat_template_file=chat_template, live=live)
+    engine = served.engine
+    log.info(
+        "serving %s as model %r: %d slots of %d positions (prompt widths %s), queue %d, chat template %s; "
+        "listening on http://%s:%d", source, served.name, engine.slots, engine.capacity,
+        ", ".join(map(str, engine.widths)), engine.queue_limit, served.chat.source if served.chat else "none", host,
+        port)
+    run(served, host=host, port=port)
+
+
 def _number(value, digits: int = 4) -> str:
     return "" if value is None else f"{value:.{digits}g}"
 
@@ -174,6 +219,7 @@ COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "tokenize": ("tokenize text into train.bin, val.bin and meta.json", _function(tokenize)),
     "generate": ("continue a prompt from a run, a checkpoint or a GGUF file, streaming the text",
                  _function(generate)),
+    "serve": ("serve a model over OpenAI's HTTP API with continuous batching", _function(serve)),
     "plot": ("plot runs' loss and perplexity against steps and tokens into a PNG", _function(plot)),
     "runs": ("list runs: status, step, checkpoint, last losses", _function(runs)),
 }

@@ -128,11 +128,18 @@ def start(model, params, tokens_BP, valid_BP, capacity: int, penalty: bool) -> D
 
 
 def advance(model, params, state: DecodeState, keys_B, step, sampling: SamplingParams, eos: tuple[int, ...],
-            pad_id: int):
+            pad_id: int, choose=draw):
     """Draw each live row's next token, then feed it back; returns the new state and
-    `(tokens [B], log-probabilities [B], live [B])` of this step (finished rows give `pad_id`)."""
-    keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys_B)
-    token_B, log_prob_B = draw(sampling, keys, state.logits_BV, state.seen_BV)
+    `(tokens [B], log-probabilities [B], live [B])` of this step (finished rows give `pad_id`).
+
+    Row `b` draws with `fold_in(keys_B[b], step)`: `step` is one count for every row (`generate`'s
+    decode step) or int32 `[B]`, each row's own (the serving engine's rows join at different steps).
+    `choose(sampling, keys_B, logits_BV, seen_BV) -> (tokens, log-probabilities)` draws; `draw` by
+    default.
+    """
+    steps_B = jnp.broadcast_to(jnp.asarray(step, jnp.int32), keys_B.shape)
+    keys = jax.vmap(jax.random.fold_in)(keys_B, steps_B)
+    token_B, log_prob_B = choose(sampling, keys, state.logits_BV, state.seen_BV)
     live_B = ~state.done_B
     token_B = jnp.where(live_B, token_B, pad_id)
     log_prob_B = jnp.where(live_B, log_prob_B, 0.0)

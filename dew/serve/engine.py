@@ -1,0 +1,315 @@
+"""`Engine`: continuous batching over a fixed number of slots, run by one thread.
+
+Requests wait in a bounded queue. Between decode steps the engine admits waiting requests into free
+slots (prefilled in batches of a few rows at bucketed prompt widths, see `dew.serve.slots`), then
+dispatches one compiled step for every occupied slot. It dispatches step t+1 before it reads step
+t's tokens, so the host's work (handing tokens to their requests, decoding text, finding stop
+strings) overlaps the device's. A row that ends (EOS, its budget, a stop string its consumer found,
+a cancelled request) frees its slot at once; one ended by the host is released in the next step.
+
+Each request hands its tokens to a `Consumer`, on the engine's thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+import jax
+import numpy as np
+
+from dew.sampling.generate import PROMPT_BUCKET
+from dew.sampling.sampling import Sampling, SamplingParams, _bucket
+from dew.serve.slots import Admission, compile_admit, compile_step, empty_slots, plain_sampling
+
+logger = logging.getLogger("dew.serve")
+
+TOP_K_LIMIT = 64
+"""The largest `top_k` a request may ask for, unless the source's own default is larger."""
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue holds its bound: the request was not taken."""
+
+
+class TooLong(ValueError):
+    """A prompt plus its budget does not fit one slot's positions."""
+
+
+class Consumer(Protocol):
+    """What receives a request's tokens, called on the engine's thread (keep it short)."""
+
+    def token(self, token_id: int) -> bool:
+        """Take the next token (never an EOS token); True ends the request here (a stop string)."""
+
+    def finish(self, reason: str, completion_tokens: int) -> None:
+        """The request ended: "stop" (EOS drawn, or `token` returned True), "length" (budget reached)
+        or "cancelled"; `completion_tokens` counts the tokens drawn, EOS included."""
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One continuation: `prompt` token ids, at most `max_tokens` new ones, drawn with `sampling`
+    (its EOS and pad ids are the engine's) and the key of `generate(..., key=jax.random.key(seed))`
+    row `prompt_index * n + continuation`."""
+
+    prompt: Sequence[int]
+    max_tokens: int
+    sampling: Sampling
+    seed: int
+    consumer: Consumer
+    prompt_index: int = 0
+    continuation: int = 0
+    drawn: int = 0
+    ended: bool = False
+
+
+class Engine:
+    """Continuous batching for `model` with `params` over `slots` rows of `capacity` positions each.
+
+    `submit` queues requests (at most `queue_limit` wait; beyond that it raises `QueueFull`);
+    `cancel` drops one wherever it is. Prompts are prefilled in batches of 1, 2, 4 ... up to
+    `prefill_rows` rows, at widths 16, 32, 64 ... up to `capacity`; `warm_up` compiles every
+    combination, after which no request compiles. `eos_token_ids` end a row, `pad_id` fills.
+    """
+
+    def __init__(self, model, params, *, slots: int, capacity: int, eos_token_ids: Sequence[int] = (),
+                 pad_id: int = 0, queue_limit: int = 256, prefill_rows: int = 4, top_k_limit: int = TOP_K_LIMIT):
+        config = model.config
+        if slots < 1:
+            raise ValueError(f"slots is {slots}; the engine needs at least one")
+        if not 2 <= capacity <= config.max_seq_len:
+            raise ValueError(f"capacity {capacity} must lie in [2, the model's max_seq_len {config.max_seq_len}]: "
+                             "it is the positions of one request, prompt and new tokens")
+        if queue_limit < 0 or prefill_rows < 1:
+            raise ValueError(f"queue_limit {queue_limit} and prefill_rows {prefill_rows} must be >= 0 and >= 1")
+        self.model, self.slots, self.capacity, self.queue_limit = model, slots, capacity, queue_limit
+        self.eos = tuple(int(i) for i in eos_token_ids)
+        self.pad_id = int(pad_id)
+        self.top_k_limit = top_k_limit
+        self.widths = _ladder(PROMPT_BUCKET, capacity)
+        self.prefill_rows = _ladder(1, min(prefill_rows, slots))
+        self.params = jax.jit(model.stack_variables)(params)  # once, not at every step
+        self._top_k_bound = _bucket(top_k_limit)
+        self._state = empty_slots(model, slots, capacity, self._top_k_bound)
+        self._step = compile_step(model, self.eos, self.pad_id)
+        self._admit = compile_admit(model)
+        self._owners: list[Request | None] = [None] * slots
+        self._release = np.zeros(slots, bool)
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._cancelled: set[Request] = set()
+        self._lock = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # -- the host's view, thread-safe ----------------------------------------------------------------
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        """Queue `requests` together (all or none: `QueueFull` when they do not fit the bound)."""
+        for request in requests:
+            self.check(len(request.prompt), request.max_tokens, request.sampling)
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the engine is closed")
+            free = sum(owner is None for owner in self._owners)
+            if len(self._waiting) + len(requests) - free > self.queue_limit:
+                raise QueueFull(f"{len(requests)} new rows with {len(self._waiting)} already waiting would leave "
+                                f"{len(self._waiting) + len(requests) - free} waiting for {free} free slots, and the "
+                                f"queue holds {self.queue_limit} (dew serve --queue): retry later")
+            self._waiting.extend(requests)
+            self._lock.notify()
+
+    def cancel(self, request: Request) -> None:
+        """Drop `request`: out of the queue, or its slot freed before the next step."""
+        with self._lock:
+            self._cancelled.add(request)
+            self._lock.notify()
+
+    def check(self, prompt_tokens: int, max_tokens: int, sampling: Sampling) -> None:
+        """Refuse (ValueError) a request this engine cannot serve: too long, or a top_k past the bound."""
+        if prompt_tokens < 1:
+            raise ValueError("the prompt is empty; give at least one token")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens is {max_tokens}; ask for at least one token")
+        if prompt_tokens + max_tokens > self.capacity:
+            raise TooLong(f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} make "
+                             f"{prompt_tokens + max_tokens}, beyond this server's context of {self.capacity} tokens "
+                             "per request (dew serve --capacity): shorten the prompt or lower max_tokens")
+        if sampling.top_k is not None and sampling.top_k > self.top_k_limit:
+            raise ValueError(f"top_k is {sampling.top_k}; this server keeps at most the {self.top_k_limit} most "
+                             "likely tokens: ask for fewer, or none")
+
+    def load(self) -> dict:
+        """Whether the engine's thread runs, and how busy it is: occupied slots, waiting requests, steps run."""
+        with self._lock:
+            running = not self._closing and self._thread is not None and self._thread.is_alive()
+            return {"running": running, "slots": self.slots, "busy": sum(owner is not None for owner in self._owners),
+                    "waiting": len(self._waiting), "capacity": self.capacity, "steps": self.steps}
+
+    # -- life cycle ---------------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Compile every admission shape and the step (admitting only padding rows, which change nothing)."""
+        for rows, width in itertools.product(self.prefill_rows, self.widths):
+            nowhere = np.full(rows, self.slots, np.int32)  # every row dropped
+            self._state = self._admit(self.params, self._state, self._admission([None] * rows, width, nowhere))
+        self._state, output = self._step(self.params, self._state, self._release)
+        jax.block_until_ready(output)
+        for seed in (0, 2**40):  # the host's key derivation, for small and large seeds
+            _seed_key(seed)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dew-serve-engine", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread; requests still waiting or running end as "cancelled"."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- the engine's thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            logger.exception("the serving engine stopped")
+            raise
+        finally:
+            with self._lock:
+                self._closing = True
+                left = [*self._waiting, *(owner for owner in self._owners if owner is not None)]
+                self._waiting.clear()
+                self._owners = [None] * self.slots
+            for request in left:
+                self._end(request, "cancelled")
+
+    def _loop(self) -> None:
+        pending = None  # the dispatched step whose tokens are not read yet, and its rows' owners
+        while True:
+            with self._lock:
+                while not self._closing and pending is None and not self._waiting and not self._cancelled \
+                        and all(owner is None for owner in self._owners):
+                    self._lock.wait()
+                if self._closing:
+                    return
+                cancelled, self._cancelled = self._cancelled, set()
+                for request in cancelled:
+                    if request in self._waiting:
+                        self._waiting.remove(request)
+                admitted = self._take_waiting()
+            for request in cancelled:
+                self._free(request, release=True)  # its row may still be live on the device
+                self._end(request, "cancelled")
+            self._place(admitted)
+            dispatched = None
+            if any(owner is not None for owner in self._owners):
+                release, self._release = self._release, np.zeros(self.slots, bool)
+                self._state, output = self._step(self.params, self._state, release)
+                dispatched = (output, list(self._owners))
+                self.steps += 1
+            if pending is not None:
+                self._hand_out(*pending)
+            pending = dispatched
+
+    def _take_waiting(self) -> list[tuple[int, Request]]:
+        """Pair free slots with waiting requests, first come first served (under the lock)."""
+        free = [slot for slot, owner in enumerate(self._owners) if owner is None]
+        taken = []
+        while free and self._waiting:
+            request = self._waiting.popleft()
+            slot = free.pop(0)
+            self._owners[slot] = request
+            self._release[slot] = False  # the admission resets the row
+            taken.append((slot, request))
+        return taken
+
+    def _place(self, admitted: list[tuple[int, Request]]) -> None:
+        """Prefill the admitted requests, grouped by prompt width, in batches of the ladder's sizes."""
+        by_width: dict[int, list[tuple[int, Request]]] = collections.defaultdict(list)
+        for slot, request in admitted:
+            by_width[next(w for w in self.widths if w >= len(request.prompt))].append((slot, request))
+        for width, group in by_width.items():
+            while group:
+                rows = next((r for r in self.prefill_rows if r >= len(group)), self.prefill_rows[-1])
+                batch, group = group[:rows], group[rows:]
+                slots = np.full(rows, self.slots, np.int32)
+                slots[: len(batch)] = [slot for slot, _ in batch]
+                requests = [request for _, request in batch] + [None] * (rows - len(batch))
+                self._state = self._admit(self.params, self._state, self._admission(requests, width, slots))
+
+    def _admission(self, requests: list[Request | None], width: int, slots: np.ndarray) -> Admission:
+        rows = len(requests)
+        tokens, valid = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32)
+        seed_keys = np.zeros((rows, 2), np.uint32)
+        prompt_index, continuation, budget = (np.zeros(rows, np.int32) for _ in range(3))
+        policies = []
+        for r, request in enumerate(requests):
+            if request is None:  # a padding row: prefilled (nothing valid), then dropped
+                policies.append(Sampling())
+                continue
+            length = len(request.prompt)
+            tokens[r, width - length:], valid[r, width - length:] = request.prompt, 1
+            seed_keys[r] = _seed_key(request.seed)
+            prompt_index[r], continuation[r], budget[r] = request.prompt_index, request.continuation, request.max_tokens
+            policies.append(request.sampling)
+        sampling = plain_sampling(SamplingParams.of(policies))  # only the values travel; the flags stay fixed
+        return Admission(tokens, valid, slots, seed_keys, prompt_index, continuation, sampling, budget)
+
+    def _hand_out(self, output, owners: list[Request | None]) -> None:
+        """Give each live row's token to the request that owned the row when the step was dispatched."""
+        tokens_B, live_B, done_B = (np.asarray(x) for x in jax.device_get((output.tokens_B, output.live_B,
+                                                                              output.done_B)))
+        for slot, request in enumerate(owners):
+            if request is None or request.ended or not live_B[slot]:
+                continue
+            token = int(tokens_B[slot])
+            request.drawn += 1
+            if token in self.eos:
+                self._free(request)
+                self._end(request, "stop")
+            elif request.consumer.token(token):
+                self._free(request, release=True)
+                self._end(request, "stop")
+            elif done_B[slot]:
+                self._free(request)
+                self._end(request, "length")
+
+    def _free(self, request: Request, release: bool = False) -> None:
+        """Give `request`'s slot back (`release`: the device row is still live, stop it next step)."""
+        with self._lock:
+            for slot, owner in enumerate(self._owners):
+                if owner is request:
+                    self._owners[slot] = None
+                    self._release[slot] = release or self._release[slot]
+
+    def _end(self, request: Request, reason: str) -> None:
+        if request.ended:
+            return
+        request.ended = True
+        try:
+            request.consumer.finish(reason, request.drawn)
+        except Exception:  # noqa: BLE001 - one consumer's fault must not stop the others
+            logger.exception("a request's consumer failed")
+
+
+def _ladder(first: int, last: int) -> tuple[int, ...]:
+    """first, 2 first, 4 first ... while below `last`, then `last`."""
+    sizes = [first]
+    while sizes[-1] < last:
+        sizes.append(min(sizes[-1] * 2, last))
+    return tuple(sizes)
+
+
+def _seed_key(seed: int) -> np.ndarray:
+    """The uint32 key data of `jax.random.key(seed)`, as `generate` derives a request's key."""
+    return np.asarray(jax.random.key_data(jax.random.key(seed)))

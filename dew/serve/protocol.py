@@ -1,0 +1,273 @@
+"""OpenAI's wire format for `dew serve`: request bodies read into a `Job`, and the response, chunk
+and error objects.
+
+A body is checked field by field on the host, and a bad field answers 400 in OpenAI's error shape
+(`{"error": {"message", "type", "param", "code"}}`) naming the value, the limit and the fix. A field
+Dew does not apply (logprobs, tools, penalties other than its repetition penalty) is refused by name
+rather than ignored. Besides OpenAI's fields, `top_k`, `min_p` and `repetition_penalty` are read
+(vLLM's extensions), and fields a request leaves out take the served checkpoint's own defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import secrets
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dew.sampling import Sampling
+
+# Read but with nothing to apply: an end-user id for abuse monitoring.
+_INFORMATIONAL = {"user"}
+# Fields OpenAI defines that Dew does not apply, with the values that ask for nothing.
+_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, None),
+            "top_logprobs": (0,), "echo": (False,), "logit_bias": ({},), "suffix": ("",), "tools": ([],),
+            "tool_choice": ("none",), "response_format": ({"type": "text"},),
+            "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (True, False)}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options",
+           "top_k", "min_p", "repetition_penalty"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "best_of"} | _INFORMATIONAL | set(_NEUTRAL)
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _INFORMATIONAL | set(_NEUTRAL)
+DEFAULT_COMPLETION_TOKENS = 16
+"""`max_tokens` of a completion that names none (OpenAI's default); a chat fills the context."""
+
+
+class APIError(Exception):
+    """An answer in OpenAI's error shape with HTTP `status`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass
+class Job:
+    """One request as the engine takes it: `prompts` (token ids; a chat has one), `n` continuations
+    of each, their budget, sampling policy, seed and stop strings, and how to answer."""
+
+    kind: str  # "completion" or "chat"
+    prompts: list[list[int]]
+    max_tokens: int | None
+    sampling: Sampling
+    seed: int
+    n: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+def parse_json(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400 that says what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise APIError(400, f"the request body is not valid JSON ({error}): send a JSON object") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body is a JSON {type(body).__name__}; send a JSON object")
+    return body
+
+
+def check_model(body: Mapping[str, Any], served: str) -> None:
+    model = body.get("model", served)
+    if model != served:
+        raise APIError(404, f"the model {model!r} does not exist: this server serves {served!r} (GET /v1/models)",
+                       param="model", code="model_not_found")
+
+
+def read_job(kind: str, body: Mapping[str, Any], prompts: list[list[int]], defaults: Sampling) -> Job:
+    """Everything but the prompt (which the caller encodes), checked, with `defaults` for what is left out."""
+    allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
+    unknown = sorted(set(body) - allowed - {"prompt", "messages"})
+    if unknown:
+        raise APIError(400, f"unrecognised request field(s) {unknown}: this endpoint reads {sorted(allowed)}",
+                       param=unknown[0])
+    for name, neutral in _NEUTRAL.items():
+        if name in body and body[name] is not None and body[name] not in neutral:
+            raise APIError(400, f"{name}={body[name]!r} is not supported by dew serve; leave it out", param=name)
+    n = _integer(body, "n", 1, low=1)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise APIError(400, f"best_of={best_of!r} is not supported (it would rank by log-probability); leave it out "
+                       "or equal to n", param="best_of")
+    max_tokens = _integer(body, "max_tokens", None, low=1)
+    if kind == "chat":
+        max_tokens = _integer(body, "max_completion_tokens", max_tokens, low=1)
+    elif max_tokens is None:
+        max_tokens = DEFAULT_COMPLETION_TOKENS
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise APIError(400, f"stream is {stream!r}; it is true or false", param="stream")
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise APIError(400, "stream_options is only read with stream: true", param="stream_options")
+    options = options or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise APIError(400, f"stream_options is {options!r}; it holds only include_usage", param="stream_options")
+    seed = body.get("seed")
+    if seed is None:
+        seed = secrets.randbits(63)
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise APIError(400, f"seed is {seed!r}; it is an integer", param="seed")
+    return Job(kind, prompts, max_tokens, _sampling(body, defaults), seed, n, _stop(body.get("stop")), stream,
+               bool(options.get("include_usage")))
+
+
+def _sampling(body: Mapping[str, Any], defaults: Sampling) -> Sampling:
+    overrides = {}
+    temperature = _number(body, "temperature")
+    if temperature is not None:
+        if temperature < 0:
+            raise APIError(400, f"temperature is {temperature}; use 0 for the most likely tokens or a positive value",
+                           param="temperature")
+        overrides["temperature"] = float(temperature)
+    top_p = _number(body, "top_p")
+    if top_p is not None:
+        if not 0 < top_p <= 1:
+            raise APIError(400, f"top_p is {top_p}; it lies in (0, 1]", param="top_p")
+        overrides["top_p"] = None if top_p == 1 else float(top_p)
+    top_k = _integer(body, "top_k", None, low=-1)
+    if top_k is not None:
+        overrides["top_k"] = top_k if top_k > 0 else None  # vLLM's -1 (and 0) keep every token
+    min_p = _number(body, "min_p")
+    if min_p is not None:
+        if not 0 <= min_p <= 1:
+            raise APIError(400, f"min_p is {min_p}; it lies in [0, 1]", param="min_p")
+        overrides["min_p"] = float(min_p) or None
+    penalty = _number(body, "repetition_penalty")
+    if penalty is not None:
+        if penalty <= 0:
+            raise APIError(400, f"repetition_penalty is {penalty}; it is above 0 (1 changes nothing)",
+                           param="repetition_penalty")
+        overrides["repetition_penalty"] = None if penalty == 1 else float(penalty)
+    return dataclasses.replace(defaults, **overrides)
+
+
+def _number(body: Mapping[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise APIError(400, f"{name} is {value!r}; it is a finite number", param=name)
+    return value
+
+
+def _integer(body: Mapping[str, Any], name: str, default, *, low: int):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise APIError(400, f"{name} is {value!r}; it is an integer", param=name)
+    if value < low:
+        raise APIError(400, f"{name} is {value}; it is at least {low}", param=name)
+    return value
+
+
+def _stop(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise APIError(400, f"stop is {stop!r}; it is a string or a list of strings", param="stop")
+    return tuple(s for s in stops if s)
+
+
+def completion_prompts(prompt, encode, vocab_size: int) -> list[list[int]]:
+    """A completion's `prompt` (a string, a list of strings, a list of token ids, or a list of such
+    lists) as token-id lists."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise APIError(400, f"prompt is {prompt!r}; it is a string, a list of strings, a list of token ids, or a "
+                       "list of such lists", param="prompt")
+    rows = []
+    for index, item in enumerate(prompts):
+        if isinstance(item, str):
+            row = encode(item)
+        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            row = item
+        else:
+            raise APIError(400, f"prompt {index} is {item!r}; each prompt is a string or a list of token ids",
+                           param="prompt")
+        bad = [t for t in row if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"prompt {index} holds token id {bad[0]}, outside the vocabulary of {vocab_size}",
+                           param="prompt")
+        if not row:
+            raise APIError(400, f"prompt {index} is empty; give at least one token", param="prompt")
+        rows.append(row)
+    return rows
+
+
+def chat_messages(messages) -> list[dict]:
+    """Chat `messages` for the template: each a role and its text (text parts joined)."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, f"messages is {messages!r}; it is a non-empty list of {{role, content}} objects",
+                       param="messages")
+    out = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise APIError(400, f"message {index} is {message!r}; each message has a role and content",
+                           param="messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            kinds = sorted({part.get("type") for part in content if isinstance(part, dict)} - {"text"})
+            if kinds or not all(isinstance(part, dict) and isinstance(part.get("text"), str) for part in content):
+                raise APIError(400, f"message {index} holds content parts of types {kinds or content!r}; this model "
+                               "reads text only", param="messages")
+            content = "".join(part["text"] for part in content)
+        elif content is not None and not isinstance(content, str):
+            raise APIError(400, f"message {index} has content {content!r}; it is a string or a list of text parts",
+                           param="messages")
+        out.append({**message, "content": content or ""})
+    return out
+
+
+# -- answers ----------------------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response(job: Job, model: str, choices: Sequence[tuple[str, str]], usage_: dict) -> dict:
+    """The whole answer; `choices` holds (text, finish_reason) in choice order."""
+    if job.kind == "completion":
+        return {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created, "model": model,
+                "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                            for i, (text, reason) in enumerate(choices)], "usage": usage_}
+    return {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": job.created, "model": model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": reason} for i, (text, reason) in enumerate(choices)], "usage": usage_}
+
+
+def chunk(job: Job, model: str, index: int | None, *, text: str | None = None, role: bool = False,
+          finish_reason: str | None = None, usage_: dict | None = None) -> dict:
+    """One streamed chunk: a choice's new text (the role with a chat's first), its finish reason, or
+    (with `index` None) the closing usage chunk, whose `choices` is empty."""
+    if job.kind == "completion":
+        head = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created, "model": model}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    else:
+        head = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created, "model": model}
+        delta = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    out = {**head, "choices": [] if index is None else [choice]}
+    if job.include_usage:
+        out["usage"] = usage_
+    return out

@@ -1,0 +1,93 @@
+"""`Served`: a checkpoint ready to answer requests: its generation task, chat template, text decoder
+and warmed-up `Engine`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from dew.data.chat_template import ChatTemplate, chat_template
+from dew.data.tokenizers import HFTokenizer
+from dew.inference import TextGeneration
+from dew.serve.engine import TOP_K_LIMIT, Engine
+
+logger = logging.getLogger("dew.serve")
+
+DEFAULT_CAPACITY = 1024
+"""Positions per slot when `--capacity` is not given (at most the model's max_seq_len)."""
+
+
+@dataclasses.dataclass
+class Served:
+    """The model `name` answers to, its task (model, weights, tokenizer, default sampling), its chat
+    template (None: chat completions are refused), and the engine generating for it."""
+
+    name: str
+    task: TextGeneration
+    chat: ChatTemplate | None
+    engine: Engine
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def load(cls, source: str, *, slots: int = 8, capacity: int | None = None, queue: int = 256,
+             prefill_rows: int = 4, name: str | None = None, chat_template_file: str | None = None,
+             live: bool = False) -> "Served":
+        """Load `source` (whatever `dew.pipeline` reads), find its chat template, and start a warmed-up engine."""
+        from dew.inference import pipeline
+
+        task = pipeline(source, ema=not live)
+        if task.tokenizer is None:
+            raise ValueError(f"{source} has no tokenizer, and the server reads and writes text: put the model's "
+                             "tokenizer.json beside its weights")
+        config = task.model.config
+        capacity = min(config.max_seq_len, DEFAULT_CAPACITY) if capacity is None else capacity
+        if capacity > config.max_seq_len:
+            raise ValueError(f"--capacity {capacity} is beyond the model's max_seq_len {config.max_seq_len}: "
+                             f"serve at most {config.max_seq_len} positions per request")
+        engine = Engine(task.model, task.params, slots=slots, capacity=capacity, queue_limit=queue,
+                        prefill_rows=prefill_rows, eos_token_ids=task.sampling.eos_token_ids,
+                        pad_id=task.sampling.pad_id,
+                        top_k_limit=max(task.sampling.top_k or 0, TOP_K_LIMIT))
+        started = time.perf_counter()
+        engine.warm_up()
+        logger.info("compiled %d prompt widths x %d prefill batch sizes and the step in %.1f s", len(engine.widths),
+                    len(engine.prefill_rows), time.perf_counter() - started)
+        return cls(name or str(source), task, _find_chat_template(source, task, chat_template_file), engine)
+
+    def decode(self) -> Callable[[Sequence[int]], str]:
+        """Token ids to text, special tokens left out (an EOS never reaches it)."""
+        tokenizer = self.task.tokenizer
+        if isinstance(tokenizer, HFTokenizer):
+            return lambda ids: tokenizer.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+        return tokenizer.decode
+
+
+def _find_chat_template(source: str, task: TextGeneration, override: str | None) -> ChatTemplate | None:
+    """The template named on the command line, else the tokenizer files', else a GGUF file's metadata."""
+    tokenizer = task.tokenizer
+    special = {}
+    if isinstance(tokenizer, HFTokenizer):
+        found = chat_template(tokenizer.path.parent)
+        if found is not None and override is None:
+            return found
+        special = dict(found.special_tokens) if found is not None else {}
+    if override is not None:
+        path = Path(override)
+        return ChatTemplate(path.read_text(encoding="utf-8"), special, str(path))
+    path = Path(source)
+    if path.suffix == ".gguf" and path.is_file():
+        from dew.interop.gguf_files import GGUFCheckpoint
+
+        with GGUFCheckpoint(path) as gguf:
+            template = gguf.metadata.get("tokenizer.chat_template")
+            tokens = gguf.field("tokenizer.ggml.tokens") if template else None
+            ids = {name: gguf.metadata.get(f"tokenizer.ggml.{key}_token_id")
+                   for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"),
+                                     ("unk_token", "unknown"))}
+        if template:
+            special = {name: tokens[i] for name, i in ids.items() if i is not None and 0 <= i < len(tokens)}
+            return ChatTemplate(template, special, f"{path} (tokenizer.chat_template)")
+    return None

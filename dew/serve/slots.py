@@ -1,0 +1,147 @@
+"""The serving engine's device side: a fixed set of slots (rows of one KV cache) and the two compiled
+functions that change them, `step` (every occupied slot draws one token and feeds it back) and
+`admit` (prefill a few new prompts into a small cache of their own, then copy those rows into free
+slots).
+
+Shapes never depend on the requests: `step` compiles once, `admit` once per (prefill rows, prompt
+width) pair of the engine's ladders, so a warmed-up engine serves any mix of requests without
+compiling. A row draws exactly what a one-row `generate` draws: its key is
+`fold_in(fold_in(key(seed), prompt_index), continuation)`, its step `t` folds in `t` (the row's own
+count), and its sampling values are its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from dew.sampling.generate import DecodeState, advance, start
+from dew.sampling.sampling import Sampling, SamplingParams, draw
+
+
+@struct.dataclass
+class Slots:
+    """Every slot's decoding state: `decode` (cache `[slots, capacity]`, next-token logits, done,
+    emitted count, seen tokens), each slot's key, sampling values and budget (`max_tokens`).
+    A free slot is `done`, so it writes nothing and draws nothing."""
+
+    decode: DecodeState
+    keys_B: jax.Array
+    sampling: SamplingParams
+    budget_B: jax.Array
+
+
+@struct.dataclass
+class StepOutput:
+    """One step's draws, int32 `tokens_B` (pad for rows that did not draw), which rows drew
+    (`live_B`), and which rows are done after it (`done_B`: EOS drawn, budget reached, or released)."""
+
+    tokens_B: jax.Array
+    live_B: jax.Array
+    done_B: jax.Array
+
+
+def filtered_sampling(sampling: SamplingParams, top_k_bound: int) -> SamplingParams:
+    """`sampling` with every filter switched on (rows whose values are neutral draw as without it)."""
+    return sampling.replace(top_k_bound=top_k_bound, use_top_p=True, use_min_p=True, use_penalty=True)
+
+
+def plain_sampling(sampling: SamplingParams) -> SamplingParams:
+    return sampling.replace(top_k_bound=0, use_top_p=False, use_min_p=False, use_penalty=False)
+
+
+def _uses_filters(sampling: SamplingParams, live_B: jax.Array) -> jax.Array:
+    asks = (sampling.top_k > 0) | (sampling.top_p < 1.0) | (sampling.min_p > 0.0) | (sampling.repetition_penalty != 1.0)
+    return jnp.any(asks & live_B)
+
+
+def empty_slots(model, slots: int, capacity: int, top_k_bound: int) -> Slots:
+    """Every slot free: an empty cache of `capacity` positions per slot."""
+    vocab = model.config.vocab_size
+    decode = DecodeState(cache=model.init_cache(slots, capacity), logits_BV=jnp.zeros((slots, vocab), jnp.float32),
+                         done_B=jnp.ones((slots,), bool), count_B=jnp.zeros((slots,), jnp.int32),
+                         seen_BV=jnp.zeros((slots, vocab), bool))
+    neutral = SamplingParams.of([Sampling()] * slots)
+    sampling = filtered_sampling(jax.tree_util.tree_map(jnp.asarray, neutral), top_k_bound)
+    keys = jax.random.wrap_key_data(jnp.zeros((slots, 2), jnp.uint32))
+    return Slots(decode, keys, sampling, jnp.zeros((slots,), jnp.int32))
+
+
+def compile_step(model, eos: tuple[int, ...], pad_id: int):
+    """The compiled step `(params, slots, release_B) -> (slots, StepOutput)`: rows marked in
+    `release_B` stop first (the host ended them), then every live row draws and feeds back one
+    token; a row that draws EOS or reaches its budget is done. `slots` is donated (updated in place)."""
+
+    def step(params, slots: Slots, release_B):
+        decode = slots.decode.replace(done_B=slots.decode.done_B | release_B)
+        live_B = ~decode.done_B
+        # Filters sort or rank the vocabulary; skip them (one branch runs) while no live row asks for one.
+        use = _uses_filters(slots.sampling, live_B)
+
+        def choose(sampling, keys_B, logits_BV, seen_BV):
+            return jax.lax.cond(use, lambda: draw(sampling, keys_B, logits_BV, seen_BV),
+                                lambda: draw(plain_sampling(sampling), keys_B, logits_BV, seen_BV))
+
+        decode, (tokens_B, _, live_B) = advance(model, params, decode, slots.keys_B, decode.count_B, slots.sampling,
+                                                eos, pad_id, choose=choose)
+        decode = decode.replace(done_B=decode.done_B | (decode.count_B >= slots.budget_B))
+        return slots.replace(decode=decode), StepOutput(tokens_B, live_B, decode.done_B)
+
+    return jax.jit(step, donate_argnums=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """Host arrays for `admit`: `rows` prompts left-padded to `width` (int32 `tokens`, `valid`), the
+    slot each goes to (`slots`; the engine's slot count marks a padding row, which is dropped), the
+    key data of `jax.random.key(seed)` (uint32 `[rows, 2]`), prompt and continuation indices, the
+    sampling values and budgets."""
+
+    tokens: np.ndarray
+    valid: np.ndarray
+    slots: np.ndarray
+    seed_keys: np.ndarray
+    prompt_index: np.ndarray
+    continuation: np.ndarray
+    sampling: SamplingParams
+    budget: np.ndarray
+
+
+def compile_admit(model):
+    """The compiled admission `(params, slots, Admission arrays) -> slots`: prefill the new prompts
+    into a cache as wide as their bucket, then copy each row (cache, logits, seen tokens) into its
+    slot and reset the slot's count, key, sampling values and budget. `slots` is donated."""
+
+    def admit(params, slots: Slots, tokens_RW, valid_RW, slot_R, seed_keys_R, prompt_R, continuation_R,
+              sampling_R: SamplingParams, budget_R):
+        W = tokens_RW.shape[1]
+        new = start(model, params, tokens_RW, valid_RW, W, penalty=True)
+        put = lambda big, rows: big.at[slot_R].set(rows.astype(big.dtype), mode="drop")
+        # Cache arrays are [layers, rows, kv_heads, capacity, head_dim]: the prompt fills slots 0..W-1.
+        put_cache = lambda big, rows: big.at[:, slot_R, :, :W].set(rows.astype(big.dtype), mode="drop")
+        cache = slots.decode.cache
+        cache = cache.replace(runs=jax.tree_util.tree_map(put_cache, cache.runs, new.cache.runs),
+                              lengths=put(cache.lengths, new.cache.lengths))
+        decode = DecodeState(cache, put(slots.decode.logits_BV, new.logits_BV), put(slots.decode.done_B, new.done_B),
+                             put(slots.decode.count_B, new.count_B), put(slots.decode.seen_BV, new.seen_BV))
+        keys = jax.vmap(lambda k, p, c: jax.random.fold_in(jax.random.fold_in(k, p), c))(
+            jax.random.wrap_key_data(seed_keys_R), prompt_R, continuation_R)
+        keys_B = jax.random.wrap_key_data(put(jax.random.key_data(slots.keys_B), jax.random.key_data(keys)))
+        sampling = slots.sampling.replace(**{name: put(getattr(slots.sampling, name), getattr(sampling_R, name))
+                                             for name in ("temperature", "top_k", "top_p", "min_p",
+                                                          "repetition_penalty")})
+        return Slots(decode, keys_B, sampling, put(slots.budget_B, budget_R))
+
+    jitted = jax.jit(admit, donate_argnums=1)
+
+    def run(params, slots: Slots, admission: Admission) -> Slots:
+        a = admission
+        return jitted(params, slots, a.tokens, a.valid, a.slots, a.seed_keys, a.prompt_index, a.continuation,
+                      a.sampling, a.budget)
+
+    run.jitted = jitted
+    return run

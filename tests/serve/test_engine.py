@@ -1,0 +1,162 @@
+"""The serving engine in process: each request draws what a one-row `generate` draws, whatever else is in
+flight; nothing compiles after warm-up; EOS, budgets, stop requests, cancellation and the queue bound."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew import models
+from dew.sampling import Sampling, generate
+from dew.serve import Engine, QueueFull, Request, TooLong
+
+pytestmark = pytest.mark.slow  # one warm-up compiles 9 admissions and the step (about 10 s on 2 cores)
+
+EOS = 7
+SLOTS, CAPACITY = 4, 48
+
+
+class Collect:
+    """A consumer that keeps the tokens; `stop_after` ends the request itself after that many."""
+
+    def __init__(self, stop_after: int | None = None):
+        self.tokens, self.reason, self.count = [], None, None
+        self.stop_after = stop_after
+        self.done = threading.Event()
+
+    def token(self, token_id: int) -> bool:
+        self.tokens.append(token_id)
+        return self.stop_after is not None and len(self.tokens) >= self.stop_after
+
+    def finish(self, reason: str, completion_tokens: int) -> None:
+        self.reason, self.count = reason, completion_tokens
+        self.done.set()
+
+
+class CompileCounter(logging.Handler):
+    """Counts every XLA compilation jax logs (jitted functions and eager operations alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        if record.getMessage().startswith("Compiling"):
+            self.messages.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def model_and_variables():
+    model = models.build("causal_transformer", vocab_size=64, emb_features=32, num_layers=2, num_heads=4,
+                         num_kv_heads=2, mlp_features=64, max_seq_len=64)
+    # Larger weights make the argmax depend on the context, so a row reading another's cache would show.
+    variables = jax.tree_util.tree_map(lambda x: x * 6.0, model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+    return model, variables
+
+
+@pytest.fixture(scope="module")
+def engine(model_and_variables):
+    model, variables = model_and_variables
+    engine = Engine(model, variables, slots=SLOTS, capacity=CAPACITY, eos_token_ids=(EOS,), pad_id=0, queue_limit=16,
+                    prefill_rows=4)
+    engine.warm_up()
+    engine.start()
+    yield engine
+    engine.close()
+
+
+def _solo(model, variables, request: Request) -> tuple[list[int], int, bool]:
+    """(tokens before any EOS, tokens drawn, whether EOS ended it) of a one-row `generate`."""
+    s = request.sampling
+    policy = Sampling(s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty, eos_token_ids=(EOS,))
+    generation = generate(model, variables, [list(request.prompt)], request.max_tokens,
+                          key=jax.random.key(request.seed), sampling=policy, n=request.continuation + 1)
+    row = request.continuation
+    drawn = generation.continuations()[row]
+    return [t for t in drawn if t != EOS], int(generation.new_tokens[row]), bool(generation.terminated[row])
+
+
+POLICIES = [Sampling(temperature=0.0), Sampling(temperature=0.9), Sampling(temperature=1.0, top_k=5),
+            Sampling(temperature=0.8, top_p=0.9, repetition_penalty=1.3), Sampling(temperature=0.0, min_p=0.1)]
+
+
+def test_every_request_draws_what_a_one_row_generate_draws_and_nothing_compiles(engine, model_and_variables):
+    model, variables = model_and_variables
+    rng = np.random.default_rng(0)
+    requests = []
+    for i in range(14):  # more than the slots: they join as others end, prefilled 1, 2 or 4 at a time
+        prompt = [int(t) for t in rng.integers(8, 64, int(rng.integers(1, 40)))]
+        budget = int(rng.integers(1, CAPACITY - len(prompt) + 1))
+        requests.append(Request(prompt, budget, POLICIES[i % len(POLICIES)], seed=int(rng.integers(0, 2**40)),
+                                consumer=Collect(), continuation=i % 2))
+    counter = CompileCounter()
+    jax_logger = logging.getLogger("jax")
+    jax_logger.addHandler(counter)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        for start in range(0, len(requests), 5):  # three arrivals while others run
+            engine.submit(requests[start: start + 5])
+        for request in requests:
+            assert request.consumer.done.wait(60), "a request did not finish"
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        jax_logger.removeHandler(counter)
+    assert counter.messages == []
+    for index, request in enumerate(requests):
+        tokens, drawn, ended_by_eos = _solo(model, variables, request)
+        got = request.consumer
+        assert (got.tokens, got.count, got.reason) == (tokens, drawn, "stop" if ended_by_eos else "length"), index
+    assert engine.load()["busy"] == 0
+
+
+def test_eos_ends_a_request_and_frees_its_slot(engine, model_and_variables):
+    model, variables = model_and_variables
+    probe = Request([9, 10, 11], 40, Sampling(temperature=0.0), seed=0, consumer=Collect())
+    engine.submit([probe])
+    assert probe.consumer.done.wait(30)
+    # find a prompt whose greedy continuation reaches EOS (the model is random; some do within 40 tokens)
+    for first in range(8, 64):
+        request = Request([first, 12], 40, Sampling(temperature=0.0), seed=0, consumer=Collect())
+        tokens, drawn, ended = _solo(model, variables, request)
+        if ended:
+            break
+    else:
+        pytest.skip("no greedy continuation of this random model reaches EOS")
+    engine.submit([request])
+    assert request.consumer.done.wait(30)
+    assert (request.consumer.reason, request.consumer.tokens, request.consumer.count) == ("stop", tokens, drawn)
+    assert EOS not in request.consumer.tokens and engine.load()["busy"] == 0
+
+
+def test_a_consumer_stop_or_a_cancel_frees_the_slot_and_the_others_go_on(engine, model_and_variables):
+    model, variables = model_and_variables
+    stopping = Request([20, 21, 22], 40, Sampling(temperature=0.0), seed=1, consumer=Collect(stop_after=3))
+    others = [Request([30 + i], 30, Sampling(temperature=0.7), seed=i, consumer=Collect()) for i in range(3)]
+    engine.submit([stopping, *others])
+    assert stopping.consumer.done.wait(30)
+    assert stopping.consumer.reason == "stop" and len(stopping.consumer.tokens) == 3
+    for request in others:
+        assert request.consumer.done.wait(30)
+        assert request.consumer.tokens == _solo(model, variables, request)[0]
+    long = Request([40], CAPACITY - 1, Sampling(temperature=0.0), seed=0, consumer=Collect())
+    engine.submit([long])
+    engine.cancel(long)
+    assert long.consumer.done.wait(30) and long.consumer.reason == "cancelled"
+    assert engine.load()["busy"] == 0
+
+
+def test_refusals_and_the_queue_bound(engine):
+    with pytest.raises(TooLong, match="prompt's 40 tokens plus max_tokens 9 make 49, beyond this server's context of 48"):
+        engine.submit([Request([1] * 40, 9, Sampling(), seed=0, consumer=Collect())])
+    with pytest.raises(ValueError, match="top_k is 65; this server keeps at most the 64"):
+        engine.submit([Request([1], 2, Sampling(top_k=65), seed=0, consumer=Collect())])
+    # all or nothing: 4 free slots and 16 places in the queue take 20 rows, not 21
+    too_many = [Request([1], 2, Sampling(), seed=0, consumer=Collect()) for _ in range(SLOTS + 16 + 1)]
+    with pytest.raises(QueueFull, match="the queue holds 16"):
+        engine.submit(too_many)
+    assert engine.load()["waiting"] == 0
