@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from dew.files import write_atomically
+
 SPLITS = ("train", "val")
 META = "meta.json"
 DTYPES = ("uint8", "uint16", "uint32")
@@ -64,11 +66,7 @@ def make_meta(tokenizer: str, vocab_size: int, train_tokens: int, val_tokens: in
 
 def write_meta(path: str | os.PathLike, meta: dict[str, Any]) -> Path:
     """Write meta.json atomically (a partial file is never visible under the final name)."""
-    target = Path(path) / META
-    partial = target.with_name(META + ".partial")
-    partial.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    os.replace(partial, target)
-    return target
+    return write_atomically(Path(path) / META, json.dumps(meta, indent=2) + "\n")
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dew.files import write_atomically
 from dew.recipes.config import RESUMABLE_CHANGES
 from dew.recipes.run_lock import LOCK, RunLock
 from dew.training.checkpoints import saved_steps
@@ -114,9 +115,7 @@ def _now() -> str:
 
 
 def _write_json(path: Path, record: dict[str, Any]) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    os.replace(partial, path)
+    write_atomically(path, json.dumps(record, indent=2) + "\n")
 
 
 def _read_json(path: Path, what: str) -> Any:

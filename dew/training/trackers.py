@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from dew.files import write_atomically
+
 METRICS, SAMPLES = "metrics.jsonl", "samples.jsonl"
 
 
@@ -51,9 +53,7 @@ def _keep_until(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = [record for record in read_jsonl(path) if record.get("step", 0) <= step]
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text("".join(json.dumps(record) + "\n" for record in kept), encoding="utf-8")
-    os.replace(partial, path)
+    write_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))
 
 
 class JsonLines:
