@@ -1,0 +1,324 @@
+"""`dew serve` as a real process on loopback, driven by the official `openai` client.
+
+One server (8 slots) serves the whole module, over a tiny Llama checkpoint made here with a
+byte-level BPE tokenizer and a ChatML template. Every answer is checked against the one-row
+`generate` of the same request in this process (greedy and sampled: the same key derivation), and
+usage counts against transformers' tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import jax
+import pytest
+
+openai = pytest.importorskip("openai")
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+
+pytestmark = pytest.mark.slow  # the server compiles its admissions and step at start (about 20 s in all)
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SLOTS, CAPACITY, QUEUE = 8, 64, 64
+# Every request here pads to one prompt width (16) and asks for 6 or 12 tokens, so the in-process
+# oracle compiles `generate` only a few times.
+NAME = "tiny-chat"
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum old songs".split()
+
+
+def _checkpoint(directory):
+    """A 2-layer Llama with random weights of order one, a 300-id byte-level BPE and a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [" ".join(WORDS[(i * 7) % len(WORDS):] + WORDS[: (i * 7) % len(WORDS)]) for i in range(50)]
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
+                                                chat_template=CHATML)
+    fast.save_pretrained(directory)
+    eos = tokenizer.token_to_id("<|im_end|>")
+    config = transformers.LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=128, eos_token_id=eos, bos_token_id=None,
+                                      pad_token_id=eos)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" not in name:
+                parameter.normal_(0.0, 0.3)
+    model.save_pretrained(directory)
+    return fast
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def _post_raw(url: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@dataclasses.dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    hf_tokenizer: object
+    pretrained: object
+
+    def client(self, **options):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60, **options)
+
+    def health(self) -> dict:
+        return _get(f"{self.url}/health")[1]
+
+    def solo(self, prompt_ids, max_tokens, seed=0, n=1, **sampling):
+        """The texts, finish reasons and token counts of a one-row `generate` of this request."""
+        from dew.sampling import generate
+
+        policy = dataclasses.replace(self.pretrained.generation, **sampling)
+        generation = generate(self.pretrained.model, self.pretrained.variables, [prompt_ids], max_tokens,
+                              key=jax.random.key(seed), sampling=policy, n=n)
+        eos = set(policy.eos_token_ids)
+        texts = [self.hf_tokenizer.decode([t for t in row if t not in eos], skip_special_tokens=True)
+                 for row in generation.continuations()]
+        reasons = ["stop" if done else "length" for done in generation.terminated]
+        return texts, reasons, [int(count) for count in generation.new_tokens]
+
+    def chat_ids(self, messages) -> list[int]:
+        return list(self.hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False))
+
+    def ids(self, text: str) -> list[int]:
+        return self.hf_tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from dew.interop import load_pretrained
+
+    directory = tmp_path_factory.mktemp("tiny-chat")
+    hf_tokenizer = _checkpoint(directory)
+    port = _free_port()
+    log = open(directory / "serve.log", "w")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dew.cli", "serve", str(directory), "--port", str(port), "--slots", str(SLOTS),
+         "--capacity", str(CAPACITY), "--queue", str(QUEUE), "--prefill-rows", "2", "--name", NAME],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"dew serve exited with {process.returncode}: "
+                                   f"{(directory / 'serve.log').read_text()[-3000:]}")
+            try:
+                if _get(f"{url}/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("dew serve did not answer /health within 180 s")
+            time.sleep(0.5)
+        yield Server(url, process, hf_tokenizer, load_pretrained(directory))
+    finally:  # the server ends whatever happened
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def test_the_start_line_names_the_model_slots_and_capacity(server):
+    listing = server.client().models.list()
+    assert [model.id for model in listing.data] == [NAME]
+    health = server.health()
+    assert (health["status"], health["slots"], health["capacity"]) == ("ok", SLOTS, CAPACITY)
+    log = (server.pretrained.directory / "serve.log").read_text()
+    assert f"as model '{NAME}': {SLOTS} slots of {CAPACITY} positions" in log
+
+
+def test_completion_equals_generate_and_counts_tokens_as_the_tokenizer(server):
+    prompt = "the quick brown fox"
+    answer = server.client().completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+    texts, reasons, counts = server.solo(server.ids(prompt), 12, temperature=0.0)
+    assert answer.object == "text_completion" and answer.id.startswith("cmpl-")
+    assert (answer.choices[0].text, answer.choices[0].finish_reason) == (texts[0], reasons[0])
+    assert answer.usage.prompt_tokens == len(server.ids(prompt)) and answer.usage.completion_tokens == counts[0]
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+
+
+def test_chat_completion_renders_the_checkpoints_template(server):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "seven wizards hum"}]
+    answer = server.client().chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0.8,
+                                                     seed=3)
+    prompt_ids = server.chat_ids(messages)
+    texts, reasons, counts = server.solo(prompt_ids, 12, seed=3, temperature=0.8)
+    assert answer.object == "chat.completion" and answer.choices[0].message.role == "assistant"
+    assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == (texts[0], reasons[0])
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(prompt_ids), counts[0])
+
+
+def test_streams_join_to_the_whole_answer(server):
+    client = server.client()
+    prompt = "over a lazy dog"
+    whole = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+    messages = [{"role": "user", "content": "old songs"}]
+    whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks)  # usage only when asked for
+
+
+def test_stop_strings_end_the_text_before_them(server):
+    prompt = "quietly hum"
+    full = server.solo(server.ids(prompt), 12, temperature=0.0)[0][0]
+    stop = full[4:6]
+    assert len(stop) == 2 and stop.strip(), f"the continuation {full!r} is too short to cut"
+    answer = server.client().completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                                stop=[stop, "never-there"])
+    assert answer.choices[0].text == full[: full.index(stop)]
+    assert answer.choices[0].finish_reason == "stop"
+    streamed = server.client().completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stop=stop,
+                                                  stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == full[: full.index(stop)]
+
+
+def test_n_continuations_are_generates_rows(server):
+    prompt = "brown dog"
+    answer = server.client().completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=1.0, seed=11,
+                                                n=3)
+    texts, reasons, counts = server.solo(server.ids(prompt), 8, seed=11, n=3, temperature=1.0)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert [c.text for c in answer.choices] == texts and len(set(texts)) > 1
+    assert answer.usage.prompt_tokens == len(server.ids(prompt)) and answer.usage.completion_tokens == sum(counts)
+
+
+def test_32_concurrent_clients_each_get_their_solo_run(server):
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    cases = []
+    for i in range(32):
+        words = WORDS[i % 7: i % 7 + 1 + (i * 5) % 6]
+        sampling = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=1.0, top_p=0.9)][i % 3]
+        cases.append(dict(kind=("completion", "chat")[(i // 2) % 2], stream=bool(i % 2), text=" ".join(words),
+                          max_tokens=(6, 12)[(i // 4) % 2], seed=100 + i, sampling=sampling,
+                          stop=["e"] if i % 5 == 0 else None))
+
+    async def ask(case):
+        options = dict(model=NAME, max_tokens=case["max_tokens"], seed=case["seed"], stop=case["stop"],
+                       stream=case["stream"], **case["sampling"])
+        if case["kind"] == "completion":
+            answer = await client.completions.create(prompt=case["text"], **options)
+            if not case["stream"]:
+                return answer.choices[0].text, answer.choices[0].finish_reason
+            pieces = [c async for c in answer]
+            return "".join(c.choices[0].text for c in pieces), pieces[-1].choices[0].finish_reason
+        answer = await client.chat.completions.create(messages=[{"role": "user", "content": case["text"]}], **options)
+        if not case["stream"]:
+            return answer.choices[0].message.content, answer.choices[0].finish_reason
+        pieces = [c async for c in answer]
+        return "".join(c.choices[0].delta.content or "" for c in pieces), pieces[-1].choices[0].finish_reason
+
+    async def ask_all():
+        try:
+            return await asyncio.gather(*(ask(case) for case in cases))
+        finally:
+            await client.close()
+
+    answers = asyncio.run(asyncio.wait_for(ask_all(), timeout=240))
+    for index, (case, (text, reason)) in enumerate(zip(cases, answers)):
+        ids = server.ids(case["text"]) if case["kind"] == "completion" else \
+            server.chat_ids([{"role": "user", "content": case["text"]}])
+        texts, reasons, _ = server.solo(ids, case["max_tokens"], seed=case["seed"], **case["sampling"])
+        expected, expected_reason = texts[0], reasons[0]
+        if case["stop"] and case["stop"][0] in expected:
+            expected, expected_reason = expected[: expected.index(case["stop"][0])], "stop"
+        assert (text, reason) == (expected, expected_reason), f"request {index}: {case}"
+    assert server.health()["busy"] == 0
+
+
+def test_bad_input_answers_in_openais_error_shape_and_the_server_goes_on(server):
+    status, body = _post_raw(f"{server.url}/v1/completions", b'{"model": "tiny-chat", "prompt": ')
+    assert status == 400 and body["error"]["type"] == "invalid_request_error" and "not valid JSON" in \
+        body["error"]["message"]
+    client = server.client()
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="gpt-5", prompt="a", max_tokens=2)
+    assert caught.value.status_code == 404 and caught.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=NAME, prompt="the quick brown fox", max_tokens=CAPACITY)
+    prompt_tokens = len(server.ids("the quick brown fox"))
+    message = caught.value.body["message"]
+    assert f"prompt's {prompt_tokens} tokens plus max_tokens {CAPACITY}" in message and f"context of {CAPACITY}" in \
+        message and caught.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "a"}], temperature=-0.5)
+    assert caught.value.body["param"] == "temperature" and "temperature is -0.5" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=NAME, prompt="a", max_tokens=2, logit_bias={"5": 10})
+    with pytest.raises(openai.InternalServerError) as caught:  # more rows than free slots plus the queue
+        client.completions.create(model=NAME, prompt="a", max_tokens=2, n=SLOTS + QUEUE + 1)
+    assert caught.value.status_code == 503 and caught.value.body["code"] == "queue_full"
+    answer = client.completions.create(model=NAME, prompt="the quick", max_tokens=3, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_client_that_goes_away_mid_stream_frees_its_slot(server):
+    steps = server.health()["steps"]
+    budget = CAPACITY - 8
+    stream = server.client().completions.create(model=NAME, prompt="a lazy dog", max_tokens=budget, temperature=0,
+                                                stream=True)
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 20
+    while server.health()["busy"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    health = server.health()
+    assert health["busy"] == 0 and health["status"] == "ok"
+    # the request stopped early: it did not run to its budget (with EOS it may end earlier still)
+    assert health["steps"] - steps < budget or server.solo(server.ids("a lazy dog"), budget,
+                                                            temperature=0.0)[1][0] == "stop"
+    assert server.client().completions.create(model=NAME, prompt="a", max_tokens=2).usage.prompt_tokens >= 1
