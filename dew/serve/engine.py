@@ -22,6 +22,7 @@ from typing import Protocol
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from dew.sampling.generate import PROMPT_BUCKET
 from dew.sampling.sampling import Sampling, SamplingParams, _bucket
@@ -96,8 +97,9 @@ class Engine:
         self.prefill_rows = _ladder(1, min(prefill_rows, slots))
         self.params = jax.jit(model.stack_variables)(params)  # once, not at every step
         self._top_k_bound = _bucket(top_k_limit)
-        self._state = empty_slots(model, slots, capacity, self._top_k_bound)
-        self._step = compile_step(model, self.eos, self.pad_id)
+        self._state = _placed_like(empty_slots(model, slots, capacity, self._top_k_bound), self.params)
+        self.step_rows = _ladder(1, slots)
+        self._steps = {rows: compile_step(model, self.eos, self.pad_id, rows, slots) for rows in self.step_rows}
         self._admit = compile_admit(model)
         self._owners: list[Request | None] = [None] * slots
         self._release = np.zeros(slots, bool)
@@ -159,7 +161,8 @@ class Engine:
         for rows, width in itertools.product(self.prefill_rows, self.widths):
             nowhere = np.full(rows, self.slots, np.int32)  # every row dropped
             self._state = self._admit(self.params, self._state, self._admission([None] * rows, width, nowhere))
-        self._state, output = self._step(self.params, self._state, self._release)
+        for rows in self.step_rows:
+            self._state, output = self._steps[rows](self.params, self._state, self._release)
         jax.block_until_ready(output)
         for seed in (0, 2**40):  # the host's key derivation, for small and large seeds
             _seed_key(seed)
@@ -212,10 +215,14 @@ class Engine:
                 self._end(request, "cancelled")
             self._place(admitted)
             dispatched = None
-            if any(owner is not None for owner in self._owners):
-                release, self._release = self._release, np.zeros(self.slots, bool)
-                self._state, output = self._step(self.params, self._state, release)
-                dispatched = (output, list(self._owners))
+            used = max((slot + 1 for slot, owner in enumerate(self._owners) if owner is not None), default=0)
+            if used:
+                # the smallest compiled row count that covers every occupied slot (they fill from slot 0)
+                rows = next(r for r in self.step_rows if r >= used)
+                release = self._release.copy()
+                self._release[:rows] = False  # rows past the step keep theirs for a later, wider step
+                self._state, output = self._steps[rows](self.params, self._state, release)
+                dispatched = (output, list(self._owners[:rows]))
                 self.steps += 1
             if pending is not None:
                 self._hand_out(*pending)
@@ -308,6 +315,15 @@ def _ladder(first: int, last: int) -> tuple[int, ...]:
     while sizes[-1] < last:
         sizes.append(min(sizes[-1] * 2, last))
     return tuple(sizes)
+
+
+def _placed_like(state, params):
+    """`state` replicated over the mesh `params` are placed on (as the compiled calls return it, so the
+    first call does not compile once more for another placement); as it is when they have no mesh."""
+    sharding = jax.tree_util.tree_leaves(params)[0].sharding
+    if not isinstance(sharding, NamedSharding):
+        return state
+    return jax.device_put(state, NamedSharding(sharding.mesh, PartitionSpec()))
 
 
 def _seed_key(seed: int) -> np.ndarray:

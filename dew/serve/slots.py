@@ -71,27 +71,43 @@ def empty_slots(model, slots: int, capacity: int, top_k_bound: int) -> Slots:
     return Slots(decode, keys, sampling, jnp.zeros((slots,), jnp.int32))
 
 
-def compile_step(model, eos: tuple[int, ...], pad_id: int):
-    """The compiled step `(params, slots, release_B) -> (slots, StepOutput)`: rows marked in
-    `release_B` stop first (the host ended them), then every live row draws and feeds back one
-    token; a row that draws EOS or reaches its budget is done. `slots` is donated (updated in place)."""
+def compile_step(model, eos: tuple[int, ...], pad_id: int, rows: int, slots: int):
+    """The compiled step over the first `rows` of `slots` slots, `(params, slots, release_B) -> (slots,
+    StepOutput over those rows)`: rows marked in `release_B` stop first (the host ended them), then
+    every live row draws and feeds back one token; a row that draws EOS or reaches its budget is done.
+    The state is donated (updated in place); with `rows` below `slots` the first rows are cut out,
+    stepped and written back, so a lightly loaded engine computes only the rows it uses."""
 
-    def step(params, slots: Slots, release_B):
-        decode = slots.decode.replace(done_B=slots.decode.done_B | release_B)
+    def step(params, state: Slots, release_B):
+        part = state if rows == slots else jax.tree_util.tree_map(lambda x, axis: jax.lax.slice_in_dim(x, 0, rows,
+                                                                                                     axis=axis),
+                                                                  state, _row_axes(state))
+        decode = part.decode.replace(done_B=part.decode.done_B | release_B[:rows])
         live_B = ~decode.done_B
         # Filters sort or rank the vocabulary; skip them (one branch runs) while no live row asks for one.
-        use = _uses_filters(slots.sampling, live_B)
+        use = _uses_filters(part.sampling, live_B)
 
         def choose(sampling, keys_B, logits_BV, seen_BV):
             return jax.lax.cond(use, lambda: draw(sampling, keys_B, logits_BV, seen_BV),
                                 lambda: draw(plain_sampling(sampling), keys_B, logits_BV, seen_BV))
 
-        decode, (tokens_B, _, live_B) = advance(model, params, decode, slots.keys_B, decode.count_B, slots.sampling,
+        decode, (tokens_B, _, live_B) = advance(model, params, decode, part.keys_B, decode.count_B, part.sampling,
                                                 eos, pad_id, choose=choose)
-        decode = decode.replace(done_B=decode.done_B | (decode.count_B >= slots.budget_B))
-        return slots.replace(decode=decode), StepOutput(tokens_B, live_B, decode.done_B)
+        decode = decode.replace(done_B=decode.done_B | (decode.count_B >= part.budget_B))
+        part = part.replace(decode=decode)
+        if rows < slots:
+            part = jax.tree_util.tree_map(lambda whole, x, axis: jax.lax.dynamic_update_slice_in_dim(whole, x, 0, axis),
+                                          state, part, _row_axes(state))
+        return part, StepOutput(tokens_B, live_B, decode.done_B)
 
     return jax.jit(step, donate_argnums=1)
+
+
+def _row_axes(state: Slots) -> Slots:
+    """Each leaf's row axis: 1 for the cache's `[layers, rows, ...]` arrays, 0 for the others."""
+    axes = jax.tree_util.tree_map(lambda _: 0, state)
+    cache_axes = jax.tree_util.tree_map(lambda _: 1, state.decode.cache.runs)
+    return axes.replace(decode=axes.decode.replace(cache=axes.decode.cache.replace(runs=cache_axes)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ import pytest
 from dew import models
 from dew.sampling import Sampling, generate
 from dew.serve import Engine, QueueFull, Request, TooLong
+from dew.training.mesh import Layout, MeshSpec
 
 pytestmark = pytest.mark.slow  # one warm-up compiles 9 admissions and the step (about 10 s on 2 cores)
 
@@ -56,7 +57,8 @@ def model_and_variables():
                          num_kv_heads=2, mlp_features=64, max_seq_len=64)
     # Larger weights make the argmax depend on the context, so a row reading another's cache would show.
     variables = jax.tree_util.tree_map(lambda x: x * 6.0, model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
-    return model, variables
+    # placed on the mesh as dew.pipeline places weights: no placement may compile anything anew
+    return model, jax.device_put(variables, Layout().shardings(MeshSpec().build(), variables))
 
 
 @pytest.fixture(scope="module")
