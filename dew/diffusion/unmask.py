@@ -43,6 +43,23 @@ def times(steps: int) -> jax.Array:
     return 1.0 - jnp.arange(steps, dtype=jnp.float32) / steps
 
 
+def inverse_cdf(key: jax.Array, logits_NV: jax.Array) -> jax.Array:
+    """One token id per row of float32 logits `[N, V]`, int32 `[N]`, drawn from their softmax.
+
+    It inverts each row's cumulative distribution at one uniform number, where
+    `jax.random.categorical`'s Gumbel trick draws one per vocabulary entry: at 64 positions of 4,096
+    ids the draw takes a sixth of the time on CPU, where it cost as much as the model's evaluation.
+    The first id whose cumulative probability exceeds the uniform point is drawn, so an id of
+    probability zero (the mask's, at -inf) never is. float32 uniforms resolve 2**-24 of the mass, as
+    float32 Gumbel noise truncates its tail: ids below that probability are under-drawn.
+    """
+    cdf_NV = jnp.cumsum(jax.nn.softmax(logits_NV, axis=-1), axis=-1)
+    total_N1 = cdf_NV[:, -1:]
+    # Strictly below the total, so some id's cumulative probability always exceeds it.
+    point_N1 = jnp.minimum(jax.random.uniform(key, total_N1.shape) * total_N1, jnp.nextafter(total_N1, 0.0))
+    return jnp.sum(cdf_NV <= point_N1, axis=-1).astype(jnp.int32)
+
+
 @functools.lru_cache(maxsize=32)
 def compiled_refinement(model, schedule, mask_id: int, steps: int, prompt_width: int):
     """One jitted call `(params, canvas_BS, valid_BS, keys_B) -> response_BN int32`.
@@ -60,7 +77,7 @@ def compiled_refinement(model, schedule, mask_id: int, steps: int, prompt_width:
 
     def draw(key, logits_NV):
         token_key, reveal_key = jax.random.split(key)
-        drawn_N = jax.random.categorical(token_key, logits_NV).astype(jnp.int32)
+        drawn_N = inverse_cdf(token_key, logits_NV)
         return drawn_N, jax.random.uniform(reveal_key, drawn_N.shape)
 
     @jax.jit

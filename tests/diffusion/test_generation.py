@@ -11,7 +11,7 @@ import pytest
 
 from dew.data import ByteTokenizer
 from dew.data.inputs import ModelInputs
-from dew.diffusion.unmask import compiled_refinement
+from dew.diffusion.unmask import compiled_refinement, inverse_cdf
 from dew.inference import CanvasGeneration, MaskedGeneration
 from tests.diffusion.conftest import MASK_ID, VOCAB
 
@@ -33,6 +33,17 @@ def test_the_default_is_64_evaluations_the_last_a_clean_prediction(masked_model,
     canvas = jnp.asarray([[1, 2, 3] + [MASK_ID] * 6])
     logits = masked_model.apply(masked_variables, canvas)[0, 3:].at[:, MASK_ID].set(-jnp.inf)
     assert once.continuations()[0] == list(np.asarray(jnp.argmax(logits, -1))) and list(once.refinements) == [1]
+
+
+def test_tokens_are_drawn_from_the_softmax_and_never_at_probability_zero():
+    logits = jnp.asarray([-jnp.inf, 0.0, 1.0, -jnp.inf, 2.0, -1.0, -jnp.inf], jnp.float32)
+    rows = 200_000
+    drawn = np.asarray(inverse_cdf(jax.random.key(0), jnp.tile(logits, (rows, 1))))
+    frequencies = np.bincount(drawn, minlength=7) / rows
+    probabilities = np.asarray(jax.nn.softmax(logits), np.float64)
+    # Independent draws: each frequency lies within six standard deviations of its probability.
+    assert (np.abs(frequencies - probabilities) <= 6 * np.sqrt(probabilities * (1 - probabilities) / rows)).all()
+    assert frequencies[[0, 3, 6]].sum() == 0
 
 
 def test_mask_ids_are_never_drawn_and_the_prompt_stays(masked_model, masked_variables, process):

@@ -157,3 +157,18 @@ def test_bad_input_is_refused_with_the_fix(masked_model, process):
             objective.check_batch({"text": bad})
     with pytest.raises(ValueError, match="text_segment_ids has shape"):
         objective.check_batch({"text": clean, "text_segment_ids": np.ones((2, SEQ - 1), np.int32)})
+
+
+def test_pipeline_publishes_the_state_as_a_masked_generation(masked_model, process):
+    from dew.data import ByteTokenizer
+    from dew.inference import MaskedGeneration
+
+    objective = MaskedDiffusionObjective(masked_model, process, seq_len=16, ema_decay=0.5,
+                                         samples=Samples([1, 2], 5))
+    state = Trainer(objective, optax.sgd(0.1), key=jax.random.key(0)).init_state()
+    state = state.replace(params=jax.tree_util.tree_map(lambda x: x * 2.0, state.params))  # live != averaged
+    task = objective.pipeline(state, processor=ByteTokenizer())
+    assert isinstance(task, MaskedGeneration) and task.params is state.ema and task.process is process
+    assert task.max_new_tokens == 5 and objective.pipeline(state, ema=False).params is state.params
+    result = task([[3, 4]], seed=1, steps=4)
+    assert result.tokens.shape == (1, 7) and list(result.refinements) == [4]
