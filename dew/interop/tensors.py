@@ -1,0 +1,364 @@
+"""The tensor rules engine: a family's checkpoint tensors as Dew parameters, and back.
+
+A family lists `Rule`s. A rule ties Dew leaves (slash paths into the parameter tree, where `layers/`
+stands for any layer scope: a lone layer `layers_N`, or a scanned run `layers_{a}to{b}` whose leaves
+are stacked on a leading axis) to checkpoint tensors (names with `{layer}` and other placeholders),
+through five kinds of step:
+
+- rename: the Dew path and the tensor name;
+- transpose: the Dew leaf holds the tensor's axes in the order `transpose` gives (`(1, 0)`: a
+  transformers `[out, in]` weight is Dew's `[in, out]` kernel);
+- stack: every placeholder indexes a leading axis of the Dew leaf, so one leaf holds many tensors:
+  `{layer}` the run's layer axis (a lone layer binds it without an axis), and the names in `stack`
+  the axes after it (`("expert",)`: `mlp.experts.{expert}.*` as one `[E, ...]` leaf);
+- split and fuse: one tensor cut along `axis` into several Dew leaves, or several tensors joined
+  along `axis` into one leaf (`sizes`: each tensor's extent);
+- permute: rows interleaved per head, as llama.cpp stores a llama model's queries and keys
+  (`permute`: the number of heads).
+
+`plan` resolves rules against a tree of arrays or shapes, in either form, into one `LeafPlan` per
+leaf and every tensor's shape. `read_region` builds any region of a leaf from a reader (`names`,
+`shape`, `dtype`, `read(name, index)`), asking only for the tensors, layers and rows inside it;
+`export_tensors` gives each tensor as a builder that cuts it out of the leaves when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LAYERS = "layers"  # the scope placeholder of a rule's Dew path
+_RUN = re.compile(r"layers_(\d+)to(\d+)")
+_LONE = re.compile(r"layers_(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Dew leaves `dew` and checkpoint tensors `tensor` that hold the same numbers (see the module).
+
+    One side names one entry; when the other names several, the one is cut along `axis` of the Dew
+    leaf's item (its axes after the stacked ones): a split (several Dew leaves, sized by their own
+    shapes) or a fuse (several tensors, sized by `sizes`, in order).
+    """
+
+    dew: str | tuple[str, ...]
+    tensor: str | tuple[str, ...]
+    transpose: tuple[int, ...] | None = None
+    stack: tuple[str, ...] = ()
+    axis: int | None = None
+    sizes: tuple[int, ...] | None = None
+    permute: int | None = None
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)
+        set_("dew", (self.dew,) if isinstance(self.dew, str) else tuple(self.dew))
+        set_("tensor", (self.tensor,) if isinstance(self.tensor, str) else tuple(self.tensor))
+        if len(self.dew) > 1 and len(self.tensor) > 1:
+            raise ValueError(f"rule {self.dew} <-> {self.tensor}: one side must name a single entry")
+        if (len(self.dew) > 1 or len(self.tensor) > 1) and self.axis is None:
+            raise ValueError(f"rule {self.dew} <-> {self.tensor} splits or fuses: give the axis it cuts")
+        if len(self.tensor) > 1 and (self.sizes is None or len(self.sizes) != len(self.tensor)):
+            raise ValueError(f"rule {self.dew} <-> {self.tensor} fuses {len(self.tensor)} tensors: give one size each")
+
+    def renamed(self, names: Mapping[str, str], permute: Mapping[str, int] | None = None) -> "Rule":
+        """This rule over other tensor names (a GGUF file's), with rows permuted per head where
+        `permute` gives a tensor (by its old name) a head count."""
+        missing = [name for name in self.tensor if name not in names]
+        if missing:
+            raise KeyError(f"no name given for {missing}")
+        heads = {(permute or {})[name] for name in self.tensor if name in (permute or {})}
+        return dataclasses.replace(self, tensor=tuple(names[name] for name in self.tensor),
+                                   permute=heads.pop() if heads else self.permute)
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """Where one tensor sits in a Dew leaf's item: along `axis` (None: the whole item), the item's
+    `[dew_start, dew_start + size)` is the tensor's `[tensor_start, tensor_start + size)` of
+    `extent`, once the tensor's axes are put in `transpose` order and its rows un-permuted."""
+
+    name: str
+    transpose: tuple[int, ...] | None
+    permute: int | None
+    axis: int | None = None
+    dew_start: int = 0
+    tensor_start: int = 0
+    size: int = 0
+    extent: int = 0
+
+    def tensor_shape(self, item_shape: Sequence[int]) -> tuple[int, ...]:
+        shape = list(item_shape)
+        if self.axis is not None:
+            shape[self.axis] = self.extent
+        return _untranspose_shape(shape, self.transpose)
+
+    def regions(self, item_bounds: Sequence[tuple[int, int]]):
+        """The part of the item region `item_bounds` this tensor holds, in item coordinates, and the
+        same part in the tensor's own axes; None when they do not meet."""
+        dew = list(item_bounds)
+        if self.axis is not None:
+            low, high = dew[self.axis]
+            low, high = max(low, self.dew_start), min(high, self.dew_start + self.size)
+            if low >= high:
+                return None
+            dew[self.axis] = (low, high)
+        tensor = list(dew)
+        if self.axis is not None:
+            shift = self.tensor_start - self.dew_start
+            tensor[self.axis] = (dew[self.axis][0] + shift, dew[self.axis][1] + shift)
+        return dew, _untranspose_shape(tensor, self.transpose)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """One Dew leaf: its `path`, `shape` and `dtype`, the stacked axes it carries first (`stacked`:
+    each a placeholder and the values it takes along the axis), the placeholders bound without an
+    axis (`fixed`), and its `links` to tensors."""
+
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: Any
+    stacked: tuple[tuple[str, tuple[int, ...]], ...]
+    fixed: Mapping[str, int]
+    links: tuple[Link, ...]
+
+    @property
+    def item_shape(self) -> tuple[int, ...]:
+        return self.shape[len(self.stacked):]
+
+    def values(self, position: Sequence[int]) -> dict[str, int]:
+        """The placeholders' values at one position along the stacked axes."""
+        return {**self.fixed, **{name: values[p] for (name, values), p in zip(self.stacked, position)}}
+
+    def positions(self) -> Iterator[tuple[int, ...]]:
+        return itertools.product(*(range(len(values)) for _, values in self.stacked))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Rules resolved against one tree: a `LeafPlan` per leaf, and every tensor's shape in the
+    checkpoint (`tensors`, name to shape, in checkpoint order: layer by layer)."""
+
+    leaves: tuple[LeafPlan, ...]
+    tensors: Mapping[str, tuple[int, ...]]
+
+
+def plan(rules: Sequence[Rule], params: Mapping, family: str = "this family") -> Plan:
+    """Resolve `rules` against `params` (arrays or `ShapeDtypeStruct`s, runs stacked or not).
+
+    A leaf no rule names, or a split or fused group missing a member, is refused naming `family`.
+    """
+    by_path = {path: (rule, index) for rule in rules for index, path in enumerate(rule.dew)}
+    # the leaves each rule ties together within one layer scope: (rule, scope) -> {index in rule.dew: leaf}
+    groups: dict[tuple, dict[int, tuple]] = {}
+    for path, leaf in _flat(params):
+        scope, stacked, fixed, key = _scope(path)
+        if key not in by_path:
+            raise ValueError(f"{family} has no tensor rule for the Dew parameter {'/'.join(path)} ({key})")
+        rule, index = by_path[key]
+        extra = np.shape(leaf)[len(stacked):len(stacked) + len(rule.stack)]
+        stacked = stacked + tuple((name, tuple(range(n))) for name, n in zip(rule.stack, extra))
+        groups.setdefault((id(rule), scope), {})[index] = (rule, path, leaf, stacked, fixed)
+    leaves, tensors = [], {}
+    for members in groups.values():
+        rule = next(iter(members.values()))[0]
+        absent = [rule.dew[i] for i in range(len(rule.dew)) if i not in members]
+        if absent:
+            raise ValueError(f"{family}'s rule for {rule.tensor} needs {absent} beside "
+                             f"{[rule.dew[i] for i in members]}")
+        for index, (_, path, leaf, stacked, fixed) in sorted(members.items()):
+            item = tuple(np.shape(leaf)[len(stacked):])
+            links = _links(rule, index, [np.shape(m[2])[len(m[3]):] for _, m in sorted(members.items())])
+            resolved = LeafPlan(tuple(path), tuple(np.shape(leaf)), jnp.dtype(leaf.dtype), stacked, fixed, links)
+            leaves.append(resolved)
+            for position in resolved.positions():
+                values = resolved.values(position)
+                for link in links:
+                    tensors[link.name.format(**values)] = link.tensor_shape(item)
+    order = sorted(tensors, key=_natural)
+    return Plan(tuple(leaves), {name: tensors[name] for name in order})
+
+
+def _links(rule: Rule, index: int, items: list[tuple[int, ...]]) -> tuple[Link, ...]:
+    """The links of the rule's `index`-th Dew leaf, given every member leaf's item shape."""
+    base = dict(transpose=rule.transpose, permute=rule.permute)
+    if len(rule.dew) == 1 and len(rule.tensor) == 1:
+        return (Link(rule.tensor[0], **base),)
+    axis = rule.axis
+    if len(rule.dew) > 1:  # split: the one tensor holds every leaf, in order
+        sizes = [item[axis] for item in items]
+        return (Link(rule.tensor[0], **base, axis=axis, tensor_start=sum(sizes[:index]), size=sizes[index],
+                     extent=sum(sizes)),)
+    if sum(rule.sizes) != items[0][axis]:
+        raise ValueError(f"rule {rule.dew} <-> {rule.tensor}: sizes {rule.sizes} do not add up to the leaf's "
+                         f"{items[0][axis]} along axis {axis}")
+    starts = np.cumsum((0, *rule.sizes[:-1]))
+    return tuple(Link(name, **base, axis=axis, dew_start=int(start), size=size, extent=size)
+                 for name, start, size in zip(rule.tensor, starts, rule.sizes))
+
+
+def _scope(path: tuple[str, ...]):
+    """(scope, stacked axes, fixed placeholders, rule key) of a leaf path."""
+    head = path[0]
+    run, lone = _RUN.fullmatch(head), _LONE.fullmatch(head)
+    if run:
+        layers = tuple(range(int(run[1]), int(run[2]) + 1))
+        return head, (("layer", layers),), {}, "/".join((LAYERS, *path[1:]))
+    if lone:
+        return head, (), {"layer": int(lone[1])}, "/".join((LAYERS, *path[1:]))
+    return "", (), {}, "/".join(path)
+
+
+def read_region(reader, leaf: LeafPlan, index: tuple[slice, ...] | None, dtype,
+                advance: Callable[[int], None] = lambda nbytes: None) -> np.ndarray:
+    """The region `index` (slices over `leaf.shape`; None for all of it) of a Dew leaf, as a host
+    array of `dtype` (64-byte aligned), read from `reader` one tensor part at a time: only the
+    layers, experts and rows inside the region are read. `advance` hears the bytes of each read."""
+    index = tuple(slice(None) for _ in leaf.shape) if index is None else tuple(index)
+    bounds = [s.indices(n)[:2] for s, n in zip(index, leaf.shape)]
+    k = len(leaf.stacked)
+    region = _aligned_empty([high - low for low, high in bounds], dtype)
+    item_bounds = bounds[k:]
+    for position in itertools.product(*(range(low, high) for low, high in bounds[:k])):
+        target = region[tuple(p - low for p, (low, _) in zip(position, bounds[:k]))]
+        values = leaf.values(position)
+        for link in leaf.links:
+            parts = link.regions(item_bounds)
+            if parts is None:
+                continue
+            dew, tensor = parts
+            array = _read(reader, link.name.format(**values), tensor, link.permute)
+            advance(array.nbytes)
+            if link.transpose is not None:
+                array = array.transpose(link.transpose)
+            target[tuple(slice(low - start, high - start) for (low, high), (start, _) in zip(dew, item_bounds))] = array
+            del array  # one tensor part on the host at a time, beside the region
+    return region
+
+
+def _aligned_empty(shape: Sequence[int], dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialised host array whose data starts on an `alignment`-byte boundary: XLA's CPU backend
+    takes such a buffer as it is (`jax.device_put(..., may_alias=True)`), where it copies one numpy
+    allocated at its usual 16 bytes."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _read(reader, name: str, bounds: Sequence[tuple[int, int]], heads: int | None) -> np.ndarray:
+    """One region of a tensor in transformers' row order; with `heads`, the stored rows are
+    llama.cpp's per-head interleave, so the rows asked for are gathered from where it keeps them."""
+    if heads is None:
+        return reader.read(name, tuple(slice(low, high) for low, high in bounds))
+    (low, high), rest = bounds[0], tuple(slice(a, b) for a, b in bounds[1:])
+    rows = interleaved_rows(reader.shape(name)[0], heads)[low:high]
+    first = int(rows.min())
+    covering = reader.read(name, (slice(first, int(rows.max()) + 1), *rest))
+    return covering[rows - first]
+
+
+def interleaved_rows(count: int, heads: int) -> np.ndarray:
+    """For each row in transformers' order, the row llama.cpp stores it at: within each head the two
+    rotated halves are interleaved (row `i` of the first half at `2i`, of the second at `2i + 1`)."""
+    return np.arange(count).reshape(heads, count // heads // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+def export_tensors(plan_: Plan, params: Mapping) -> list[tuple[str, int, Callable[[], np.ndarray]]]:
+    """`(name, nbytes, build)` for every tensor of the plan, in checkpoint order; `build()` cuts the
+    tensor out of `params` (device or host arrays, the tree the plan was made from) when called:
+    one layer's slice of a stacked leaf, moved to the host and put back in the tensor's axes."""
+    pieces: dict[str, list] = {}
+    for leaf in plan_.leaves:
+        array = _leaf(params, leaf.path)
+        for position in leaf.positions():
+            values = leaf.values(position)
+            for link in leaf.links:
+                pieces.setdefault(link.name.format(**values), []).append((leaf, array, position, link))
+    exported = []
+    for name, shape in plan_.tensors.items():
+        dtype = pieces[name][0][0].dtype
+        exported.append((name, int(np.prod(shape)) * dtype.itemsize, _builder(shape, dtype, pieces[name])))
+    return exported
+
+
+def _builder(shape, dtype, pieces) -> Callable[[], np.ndarray]:
+    def build() -> np.ndarray:
+        tensor, heads = None, None
+        for _, array, position, link in pieces:
+            item = _item(array, position)
+            part = item if link.axis is None else np.take(item, range(link.dew_start, link.dew_start + link.size),
+                                                           axis=link.axis)
+            part = part if link.transpose is None else part.transpose(np.argsort(link.transpose))
+            if len(pieces) == 1 and link.axis is None and link.permute is None:
+                return part  # a view: the writer makes it contiguous as it writes
+            if tensor is None:
+                tensor = np.empty(shape, dtype)
+            start = [0] * len(shape)
+            if link.axis is not None:
+                start[_untranspose_axis(link.axis, link.transpose)] = link.tensor_start
+            tensor[tuple(slice(s, s + n) for s, n in zip(start, part.shape))] = part
+            heads = link.permute
+        if heads is None:
+            return tensor
+        stored = np.empty_like(tensor)  # back to llama.cpp's row order
+        stored[interleaved_rows(shape[0], heads)] = tensor
+        return stored
+
+    return build
+
+
+@jax.jit
+def _take(array, position):
+    return array[tuple(position)]
+
+
+def _item(array, position: tuple[int, ...]) -> np.ndarray:
+    """The item at `position` along a leaf's stacked axes, on the host (sliced on its device first,
+    so a stacked leaf is never brought over whole)."""
+    if not position:
+        return np.asarray(jax.device_get(array))
+    if isinstance(array, np.ndarray):
+        return array[position]
+    return np.asarray(jax.device_get(_take(array, jnp.asarray(position, jnp.int32))))
+
+
+def _untranspose_shape(values: Sequence, transpose: tuple[int, ...] | None) -> tuple:
+    """A Dew item's per-axis values (sizes, bounds) in the tensor's own axis order."""
+    if transpose is None:
+        return tuple(values)
+    out = [None] * len(values)
+    for dew_axis, tensor_axis in enumerate(transpose):
+        out[tensor_axis] = values[dew_axis]
+    return tuple(out)
+
+
+def _untranspose_axis(axis: int, transpose: tuple[int, ...] | None) -> int:
+    return axis if transpose is None else transpose[axis]
+
+
+def _flat(tree, prefix=()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from _flat(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+def _leaf(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _natural(name: str) -> list:
+    """Sort key that puts `layers.10` after `layers.9`."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]

@@ -1,0 +1,165 @@
+"""The tensor rules engine on synthetic tensors: each kind of rule in and back out, bit for bit, and
+region reads that ask only for the layers and rows they need."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.interop import tensors
+from dew.interop.tensors import Rule
+
+F32 = np.float32
+
+
+class ArrayReader:
+    """Tensors held in a dict, read the way the checkpoint readers are; records each region asked for."""
+
+    def __init__(self, arrays):
+        self.arrays, self.asked = arrays, []
+        self.location = {name: Path("arrays") for name in arrays}
+
+    def names(self):
+        return list(self.arrays)
+
+    def shape(self, name):
+        return self.arrays[name].shape
+
+    def dtype(self, name):
+        return "F32"
+
+    def read(self, name, index=()):
+        self.asked.append((name, index))
+        return np.array(self.arrays[name][index])
+
+
+def _shapes(tree):
+    return jax.tree_util.tree_map(lambda shape: jax.ShapeDtypeStruct(shape, F32), tree,
+                                  is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _nest(leaves: dict) -> dict:
+    tree: dict = {}
+    for path, value in leaves.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _round_trip(rules, shapes, seed=0):
+    """Random checkpoint tensors for `rules` over a tree of `shapes`, read into Dew leaves and exported
+    back: the export must give every tensor bit for bit. Returns (Dew params, the tensors)."""
+    plan = tensors.plan(rules, _shapes(shapes))
+    rng = np.random.default_rng(seed)
+    stored = {name: rng.normal(size=shape).astype(F32) for name, shape in plan.tensors.items()}
+    params = _nest({leaf.path: tensors.read_region(ArrayReader(stored), leaf, None, F32) for leaf in plan.leaves})
+    for as_device in (False, True):  # host leaves, and device ones sliced on their device
+        source = jax.tree_util.tree_map(jnp.asarray, params) if as_device else params
+        exported = {name: np.ascontiguousarray(build()) for name, _, build in tensors.export_tensors(plan, source)}
+        assert list(exported) == list(stored)
+        for name in stored:
+            np.testing.assert_array_equal(exported[name], stored[name], err_msg=name)
+    return params, stored
+
+
+def test_rename_and_transpose():
+    rules = (Rule("embed/embedding", "model.embed.weight"), Rule("head/kernel", "lm_head.weight", transpose=(1, 0)))
+    params, stored = _round_trip(rules, {"embed": {"embedding": (7, 3)}, "head": {"kernel": (3, 7)}})
+    np.testing.assert_array_equal(params["embed"]["embedding"], stored["model.embed.weight"])
+    np.testing.assert_array_equal(params["head"]["kernel"], stored["lm_head.weight"].T)
+
+
+def test_stack_over_layers_and_over_experts():
+    """`{layer}` stacks a run's layers, `stack=("expert",)` an axis that is not the layers'; a lone layer
+    binds `{layer}` without an axis."""
+    rules = (Rule("layers/mlp/experts/up/kernel", "model.layers.{layer}.mlp.experts.{expert}.up.weight",
+                  transpose=(1, 0), stack=("expert",)),)
+    shapes = {"layers_0to2": {"mlp": {"experts": {"up": {"kernel": (3, 4, 6, 5)}}}},
+              "layers_3": {"mlp": {"experts": {"up": {"kernel": (4, 6, 5)}}}}}
+    params, stored = _round_trip(rules, shapes)
+    assert len(stored) == 4 * 4 and stored["model.layers.2.mlp.experts.3.up.weight"].shape == (5, 6)
+    run = params["layers_0to2"]["mlp"]["experts"]["up"]["kernel"]
+    lone = params["layers_3"]["mlp"]["experts"]["up"]["kernel"]
+    np.testing.assert_array_equal(run[2, 3], stored["model.layers.2.mlp.experts.3.up.weight"].T)
+    np.testing.assert_array_equal(lone[1], stored["model.layers.3.mlp.experts.1.up.weight"].T)
+
+
+def test_split_one_tensor_into_several_leaves():
+    """A fused query/key/value projection (one `[q + k + v, in]` tensor) as three Dew kernels."""
+    names = ("layers/attn/q/kernel", "layers/attn/k/kernel", "layers/attn/v/kernel")
+    rules = (Rule(names, "model.layers.{layer}.attn.qkv.weight", transpose=(1, 0), axis=1),)
+    shapes = {"layers_0to1": {"attn": {"q": {"kernel": (2, 5, 8)}, "k": {"kernel": (2, 5, 4)},
+                                       "v": {"kernel": (2, 5, 4)}}}}
+    params, stored = _round_trip(rules, shapes)
+    qkv = stored["model.layers.1.attn.qkv.weight"]
+    assert qkv.shape == (16, 5)
+    attn = params["layers_0to1"]["attn"]
+    for name, rows in (("q", slice(0, 8)), ("k", slice(8, 12)), ("v", slice(12, 16))):
+        np.testing.assert_array_equal(attn[name]["kernel"][1], qkv[rows].T, err_msg=name)
+
+
+def test_fuse_several_tensors_into_one_leaf():
+    """transformers' separate gate and up projections as one `[in, 2 * mlp]` Dew kernel."""
+    rules = (Rule("layers/mlp/gate_up/kernel", ("model.layers.{layer}.mlp.gate.weight",
+                                                "model.layers.{layer}.mlp.up.weight"),
+                  transpose=(1, 0), axis=1, sizes=(6, 6)),)
+    params, stored = _round_trip(rules, {"layers_4": {"mlp": {"gate_up": {"kernel": (5, 12)}}}})
+    fused = params["layers_4"]["mlp"]["gate_up"]["kernel"]
+    np.testing.assert_array_equal(fused[:, :6], stored["model.layers.4.mlp.gate.weight"].T)
+    np.testing.assert_array_equal(fused[:, 6:], stored["model.layers.4.mlp.up.weight"].T)
+
+
+def _llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's query/key row order (convert_hf_to_gguf.py): each head's two halves interleaved."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def test_permute_puts_llama_cpp_rows_back():
+    rules = (Rule("layers/attn/q/kernel", "blk.{layer}.attn_q.weight", transpose=(1, 0), permute=2),)
+    params, stored = _round_trip(rules, {"layers_0": {"attn": {"q": {"kernel": (5, 8)}}}})
+    kernel = params["layers_0"]["attn"]["q"]["kernel"]
+    np.testing.assert_array_equal(_llama_cpp_permute(kernel.T, 2), stored["blk.0.attn_q.weight"])
+
+
+def test_regions_read_only_their_layers_and_rows():
+    rules = (Rule("layers/attn/q/kernel", "model.layers.{layer}.q.weight", transpose=(1, 0)),
+             Rule("layers/attn/k/kernel", "blk.{layer}.attn_k.weight", transpose=(1, 0), permute=2))
+    plan = tensors.plan(rules, _shapes({"layers_0to3": {"attn": {"q": {"kernel": (4, 5, 6)},
+                                                                   "k": {"kernel": (4, 5, 8)}}}}))
+    rng = np.random.default_rng(1)
+    stored = {name: rng.normal(size=shape).astype(F32) for name, shape in plan.tensors.items()}
+    q, k = sorted(plan.leaves, key=lambda leaf: leaf.path[2] != "q")
+    whole = {leaf.path[2]: tensors.read_region(ArrayReader(stored), leaf, None, F32) for leaf in plan.leaves}
+
+    reader = ArrayReader(stored)
+    index = (slice(1, 3), slice(None), slice(2, 4))  # layers 1-2, the kernel's columns 2-3 (the tensor's rows)
+    np.testing.assert_array_equal(tensors.read_region(reader, q, index, F32), whole["q"][index])
+    assert reader.asked == [(f"model.layers.{i}.q.weight", (slice(2, 4), slice(0, 5))) for i in (1, 2)]
+
+    reader = ArrayReader(stored)
+    index = (slice(3, 4), slice(None), slice(0, 4))  # the last layer's first head: rows 0-3, stored interleaved
+    np.testing.assert_array_equal(tensors.read_region(reader, k, index, F32), whole["k"][index])
+    assert reader.asked == [("blk.3.attn_k.weight", (slice(0, 4), slice(0, 5)))]
+
+
+@pytest.mark.parametrize("rule, message", [
+    (Rule("layers/other/kernel", "x.weight"), r"has no tensor rule for the Dew parameter layers_0/attn/q/kernel"),
+    (Rule(("layers/attn/q/kernel", "layers/attn/k/kernel"), "qkv.weight", axis=1), r"needs \['layers/attn/k/kernel'\]"),
+    (Rule("layers/attn/q/kernel", ("a.weight", "b.weight"), axis=1, sizes=(2, 2)), r"sizes \(2, 2\) do not add up"),
+])
+def test_rules_that_do_not_fit_the_tree_are_refused(rule, message):
+    with pytest.raises(ValueError, match=message):
+        tensors.plan((rule,), _shapes({"layers_0": {"attn": {"q": {"kernel": (5, 6)}}}}), "a test family")
+
+
+def test_a_rule_names_its_split_axis_and_fused_sizes():
+    with pytest.raises(ValueError, match="give the axis it cuts"):
+        Rule(("a", "b"), "ab.weight")
+    with pytest.raises(ValueError, match="give one size each"):
+        Rule("ab", ("a.weight", "b.weight"), axis=0)
