@@ -1,27 +1,24 @@
-"""Copy Dew decoder weights into a transformers model through the interop tensor mapping (test oracle)."""
+"""Copy Dew decoder weights into a transformers model through the family's tensor rules (test oracle)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from dew.interop.hf_decoders import tensor_plan
-from dew.nn.stack import unstack_variables
+from dew.interop import tensors
+from dew.interop.families import FAMILIES
 
 
 def copy_into_torch(variables, torch_model, num_layers: int) -> None:
-    """Set the torch model's weights from Dew's `variables` (stacked runs split into layers first),
-    named and transposed as `Pretrained.save` writes them."""
-    params = unstack_variables(variables)["params"]
-    layers = sum(key.startswith("layers_") for key in params)
-    assert layers == num_layers, f"the Dew tree has {layers} layers, the caller expects {num_layers}"
-    state = {}
-    for name, path, transposed in tensor_plan(params):
-        leaf = params
-        for key in path:
-            leaf = leaf[key]
-        array = np.asarray(leaf, dtype=np.float32)
-        state[name] = torch.from_numpy(np.array(array.T if transposed else array, copy=True))
+    """Set the torch model's weights from Dew's `variables` (stacked runs or per layer), named and
+    transposed as `Pretrained.save` writes them, through the family of `torch_model`'s config."""
+    params = variables["params"]
+    family = FAMILIES[torch_model.config.model_type]
+    plan = tensors.plan(family.rules, params, family.model_type)
+    layers = {name.split(".")[2] for name in plan.tensors if name.startswith("model.layers.")}
+    assert len(layers) == num_layers, f"the Dew tree has {len(layers)} layers, the caller expects {num_layers}"
+    state = {name: torch.from_numpy(np.array(build(), dtype=np.float32, copy=True))
+             for name, _, build in tensors.export_tensors(plan, params)}
     missing, unexpected = torch_model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and "lm_head" not in params)]
+    missing = [m for m in missing if not (m == "lm_head.weight" and "lm_head.weight" not in state)]
     assert not missing and not unexpected, (missing, unexpected)

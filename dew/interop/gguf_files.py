@@ -1,24 +1,22 @@
 """GGUF files (llama.cpp): metadata as a transformers config, tensors dequantized to float32, the tokenizer.
 
-The llama, qwen2 and qwen3 architectures load; the file's metadata becomes a config.json-style dict
-read by the same family code as a safetensors checkpoint, and each tensor is dequantized from the
-memory-mapped file when the loader asks for it, under its transformers name and layout. llama.cpp
-stores a llama model's query and key rows permuted for its interleaved rotary layout; they are put
-back in transformers' order here. The tokenizer is rebuilt from the vocabulary in the metadata the way
-transformers builds it: byte-level BPE ("gpt2") or SentencePiece BPE ("llama").
+The architectures a family converter names GGUF tables for load (llama, qwen2 and qwen3); the file's
+metadata becomes a config.json-style dict through the family's metadata table, read by the same
+family code as a safetensors checkpoint, and each tensor is dequantized from the memory-mapped file
+when the loader asks for it (only the rows asked for), under its GGUF name; the family's rules
+(`Converter.gguf_rules`) rename it and put llama's query and key rows back in transformers' order.
+The tokenizer is rebuilt from the vocabulary in the metadata the way transformers builds it:
+byte-level BPE ("gpt2") or SentencePiece BPE ("llama").
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
 
-from dew.interop.hf_decoders import FAMILIES
-
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+from dew.interop.families import gguf_architectures, gguf_family
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp token types
 _SPACE = "\u2581"  # SentencePiece's spelling of a space
 # Per-token arrays, read with `field` when the tokenizer is built rather than kept in `metadata`.
@@ -26,13 +24,6 @@ _VOCABULARY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer
                     "tokenizer.ggml.token_type")
 _SPECIAL_TOKEN_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
                       "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
-_BLOCK = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # How llama.cpp's pre-tokenizer names split text before byte-level BPE (as transformers reads them);
 # a name not listed splits with GPT-2's own pattern.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -55,22 +46,12 @@ def _require_gguf():
     return gguf
 
 
-def hf_tensor_name(name: str) -> str | None:
-    """The transformers name of a GGUF tensor (`blk.3.attn_q.weight` is `model.layers.3.self_attn.q_proj.weight`)."""
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if match and match.group(2) in _BLOCK:
-        return f"model.layers.{match.group(1)}.{_BLOCK[match.group(2)]}.{match.group(3)}"
-    match = re.fullmatch(r"(\w+)\.(weight|bias)", name)
-    if match and match.group(1) in _TOP:
-        return f"{_TOP[match.group(1)]}.{match.group(2)}"
-    return None
-
-
 class GGUFCheckpoint:
-    """One GGUF file, memory-mapped: its metadata, its config, and its tensors under transformers names.
+    """One GGUF file, memory-mapped: its metadata, its config, its family and its tensors.
 
     Offers the reader interface the loader uses for safetensors (`names`, `shape`, `dtype`, `read`,
-    `location`); every tensor reads as float32 `[out, in]`. Use as a context manager.
+    `location`) under the file's own tensor names; every tensor reads as float32 in row-major
+    `[rows, columns]` order. Use as a context manager.
     """
 
     def __init__(self, path: Path):
@@ -87,16 +68,12 @@ class GGUFCheckpoint:
         self.metadata = {key: field.contents() for key, field in self._reader.fields.items()
                          if key not in _VOCABULARY_KEYS}
         self.architecture = self.metadata.get("general.architecture")
-        if self.architecture not in ARCHITECTURES:
+        self.family = gguf_family(self.architecture)
+        if self.family is None:
             raise ValueError(f"{self.path.name} holds a {self.architecture!r} model: Dew reads the GGUF architectures "
-                             f"{list(ARCHITECTURES)}; load this model from its safetensors checkpoint instead")
-        self._tensors, unknown = {}, []
-        for tensor in self._reader.tensors:
-            name = hf_tensor_name(tensor.name)
-            if name is None:
-                unknown.append(tensor.name)
-            self._tensors[name or tensor.name] = tensor
-        if "rope_freqs.weight" in unknown:
+                             f"{gguf_architectures()}; load this model from its safetensors checkpoint instead")
+        self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
+        if "rope_freqs.weight" in self._tensors:
             raise ValueError(f"{self.path.name} holds rope_freqs.weight, llama.cpp's precomputed Llama 3 rotary "
                              "scaling, which Dew does not read: load the safetensors checkpoint, whose config.json "
                              "gives the scaling as rope_parameters")
@@ -112,23 +89,23 @@ class GGUFCheckpoint:
         return self._reader.fields[key].contents() if key in self._reader.fields else None
 
     def config(self) -> dict:
-        """A transformers config.json for the file's model, from its metadata."""
-        arch, meta = self.architecture, self.metadata
-        get = lambda key, default=None: meta.get(f"{arch}.{key}", default)
-        heads = get("attention.head_count")
-        config = {
-            "model_type": arch, "hidden_size": get("embedding_length"), "intermediate_size": get("feed_forward_length"),
-            "num_hidden_layers": get("block_count"), "num_attention_heads": heads,
-            "num_key_value_heads": get("attention.head_count_kv", heads),
-            "max_position_embeddings": get("context_length"), "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
-            "rope_theta": get("rope.freq_base", 10000.0),
-            "vocab_size": get("vocab_size") or self.shape("model.embed_tokens.weight")[0],
-            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
-            "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-            "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-        }
+        """A transformers config.json for the file's model, from its metadata (the family's table)."""
+        gguf, meta = self.family.gguf, self.metadata
+        config = {field: meta[f"{gguf.architecture}.{key}"] for key, field in gguf.metadata.items()
+                  if f"{gguf.architecture}.{key}" in meta}
+        get = lambda key, default=None: meta.get(f"{gguf.architecture}.{key}", default)
+        heads = config["num_attention_heads"]
+        config.setdefault("num_key_value_heads", heads)
+        config.setdefault("rope_theta", 10000.0)
+        if config.get("vocab_size") is None:
+            config["vocab_size"] = self.shape(gguf.names["model.embed_tokens.weight"])[0]
+        config.update(
+            model_type=self.family.model_type, tie_word_embeddings=gguf.names["lm_head.weight"] not in self._tensors,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        )
         head_dim = get("attention.key_length", config["hidden_size"] // heads)
-        if FAMILIES[arch].reads("head_dim"):
+        if self.family.reads("head_dim"):
             config["head_dim"] = head_dim
         rotated = get("rope.dimension_count", head_dim)
         if rotated != head_dim:
@@ -165,26 +142,25 @@ class GGUFCheckpoint:
     def dtype(self, name: str) -> str:
         return "F32"  # every tensor is dequantized to float32
 
-    def read(self, name: str) -> np.ndarray:
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        """A tensor's region `index` (slices, rows first) as float32: only its rows are dequantized."""
         gguf = _require_gguf()
         tensor = self._tensors[name]
+        shape = self.shape(name)
+        rows = index[0] if index else slice(None)
+        # the memory map holds one row per leading index (quantized rows as their bytes), so rows slice alike
+        data = tensor.data.reshape(shape[0], -1) if len(shape) > 1 else tensor.data.reshape(1, -1)
+        count = len(range(*rows.indices(shape[0])))
         try:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            array = gguf.quants.dequantize(data[rows] if len(shape) > 1 else data, tensor.tensor_type)
         except NotImplementedError:
             raise ValueError(f"tensor {tensor.name} in {self.path.name} is quantized as {tensor.tensor_type.name}, "
                              f"which the gguf package ({gguf.__name__}) cannot dequantize; use a file quantized "
                              "with a K-quant, Q8_0, Q4_0/Q4_1 or a float type") from None
-        array = np.asarray(array, np.float32).reshape(self.shape(name))
-        if self.architecture == "llama" and re.search(r"self_attn\.[qk]_proj\.", name):
-            heads = self.metadata[f"llama.attention.head_count{'_kv' if '.k_proj.' in name else ''}"]
-            array = _unpermute(array, heads)
-        return array
-
-
-def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's query/key permutation (each head's halves interleaved) back to transformers' rows."""
-    half = rows.shape[0] // heads // 2
-    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+        if len(shape) == 1:
+            return np.asarray(array, np.float32).reshape(shape)[rows]
+        array = np.asarray(array, np.float32).reshape(count, *shape[1:])
+        return array[(slice(None), *index[1:])]
 
 
 def write_tokenizer(checkpoint: GGUFCheckpoint, directory: Path) -> bool:

@@ -1,8 +1,9 @@
 """`load_pretrained` and `Pretrained`: a transformers decoder checkpoint as a native Dew model, and back.
 
-Weights are renamed and transposed once at load (one tensor at a time from the memory-mapped files,
-placed on a device mesh one device shard at a time when a mesh is given) and once at save (each
-tensor built when its shard is written).
+Weights go through the family's tensor rules (`dew.interop.families`, `dew.interop.tensors`) once at
+load, straight into the model's own form (each scanned run's layers stacked on one leaf), read from
+the memory-mapped files one tensor part at a time (on a device mesh, each device shard reads only its
+layers and rows), and once at save (each tensor built when its shard is written).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import dataclasses
 import json
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,13 @@ from jax.sharding import Mesh
 
 from dew.data.tokenizers import HFTokenizer
 from dew.inference import TextGeneration
-from dew.interop import gguf_files, hf_decoders
+from dew.interop import gguf_files, hf_decoders, tensors
+from dew.interop.export import model_params, write_export
+from dew.interop.families import FAMILIES, family_of
 from dew.interop.gguf_files import GGUFCheckpoint
-from dew.interop.hub import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, converted_directory, resolve, resolve_gguf
+from dew.interop.hub import CONFIG, GENERATION_CONFIG, converted_directory, resolve, resolve_gguf
 from dew.interop.progress import byte_progress
-from dew.interop.safetensors_files import SafetensorsReader, write_atomically, write_checkpoint
+from dew.interop.safetensors_files import SafetensorsReader
 from dew.nn.transformer import CausalTransformer, DecoderConfig
 from dew.sampling import Sampling
 from dew.training.mesh import Layout, MeshSpec
@@ -68,42 +71,16 @@ class Pretrained:
                               self.max_new_tokens)
 
     def save(self, directory: str | Path, variables=None, max_shard_size: int | str = "5GB") -> Path:
-        """Write `variables` (default: the loaded ones) as a transformers checkpoint in `directory`.
+        """Write `variables` (default: the loaded ones; stacked runs or per layer) as a transformers
+        checkpoint in `directory`.
 
         Writes safetensors under the source tensor names in the parameters' own dtype (sharded past
         `max_shard_size`, with an index), config.json (its `dtype` set to that dtype),
         generation_config.json and the tokenizer files. Over an earlier export the switch is atomic;
         files the export does not write are left alone.
         """
-        directory = Path(directory)
-        params = _params_of(self.model.unstack_variables(self.variables if variables is None else variables))
-        expected = _expected_params(self.model)
-        if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(expected):
-            raise ValueError("the variables to save do not have this model's parameter tree: pass the loaded "
-                             "variables or a training state's params for the same model")
-        for (path, want), have in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree_util.tree_leaves(params)):
-            if tuple(want.shape) != tuple(have.shape):
-                raise ValueError(f"the variables to save hold {jax.tree_util.keystr(path)} with shape {have.shape}; "
-                                 f"this model has {want.shape}")
-        tensors, dtypes = [], set()
-        for name, path, transposed in hf_decoders.tensor_plan(params):
-            leaf = _leaf(params, path)
-            dtypes.add(jnp.dtype(leaf.dtype).name)
-            tensors.append((name, leaf.size * jnp.dtype(leaf.dtype).itemsize, _builder(leaf, transposed)))
-        config = {key: value for key, value in self.config.items() if key != "torch_dtype"}
-        config["dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
-
-        def write_configs():
-            write_atomically(directory / CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
-            write_atomically(directory / GENERATION_CONFIG,
-                             json.dumps(self._generation_file(), indent=2, sort_keys=True) + "\n")
-            for name in TOKENIZER_FILES:
-                if (self.directory / name).is_file() and self.directory.resolve() != directory.resolve():
-                    write_atomically(directory / name, (self.directory / name).read_bytes())
-
-        write_checkpoint(directory, tensors, max_shard_size, before_switch=write_configs,
-                         staged_names=(CONFIG, GENERATION_CONFIG, *TOKENIZER_FILES))
-        return directory
+        return write_export(directory, self.model, family_of(self.config), self.variables if variables is None
+                            else variables, self.config, self._generation_file(), self.directory, max_shard_size)
 
     def _generation_file(self) -> dict:
         if self.generation_config is not None:
@@ -131,15 +108,16 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
 
     With `mesh` or `layout` (the other defaults to `MeshSpec()` or `Layout()`), every parameter is a
     `jax.Array` split over `mesh.build()` the way `Layout.shardings` splits it for the `Trainer`:
-    each device's shard is cut from one tensor read from the memory-mapped file, and that tensor is
-    released before the next is read, so the host never holds the whole translated model. Without
-    either, parameters are uncommitted arrays on the default device. `fallback` (the guide's generic
+    each device's shard reads only its own layers and rows from the memory-mapped file (a shard
+    several devices share is read once), so the host never holds the whole translated model. Without
+    either, parameters are uncommitted arrays on the default device, each leaf filled tensor by
+    tensor. Either way `variables` are in the model's own form (scanned runs stacked). `fallback` (the guide's generic
     torchax tier) is not built and is refused.
     """
     if fallback is not None:
         raise NotImplementedError(f"fallback={fallback!r}, the generic tier that runs transformers' own model through "
                                   "torchax, is not built in Dew yet: load a model type Dew has a family for "
-                                  f"({', '.join(sorted(hf_decoders.FAMILIES))})")
+                                  f"({', '.join(sorted(FAMILIES))})")
     device_mesh = None if mesh is None and layout is None else (mesh or MeshSpec()).build()
     layout = layout or Layout()
     if attention_impl not in (None, *ATTENTION_IMPLS):
@@ -164,7 +142,8 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         reader = SafetensorsReader(snapshot.weights, snapshot.index)
         config_path = snapshot.directory / CONFIG
         config, where, directory = _read_json(config_path), str(config_path), snapshot.directory
-    kwargs = hf_decoders.decoder_kwargs(config, where=where)
+    family = family_of(config, where)
+    kwargs = family.decoder_kwargs(config, where=where)
     if max_seq_len is not None:
         kwargs["max_seq_len"] = max_seq_len
     generation_path = snapshot.directory / GENERATION_CONFIG
@@ -174,7 +153,12 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         if param_dtype == "auto":
             param_dtype = hf_decoders.param_dtype_name(config) or _first_float_dtype(reader)
         model = CausalTransformer(DecoderConfig(**kwargs, dtype=dtype, param_dtype=param_dtype))
-        params = _read_params(reader, model, config["model_type"], device_mesh, layout, label=f"loading {source}")
+        if gguf_file is not None:
+            rules, ignorable = family.gguf_rules(model.config), lambda name: False
+        else:
+            rules, ignorable = family.tensor_rules(model.config), lambda name: family.ignorable(name, model.config)
+        params = _read_params(reader, model, family.model_type, rules, ignorable, device_mesh, layout,
+                              label=f"loading {source}")
     tokenizer = HFTokenizer(directory) if (directory / "tokenizer.json").is_file() else None
     return Pretrained(model, {"params": params}, tokenizer, config, sampling, budget, snapshot.revision,
                       directory, generation_config)
@@ -224,75 +208,68 @@ def _first_float_dtype(reader: SafetensorsReader) -> str:
     return "float32"
 
 
-def _read_params(reader: SafetensorsReader, model: CausalTransformer, model_type: str, mesh: Mesh | None = None,
-                 layout: Layout = Layout(), label: str = "loading") -> dict:
-    """The Dew parameter tree from the checkpoint's tensors, checking names, shapes and dtypes.
+def _read_params(reader, model: CausalTransformer, model_type: str, rules, ignorable: Callable[[str], bool],
+                 mesh: Mesh | None = None, layout: Layout = Layout(), label: str = "loading") -> dict:
+    """The model's parameters in its own form from the checkpoint's tensors through `rules`, checking
+    names, shapes and dtypes first; tensors `ignorable` names may be present and are not read.
 
-    On a `mesh`, each tensor is placed shard by shard with the sharding `layout` gives it; without
-    one, every parameter is uncommitted on the default device. On a terminal a bar labelled `label`
+    On a `mesh`, each leaf is placed shard by shard with the sharding `layout` gives it, each shard
+    reading its own region; without one, each leaf is filled on the host tensor by tensor and handed
+    to the default device (on the CPU backend without a copy), so a leaf is never held twice. On a terminal a bar labelled `label`
     counts the bytes read.
     """
     config = model.config
-    shapes = _expected_params(model)
+    shapes = model_params(model)
     shardings = None if mesh is None else layout.shardings(mesh, shapes)
-    plan = hf_decoders.tensor_plan(shapes)
-    expected = {name for name, _, _ in plan}
+    plan = tensors.plan(rules, shapes, model_type)
     present = set(reader.names())
-    missing = sorted(expected - present)
+    missing = sorted(set(plan.tensors) - present)
     describe = (f"config.json's {model_type} decoder ({config.num_layers} layers, width {config.emb_features}, "
                 f"tie_word_embeddings {config.tie_embeddings})")
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) {describe} needs, such as {missing[:4]}: "
                          "the weights and config.json come from different models, or a shard is missing")
-    extra = sorted(name for name in present - expected if not hf_decoders.ignorable(name, config))
+    extra = sorted(name for name in present - set(plan.tensors) if not ignorable(name))
     if extra:
         raise ValueError(f"the checkpoint holds {len(extra)} tensor(s) that {describe} has no place for, such as "
                          f"{extra[:4]} (in {reader.location[extra[0]].name}): the weights and config.json come from "
                          "different models")
+    for name, need in plan.tensors.items():
+        stored = reader.shape(name)
+        if tuple(stored) != tuple(need):
+            raise ValueError(f"tensor {name!r} in {reader.location[name].name} has shape {stored}; {describe} "
+                             f"needs {need}: the weights and config.json come from different models")
+        if reader.dtype(name) not in _STORED_DTYPES:
+            raise ValueError(f"tensor {name!r} in {reader.location[name].name} is stored as {reader.dtype(name)}: "
+                             "Dew reads float16, bfloat16 and float32 weights; load the unquantized checkpoint")
     params: dict = {}
-    stored_bytes = {name: _stored_nbytes(reader, name) for name, _, _ in plan}
-    with byte_progress(label, sum(stored_bytes.values())) as advance:
-        for name, path, transposed in plan:
-            want = tuple(_leaf(shapes, path).shape)
-            stored = reader.shape(name)
-            if (tuple(reversed(stored)) if transposed else stored) != want:
-                need = tuple(reversed(want)) if transposed else want
-                raise ValueError(f"tensor {name!r} in {reader.location[name].name} has shape {stored}; {describe} "
-                                 f"needs {need}: the weights and config.json come from different models")
-            if reader.dtype(name) not in _STORED_DTYPES:
-                raise ValueError(f"tensor {name!r} in {reader.location[name].name} is stored as {reader.dtype(name)}: "
-                                 "Dew reads float16, bfloat16 and float32 weights; load the unquantized checkpoint")
-            host = _host_tensor(reader, name, transposed, config.param_dtype)
+    total = sum(math.prod(reader.shape(name)) * jnp.dtype(_STORED_DTYPES[reader.dtype(name)]).itemsize
+                for name in plan.tensors)
+    with byte_progress(label, total) as advance:
+        for leaf in plan.leaves:
             if shardings is None:
-                _set_leaf(params, path, jnp.asarray(host))
+                # on the CPU backend the aligned host leaf becomes the parameter itself: one copy, not two
+                value = jax.device_put(tensors.read_region(reader, leaf, None, config.param_dtype, advance),
+                                       may_alias=True)
             else:
-                _set_leaf(params, path, jax.make_array_from_callback(host.shape, _leaf(shardings, path),
-                                                                     lambda index, host=host: host[index]))
-            del host  # rebinding it only after the next read would hold two tensors on the host at once
-            advance(stored_bytes[name])
+                value = jax.make_array_from_callback(leaf.shape, _leaf(shardings, leaf.path),
+                                                     _shard_reader(reader, leaf, config.param_dtype, advance))
+            _set_leaf(params, leaf.path, value)
     return params
 
 
-def _stored_nbytes(reader: SafetensorsReader, name: str) -> int:
-    """A tensor's bytes as the loader reads them (float32's width for a dtype it goes on to refuse)."""
-    return math.prod(reader.shape(name)) * jnp.dtype(_STORED_DTYPES.get(reader.dtype(name), "float32")).itemsize
+def _shard_reader(reader, leaf: tensors.LeafPlan, dtype, advance) -> Callable[[tuple[slice, ...]], np.ndarray]:
+    """The callback that reads one device's shard of `leaf`; devices holding the same shard (replicas
+    along the data axis) share one read, kept until the leaf is placed."""
+    shards: dict[tuple, np.ndarray] = {}
 
+    def read_shard(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple(bound.indices(n)[:2] for bound, n in zip(index, leaf.shape))
+        if key not in shards:
+            shards[key] = tensors.read_region(reader, leaf, index, dtype, advance)
+        return shards[key]
 
-def _host_tensor(reader: SafetensorsReader, name: str, transposed: bool, dtype) -> np.ndarray:
-    """One checkpoint tensor in Dew's orientation and parameter dtype, as a host array."""
-    array = reader.read(name)
-    return np.asarray(array.T if transposed else array, dtype=jnp.dtype(dtype))
-
-
-def _expected_params(model: CausalTransformer):
-    """The model's parameter tree in its per-layer form (as checkpoints name it), as shapes, without
-    allocating it."""
-    return jax.eval_shape(
-        lambda: model.unstack_variables(model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))))["params"]
-
-
-def _params_of(variables) -> Mapping:
-    return variables["params"] if "params" in variables else variables
+    return read_shard
 
 
 def _leaf(tree, path):
@@ -305,11 +282,3 @@ def _set_leaf(tree: dict, path, value) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
-
-
-def _builder(leaf, transposed: bool):
-    def build() -> np.ndarray:
-        array = np.asarray(jax.device_get(leaf))
-        return array.T if transposed else array
-
-    return build

@@ -134,9 +134,11 @@ class SafetensorsReader:
         """The stored dtype as safetensors spells it: "BF16", "F16", "F32", ..."""
         return self._handles[self.location[name]].get_slice(name).get_dtype()
 
-    def read(self, name: str) -> np.ndarray:
-        """One tensor, copied out of the memory map."""
-        return self._handles[self.location[name]].get_tensor(name)
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        """One tensor, or its region `index` (slices, step 1), copied out of the memory map: only the
+        region's bytes are read."""
+        handle = self._handles[self.location[name]]
+        return handle.get_slice(name)[index] if index else handle.get_tensor(name)
 
 
 def shard_size_bytes(max_shard_size: int | str) -> int:

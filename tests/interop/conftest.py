@@ -105,3 +105,13 @@ def llama_checkpoint(tmp_path_factory):
     model.generation_config.eos_token_id = 2
     directory = save_checkpoint(model, tmp_path_factory.mktemp("llama"), tokenizer=True)
     return directory, model
+
+
+@pytest.fixture(scope="session")
+def deep_llama_checkpoint(tmp_path_factory):
+    """A tiny Llama checkpoint deep enough for Dew to scan its layers (`DecoderConfig.scan_layers` is 8),
+    with a tokenizer: (directory, torch model)."""
+    model = torch_model("llama", num_hidden_layers=8)
+    model.generation_config.eos_token_id = 2
+    directory = save_checkpoint(model, tmp_path_factory.mktemp("deep-llama"), tokenizer=True)
+    return directory, model

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dew.interop import load_pretrained
-from dew.interop.hf_decoders import FAMILIES, decoder_kwargs
+from dew.interop.families import FAMILIES, decoder_kwargs
 from tests.interop.conftest import SHAPE, save_checkpoint, torch, torch_model
 
 # The transformers module that holds each family's modeling code.

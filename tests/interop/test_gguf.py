@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from dew.interop import load_pretrained
-from dew.interop.gguf_files import _BLOCK, _TOP
+from dew.interop.families.llama import LLAMA_CPP_NAMES
 from dew.sampling import Sampling
 from tests.interop.conftest import torch, torch_model, transformers
 from tests.tolerances import transformers_decoder_ulps, ulp_bound
@@ -22,7 +23,6 @@ pytest.importorskip("accelerate")  # transformers' GGUF load, the oracle, needs 
 # Printable ASCII in GPT-2's byte alphabet, one merge ("H i") and two control tokens: 97 tokens.
 TOKENS = [chr(b) for b in range(33, 127)] + ["Hi", "<s>", "</s>"]
 TOKEN_TYPES = [1] * 95 + [3, 3]
-GGUF_NAMES = {hf: gguf_name for gguf_name, hf in _BLOCK.items()}
 TOKENS_IN = np.random.default_rng(5).integers(0, 97, (2, 11))
 
 
@@ -40,10 +40,9 @@ def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _gguf_name(name: str) -> str:
-    parts = name.split(".")
-    if parts[0] == "model" and parts[1] == "layers":
-        return f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
-    return f"{ {hf: g for g, hf in _TOP.items()}['.'.join(parts[:-1])] }.{parts[-1]}"
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    template = name if layer is None else name.replace(layer[0], "model.layers.{layer}.")
+    return LLAMA_CPP_NAMES[template].format(layer=layer and layer[1])
 
 
 def write_gguf(model, path: Path, extra=None) -> Path:

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from dew.interop.hf_decoders import FAMILIES, decoder_kwargs, hf_name, param_dtype_name
+from dew.interop.families import FAMILIES, decoder_kwargs
+from dew.interop.hf_decoders import param_dtype_name
 from dew.nn.rotary import RopeScaling
 from tests.interop.conftest import transformers
 
@@ -182,8 +183,21 @@ def test_olmo3_older_rope_theta_is_the_full_layers_only():
 
 
 def test_tensor_names():
-    assert hf_name(("layers_3", "self_attn", "q_proj", "kernel")) == ("model.layers.3.self_attn.q_proj.weight", True)
-    assert hf_name(("layers_0", "self_attn", "q_proj", "bias")) == ("model.layers.0.self_attn.q_proj.bias", False)
-    assert hf_name(("embed_tokens", "embedding")) == ("model.embed_tokens.weight", False)
-    assert hf_name(("lm_head", "kernel")) == ("lm_head.weight", True)
-    assert hf_name(("norm", "scale")) == ("model.norm.weight", False)
+    """The shared decoder rules name Dew's parameters as transformers does, per layer and in a stacked run."""
+    import jax
+    import numpy as np
+
+    from dew.interop import tensors
+    from dew.interop.families.llama import DECODER_RULES
+
+    leaf = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32)
+    params = {"embed_tokens": {"embedding": leaf(97, 32)}, "norm": {"scale": leaf(32)},
+              "lm_head": {"kernel": leaf(32, 97)}, "layers_3": {"self_attn": {"q_proj": {"bias": leaf(16)}}},
+              "layers_0to2": {"self_attn": {"q_proj": {"kernel": leaf(3, 32, 16)}}}}
+    plan = tensors.plan(DECODER_RULES, params)
+    assert plan.tensors == {
+        "lm_head.weight": (97, 32), "model.embed_tokens.weight": (97, 32),
+        **{f"model.layers.{i}.self_attn.q_proj.weight": (16, 32) for i in range(3)},
+        "model.layers.3.self_attn.q_proj.bias": (16,), "model.norm.weight": (32,),
+    }
+    assert list(plan.tensors)[2:5] == [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(3)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -72,3 +73,39 @@ def test_pipeline_loads_a_published_checkpoint(bundle, llama_checkpoint):
 
     task = dew.pipeline(llama_checkpoint[0], max_seq_len=40)
     assert task("w5 w17 w3", 6).tokens.tolist() == bundle.text_generation()("w5 w17 w3", 6).tokens.tolist()
+
+
+def test_a_deep_checkpoint_loads_in_the_models_own_stacked_form(deep_llama_checkpoint, tmp_path):
+    """Eight like layers scan as one run: the load fills `layers_0to7` directly, bit for bit the checkpoint's
+    tensors transposed and stacked, and a save writes them back under their per-layer names, unchanged."""
+    from safetensors import safe_open
+
+    directory, _ = deep_llama_checkpoint
+    bundle = load_pretrained(directory)
+    params = bundle.variables["params"]
+    assert sorted(params) == ["embed_tokens", "layers_0to7", "lm_head", "norm"]
+    with safe_open(str(directory / "model.safetensors"), "numpy") as checkpoint:
+        per_layer = {"params": {
+            "embed_tokens": {"embedding": checkpoint.get_tensor("model.embed_tokens.weight")},
+            "norm": {"scale": checkpoint.get_tensor("model.norm.weight")},
+            "lm_head": {"kernel": checkpoint.get_tensor("lm_head.weight").T},
+            **{f"layers_{i}": {
+                "input_layernorm": {"scale": checkpoint.get_tensor(f"model.layers.{i}.input_layernorm.weight")},
+                "post_attention_layernorm": {
+                    "scale": checkpoint.get_tensor(f"model.layers.{i}.post_attention_layernorm.weight")},
+                **{block: {proj: {"kernel": checkpoint.get_tensor(f"model.layers.{i}.{block}.{proj}.weight").T}
+                           for proj in projections}
+                   for block, projections in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                              ("mlp", ("gate_proj", "up_proj", "down_proj")))},
+            } for i in range(8)},
+        }}
+        stacked = bundle.model.stack_variables(per_layer)
+        assert jax.tree_util.tree_structure(stacked) == jax.tree_util.tree_structure(bundle.variables)
+        for (path, ours), theirs in zip(jax.tree_util.tree_leaves_with_path(bundle.variables),
+                                        jax.tree_util.tree_leaves(stacked)):
+            np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs), err_msg=jax.tree_util.keystr(path))
+        out = bundle.save(tmp_path / "export")
+        with safe_open(str(out / "model.safetensors"), "numpy") as exported:
+            assert sorted(exported.keys()) == sorted(checkpoint.keys())
+            for name in checkpoint.keys():
+                np.testing.assert_array_equal(exported.get_tensor(name), checkpoint.get_tensor(name), err_msg=name)

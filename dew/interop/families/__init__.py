@@ -1,0 +1,98 @@
+"""Family converters, registered by transformers' `model_type`.
+
+Each family module defines `Converter`s (`dew.interop.families.converter`): a config class's fields
+with transformers' defaults, the Dew knobs the family fixes, how it reads windows and rotary settings,
+its tensor rules (`dew.interop.tensors.Rule`) and, where llama.cpp writes it, its GGUF names. Adding
+a family is one file and one entry in `_BUILT_IN`:
+
+    # dew/interop/families/cohere.py
+    from dew.interop.families.converter import Converter
+    from dew.interop.families.llama import DECODER_RULES
+
+    COHERE = Converter("cohere", "CohereConfig", "CohereForCausalLM", {...its declared fields...},
+                       DECODER_RULES, knobs=dict(...))
+
+    # here
+    _BUILT_IN = (..., cohere.COHERE)
+
+`register(converter)` adds one while the program runs (a test's own family). `family_of(config.json)`
+finds the converter that reads a config, `family_for(DecoderConfig)` the plainest one that writes a
+config computing exactly that model, and `gguf_family(architecture)` the one that reads a GGUF file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dew.interop.families import gemma, llama, olmo, qwen
+from dew.interop.families.converter import Converter, GGUFNames
+from dew.interop.hf_decoders import refuse_quantized
+from dew.nn.transformer import DecoderConfig
+
+# Plainest first: `family_for` takes the first family that computes a model exactly.
+_BUILT_IN = (llama.LLAMA, qwen.QWEN2, qwen.QWEN3, llama.MISTRAL, llama.MINISTRAL, gemma.GEMMA, gemma.GEMMA2,
+             gemma.GEMMA3_TEXT, olmo.OLMO2, olmo.OLMO3)
+FAMILIES: dict[str, Converter] = {}
+
+
+def register(converter: Converter) -> Converter:
+    """Make `converter` the family of its `model_type`; a model type already registered is refused."""
+    if converter.model_type in FAMILIES:
+        raise ValueError(f"model_type {converter.model_type!r} already has a family converter")
+    FAMILIES[converter.model_type] = converter
+    return converter
+
+
+for _converter in _BUILT_IN:
+    register(_converter)
+
+
+def family_of(source: Mapping[str, Any], where: str = "config.json") -> Converter:
+    """The family of a config.json, refusing a quantized one and an unknown or missing model_type by name."""
+    refuse_quantized(source, where)
+    model_type = source.get("model_type")
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    if model_type is None:
+        raise ValueError(f"{where} has no model_type: Dew loads transformers decoders whose config names one of "
+                         f"{sorted(FAMILIES)}")
+    raise ValueError(f"{where} names model_type {model_type!r}, which is not a Dew family: native families are "
+                     f"{sorted(FAMILIES)} (loading other types through a verified mapping is not built yet)")
+
+
+def decoder_kwargs(source: Mapping[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """`DecoderConfig` keyword arguments (without dtypes) for a transformers config.json's contents."""
+    return family_of(source, where).decoder_kwargs(source, where)
+
+
+def family_for(config: DecoderConfig) -> Converter:
+    """The plainest family whose transformers model computes exactly `config` (Llama for the default
+    knobs, Qwen 2 for query/key/value biases, Gemma for Gemma's norms, ...); a model no family
+    computes is refused, naming what the closest one would compute differently."""
+    closest = None
+    for converter in FAMILIES.values():
+        differences = converter.differences(config)
+        if not differences:
+            return converter
+        if closest is None or len(differences) < len(closest[1]):
+            closest = (converter, differences)
+    converter, differences = closest
+    raise ValueError(f"no transformers family computes this model, so it cannot be written as a transformers "
+                     f"checkpoint: the closest, {converter.model_type} ({converter.config_class}), computes "
+                     f"{'; '.join(differences)}; change those knobs, or add a family (dew/interop/families)")
+
+
+def gguf_family(architecture: str) -> Converter | None:
+    """The family llama.cpp names `architecture` (`general.architecture`), None when Dew reads no such GGUF."""
+    return next((converter for converter in FAMILIES.values()
+                 if converter.gguf is not None and converter.gguf.architecture == architecture), None)
+
+
+def gguf_architectures() -> list[str]:
+    """The GGUF architectures Dew reads."""
+    return [converter.gguf.architecture for converter in FAMILIES.values() if converter.gguf is not None]
+
+
+__all__ = ["FAMILIES", "Converter", "GGUFNames", "decoder_kwargs", "family_for", "family_of", "gguf_architectures",
+           "gguf_family", "register"]
