@@ -11,6 +11,7 @@ from dew import models
 from dew.inference.masked import MaskedGeneration
 from dew.inference.text import TextGeneration
 from dew.sampling import Sampling
+from dew.sharding import with_names
 
 
 def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = None,
@@ -83,7 +84,10 @@ def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextG
         checkpoints.close()
     use_ema = ema and saved.get("ema") is not None
     params = saved["ema"] if use_ema else saved["params"]
-    params = jax.device_put(params, layout.shardings(mesh.build(), params))
+    # In the model's own form (a run written before its layers were scanned holds them one by one),
+    # placed by each parameter's logical names as the trainer places them.
+    params = model.stack_variables(params)
+    params = jax.device_put(params, layout.shardings(mesh.build(), with_names(params, model.logical_names())))
     generation = record.get("generation", {})
     budget = generation.get("max_new_tokens") or None
     if generation.get("process") == "mdlm":

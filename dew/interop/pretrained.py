@@ -32,6 +32,7 @@ from dew.interop.progress import byte_progress
 from dew.interop.safetensors_files import SafetensorsReader
 from dew.nn.transformer import CausalTransformer, DecoderConfig
 from dew.sampling import Sampling
+from dew.sharding import with_names
 from dew.training.mesh import Layout, MeshSpec
 
 ATTENTION_IMPLS = ("xla",)
@@ -220,7 +221,8 @@ def _read_params(reader, model: CausalTransformer, model_type: str, rules, ignor
     """
     config = model.config
     shapes = model_params(model)
-    shardings = None if mesh is None else layout.shardings(mesh, shapes)
+    # Placed by each parameter's logical names through the layout's rules, as the trainer places them.
+    shardings = None if mesh is None else layout.shardings(mesh, with_names(shapes, model.logical_names()["params"]))
     plan = tensors.plan(rules, shapes, model_type)
     present = set(reader.names())
     missing = sorted(set(plan.tensors) - present)
