@@ -93,7 +93,8 @@ class Pretrained:
 
 def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", max_seq_len: int | None = None,
                     attention_impl: str | None = None, gguf_file: str | None = None, mesh: MeshSpec | None = None,
-                    layout: Layout | None = None, fallback: str | None = None) -> Pretrained:
+                    layout: Layout | None = None, scan_layers: int | None = None, remat: str | None = None,
+                    fallback: str | None = None) -> Pretrained:
     """Load a transformers decoder checkpoint, or one GGUF file, as a native Dew model.
 
     `source` is a local directory (config.json and model.safetensors, or shards with
@@ -105,7 +106,9 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     tokenizer.json. `dtype` is the compute dtype; `param_dtype="auto"` stores parameters in the
     checkpoint's dtype (config.json's `dtype` or `torch_dtype`, else the first floating tensor's;
     float32 for GGUF). `max_seq_len` overrides the config's max_position_embeddings;
-    `attention_impl` names the attention kernel ("xla", the one Dew has).
+    `attention_impl` names the attention kernel ("xla", the one Dew has). `scan_layers` and `remat`
+    (`DecoderConfig`'s; they change how the model compiles, not what it computes) default to
+    `DecoderConfig`'s.
 
     With `mesh` or `layout` (the other defaults to `MeshSpec()` or `Layout()`), every parameter is a
     `jax.Array` split over `mesh.build()` the way `Layout.shardings` splits it for the `Trainer`:
@@ -145,8 +148,9 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         config, where, directory = _read_json(config_path), str(config_path), snapshot.directory
     family = family_of(config, where)
     kwargs = family.decoder_kwargs(config, where=where)
-    if max_seq_len is not None:
-        kwargs["max_seq_len"] = max_seq_len
+    for name, value in (("max_seq_len", max_seq_len), ("scan_layers", scan_layers), ("remat", remat)):
+        if value is not None:
+            kwargs[name] = value
     generation_path = snapshot.directory / GENERATION_CONFIG
     generation_config = _read_json(generation_path) if generation_path.is_file() else None
     sampling, budget = generation_defaults(generation_config, config, where=str(generation_path))

@@ -109,3 +109,16 @@ def test_a_deep_checkpoint_loads_in_the_models_own_stacked_form(deep_llama_check
             assert sorted(exported.keys()) == sorted(checkpoint.keys())
             for name in checkpoint.keys():
                 np.testing.assert_array_equal(exported.get_tensor(name), checkpoint.get_tensor(name), err_msg=name)
+
+
+def test_scan_layers_and_remat_change_how_a_load_compiles_not_what_it_computes(deep_llama_checkpoint):
+    directory = deep_llama_checkpoint[0]
+    scanned = load_pretrained(directory, max_seq_len=40)
+    unrolled = load_pretrained(directory, max_seq_len=40, scan_layers=0, remat="full")
+    assert "layers_0to7" in scanned.variables["params"] and "layers_7" in unrolled.variables["params"]
+    tokens = np.arange(1, 9, dtype=np.int32).reshape(1, 8)
+    ours = np.asarray(scanned.model.apply(scanned.variables, tokens))
+    theirs = np.asarray(unrolled.model.apply(unrolled.variables, tokens))
+    # The same operations, fused differently inside a loop body, through 8 layers: 64 ulps of the largest
+    # logit (4.0e-5 at 5.3; observed 1.4e-5).
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=64 * float(np.abs(theirs).max()) * np.finfo(np.float32).eps)
