@@ -1,16 +1,17 @@
-"""The `dew` command: `dew train`, `dew tokenize`, `dew generate`, `dew plot`, `dew runs`.
+"""The `dew` command: `dew train`, `dew tokenize`, `dew generate`, `dew serve`, `dew export`, `dew plot`,
+`dew runs`.
 
     dew tokenize --input data/kjv.txt.xz --out data/kjv-byte --tokenizer byte
     dew train data:token-windows --data.path data/kjv-byte --trainer.run-dir runs/kjv
     dew generate runs/kjv --prompt "And God said" --max-new-tokens 40
+    dew serve runs/kjv --port 8000
+    dew export runs/kjv exported/kjv
     dew runs runs
     dew plot runs/kjv runs/other --out curves.png
 
 Each command's `--help` lists its flags; `dew train` is `python recipes/lm/train.py`; `dew --version`
 prints the version. A refusal or a fault prints one `error:` line; the exit statuses are in
-`dew.errors`. There is no `dew export` yet: `dew.interop.load_pretrained(...).save(directory)`
-writes a loaded Hugging Face checkpoint back in that layout from Python, and a run's own checkpoints
-have no conversion to it.
+`dew.errors`.
 """
 
 from __future__ import annotations
@@ -164,6 +165,29 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
     run(served, host=host, port=port)
 
 
+def export(run: Positional[Annotated[str, tyro.conf.arg(metavar="RUN")]],
+           out: Positional[Annotated[str, tyro.conf.arg(metavar="OUT")]], live: bool = False,
+           step: int | None = None) -> None:
+    """Write a trained run as a transformers checkpoint (config.json of the family that computes it,
+    safetensors, tokenizer files, generation_config.json), which transformers, vLLM and dew serve load.
+
+    Args:
+        run: A run directory (holding run.json), or one of its checkpoints (RUN/checkpoints/STEP).
+        out: The directory to write (an earlier export there is replaced atomically).
+        live: Export the live weights instead of the moving average.
+        step: The checkpoint to export (default: the newest that reads).
+    """
+    import json
+    from pathlib import Path
+
+    from dew.recipes.export import export_run
+
+    directory = export_run(run, out, ema=not live, step=step)
+    family = json.loads((Path(directory) / "config.json").read_text())["model_type"]
+    print(f"wrote {directory} ({family}): transformers.AutoModelForCausalLM.from_pretrained({str(directory)!r}) "
+          f"loads it; so do `vllm serve {directory}` and `dew serve {directory}`")
+
+
 def _number(value, digits: int = 4) -> str:
     return "" if value is None else f"{value:.{digits}g}"
 
@@ -213,12 +237,13 @@ def _function(function: Callable[..., None]) -> Callable[[Sequence[str]], int]:
 
 
 # name -> (summary, entry point taking the remaining arguments and returning the exit status).
-# `dew export` joins here once a run's checkpoint converts to the Hugging Face layout.
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "train": ("train a language model from flags (python recipes/lm/train.py)", _train),
     "tokenize": ("tokenize text into train.bin, val.bin and meta.json", _function(tokenize)),
     "generate": ("continue a prompt from a run, a checkpoint or a GGUF file, streaming the text",
                  _function(generate)),
+    "export": ("write a trained run as a transformers checkpoint (for transformers, vLLM, Ollama)",
+               _function(export)),
     "serve": ("serve a model over OpenAI's HTTP API with continuous batching", _function(serve)),
     "plot": ("plot runs' loss and perplexity against steps and tokens into a PNG", _function(plot)),
     "runs": ("list runs: status, step, checkpoint, last losses", _function(runs)),

@@ -1,0 +1,91 @@
+"""`export_run`: a run's weights as a transformers checkpoint, for transformers, vLLM or Ollama.
+
+The run's model goes out as the plainest transformers family that computes it exactly
+(`dew.interop.export.save_pretrained`: Llama for the recipe's default knobs), with the run's
+tokenizer and its preview sampling as generation_config.json. A byte-level run gets a tokenizer.json
+that maps each byte to its own id, as `ByteTokenizer` does; a tokenizer without a
+tokenizer_config.json gets one naming its EOS token, so `AutoTokenizer` loads it as it was trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from dew.data.tokenizers import ByteTokenizer, HFTokenizer
+
+CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = True, step: int | None = None) -> Path:
+    """Write run directory (or checkpoint directory) `run` at `step` (default the newest) as a transformers
+    checkpoint in `out`: the averaged weights when `ema` and the run keeps them, else the live ones."""
+    from dew.inference.pipeline import _run_of, pipeline
+    from dew.interop import save_pretrained
+
+    if _run_of(Path(run))[0] is None:
+        raise FileNotFoundError(f"{run} is not a run directory (it holds no run.json, nor is it RUN/checkpoints/STEP): "
+                                "dew export writes a trained run; a loaded checkpoint saves with Pretrained.save")
+    task = pipeline(run, ema=ema, step=step)
+    with tempfile.TemporaryDirectory(prefix="dew-export-tokenizer-") as staging:
+        tokenizer_dir = tokenizer_files(task.tokenizer, Path(staging), task.model.config.max_seq_len)
+        return save_pretrained(task.model, task.params, out, tokenizer_dir=tokenizer_dir, generation=task.sampling,
+                               max_new_tokens=task.max_new_tokens)
+
+
+def tokenizer_files(tokenizer, staging: Path, max_length: int) -> Path:
+    """A directory holding the tokenizer files transformers reads for `tokenizer`: its own directory when
+    it has a tokenizer_config.json, else `staging` with its tokenizer.json and a written config."""
+    if isinstance(tokenizer, HFTokenizer):
+        source = tokenizer.path.parent
+        if (source / "tokenizer_config.json").is_file():
+            return source
+        (staging / "tokenizer.json").write_bytes(tokenizer.path.read_bytes())
+        for name in CONFIG_FILES[1:]:
+            if (source / name).is_file():
+                (staging / name).write_bytes((source / name).read_bytes())
+        eos = None if tokenizer.eos_id is None else tokenizer.tokenizer.id_to_token(tokenizer.eos_id)
+    elif isinstance(tokenizer, ByteTokenizer):
+        byte_tokenizer().save(str(staging / "tokenizer.json"))
+        eos = None
+    else:
+        raise ValueError(f"the run's tokenizer {tokenizer!r} has no transformers form: export needs a byte or a "
+                         "Hugging Face tokenizer")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+              "clean_up_tokenization_spaces": False}
+    if eos is not None:
+        config["eos_token"] = eos
+    (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return staging
+
+
+def byte_tokenizer():
+    """A `tokenizers.Tokenizer` equal to `ByteTokenizer`: every UTF-8 byte is one token whose id is its value.
+
+    Byte-level BPE with no merges: the byte-level alphabet spells byte b as one character, which the
+    vocabulary maps to id b; the decoder joins the bytes back (invalid UTF-8 becomes U+FFFD, as in
+    `ByteTokenizer.decode`).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    characters = _byte_characters()
+    tokenizer = Tokenizer(models.BPE(vocab={characters[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _byte_characters() -> list[str]:
+    """The printable character GPT-2's byte-level alphabet spells each byte with (its published table:
+    printable Latin-1 bytes stand for themselves, the others take code points from 256 up, in order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    characters, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            characters[byte] = chr(byte)
+        else:
+            characters[byte] = chr(256 + extra)
+            extra += 1
+    return [characters[b] for b in range(256)]

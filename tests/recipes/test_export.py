@@ -1,0 +1,67 @@
+"""`dew export RUN OUT`: a run trained from scratch, loaded by transformers with the logits Dew computes, its
+tokenizer with the ids the run trained on, and the weights (EMA or live, any step) the flags choose."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dew
+from dew.cli import main
+from dew.recipes import lm
+from tests.recipes.conftest import recipe_args, token_dir  # noqa: F401  (the fixture)
+from tests.tolerances import transformers_decoder_ulps, ulp_bound
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.slow  # trains a tiny run (about 10 s)
+
+TEXT = "line 7: the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def run(token_dir, tmp_path_factory):  # noqa: F811
+    run = tmp_path_factory.mktemp("export") / "run"
+    assert lm.main(recipe_args(token_dir, run, "--sample-tokens", "7", "--sampling.temperature", "0", steps=4)) == 0
+    return run
+
+
+def _logits(directory, ids):
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits.numpy()[0], model.config
+
+
+@pytest.mark.parametrize("live, step", [(False, None), (True, 2)], ids=["ema-newest", "live-step-2"])
+def test_transformers_loads_the_export_with_dews_logits(run, tmp_path, live, step, capsys):
+    """fp32 logits of a 2-layer width-32 decoder over 27 tokens: transformers_decoder_ulps bounds the difference
+    by about 1,310 ulps of the largest logit (6.3e-5 at 0.40 for the newest averaged weights); observed 1.2e-7.
+    A wrong weight moves logits by their own size, far past the bound."""
+    out = tmp_path / "exported"
+    flags = (["--live"] if live else []) + ([] if step is None else ["--step", str(step)])
+    assert main(["export", str(run), str(out), *flags]) == 0
+    assert f"wrote {out} (llama)" in capsys.readouterr().out
+    task = dew.pipeline(run, ema=not live, step=step)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    assert ids == task.tokenizer.encode(TEXT) and tokenizer.decode(ids) == TEXT
+    theirs, config = _logits(out, ids)
+    ours = np.asarray(task.model.apply(task.params, jnp.asarray([ids], jnp.int32)))[0]
+    bound = ulp_bound(transformers_decoder_ulps(config, len(ids)), np.abs(theirs).max())
+    np.testing.assert_allclose(ours, theirs, atol=bound, rtol=0)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["do_sample"] is False and generation["max_new_tokens"] == 7
+
+
+def test_live_and_averaged_weights_differ_and_a_bad_source_is_refused(run, tmp_path, capsys):
+    assert main(["export", str(run), str(tmp_path / "ema")]) == 0
+    assert main(["export", str(run), str(tmp_path / "live"), "--live"]) == 0
+    ids = dew.pipeline(run).tokenizer.encode(TEXT)
+    assert not np.allclose(_logits(tmp_path / "ema", ids)[0], _logits(tmp_path / "live", ids)[0])
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "ema"), str(tmp_path / "again")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
