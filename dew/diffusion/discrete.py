@@ -52,16 +52,37 @@ class LogLinear:
 @dataclasses.dataclass(frozen=True)
 class DiscreteProcess:
     """A masked-diffusion process: the `mask_id` corruption writes, its `schedule`, and the `sampler`
-    `generate` runs (`Unmask()`, 64 model evaluations, unless a call asks for other `steps`)."""
+    `generate` runs (`Unmask()`, 64 model evaluations, unless a call asks for other `steps`).
+
+    `logits_shift` 1 predicts each position from the decoder's state one position before it (Dream,
+    which kept the next-token alignment of the autoregressive model it started from); a document's
+    first position reads its own state. 0 (MDLM, LLaDA) predicts each position from its own state.
+    """
 
     mask_id: int
     schedule: LogLinear = LogLinear()
     sampler: Unmask = Unmask()
+    logits_shift: int = 0
 
     def __post_init__(self):
         if isinstance(self.mask_id, bool) or not isinstance(self.mask_id, (int, np.integer)) or self.mask_id < 0:
             raise ValueError(f"mask_id is {self.mask_id!r}; it is a token id, a whole number of at least 0")
         object.__setattr__(self, "mask_id", int(self.mask_id))
+        if self.logits_shift not in (0, 1):
+            raise ValueError(f"logits_shift is {self.logits_shift!r}; a position reads its own state (0) or the one "
+                             "before it (1)")
+
+    def predicting_states(self, hidden_BSE: jax.Array, segments_BS: jax.Array | None = None) -> jax.Array:
+        """The decoder state `[B, S, E]` that predicts each position: its own, or with `logits_shift` the
+        one before it in the same document (`segments_BS`; None: one document a row)."""
+        if self.logits_shift == 0:
+            return hidden_BSE
+        before_BSE = jnp.concatenate([hidden_BSE[:, :1], hidden_BSE[:, :-1]], axis=1)
+        if segments_BS is None:
+            return before_BSE
+        continues_BS = jnp.concatenate([jnp.zeros_like(segments_BS[:, :1], dtype=bool),
+                                        segments_BS[:, 1:] == segments_BS[:, :-1]], axis=1)
+        return jnp.where(continues_BS[..., None], before_BSE, hidden_BSE)
 
     def check_model(self, model) -> None:
         """Refuse a decoder this process cannot train or sample: a causal one, or one whose vocabulary
@@ -144,7 +165,7 @@ class DiscreteProcess:
         continuation_ids = np.tile(np.arange(n), len(rows))
         row_keys = jax.vmap(lambda p, c: jax.random.fold_in(jax.random.fold_in(key, p), c))(
             jnp.asarray(prompt_ids), jnp.asarray(continuation_ids))
-        run = compiled_refinement(model, self.schedule, self.mask_id, steps, width)
+        run = compiled_refinement(model, self.schedule, self.mask_id, steps, width, self.logits_shift)
         responses = np.asarray(jax.device_get(run(variables, canvas, valid, row_keys)))
         return assemble(grouped, responses, steps, eos_token_ids, pad_id, decode)
 

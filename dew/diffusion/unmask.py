@@ -61,18 +61,20 @@ def inverse_cdf(key: jax.Array, logits_NV: jax.Array) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=32)
-def compiled_refinement(model, schedule, mask_id: int, steps: int, prompt_width: int):
+def compiled_refinement(model, schedule, mask_id: int, steps: int, prompt_width: int, logits_shift: int = 0):
     """One jitted call `(params, canvas_BS, valid_BS, keys_B) -> response_BN int32`.
 
     `canvas_BS` holds each row's left-padded prompt in its first `prompt_width` columns and anything in
     the response columns after them (they start masked); `valid_BS` marks real slots (prompt tokens
     and every response slot). Row `b` draws only from `keys_B[b]`, so a row's result does not depend
-    on the other rows.
+    on the other rows. With `logits_shift` 1 each response position is predicted from the state
+    before it (the last prompt token's, for the first).
     """
 
     def logits_of(params, canvas_BS, valid_BS):
         output = model.apply(params, canvas_BS, attention_mask=valid_BS, head=False)
-        logits_BNV = output.head.logits(output.hidden[:, prompt_width:])
+        S = canvas_BS.shape[1]
+        logits_BNV = output.head.logits(output.hidden[:, prompt_width - logits_shift: S - logits_shift])
         return logits_BNV.at[..., mask_id].set(-jnp.inf)
 
     def draw(key, logits_NV):

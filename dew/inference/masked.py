@@ -10,6 +10,15 @@ import jax
 from dew.inference.canvas import CanvasGeneration
 from dew.inference.text import encode_prompts
 
+# generation_config.json fields masked generation reads (the budget, EOS, padding) or that change nothing.
+_SHARED_GENERATION = frozenset({"max_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "mask_token_id",
+                                "transformers_version", "_from_model_config"})
+# Controls native MDLM cannot follow, each with the values that ask for what it does anyway.
+_NEUTRAL_GENERATION = {
+    "temperature": (None, 1.0), "top_k": (None, 0), "top_p": (None, 1.0), "min_p": (None, 0.0),
+    "typical_p": (None, 1.0), "repetition_penalty": (None, 1.0), "num_beams": (None, 1), "do_sample": (None, True),
+    "use_cache": (None, False), "num_return_sequences": (None, 1),
+}
 # What an autoregressive task takes that unmasking has no use for, by kind, for the refusal.
 _AUTOREGRESSIVE = {
     "sampling": "sampling", "temperature": "sampling", "top_k": "sampling", "top_p": "sampling",
@@ -78,3 +87,24 @@ class MaskedGeneration:
         """Refused: masked diffusion has no autoregressive sampling policy to replace."""
         raise ValueError(f"with_sampling({sampling}): masked diffusion does not sample token by token, so it has "
                          "no autoregressive policy to replace; pass steps= to the call to change its sampler")
+
+
+def from_checkpoint(bundle, process) -> MaskedGeneration:
+    """A loaded masked-diffusion checkpoint (a `dew.interop.Pretrained`) as a `MaskedGeneration` with native
+    MDLM's `process`: the checkpoint's tokenizer, budget, EOS and padding ids.
+
+    generation_config.json may hold the budget, EOS and padding metadata, and sampling controls at the
+    values that ask for what MDLM does anyway (temperature 1, no filtering, one beam, no cache); any
+    other control, a source's own remasking recipe among them (LLaDA's `remasking`, Dream's `alg`), is
+    refused by name, since native MDLM would not follow it.
+    """
+    for name, value in (bundle.generation_config or {}).items():
+        if name in _SHARED_GENERATION or value in _NEUTRAL_GENERATION.get(name, ()):
+            continue
+        why = (f"the values native MDLM follows are {list(_NEUTRAL_GENERATION[name])}" if name in _NEUTRAL_GENERATION
+               else "Dew runs native MDLM's sampler, not a checkpoint's own remasking or decoding recipe")
+        raise ValueError(f"{bundle.directory}/generation_config.json sets {name}={value!r}, which masked generation "
+                         f"cannot follow: {why}; remove it to generate with MDLM (steps= sets its evaluations)")
+    return MaskedGeneration(bundle.model, bundle.variables, process, tokenizer=bundle.tokenizer,
+                            max_new_tokens=bundle.max_new_tokens, eos_token_ids=bundle.generation.eos_token_ids,
+                            pad_id=bundle.generation.pad_id)

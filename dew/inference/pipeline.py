@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 
 from dew import models
-from dew.inference.masked import MaskedGeneration
+from dew.inference.masked import MaskedGeneration, from_checkpoint
 from dew.inference.text import TextGeneration
 from dew.sampling import Sampling
 from dew.sharding import with_names
@@ -25,7 +25,8 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
       set and the run keeps them, else the live ones;
     - a run's checkpoint directory, RUN/checkpoints/STEP: that run at that step;
     - a GGUF file (`*.gguf`): `dew.interop.load_pretrained(its directory, gguf_file=its name, **load)`;
-    - anything else, a published checkpoint for `dew.interop.load_pretrained(source, **load)`.
+    - anything else, a published checkpoint for `dew.interop.load_pretrained(source, **load)`: a
+      masked-diffusion family's (LLaDA, Dream) as a `MaskedGeneration` running native MDLM over its mask id.
     Either way the weights are placed once on the current device mesh, split as the Trainer splits
     them (`mesh=MeshSpec()`, `layout=Layout()` unless `load` names others; those two are the only
     options a run takes).
@@ -45,6 +46,7 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
                          layout=load.get("layout") or Layout())
     try:
         from dew.interop import load_pretrained
+        from dew.interop.families import family_of
     except ImportError as error:
         raise ValueError(
             f"{source} is not a run directory (no run.json), and loading published checkpoints is not available: {error}"
@@ -53,7 +55,12 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
     if path.suffix == ".gguf" and path.is_file():
         load = {"gguf_file": path.name, **load}
         source = path.parent
-    return load_pretrained(source, **{"mesh": MeshSpec(), "layout": Layout(), **load}).text_generation()
+    bundle = load_pretrained(source, **{"mesh": MeshSpec(), "layout": Layout(), **load})
+    family = family_of(bundle.config)
+    if hasattr(family, "process"):  # a masked-diffusion family (LLaDA, Dream): native MDLM over its mask id
+        return from_checkpoint(bundle, family.process(bundle.config))
+    return bundle.text_generation()
+
 
 
 def _run_of(path: Path) -> tuple[Path | None, int | None]:

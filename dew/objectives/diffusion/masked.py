@@ -154,8 +154,9 @@ class MaskedDiffusionObjective:
         # The mask is never a clean token: its column leaves the softmax, and the ids above it move down one.
         targets_N = tokens_BS.reshape(-1)
         targets_N = jnp.where(targets_N > mask_id, targets_N - 1, targets_N)
+        hidden_BSE = self.process.predicting_states(output.hidden, segments_BS)
         ce_N, _, correct_N = chunked_cross_entropy(
-            output.hidden.reshape(B * S, -1), _without_column(head.weight, mask_id, head.transposed), targets_N,
+            hidden_BSE.reshape(B * S, -1), _without_column(head.weight, mask_id, head.transposed), targets_N,
             head.transposed, self.head_chunks, head.softcap, self.token_accuracy)
         masked = masked_BS.astype(jnp.float32)
         real_count, masked_count = jnp.sum(real_BS.astype(jnp.float32)), jnp.sum(masked)
