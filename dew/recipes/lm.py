@@ -26,8 +26,8 @@ from dew.errors import describe, exit_status, one_line_warnings, report
 from dew.inference.text import printable
 from dew.objectives.diffusion import MaskedDiffusionObjective
 from dew.objectives.lm import LMObjective, LMRunConfig, Samples
-from dew.recipes.config import to_json
 from dew.recipes.run_dir import PATH_SETTINGS, TOKENIZER, RunDirectory, resolve_path_setting
+from dew.run_config import to_json
 from dew.sampling import Sampling
 from dew.sharding import initialize
 from dew.training.state import TrainState

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from dew.files import write_atomically
-from dew.recipes.config import RESUMABLE_CHANGES
 from dew.recipes.run_lock import LOCK, RunLock
+from dew.run_config import RESUMABLE_CHANGES
 from dew.training.checkpoints import saved_steps
 from dew.training.trackers import METRICS, read_jsonl
 

@@ -11,7 +11,7 @@ import pytest
 
 from dew import models
 from dew.nn.rotary import SCALINGS, RopeScaling, rotary_angles, rotary_frequencies
-from dew.recipes.config import to_json
+from dew.run_config import to_json
 from tests.tolerances import LIBRARY_ULPS, assert_within, rotary_frequency_ulps, ulp_bound
 
 torch = pytest.importorskip("torch")

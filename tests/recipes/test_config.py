@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.recipes.config import ModelConfig, OptimConfig, to_json
+from dew.run_config import ModelConfig, OptimConfig, to_json
 from dew.sampling import Sampling
 from tests.tolerances import LIBRARY_ULPS, ulp_bound
 

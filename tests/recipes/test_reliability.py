@@ -12,7 +12,7 @@ import signal
 import numpy as np
 import pytest
 
-from dew.recipes.config import OptimConfig, TrainerConfig
+from dew.run_config import OptimConfig, TrainerConfig
 from dew.recipes.lm import main, parse, prepare
 from dew.recipes.run_dir import RunDirectory
 from tests.recipes.conftest import recipe_args

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import tyro
 
 from dew.data import TokenWindows
-from dew.recipes.config import DataSpec, ModelConfig, OptimConfig, TrainerConfig
+from dew.run_config import DataSpec, ModelConfig, OptimConfig, TrainerConfig
 from dew.sampling import Sampling
 
 # Each objective, and None where it is built or what is not built yet.

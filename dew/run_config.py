@@ -20,7 +20,7 @@ from tyro.constructors import PrimitiveConstructorSpec
 
 from dew import models
 from dew.data import PackedTokens, TokenWindows
-from dew.training.mesh import Layout, MeshSpec
+from dew.sharding import Layout, MeshSpec
 
 
 def _json_object(args: list[str]) -> dict[str, Any]:
