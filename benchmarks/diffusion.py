@@ -134,7 +134,8 @@ def main():
     parser.add_argument("--evaluations", type=int, default=64, help="MDLM's model evaluations (its default)")
     args = parser.parse_args()
 
-    print(f"machine: {cpu_model()}; {machine()}; medians of {args.rounds} rounds, wall clock and process CPU time (both threads)")
+    print(f"machine: {cpu_model()}; {machine()}; medians of {args.rounds} rounds, wall clock and process CPU time "
+          "(both threads)")
     print(f"shape: {SHAPE}; train step fp32, AdamW, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, "
           f"{args.accumulation} micro-batches, {args.steps} steps a round")
     tokens = args.batch * args.seq

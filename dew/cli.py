@@ -85,16 +85,24 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
     """
     import dataclasses
 
-    from dew.inference import pipeline
+    from dew.inference import MaskedGeneration, pipeline
     from dew.inference.text import printable
 
     task = pipeline(source, ema=not live)
+    if task.tokenizer is None:
+        raise ValueError(f"{source} has no tokenizer to encode the prompt with")
     overrides = {name: value for name, value in
                  (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p),
                   ("repetition_penalty", repetition_penalty)) if value is not None}
+    if isinstance(task, MaskedGeneration):  # it unmasks every position at once: nothing to stream, no policy
+        if overrides:
+            flag = "--" + next(iter(overrides)).replace("_", "-")
+            raise ValueError(f"{flag} sets autoregressive sampling, and {source} is a masked-diffusion model, "
+                             "which unmasks with MDLM's sampler: drop the sampling flags")
+        for index, text in enumerate(task([task.encode(prompt)[0]], max_new_tokens, seed=seed, n=n).text):
+            print(printable(text) if n == 1 else f"[{index}] {printable(text)}")
+        return
     task = task.with_sampling(dataclasses.replace(task.sampling, **overrides))
-    if task.tokenizer is None:
-        raise ValueError(f"{source} has no tokenizer to encode the prompt with")
     prompt_ids = task.encode(prompt)[0]
     streamed: list[int] = []
     shown = [task.tokenizer.decode(prompt_ids)]

@@ -86,7 +86,8 @@ def dream_tensors(rng: np.random.Generator) -> dict[str, np.ndarray]:
             f"{block}.self_attn.v_proj.weight": _weight(rng, KV_HEADS * HEAD_DIM, WIDTH),
             f"{block}.self_attn.v_proj.bias": _weight(rng, KV_HEADS * HEAD_DIM),
             f"{block}.self_attn.o_proj.weight": _weight(rng, WIDTH, HEADS * HEAD_DIM),
-            f"{block}.mlp.gate_proj.weight": _weight(rng, MLP, WIDTH), f"{block}.mlp.up_proj.weight": _weight(rng, MLP, WIDTH),
+            f"{block}.mlp.gate_proj.weight": _weight(rng, MLP, WIDTH),
+            f"{block}.mlp.up_proj.weight": _weight(rng, MLP, WIDTH),
             f"{block}.mlp.down_proj.weight": _weight(rng, WIDTH, MLP),
         })
     return t

@@ -185,8 +185,8 @@ def test_a_dream_state_before_predicts_in_training_too(loaded):
     np.testing.assert_allclose(float(stats.loss.total), expected, atol=bound, rtol=0)
     # And the other alignment scores differently, by more than ten bounds (2.4 for dream-tiny): the shift is
     # not lost in the rounding.
-    other = MaskedDiffusionObjective(bundle.model, DiscreteProcess(process.mask_id, logits_shift=1 - process.logits_shift),
-                                     seq_len=12, ema_decay=None)
+    flipped = DiscreteProcess(process.mask_id, logits_shift=1 - process.logits_shift)
+    other = MaskedDiffusionObjective(bundle.model, flipped, seq_len=12, ema_decay=None)
     moved = other.loss(bundle.variables, {"text": jnp.asarray(tokens, jnp.int32)}, Step(jnp.int32(0), key))[0]
     assert abs(float(moved.loss.total) - expected) > 10 * bound
 

@@ -75,3 +75,14 @@ def test_refusals_name_the_value_and_write_nothing(token_dir, tmp_path, capsys, 
     assert code == 2
     assert message in " ".join(capsys.readouterr().err.replace("│", " ").split())
     assert not run_dir.exists()
+
+
+def test_dew_generate_unmasks_from_a_masked_run(masked_run, capsys):
+    from dew.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", str(masked_run), "--prompt", "line 1", "--max-new-tokens", "4", "--n", "2"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert [line[:10] for line in printed] == ["[0] line 1", "[1] line 1"]
+    assert main(["generate", str(masked_run), "--prompt", "line 1", "--temperature", "0"]) == 2
+    assert "--temperature sets autoregressive sampling" in capsys.readouterr().err

@@ -136,7 +136,8 @@ class MaskedDiffusionObjective:
                 raise ValueError(f"token id {int(tokens[row, column])} at row {row}, column {column} {why}")
         for key in (SEGMENTS_KEY, POSITIONS_KEY):
             if key in batch and np.shape(batch[key]) != tokens.shape:
-                raise ValueError(f"{key} has shape {np.shape(batch[key])}; it must match the token rows' {tokens.shape}")
+                raise ValueError(f"{key} has shape {np.shape(batch[key])}; it must match the token rows' "
+                                 f"{tokens.shape}")
 
     # -- scoring ---------------------------------------------------------------------------------
     def _statistics(self, params, batch, key) -> MaskedStatistics:
