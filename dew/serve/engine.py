@@ -75,8 +75,10 @@ class Engine:
 
     `submit` queues requests (at most `queue_limit` wait; beyond that it raises `QueueFull`);
     `cancel` drops one wherever it is. Prompts are prefilled in batches of 1, 2, 4 ... up to
-    `prefill_rows` rows, at widths 16, 32, 64 ... up to `capacity`; `warm_up` compiles every
-    combination, after which no request compiles. `eos_token_ids` end a row, `pad_id` fills.
+    `prefill_rows` rows, at widths 16, 32, 64 ... up to `capacity`; requests take the lowest free
+    slots, and a step runs over the first 1, 2, 4 ... `slots` rows, the fewest that hold every
+    occupied slot. `warm_up` compiles every combination, after which no request compiles.
+    `eos_token_ids` end a row, `pad_id` fills. `top_k_limit` bounds a request's `top_k`.
     """
 
     def __init__(self, model, params, *, slots: int, capacity: int, eos_token_ids: Sequence[int] = (),
@@ -157,7 +159,7 @@ class Engine:
     # -- life cycle ---------------------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """Compile every admission shape and the step (admitting only padding rows, which change nothing)."""
+        """Compile every admission shape and every step width (admitting only padding rows, which change nothing)."""
         for rows, width in itertools.product(self.prefill_rows, self.widths):
             nowhere = np.full(rows, self.slots, np.int32)  # every row dropped
             self._state = self._admit(self.params, self._state, self._admission([None] * rows, width, nowhere))

@@ -3,9 +3,9 @@ functions that change them, `step` (every occupied slot draws one token and feed
 `admit` (prefill a few new prompts into a small cache of their own, then copy those rows into free
 slots).
 
-Shapes never depend on the requests: `step` compiles once, `admit` once per (prefill rows, prompt
-width) pair of the engine's ladders, so a warmed-up engine serves any mix of requests without
-compiling. A row draws exactly what a one-row `generate` draws: its key is
+Shapes never depend on the requests: `step` compiles once per row count of the engine's ladder (it
+runs over the first rows, those in use), `admit` once per (prefill rows, prompt width) pair, so a
+warmed-up engine serves any mix of requests without compiling. A row draws exactly what a one-row `generate` draws: its key is
 `fold_in(fold_in(key(seed), prompt_index), continuation)`, its step `t` folds in `t` (the row's own
 count), and its sampling values are its own.
 """
