@@ -1,9 +1,11 @@
 """One decoder layer, described by a `LayerSpec`: a mixer, a feed-forward block, and where the norms sit.
 
-A new mixer (latent attention, say) or feed-forward block (a mixture of experts) is a spec class in
-its own module with a `module(...)` builder; `DecoderLayer` builds whatever its spec names. The
-layer's call signature is the scan body's, `(carry, knobs, context) -> (carry, None)`, so a run of
-layers whose specs agree up to their per-layer values (`LayerSpec.scan_key`) runs as one `nn.scan`.
+A new mixer (latent attention, say) or feed-forward block (a mixture of experts, `dew.nn.moe`) is a
+spec class in its own module with a `module(...)` builder; `DecoderLayer` builds whatever its spec
+names. The layer's call signature is the scan body's, `(carry, knobs, context) -> (carry, report)`,
+so a run of layers whose specs agree up to their per-layer values (`LayerSpec.scan_key`) runs as one
+`nn.scan`, and what each layer reports (a sparse layer's `RouterRecord`; None otherwise) comes out of
+a scanned run stacked by layer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from flax import struct
 
 from dew.nn.attention import AttentionSpec
 from dew.nn.mlp import DenseSpec
+from dew.nn.moe import SparseSpec
 from dew.nn.norms import NORM_STYLES, RMSNorm
 
 NORM_PLACEMENTS = ("pre", "sandwich", "post")
@@ -25,7 +28,8 @@ NORM_PLACEMENTS = ("pre", "sandwich", "post")
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """A layer: its `mixer` (`AttentionSpec`), its `feed_forward` (`DenseSpec`) and its norms.
+    """A layer: its `mixer` (`AttentionSpec`), its `feed_forward` (`DenseSpec`, or `SparseSpec` for a
+    mixture of experts) and its norms.
 
     `norm_placement` is "pre" (a norm before the mixer and the feed-forward; the latter is named
     `post_attention_layernorm`, as in Llama), "sandwich" (Gemma 2/3: also a norm after each
@@ -35,7 +39,7 @@ class LayerSpec:
     """
 
     mixer: AttentionSpec
-    feed_forward: DenseSpec
+    feed_forward: DenseSpec | SparseSpec
     norm_placement: str = "pre"
     norm_style: str = "llama"
     norm_eps: float = 1e-6
@@ -55,13 +59,15 @@ class LayerSpec:
 class LayerKnobs:
     """What differs between the layers of one scanned run, one value per layer (scanned over):
     `window` (int32; None when no layer of the run slides), `rope` (which rotary table of its width
-    the mixer reads), `index` (the layer's number in the model) and `local` (its number in the run,
-    the index of its slice of the run's cache)."""
+    the mixer reads), `index` (the layer's number in the model), `local` (its number in the run,
+    the index of its slice of the run's cache) and `replay` (int32 `[B, S, K]`, the experts a sparse
+    layer replays; None without `Routes`)."""
 
     window: Any
     rope: jax.Array
     index: jax.Array
     local: jax.Array
+    replay: Any = None
 
 
 @struct.dataclass
@@ -72,6 +78,7 @@ class LayerContext:
     `slots_BS` are the query slots and `segments_BS` their documents (0 for padding). With a cache,
     `write_slots_BS` says where each token is stored (the capacity for padding, which is dropped)
     and `filled_BT` marks, per row, the slots that hold a token once this call's tokens are written.
+    `covered_BS` marks the tokens whose replayed experts (`LayerKnobs.replay`) apply (None: all).
     """
 
     rotary: dict
@@ -79,6 +86,7 @@ class LayerContext:
     segments_BS: jax.Array
     write_slots_BS: jax.Array | None = None
     filled_BT: jax.Array | None = None
+    covered_BS: jax.Array | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -112,9 +120,13 @@ class DecoderLayer(nn.Module):
             mixed = norm("post_attention_layernorm")(mixed)
         x_BSE = x_BSE + mixed
         ff_norm = {"pre": "post_attention_layernorm", "sandwich": "pre_feedforward_layernorm"}.get(s.norm_placement)
-        fed = feed_forward(x_BSE if ff_norm is None else norm(ff_norm)(x_BSE))
+        fed_in = x_BSE if ff_norm is None else norm(ff_norm)(x_BSE)
+        if isinstance(s.feed_forward, SparseSpec):
+            fed, report = feed_forward(fed_in, knobs.replay, context.covered_BS)
+        else:
+            fed, report = feed_forward(fed_in), None
         if s.norm_placement != "pre":
             fed = norm("post_feedforward_layernorm")(fed)
         x_BSE = x_BSE + fed
         kept = tuple(jnp.where(knobs.index == layer, x_BSE, states) for layer, states in zip(self.keep, kept))
-        return (x_BSE, cache, kept), None
+        return (x_BSE, cache, kept), report

@@ -20,6 +20,7 @@ import numpy as np
 from flax import linen as nn
 
 from dew.nn.layer import DecoderLayer, LayerKnobs, LayerSpec
+from dew.nn.moe import BIAS_COLLECTION
 
 REMAT_POLICIES = {
     "none": None,  # keep every activation for the backward pass
@@ -55,6 +56,15 @@ def _layer_name(index: int) -> str:
 
 
 _RUN = re.compile(r"layers_(\d+)to(\d+)")
+
+
+def layer_range(name: str) -> range:
+    """The layers a variables subtree named `layers_N` or `layers_{first}to{last}` holds."""
+    match = _RUN.fullmatch(name)
+    if match is not None:
+        return range(int(match[1]), int(match[2]) + 1)
+    index = int(name.removeprefix("layers_"))
+    return range(index, index + 1)
 
 
 def run_name(start: int, stop: int) -> str:
@@ -116,7 +126,7 @@ def _order(name: str):
     return (1, int(name.removeprefix("layers_")), "") if name.startswith("layers_") else (0, 0, name)
 
 
-def _knobs(specs: Sequence[LayerSpec], tables: Mapping, start: int, stop: int) -> LayerKnobs:
+def _knobs(specs: Sequence[LayerSpec], tables: Mapping, start: int, stop: int, replay_LBSK) -> LayerKnobs:
     windows = [spec.mixer.window for spec in specs[start:stop]]
     return LayerKnobs(
         window=None if all(w is None for w in windows) else jnp.asarray(
@@ -124,14 +134,18 @@ def _knobs(specs: Sequence[LayerSpec], tables: Mapping, start: int, stop: int) -
         rope=jnp.asarray([tables[spec.mixer.rope()] for spec in specs[start:stop]], jnp.int32),
         index=jnp.arange(start, stop, dtype=jnp.int32),
         local=jnp.arange(stop - start, dtype=jnp.int32),
+        replay=None if replay_LBSK is None else replay_LBSK[start:stop],
     )
 
 
 def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, cache_runs, *, scan_from: int,
-                 remat: str, keep: tuple[int, ...], tables: Mapping, dtype, param_dtype):
-    """Run every layer inside `parent`'s compact scope; returns `(x_BSE, cache runs, kept states)`.
+                 remat: str, keep: tuple[int, ...], tables: Mapping, dtype, param_dtype, replay_LBSK=None):
+    """Run every layer inside `parent`'s compact scope; returns `(x_BSE, cache runs, kept states,
+    reports)`, the last what the layers report (a `RouterRecord` per sparse layer), stacked on a
+    leading axis over the reporting layers in order (None when none reports).
 
-    `tables` maps each layer's `mixer.rope()` key to its index among the tables of its width.
+    `tables` maps each layer's `mixer.rope()` key to its index among the tables of its width;
+    `replay_LBSK` (one entry per layer, read by sparse ones) holds replayed experts, or is None.
     """
     kept = tuple(jnp.zeros_like(x_BSE) for _ in keep)
     new_cache = []
@@ -139,19 +153,25 @@ def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, 
     if REMAT_POLICIES[remat] is not None:
         policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[remat])
         layer_class = nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
+    reports = []
     for run, (start, stop, scan) in enumerate(runs(specs, scan_from)):
         spec = specs[start].scan_key() if scan else specs[start]
-        knobs = _knobs(specs, tables, start, stop)
+        knobs = _knobs(specs, tables, start, stop, replay_LBSK)
         cache = None if cache_runs is None else cache_runs[run]
         if scan:
-            scanned = nn.scan(layer_class, variable_axes={"params": 0}, split_rngs={"params": True},
+            # Every collection a layer holds is stacked by layer: params, and a router's balancing bias.
+            scanned = nn.scan(layer_class, variable_axes={"params": 0, BIAS_COLLECTION: 0}, split_rngs={"params": True},
                               in_axes=(0, nn.broadcast), length=stop - start,
                               metadata_params={nn.PARTITION_NAME: "layers"})
             layer = scanned(spec, dtype, param_dtype, keep, parent=parent, name=run_name(start, stop))
-            (x_BSE, cache, kept), _ = layer((x_BSE, cache, kept), knobs, context)
+            (x_BSE, cache, kept), report = layer((x_BSE, cache, kept), knobs, context)
         else:
             layer = layer_class(spec, dtype, param_dtype, keep, parent=parent, name=_layer_name(start))
             one = jax.tree_util.tree_map(lambda v: v[0], knobs)
-            (x_BSE, cache, kept), _ = layer((x_BSE, cache, kept), one, context)
+            (x_BSE, cache, kept), report = layer((x_BSE, cache, kept), one, context)
+            report = jax.tree_util.tree_map(lambda v: v[None], report)
+        if report is not None:
+            reports.append(report)
         new_cache.append(cache)
-    return x_BSE, None if cache_runs is None else tuple(new_cache), kept
+    stacked = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *reports) if reports else None
+    return x_BSE, None if cache_runs is None else tuple(new_cache), kept, stacked

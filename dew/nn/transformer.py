@@ -27,6 +27,7 @@ from dew.nn.kv_cache import Cache
 from dew.nn.linear import named
 from dew.nn.layer import NORM_PLACEMENTS, LayerContext, LayerSpec
 from dew.nn.mlp import ACTIVATIONS, DenseSpec
+from dew.nn.moe import Mixture, Routes, SparseSpec
 from dew.nn.norms import NORM_STYLES, RMSNorm
 from dew.nn.rotary import RopeScaling, rotary_angles
 from dew.nn.stack import REMAT_POLICIES, apply_layers, runs, stack_variables, unstack_variables
@@ -78,6 +79,8 @@ class DecoderConfig:
     - `attention_dropout`: the dropout rate a checkpoint was trained with on the attention
       probabilities. It changes nothing at inference; Dew does not apply dropout, so training
       objectives refuse a model whose rate is above zero.
+    - `mixture`: a mixture of experts (`dew.nn.moe.Mixture`, or its fields as a dict) in the layers
+      it names; their feed-forward is routed experts, the others' the dense MLP.
     """
 
     vocab_size: int
@@ -110,6 +113,7 @@ class DecoderConfig:
     rope_scaling: RopeScaling = RopeScaling()
     local_rope_scaling: RopeScaling | None = None
     attention_dropout: float = 0.0
+    mixture: Mixture | None = None
     scan_layers: int = 8
     remat: str = "none"
     dtype: jnp.dtype = jnp.float32
@@ -122,6 +126,12 @@ class DecoderConfig:
         for name in ("rope_scaling", "local_rope_scaling"):
             if isinstance(getattr(self, name), Mapping):  # a config read back from JSON
                 set_(name, RopeScaling(**getattr(self, name)))
+        if isinstance(self.mixture, Mapping):
+            unknown = sorted(set(self.mixture) - {field.name for field in dataclasses.fields(Mixture)})
+            if unknown:
+                raise TypeError(f"mixture has no fields {unknown}; its fields are "
+                                f"{[field.name for field in dataclasses.fields(Mixture)]}")
+            set_("mixture", Mixture(**self.mixture))
         if self.num_kv_heads is None:
             set_("num_kv_heads", self.num_heads)
         if self.head_dim is None:
@@ -170,11 +180,27 @@ class DecoderConfig:
             for name in ("local_rope_theta", "local_rope_scaling"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} applies to sliding layers: give layer_types too, or drop it")
+        if self.mixture is not None:
+            outside = [i for i in self.mixture.layers or () if i >= self.num_layers]
+            if outside:
+                raise ValueError(f"mixture layers {outside} are not layers of this {self.num_layers}-layer model")
+            if self.mlp_bias and self.sparse_layers:
+                raise NotImplementedError("mlp_bias with a mixture: experts with biases are not built in Dew yet; "
+                                          "set mlp_bias False")
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose feed-forward is the mixture of experts, in order (none without a mixture)."""
+        if self.mixture is None:
+            return ()
+        return tuple(i for i in range(self.num_layers) if self.mixture.sparse(i))
 
     @functools.cached_property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
         """Each layer's `LayerSpec`, as the flat knobs describe it."""
-        feed_forward = DenseSpec(self.mlp_features, self.activation, self.mlp_bias)
+        dense = DenseSpec(self.mlp_features, self.activation, self.mlp_bias)
+        sparse = None if self.mixture is None else SparseSpec(
+            self.mixture, self.mixture.expert_features or self.mlp_features, self.activation)
         specs = []
         for index in range(self.num_layers):
             theta, scaling = self.layer_rope(index)
@@ -183,6 +209,7 @@ class DecoderConfig:
                 rope_theta=theta, rope_scaling=scaling, qk_norm=self.qk_norm, qk_norm_scope=self.qk_norm_scope,
                 qkv_bias=self.qkv_bias, o_bias=self.o_bias, query_scale=self.query_scale, softcap=self.attn_softcap,
             )
+            feed_forward = sparse if index in self.sparse_layers else dense
             specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps))
         return tuple(specs)
 
@@ -207,7 +234,9 @@ class DecoderConfig:
 class ModelOutput:
     """What the decoder returns with `head=False`: the final-norm hidden states `[B, S, E]` in the
     compute dtype, the output `head` (`Head`: capped float32 logits for any states), and `aux`, what
-    layers report (`layers_N`: the output states of layer N when asked for with `layers=`)."""
+    layers report (`layers_N`: the output states of layer N when asked for with `layers=`;
+    `routing`: with a mixture, a `dew.nn.moe.RouterRecord` whose leaves lead with the sparse
+    layers, `[L, B, S, ...]`, in the order of `DecoderConfig.sparse_layers`)."""
 
     hidden: jax.Array
     head: Head
@@ -226,6 +255,7 @@ class CausalTransformer(nn.Module):
     packed documents apart and `positions` restart the rotary angles per document;
     `attention_mask` (`[B, S]`, true for real tokens) marks padding, which reads and is read by no
     real token. `layers` lists layer numbers whose output states to keep in `aux` (`layers_N`).
+    `routes` (`dew.nn.moe.Routes`, `[B, S, L, K]` over the sparse layers) replays recorded experts.
 
     With `cache` (from `init_cache`) each row's real tokens are written after the tokens it already
     holds (padding takes no slot) and read by every later token; the call returns `(output, cache)`.
@@ -286,11 +316,12 @@ class CausalTransformer(nn.Module):
         cache: Cache | None = None,
         head: bool = True,
         layers: Sequence[int] = (),
+        routes: Routes | None = None,
         **media,
     ):
         if isinstance(tokens, ModelInputs):
             fields = text_fields(tokens.kwargs(), "CausalTransformer")
-            return self(tokens.tokens, cache=cache, head=head, layers=layers, **fields)
+            return self(tokens.tokens, cache=cache, head=head, layers=layers, routes=routes, **fields)
         if media:
             text_fields(media, "CausalTransformer")
         c = self.config
@@ -333,11 +364,14 @@ class CausalTransformer(nn.Module):
             tables.update({rope: index for index, rope in enumerate(same)})
             pairs = [rotary_angles(positions, *rope) for rope in same]
             rotary[width] = (jnp.stack([cos for cos, _ in pairs]), jnp.stack([sin for _, sin in pairs]))
+        replay_LBSK = None
+        if routes is not None:
+            replay_LBSK, context_cache["covered_BS"] = self._replay(routes, B, S)
         context = LayerContext(rotary=rotary, slots_BS=slots_BS, segments_BS=segments_BS, **context_cache)
 
-        x_BSE, cache_runs, kept = apply_layers(
+        x_BSE, cache_runs, kept, routing = apply_layers(
             self, specs, x_BSE, context, None if cache is None else cache.runs, scan_from=c.scan_layers, remat=c.remat,
-            keep=keep, tables=tables, dtype=c.dtype, param_dtype=c.param_dtype,
+            keep=keep, tables=tables, dtype=c.dtype, param_dtype=c.param_dtype, replay_LBSK=replay_LBSK,
         )
         hidden_BSE = RMSNorm(c.norm_eps, c.norm_style, dtype=c.dtype, param_dtype=c.param_dtype, name="norm")(x_BSE)
         if c.tie_embeddings:
@@ -346,10 +380,27 @@ class CausalTransformer(nn.Module):
             kernel = _Kernel(c.vocab_size, c.param_dtype, name="lm_head")(c.emb_features)
             output_head = Head(kernel.astype(c.dtype), transposed=False, softcap=c.logit_softcap)
         aux = {f"layers_{i}": states for i, states in zip(keep, kept)}
+        if routing is not None:
+            aux["routing"] = routing
         output = output_head.logits(hidden_BSE) if head else ModelOutput(hidden_BSE, output_head, aux)
         if cache is None:
             return output
         return output, Cache(runs=cache_runs, lengths=lengths_B)
+
+
+    @nn.nowrap
+    def _replay(self, routes: Routes, rows: int, seq_len: int):
+        """(the replayed experts as one `[layers, B, S, K]` entry per layer, a dense layer's unread,
+        the covered tokens `[B, S]` or None)."""
+        c = self.config
+        sparse = c.sparse_layers
+        if not sparse:
+            raise ValueError("routes replay experts, and this model has no mixture of experts: leave routes unset")
+        routes.check(rows, seq_len, len(sparse), c.mixture.top_k)
+        position = [sparse.index(i) if i in sparse else 0 for i in range(c.num_layers)]
+        replay_LBSK = jnp.moveaxis(routes.experts.astype(jnp.int32), 2, 0)[jnp.asarray(position)]
+        covered = None if routes.covered is None else routes.covered.astype(bool)
+        return replay_LBSK, covered
 
 
 class _Kernel(nn.Module):
