@@ -65,8 +65,25 @@ class Objective(Protocol):
       the scalars to log; `check_batch(batch)` refuses a host batch before it is placed.
     - Optional: `preview(params, batch, step)` (texts to show at each evaluation, or None),
       `preview_variables(state)` (the weights previews draw from; default `state.evaluated`),
-      `predict(...)` (scores with the logits behind them, for distillation), and
-      `logical_names()` (each parameter's logical axes, which the trainer maps onto the mesh).
+      `predict(...)` (scores with the logits behind them, for distillation),
+      `logical_names()` (each parameter's logical axes, which the trainer maps onto the mesh), and
+      the window normalisation below.
+
+    Window normalisation (optional; `WindowNormalized`). One numerator over one denominator is exact
+    under accumulation only for a loss with a single normalisation. A loss whose terms divide by
+    different totals (targets, rows, routed positions), or multiply by window totals (a Switch
+    balance loss: slot counts times score sums, each added over the window first), declares them:
+    - `window_totals(params, batch, step)`: one micro-batch's share of the totals, a pytree that adds
+      across micro-batches, computed without gradient (from the batch alone, or a forward pass);
+    - `totals_of(stats)`: the totals a window made of these statistics alone has (so a window of one
+      micro-batch needs no separate pass);
+    - `window_loss(stats, totals) -> (loss, counted)`: the statistics' share of the loss of a window
+      whose totals are `totals`, linear in `stats` so that the micro-batches' shares add up to the
+      window's loss, and whether that window carries any loss (it updates only then).
+    With these the trainer sums `window_totals` over the window's micro-batches first, then sums the
+    gradients of each micro-batch's `window_loss` share, with no division after; so k micro-batches
+    equal one batch of k times the rows for every term. `reduce_loss` keeps its meaning: the main
+    term's numerator and denominator, which the logs count tokens by.
     """
 
     ema_decay: float | None
@@ -96,6 +113,22 @@ class Objective(Protocol):
 
     def summarize(self, stats: Any) -> dict[str, float]:
         """The scalars to log for summed statistics, e.g. `{"loss", "ce", "perplexity"}`."""
+        ...
+
+
+class WindowNormalized(Objective, Protocol):
+    """An objective with the optional window normalisation (see `Objective`)."""
+
+    def window_totals(self, params: Variables, batch: Mapping[str, jax.Array], step: Step) -> Any:
+        """One micro-batch's share of the window's totals, additive, without gradient."""
+        ...
+
+    def totals_of(self, stats: Any) -> Any:
+        """The totals of a window made of these statistics alone."""
+        ...
+
+    def window_loss(self, stats: Any, totals: Any) -> tuple[jax.Array, jax.Array]:
+        """(the statistics' share of the window's loss given its totals, whether the window counts)."""
         ...
 
 

@@ -185,45 +185,70 @@ class Trainer:
     def _train_step(self, accumulation: int):
         objective, optimizer = self.objective, self.optimizer
         decay = objective.ema_decay
+        # An objective whose terms are normalised by different window totals (dew.objectives.base,
+        # "Window normalisation") scales each micro-batch's loss by the window's totals; any other is
+        # one numerator over one denominator, divided once after the window.
+        windowed = callable(getattr(objective, "window_loss", None))
 
         def step_fn(state: TrainState, batch):
             step_key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.key), TRAIN_STREAM),
                                           state.step)
+            micro_step = lambda index: Step(state.step, jax.random.fold_in(step_key, index))
 
-            def numerator(trained, micro_batch, index):
+            def share(trained, micro_batch, index, totals):
+                """The micro-batch's part of the window's loss (a numerator, when not windowed)."""
                 variables = {**state.params, "params": trained}
-                stats, effects = objective.loss(variables, micro_batch, Step(state.step, jax.random.fold_in(step_key, index)))
-                return objective.reduce_loss(stats)[0], (stats, effects)
+                stats, effects = objective.loss(variables, micro_batch, micro_step(index))
+                if not windowed:
+                    return objective.reduce_loss(stats)[0], (stats, effects)
+                if totals is None:  # a window of one micro-batch is its own total
+                    totals = jax.lax.stop_gradient(objective.totals_of(stats))
+                return objective.window_loss(stats, totals)[0], (stats, effects)
 
-            grad_fn = jax.value_and_grad(numerator, has_aux=True)
+            grad_fn = jax.value_and_grad(share, has_aux=True)
             trained = state.params["params"]
+            totals = None
             if accumulation == 1:
-                (_, (stats, effects)), grads = grad_fn(trained, batch, 0)
+                (_, (stats, effects)), grads = grad_fn(trained, batch, 0, None)
             else:
                 # Micro-batch j takes rows j, j + k, ...: each device keeps its own rows.
                 micro = jax.tree_util.tree_map(
                     lambda x: x.reshape(x.shape[0] // accumulation, accumulation, *x.shape[1:]).swapaxes(0, 1), batch
                 )
                 first = jax.tree_util.tree_map(lambda x: x[0], micro)
-                (_, (stats_shape, effects_shape)) = jax.eval_shape(lambda: grad_fn(trained, first, 0)[0])
+                zeros = lambda tree: jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
+                if windowed:
+                    # The window's totals first (no gradient), so each micro-batch's share is scaled by them.
+                    def add_totals(carry, inputs):
+                        micro_batch, index = inputs
+                        return jax.tree_util.tree_map(
+                            jnp.add, carry, objective.window_totals(state.params, micro_batch, micro_step(index))), None
+
+                    totals_shape = jax.eval_shape(lambda: objective.window_totals(state.params, first, micro_step(0)))
+                    totals, _ = jax.lax.scan(add_totals, zeros(totals_shape), (micro, jnp.arange(accumulation)))
+                    totals = jax.lax.stop_gradient(totals)
+                (_, (stats_shape, effects_shape)) = jax.eval_shape(lambda: grad_fn(trained, first, 0, totals)[0])
 
                 # Gradients, statistics and effects all add over the window; effects are applied once,
                 # after the update, so every micro-batch sees the same variables.
                 def body(carry, inputs):
-                    (_, (stats, effects)), grads = grad_fn(trained, *inputs)
+                    (_, (stats, effects)), grads = grad_fn(trained, *inputs, totals)
                     return jax.tree_util.tree_map(jnp.add, carry, (grads, stats, effects)), None
 
-                zeros = lambda tree: jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
                 (grads, stats, effects), _ = jax.lax.scan(
                     body, zeros((trained, stats_shape, effects_shape)), (micro, jnp.arange(accumulation))
                 )
-            numer, denom = objective.reduce_loss(stats)
-            scale = 1.0 / jnp.maximum(denom, 1.0)
-            grads = jax.tree_util.tree_map(lambda g: (g * scale).astype(g.dtype), grads)
+            if windowed:
+                loss, counted = objective.window_loss(stats, objective.totals_of(stats) if totals is None else totals)
+            else:
+                numer, denom = objective.reduce_loss(stats)
+                scale = 1.0 / jnp.maximum(denom, 1.0)
+                loss, counted = numer * scale, denom > 0
+                grads = jax.tree_util.tree_map(lambda g: (g * scale).astype(g.dtype), grads)
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = optimizer.update(grads, state.opt_state, trained)
-            finite = jnp.isfinite(numer) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
-            apply = finite & (denom > 0)
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
+            apply = finite & counted
             new_params = objective.apply_effects({**state.params, "params": optax.apply_updates(trained, updates)}, effects)
             pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(apply, a, b), new, old)
             ema = state.ema
@@ -237,7 +262,7 @@ class Trainer:
                 params=pick(new_params, state.params), ema=ema, opt_state=pick(opt_state, state.opt_state),
                 step=state.step + 1, updates=state.updates + apply.astype(jnp.int32), key=state.key,
             )
-            return new_state, {"stats": stats, "grad_norm": grad_norm, "finite": finite}
+            return new_state, {"stats": stats, "loss": loss, "grad_norm": grad_norm, "finite": finite}
 
         return step_fn
 
@@ -441,8 +466,7 @@ class Trainer:
         return state
 
     def _diverged(self, step: int, out, checkpoints: Checkpoints | None) -> TrainingDiverged:
-        numerator, count = self.objective.reduce_loss(out["stats"])
-        return TrainingDiverged(step, float(numerator) / max(float(count), 1.0), float(out["grad_norm"]),
+        return TrainingDiverged(step, float(out["loss"]), float(out["grad_norm"]),
                                 None if checkpoints is None else checkpoints.latest(),
                                 None if checkpoints is None else checkpoints.directory)
 

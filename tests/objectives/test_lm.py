@@ -166,7 +166,8 @@ def test_bad_configuration_is_refused_by_name(tiny_model):
         LMObjective(tiny_model, seq_len=65)
     with pytest.raises(NotImplementedError, match="mtp_weight=0.3.*multi-token prediction is not built"):
         LMObjective(tiny_model, seq_len=8, mtp_weight=0.3)
-    with pytest.raises(NotImplementedError, match="balance_rate"):
+    with pytest.raises(ValueError, match=r"balance_rate=0.01\) acts on the routers of a mixture of experts, and this "
+                                         "model has none"):
         LMObjective(tiny_model, seq_len=8, balance_rate=0.01)
 
 

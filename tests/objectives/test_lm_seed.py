@@ -60,17 +60,26 @@ def test_seq_aux_without_a_balance_loss_is_refused(tiny_model):
 
 
 @pytest.mark.parametrize("keyword, value, capability", [
-    ("routing", True, "mixture-of-experts routing"),
     ("depths", True, "multi-token prediction"),
     ("roles", np.zeros((2, SEQ + 1), np.int32), "chat role masks"),
     ("qk_stats", True, "attention logit statistics"),
     ("indexer", True, "lightning indexer"),
     ("layers", (0,), "layers' output states"),
-    ("routes", (np.zeros((2, SEQ + 1, 2, 1), np.int32), None), "mixture-of-experts routing"),
 ])
 def test_token_scores_refuses_each_unbuilt_report_by_name(tiny_model, tiny_variables, keyword, value, capability):
     objective = LMObjective(tiny_model, SEQ)
     with pytest.raises(NotImplementedError, match=rf"token_scores\({keyword}=.*{re.escape(capability)}.*not built"):
+        objective.token_scores(tiny_variables, jnp.asarray(_tokens()), **{keyword: value})
+
+
+@pytest.mark.parametrize("keyword, value, shown", [
+    ("routing", True, "routing=True"),
+    ("routes", (np.zeros((2, SEQ + 1, 2, 1), np.int32), None), r"routes=\(<array of shape \(2, 9, 2, 1\)>"),
+])
+def test_token_scores_refuses_routing_without_a_mixture(tiny_model, tiny_variables, keyword, value, shown):
+    objective = LMObjective(tiny_model, SEQ)
+    with pytest.raises(ValueError, match=rf"token_scores\({shown}.*reads the routers of a mixture of experts, and this "
+                                         "model has none"):
         objective.token_scores(tiny_variables, jnp.asarray(_tokens()), **{keyword: value})
 
 

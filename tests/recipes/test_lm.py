@@ -107,7 +107,8 @@ def test_the_guides_flags_parse():
     (["--objective", "ar"], "objective is 'ar'; use one of"),
     (["--block-prompt-tokens", "128"], "block_prompt_tokens is 128, but it shapes only --objective block_diffusion"),
     (["--no-seq-aux"], "--no-seq-aux shapes the expert balance loss"),
-    (["--balance-rate", "0.001"], "balance_rate=0.001): mixture-of-experts routing is not built"),
+    (["--balance-rate", "0.001"], "balance_rate=0.001) acts on the routers of a mixture of experts, and this model "
+                                  "has none"),
     (["--mtp-weight", "0.3"], "multi-token prediction is not built"),
     (["--model.config", '{"vocab_size": 100}'], "vocab_size 100 is below the vocab_size 256"),
     (["--model.config", '{"num_layer": 2}'], "causal_transformer: "),

@@ -49,13 +49,13 @@ class LMRunConfig:
         "checkpoint decides the architecture, so --model.config may then carry only max_seq_len, dtype and "
         "attention_impl."))] = None
     balance_rate: float | None = None
-    """Routers' balancing-bias rate, DeepSeek's aux-loss-free balancing (mixtures of experts: not built yet)."""
+    """How far a sparse run moves each router's balancing bias against its load every step (DeepSeek's aux-loss-free balancing): bias += rate * sign(mean load - load), from the window's expert counts, after the update. Needs a mixture with bias=True (--model.config '{"mixture": {"experts": 8, "bias": true}}'); unset leaves the bias where it is."""
     aux_loss_alpha: float | None = None
-    """The expert balance loss's weight (mixtures of experts: not built yet)."""
+    """The expert balance loss's weight (LMObjective.aux_loss_alpha); with --no-seq-aux it is the Switch loss over the step's routed positions, lm-engine's router_aux_loss_coef. Unset adds no balance loss."""
     seq_aux: bool = True
-    """Form aux_loss_alpha's balance loss within each sequence (DeepSeek V2) rather than over the whole step."""
+    """Form the balance loss within each sequence (DeepSeek V2), averaged over rows, rather than over the whole step."""
     router_z_loss: float = 0.0
-    """The routers' z-loss weight (mixtures of experts: not built yet)."""
+    """The routers' z-loss weight (LMObjective.router_z_loss): the mean squared log-sum-exp of the router logits over routed positions, summed over routers; lm-engine uses 0.1 times its aux coefficient. Zero adds nothing."""
     mtp_weight: float | None = None
     """DeepSeek's lambda on the multi-token-prediction term (not built yet: refused)."""
     indexer: tyro.conf.Suppress[Any] = None

@@ -11,8 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dew.nn.moe import RouterRecord, Routes
 from dew.objectives.base import Aux, Mean, PathFilter, Step, Variables, path_filter
 from dew.objectives.lm.loss import chunked_cross_entropy
+from dew.objectives.lm.routing import RouterStatistics, RouterTerms, RouterTotals, bias_steps, max_one, move_biases, \
+    slot_counts
 from dew.sampling import Sampling, generate
 
 TEXT_KEY = "text"
@@ -50,15 +53,18 @@ def prompt_batch(prompt) -> jax.Array:
 @struct.dataclass
 class LMStatistics:
     """Sums over counted targets: the cross entropy, the argmax hits (None without `token_accuracy`),
-    and the loss's other named `terms` (`z_loss`, ...), each a sum over the same counted targets.
+    the loss's other named `terms` (`z_loss`, ...), each a sum over the same counted targets, and for
+    a mixture of experts the `router` sums over routed positions (`RouterStatistics`; None without).
 
-    `loss` is the whole loss as one `Mean` over the counted targets, what `reduce_loss` returns, so
-    micro-batches add up and the trainer divides once.
+    `loss` is the main term, the token-mass part of the loss, as one `Mean` over the counted
+    targets: what `reduce_loss` returns. The router terms carry their own normalisation (rows,
+    routed positions); `LMObjective.window_loss` adds them.
     """
 
     ce: Mean
     token_accuracy: Mean | None
     terms: dict = struct.field(default_factory=dict)
+    router: RouterStatistics | None = None
 
     @property
     def loss(self) -> Mean:
@@ -66,38 +72,58 @@ class LMStatistics:
 
 
 @struct.dataclass
+class LMTotals:
+    """What `LMObjective.window_loss` divides by over a whole accumulation window: the counted
+    `targets`, and the routers' `RouterTotals` (None without a mixture)."""
+
+    targets: jax.Array
+    router: RouterTotals | None = None
+
+
+@struct.dataclass
 class Scores:
     """Per-target results `[B, S]`: the losses, each target's weight, whether the argmax was right
-    (None when the objective has `token_accuracy=False`, which takes no argmax), and the log-normaliser."""
+    (None when the objective has `token_accuracy=False`, which takes no argmax), the log-normaliser,
+    and with `routing=True` each sparse layer's `RouterRecord` laid out `[B, S, L, ...]` (the
+    selected experts and weights `[B, S, L, K]`, scores `[B, S, L, E]`, log-normalisers `[B, S, L]`)."""
 
     losses: jax.Array
     weights: jax.Array
     correct: jax.Array
     lse: jax.Array
+    routing: RouterRecord | None = None
+
+
+@struct.dataclass
+class _Forward:
+    """The model's pass over a batch's inputs, as scoring reads it."""
+
+    hidden_NE: jax.Array
+    head_weight: jax.Array
+    targets_N: jax.Array
+    weights_BS: jax.Array
+    routing: RouterRecord | None
+    routed_BS: jax.Array
+    transposed: bool = struct.field(pytree_node=False)
 
 
 _LATER = {
-    "balance_rate": "mixture-of-experts routing",
-    "aux_loss_alpha": "mixture-of-experts routing",
-    "router_z_loss": "mixture-of-experts routing",
     "loss_role": "chat role masks",
     "mtp_weight": "multi-token prediction",
     "indexer": "DeepSeek-V3.2's lightning indexer",
     "qk_stats": "attention logit statistics",
 }
-_NEUTRAL = {"balance_rate": None, "aux_loss_alpha": None, "router_z_loss": 0.0, "loss_role": None,
-            "mtp_weight": None, "indexer": None, "qk_stats": False}
+_NEUTRAL = {"loss_role": None, "mtp_weight": None, "indexer": None, "qk_stats": False}
+_ROUTER_NEUTRAL = {"balance_rate": None, "aux_loss_alpha": None, "router_z_loss": 0.0}
 
 # What `token_scores` can be asked to report beside the losses, the capability each needs, and the
 # value that asks for nothing.
 _SCORED_LATER = {
-    "routing": ("mixture-of-experts routing", False),
     "depths": ("multi-token prediction", False),
     "roles": ("chat role masks", None),
     "qk_stats": ("attention logit statistics", False),
     "indexer": ("DeepSeek-V3.2's lightning indexer", False),
     "layers": ("keeping layers' output states for feature distillation", ()),
-    "routes": ("mixture-of-experts routing (replayed expert choices)", None),
 }
 
 
@@ -106,7 +132,7 @@ def _refuse_unbuilt_scoring(requested: dict[str, Any]) -> None:
         capability, neutral = _SCORED_LATER[name]
         if name == "layers":
             value = tuple(value)
-        # roles and routes are arrays when given: only None asks for nothing.
+        # roles are arrays when given: only None asks for nothing.
         asked = value is not None if neutral is None else value != neutral
         if asked:
             raise NotImplementedError(
@@ -119,6 +145,32 @@ def _brief(value) -> str:
     if isinstance(value, tuple) and any(hasattr(item, "shape") for item in value):
         return "(" + ", ".join(_brief(item) for item in value) + ")"
     return f"<array of shape {tuple(np.shape(value))}>" if hasattr(value, "shape") else repr(value)
+
+
+def _router_terms(config, *, balance_rate, aux_loss_alpha, seq_aux, router_z_loss) -> RouterTerms | None:
+    """The router terms asked for, refused by name where the model cannot give them; None for a model
+    without a mixture of experts (which then reports no routing)."""
+    sparse = getattr(config, "sparse_layers", ())
+    given = dict(balance_rate=balance_rate, aux_loss_alpha=aux_loss_alpha, router_z_loss=router_z_loss)
+    asked = {name: value for name, value in given.items() if value != _ROUTER_NEUTRAL[name]}
+    for name, value in asked.items():
+        if not sparse:
+            raise ValueError(f"LMObjective({name}={value!r}) acts on the routers of a mixture of experts, and this "
+                             "model has none: build it with mixture={...} (experts, top_k, ...), or leave "
+                             f"{name} unset")
+    for name in ("balance_rate", "aux_loss_alpha"):
+        if name in asked and not asked[name] > 0:
+            raise ValueError(f"LMObjective({name}={asked[name]!r}): use a value above 0, or leave it unset")
+    if router_z_loss < 0:
+        raise ValueError(f"LMObjective(router_z_loss={router_z_loss!r}): use a weight >= 0 (0 adds nothing)")
+    if balance_rate is not None and not config.mixture.bias:
+        raise ValueError(f"LMObjective(balance_rate={balance_rate!r}) moves each router's balancing bias, and this "
+                         "model's mixture has bias=False, so its routers have none: build the mixture with "
+                         "bias=True, or leave balance_rate unset")
+    if not sparse:
+        return None
+    return RouterTerms(experts=config.mixture.experts, top_k=config.mixture.top_k, layers=sparse,
+                       aux_loss_alpha=aux_loss_alpha, seq_aux=seq_aux, z_loss=float(router_z_loss))
 
 
 class LMObjective:
@@ -146,8 +198,7 @@ class LMObjective:
         trainable: PathFilter | str | None = None,
         token_accuracy: bool = True,
     ):
-        given = dict(balance_rate=balance_rate, aux_loss_alpha=aux_loss_alpha, loss_role=loss_role,
-                     mtp_weight=mtp_weight, router_z_loss=router_z_loss, qk_stats=qk_stats, indexer=indexer)
+        given = dict(loss_role=loss_role, mtp_weight=mtp_weight, qk_stats=qk_stats, indexer=indexer)
         for name, value in given.items():
             if value != _NEUTRAL[name]:
                 raise NotImplementedError(
@@ -178,6 +229,9 @@ class LMObjective:
             raise ValueError(f"head_chunks is {head_chunks}; it must be at least 1")
         if pad_id is not None and not 0 <= pad_id < config.vocab_size:
             raise ValueError(f"pad_id {pad_id} is outside the vocabulary [0, {config.vocab_size})")
+        self.router = _router_terms(config, balance_rate=balance_rate, aux_loss_alpha=aux_loss_alpha, seq_aux=seq_aux,
+                                    router_z_loss=router_z_loss)
+        self.balance_rate = balance_rate
         self.model = model
         self.seq_len = seq_len
         self.ema_decay = ema_decay
@@ -251,43 +305,95 @@ class LMObjective:
         With `segment_ids`, the last token of a document does not predict the first of the next one
         and padding (segment 0) predicts nothing; the model reads `positions` for its rotary angles.
         `train` changes nothing today: Dew's decoder has no training-only layer (no dropout).
-        `routing`, `depths`, `roles`, `qk_stats`, `indexer`, `layers` and `routes` ask for what
-        mixtures of experts, multi-token prediction, chat masks, attention statistics, the lightning
+        `routing` adds each sparse layer's `RouterRecord` (`Scores.routing`). `routes` replays a
+        rollout engine's expert choices: `(ids, covered)`, ids `[B, seq_len + 1, layers, top_k]`
+        aligned with the tokens over the model's sparse layers, covered `[B, seq_len + 1]` booleans
+        (None for all); every router uses the recorded experts where covered and still weights them
+        from its own scores (`dew.nn.moe.Routes`). `depths`, `roles`, `qk_stats`, `indexer` and
+        `layers` ask for what multi-token prediction, chat masks, attention statistics, the lightning
         indexer and feature distillation report; none is built yet, so each is refused by name when
         set, and accepted at its neutral value (False, None or no layers).
         """
-        _refuse_unbuilt_scoring(dict(routing=routing, depths=depths, roles=roles, qk_stats=qk_stats, indexer=indexer,
-                                     layers=layers, routes=routes))
-        hidden_NE, weight, targets_N, weights_BS, transposed = self._head_inputs(params, tokens, rngs, segment_ids,
-                                                                                 positions)
-        ce, lse, correct = chunked_cross_entropy(hidden_NE, weight, targets_N, transposed, self.head_chunks,
-                                                 self.model.config.logit_softcap, self.token_accuracy)
-        shape = lambda x: None if x is None else x.reshape(weights_BS.shape)
-        return Scores(losses=shape(ce), weights=weights_BS, correct=shape(correct), lse=shape(lse))
+        _refuse_unbuilt_scoring(dict(depths=depths, roles=roles, qk_stats=qk_stats, indexer=indexer, layers=layers))
+        if (routing or routes is not None) and self.router is None:
+            asked = "routing=True" if routing else f"routes={_brief(routes)}"
+            raise ValueError(f"token_scores({asked}) reads the routers of a mixture of experts, and this model has "
+                             "none: build it with mixture={...}, or leave it unset")
+        replay = None if routes is None else self._routes(routes, tokens.shape)
+        scores, forward = self._score(params, tokens, rngs, segment_ids, positions, replay)
+        if not routing:
+            return scores
+        # [L, B, S, ...] -> [B, S, L, ...], the layout routes are given in
+        return scores.replace(routing=jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 2), forward.routing))
 
-    def _head_inputs(self, params, tokens, rngs, segment_ids, positions):
-        """(final hidden states `[N, E]`, head weight in the compute dtype, targets `[N]`, target weights
-        `[B, S]`, whether the head is the transposed embedding)."""
+    def _score(self, params, tokens, rngs, segment_ids, positions, routes: Routes | None = None):
+        """(the per-target `Scores` without routing, the `_Forward` behind them)."""
+        forward = self._forward(params, tokens, rngs, segment_ids, positions, routes)
+        ce, lse, correct = chunked_cross_entropy(forward.hidden_NE, forward.head_weight, forward.targets_N,
+                                                 forward.transposed, self.head_chunks, self.model.config.logit_softcap,
+                                                 self.token_accuracy)
+        shape = lambda x: None if x is None else x.reshape(forward.weights_BS.shape)
+        return Scores(losses=shape(ce), weights=forward.weights_BS, correct=shape(correct), lse=shape(lse)), forward
+
+    def _routes(self, routes, shape) -> Routes:
+        """`token_scores`' `(ids [B, S + 1, L, K], covered [B, S + 1] | None)` as the model's `Routes`
+        over the input tokens, refused when its shape or ids do not fit this model."""
+        if not isinstance(routes, (tuple, list)) or len(routes) != 2:
+            raise TypeError(f"routes is {_brief(routes)}; give (ids, covered): ids [B, seq_len + 1, layers, top_k], "
+                            "covered [B, seq_len + 1] or None")
+        ids, covered = routes
+        mixture = self.model.config.mixture
+        want = (*shape, len(self.router.layers), mixture.top_k)
+        if tuple(np.shape(ids)) != want:
+            raise ValueError(f"routes ids have shape {tuple(np.shape(ids))}; token_scores reads [B, seq_len + 1, layers, "
+                             f"top_k] = {list(want)}: one id per token, sparse layer ({len(self.router.layers)}) and "
+                             f"selected expert (top_k {mixture.top_k})")
+        if covered is not None and tuple(np.shape(covered)) != tuple(shape):
+            raise ValueError(f"routes covered has shape {tuple(np.shape(covered))}; it marks the tokens, "
+                             f"[B, seq_len + 1] = {list(shape)}, or is None for all")
+        if not isinstance(ids, jax.core.Tracer):
+            values = np.asarray(ids)
+            bad = (values < 0) | (values >= mixture.experts)
+            if bad.any():
+                where = tuple(int(i) for i in np.argwhere(bad)[0])
+                raise ValueError(f"routes id {int(values[where])} at [row, token, layer, slot] = {list(where)} is not "
+                                 f"one of this model's {mixture.experts} experts [0, {mixture.experts})")
+        ids = jnp.asarray(ids)
+        return Routes(ids[:, :-1], None if covered is None else jnp.asarray(covered)[:, :-1])
+
+    def _masks(self, tokens, segment_ids):
+        """(the weight of each target `[B, S]`, float32; which input tokens are routed, not padding `[B, S]`)."""
         inputs_BS, targets_BS = tokens[:, :-1], tokens[:, 1:]
-        B, S = inputs_BS.shape
-        weights_BS = jnp.ones((B, S), jnp.float32)
+        weights_BS = jnp.ones(inputs_BS.shape, jnp.float32)
+        routed_BS = jnp.ones(inputs_BS.shape, bool)
         if self.pad_id is not None:
             weights_BS *= (targets_BS != self.pad_id).astype(jnp.float32)
-        kwargs = {}
+            routed_BS &= inputs_BS != self.pad_id
         if segment_ids is not None:
             same_document = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
             weights_BS *= same_document.astype(jnp.float32)
+            routed_BS &= segment_ids[:, :-1] != 0
+        return weights_BS, routed_BS
+
+    def _forward(self, params, tokens, rngs, segment_ids, positions, routes: Routes | None = None) -> _Forward:
+        """The model over the inputs (without its head): what the loss and the router terms read."""
+        inputs_BS, targets_BS = tokens[:, :-1], tokens[:, 1:]
+        B, S = inputs_BS.shape
+        weights_BS, routed_BS = self._masks(tokens, segment_ids)
+        kwargs = {}
+        if segment_ids is not None:
             kwargs["segment_ids"] = segment_ids[:, :-1]
         if positions is not None:
             kwargs["positions"] = positions[:, :-1]
+        if routes is not None:
+            kwargs["routes"] = routes
         output = self.model.apply(params, inputs_BS, head=False, rngs=rngs, **kwargs)
-        return (output.hidden.reshape(B * S, -1), output.head.weight, targets_BS.reshape(-1).astype(jnp.int32),
-                weights_BS, output.head.transposed)
+        return _Forward(hidden_NE=output.hidden.reshape(B * S, -1), head_weight=output.head.weight,
+                        targets_N=targets_BS.reshape(-1).astype(jnp.int32), weights_BS=weights_BS,
+                        routing=output.aux.get("routing"), routed_BS=routed_BS, transposed=output.head.transposed)
 
     def _statistics(self, params, batch) -> LMStatistics:
-        scores = self.token_scores(
-            params, batch[TEXT_KEY], segment_ids=batch.get(SEGMENTS_KEY), positions=batch.get(POSITIONS_KEY)
-        )
+        scores, forward = self._score(params, batch[TEXT_KEY], None, batch.get(SEGMENTS_KEY), batch.get(POSITIONS_KEY))
         w = scores.weights
         count = jnp.sum(w)
         ce = Mean(jnp.sum(scores.losses * w), count)
@@ -295,36 +401,89 @@ class LMObjective:
         if self.z_loss:
             terms["z_loss"] = Mean(self.z_loss * jnp.sum(jnp.square(scores.lse) * w), count)
         accuracy = Mean(jnp.sum(scores.correct * w), count) if self.token_accuracy else None
-        return LMStatistics(ce=ce, token_accuracy=accuracy, terms=terms)
+        router = None if self.router is None else self.router.statistics(forward.routing, forward.routed_BS)
+        return LMStatistics(ce=ce, token_accuracy=accuracy, terms=terms, router=router)
 
     def loss(self, params, batch, step: Step) -> tuple[LMStatistics, Aux]:
-        return self._statistics(params, batch), {}
+        """The statistics of one micro-batch, and with `balance_rate` its routers' slot counts (int32
+        `[L, E]`) as the effect `counts`, which `apply_effects` turns into the bias step."""
+        stats = self._statistics(params, batch)
+        effects = {} if self.balance_rate is None else {"counts": stats.router.counts.astype(jnp.int32)}
+        return stats, effects
 
     @staticmethod
     def reduce_loss(stats: Mean | LMStatistics) -> tuple[jax.Array, jax.Array]:
-        """(loss numerator, counted targets); a plain `Mean` is its own numerator and count."""
+        """(main term's numerator, counted targets); a plain `Mean` is its own numerator and count.
+        The router terms are not in it: `window_loss` adds them with their own normalisation."""
         loss = stats if isinstance(stats, Mean) else stats.loss
         return loss.total, loss.count
 
+    # -- window normalisation (dew.objectives.base, "Window normalisation") -----------------------
+    def window_totals(self, params, batch, step: Step) -> LMTotals:
+        """One micro-batch's share of the window's totals, without gradient: its counted targets and
+        routed positions and rows read off the batch alone, and for the Switch loss its routers' slot
+        counts, which need a forward pass of the model (no head)."""
+        tokens, segment_ids = batch[TEXT_KEY], batch.get(SEGMENTS_KEY)
+        weights_BS, routed_BS = self._masks(tokens, segment_ids)
+        router = None
+        if self.router is not None:
+            counts = None
+            if self.router.switch:
+                forward = self._forward(params, tokens, None, segment_ids, batch.get(POSITIONS_KEY))
+                counts = slot_counts(forward.routing.experts, routed_BS, self.router.experts).astype(jnp.float32)
+            router = RouterTotals(positions=jnp.sum(routed_BS.astype(jnp.float32)),
+                                  rows=jnp.sum(jnp.any(routed_BS, axis=1).astype(jnp.float32)), counts=counts)
+        return jax.lax.stop_gradient(LMTotals(targets=jnp.sum(weights_BS), router=router))
+
+    def totals_of(self, stats: LMStatistics) -> LMTotals:
+        """The totals of a window made of these statistics alone."""
+        return LMTotals(targets=stats.ce.count, router=None if stats.router is None else self.router.totals(stats.router))
+
+    def window_loss(self, stats: LMStatistics, totals: LMTotals):
+        """(these statistics' share of the loss of a window with `totals`, whether that window carries
+        any loss): the main term over the window's counted targets plus the router terms, each over
+        its own totals; linear in `stats`, so the micro-batches' shares add up to the window's loss."""
+        loss = (stats.ce.total + sum(term.total for term in stats.terms.values())) / max_one(totals.targets)
+        counted = totals.targets > 0
+        if self.router is not None and self.router.has_loss:
+            loss = loss + self.router.loss(stats.router, totals.router)[0]
+            counted = counted | (totals.router.positions > 0)
+        return loss, counted
+
     def apply_effects(self, variables: Variables, effects: Aux) -> Variables:
-        if effects:
-            raise ValueError(f"LMObjective produces no effects, got {sorted(effects)}")
-        return variables
+        """With `balance_rate`, each router's balancing bias moved by `rate * sign(mean - count)` from
+        the window's slot counts (`effects["counts"]`); without, `variables` unchanged."""
+        if self.balance_rate is None:
+            if effects:
+                raise ValueError(f"LMObjective without balance_rate produces no effects, got {sorted(effects)}")
+            return variables
+        steps_LE = bias_steps(effects["counts"], self.balance_rate)
+        return {**variables, "moe": move_biases(variables["moe"], steps_LE)}
 
     def evaluate(self, params, batch, step: Step) -> LMStatistics:
         """Score the complete batch teacher-forced, using EMA when present (the trainer passes the EMA
         weights whenever the state keeps them, a frozen reference included)."""
         return self._statistics(params, batch)
 
-    @staticmethod
-    def summarize(stats: LMStatistics) -> dict[str, float]:
-        ce = float(stats.ce.total) / max(float(stats.ce.count), 1.0)
-        values = {"loss": float(stats.loss.total) / max(float(stats.loss.count), 1.0), "ce": ce,
-                  "perplexity": float(np.exp(min(ce, 700.0)))}
+    def summarize(self, stats: LMStatistics) -> dict[str, float]:
+        """The loss (main term plus router terms), cross entropy, perplexity, token accuracy, the named
+        terms, and for a mixture each router term and each sparse layer's most and least loaded expert
+        (`moe/layers_N/max_load`, `min_load`: slots over an even share)."""
+        targets = max(float(stats.ce.count), 1.0)
+        ce = float(stats.ce.total) / targets
+        loss = float(stats.loss.total) / targets
+        router_terms = {}
+        if stats.router is not None and self.router is not None:
+            extra, router_terms = self.router.loss(stats.router, self.router.totals(stats.router))
+            loss += float(extra)
+        values = {"loss": loss, "ce": ce, "perplexity": float(np.exp(min(ce, 700.0)))}
         if stats.token_accuracy is not None:
             values["token_accuracy"] = float(stats.token_accuracy.total) / max(float(stats.token_accuracy.count), 1.0)
         for name, term in stats.terms.items():
             values[name] = float(term.total) / max(float(term.count), 1.0)
+        values.update({name: float(value) for name, value in router_terms.items()})
+        if stats.router is not None and self.router is not None:
+            values.update(self.router.loads(stats.router))
         return values
 
     # -- generation ------------------------------------------------------------------------------
