@@ -24,7 +24,7 @@ from dew.sampling import Sampling
 # Read but with nothing to apply: an end-user id for abuse monitoring.
 _INFORMATIONAL = {"user"}
 # Fields OpenAI defines that Dew does not apply, with the values that ask for nothing.
-_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, None),
+_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False,),
             "top_logprobs": (0,), "echo": (False,), "logit_bias": ({},), "suffix": ("",), "tools": ([],),
             "tool_choice": ("none",), "response_format": ({"type": "text"},),
             "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (True, False)}
@@ -92,7 +92,9 @@ def read_job(kind: str, body: Mapping[str, Any], prompts: list[list[int]], defau
         raise APIError(400, f"unrecognised request field(s) {unknown}: this endpoint reads {sorted(allowed)}",
                        param=unknown[0])
     for name, neutral in _NEUTRAL.items():
-        if name in body and body[name] is not None and body[name] not in neutral:
+        value = body.get(name)
+        # same type as well as equal: a completion's logprobs=0 asks for something, unlike logprobs=false
+        if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
             raise APIError(400, f"{name}={body[name]!r} is not supported by dew serve; leave it out", param=name)
     n = _integer(body, "n", 1, low=1)
     best_of = body.get("best_of")
