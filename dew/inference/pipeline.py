@@ -99,9 +99,9 @@ def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextG
     budget = generation.get("max_new_tokens") or None
     if generation.get("process") == "mdlm":
         # Native MDLM with its default sampler (64 steps): a run records no sampler choice and no EOS.
-        from dew.diffusion.discrete import MDLM
+        from dew.diffusion.discrete import DiscreteProcess
 
-        process = MDLM(mask_id=generation["mask_id"])()
+        process = DiscreteProcess(generation["mask_id"], logits_shift=generation.get("logits_shift", 0))
         return MaskedGeneration(model, params, process, tokenizer=run.tokenizer(), max_new_tokens=budget)
     sampling = Sampling(**generation.get("sampling", {}))
     return TextGeneration(model, params, tokenizer=run.tokenizer(), sampling=sampling, max_new_tokens=budget)

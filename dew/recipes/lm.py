@@ -81,10 +81,13 @@ def _samples(config: LMRunConfig, max_seq_len: int) -> Samples | None:
 
 def _generation_record(config: LMRunConfig, objective) -> dict[str, Any]:
     """What generation from the run reads: the preview policy and budget, or for masked diffusion the
-    mask id native MDLM is rebuilt with (its default sampler, 64 steps) and the budget."""
+    mask id (and a checkpoint's logits shift) native MDLM is rebuilt with (its default sampler, 64
+    steps) and the budget."""
     record = {"max_new_tokens": config.sample_tokens, "ema": config.ema_decay is not None}
     if config.objective == "masked_diffusion":
-        return {"process": "mdlm", "mask_id": objective.process.mask_id, **record}
+        process = objective.process
+        shift = {"logits_shift": process.logits_shift} if process.logits_shift else {}
+        return {"process": "mdlm", "mask_id": process.mask_id, **shift, **record}
     return {"sampling": to_json(config.sampling), **record}
 
 
@@ -200,12 +203,14 @@ _PRETRAINED_OVERRIDES = ("max_seq_len", "dtype", "attention_impl", "scan_layers"
 
 def _model(config: LMRunConfig, meta: dict[str, Any]):
     """(model, variables to start from or None, the source as recorded: a hub id pinned to its commit,
-    notes for the user)."""
+    notes for the user, and for masked diffusion its process: native MDLM over the checkpoint's mask
+    id, or over the id after the tokenizer's last for a model trained from scratch)."""
     if config.pretrained is None:
         if config.objective == "masked_diffusion":
             # The mask takes the id after the tokenizer's last, and reads both ways.
-            return config.model.build(vocab_size=meta["vocab_size"] + 1, causal=False), None, None, []
-        return config.model.build(vocab_size=meta["vocab_size"]), None, None, []
+            model = config.model.build(vocab_size=meta["vocab_size"] + 1, causal=False)
+            return model, None, None, [], MDLM(mask_id=meta["vocab_size"])()
+        return config.model.build(vocab_size=meta["vocab_size"]), None, None, [], None
     fixed = sorted(set(config.model.config) - set(_PRETRAINED_OVERRIDES))
     if fixed:
         raise ValueError(
@@ -216,7 +221,19 @@ def _model(config: LMRunConfig, meta: dict[str, Any]):
 
     bundle = load_pretrained(config.pretrained, **config.model.config)
     source = config.pretrained if bundle.revision is None else f"{config.pretrained.split('@')[0]}@{bundle.revision}"
-    return bundle.model, bundle.variables, source, _check_pretrained_tokenizer(config, bundle, meta)
+    process = None
+    if config.objective == "masked_diffusion":
+        from dew.interop.families import family_of
+
+        family = family_of(bundle.config)
+        if not hasattr(family, "process"):
+            raise ValueError(
+                f"--pretrained {config.pretrained} is a {family.model_type} checkpoint, a causal decoder: "
+                "--objective masked_diffusion continues a masked-diffusion checkpoint (LLaDA, Dream), or trains a "
+                "model from scratch without --pretrained"
+            )
+        process = family.process(bundle.config)
+    return bundle.model, bundle.variables, source, _check_pretrained_tokenizer(config, bundle, meta), process
 
 
 def _check_pretrained_tokenizer(config: LMRunConfig, bundle, meta: dict[str, Any]) -> list[str]:
@@ -242,13 +259,13 @@ def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
     """Build everything `config` describes and open its run directory; refuse before writing anything."""
     data = _load_data(config)
     meta = data.meta
-    model, held, source, pretrained_notes = _model(config, meta)
+    model, held, source, pretrained_notes, process = _model(config, meta)
     if model.config.vocab_size < meta["vocab_size"]:
         raise ValueError(
             f"--model.config vocab_size {model.config.vocab_size} is below the vocab_size {meta['vocab_size']} "
             f"of {config.data.path} (meta.json): leave vocab_size out of --model.config to take the files' one"
         )
-    objective = _objective(config, model, held, meta)
+    objective = _objective(config, model, held, meta, process)
     settings = config.trainer
     trainer = Trainer(objective, config.optim.build(settings.steps), key=jax.random.key(settings.seed),
                       mesh=settings.mesh, layout=settings.layout)
@@ -269,22 +286,21 @@ def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
     return LMRun(config, data, objective, trainer, directory, trackers, notes)
 
 
-def _objective(config: LMRunConfig, model, held, meta: dict[str, Any]) -> LMObjective | MaskedDiffusionObjective:
+def _objective(config: LMRunConfig, model, held, meta: dict[str, Any],
+               process) -> LMObjective | MaskedDiffusionObjective:
     """The objective --objective names. Both train on the data's rows of --data.seq-len + 1 ids: the
-    autoregressive one predicts the last seq_len of them from the first, masked diffusion reads them
-    whole with the mask id after the tokenizer's last."""
+    autoregressive one predicts the last seq_len of them from the first, masked diffusion (with
+    `process`) reads them whole."""
     samples = _samples(config, model.config.max_seq_len)
     if config.objective == "masked_diffusion":
-        mask_id = meta["vocab_size"]
-        if model.config.vocab_size <= mask_id:
+        if config.pretrained is None and model.config.vocab_size <= process.mask_id:
             raise ValueError(
                 f"--model.config vocab_size {model.config.vocab_size} leaves no id for the mask: masked diffusion "
-                f"masks with id {mask_id}, the one after the {meta['vocab_size']} ids of {config.data.path} "
+                f"masks with id {process.mask_id}, the one after the {meta['vocab_size']} ids of {config.data.path} "
                 "(meta.json); leave vocab_size out of --model.config to take one more than the files' vocab_size"
             )
-        return MaskedDiffusionObjective(model, MDLM(mask_id=mask_id)(), config.data.seq_len + 1,
-                                        ema_decay=config.ema_decay, samples=samples,
-                                        token_accuracy=config.token_accuracy, pretrained=held)
+        return MaskedDiffusionObjective(model, process, config.data.seq_len + 1, ema_decay=config.ema_decay,
+                                        samples=samples, token_accuracy=config.token_accuracy, pretrained=held)
     return LMObjective(
         model, config.data.seq_len, ema_decay=config.ema_decay, samples=samples,
         balance_rate=config.balance_rate, aux_loss_alpha=config.aux_loss_alpha, seq_aux=config.seq_aux,

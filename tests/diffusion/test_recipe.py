@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 
 import dew
-from dew.diffusion.discrete import MDLM
+from dew.diffusion.discrete import MDLM, DiscreteProcess
 from dew.inference import MaskedGeneration
 from dew.recipes import lm
 from dew.recipes.run_dir import RunDirectory
 from dew.training.checkpoints import Checkpoints
+from tests.diffusion.test_checkpoints import DREAM
 from tests.recipes.conftest import recipe_args, token_dir  # noqa: F401  (the fixture)
 
 MASKED = ("--objective", "masked_diffusion")
@@ -61,7 +62,6 @@ def test_pipeline_rebuilds_native_mdlm_with_64_steps(masked_run):
 @pytest.mark.parametrize("flags, message", [
     (["--sampling.temperature", "0"], "--sampling sets an autoregressive policy"),
     (["--balance-rate", "0.001"], "--balance-rate 0.001 shapes the autoregressive objective"),
-    (["--pretrained", "some/model"], "loading those is not built in Dew yet"),
     (["--model.config", '{"vocab_size": 256}'], "vocab_size 256 leaves no id for the mask"),
     (["--model.config", '{"causal": true, "max_seq_len": 64}'], "the model is causal (causal=True)"),
     (["--model.config", '{"max_seq_len": 16}'], "seq_len 17 is longer than the model's max_seq_len 16"),
@@ -86,3 +86,42 @@ def test_dew_generate_unmasks_from_a_masked_run(masked_run, capsys):
     assert [line[:10] for line in printed] == ["[0] line 1", "[1] line 1"]
     assert main(["generate", str(masked_run), "--prompt", "line 1", "--temperature", "0"]) == 2
     assert "--temperature sets autoregressive sampling" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def small_ids(tmp_path_factory):
+    """Token files of ids below 100, which the tiny LLaDA and Dream checkpoints (mask ids 120, 126) read."""
+    from dew.data.token_files import make_meta, write_meta
+
+    root = tmp_path_factory.mktemp("small-ids")
+    ids = (np.arange(6000) * 7 % 97).astype(np.uint8)
+    ids[:600].tofile(root / "val.bin")
+    ids[600:].tofile(root / "train.bin")
+    write_meta(root, make_meta("byte", 100, 5400, 600, None))
+    return str(root)
+
+
+def test_a_masked_diffusion_checkpoint_continues_training(small_ids, tmp_path):
+    run = tmp_path / "dream"
+    args = recipe_args(small_ids, run, *MASKED, "--pretrained", str(DREAM), steps=2)
+    args[args.index("--model.config") + 1] = '{"max_seq_len": 64}'
+    assert lm.main(args) == 0
+    record = RunDirectory(run).record()
+    assert record["generation"] == {"process": "mdlm", "mask_id": 126, "logits_shift": 1, "max_new_tokens": 0,
+                                    "ema": True}
+    task = dew.pipeline(run)
+    assert task.process == DiscreteProcess(126, logits_shift=1)  # Dream's mask id and alignment
+    assert task([[1, 2, 3]], 4, steps=4).tokens.shape == (1, 7)
+
+
+def test_a_causal_checkpoint_is_refused_for_masked_diffusion(small_ids, tmp_path, capsys):
+    from dew import models
+    from dew.interop.export import save_pretrained
+
+    causal = models.build("causal_transformer", vocab_size=128, emb_features=32, num_layers=1, num_heads=4,
+                          max_seq_len=64)
+    directory = save_pretrained(causal, causal.init(jax.random.key(0), np.zeros((1, 4), np.int32)), tmp_path / "llama")
+    args = recipe_args(small_ids, tmp_path / "run", *MASKED, "--pretrained", str(directory))
+    args[args.index("--model.config") + 1] = '{"max_seq_len": 64}'
+    assert lm.main(args) == 2
+    assert "is a llama checkpoint, a causal decoder: --objective masked_diffusion continues" in capsys.readouterr().err

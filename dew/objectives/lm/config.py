@@ -109,8 +109,3 @@ class LMRunConfig:
                 f"--sampling sets an autoregressive policy ({self.sampling}), and --objective masked_diffusion "
                 "previews and generates by unmasking with MDLM's sampler: drop the --sampling flags"
             )
-        if self.pretrained is not None:
-            raise NotImplementedError(
-                f"--pretrained {self.pretrained} with --objective masked_diffusion needs a masked-diffusion "
-                "checkpoint (LLaDA, Dream), and loading those is not built in Dew yet: train from scratch"
-            )
