@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 from dew.inference.canvas import CanvasGeneration
-from dew.inference.text import encode_prompts
+from dew.inference.text import TextGeneration, encode_prompts
 
 # generation_config.json fields masked generation reads (the budget, EOS, padding) or that change nothing.
 _SHARED_GENERATION = frozenset({"max_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "mask_token_id",
@@ -108,3 +108,21 @@ def from_checkpoint(bundle, process) -> MaskedGeneration:
     return MaskedGeneration(bundle.model, bundle.variables, process, tokenizer=bundle.tokenizer,
                             max_new_tokens=bundle.max_new_tokens, eos_token_ids=bundle.generation.eos_token_ids,
                             pad_id=bundle.generation.pad_id)
+
+
+def task_for(bundle, sampling=None):
+    """The generation task a loaded checkpoint (a `dew.interop.Pretrained`) calls for: a masked-diffusion
+    family's (LLaDA, Dream) is native MDLM over its mask id (`MaskedGeneration`, which takes no
+    autoregressive `sampling`), any other a `TextGeneration` with the checkpoint's sampling unless
+    `sampling` is given."""
+    from dew.interop.families import family_of
+
+    family = family_of(bundle.config)
+    if hasattr(family, "process"):
+        if sampling is not None:
+            raise ValueError(f"sampling={sampling!r}: {family.model_type} generates by masked diffusion, which takes "
+                             "no autoregressive sampling policy; call text_generation() without it (steps= on the "
+                             "call sets the sampler's evaluations)")
+        return from_checkpoint(bundle, family.process(bundle.config))
+    return TextGeneration(bundle.model, bundle.variables, bundle.tokenizer, sampling or bundle.generation,
+                          bundle.max_new_tokens)

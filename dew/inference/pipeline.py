@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 
 from dew import models
-from dew.inference.masked import MaskedGeneration, from_checkpoint
+from dew.inference.masked import MaskedGeneration
 from dew.inference.text import TextGeneration
 from dew.sampling import Sampling
 from dew.sharding import with_names
@@ -46,7 +46,6 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
                          layout=load.get("layout") or Layout())
     try:
         from dew.interop import load_pretrained
-        from dew.interop.families import family_of
     except ImportError as error:
         raise ValueError(
             f"{source} is not a run directory (no run.json), and loading published checkpoints is not available: {error}"
@@ -55,11 +54,7 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
     if path.suffix == ".gguf" and path.is_file():
         load = {"gguf_file": path.name, **load}
         source = path.parent
-    bundle = load_pretrained(source, **{"mesh": MeshSpec(), "layout": Layout(), **load})
-    family = family_of(bundle.config)
-    if hasattr(family, "process"):  # a masked-diffusion family (LLaDA, Dream): native MDLM over its mask id
-        return from_checkpoint(bundle, family.process(bundle.config))
-    return bundle.text_generation()
+    return load_pretrained(source, **{"mesh": MeshSpec(), "layout": Layout(), **load}).text_generation()
 
 
 

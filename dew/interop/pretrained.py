@@ -22,7 +22,6 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dew.data.tokenizers import HFTokenizer
-from dew.inference import TextGeneration
 from dew.interop import gguf_files, hf_decoders, tensors
 from dew.interop.export import model_params, write_export
 from dew.interop.families import FAMILIES, family_of
@@ -66,10 +65,13 @@ class Pretrained:
     directory: Path
     generation_config: dict | None
 
-    def text_generation(self, sampling: Sampling | None = None) -> TextGeneration:
-        """A generation task over these weights, with the checkpoint's sampling unless `sampling` is given."""
-        return TextGeneration(self.model, self.variables, self.tokenizer, sampling or self.generation,
-                              self.max_new_tokens)
+    def text_generation(self, sampling: Sampling | None = None):
+        """The generation task over these weights that the checkpoint's family calls for
+        (`dew.inference.masked.task_for`): a `TextGeneration` with the checkpoint's sampling unless
+        `sampling` is given, or, for a masked-diffusion family, a `MaskedGeneration`."""
+        from dew.inference.masked import task_for  # interop reads checkpoints; inference builds tasks on them
+
+        return task_for(self, sampling)
 
     def save(self, directory: str | Path, variables=None, max_shard_size: int | str = "5GB") -> Path:
         """Write `variables` (default: the loaded ones; stacked runs or per layer) as a transformers

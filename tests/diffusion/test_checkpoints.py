@@ -145,13 +145,17 @@ def test_the_clean_prediction_reads_the_family_s_position(loaded):
     assert process.logits_shift == (1 if name == "dream-tiny" else 0)
 
 
-def test_the_guides_llada_tiny_example_through_dew_pipeline(capsys):
-    # The guide calls load_pretrained(...).text_generation(), which returns an autoregressive task until
-    # Pretrained.text_generation asks the family for its task; dew.pipeline runs the same call here.
-    task = dew.pipeline(str(LLADA), dtype="float32", attention_impl="xla")
-    assert isinstance(task, MaskedGeneration)
+def test_the_guides_llada_tiny_example_as_written(capsys):
+    from dew.interop import load_pretrained
+
+    bundle = load_pretrained(str(LLADA), dtype="float32", attention_impl="xla")
+    task = bundle.text_generation()
     result = task([[1, 2, 3]], 8, seed=7, steps=16, n=2)
     print(result.host().tokens)
+    assert isinstance(task, MaskedGeneration)
+    assert isinstance(dew.pipeline(str(LLADA), dtype="float32", attention_impl="xla"), MaskedGeneration)
+    with pytest.raises(ValueError, match="generates by masked diffusion, which takes no autoregressive sampling"):
+        bundle.text_generation(sampling=bundle.generation)
     tokens = result.host().tokens
     assert tokens.shape == (2, 11) and (tokens[:, :3] == [1, 2, 3]).all() and not (tokens == 120).any()
     assert list(result.refinements) == [16, 16] and task.eos_token_ids == (121,)
