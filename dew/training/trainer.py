@@ -285,8 +285,11 @@ class Trainer:
         signature = ("eval", tuple((k, v.shape) for k, v in sorted(batch.items())))
         if signature not in self._compiled:
 
-            def eval_fn(params, batch, index, key_data):
-                key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(key_data), EVAL_STREAM), index)
+            def eval_fn(params, batch, index, batch_index, key_data):
+                # Each batch of a pass draws its own key (an objective that samples, such as MDLM's times
+                # and masks, would otherwise score every batch with the same draw).
+                key = jax.random.fold_in(jax.random.wrap_key_data(key_data), EVAL_STREAM)
+                key = jax.random.fold_in(jax.random.fold_in(key, index), batch_index)
                 return self.objective.evaluate(params, batch, Step(index, key))
 
             self._compiled[signature] = jax.jit(eval_fn, out_shardings=replicated(self.mesh))
@@ -315,7 +318,7 @@ class Trainer:
                 self.objective.check_batch(host_batch)
                 batch = place_batch(self.mesh, host_batch)
                 run = self._eval_step(batch)
-                unread.push(index, run(state.evaluated, batch, state.step, state.key))
+                unread.push(index, run(state.evaluated, batch, state.step, index, state.key))
             unread.drain()
         finally:
             if reporter is not None:
