@@ -30,6 +30,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from dew.files import fsync, staged_path, write_atomically
 from dew.interop.progress import byte_progress
 
 SINGLE = "model.safetensors"
@@ -193,7 +194,7 @@ def _write_shards(directory: Path, shards: list[list[tuple[str, Callable[[], np.
         previous = _previous_files(directory)
         token = secrets.token_hex(4)
         if len(shards) == 1:
-            staged = _staged_path(directory / SINGLE, token)
+            staged = staged_path(directory / SINGLE, token)
             _write_shard(staged, shards[0])
             before_switch()
             os.replace(staged, directory / SINGLE)
@@ -203,7 +204,7 @@ def _write_shards(directory: Path, shards: list[list[tuple[str, Callable[[], np.
             written = [f"model-{token}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
             weight_map, total = {}, 0
             for file_name, shard in zip(written, shards):
-                total += _write_shard(directory / file_name, shard, _staged_path(directory / file_name, token))
+                total += _write_shard(directory / file_name, shard, staged_path(directory / file_name, token))
                 weight_map.update({name: file_name for name, _ in shard})
             before_switch()
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -277,22 +278,3 @@ def _previous_files(directory: Path) -> set[str]:
     if (directory / SINGLE).is_file():
         files.add(SINGLE)
     return files
-
-
-def _staged_path(path: Path, token: str) -> Path:
-    """The hidden name `path` is written under before it is renamed into place."""
-    return path.with_name(f".{path.name}.{token}.tmp")
-
-
-def write_atomically(path: Path, text: str | bytes) -> None:
-    """Replace `path` in one rename, so a reader sees the old file or the new one, never a part."""
-    staged = _staged_path(path, secrets.token_hex(4))
-    staged.write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
-    fsync(staged)
-    os.replace(staged, path)
-
-
-def fsync(path: Path) -> None:
-    """Flush `path`'s bytes to the disk, so a rename that follows never publishes a partly written file."""
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
