@@ -48,6 +48,11 @@ def create_app(served: Served):
     async def http_error(request, error: HTTPException):
         return JSONResponse(APIError(error.status_code, str(error.detail)).body(), status_code=error.status_code)
 
+    @app.exception_handler(Exception)
+    async def fault(request, error: Exception):  # a bug: logged with its traceback by the server, answered in shape
+        body = APIError(500, f"internal error: {type(error).__name__}: {error}", kind="server_error").body()
+        return JSONResponse(body, status_code=500)
+
     @app.get("/health")
     async def health():
         load = served.engine.load()
@@ -73,8 +78,8 @@ def create_app(served: Served):
         protocol.check_model(body, served.name)
         messages = protocol.chat_messages(body.get("messages"))
         if served.chat is None:
-            raise APIError(400, f"{served.name} has no chat template (its tokenizer_config.json names none): use "
-                           "/v1/completions, or start dew serve with --chat-template FILE", param="messages")
+            raise APIError(400, f"{served.name} has no chat template (its tokenizer files and metadata name none): "
+                           "use /v1/completions, or start dew serve with --chat-template FILE", param="messages")
         try:
             prompt = tokenizer.encode(served.chat.render(messages))
         except ValueError as error:
@@ -100,6 +105,8 @@ def create_app(served: Served):
             raise APIError(400, str(error)) from None
         except QueueFull as error:
             raise APIError(503, str(error), kind="server_error", code="queue_full") from None
+        except RuntimeError:  # the engine's thread has stopped
+            raise _engine_stopped(503) from None
         prompt_tokens = sum(len(prompt) for prompt in job.prompts)
         if job.stream:
             return StreamingResponse(_streamed(job, served, requests, events, prompt_tokens),
@@ -129,9 +136,9 @@ class _Choice:
         self.emit(("end", self.index, reason, completion_tokens))
 
 
-def _engine_stopped() -> APIError:
-    return APIError(500, "the serving engine stopped before the answer was complete (see the server's log)",
-                    kind="server_error", code="engine_stopped")
+def _engine_stopped(status: int = 500) -> APIError:
+    return APIError(status, "the serving engine has stopped (see the server's log)", kind="server_error",
+                    code="engine_stopped")
 
 
 async def _whole(job: Job, served: Served, requests, events: asyncio.Queue, prompt_tokens: int, request) -> dict:
