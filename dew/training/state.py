@@ -7,7 +7,7 @@ from typing import Any
 import jax
 from flax import struct
 
-from dew.training.frozen import overlay
+from dew.trees import overlay
 
 
 @struct.dataclass
@@ -17,7 +17,7 @@ class TrainState:
     `step` counts batches consumed and `updates` optimizer updates applied (a step whose loss has no
     counted target, or is not finite, applies none). `key` is the run's base key as raw key data; step
     `t` draws from `fold_in(key, t)`. `ema` is None when the objective keeps no moving average, and
-    holds only the trainable parameters when some are frozen (`dew.training.frozen`): `averaged` and
+    holds only the trainable parameters when some are frozen (`dew.trees`): `averaged` and
     `evaluated` put it over the frozen ones.
     """
 

@@ -17,7 +17,7 @@ import optax
 
 from dew.data.dataset import Dataset, Partition
 from dew.objectives.base import Step
-from dew.training import frozen
+from dew import trees as frozen
 from dew.training.checkpoints import Checkpoints
 from dew.training.in_flight import InFlight
 from dew.sharding import BATCH_AXES, logical_names, with_names
@@ -132,7 +132,7 @@ class Trainer:
         self.mesh = (mesh or MeshSpec()).build()
         self.layout = layout or Layout()
         self.key = _key_data(key)
-        # The optimizer sees only the trainable part of the parameters (dew.training.frozen).
+        # The optimizer sees only the trainable part of the parameters (dew.trees).
         self.optimizer = optimizer
         self.trainable = getattr(objective, "trainable", None)
         self._check_reference()
@@ -158,7 +158,7 @@ class Trainer:
         moments) wrapped in its logical axis names, for `state_shardings` to read.
 
         Only the trainable parameters (`objective.trainable`, a path filter; all without one) get
-        optimizer state and an EMA copy (`dew.training.frozen`)."""
+        optimizer state and an EMA copy (`dew.trees`)."""
         base = jax.random.wrap_key_data(self.key)
         init_key, run_key = jax.random.split(base)
         variables = self.objective.init(init_key, held)
