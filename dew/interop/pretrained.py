@@ -77,6 +77,24 @@ class Pretrained:
 
         return task_for(self, sampling)
 
+    def block_generation(self):
+        """DiffusionGemma's generation task over these weights (`dew.inference.block.BlockGeneration`), its
+        `BlockProcess` from generation_config.json; other models are refused."""
+        if not isinstance(self.model, DiffusionGemma):
+            raise ValueError(f"block_generation() is DiffusionGemma's; this {self.config.get('model_type')} "
+                             "checkpoint generates through text_generation()")
+        from dew.inference.block import from_checkpoint
+
+        return from_checkpoint(self)
+
+    @property
+    def processor(self):
+        """The checkpoint's text processor (`dew.data.text_processor.TextProcessor`: strings to `ModelInputs`),
+        None without a tokenizer."""
+        from dew.data.text_processor import TextProcessor
+
+        return None if self.tokenizer is None else TextProcessor(self.tokenizer, self.generation.pad_id)
+
     def save(self, directory: str | Path, variables=None, max_shard_size: int | str = "5GB") -> Path:
         """Write `variables` (default: the loaded ones; stacked runs or per layer) as a transformers
         checkpoint in `directory`.
@@ -157,9 +175,11 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         config, where, directory = _read_json(config_path), str(config_path), snapshot.directory
     family = family_of(config, where)
     if family.model_type == block_diffusion.MODEL_TYPE:
-        if gguf_file is not None or device_mesh is not None or scan_layers is not None or remat is not None:
-            raise NotImplementedError("DiffusionGemma loads from safetensors onto the default device; gguf_file, "
-                                      "mesh/layout, scan_layers and remat are not built for it yet")
+        # a one-device mesh places every parameter on the default device, which is where this load puts them
+        if (gguf_file is not None or (device_mesh is not None and device_mesh.size > 1) or scan_layers is not None
+                or remat is not None):
+            raise NotImplementedError("DiffusionGemma loads from safetensors onto one device; gguf_file, a mesh of "
+                                      "several devices, scan_layers and remat are not built for it yet")
         return _load_block_diffusion(snapshot, reader, config, where, dtype, param_dtype, max_seq_len)
     kwargs = family.decoder_kwargs(config, where=where)
     for name, value in (("max_seq_len", max_seq_len), ("scan_layers", scan_layers), ("remat", remat)):

@@ -175,3 +175,23 @@ def test_fields_are_transformers_declared_ones():
         declared = {field.name: field.default for field in dataclasses.fields(config_class) if field.name not in base}
         assert {k: v for k, v in fields.items() if k not in undeclared} == declared
     assert transformers.DiffusionGemmaTextConfig.final_logit_softcapping == TEXT_FIELDS["final_logit_softcapping"]
+
+
+def test_padding_before_a_prompt_changes_nothing(bundle):
+    """A prompt padded on the left (positions count from its first token, padded slots never attended) and
+    a cache with unused slots after it give the logits of the prompt alone."""
+    model, variables = bundle.model, {k: bundle.variables[k] for k in ("params", "constants")}
+    prompt = np.arange(3, 3 + 7)[None]
+    canvas = jnp.asarray(np.arange(20, 20 + CANVAS)[None])
+
+    def run(tokens, valid, capacity):
+        cache = PrefixCache.empty(model.config, 1, capacity)
+        hidden, cache = model.apply(variables, jnp.asarray(tokens), jnp.asarray(valid), cache, 0, method=model.encode)
+        last = np.asarray(model.apply(variables, hidden[:, -1:], method=model.logits))
+        return last, np.asarray(model.apply(variables, canvas, cache, method=model.denoise))
+
+    alone = run(prompt, np.ones((1, 7), bool), 7)
+    padded = run(np.concatenate([np.zeros((1, 5), int), prompt], 1), np.arange(12)[None] >= 5, 16)
+    for mine, its in zip(padded, alone):
+        # masked slots weigh exactly zero; only the reduction lengths differ (12 or 16 keys against 7)
+        np.testing.assert_allclose(mine, its, rtol=0, atol=logit_tolerance(float(np.abs(its).max()), 16))
