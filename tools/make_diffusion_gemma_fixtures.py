@@ -2,7 +2,9 @@
 
     python tools/make_diffusion_gemma_fixtures.py [--out tests/fixtures/hf]
 
-Writes `diffusion-gemma-workflow/`: transformers' `DiffusionGemmaForBlockDiffusion` at test sizes (64
+Writes `diffusion-gemma-workflow/` and `diffusion-gemma-sft/` (the same checkpoint with `reference.npz`:
+`tokens`, two training rows of a 4-token prompt and two canvases of 4, the second row's response ending
+early in padding, so the rows' targets differ in number). Each is transformers' `DiffusionGemmaForBlockDiffusion` at test sizes (64
 tokens, width 32, three layers: two sliding with 8-wide heads and two key/value heads, one full with a
 16-wide head and one key/value head, 4 experts choosing 2, canvas length 4), saved by `save_pretrained`
 (config.json, model.safetensors with the tiny vision tower it always holds), a generation_config.json
@@ -17,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+import numpy as np
 
 VOCAB, CANVAS = 64, 4
 TEXT_CONFIG = {
@@ -75,10 +79,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="tests/fixtures/hf")
     out = Path(parser.parse_args().out) / "diffusion-gemma-workflow"
-    build_model().save_pretrained(out)
-    (out / "generation_config.json").write_text(json.dumps(GENERATION, indent=2, sort_keys=True) + "\n")
-    write_tokenizer(out)
-    print(f"wrote {out}")
+    model = build_model()
+    for name in ("diffusion-gemma-workflow", "diffusion-gemma-sft"):
+        directory = out.parent / name
+        model.save_pretrained(directory)
+        (directory / "generation_config.json").write_text(json.dumps(GENERATION, indent=2, sort_keys=True) + "\n")
+        write_tokenizer(directory)
+        print(f"wrote {directory}")
+    rows = np.array([[2, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 1],
+                     [2, 6, 8, 10, 12, 14, 1, 0, 0, 0, 0, 0]], np.int32)
+    np.savez(out.parent / "diffusion-gemma-sft" / "reference.npz", tokens=rows)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from dew.interop.hub import (
 )
 from dew.interop.progress import byte_progress
 from dew.interop.safetensors_files import SafetensorsReader, write_atomically, write_checkpoint
-from dew.nn.diffusion_gemma import DiffusionGemma
+from dew.nn.diffusion_gemma import DiffusionGemma, scalars_as
 from dew.nn.transformer import CausalTransformer, DecoderConfig
 from dew.sampling import Sampling
 from dew.sharding import with_names
@@ -206,10 +206,13 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
 def _save_block_diffusion(bundle: Pretrained, directory: Path, variables, max_shard_size) -> Path:
     """Write a DiffusionGemma bundle as a transformers checkpoint: its text tensors under their
     checkpoint names, the carried media tensors unchanged, config.json and generation_config.json."""
-    variables = {**bundle.variables, **variables}
-    block_diffusion.check_shapes(bundle.model, variables, str(directory))
+    # the checkpoint keeps the per-layer scalars as frozen buffers, whichever way the model trained them
+    variables = scalars_as({**bundle.variables, **(variables if "params" in variables else {"params": variables})},
+                           trainable=False)
+    model = DiffusionGemma(dataclasses.replace(bundle.model.config, trainable_scalars=False))
+    block_diffusion.check_shapes(model, variables, str(directory))
     dtypes = {np.asarray(leaf).dtype.name for leaf in jax.tree_util.tree_leaves(variables["params"])}
-    written = block_diffusion.write_tensors(variables, bundle.model.config)
+    written = block_diffusion.write_tensors(variables, model.config)
     config_text = block_diffusion.config_text(bundle.config, dtypes.pop() if len(dtypes) == 1 else "float32")
     copied = [] if bundle.directory.resolve() == directory.resolve() else [
         name for name in TOKENIZER_FILES if (bundle.directory / name).is_file()]

@@ -38,6 +38,7 @@ from dew.nn.rotary import apply_rotary
 F32 = jnp.float32
 FULL, SLIDING = "full_attention", "sliding_attention"
 CONSTANTS = "constants"
+ENCODER_SCALAR, DECODER_SCALAR = "encoder_layer_scalar", "decoder_layer_scalar"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +63,8 @@ class Rotary:
 @dataclasses.dataclass(frozen=True)
 class DiffusionGemmaConfig:
     """The text model's shape (see the module). `layer_types` holds FULL or SLIDING per layer;
-    `head_dims` and `kv_heads` each layer's head width and key/value heads; `rotary` maps a layer type
-    to its `Rotary`. `canvas_length` is the denoiser's block; `max_seq_len` bounds prompt plus canvases."""
+    `head_dims` and `kv_heads` each layer's head width and key/value heads; `rotary` pairs each layer
+    type with its `Rotary` (a tuple, so the config hashes). `canvas_length` is the denoiser's block; `max_seq_len` bounds prompt plus canvases."""
 
     vocab_size: int
     emb_features: int
@@ -73,7 +74,7 @@ class DiffusionGemmaConfig:
     head_dims: tuple[int, ...]
     kv_heads: tuple[int, ...]
     sliding_window: int
-    rotary: dict
+    rotary: tuple[tuple[str, Rotary], ...]
     experts: int
     top_k: int
     expert_features: int
@@ -82,6 +83,7 @@ class DiffusionGemmaConfig:
     norm_eps: float = 1e-6
     logit_softcap: float | None = 30.0
     activation: str = "gelu_tanh"
+    trainable_scalars: bool = False
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -229,9 +231,13 @@ class _Layer(nn.Module):
                  "pre_feedforward_layernorm_2")
         self.norms = {name: RMSNorm(c.norm_eps, "olmo", dtype=c.dtype, param_dtype=c.param_dtype, name=name)
                       for name in names}
-        ones = lambda: jnp.ones((1,), c.param_dtype)
-        self.encoder_scalar = self.variable(CONSTANTS, "encoder_layer_scalar", ones)
-        self.decoder_scalar = self.variable(CONSTANTS, "decoder_layer_scalar", ones)
+        if c.trainable_scalars:
+            self.encoder_scalar = self.param(ENCODER_SCALAR, nn.initializers.ones_init(), (1,), c.param_dtype)
+            self.decoder_scalar = self.param(DECODER_SCALAR, nn.initializers.ones_init(), (1,), c.param_dtype)
+        else:
+            ones = lambda: jnp.ones((1,), c.param_dtype)
+            self.encoder_scalar = self.variable(CONSTANTS, ENCODER_SCALAR, ones).value
+            self.decoder_scalar = self.variable(CONSTANTS, DECODER_SCALAR, ones).value
 
     def __call__(self, x_BSE, attend, side: str):
         """One layer; `attend(self_attn, normed_BSE)` runs the attention the side's cache rules ask for."""
@@ -246,7 +252,7 @@ class _Layer(nn.Module):
         sparse = self.experts(n["pre_feedforward_layernorm_2"](flat_NE), experts_NK, weights_NK)
         sparse = n["post_feedforward_layernorm_2"](sparse.reshape(B, S, E))
         x_BSE = residual + n["post_feedforward_layernorm"](dense + sparse)
-        scalar = (self.encoder_scalar if side == "encoder" else self.decoder_scalar).value
+        scalar = self.encoder_scalar if side == "encoder" else self.decoder_scalar
         return x_BSE * scalar.astype(x_BSE.dtype)
 
 
@@ -285,9 +291,9 @@ class DiffusionGemma(nn.Module):
         """cos and sin per layer type, float32 `[B, S, head_dim]`."""
         c = self.config
         tables = {}
-        for layer_type in set(c.layer_types):
+        for layer_type in sorted(set(c.layer_types)):
             head_dim = c.head_dims[c.layer_types.index(layer_type)]
-            inv_freq = jnp.asarray(c.rotary[layer_type].inverse_frequencies(head_dim))
+            inv_freq = jnp.asarray(dict(c.rotary)[layer_type].inverse_frequencies(head_dim))
             freqs = positions_BS.astype(F32)[..., None] * inv_freq
             angles = jnp.concatenate([freqs, freqs], axis=-1)
             tables[layer_type] = (jnp.cos(angles), jnp.sin(angles))
@@ -376,4 +382,25 @@ class DiffusionGemma(nn.Module):
         return self.logits(hidden), self.denoise(canvas_BC, cache, jnp.zeros(canvas_BC.shape + (self.config.vocab_size,)))
 
 
-__all__ = ["CONSTANTS", "DiffusionGemma", "DiffusionGemmaConfig", "PrefixCache", "Rotary"]
+def scalars_as(variables, trainable: bool) -> dict:
+    """`variables` with the per-layer scalars moved into `params` (`trainable`) or into `constants`; any other
+    collection is kept as it is."""
+    variables = {name: dict(tree) for name, tree in variables.items()}
+    source, target = (CONSTANTS, "params") if trainable else ("params", CONSTANTS)
+    moved = variables.setdefault(target, {})
+    for scope, leaves in list(variables.get(source, {}).items()):
+        scalars = {name: leaves[name] for name in (ENCODER_SCALAR, DECODER_SCALAR) if name in leaves}
+        if not scalars:
+            continue
+        rest = {name: leaf for name, leaf in leaves.items() if name not in scalars}
+        if rest:
+            variables[source][scope] = rest
+        else:
+            del variables[source][scope]
+        moved[scope] = {**moved.get(scope, {}), **scalars}
+    if not variables.get(CONSTANTS):
+        variables.pop(CONSTANTS, None)
+    return variables
+
+
+__all__ = ["CONSTANTS", "scalars_as", "DiffusionGemma", "DiffusionGemmaConfig", "PrefixCache", "Rotary"]
