@@ -76,6 +76,10 @@ def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextG
 
     run = RunDirectory(path)
     record = run.record()
+    if record.get("generation", {}).get("process") == "block":
+        raise ValueError(f"{path} is a block-diffusion run: generating from its directory is not built yet; export "
+                         "the trained weights with dataclasses.replace(bundle, model=objective.model).save(directory, "
+                         "variables=state.params) and load that directory")
     model = models.build(record["model"]["name"], **record["model"]["config"])
     if not run.checkpoint_steps():
         raise FileNotFoundError(f"{path} has no checkpoint yet: train it first (its run.json holds the command)")

@@ -24,7 +24,8 @@ from dew.data.tokenizers import tokenizer_file, tokenizer_name
 from dew.diffusion.discrete import MDLM
 from dew.errors import describe, exit_status, one_line_warnings, report
 from dew.inference.text import printable
-from dew.objectives.diffusion import MaskedDiffusionObjective
+from dew.nn.diffusion_gemma import DiffusionGemma
+from dew.objectives.diffusion import BlockDiffusionObjective, MaskedDiffusionObjective
 from dew.objectives.lm import LMObjective, LMRunConfig, Samples
 from dew.recipes.run_dir import PATH_SETTINGS, TOKENIZER, RunDirectory, resolve_path_setting
 from dew.run_config import to_json
@@ -84,6 +85,8 @@ def _generation_record(config: LMRunConfig, objective) -> dict[str, Any]:
     mask id (and a checkpoint's logits shift) native MDLM is rebuilt with (its default sampler, 64
     steps) and the budget."""
     record = {"max_new_tokens": config.sample_tokens, "ema": config.ema_decay is not None}
+    if config.objective == "block_diffusion":
+        return {"process": "block", **record}
     if config.objective == "masked_diffusion":
         process = objective.process
         shift = {"logits_shift": process.logits_shift} if process.logits_shift else {}
@@ -222,6 +225,9 @@ def _model(config: LMRunConfig, meta: dict[str, Any]):
     bundle = load_pretrained(config.pretrained, **config.model.config)
     source = config.pretrained if bundle.revision is None else f"{config.pretrained.split('@')[0]}@{bundle.revision}"
     process = None
+    if config.objective == "block_diffusion" and not isinstance(bundle.model, DiffusionGemma):
+        raise ValueError(f"--pretrained {config.pretrained} is a {bundle.config.get('model_type')} checkpoint: "
+                         "--objective block_diffusion fine-tunes a DiffusionGemma (model_type diffusion_gemma)")
     if config.objective == "masked_diffusion":
         from dew.interop.families import family_of
 
@@ -291,6 +297,8 @@ def _objective(config: LMRunConfig, model, held, meta: dict[str, Any],
     """The objective --objective names. Both train on the data's rows of --data.seq-len + 1 ids: the
     autoregressive one predicts the last seq_len of them from the first, masked diffusion (with
     `process`) reads them whole."""
+    if config.objective == "block_diffusion":
+        return _block_objective(config, model, held)
     samples = _samples(config, model.config.max_seq_len)
     if config.objective == "masked_diffusion":
         if config.pretrained is None and model.config.vocab_size <= process.mask_id:
@@ -307,6 +315,21 @@ def _objective(config: LMRunConfig, model, held, meta: dict[str, Any],
         router_z_loss=config.router_z_loss, mtp_weight=config.mtp_weight, indexer=config.indexer,
         token_accuracy=config.token_accuracy, pretrained=held,
     )
+
+
+def _block_objective(config: LMRunConfig, model, held) -> BlockDiffusionObjective:
+    """Block diffusion over rows of --data.seq-len + 1 ids: --block-prompt-tokens, then whole canvases of
+    --block-canvas-size (default the checkpoint's canvas length)."""
+    row, prompt = config.data.seq_len + 1, config.block_prompt_tokens
+    canvas = config.block_canvas_size or model.config.canvas_length
+    if row <= prompt or (row - prompt) % canvas:
+        raise ValueError(
+            f"--data.seq-len {config.data.seq_len} gives rows of {row} ids, which must be --block-prompt-tokens "
+            f"{prompt} plus a whole number (at least 1) of canvases of {canvas}: use --data.seq-len "
+            f"{prompt + canvas * max(1, -(-(row - prompt) // canvas)) - 1}, or change the prompt or canvas size"
+        )
+    return BlockDiffusionObjective(model, prompt, (row - prompt) // canvas, canvas, ema_decay=config.ema_decay,
+                                   pretrained=held)
 
 
 def _tokenizer_files(name: str) -> dict[str, Path]:

@@ -106,7 +106,7 @@ def model_config(source: Mapping[str, Any], where: str = "config.json", *, max_s
     head_dim, kv_heads = fields.get("head_dim"), fields.get("num_key_value_heads")
     head_dims, kv = _per_layer(fields, layer_types, head_dim, kv_heads)
     rope = fields.get("rope_parameters") or _DEFAULT_ROPE
-    rotary = {kind: _rotary(fields, rope, kind) for kind in set(layer_types)}
+    rotary = tuple((kind, _rotary(fields, rope, kind)) for kind in sorted(set(layer_types)))
     dropout = fields.get("attention_dropout")
     if dropout:
         fields.refuse("attention_dropout", dropout, "Dew trains DiffusionGemma without attention dropout; set it to 0")

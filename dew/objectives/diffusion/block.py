@@ -96,6 +96,7 @@ class BlockDiffusionObjective:
         self.model = DiffusionGemma(dataclasses.replace(config, trainable_scalars=True))
         self.prompt_length, self.num_canvases, self.canvas_size = prompt_length, num_canvases, canvas_size
         self.row_length = row
+        self.seq_len = row  # the ids a row holds, which the trainer counts tokens by
         self.pad_token_id, self.self_cond_prob, self.safety_epsilon = pad_token_id, self_cond_prob, safety_epsilon
         self.encoder_loss_weight, self.decoder_loss_weight = encoder_loss_weight, decoder_loss_weight
         self.ema_decay = ema_decay

@@ -7,12 +7,12 @@ from typing import Annotated, Any
 
 import tyro
 
-from dew.data import TokenWindows
+from dew.data import PackedTokens, TokenWindows
 from dew.run_config import DataSpec, ModelConfig, OptimConfig, TrainerConfig
 from dew.sampling import Sampling
 
 # Each objective, and None where it is built or what is not built yet.
-_OBJECTIVES = {"lm": None, "masked_diffusion": None, "block_diffusion": "block diffusion"}
+_OBJECTIVES = {"lm": None, "masked_diffusion": None, "block_diffusion": None}
 _DEFAULT_SAMPLING = Sampling(temperature=0.8, top_k=40)
 # Knobs of the autoregressive loss alone, with the value that asks for nothing.
 _LM_ONLY = {"balance_rate": None, "aux_loss_alpha": None, "seq_aux": True, "router_z_loss": 0.0, "mtp_weight": None,
@@ -29,7 +29,7 @@ class LMRunConfig:
         default_factory=lambda: OptimConfig(learning_rate=0.0006, weight_decay=0.1, clip_grads=1.0))
     trainer: TrainerConfig = TrainerConfig()
     objective: str = "lm"
-    """Loss convention: lm (next-token cross entropy over rows of --data.seq-len + 1 ids), or masked_diffusion (MDLM's negative ELBO on a bidirectional decoder, over the same rows whole: --data.seq-len 127 trains on 128 ids; the mask takes the id after the tokenizer's last); block_diffusion (DiffusionGemma's) is not built yet."""
+    """Loss convention: lm (next-token cross entropy over rows of --data.seq-len + 1 ids), or masked_diffusion (MDLM's negative ELBO on a bidirectional decoder, over the same rows whole: --data.seq-len 127 trains on 128 ids; the mask takes the id after the tokenizer's last), or block_diffusion (DiffusionGemma's block loss, fine-tuning --pretrained on rows of --block-prompt-tokens plus whole canvases: --data.seq-len + 1 ids)."""
     lora: tyro.conf.Suppress[Any] = None
     """LoRA adapters (not built yet: refused)."""
     tokenizer: str = "byte"
@@ -75,14 +75,16 @@ class LMRunConfig:
                 f"--objective {self.objective}: {_OBJECTIVES[self.objective]} is not built in Dew yet; "
                 "leave --objective at lm"
             )
-        if self.objective == "masked_diffusion":
-            self._check_masked_diffusion()
+        if self.objective in ("masked_diffusion", "block_diffusion"):
+            self._check_diffusion()
+        if self.objective == "block_diffusion":
+            self._check_block_diffusion()
         if self.lora is not None:
             raise NotImplementedError(f"lora={self.lora!r}: LoRA adapters are not built in Dew yet; leave lora unset")
         block = {"block_prompt_tokens": (self.block_prompt_tokens, 256),
                  "block_canvas_size": (self.block_canvas_size, None)}
         for name, (value, default) in block.items():
-            if value != default:
+            if value != default and self.objective != "block_diffusion":
                 raise ValueError(
                     f"{name} is {value}, but it shapes only --objective block_diffusion rows and this run's "
                     f"objective is {self.objective}: leave {name} unset"
@@ -97,15 +99,33 @@ class LMRunConfig:
         if self.sample_tokens < 0:
             raise ValueError(f"sample_tokens is {self.sample_tokens}; use 0 for no previews, or more")
 
-    def _check_masked_diffusion(self):
-        """Refuse settings masked diffusion has no use for, rather than ignore them."""
+    def _check_diffusion(self):
+        """Refuse settings a diffusion objective has no use for, rather than ignore them."""
         for name, neutral in _LM_ONLY.items():
             if getattr(self, name) != neutral:
                 flag = "--no-seq-aux" if name == "seq_aux" else f"--{name.replace('_', '-')} {getattr(self, name)}"
-                raise ValueError(f"{flag} shapes the autoregressive objective, and --objective masked_diffusion does "
+                raise ValueError(f"{flag} shapes the autoregressive objective, and --objective {self.objective} does "
                                  f"not read it: drop {flag.split()[0]}")
         if self.sampling != _DEFAULT_SAMPLING:
-            raise ValueError(
-                f"--sampling sets an autoregressive policy ({self.sampling}), and --objective masked_diffusion "
-                "previews and generates by unmasking with MDLM's sampler: drop the --sampling flags"
-            )
+            how = ("previews and generates by unmasking with MDLM's sampler" if self.objective == "masked_diffusion"
+                   else "generates canvas by canvas with the checkpoint's BlockProcess")
+            raise ValueError(f"--sampling sets an autoregressive policy ({self.sampling}), and --objective "
+                             f"{self.objective} {how}: drop the --sampling flags")
+
+    def _check_block_diffusion(self):
+        """Block diffusion fine-tunes a DiffusionGemma checkpoint on unpacked rows, without previews."""
+        if self.pretrained is None:
+            raise ValueError("--objective block_diffusion fine-tunes a DiffusionGemma checkpoint: pass --pretrained "
+                             "(and --tokenizer, the checkpoint's)")
+        if isinstance(self.data, PackedTokens):
+            raise ValueError("--objective block_diffusion reads each row as one prompt and its response canvases, and "
+                             "packed documents' context boundaries differ: use data:token-windows")
+        if self.sample_tokens:
+            raise ValueError(f"--sample-tokens {self.sample_tokens}: --objective block_diffusion has no "
+                             "autoregressive preview; pass --sample-tokens 0 and generate through load_pretrained of "
+                             "the exported checkpoint")
+        if self.block_prompt_tokens < 1:
+            raise ValueError(f"--block-prompt-tokens is {self.block_prompt_tokens}; a row needs a clean prompt of at "
+                             "least 1 token")
+        if self.block_canvas_size is not None and self.block_canvas_size < 1:
+            raise ValueError(f"--block-canvas-size is {self.block_canvas_size}; a canvas holds at least 1 token")
