@@ -113,10 +113,12 @@ def encode_chat(messages: Sequence[Mapping[str, Any]], tokenizer, template: Chat
     for index, message in enumerate(messages):
         text = render(index + 1)
         if not text.startswith(before) or not full.startswith(text):
+            changed = index - 1 if not text.startswith(before) else index
             raise ValueError(
-                f"{where}: the chat template ({template.source}) renders messages before message {index} differently "
-                "once later messages follow, so its messages have no spans of their own to give roles to; render "
-                "such conversations yourself, or use a template that writes each turn once")
+                f"{where}: the chat template ({template.source}) renders message {changed} "
+                f"({messages[changed]['role']}) differently once later messages follow, so its messages have no "
+                "spans of their own to give roles to; render such conversations yourself, or use a template that "
+                "writes each turn once")
         role = Role.of(message["role"])
         if role == Role.ASSISTANT:
             opening = _opening(render, index, start)
