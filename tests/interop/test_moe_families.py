@@ -1,12 +1,13 @@
 """Mixtral, Qwen2-MoE and Qwen3-MoE against transformers on tiny random checkpoints: the routers, the
-logits, greedy tokens, saving back, transformers 5's fused layout, GGUF files, training from a loaded
-checkpoint, from-scratch exports, and bad input."""
+logits, greedy tokens (through `generate` and the serving engine), saving back, transformers 5's fused
+layout, GGUF files, training from a loaded checkpoint, from-scratch exports, and bad input."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import threading
 from unittest import mock
 
 import jax
@@ -25,6 +26,7 @@ from dew.nn.moe import Router
 from dew.nn.transformer import CausalTransformer
 from dew.objectives.lm import LMObjective
 from dew.sampling import Sampling
+from dew.serve.engine import Engine, Request
 from tests.interop.conftest import CASES, save_checkpoint, torch, torch_model, transformers
 from tests.tolerances import LIBRARY_ULPS, assert_within, transformers_decoder_ulps, ulp_bound
 
@@ -154,6 +156,37 @@ def test_greedy_tokens_match_transformers_generate(loaded):
                                 eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
     ours = bundle.text_generation(Sampling(temperature=0.0))([PROMPT], 16)
     assert ours.continuations()[0] == theirs, family
+
+
+class _Tokens:
+    """A `dew.serve.engine` consumer that keeps a request's tokens."""
+
+    def __init__(self):
+        self.tokens, self.done = [], threading.Event()
+
+    def token(self, token_id: int) -> bool:
+        self.tokens.append(token_id)
+        return False
+
+    def finish(self, reason: str, completion_tokens: int) -> None:
+        self.done.set()
+
+
+@pytest.mark.slow
+def test_dew_serve_engine_draws_transformers_greedy_tokens(loaded):
+    family, model, _, bundle = loaded
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
+                                eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    engine = Engine(bundle.model, bundle.variables, slots=2, capacity=32, prefill_rows=1)
+    engine.start()
+    try:
+        request = Request(PROMPT, 16, Sampling(temperature=0.0), seed=0, consumer=_Tokens())
+        engine.submit([request])
+        assert request.consumer.done.wait(300)
+    finally:
+        engine.close()
+    assert request.consumer.tokens == theirs, family
 
 
 def test_saved_under_the_hubs_names_and_reloaded_by_transformers(loaded, tmp_path):
