@@ -287,6 +287,8 @@ def test_gguf_experts_match_transformers(family, tmp_path):
     # The same bound as for safetensors (both sides hold the file's dequantized weights exactly): 5.4e-4 to
     # 6.2e-4. Observed: mixtral 9.0e-6, qwen2_moe 9.4e-6, qwen3_moe 5.7e-6.
     assert_within(ours, theirs, _logit_bound(model, bundle, theirs), f"{family} GGUF logits")
+    exported = load_pretrained(bundle.save(tmp_path / "export"))  # a transformers checkpoint of the same model
+    np.testing.assert_array_equal(np.asarray(jax.jit(exported.model.apply)(exported.variables, TOKENS)), ours)
 
 
 # ---- training and from-scratch exports ----------------------------------------------------------------

@@ -78,11 +78,15 @@ def llama_cpp_router(block: str = "mlp") -> dict[str, str]:
     return {f"{_LAYER}.{block}.gate.weight": "blk.{layer}.ffn_gate_inp.weight"}
 
 
-def llama_cpp_metadata(experts_field: str) -> dict[str, str]:
-    """llama.cpp's expert metadata keys (after `{architecture}.`) and the config.json field each gives."""
-    return {"expert_count": experts_field, "expert_used_count": "num_experts_per_tok",
+def llama_cpp_metadata(experts_field: str, expert_width: bool = True) -> dict[str, str]:
+    """llama.cpp's expert metadata keys (after `{architecture}.`) and the config.json field each gives;
+    without `expert_width` the experts' width is `feed_forward_length` (Mixtral's)."""
+    keys = {"expert_count": experts_field, "expert_used_count": "num_experts_per_tok",
             "expert_feed_forward_length": "moe_intermediate_size",
             "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+    if not expert_width:
+        del keys["expert_feed_forward_length"]
+    return keys
 
 
 @dataclasses.dataclass(frozen=True)

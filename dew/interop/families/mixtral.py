@@ -24,5 +24,5 @@ MIXTRAL = MixtureConverter(
     hub_rules("block_sparse_moe", ("w1", "w3", "w2")), window="all", rope_thetas=(1e6, 1e6),
     legacy_fields=frozenset({"num_experts"}), experts_field=_EXPERTS, experts_alias="num_experts",
     gguf=GGUFNames("llama", {**LLAMA_CPP_NAMES, **llama_cpp_router("block_sparse_moe")},
-                   {**LLAMA_CPP_METADATA, **llama_cpp_metadata(_EXPERTS)}, permuted=True),
+                   {**LLAMA_CPP_METADATA, **llama_cpp_metadata(_EXPERTS, expert_width=False)}, permuted=True),
 )
