@@ -46,23 +46,14 @@ def _softmax_bound(logit_error, logits):
 # -- against transformers ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    """A tiny transformers Llama with weights of order one, loaded into Dew: (objective, variables, torch model)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    """The interop tests' tiny transformers Llama (weights of order one), loaded into Dew: (objective,
+    variables, torch model)."""
+    pytest.importorskip("transformers")
     from dew.interop import load_pretrained
+    from tests.interop.conftest import save_checkpoint, torch_model
 
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      rope_theta=500.0, attn_implementation="eager")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" not in name:
-                parameter.normal_(0.0, 0.3)
-    directory = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(directory)
-    bundle = load_pretrained(directory)
+    model = torch_model("llama")
+    bundle = load_pretrained(save_checkpoint(model, tmp_path_factory.mktemp("llama")))
     return LMObjective(bundle.model, 16, ema_decay=None), bundle.variables, model
 
 

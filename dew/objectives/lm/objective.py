@@ -216,7 +216,13 @@ def _router_terms(config, *, balance_rate, aux_loss_alpha, seq_aux, router_z_los
 
 
 class LMObjective:
-    """Train a next-token model: shifted cross entropy, teacher-forced scoring, optional previews."""
+    """Train a next-token model: shifted cross entropy, teacher-forced scoring, optional previews.
+
+    A batch holds `text`, int ids `[B, seq_len + 1]` (or a `ModelInputs` whose `attention_mask`
+    marks padding), and optionally `text_segment_ids`, `text_positions` and, for chat rows,
+    `text_roles` (`dew.data.ChatData`). With `loss_role` (a `Role`, or its name) only the targets
+    of that role count: in the loss, the accuracy and an accumulation window's token mass.
+    """
 
     def __init__(
         self,
