@@ -129,14 +129,15 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize={quantize!r} is not a weight format Dew builds: use 'int8', or None for the "
                          "checkpoint's own floats")
-    if quantize is not None and (mesh is not None or layout is not None):
-        raise NotImplementedError("quantize= with mesh= or layout= (int8 weights placed over several devices) is "
-                                  "not built in Dew yet: quantize on one device")
+
     if fallback is not None:
         raise NotImplementedError(f"fallback={fallback!r}, the generic tier that runs transformers' own model through "
                                   "torchax, is not built in Dew yet: load a model type Dew has a family for "
                                   f"({', '.join(sorted(FAMILIES))})")
     device_mesh = None if mesh is None and layout is None else (mesh or MeshSpec()).build()
+    if quantize is not None and device_mesh is not None and device_mesh.devices.size > 1:
+        raise NotImplementedError(f"quantize={quantize!r} over a mesh of {device_mesh.devices.size} devices (int8 "
+                                  "weights split over several devices) is not built in Dew yet: quantize on one device")
     layout = layout or Layout()
     if attention_impl not in (None, *ATTENTION_IMPLS):
         raise ValueError(f"attention_impl {attention_impl!r} is not built; Dew's attention kernels are "

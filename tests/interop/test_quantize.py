@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dew import models
+from dew.inference import pipeline
 from dew.interop import load_pretrained
 from dew.nn.quantize import EMBED_SCALE, QUANT_COLLECTION, int8_channels, linear_paths, quantize_int8
 from dew.sampling import Sampling, generate
@@ -106,7 +107,11 @@ def test_load_pretrained_int8_generates_and_refuses_saving_and_bad_values(llama_
     for a, b in zip(jax.tree_util.tree_leaves(bundle.variables), jax.tree_util.tree_leaves(expected)):
         np.testing.assert_array_equal(a, b)
     result = bundle.text_generation(Sampling(temperature=0.0))("hello", 4)
-    assert len(result.continuations()[0]) >= 1
+    # dew.pipeline (what dew generate and dew serve load through) quantizes the same way.
+    task = pipeline(directory, quantize="int8")
+    assert task.params[QUANT_COLLECTION].keys() == expected[QUANT_COLLECTION].keys()
+    again = task.with_sampling(Sampling(temperature=0.0))("hello", 4)
+    assert again.continuations() == result.continuations() and len(result.continuations()[0]) >= 1
     with pytest.raises(ValueError, match="int8 weights .* made for generation"):
         bundle.save(tmp_path / "export")
     with pytest.raises(ValueError, match="quantize='int4' is not a weight format Dew builds: use 'int8'"):
