@@ -1,5 +1,6 @@
 """Data for training: tokenizers, token files, and the Grain pipelines that batch them."""
 
+from dew.data.chat import Role
 from dew.data.dataset import Dataset, Partition
 from dew.data.inputs import ModelInputs
 from dew.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -13,6 +14,7 @@ __all__ = [
     "ModelInputs",
     "PackedTokens",
     "Partition",
+    "Role",
     "TokenWindows",
     "load_tokenizer",
 ]

@@ -176,7 +176,8 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         if gguf_file is not None:
             rules, ignorable = family.gguf_rules(model.config), lambda name: False
         else:
-            rules, ignorable = family.tensor_rules(model.config), lambda name: family.ignorable(name, model.config)
+            rules = family.tensor_rules(model.config, reader.names())
+            ignorable = lambda name: family.ignorable(name, model.config)
         params = _read_params(reader, model, family.model_type, rules, ignorable, device_mesh, layout,
                               label=f"loading {source}")
     tokenizer = HFTokenizer(directory) if (directory / "tokenizer.json").is_file() else None
