@@ -20,6 +20,7 @@ from dew.interop import tensors
 from dew.interop.families import Converter, family_for
 from dew.interop.hub import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES
 from dew.interop.safetensors_files import write_atomically, write_checkpoint
+from dew.nn.linear import QUANT_COLLECTION
 from dew.nn.transformer import CausalTransformer
 from dew.sampling import Sampling
 
@@ -106,6 +107,9 @@ def model_params(model: CausalTransformer):
 
 def checked_params(model: CausalTransformer, variables):
     """The params of `variables`, refused unless they are this model's tree in its own form or per layer."""
+    if QUANT_COLLECTION in variables:
+        raise ValueError("these variables hold int8 weights (dew.nn.quantize), made for generation: save the float "
+                         "weights they were quantized from (load the checkpoint without quantize=)")
     params = variables["params"] if "params" in variables else variables
     own = model_params(model)
     have = jax.tree_util.tree_structure(params)

@@ -33,6 +33,7 @@ from dew.interop.hub import (
 from dew.interop.progress import byte_progress
 from dew.interop.safetensors_files import SafetensorsReader, write_atomically, write_checkpoint
 from dew.nn.diffusion_gemma import DiffusionGemma, scalars_as
+from dew.nn.quantize import quantize_int8
 from dew.nn.transformer import CausalTransformer, DecoderConfig
 from dew.sampling import Sampling
 from dew.sharding import with_names
@@ -121,7 +122,7 @@ class Pretrained:
 def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", max_seq_len: int | None = None,
                     attention_impl: str | None = None, gguf_file: str | None = None, mesh: MeshSpec | None = None,
                     layout: Layout | None = None, scan_layers: int | None = None, remat: str | None = None,
-                    fallback: str | None = None) -> Pretrained:
+                    fallback: str | None = None, quantize: str | None = None) -> Pretrained:
     """Load a transformers decoder checkpoint, or one GGUF file, as a native Dew model.
 
     `source` is a local directory (config.json and model.safetensors, or shards with
@@ -144,12 +145,24 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     either, parameters are uncommitted arrays on the default device, each leaf filled tensor by
     tensor. Either way `variables` are in the model's own form (scanned runs stacked). `fallback` (the guide's generic
     torchax tier) is not built and is refused.
+
+    `quantize="int8"` holds every linear kernel, the embedding and the output head as int8 with a
+    float32 scale per output channel (`dew.nn.quantize`): a quarter of float32's bytes, so decoding,
+    which streams every weight once a token, runs faster on a CPU. The variables are for generation
+    (`generate`, `text_generation`, `dew serve`); training and `save` refuse them.
     """
+    if quantize not in (None, "int8"):
+        raise ValueError(f"quantize={quantize!r} is not a weight format Dew builds: use 'int8', or None for the "
+                         "checkpoint's own floats")
+
     if fallback is not None:
         raise NotImplementedError(f"fallback={fallback!r}, the generic tier that runs transformers' own model through "
                                   "torchax, is not built in Dew yet: load a model type Dew has a family for "
                                   f"({', '.join(sorted(FAMILIES))})")
     device_mesh = None if mesh is None and layout is None else (mesh or MeshSpec()).build()
+    if quantize is not None and device_mesh is not None and device_mesh.devices.size > 1:
+        raise NotImplementedError(f"quantize={quantize!r} over a mesh of {device_mesh.devices.size} devices (int8 "
+                                  "weights split over several devices) is not built in Dew yet: quantize on one device")
     layout = layout or Layout()
     if attention_impl not in (None, *ATTENTION_IMPLS):
         raise ValueError(f"attention_impl {attention_impl!r} is not built; Dew's attention kernels are "
@@ -176,10 +189,10 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     family = family_of(config, where)
     if family.model_type == block_diffusion.MODEL_TYPE:
         # a one-device mesh places every parameter on the default device, which is where this load puts them
-        if (gguf_file is not None or (device_mesh is not None and device_mesh.size > 1) or scan_layers is not None
-                or remat is not None):
+        if (gguf_file is not None or (device_mesh is not None and device_mesh.devices.size > 1)
+                or scan_layers is not None or remat is not None or quantize is not None):
             raise NotImplementedError("DiffusionGemma loads from safetensors onto one device; gguf_file, a mesh of "
-                                      "several devices, scan_layers and remat are not built for it yet")
+                                      "several devices, scan_layers, remat and quantize are not built for it yet")
         return _load_block_diffusion(snapshot, reader, config, where, dtype, param_dtype, max_seq_len)
     kwargs = family.decoder_kwargs(config, where=where)
     for name, value in (("max_seq_len", max_seq_len), ("scan_layers", scan_layers), ("remat", remat)):
@@ -200,7 +213,8 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         params = _read_params(reader, model, family.model_type, rules, ignorable, device_mesh, layout,
                               label=f"loading {source}")
     tokenizer = HFTokenizer(directory) if (directory / "tokenizer.json").is_file() else None
-    return Pretrained(model, {"params": params}, tokenizer, config, sampling, budget, snapshot.revision,
+    variables = {"params": params} if quantize is None else quantize_int8(model, {"params": params})
+    return Pretrained(model, variables, tokenizer, config, sampling, budget, snapshot.revision,
                       directory, generation_config)
 
 
