@@ -17,6 +17,7 @@ from dew.data.inputs import ModelInputs, text_fields
 from dew.nn.head import Head
 from dew.nn.moe import RouterRecord, Routes
 from dew.objectives.base import Aux, Mean, PathFilter, Prediction, Step, Variables, path_filter
+from dew.objectives.checks import check_decoder_objective
 from dew.objectives.lm.loss import chunked_cross_entropy
 from dew.objectives.lm.scoring import PolicyGeneration, check_left_padding, check_support, shift_back, shift_left, \
     support_log_probs
@@ -182,6 +183,11 @@ def _refuse_unbuilt_scoring(requested: dict[str, Any]) -> None:
             )
 
 
+def _training_rngs(step: Step) -> dict:
+    """The rngs a training pass runs the model with: the step's key as `dropout`."""
+    return {"dropout": step.key}
+
+
 def _brief(value) -> str:
     """A value as an error names it: arrays by their shape, not their contents."""
     if isinstance(value, tuple) and any(hasattr(item, "shape") for item in value):
@@ -258,23 +264,7 @@ class LMObjective:
                 "none: leave seq_aux at True"
             )
         config = model.config
-        if config.attention_dropout > 0:
-            raise NotImplementedError(
-                f"the model's attention_dropout is {config.attention_dropout}: Dew does not apply attention dropout, "
-                "so training would not be the training that rate asks for; build the model with attention_dropout "
-                "0.0 to train without it (generation reads the rate nowhere and needs no change)"
-            )
-        if seq_len < 1:
-            raise ValueError(f"seq_len is {seq_len}; it must be at least 1")
-        if seq_len > config.max_seq_len:
-            raise ValueError(
-                f"seq_len {seq_len} is longer than the model's max_seq_len {config.max_seq_len}: "
-                f"build the model with max_seq_len >= {seq_len} or use shorter windows"
-            )
-        if ema_decay is not None and not 0.0 <= ema_decay <= 1.0:
-            raise ValueError(f"ema_decay is {ema_decay}; use a value in [0, 1], or None for no EMA")
-        if head_chunks < 1:
-            raise ValueError(f"head_chunks is {head_chunks}; it must be at least 1")
+        check_decoder_objective(config, seq_len=seq_len, ema_decay=ema_decay, head_chunks=head_chunks, rows="windows")
         if pad_id is not None and not 0 <= pad_id < config.vocab_size:
             raise ValueError(f"pad_id {pad_id} is outside the vocabulary [0, {config.vocab_size})")
         self.router = _router_terms(config, balance_rate=balance_rate, aux_loss_alpha=aux_loss_alpha, seq_aux=seq_aux,
@@ -374,7 +364,8 @@ class LMObjective:
         and padding (segment 0) predicts nothing; the model reads `positions` for its rotary angles.
         `roles` (a chat batch's `Role` per token, `[B, seq_len + 1]`) keep only the targets whose role
         is the objective's `loss_role`; they are required with a `loss_role` and refused without one.
-        `train` changes nothing today: Dew's decoder has no training-only layer (no dropout).
+        `train` changes nothing itself: a training pass gives `rngs={"dropout": key}`, which LoRA's
+        adapter dropout reads (Dew's decoder has no dropout of its own).
         `routing` adds each sparse layer's `RouterRecord` (`Scores.routing`). `routes` replays a
         rollout engine's expert choices: `(ids, covered)`, ids `[B, seq_len + 1, layers, top_k]`
         aligned with the tokens over the model's sparse layers, covered `[B, seq_len + 1]` booleans
@@ -496,8 +487,9 @@ class LMObjective:
 
     def loss(self, params, batch, step: Step) -> tuple[LMStatistics, Aux]:
         """The statistics of one micro-batch, and with `balance_rate` its routers' slot counts (int32
-        `[L, E]`) as the effect `counts`, which `apply_effects` turns into the bias step."""
-        stats = self._statistics(*self._score(params, self._batch_rows(batch), None))
+        `[L, E]`) as the effect `counts`, which `apply_effects` turns into the bias step. The model runs
+        with the step's key as its `dropout` rng (LoRA's adapter dropout reads it; evaluation passes none)."""
+        stats = self._statistics(*self._score(params, self._batch_rows(batch), _training_rngs(step)))
         return stats, self._effects(stats)
 
     def predict(self, params, batch, step: Step, *, train: bool, layers: Sequence[int] = ()):
@@ -507,8 +499,8 @@ class LMObjective:
         The logits are the whole `[B, seq_len, vocab]` float32 tensor the chunked loss never holds; a
         distillation's KL reads every column. The router loss terms (`aux_loss_alpha`,
         `router_z_loss`) carry their own normalisation, so they cannot ride a distillation's token
-        mass and are refused; `balance_rate` balances without a loss term and is kept. `train`
-        changes nothing today, as in `token_scores`.
+        mass and are refused; `balance_rate` balances without a loss term and is kept. With `train`
+        the model runs with the step's key as its `dropout` rng, as the training loss does.
         """
         if self.router is not None:
             for name, value in (("aux_loss_alpha", self.router.aux_loss_alpha), ("router_z_loss", self.router.z_loss)):
@@ -517,7 +509,8 @@ class LMObjective:
                         f"LMObjective.predict: {name}={value!r} is a router loss normalised by its own totals (rows, "
                         "routed positions), which a distillation's token mass cannot carry: leave it unset in the "
                         "objective that predicts (balance_rate balances the routers without a loss term)")
-        scores, forward = self._score(params, self._batch_rows(batch), None, layers=layers)
+        rngs = _training_rngs(step) if train else None
+        scores, forward = self._score(params, self._batch_rows(batch), rngs, layers=layers)
         stats = self._statistics(scores, forward)
         logits_BSV = forward.head.logits(scores.states)
         return stats, self._effects(stats), Prediction(logits=logits_BSV, weights=scores.weights,
@@ -540,8 +533,8 @@ class LMObjective:
         router = None
         if self.router is not None:
             counts = None
-            if self.router.switch:
-                forward = self._forward(params, rows, None)
+            if self.router.switch:  # the loss's own pass: the same dropout draw routes the same tokens
+                forward = self._forward(params, rows, _training_rngs(step))
                 counts = slot_counts(forward.routing.experts, routed_BS, self.router.experts).astype(jnp.float32)
             router = RouterTotals(positions=jnp.sum(routed_BS.astype(jnp.float32)),
                                   rows=jnp.sum(jnp.any(routed_BS, axis=1).astype(jnp.float32)), counts=counts)
@@ -697,7 +690,8 @@ class LMObjective:
         """
         from dew.inference import TextGeneration
 
-        params = state.ema if ema and state.ema is not None else state.params
+        # averaged, not ema: with frozen parameters (LoRA) the EMA holds only the trainable part.
+        params = state.averaged if ema and state.ema is not None else state.params
         sampling = self.samples.sampling if self.samples else Sampling()
         budget = self.samples.max_new_tokens if self.samples and self.samples.max_new_tokens else None
         return TextGeneration(self.model, params, tokenizer=processor, sampling=sampling, max_new_tokens=budget)
