@@ -128,9 +128,19 @@ def test_refusals_name_the_value_and_write_nothing(token_dir, tmp_path, capsys, 
     assert not run_dir.exists()
 
 
-def test_unbuilt_fields_are_refused_in_python_too():
-    with pytest.raises(NotImplementedError, match="LoRA adapters are not built"):
+def test_lora_settings_are_checked_in_python_too():
+    from dew.nn.lora import LoRA
+
+    with pytest.raises(TypeError, match=r"lora is \{'rank': 8\}; give a dew.nn.lora.LoRA \(--lora.rank N"):
         LMRunConfig(lora={"rank": 8})
+    with pytest.raises(ValueError, match="--lora.rank 8 adapts a published checkpoint's linears"):
+        LMRunConfig(lora=LoRA(8))
+    with pytest.raises(NotImplementedError, match="LoRA runs of the recipe are built for --objective lm only"):
+        LMRunConfig(lora=LoRA(8), pretrained="some/checkpoint", objective="masked_diffusion")
+    assert LMRunConfig(lora=LoRA(8), pretrained="some/checkpoint").lora == LoRA(8)
+
+
+def test_block_diffusion_needs_a_checkpoint_in_python_too():
     with pytest.raises(ValueError, match="block_diffusion fine-tunes a DiffusionGemma checkpoint"):
         dataclasses.replace(LMRunConfig(), objective="block_diffusion")  # built: tests/recipes/test_block_diffusion.py
 

@@ -10,6 +10,7 @@ import tyro
 from dew.data import PackedTokens, TokenWindows
 from dew.data.chat import MESSAGE_ROLES
 from dew.data.chat_data import ChatData
+from dew.nn.lora import DEFAULT_TARGETS, LoRA
 from dew.run_config import DataSpec, ModelConfig, OptimConfig, TrainerConfig
 from dew.sampling import Sampling
 
@@ -26,6 +27,28 @@ _LM_ONLY = {"balance_rate": None, "aux_loss_alpha": None, "seq_aux": True, "rout
             "indexer": None, "loss_role": None}
 
 
+def lora_flags(rank: int | None = None, alpha: float = 16.0, targets: tuple[str, ...] = DEFAULT_TARGETS,
+               dropout: float = 0.0) -> LoRA | None:
+    """`LMRunConfig.lora` from the command line's --lora.* flags: None without --lora.rank (and the
+    other flags then refused by name, rather than ignored).
+
+    Args:
+        rank: The adapters' rank; unset trains the whole model, without adapters.
+        alpha: The adapters' product is scaled by alpha / rank.
+        targets: The linears to adapt, each by the end of its path (q_proj, self_attn/o_proj).
+        dropout: The rate the adapters' input is dropped at in training.
+    """
+    if rank is None:
+        given = {name: value for name, value, default in (("alpha", alpha, 16.0), ("targets", targets, DEFAULT_TARGETS),
+                                                          ("dropout", dropout, 0.0)) if value != default}
+        if given:
+            flags = ", ".join(f"--lora.{name}" for name in given)
+            raise ValueError(f"{flags} shape(s) LoRA adapters, and --lora.rank is unset, so there are none: add "
+                             "--lora.rank N (8 or 16 are common), or drop them")
+        return None
+    return LoRA(rank, alpha, tuple(targets), dropout)
+
+
 @dataclasses.dataclass(frozen=True)
 class LMRunConfig:
     """A run, plus the language model's own knobs."""
@@ -37,8 +60,8 @@ class LMRunConfig:
     trainer: TrainerConfig = TrainerConfig()
     objective: str = "lm"
     """Loss convention: lm (next-token cross entropy over rows of --data.seq-len + 1 ids), or masked_diffusion (MDLM's negative ELBO on a bidirectional decoder, over the same rows whole: --data.seq-len 127 trains on 128 ids; the mask takes the id after the tokenizer's last), or block_diffusion (DiffusionGemma's block loss, fine-tuning --pretrained on rows of --block-prompt-tokens plus whole canvases: --data.seq-len + 1 ids)."""
-    lora: tyro.conf.Suppress[Any] = None
-    """LoRA adapters (not built yet: refused)."""
+    lora: Annotated[LoRA | None, tyro.conf.arg(constructor=lora_flags)] = None
+    """LoRA adapters (dew.nn.lora.LoRA) on --pretrained's linears, on with --lora.rank N: only they train, the checkpoint's weights stay frozen. When the run finishes it writes them in PEFT's format to RUN/adapter/ (adapter_config.json, adapter_model.safetensors, for peft.PeftModel.from_pretrained on the checkpoint); dew generate and dew export read the run with them merged into the kernels. Unset trains the whole model."""
     tokenizer: str = "byte"
     """What the ids were written with: 'byte', or an HF tokenizer name."""
     ema_decay: float | None = 0.999
@@ -89,7 +112,7 @@ class LMRunConfig:
         if self.objective == "block_diffusion":
             self._check_block_diffusion()
         if self.lora is not None:
-            raise NotImplementedError(f"lora={self.lora!r}: LoRA adapters are not built in Dew yet; leave lora unset")
+            self._check_lora()
         block = {"block_prompt_tokens": (self.block_prompt_tokens, 256),
                  "block_canvas_size": (self.block_canvas_size, None)}
         for name, (value, default) in block.items():
@@ -112,6 +135,17 @@ class LMRunConfig:
         if self.loss_role is not None and not isinstance(self.data, ChatData):
             raise ValueError(f"--loss-role {self.loss_role} keeps the targets of one role, and {_data_name(self.data)} "
                              "rows carry no roles: train on data:chat conversations, or drop --loss-role")
+
+    def _check_lora(self):
+        if not isinstance(self.lora, LoRA):
+            raise TypeError(f"lora is {self.lora!r}; give a dew.nn.lora.LoRA (--lora.rank N on the command line)")
+        if self.pretrained is None:
+            raise ValueError(f"--lora.rank {self.lora.rank} adapts a published checkpoint's linears and freezes the rest, "
+                             "and --pretrained is unset, so the frozen weights would be random ones: add --pretrained "
+                             "DIR, or drop the --lora flags to train a model from scratch")
+        if self.objective != "lm":
+            raise NotImplementedError(f"--lora.rank {self.lora.rank} with --objective {self.objective}: LoRA runs of "
+                                      "the recipe are built for --objective lm only; drop the --lora flags")
 
     def _check_diffusion(self):
         """Refuse settings a diffusion objective has no use for, rather than ignore them."""
