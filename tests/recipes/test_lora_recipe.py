@@ -3,7 +3,6 @@ them in PEFT's format when it finishes, and generates from the run with them mer
 
 from __future__ import annotations
 
-import os
 import signal
 
 import jax
@@ -16,10 +15,8 @@ from dew.interop.peft import load_peft
 from dew.nn.lora import LoRA, LoRAModel, adapters
 from dew.recipes.lm import ADAPTER, main, parse, prepare, train
 from dew.recipes.run_dir import RunDirectory
-from dew.training.checkpoints import Checkpoints
-from dew.training.trackers import JsonLines
 from dew.trees import overlay
-from tests.recipes.conftest import recipe_args
+from tests.recipes.conftest import recipe_args, terminate_at
 from tests.recipes.test_chat_recipe import _exit_code
 from tests.recipes.test_pretrained import checkpoint  # noqa: F401 - the tiny Llama fixture
 from tests.training.test_trainer import _flat
@@ -57,14 +54,7 @@ def test_a_lora_run_trains_the_adapters_alone_resumes_exactly_and_exports_them(t
 
     # Stopped by SIGTERM after step 2 and rerun, the run ends where the straight one does, bit for bit.
     stopped = tmp_path / "stopped"
-    write = JsonLines.scalars
-
-    def terminate_at_step_2(self, step, values):
-        write(self, step, values)
-        if step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(JsonLines, "scalars", terminate_at_step_2)
+    terminate_at(monkeypatch, 2)
     assert main(_args(token_dir, stopped, checkpoint, *flags)) == 128 + signal.SIGTERM
     monkeypatch.undo()
     assert not (stopped / ADAPTER).exists()  # written when the run finishes
