@@ -24,6 +24,7 @@ def bundle():
     return load_pretrained(FIXTURE, dtype="float32", attention_impl="xla", max_seq_len=32)
 
 
+@pytest.mark.slow
 def test_guide_workflow_example(bundle):
     """The guide's example: tokenize, generate, decode, save, reload, the same tokens for the same key."""
     assert bundle.processor is not None
