@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -13,14 +12,14 @@ import numpy as np
 from flax import struct
 
 from dew.data.chat import Role
-from dew.data.inputs import ModelInputs, text_fields
+from dew.data.inputs import ModelInputs
 from dew.nn.head import Head
 from dew.nn.moe import RouterRecord, Routes
 from dew.objectives.base import Aux, Mean, PathFilter, Prediction, Step, Variables, path_filter
 from dew.objectives.checks import check_decoder_objective
 from dew.objectives.lm.loss import chunked_cross_entropy
-from dew.objectives.lm.scoring import PolicyGeneration, check_left_padding, check_support, shift_back, shift_left, \
-    support_log_probs
+from dew.objectives.lm.rows import _real, _Rows, _rows_of
+from dew.objectives.lm.scoring import PolicyScoring
 from dew.objectives.lm.routing import RouterStatistics, RouterTerms, RouterTotals, bias_steps, max_one, move_biases, \
     slot_counts
 from dew.sampling import Sampling, generate
@@ -109,42 +108,6 @@ class Scores:
 
 
 @struct.dataclass
-class _Rows:
-    """A batch's token rows `[B, S + 1]` and their per-token fields, each `[B, S + 1]` or None."""
-
-    tokens: jax.Array
-    segment_ids: jax.Array | None = None
-    positions: jax.Array | None = None
-    roles: jax.Array | None = None
-    attention_mask: jax.Array | None = None
-
-
-def _rows_of(text, roles=None, segment_ids=None, positions=None) -> _Rows:
-    """Token rows from an array (with the given fields) or a `ModelInputs` (its own token fields)."""
-    if not isinstance(text, ModelInputs):
-        return _Rows(text, segment_ids, positions, roles)
-    if text.conditioning:
-        raise ValueError(f"LMObjective scores text, and the inputs carry media {sorted(text.conditioning)}")
-    fields = text_fields(text.token_fields, "LMObjective")
-    given = {"segment_ids": segment_ids, "positions": positions}
-    doubled = sorted(name for name, value in given.items() if value is not None and name in fields)
-    if doubled:
-        raise ValueError(f"{doubled} are given twice, as arguments and in the ModelInputs: give them once")
-    return _Rows(text.tokens, fields.get("segment_ids", segment_ids), fields.get("positions", positions), roles,
-                 fields.get("attention_mask"))
-
-
-def _real(rows: _Rows) -> jax.Array | None:
-    """Which tokens are real, not padding, `[B, S + 1]` bool: an attention mask's true slots that are
-    in a segment (not 0); None when nothing marks padding."""
-    real = None if rows.attention_mask is None else rows.attention_mask.astype(bool)
-    if rows.segment_ids is not None:
-        in_segment = rows.segment_ids != 0
-        real = in_segment if real is None else real & in_segment
-    return real
-
-
-@struct.dataclass
 class _Forward:
     """The model's pass over a batch's inputs, as scoring reads it."""
 
@@ -221,7 +184,7 @@ def _router_terms(config, *, balance_rate, aux_loss_alpha, seq_aux, router_z_los
                        aux_loss_alpha=aux_loss_alpha, seq_aux=seq_aux, z_loss=float(router_z_loss))
 
 
-class LMObjective:
+class LMObjective(PolicyScoring):
     """Train a next-token model: shifted cross entropy, teacher-forced scoring, optional previews.
 
     A batch holds `text`, int ids `[B, seq_len + 1]` (or a `ModelInputs` whose `attention_mask`
@@ -591,96 +554,7 @@ class LMObjective:
             values.update(self.router.loads(stats.router))
         return values
 
-    # -- policy scoring ----------------------------------------------------------------------------
-    def head_logits(self, params: Variables, states) -> jax.Array:
-        """Capped float32 logits `[..., vocab]` of output states `[..., E]` (`Scores.states`) through
-        the model's head over `params`."""
-        return self._head(params).logits(states)
-
-    def _head(self, params) -> Head:
-        # The head is read inside the model's pass; one token's pass hands it over, and under jit the
-        # unused layers are dropped.
-        return self.model.apply(params, jnp.zeros((1, 1), jnp.int32), head=False).head
-
-    def per_token_log_probs(self, params: Variables, tokens, *, left_padding=None) -> jax.Array:
-        """Score raw policy likelihoods aligned to next-token targets.
-
-        `tokens` are ids `[B, S + 1]` or a `ModelInputs` (its `attention_mask` marks padding); the
-        result is float32 `[B, S]`, slot `j` the log-likelihood of token `j + 1` after tokens `0..j`
-        under the full softmax of the capped logits. Explicit `left_padding` counts (int `[B]`) move
-        each row's real context to position zero before scoring, so its positions start at 0. Returned
-        slots whose input is padding are zero and unscored, as are slots whose target is padding by
-        the attention mask or segment 0. Gradients flow (the chunked loss's).
-        """
-        rows = _rows_of(tokens)
-        if left_padding is not None:
-            if isinstance(tokens, ModelInputs):
-                raise ValueError("left_padding moves padding of plain token rows; a ModelInputs marks its padding "
-                                 "with attention_mask: give one or the other")
-            check_left_padding(left_padding, rows.tokens)
-            rows = _Rows(shift_left(jnp.asarray(rows.tokens), left_padding))
-        forward = self._forward(params, rows, None)
-        ce, _, _ = chunked_cross_entropy(forward.hidden_NE, forward.head.weight, forward.targets_N,
-                                         forward.head.transposed, self.head_chunks, forward.head.softcap, False)
-        log_probs_BS = -ce.reshape(forward.weights_BS.shape)
-        real_BT = _real(rows)
-        if real_BT is not None:
-            log_probs_BS = jnp.where(real_BT[:, :-1] & real_BT[:, 1:], log_probs_BS, 0.0)
-        if left_padding is not None:
-            log_probs_BS = shift_back(log_probs_BS, left_padding)
-        return log_probs_BS
-
-    def sampled_log_probs(self, params: Variables, scores: Scores, tokens, support=None,
-                          temperature: float = 1.0) -> jax.Array:
-        """Each next-token target's likelihood as the sampler that drew it saw it.
-
-        `scores` is `token_scores` over `tokens`, `[B, S + 1]`; the result is `[B, S]`. At unit
-        temperature without support that is the raw policy, `-scores.losses`. `temperature` (above 0)
-        divides the capped logits (`head_logits`). `support` is the per-row ragged `(ids, columns)`
-        pair `sessions.pack` builds, `[B, C]` each, `columns` the column in `tokens` of the target
-        each kept id belongs to (below 1: an unused entry); a target with entries is renormalised
-        over them (`support_log_probs`), the others over the whole vocabulary.
-        """
-        if not (isinstance(temperature, (int, float)) and np.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"temperature is {temperature!r}; give the sampler's temperature, a number above 0 (a "
-                             "greedy draw, temperature 0, has likelihood 1 for its argmax and needs no scoring)")
-        temperature = float(temperature)
-        if temperature == 1.0 and support is None:
-            return -scores.losses
-        if scores.states is None:
-            raise ValueError("these scores carry no output states: score the tokens with token_scores")
-        if support is not None:
-            check_support(support, tokens, self.model.config.vocab_size)
-        head = self._head(params)
-        B, S = scores.losses.shape
-        log_probs_BS = -scores.losses
-        if temperature != 1.0:
-            targets_N = jnp.asarray(tokens)[:, 1:].reshape(-1).astype(jnp.int32)
-            ce, _, _ = chunked_cross_entropy(scores.states.reshape(B * S, -1).astype(head.weight.dtype), head.weight,
-                                             targets_N, head.transposed, self.head_chunks, head.softcap, False,
-                                             temperature)
-            log_probs_BS = -ce.reshape(B, S)
-        if support is None:
-            return log_probs_BS
-        renormalised_BS, kept_BS = support_log_probs(scores.states, head, tokens, support, temperature)
-        return jnp.where(kept_BS, renormalised_BS, log_probs_BS)
-
     # -- generation ------------------------------------------------------------------------------
-    def policy(self, params: Variables, sampling: Sampling = Sampling()) -> PolicyGeneration:
-        """Expose the model over this training tree as a generation task.
-
-        A rollout binds one snapshot of the policy and draws every completion from it; the result (a
-        `Rollout`) records the actual and raw-policy likelihoods the objective's ratio needs: the
-        sampler's (`log_probs`, tempered and filtered) and the raw policy's (`policy_log_probs`, the
-        full softmax, as `per_token_log_probs` scores it).
-        """
-        return PolicyGeneration(self.model, params, sampling=sampling, raw_log_probs=self._compiled_log_probs)
-
-    @functools.cached_property
-    def _compiled_log_probs(self):
-        """`per_token_log_probs` compiled once per objective, so that every rollout reuses it."""
-        return jax.jit(self.per_token_log_probs)
-
     def pipeline(self, state, *, ema: bool = True, processor=None):
         """Publish the decoder over the state's weights as a generation task.
 
