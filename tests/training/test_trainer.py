@@ -269,17 +269,23 @@ def test_sigint_checkpoints_the_step_and_stops_cleanly(tiny_model, tmp_path):
 
     objective = LMObjective(tiny_model, SEQ, ema_decay=None)
     trainer = Trainer(objective, optax.sgd(0.1), key=jax.random.key(7))
-    with pytest.raises(TrainingInterrupted, match="SIGINT stopped training at step 2") as stopped:
-        trainer.fit(_stream(4), steps=10, log_every=1, checkpoint_dir=str(tmp_path), verbose=False,
-                    trackers=[_SignalAt(signal.SIGINT, 2)])
-    assert stopped.value.step == 2 and int(stopped.value.state.step) == 2
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    checkpoints = Checkpoints(tmp_path)
-    assert checkpoints.latest() == 2
-    checkpoints.close()
-    # Without a checkpoint directory there is nothing to save: SIGINT interrupts as Python's default does.
-    with pytest.raises(KeyboardInterrupt):
-        trainer.fit(_stream(4), steps=10, log_every=1, verbose=False, trackers=[_SignalAt(signal.SIGINT, 2)])
+    # Python's default handler, set here: a job a non-interactive shell puts in the background starts
+    # with SIGINT ignored, and fit must hand back whatever handler it found.
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(TrainingInterrupted, match="SIGINT stopped training at step 2") as stopped:
+            trainer.fit(_stream(4), steps=10, log_every=1, checkpoint_dir=str(tmp_path), verbose=False,
+                        trackers=[_SignalAt(signal.SIGINT, 2)])
+        assert stopped.value.step == 2 and int(stopped.value.state.step) == 2
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        checkpoints = Checkpoints(tmp_path)
+        assert checkpoints.latest() == 2
+        checkpoints.close()
+        # Without a checkpoint directory there is nothing to save: SIGINT interrupts as Python's default does.
+        with pytest.raises(KeyboardInterrupt):
+            trainer.fit(_stream(4), steps=10, log_every=1, verbose=False, trackers=[_SignalAt(signal.SIGINT, 2)])
+    finally:
+        signal.signal(signal.SIGINT, found)
 
 
 def test_a_model_inputs_batch_trains_as_its_token_rows(tiny_model):
