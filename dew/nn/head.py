@@ -17,6 +17,29 @@ def vocab_logits(hidden_NE: jax.Array, weight: jax.Array, transposed: bool) -> j
     return jax.lax.dot_general(hidden_NE, weight, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 
+# Vocabulary rows per piece of an int8 head: the piece's float copy (at most 4,096 x width x 4 bytes,
+# 9 MiB at width 576) stays in cache between its conversion and its product. Converted whole, XLA's CPU
+# backend writes the float head to memory and reads it back: 9x slower than float weights on SmolLM2.
+_INT8_HEAD_ROWS = 4096
+
+
+def _int8_vocab_logits(hidden_NE: jax.Array, q: jax.Array, scale_V: jax.Array, transposed: bool) -> jax.Array:
+    """float32 logits `[N, V]` of an int8 head (`[E, V]`, or `[V, E]` when `transposed`) and its per-entry
+    scales, converted and multiplied piece by piece along the vocabulary (the fewest equal pieces of at
+    most `_INT8_HEAD_ROWS`; one piece when the vocabulary does not split evenly into small ones)."""
+    V = q.shape[0] if transposed else q.shape[1]
+    pieces = next((p for p in range(-(-V // _INT8_HEAD_ROWS), V + 1) if V % p == 0 and V // p >= 256), 1)
+    rows = V // pieces
+    axis = 0 if transposed else 1
+
+    def piece(i):
+        part = jax.lax.dynamic_slice_in_dim(q, i * rows, rows, axis)
+        return vocab_logits(hidden_NE, part.astype(hidden_NE.dtype), transposed)
+
+    logits_PNR = jax.lax.map(piece, jnp.arange(pieces))
+    return jnp.moveaxis(logits_PNR, 0, 1).reshape(hidden_NE.shape[0], V) * scale_V
+
+
 def cap_logits(logits: jax.Array, softcap: float | None) -> jax.Array:
     """`softcap * tanh(logits / softcap)` (Gemma 2's final cap), or the logits unchanged."""
     return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
@@ -47,5 +70,5 @@ class Head:
         if self.scale is None:
             logits_NV = vocab_logits(hidden_NE.astype(self.weight.dtype), self.weight, self.transposed)
         else:
-            logits_NV = vocab_logits(hidden_NE, self.weight.astype(hidden.dtype), self.transposed) * self.scale
+            logits_NV = _int8_vocab_logits(hidden_NE, self.weight, self.scale, self.transposed)
         return cap_logits(logits_NV, self.softcap).reshape(*lead, self.vocab_size)
