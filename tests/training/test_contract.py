@@ -16,6 +16,7 @@ import pytest
 
 from dew import Trainer, models
 from dew.data.dataset import Dataset
+from dew.objectives.base import Step
 from dew.objectives.lm import LMObjective
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,7 +66,9 @@ def test_the_trainer_logs_the_loss_that_reduce_loss_gives():
     objective = LMObjective(model, 8, ema_decay=None, z_loss=1e-2)
     trainer = Trainer(objective, optax.sgd(0.0), key=jax.random.key(0))
     state = trainer.fit(_data(rows), steps=1, log_every=1, verbose=False)
-    stats, _ = objective.loss(state.params, {"text": jnp.asarray(rows)}, None)
+    # The model has no dropout, so the step's key (the loss's dropout rng) changes nothing here.
+    step = Step(index=jnp.asarray(0), key=jax.random.key(0))
+    stats, _ = objective.loss(state.params, {"text": jnp.asarray(rows)}, step)
     numerator, count = objective.reduce_loss(stats)
     logged = trainer.history[-1]
     # The same float32 sums, divided once on each side (float64 on the host): 4 ulps of a loss near 3.5.
