@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from dew.data.tokenizers import HFTokenizer
 from dew.interop import gguf_files, hf_decoders, tensors
-from dew.interop.export import model_params, write_export
+from dew.interop.export import model_params, model_variables, split_collections, write_export
 from dew.interop.families import FAMILIES, family_of
 from dew.interop.gguf_files import GGUFCheckpoint
 from dew.interop.hub import CONFIG, GENERATION_CONFIG, converted_directory, resolve, resolve_gguf
@@ -150,6 +150,7 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         config, where, directory = _read_json(config_path), str(config_path), snapshot.directory
     family = family_of(config, where)
     kwargs = family.decoder_kwargs(config, where=where)
+    kwargs = family.fit_to_weights(kwargs, reader.names())
     for name, value in (("max_seq_len", max_seq_len), ("scan_layers", scan_layers), ("remat", remat)):
         if value is not None:
             kwargs[name] = value
@@ -167,8 +168,9 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         params = _read_params(reader, model, family.model_type, rules, ignorable, device_mesh, layout,
                               label=f"loading {source}")
     tokenizer = HFTokenizer(directory) if (directory / "tokenizer.json").is_file() else None
-    return Pretrained(model, {"params": params}, tokenizer, config, sampling, budget, snapshot.revision,
-                      directory, generation_config)
+    variables = split_collections(params, model_variables(model))
+    return Pretrained(model, variables, tokenizer, config, sampling, budget, snapshot.revision, directory,
+                      generation_config)
 
 
 def generation_defaults(generation: Mapping[str, Any] | None, config: Mapping[str, Any],

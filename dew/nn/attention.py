@@ -45,7 +45,8 @@ def attend(q_BSHD, k_BKTD, v_BKTD, mask_BST, *, causal_blocks: bool = False, sca
            softcap: float | None = None, block: int = 128) -> jax.Array:
     """Softmax attention in float32 for `H` query heads over `K` shared key/value heads.
 
-    Queries are `[B, S, H, D]`, keys and values heads-major `[B, K, T, D]` (the KV cache's layout).
+    Queries are `[B, S, H, D]`, keys heads-major `[B, K, T, D]` (the KV cache's layout) and values
+    `[B, K, T, Dv]` (latent attention's values are narrower than its keys); the result is `[B, S, H, Dv]`.
 
     Scores are `q . k` times `scale` (default `head_dim ** -0.5`), then, with `softcap`, squashed
     to `softcap * tanh(scores / softcap)` (Gemma 2).
@@ -74,7 +75,7 @@ def attend(q_BSHD, k_BKTD, v_BKTD, mask_BST, *, causal_blocks: bool = False, sca
             jnp.einsum("bkgst,bktd->bkgsd", probs_BKGST, v_BKTD[:, :, :end], preferred_element_type=jnp.float32)
         )
     out_BKGSD = outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs, axis=3)
-    return out_BKGSD.transpose(0, 3, 1, 2, 4).reshape(B, S, H, D).astype(q_BSHD.dtype)
+    return out_BKGSD.transpose(0, 3, 1, 2, 4).reshape(B, S, H, v_BKTD.shape[-1]).astype(q_BSHD.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,12 +26,16 @@ from dew.nn.head import Head
 from dew.nn.kv_cache import Cache
 from dew.nn.linear import named
 from dew.nn.layer import NORM_PLACEMENTS, LayerContext, LayerSpec
+from dew.nn.mla import LatentAttention, MLASpec
 from dew.nn.mlp import ACTIVATIONS, DenseSpec
 from dew.nn.moe import Mixture, Routes, SparseSpec
 from dew.nn.norms import NORM_STYLES, RMSNorm
 from dew.nn.rotary import RopeScaling, rotary_angles
 from dew.nn.stack import REMAT_POLICIES, apply_layers, runs, stack_variables, unstack_variables
 
+# The knobs of grouped-query attention that latent attention does not have, and their neutral values.
+_NOT_LATENT = {"causal": True, "sliding_window": None, "layer_types": None, "qk_norm": False, "query_scale": None,
+               "attn_softcap": None}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -81,6 +85,11 @@ class DecoderConfig:
       objectives refuse a model whose rate is above zero.
     - `mixture`: a mixture of experts (`dew.nn.moe.Mixture`, or its fields as a dict) in the layers
       it names; their feed-forward is routed experts, the others' the dense MLP.
+    - `latent`: latent attention (`dew.nn.mla.LatentAttention`, or its fields as a dict) as every
+      layer's mixer instead of grouped-query attention (DeepSeek V2/V3); `head_dim` and
+      `num_kv_heads` then describe nothing and are ignored.
+    - `mtp_depths`: DeepSeek's multi-token-prediction modules after the last layer (`dew.nn.mtp`);
+      depth d predicts the token d + 1 ahead. 0: none.
     """
 
     vocab_size: int
@@ -114,6 +123,8 @@ class DecoderConfig:
     local_rope_scaling: RopeScaling | None = None
     attention_dropout: float = 0.0
     mixture: Mixture | None = None
+    latent: LatentAttention | None = None
+    mtp_depths: int = 0
     scan_layers: int = 8
     remat: str = "none"
     dtype: jnp.dtype = jnp.float32
@@ -132,6 +143,12 @@ class DecoderConfig:
                 raise TypeError(f"mixture has no fields {unknown}; its fields are "
                                 f"{[field.name for field in dataclasses.fields(Mixture)]}")
             set_("mixture", Mixture(**self.mixture))
+        if isinstance(self.latent, Mapping):
+            unknown = sorted(set(self.latent) - {field.name for field in dataclasses.fields(LatentAttention)})
+            if unknown:
+                raise TypeError(f"latent has no fields {unknown}; its fields are "
+                                f"{[field.name for field in dataclasses.fields(LatentAttention)]}")
+            set_("latent", LatentAttention(**self.latent))
         if self.num_kv_heads is None:
             set_("num_kv_heads", self.num_heads)
         if self.head_dim is None:
@@ -184,9 +201,17 @@ class DecoderConfig:
             outside = [i for i in self.mixture.layers or () if i >= self.num_layers]
             if outside:
                 raise ValueError(f"mixture layers {outside} are not layers of this {self.num_layers}-layer model")
-            if self.mlp_bias and self.sparse_layers:
+            if self.mlp_bias and (self.sparse_layers or self.mtp_depths):
                 raise NotImplementedError("mlp_bias with a mixture: experts with biases are not built in Dew yet; "
                                           "set mlp_bias False")
+
+        if self.mtp_depths < 0:
+            raise ValueError(f"mtp_depths is {self.mtp_depths}; it counts multi-token-prediction modules, 0 for none")
+        if self.latent is not None:
+            given = {name: getattr(self, name) for name, neutral in _NOT_LATENT.items() if getattr(self, name) != neutral}
+            if given:
+                raise ValueError(f"{given} shape grouped-query attention, and latent replaces it with latent "
+                                 "attention, which has none of them: leave them at their defaults")
 
     @property
     def sparse_layers(self) -> tuple[int, ...]:
@@ -204,11 +229,15 @@ class DecoderConfig:
         specs = []
         for index in range(self.num_layers):
             theta, scaling = self.layer_rope(index)
-            mixer = AttentionSpec(
-                self.num_heads, self.num_kv_heads, self.head_dim, causal=self.causal, window=self.layer_window(index),
-                rope_theta=theta, rope_scaling=scaling, qk_norm=self.qk_norm, qk_norm_scope=self.qk_norm_scope,
-                qkv_bias=self.qkv_bias, o_bias=self.o_bias, query_scale=self.query_scale, softcap=self.attn_softcap,
-            )
+            if self.latent is not None:
+                mixer = MLASpec(self.num_heads, self.latent, theta, scaling, bias=self.qkv_bias, o_bias=self.o_bias)
+            else:
+                mixer = AttentionSpec(
+                    self.num_heads, self.num_kv_heads, self.head_dim, causal=self.causal,
+                    window=self.layer_window(index), rope_theta=theta, rope_scaling=scaling, qk_norm=self.qk_norm,
+                    qk_norm_scope=self.qk_norm_scope, qkv_bias=self.qkv_bias, o_bias=self.o_bias,
+                    query_scale=self.query_scale, softcap=self.attn_softcap,
+                )
             feed_forward = sparse if index in self.sparse_layers else dense
             specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps))
         return tuple(specs)
