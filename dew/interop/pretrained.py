@@ -150,7 +150,6 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         config, where, directory = _read_json(config_path), str(config_path), snapshot.directory
     family = family_of(config, where)
     kwargs = family.decoder_kwargs(config, where=where)
-    kwargs = family.fit_to_weights(kwargs, reader.names())
     for name, value in (("max_seq_len", max_seq_len), ("scan_layers", scan_layers), ("remat", remat)):
         if value is not None:
             kwargs[name] = value
@@ -158,6 +157,7 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     generation_config = _read_json(generation_path) if generation_path.is_file() else None
     sampling, budget = generation_defaults(generation_config, config, where=str(generation_path))
     with reader:
+        kwargs = family.fit_to_weights(kwargs, reader.names())
         if param_dtype == "auto":
             param_dtype = hf_decoders.param_dtype_name(config) or _first_float_dtype(reader)
         model = CausalTransformer(DecoderConfig(**kwargs, dtype=dtype, param_dtype=param_dtype))

@@ -29,6 +29,7 @@ from dew.nn.layer import NORM_PLACEMENTS, LayerContext, LayerSpec
 from dew.nn.mla import LatentAttention, MLASpec
 from dew.nn.mlp import ACTIVATIONS, DenseSpec
 from dew.nn.moe import Mixture, Routes, SparseSpec
+from dew.nn.mtp import mtp_states
 from dew.nn.norms import NORM_STYLES, RMSNorm
 from dew.nn.rotary import RopeScaling, rotary_angles
 from dew.nn.stack import REMAT_POLICIES, apply_layers, runs, stack_variables, unstack_variables
@@ -242,6 +243,16 @@ class DecoderConfig:
             specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps))
         return tuple(specs)
 
+    @property
+    def mtp_spec(self) -> LayerSpec:
+        """The block of every multi-token-prediction depth: the last layer's, with the mixture of
+        experts when the model has one (DeepSeek's depths are sparse whatever `first_k_dense_replace`)."""
+        spec = self.layer_specs[-1]
+        if self.mixture is None:
+            return spec
+        return dataclasses.replace(spec, feed_forward=SparseSpec(
+            self.mixture, self.mixture.expert_features or self.mlp_features, self.activation))
+
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer `index`, None for full attention."""
         if self.layer_types is None or self.layer_types[index] == SLIDING:
@@ -285,6 +296,8 @@ class CausalTransformer(nn.Module):
     `attention_mask` (`[B, S]`, true for real tokens) marks padding, which reads and is read by no
     real token. `layers` lists layer numbers whose output states to keep in `aux` (`layers_N`).
     `routes` (`dew.nn.moe.Routes`, `[B, S, L, K]` over the sparse layers) replays recorded experts.
+    `depths` runs the multi-token-prediction depths (`DecoderConfig.mtp_depths`) and reports their
+    states in `aux["depths"]`.
 
     With `cache` (from `init_cache`) each row's real tokens are written after the tokens it already
     holds (padding takes no slot) and read by every later token; the call returns `(output, cache)`.
@@ -346,11 +359,12 @@ class CausalTransformer(nn.Module):
         head: bool = True,
         layers: Sequence[int] = (),
         routes: Routes | None = None,
+        depths: bool = False,
         **media,
     ):
         if isinstance(tokens, ModelInputs):
             fields = text_fields(tokens.kwargs(), "CausalTransformer")
-            return self(tokens.tokens, cache=cache, head=head, layers=layers, routes=routes, **fields)
+            return self(tokens.tokens, cache=cache, head=head, layers=layers, routes=routes, depths=depths, **fields)
         if media:
             text_fields(media, "CausalTransformer")
         c = self.config
@@ -360,6 +374,12 @@ class CausalTransformer(nn.Module):
         bad = [i for i in keep if not 0 <= i < c.num_layers]
         if bad:
             raise ValueError(f"layers {bad} are not layers of this {c.num_layers}-layer model")
+        if depths and not c.mtp_depths:
+            raise ValueError("depths=True runs the multi-token-prediction modules, and this model has none "
+                             "(mtp_depths 0): build it with mtp_depths >= 1, or leave depths unset")
+        if depths and cache is not None:
+            raise ValueError("depths=True scores a whole sequence; the multi-token-prediction modules do not decode "
+                             "through a cache: leave depths unset when passing cache")
         real_BS = jnp.ones((B, S), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
         segments_BS = real_BS if segment_ids is None else segment_ids.astype(jnp.int32) * real_BS
         if cache is None:
@@ -381,9 +401,13 @@ class CausalTransformer(nn.Module):
 
         embed = nn.Embed(c.vocab_size, c.emb_features, dtype=c.dtype, param_dtype=c.param_dtype,
                          embedding_init=named(nn.initializers.normal(0.02), ("vocab", "embed")), name="embed_tokens")
-        x_BSE = embed(tokens).astype(c.dtype)
-        if c.scale_embeddings:
-            x_BSE = x_BSE * jnp.asarray(c.emb_features**0.5, c.dtype)
+        def embedded(ids_BS):
+            x_BSE = embed(ids_BS).astype(c.dtype)
+            if c.scale_embeddings:
+                x_BSE = x_BSE * jnp.asarray(c.emb_features**0.5, c.dtype)
+            return x_BSE
+
+        x_BSE = embedded(tokens)
 
         # One cos/sin table per distinct rotary setting, stacked by rotated width; layers pick theirs.
         ropes = list(dict.fromkeys(spec.mixer.rope() for spec in specs))
@@ -411,6 +435,10 @@ class CausalTransformer(nn.Module):
         aux = {f"layers_{i}": states for i, states in zip(keep, kept)}
         if routing is not None:
             aux["routing"] = routing
+        if c.mtp_depths and (depths or self.is_initializing()):
+            bare = LayerContext(rotary={}, slots_BS=slots_BS, segments_BS=segments_BS)
+            aux["depths"] = mtp_states(self, c.mtp_spec, c.mtp_depths, c.num_layers, hidden_BSE, tokens, positions,
+                                       bare, embedded, c.dtype, c.param_dtype)
         output = output_head.logits(hidden_BSE) if head else ModelOutput(hidden_BSE, output_head, aux)
         if cache is None:
             return output

@@ -84,14 +84,18 @@ class LMTotals:
 class Scores:
     """Per-target results `[B, S]`: the losses, each target's weight, whether the argmax was right
     (None when the objective has `token_accuracy=False`, which takes no argmax), the log-normaliser,
-    and with `routing=True` each sparse layer's `RouterRecord` laid out `[B, S, L, ...]` (the
-    selected experts and weights `[B, S, L, K]`, scores `[B, S, L, E]`, log-normalisers `[B, S, L]`)."""
+    with `routing=True` each sparse layer's `RouterRecord` laid out `[B, S, L, ...]` (the
+    selected experts and weights `[B, S, L, K]`, scores `[B, S, L, E]`, log-normalisers `[B, S, L]`),
+    and with `depths=True` the multi-token-prediction depths' own `Scores`, `[D, B, S]` each: depth
+    d + 1 at index d scores, at position p, the token d + 2 ahead (the main target of position
+    p + d + 1), weighted as that main target when p to p + d + 1 lie in one document, else 0."""
 
     losses: jax.Array
     weights: jax.Array
     correct: jax.Array
     lse: jax.Array
     routing: RouterRecord | None = None
+    depths: "Scores | None" = None
 
 
 @struct.dataclass
@@ -105,21 +109,20 @@ class _Forward:
     routing: RouterRecord | None
     routed_BS: jax.Array
     transposed: bool = struct.field(pytree_node=False)
+    depths_DBSE: jax.Array | None = None
 
 
 _LATER = {
     "loss_role": "chat role masks",
-    "mtp_weight": "multi-token prediction",
     "indexer": "DeepSeek-V3.2's lightning indexer",
     "qk_stats": "attention logit statistics",
 }
-_NEUTRAL = {"loss_role": None, "mtp_weight": None, "indexer": None, "qk_stats": False}
+_NEUTRAL = {"loss_role": None, "indexer": None, "qk_stats": False}
 _ROUTER_NEUTRAL = {"balance_rate": None, "aux_loss_alpha": None, "router_z_loss": 0.0}
 
 # What `token_scores` can be asked to report beside the losses, the capability each needs, and the
 # value that asks for nothing.
 _SCORED_LATER = {
-    "depths": ("multi-token prediction", False),
     "roles": ("chat role masks", None),
     "qk_stats": ("attention logit statistics", False),
     "indexer": ("DeepSeek-V3.2's lightning indexer", False),
@@ -198,7 +201,7 @@ class LMObjective:
         trainable: PathFilter | str | None = None,
         token_accuracy: bool = True,
     ):
-        given = dict(loss_role=loss_role, mtp_weight=mtp_weight, qk_stats=qk_stats, indexer=indexer)
+        given = dict(loss_role=loss_role, qk_stats=qk_stats, indexer=indexer)
         for name, value in given.items():
             if value != _NEUTRAL[name]:
                 raise NotImplementedError(
@@ -229,6 +232,16 @@ class LMObjective:
             raise ValueError(f"head_chunks is {head_chunks}; it must be at least 1")
         if pad_id is not None and not 0 <= pad_id < config.vocab_size:
             raise ValueError(f"pad_id {pad_id} is outside the vocabulary [0, {config.vocab_size})")
+        if mtp_weight is not None:
+            if not getattr(config, "mtp_depths", 0):
+                raise ValueError(f"LMObjective(mtp_weight={mtp_weight!r}) weighs the multi-token-prediction loss, and "
+                                 "this model has no multi-token-prediction modules (mtp_depths 0): build it with "
+                                 "mtp_depths >= 1 (a DeepSeek-V3 checkpoint with its model.layers.N.* weights), or "
+                                 "leave mtp_weight unset")
+            if not mtp_weight >= 0:
+                raise ValueError(f"LMObjective(mtp_weight={mtp_weight!r}): use a weight >= 0 (DeepSeek-V3 used 0.3, "
+                                 "then 0.1)")
+        self.mtp_weight = mtp_weight
         self.router = _router_terms(config, balance_rate=balance_rate, aux_loss_alpha=aux_loss_alpha, seq_aux=seq_aux,
                                     router_z_loss=router_z_loss)
         self.balance_rate = balance_rate
@@ -309,31 +322,59 @@ class LMObjective:
         rollout engine's expert choices: `(ids, covered)`, ids `[B, seq_len + 1, layers, top_k]`
         aligned with the tokens over the model's sparse layers, covered `[B, seq_len + 1]` booleans
         (None for all); every router uses the recorded experts where covered and still weights them
-        from its own scores (`dew.nn.moe.Routes`). `depths`, `roles`, `qk_stats`, `indexer` and
-        `layers` ask for what multi-token prediction, chat masks, attention statistics, the lightning
-        indexer and feature distillation report; none is built yet, so each is refused by name when
-        set, and accepted at its neutral value (False, None or no layers).
+        from its own scores (`dew.nn.moe.Routes`). `depths` adds the multi-token-prediction depths'
+        `Scores` (`Scores.depths`). `roles`, `qk_stats`, `indexer` and `layers` ask for what chat
+        masks, attention statistics, the lightning indexer and feature distillation report; none is
+        built yet, so each is refused by name when set, and accepted at its neutral value (False, None
+        or no layers).
         """
-        _refuse_unbuilt_scoring(dict(depths=depths, roles=roles, qk_stats=qk_stats, indexer=indexer, layers=layers))
+        _refuse_unbuilt_scoring(dict(roles=roles, qk_stats=qk_stats, indexer=indexer, layers=layers))
+        if depths and not getattr(self.model.config, "mtp_depths", 0):
+            raise ValueError("token_scores(depths=True) scores the multi-token-prediction depths, and this model has "
+                             "none (mtp_depths 0): leave depths unset")
         if (routing or routes is not None) and self.router is None:
             asked = "routing=True" if routing else f"routes={_brief(routes)}"
             raise ValueError(f"token_scores({asked}) reads the routers of a mixture of experts, and this model has "
                              "none: build it with mixture={...}, or leave it unset")
         replay = None if routes is None else self._routes(routes, tokens.shape)
-        scores, forward = self._score(params, tokens, rngs, segment_ids, positions, replay)
+        scores, forward = self._score(params, tokens, rngs, segment_ids, positions, replay, depths)
         if not routing:
             return scores
         # [L, B, S, ...] -> [B, S, L, ...], the layout routes are given in
         return scores.replace(routing=jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 2), forward.routing))
 
-    def _score(self, params, tokens, rngs, segment_ids, positions, routes: Routes | None = None):
-        """(the per-target `Scores` without routing, the `_Forward` behind them)."""
-        forward = self._forward(params, tokens, rngs, segment_ids, positions, routes)
-        ce, lse, correct = chunked_cross_entropy(forward.hidden_NE, forward.head_weight, forward.targets_N,
-                                                 forward.transposed, self.head_chunks, self.model.config.logit_softcap,
+    def _score(self, params, tokens, rngs, segment_ids, positions, routes: Routes | None = None, depths: bool = False):
+        """(the per-target `Scores` without routing, with the depths' when `depths`; the `_Forward`
+        behind them)."""
+        forward = self._forward(params, tokens, rngs, segment_ids, positions, routes, depths)
+        scores = self._cross_entropy(forward.hidden_NE, forward, forward.targets_N, forward.weights_BS)
+        if depths:
+            scores = scores.replace(depths=self._depth_scores(forward, tokens, segment_ids))
+        return scores, forward
+
+    def _cross_entropy(self, hidden_NE, forward: _Forward, targets_N, weights_BS) -> Scores:
+        ce, lse, correct = chunked_cross_entropy(hidden_NE, forward.head_weight, targets_N, forward.transposed,
+                                                 self.head_chunks, self.model.config.logit_softcap,
                                                  self.token_accuracy)
-        shape = lambda x: None if x is None else x.reshape(forward.weights_BS.shape)
-        return Scores(losses=shape(ce), weights=forward.weights_BS, correct=shape(correct), lse=shape(lse)), forward
+        shape = lambda x: None if x is None else x.reshape(weights_BS.shape)
+        return Scores(losses=shape(ce), weights=weights_BS, correct=shape(correct), lse=shape(lse))
+
+    def _depth_scores(self, forward: _Forward, tokens, segment_ids) -> Scores:
+        """Each multi-token-prediction depth's `Scores`, stacked `[D, B, S]` (see `Scores`)."""
+        B, S = forward.weights_BS.shape
+        main_BS = forward.weights_BS
+        segments_BS = None if segment_ids is None else segment_ids[:, :-1]
+        depth_scores = []
+        for index in range(forward.depths_DBSE.shape[0]):
+            ahead = index + 1  # depth index + 1 reads the token `ahead` positions on and predicts the one after
+            pad = lambda x_BS: jnp.concatenate([x_BS[:, ahead:], jnp.zeros((B, min(ahead, S)), x_BS.dtype)], 1)[:, :S]
+            weights_BS = pad(main_BS)
+            if segments_BS is not None:
+                weights_BS = weights_BS * (pad(segments_BS) == segments_BS).astype(jnp.float32)
+            targets_N = pad(tokens[:, 1:]).reshape(-1).astype(jnp.int32)
+            depth_scores.append(self._cross_entropy(forward.depths_DBSE[index].reshape(B * S, -1), forward, targets_N,
+                                                    weights_BS))
+        return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *depth_scores)
 
     def _routes(self, routes, shape) -> Routes:
         """`token_scores`' `(ids [B, S + 1, L, K], covered [B, S + 1] | None)` as the model's `Routes`
@@ -375,7 +416,8 @@ class LMObjective:
             routed_BS &= segment_ids[:, :-1] != 0
         return weights_BS, routed_BS
 
-    def _forward(self, params, tokens, rngs, segment_ids, positions, routes: Routes | None = None) -> _Forward:
+    def _forward(self, params, tokens, rngs, segment_ids, positions, routes: Routes | None = None,
+                 depths: bool = False) -> _Forward:
         """The model over the inputs (without its head): what the loss and the router terms read."""
         inputs_BS, targets_BS = tokens[:, :-1], tokens[:, 1:]
         B, S = inputs_BS.shape
@@ -387,19 +429,28 @@ class LMObjective:
             kwargs["positions"] = positions[:, :-1]
         if routes is not None:
             kwargs["routes"] = routes
+        if depths:
+            kwargs["depths"] = True
         output = self.model.apply(params, inputs_BS, head=False, rngs=rngs, **kwargs)
         return _Forward(hidden_NE=output.hidden.reshape(B * S, -1), head_weight=output.head.weight,
                         targets_N=targets_BS.reshape(-1).astype(jnp.int32), weights_BS=weights_BS,
-                        routing=output.aux.get("routing"), routed_BS=routed_BS, transposed=output.head.transposed)
+                        routing=output.aux.get("routing"), routed_BS=routed_BS, transposed=output.head.transposed,
+                        depths_DBSE=output.aux.get("depths"))
 
     def _statistics(self, params, batch) -> LMStatistics:
-        scores, forward = self._score(params, batch[TEXT_KEY], None, batch.get(SEGMENTS_KEY), batch.get(POSITIONS_KEY))
+        scores, forward = self._score(params, batch[TEXT_KEY], None, batch.get(SEGMENTS_KEY), batch.get(POSITIONS_KEY),
+                                      depths=self.mtp_weight is not None)
         w = scores.weights
         count = jnp.sum(w)
         ce = Mean(jnp.sum(scores.losses * w), count)
         terms = {}
         if self.z_loss:
             terms["z_loss"] = Mean(self.z_loss * jnp.sum(jnp.square(scores.lse) * w), count)
+        if self.mtp_weight is not None:
+            # DeepSeek-V3's eq. 24: the weight times the mean over depths of each depth's summed cross
+            # entropy, over the mass of the main targets (which the accumulation window adds up).
+            depth_ce_D = jnp.sum(scores.depths.losses * scores.depths.weights, axis=(1, 2))
+            terms["mtp"] = Mean(self.mtp_weight * jnp.mean(depth_ce_D), count)
         accuracy = Mean(jnp.sum(scores.correct * w), count) if self.token_accuracy else None
         router = None if self.router is None else self.router.statistics(forward.routing, forward.routed_BS)
         return LMStatistics(ce=ce, token_accuracy=accuracy, terms=terms, router=router)
