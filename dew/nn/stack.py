@@ -160,7 +160,7 @@ def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, 
         cache = None if cache_runs is None else cache_runs[run]
         if scan:
             # Every collection a layer holds is stacked by layer: params, and a router's balancing bias.
-            scanned = nn.scan(layer_class, variable_axes={"params": 0, BIAS_COLLECTION: 0}, split_rngs={"params": True},
+            scanned = nn.scan(layer_class, variable_axes={"params": 0, BIAS_COLLECTION: 0}, split_rngs={"params": True, "dropout": True},
                               in_axes=(0, nn.broadcast), length=stop - start,
                               metadata_params={nn.PARTITION_NAME: "layers"})
             layer = scanned(spec, dtype, param_dtype, keep, parent=parent, name=run_name(start, stop))

@@ -7,6 +7,8 @@ from typing import Any
 import jax
 from flax import struct
 
+from dew.trees import overlay
+
 
 @struct.dataclass
 class TrainState:
@@ -14,7 +16,9 @@ class TrainState:
 
     `step` counts batches consumed and `updates` optimizer updates applied (a step whose loss has no
     counted target, or is not finite, applies none). `key` is the run's base key as raw key data; step
-    `t` draws from `fold_in(key, t)`. `ema` is None when the objective keeps no moving average.
+    `t` draws from `fold_in(key, t)`. `ema` is None when the objective keeps no moving average, and
+    holds only the trainable parameters when some are frozen (`dew.trees`): `averaged` and
+    `evaluated` put it over the frozen ones.
     """
 
     params: Any
@@ -26,12 +30,13 @@ class TrainState:
 
     @property
     def averaged(self):
-        """The moving-average variables; refused when the objective keeps none (`ema_decay=None`)."""
+        """The moving-average variables (with the frozen parameters, which do not move); refused when the
+        objective keeps none (`ema_decay=None`)."""
         if self.ema is None:
             raise AttributeError("this state keeps no EMA (the objective has ema_decay=None): use state.params")
-        return self.ema
+        return overlay(self.params, self.ema)
 
     @property
     def evaluated(self):
         """The variables evaluation and previews read: the EMA when kept, else the live ones."""
-        return self.params if self.ema is None else self.ema
+        return self.params if self.ema is None else self.averaged

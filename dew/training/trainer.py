@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import linen as nn
 
 from dew.data.dataset import Dataset, Partition
 from dew.objectives.base import Step
+from dew import trees as frozen
 from dew.training.checkpoints import Checkpoints
 from dew.training.in_flight import InFlight
 from dew.sharding import BATCH_AXES, logical_names, with_names
@@ -38,12 +38,10 @@ def _key_data(key) -> jax.Array:
     return jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
 
 
-def _is_box(x) -> bool:
-    return isinstance(x, nn.meta.AxisMetadata)
-
-
-def _path(path) -> str:
-    return "/".join(str(getattr(entry, "key", getattr(entry, "name", entry))) for entry in path)
+def _first_path(params, prefix: str = "params") -> str:
+    """The path of the first leaf of a parameter tree, as a `trainable` filter sees it."""
+    name, value = next(iter(params.items()))
+    return _first_path(value, f"{prefix}/{name}") if hasattr(value, "items") else f"{prefix}/{name}"
 
 
 def _host_sum(trees: list) -> Any:
@@ -134,36 +132,47 @@ class Trainer:
         self.mesh = (mesh or MeshSpec()).build()
         self.layout = layout or Layout()
         self.key = _key_data(key)
-        self.optimizer = self._mask_frozen(optimizer)
+        # The optimizer sees only the trainable part of the parameters (dew.trees).
+        self.optimizer = optimizer
+        self.trainable = getattr(objective, "trainable", None)
+        self._check_reference()
         self.history: list[dict[str, float]] = []
         self._compiled: dict[tuple, Any] = {}
 
     # -- state -----------------------------------------------------------------------------------
-    def _mask_frozen(self, optimizer):
-        keep = getattr(self.objective, "trainable", None)
-        if keep is None:
-            return optimizer
+    @property
+    def _reads_reference(self) -> bool:
+        """Whether the objective's loss reads the frozen reference the EMA slot holds at decay 1.0
+        (`reference=`, as DPO's and GRPO's KL do)."""
+        return bool(getattr(self.objective, "reads_reference", False))
 
-        def labels(params):
-            # A parameter boxed with its logical names is one leaf: its path is the parameter's.
-            return jax.tree_util.tree_map_with_path(
-                lambda path, _: "train" if keep("params/" + _path(path)) else "frozen", params, is_leaf=_is_box
+    def _check_reference(self) -> None:
+        if self._reads_reference and self.objective.ema_decay != 1.0:
+            raise ValueError(
+                f"{type(self.objective).__name__} reads a frozen reference, which the EMA slot holds at ema_decay "
+                f"1.0, and its ema_decay is {self.objective.ema_decay}: build it with ema_decay=1.0"
             )
-
-        return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
 
     def _init(self, held, boxed: bool = False):
         """The fresh state; with `boxed`, each parameter (and what mirrors it: the EMA, the optimizer's
-        moments) wrapped in its logical axis names, for `state_shardings` to read."""
+        moments) wrapped in its logical axis names, for `state_shardings` to read.
+
+        Only the trainable parameters (`objective.trainable`, a path filter; all without one) get
+        optimizer state and an EMA copy (`dew.trees`)."""
         base = jax.random.wrap_key_data(self.key)
         init_key, run_key = jax.random.split(base)
         variables = self.objective.init(init_key, held)
         names = getattr(self.objective, "logical_names", None)
         if boxed and names is not None:
             variables = with_names(variables, names())
-        ema = None if self.objective.ema_decay is None else variables
+        trained, _ = frozen.split(variables["params"], self.trainable)
+        if not trained:
+            raise ValueError(f"{type(self.objective).__name__}.trainable accepts no parameter of the model, so "
+                             "nothing would train: its filter sees paths such as "
+                             f"{_first_path(variables['params'])!r}; widen it, or leave trainable unset")
+        ema = None if self.objective.ema_decay is None else {**variables, "params": trained}
         return TrainState(
-            params=variables, ema=ema, opt_state=self.optimizer.init(variables["params"]),
+            params=variables, ema=ema, opt_state=self.optimizer.init(trained),
             step=jnp.zeros((), jnp.int32), updates=jnp.zeros((), jnp.int32), key=jax.random.key_data(run_key),
         )
 
@@ -190,15 +199,23 @@ class Trainer:
         # one numerator over one denominator, divided once after the window.
         windowed = callable(getattr(objective, "window_loss", None))
 
+        keep = self.trainable
+        reads_reference = self._reads_reference
+
         def step_fn(state: TrainState, batch):
             step_key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.key), TRAIN_STREAM),
                                           state.step)
             micro_step = lambda index: Step(state.step, jax.random.fold_in(step_key, index))
+            # Only the trainable part is differentiated: frozen leaves enter as constants, so no
+            # gradient is formed for them.
+            trained, held = frozen.split(state.params["params"], keep)
+            # The frozen reference (the EMA slot at decay 1.0) for an objective that reads one.
+            extra = {"reference": jax.lax.stop_gradient(state.averaged)} if reads_reference else {}
 
             def share(trained, micro_batch, index, totals):
                 """The micro-batch's part of the window's loss (a numerator, when not windowed)."""
-                variables = {**state.params, "params": trained}
-                stats, effects = objective.loss(variables, micro_batch, micro_step(index))
+                variables = {**state.params, "params": frozen.join(trained, held)}
+                stats, effects = objective.loss(variables, micro_batch, micro_step(index), **extra)
                 if not windowed:
                     return objective.reduce_loss(stats)[0], (stats, effects)
                 if totals is None:  # a window of one micro-batch is its own total
@@ -206,7 +223,6 @@ class Trainer:
                 return objective.window_loss(stats, totals)[0], (stats, effects)
 
             grad_fn = jax.value_and_grad(share, has_aux=True)
-            trained = state.params["params"]
             totals = None
             if accumulation == 1:
                 (_, (stats, effects)), grads = grad_fn(trained, batch, 0, None)
@@ -249,13 +265,16 @@ class Trainer:
             updates, opt_state = optimizer.update(grads, state.opt_state, trained)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
             apply = finite & counted
-            new_params = objective.apply_effects({**state.params, "params": optax.apply_updates(trained, updates)}, effects)
+            new_trained = optax.apply_updates(trained, updates)
+            new_params = objective.apply_effects(
+                {**state.params, "params": frozen.join(new_trained, held)}, effects)
             pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(apply, a, b), new, old)
             ema = state.ema
-            if decay is not None:
+            # At decay 1.0 the slot is a frozen reference: it is never moved.
+            if decay is not None and decay != 1.0:
                 moved = jax.tree_util.tree_map(
                     lambda e, p: (decay * e.astype(jnp.float32) + (1.0 - decay) * p.astype(jnp.float32)).astype(e.dtype),
-                    state.ema["params"], new_params["params"],
+                    state.ema["params"], new_trained,
                 )
                 ema = {**new_params, "params": pick(moved, state.ema["params"])}
             new_state = TrainState(
@@ -285,12 +304,14 @@ class Trainer:
         signature = ("eval", tuple((k, v.shape) for k, v in sorted(batch.items())))
         if signature not in self._compiled:
 
-            def eval_fn(params, batch, index, batch_index, key_data):
+            def eval_fn(state, batch, index, batch_index, key_data):
                 # Each batch of a pass draws its own key (an objective that samples, such as MDLM's times
                 # and masks, would otherwise score every batch with the same draw).
                 key = jax.random.fold_in(jax.random.wrap_key_data(key_data), EVAL_STREAM)
                 key = jax.random.fold_in(jax.random.fold_in(key, index), batch_index)
-                return self.objective.evaluate(params, batch, Step(index, key))
+                if self._reads_reference:  # the live policy, scored against the frozen reference
+                    return self.objective.evaluate(state.params, batch, Step(index, key), reference=state.averaged)
+                return self.objective.evaluate(state.evaluated, batch, Step(index, key))
 
             self._compiled[signature] = jax.jit(eval_fn, out_shardings=replicated(self.mesh))
         return self._compiled[signature]
@@ -298,7 +319,8 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
     def evaluate(self, state: TrainState, data: Dataset, metrics: Sequence = (), *,
                  reporter: Reporter | None = None) -> dict[str, float]:
-        """Score one whole validation pass on the evaluated weights (EMA when kept).
+        """Score one whole validation pass on the evaluated weights (EMA when kept; for an objective
+        that reads a frozen reference, the live weights against it).
 
         `reporter` (fit's) shows the batches scored while the pass runs."""
         if data.val is None:
@@ -318,7 +340,7 @@ class Trainer:
                 self.objective.check_batch(host_batch)
                 batch = place_batch(self.mesh, host_batch)
                 run = self._eval_step(batch)
-                unread.push(index, run(state.evaluated, batch, state.step, index, state.key))
+                unread.push(index, run(state, batch, state.step, index, state.key))
             unread.drain()
         finally:
             if reporter is not None:
@@ -477,6 +499,8 @@ class Trainer:
         """How a validation line names the weights it scored (its metric keys stay `val/...`)."""
         if state.ema is None:
             return "val"
+        if self._reads_reference:
+            return "val (the live policy against the frozen EMA reference, ema_decay 1.0)"
         if self.objective.ema_decay == 1.0:
             return "val (the frozen EMA reference, ema_decay 1.0)"
         return f"val (EMA weights, decay {self.objective.ema_decay})"

@@ -18,6 +18,7 @@ import numpy as np
 from flax import struct
 
 from dew.objectives.base import Aux, Mean, PathFilter, Step, Variables, path_filter
+from dew.objectives.checks import check_decoder_objective
 from dew.objectives.lm.loss import chunked_cross_entropy
 from dew.objectives.lm.objective import POSITIONS_KEY, SEGMENTS_KEY, TEXT_KEY, LMObjective, Samples, prompt_batch
 from dew.sampling import Sampling
@@ -64,22 +65,7 @@ class MaskedDiffusionObjective:
                  trainable: PathFilter | str | None = None, token_accuracy: bool = True):
         config = model.config
         process.check_model(model)
-        if config.attention_dropout > 0:
-            raise NotImplementedError(
-                f"the model's attention_dropout is {config.attention_dropout}: Dew does not apply attention dropout; "
-                "build the model with attention_dropout 0.0 to train without it"
-            )
-        if seq_len < 1:
-            raise ValueError(f"seq_len is {seq_len}; it must be at least 1")
-        if seq_len > config.max_seq_len:
-            raise ValueError(
-                f"seq_len {seq_len} is longer than the model's max_seq_len {config.max_seq_len}: "
-                f"build the model with max_seq_len >= {seq_len} or use shorter rows"
-            )
-        if ema_decay is not None and not 0.0 <= ema_decay <= 1.0:
-            raise ValueError(f"ema_decay is {ema_decay}; use a value in [0, 1], or None for no EMA")
-        if head_chunks < 1:
-            raise ValueError(f"head_chunks is {head_chunks}; it must be at least 1")
+        check_decoder_objective(config, seq_len=seq_len, ema_decay=ema_decay, head_chunks=head_chunks, rows="rows")
         if samples is not None and samples.sampling != Sampling():
             raise ValueError(
                 f"samples.sampling is {samples.sampling}: masked-diffusion previews unmask with the process's "

@@ -1,0 +1,29 @@
+"""Construction checks every objective over a decoder shares: one wording for one mistake."""
+
+from __future__ import annotations
+
+
+def check_decoder_objective(config, *, seq_len: int, ema_decay: float | None, head_chunks: int, rows: str) -> None:
+    """Refuse settings no objective over `config` (a DecoderConfig) can train with.
+
+    `rows` names what the objective's rows are in the advice ("windows", "rows"). Refused: attention
+    dropout (Dew applies none, so training would not be what the rate asks for), a `seq_len` below 1
+    or past the model's `max_seq_len`, an `ema_decay` outside [0, 1], and `head_chunks` below 1.
+    """
+    if config.attention_dropout > 0:
+        raise NotImplementedError(
+            f"the model's attention_dropout is {config.attention_dropout}: Dew does not apply attention dropout, "
+            "so training would not be the training that rate asks for; build the model with attention_dropout "
+            "0.0 to train without it (generation reads the rate nowhere and needs no change)"
+        )
+    if seq_len < 1:
+        raise ValueError(f"seq_len is {seq_len}; it must be at least 1")
+    if seq_len > config.max_seq_len:
+        raise ValueError(
+            f"seq_len {seq_len} is longer than the model's max_seq_len {config.max_seq_len}: "
+            f"build the model with max_seq_len >= {seq_len} or use shorter {rows}"
+        )
+    if ema_decay is not None and not 0.0 <= ema_decay <= 1.0:
+        raise ValueError(f"ema_decay is {ema_decay}; use a value in [0, 1], or None for no EMA")
+    if head_chunks < 1:
+        raise ValueError(f"head_chunks is {head_chunks}; it must be at least 1")
