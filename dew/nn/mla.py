@@ -52,6 +52,9 @@ class LatentAttention:
       decoder's own).
     - `absorb`: when attention runs in the absorbed form (see the module): "decode" for single-token
       steps through the cache, "always", or "never"; every form computes the same attention.
+    - `index_heads`, `index_head_dim`, `index_topk`: DeepSeek-V3.2's lightning indexer (`Indexer`):
+      its heads (0: none) and their width; with `index_topk`, each query attends only to the keys
+      the indexer ranks highest, that many (None: the indexer scores beside dense attention).
     """
 
     kv_rank: int = 512
@@ -62,6 +65,9 @@ class LatentAttention:
     interleaved: bool = True
     norm_eps: float = 1e-6
     absorb: str = "decode"
+    index_heads: int = 0
+    index_head_dim: int = 128
+    index_topk: int | None = None
 
     def __post_init__(self):
         for name in ("kv_rank", "nope_dim", "rope_dim", "value_dim"):
@@ -74,6 +80,18 @@ class LatentAttention:
                              f"must be even (DeepSeek uses 64): use {self.rope_dim + 1} or {self.rope_dim - 1}")
         if self.absorb not in ABSORB:
             raise ValueError(f"latent absorb is {self.absorb!r}; it must be one of {list(ABSORB)}")
+        if self.index_heads < 0:
+            raise ValueError(f"latent index_heads is {self.index_heads}; use 0 for no indexer")
+        if self.index_heads:
+            if self.q_rank is None:
+                raise ValueError("the lightning indexer reads the query's low-rank residual, and q_rank is None: "
+                                 "give q_rank, or index_heads 0")
+            if not self.rope_dim <= self.index_head_dim:
+                raise ValueError(f"latent index_head_dim is {self.index_head_dim}; the indexer rotates its first "
+                                 f"rope_dim ({self.rope_dim}) features, so it must be at least that")
+        if self.index_topk is not None and (self.index_topk < 1 or not self.index_heads):
+            raise ValueError(f"latent index_topk is {self.index_topk}: it keeps that many keys per query (>= 1), "
+                             "ranked by the indexer, which needs index_heads >= 1")
 
     @property
     def cache_width(self) -> int:
@@ -127,30 +145,37 @@ class MLASpec:
 @struct.dataclass
 class LatentCache:
     """A run of latent-attention layers' cache: the normed latents `[L, B, T, kv_rank]` and the rotated
-    shared keys `[L, B, T, rope_dim]`, `kv_rank + rope_dim` values per token and layer."""
+    shared keys `[L, B, T, rope_dim]`, `kv_rank + rope_dim` values per token and layer; with an
+    indexer, its float32 keys `[L, B, T, index_head_dim]` too."""
 
     latents: jax.Array
     rope_keys: jax.Array
+    index_keys: jax.Array | None = None
 
     @classmethod
     def empty(cls, layers: int, rows: int, capacity: int, latent: LatentAttention, dtype) -> "LatentCache":
+        index = None if not latent.index_heads else jnp.zeros((layers, rows, capacity, latent.index_head_dim), F32)
         return cls(latents=jnp.zeros((layers, rows, capacity, latent.kv_rank), dtype),
-                   rope_keys=jnp.zeros((layers, rows, capacity, latent.rope_dim), dtype))
+                   rope_keys=jnp.zeros((layers, rows, capacity, latent.rope_dim), dtype), index_keys=index)
 
     @property
     def capacity(self) -> int:
         return self.latents.shape[2]
 
-    def write(self, layer, slots_BS: jax.Array, latent_BSC: jax.Array, rope_BSR: jax.Array) -> "LatentCache":
+    def write(self, layer, slots_BS: jax.Array, latent_BSC: jax.Array, rope_BSR: jax.Array,
+              index_BSD: jax.Array | None = None) -> "LatentCache":
         """Store token `s` of row `b` at slot `slots_BS[b, s]` of layer `layer`; a slot at or past the
         capacity (padding) is dropped."""
         rows_B1 = jnp.arange(slots_BS.shape[0])[:, None]
         put = lambda into, new: into.at[layer, rows_B1, slots_BS].set(new.astype(into.dtype), mode="drop")
-        return LatentCache(latents=put(self.latents, latent_BSC), rope_keys=put(self.rope_keys, rope_BSR))
+        index = None if self.index_keys is None else put(self.index_keys, index_BSD)
+        return LatentCache(latents=put(self.latents, latent_BSC), rope_keys=put(self.rope_keys, rope_BSR),
+                           index_keys=index)
 
-    def read(self, layer) -> tuple[jax.Array, jax.Array]:
-        """Layer `layer`'s latents `[B, T, kv_rank]` and rotary keys `[B, T, rope_dim]`."""
-        return self.latents[layer], self.rope_keys[layer]
+    def read(self, layer) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Layer `layer`'s latents `[B, T, kv_rank]`, rotary keys `[B, T, rope_dim]` and indexer keys
+        `[B, T, index_head_dim]` (None without an indexer)."""
+        return self.latents[layer], self.rope_keys[layer], None if self.index_keys is None else self.index_keys[layer]
 
 
 def rotate(x_BSHR: jax.Array, cos_BSR: jax.Array, sin_BSR: jax.Array, interleaved: bool) -> jax.Array:
@@ -192,6 +217,7 @@ class MLA(nn.Module):
         dense = lambda features, bias, names, name: Linear(features, use_bias=bias, dtype=self.dtype,
                                                            param_dtype=self.param_dtype, names=names, name=name)
         norm = lambda name: RMSNorm(lat.norm_eps, "llama", dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        q_resid_BSQ = None
         if lat.q_rank is None:
             q_BSF = dense(H * (N + R), False, ("embed", "heads"), "q_proj")(x_BSE)
         else:
@@ -204,16 +230,24 @@ class MLA(nn.Module):
         latent_BSC = norm("kv_a_layernorm")(compressed_BSF[..., :C])
         rope_BSR = rotate(compressed_BSF[..., None, C:], *rotary, lat.interleaved)[:, :, 0]
         kv_b_CF = _Kernel((C, H * (N + V)), (None, "heads"), self.param_dtype, name="kv_b_proj")().astype(self.dtype)
+        indexer = None if not lat.index_heads else Indexer(lat, self.param_dtype, name="indexer")
+        index_q_BSHD = index_k_BSD = None
+        if indexer is not None:
+            index_q_BSHD, index_k_BSD, index_w_BSH = indexer.project(x_BSE, q_resid_BSQ, rotary)
 
         if cache is None:
-            latent_BTC, rope_BTR = latent_BSC, rope_BSR
+            latent_BTC, rope_BTR, index_k_BTD = latent_BSC, rope_BSR, index_k_BSD
             k_slots, k_segments = context.slots_BS, context.segments_BS
         else:
-            cache = cache.write(knobs.local, context.write_slots_BS, latent_BSC, rope_BSR)
-            latent_BTC, rope_BTR = cache.read(knobs.local)
+            cache = cache.write(knobs.local, context.write_slots_BS, latent_BSC, rope_BSR, index_k_BSD)
+            latent_BTC, rope_BTR, index_k_BTD = cache.read(knobs.local)
             k_segments = context.filled_BT
             k_slots = jnp.broadcast_to(jnp.arange(latent_BTC.shape[1], dtype=jnp.int32), k_segments.shape)
         mask_BST = attention_mask(context.slots_BS, k_slots, context.segments_BS, k_segments, causal=True, window=None)
+        if indexer is not None:
+            scores_BST = index_scores(index_q_BSHD, index_k_BTD, index_w_BSH, mask_BST)
+            if lat.index_topk is not None:
+                mask_BST = mask_BST & top_keys(scores_BST, lat.index_topk)
         absorbed = lat.absorb == "always" or (lat.absorb == "decode" and cache is not None and S == 1)
         if absorbed:
             out_BSHV = absorbed_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, mask_BST, s.scale,
@@ -222,6 +256,56 @@ class MLA(nn.Module):
             out_BSHV = expanded_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, mask_BST, s.scale,
                                           N, causal_blocks=cache is None)
         return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHV.reshape(B, S, H * V)), cache
+
+
+class Indexer(nn.Module):
+    """DeepSeek-V3.2's lightning indexer, in transformers' names: `wq_b` (the query's low-rank residual
+    to `index_heads * index_head_dim`), `wk` (the input to one key of `index_head_dim`) and its
+    LayerNorm `k_norm` (weight and bias, eps 1e-6), and `weights_proj` (the input to one float32 weight
+    per head). The first `rope_dim` features of queries and keys turn in halves, unlike the main
+    attention's pairs. Its inputs are detached: nothing it computes trains the rest of the model."""
+
+    latent: LatentAttention
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def project(self, x_BSE, q_resid_BSQ, rotary):
+        """(float32 queries `[B, S, heads, D]`, keys `[B, S, D]`, per-head weights `[B, S, heads]`, the
+        latter already times `heads ** -0.5`)."""
+        lat = self.latent
+        B, S, _ = x_BSE.shape
+        Hi, D, R = lat.index_heads, lat.index_head_dim, lat.rope_dim
+        x_BSE, q_resid_BSQ = jax.lax.stop_gradient(x_BSE).astype(F32), jax.lax.stop_gradient(q_resid_BSQ).astype(F32)
+        dense = lambda features, names, name: Linear(features, dtype=F32, param_dtype=self.param_dtype, names=names,
+                                                     name=name)
+        q_BSHD = dense(Hi * D, (None, None), "wq_b")(q_resid_BSQ).reshape(B, S, Hi, D)
+        k_BSD = nn.LayerNorm(1e-6, dtype=F32, param_dtype=self.param_dtype, name="k_norm")(
+            dense(D, ("embed", None), "wk")(x_BSE))
+        cos, sin = (jax.lax.stop_gradient(t) for t in rotary)
+        q_BSHD = jnp.concatenate([apply_rotary(q_BSHD[..., :R], cos, sin), q_BSHD[..., R:]], axis=-1)
+        k_BSD = jnp.concatenate([apply_rotary(k_BSD[:, :, None, :R], cos, sin)[:, :, 0], k_BSD[..., R:]], axis=-1)
+        weights_BSH = Linear(Hi, dtype=F32, param_dtype=F32, names=("embed", None), name="weights_proj")(x_BSE)
+        return q_BSHD, k_BSD, weights_BSH * Hi ** -0.5
+
+
+def index_scores(q_BSHD, k_BTD, weights_BSH, mask_BST) -> jax.Array:
+    """The indexer's float32 scores `[B, S, T]`: `sum_h w_h relu(q_h . k * D ** -0.5)`, -inf where the
+    mask forbids the key."""
+    D = q_BSHD.shape[-1]
+    per_head_BSHT = jax.nn.relu(jnp.einsum("bshd,btd->bsht", q_BSHD, k_BTD.astype(F32), preferred_element_type=F32)
+                                * D ** -0.5)
+    scores_BST = jnp.einsum("bsh,bsht->bst", weights_BSH, per_head_BSHT, preferred_element_type=F32)
+    return jnp.where(mask_BST, scores_BST, -jnp.inf)
+
+
+def top_keys(scores_BST: jax.Array, topk: int) -> jax.Array:
+    """Boolean `[B, S, T]`: the `topk` best-scored keys of each query (all of them when fewer)."""
+    T = scores_BST.shape[-1]
+    if topk >= T:
+        return jnp.ones(scores_BST.shape, bool)
+    _, best_BSK = jax.lax.top_k(scores_BST, topk)
+    return jnp.zeros(scores_BST.shape, bool).at[
+        jnp.arange(scores_BST.shape[0])[:, None, None], jnp.arange(scores_BST.shape[1])[None, :, None], best_BSK].set(True)
 
 
 def expanded_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, mask_BST, scale: float, nope: int,
@@ -255,5 +339,5 @@ def absorbed_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, 
                       preferred_element_type=F32).astype(q_nope_BSHN.dtype)
 
 
-__all__ = ["ABSORB", "LatentAttention", "LatentCache", "MLA", "MLASpec", "absorbed_attention", "expanded_attention",
-           "rotate", "yarn_query_scale"]
+__all__ = ["ABSORB", "Indexer", "LatentAttention", "LatentCache", "MLA", "MLASpec", "absorbed_attention",
+           "expanded_attention", "index_scores", "rotate", "top_keys", "yarn_query_scale"]

@@ -1,4 +1,4 @@
-"""DeepSeek V2 and V3 against transformers on tiny random checkpoints: fp32 logits, 16 greedy tokens
+"""DeepSeek V2, V3 and V3.2 against transformers on tiny random checkpoints: fp32 logits, 16 greedy tokens
 through the latent cache, V3's multi-token-prediction depth against transformers' `MtpModel`, saving
 back to transformers, and the config fields Dew refuses."""
 
@@ -38,6 +38,11 @@ CASES = {
                             max_position_embeddings=128,
                             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                                              "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 100.0})),
+    # V3.2: each query attends to the 4 keys the lightning indexer ranks highest. A key picked otherwise
+    # than transformers picks would move the logits by their own order, far past the bound: the
+    # comparison fails loudly rather than hiding a near tie.
+    "v32-indexer": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
+                    dict(n_group=4, topk_group=2, index_topk=4, index_head_dim=8, index_n_heads=4)),
 }
 PROMPT = [5, 17, 3, 88, 41, 9]
 
@@ -118,7 +123,7 @@ def deepseek_ulps(config, seq_len: int) -> float:
 # fp32 logits (largest 5.6-6.7) over 12 tokens: deepseek_ulps gives about 1000 ulps of the largest
 # logit, bounds near 7e-4. A router that picked another expert than transformers' would move a logit by
 # the order of the logits themselves, far past the bound. Observed: v3 8.3e-6, v3-plain-q-halves 6.7e-6,
-# v2-groups-yarn 8.6e-6.
+# v2-groups-yarn 8.6e-6, v32-indexer 1.1e-5.
 def test_logits_match_transformers(loaded):
     case, model, _, bundle = loaded
     tokens = np.random.default_rng(0).integers(0, 97, (2, 12))

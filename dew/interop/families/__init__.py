@@ -33,7 +33,7 @@ from dew.nn.transformer import DecoderConfig
 # Plainest first: `family_for` takes the first family that computes a model exactly.
 _BUILT_IN = (llama.LLAMA, qwen.QWEN2, qwen.QWEN3, llama.MISTRAL, llama.MINISTRAL, gemma.GEMMA, gemma.GEMMA2,
              gemma.GEMMA3_TEXT, olmo.OLMO2, olmo.OLMO3, llada.LLADA, dream.DREAM, deepseek.DEEPSEEK_V3,
-             deepseek.DEEPSEEK_V2)
+             deepseek.DEEPSEEK_V2, deepseek.DEEPSEEK_V32)
 FAMILIES: dict[str, Converter] = {}
 
 

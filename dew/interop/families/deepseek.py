@@ -1,6 +1,8 @@
-"""DeepSeek V2 and V3: latent attention (`dew.nn.mla`), a mixture of experts after the first
+"""DeepSeek V2, V3 and V3.2: latent attention (`dew.nn.mla`), a mixture of experts after the first
 `first_k_dense_replace` dense layers (`dew.nn.moe`), and V3's multi-token-prediction modules
-(`dew.nn.mtp`) stored as the layers after the last, `model.layers.{num_hidden_layers + k}.*`.
+(`dew.nn.mtp`) stored as the layers after the last, `model.layers.{num_hidden_layers + k}.*`. V3.2
+is V3 with the lightning indexer in every layer (`self_attn.indexer.*`, `dew.nn.mla.Indexer`), each
+query attending to the `index_topk` keys it ranks highest, and a per-layer `mlp_layer_types`.
 
 V3 routes with sigmoid scores, a balancing bias (`mlp.gate.e_score_correction_bias`, kept in the
 `moe` collection) and groups scored by their two best experts; V2 with softmax scores, optionally
@@ -45,6 +47,10 @@ def _block_rules(dew: str, tensor: str) -> tuple[Rule, ...]:
         *(Rule(f"{dew}/self_attn/{proj}/kernel", f"{tensor}.self_attn.{proj}.weight", transpose=_KERNEL)
           for proj in _ATTENTION),
         *(Rule(f"{dew}/self_attn/{proj}/bias", f"{tensor}.self_attn.{proj}.bias") for proj in _BIASED),
+        *(Rule(f"{dew}/self_attn/indexer/{proj}/kernel", f"{tensor}.self_attn.indexer.{proj}.weight", transpose=_KERNEL)
+          for proj in ("wq_b", "wk", "weights_proj")),
+        Rule(f"{dew}/self_attn/indexer/k_norm/scale", f"{tensor}.self_attn.indexer.k_norm.weight"),
+        Rule(f"{dew}/self_attn/indexer/k_norm/bias", f"{tensor}.self_attn.indexer.k_norm.bias"),
         *(Rule(f"{dew}/mlp/{proj}/kernel", f"{tensor}.mlp.{proj}.weight", transpose=_KERNEL) for proj in _MLP),
         Rule(f"{dew}/mlp/gate/kernel", f"{tensor}.mlp.gate.weight", transpose=_KERNEL),
         Rule(f"{dew}/mlp/gate/e_score_correction_bias", f"{tensor}.mlp.gate.e_score_correction_bias"),
@@ -98,12 +104,17 @@ _V3_FIELDS = {
     "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 4096,
     "rope_interleave": True, "num_nextn_predict_layers": 1, "topk_method": "noaux_tc",
 }
+_V32_FIELDS = {
+    **{k: v for k, v in _V3_FIELDS.items() if k not in ("rope_interleave", "pretraining_tp", "topk_method")},
+    "max_position_embeddings": 163840, "mlp_layer_types": None, "layer_types": None, "index_topk": 2048,
+    "index_head_dim": 128, "index_n_heads": 64, "mlp_bias": False, "topk_method": "noaux_tc",
+}
 _TRAINING_ONLY = frozenset({"aux_loss_alpha", "seq_aux", "ep_size"})
 
 
 @dataclasses.dataclass(frozen=True)
 class DeepseekConverter(Converter):
-    """DeepSeek V2 or V3 (`version`), read and written field by field (see the module)."""
+    """DeepSeek V2, V3 or V3.2 (`version` 2, 3 or 32), read and written field by field (see the module)."""
 
     version: int = 3
 
@@ -129,11 +140,18 @@ class DeepseekConverter(Converter):
         fields.require("output_router_logits", (False, None), "it only asks transformers to return the router logits; "
                        "set it to false (Dew reports them through token_scores(routing=True))")
         rope_dim = get("qk_rope_head_dim")
-        interleaved = True if self.version == 2 else bool(get("rope_interleave"))
+        interleaved = bool(get("rope_interleave")) if self.version == 3 else True
+        index = {}
+        if self.version == 32:
+            index = dict(index_heads=get("index_n_heads"), index_head_dim=get("index_head_dim"),
+                         index_topk=get("index_topk"))
+            types = get("layer_types")
+            if types is not None and set(types) != {"indexed_attention"}:
+                fields.refuse("layer_types", types, "every DeepSeek-V3.2 layer is 'indexed_attention'")
         try:
             latent = LatentAttention(kv_rank=get("kv_lora_rank"), q_rank=get("q_lora_rank"),
                                      nope_dim=get("qk_nope_head_dim"), rope_dim=rope_dim, value_dim=get("v_head_dim"),
-                                     interleaved=interleaved)
+                                     interleaved=interleaved, **index)
         except ValueError as error:
             fields.refuse("qk_rope_head_dim", rope_dim, str(error))
         bias = bool(get("attention_bias"))
@@ -144,9 +162,9 @@ class DeepseekConverter(Converter):
             activation=ACTIVATIONS[activation], attention_dropout=float(get("attention_dropout") or 0.0),
             qkv_bias=bias, o_bias=bias, latent=latent, head_dim=latent.nope_dim + latent.rope_dim,
             mixture=self._mixture(fields, layers),
-            mtp_depths=int(get("num_nextn_predict_layers") or 0) if self.version == 3 else 0,
+            mtp_depths=int(get("num_nextn_predict_layers") or 0) if self.version != 2 else 0,
         )
-        if self.version == 2 and get("mlp_bias"):
+        if self.version != 3 and get("mlp_bias"):
             fields.refuse("mlp_bias", True, "experts with biases are not built in Dew; DeepSeek-V2 checkpoints have "
                           "none: set it to false")
         ropes = read_rotary(fields, kwargs["max_seq_len"])
@@ -157,16 +175,22 @@ class DeepseekConverter(Converter):
     def _mixture(self, fields: ConfigFields, layers: int) -> Mixture | None:
         get = fields.get
         first_dense = get("first_k_dense_replace")
+        sparse = tuple(range(first_dense, layers))
+        if self.version == 32 and get("mlp_layer_types") is not None:
+            types = get("mlp_layer_types")
+            if len(types) != layers or set(types) - {"dense", "sparse"}:
+                fields.refuse("mlp_layer_types", types, f"name each of the {layers} layers 'dense' or 'sparse'")
+            sparse = tuple(i for i, kind in enumerate(types) if kind == "sparse")
         experts, top_k = get("n_routed_experts"), get("num_experts_per_tok")
         shared = (get("n_shared_experts") or 0) * get("moe_intermediate_size")
-        scoring = "sigmoid" if self.version == 3 else "softmax"
+        scoring = "softmax" if self.version == 2 else "sigmoid"
         fields.require("scoring_func", (None, scoring), f"transformers' {self.config_class} scores experts with "
                        f"{scoring} and reads no scoring_func")
         method = get("topk_method")
         common = dict(experts=experts, top_k=top_k, expert_features=get("moe_intermediate_size"),
-                      layers=tuple(range(first_dense, layers)), score_function=scoring,
+                      layers=sparse, score_function=scoring,
                       scaling=float(get("routed_scaling_factor")), shared_features=shared)
-        if self.version == 3:
+        if self.version != 2:
             fields.require("topk_method", ("noaux_tc", None), "transformers' DeepSeek-V3 router selects by biased "
                            "sigmoid scores within groups (noaux_tc) and reads no topk_method")
             groups, keep = get("n_group"), get("topk_group")
@@ -190,7 +214,7 @@ class DeepseekConverter(Converter):
             else:
                 fields.refuse("topk_method", method, "transformers' DeepSeek-V2 router knows 'greedy' and "
                               "'group_limited_greedy'")
-        if first_dense >= layers:
+        if not sparse:
             return None
         if top_k is None:
             fields.refuse("num_experts_per_tok", None, "the sparse layers need the experts each token uses")
@@ -238,7 +262,7 @@ class DeepseekConverter(Converter):
             shared, left = divmod(m.shared_features, features)
             # a shared width that is no multiple of the experts' is refused when read back (differences)
             written["n_shared_experts"] = shared if not left else m.shared_features / features
-            if self.version == 3:
+            if self.version != 2:
                 written.update(n_group=m.groups, topk_group=m.groups_per_token)
             else:
                 grouped = m.groups > 1
@@ -246,6 +270,10 @@ class DeepseekConverter(Converter):
                                n_group=m.groups if grouped else None, topk_group=m.groups_per_token if grouped else None)
         if self.version == 3:
             written.update(rope_interleave=lat.interleaved, num_nextn_predict_layers=c.mtp_depths)
+        elif self.version == 32:
+            written.update(num_nextn_predict_layers=c.mtp_depths, index_n_heads=lat.index_heads,
+                           index_head_dim=lat.index_head_dim, index_topk=lat.index_topk, mlp_bias=c.mlp_bias,
+                           mlp_layer_types=["sparse" if i in sparse else "dense" for i in range(c.num_layers)])
         else:
             written["mlp_bias"] = c.mlp_bias
         return written
@@ -268,3 +296,5 @@ DEEPSEEK_V3 = DeepseekConverter("deepseek_v3", "DeepseekV3Config", "DeepseekV3Fo
                                 DEEPSEEK_RULES, legacy_fields=_TRAINING_ONLY, version=3)
 DEEPSEEK_V2 = DeepseekConverter("deepseek_v2", "DeepseekV2Config", "DeepseekV2ForCausalLM", _V2_FIELDS,
                                 DEEPSEEK_RULES, legacy_fields=_TRAINING_ONLY, version=2)
+DEEPSEEK_V32 = DeepseekConverter("deepseek_v32", "DeepseekV32Config", "DeepseekV32ForCausalLM", _V32_FIELDS,
+                                 DEEPSEEK_RULES, legacy_fields=_TRAINING_ONLY, version=32)
