@@ -133,7 +133,8 @@ class DeepseekConverter(Converter):
         activation = get("hidden_act")
         if activation not in ACTIVATIONS:
             fields.refuse("hidden_act", activation, f"the MLP activations Dew has are {sorted(ACTIVATIONS)}")
-        fields.require("is_causal", (True,), "DeepSeek is a causal decoder; set it to true")
+        fields.require("is_causal", (True,), "attention that sees later tokens (a bidirectional encoder) is not "
+                       "built in Dew; set it to true for the causal decoder")
         fields.require("moe_layer_freq", (1,), "transformers makes every layer after first_k_dense_replace a "
                        "mixture of experts and reads no moe_layer_freq: a checkpoint sparse every other layer needs "
                        "DeepSeek's own code")
