@@ -131,9 +131,10 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x_BSE: jax.Array, rotary: tuple[jax.Array, jax.Array], context, knobs,
-                 cache: AttentionCache | None = None) -> tuple[jax.Array, AttentionCache | None]:
+                 cache: AttentionCache | None = None) -> tuple[jax.Array, AttentionCache | None, None]:
         """`context` is the stack's `LayerContext` (slots, segments, the cache's filled slots) and
-        `knobs` this layer's `LayerKnobs` (its window and its index in the cache)."""
+        `knobs` this layer's `LayerKnobs` (its window and its index in the cache). The third result
+        is what the mixer reports (nothing, for this one; `dew.nn.mla` reports its indexer)."""
         s = self.spec
         B, S, E = x_BSE.shape
         H, K, D = s.num_heads, s.num_kv_heads, s.head_dim
@@ -165,4 +166,4 @@ class Attention(nn.Module):
         # Without a cache the query slots are the key slots, so a causal pass can skip future blocks.
         out_BSHD = attend(q_BSHD, keys, values, mask_BST, causal_blocks=s.causal and cache is None,
                           scale=s.query_scale, softcap=s.softcap)
-        return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache
+        return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache, None

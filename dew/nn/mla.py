@@ -187,6 +187,48 @@ def rotate(x_BSHR: jax.Array, cos_BSR: jax.Array, sin_BSR: jax.Array, interleave
     return apply_rotary(x_BSHR, cos_BSR, sin_BSR)
 
 
+@struct.dataclass
+class IndexerRecord:
+    """What a layer's lightning indexer reports for a whole sequence (the decoder's `aux["indexer"]`
+    adds a leading layer axis): its float32 `scores` `[B, S, T]` (-inf where a query may not read the
+    key), the keys each query attends to, `selected` `[B, S, T]` (every allowed key without
+    `index_topk`), and `kl` `[B, S]`, each query's KL divergence from the dense attention distribution
+    over the selected keys (heads summed, then normalised; queries and keys detached) to the indexer's
+    softmax over them (`indexer_kl`)."""
+
+    scores: jax.Array
+    selected: jax.Array
+    kl: jax.Array
+
+
+# Added before each logarithm and to the head-summed mass, as DeepSeek's and MaxText's indexer losses do.
+KL_EPS = 1e-8
+
+
+def indexer_kl(attention_BHST: jax.Array, scores_BST: jax.Array, keep_BST: jax.Array) -> jax.Array:
+    """float32 `[B, S]`: `sum_t p log((p + eps) / (q + eps))`, `p` the heads' attention probabilities
+    over the kept keys summed and L1-normalised, `q` the softmax of the indexer's scores over them."""
+    mass_BST = jnp.sum(attention_BHST.astype(F32), axis=1) * keep_BST
+    target_BST = mass_BST / (jnp.sum(mass_BST, axis=-1, keepdims=True) + KL_EPS)
+    predicted_BST = jax.nn.softmax(jnp.where(keep_BST, scores_BST, -jnp.inf), axis=-1)
+    predicted_BST = jnp.where(keep_BST, predicted_BST, 0.0)
+    return jnp.sum(target_BST * (jnp.log(target_BST + KL_EPS) - jnp.log(predicted_BST + KL_EPS)), axis=-1)
+
+
+def dense_probabilities(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, keep_BST, scale: float, nope: int):
+    """float32 `[B, H, S, T]`: each head's attention probabilities over the kept keys, computed from
+    detached queries and keys (the target the indexer learns; nothing flows back through it)."""
+    C = latent_BTC.shape[-1]
+    H = q_nope_BSHN.shape[2]
+    stop = jax.lax.stop_gradient
+    w_key_CHN = stop(kv_b_CF).reshape(C, H, -1)[..., :nope].astype(F32)
+    q_latent_BSHC = jnp.einsum("bshn,chn->bshc", stop(q_nope_BSHN).astype(F32), w_key_CHN)
+    logits_BHST = (jnp.einsum("bshc,btc->bhst", q_latent_BSHC, stop(latent_BTC).astype(F32))
+                   + jnp.einsum("bshr,btr->bhst", stop(q_rope_BSHR).astype(F32), stop(rope_BTR).astype(F32))) * scale
+    logits_BHST = jnp.where(keep_BST[:, None], logits_BHST, -jnp.inf)
+    return jnp.where(keep_BST[:, None], jax.nn.softmax(logits_BHST, axis=-1), 0.0)
+
+
 class _Kernel(nn.Module):
     """One projection's `kernel` `[in, out]`, read whole (the absorbed form splits it by head)."""
 
@@ -208,9 +250,10 @@ class MLA(nn.Module):
 
     @nn.compact
     def __call__(self, x_BSE: jax.Array, rotary: tuple[jax.Array, jax.Array], context, knobs,
-                 cache: LatentCache | None = None) -> tuple[jax.Array, LatentCache | None]:
+                 cache: LatentCache | None = None) -> tuple[jax.Array, LatentCache | None, IndexerRecord | None]:
         """`context` is the stack's `LayerContext` and `knobs` this layer's `LayerKnobs`, as for
-        `dew.nn.attention.Attention`."""
+        `dew.nn.attention.Attention`; with an indexer and `context.report_indexer`, the third result
+        is its `IndexerRecord` (else None)."""
         s, lat = self.spec, self.spec.latent
         B, S, E = x_BSE.shape
         H, N, R, V, C = s.num_heads, lat.nope_dim, lat.rope_dim, lat.value_dim, lat.kv_rank
@@ -244,10 +287,16 @@ class MLA(nn.Module):
             k_segments = context.filled_BT
             k_slots = jnp.broadcast_to(jnp.arange(latent_BTC.shape[1], dtype=jnp.int32), k_segments.shape)
         mask_BST = attention_mask(context.slots_BS, k_slots, context.segments_BS, k_segments, causal=True, window=None)
+        record = None
         if indexer is not None:
             scores_BST = index_scores(index_q_BSHD, index_k_BTD, index_w_BSH, mask_BST)
             if lat.index_topk is not None:
                 mask_BST = mask_BST & top_keys(scores_BST, lat.index_topk)
+            if context.report_indexer:
+                probs_BHST = dense_probabilities(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, mask_BST,
+                                                 s.scale, N)
+                record = IndexerRecord(scores=scores_BST, selected=mask_BST,
+                                       kl=indexer_kl(probs_BHST, scores_BST, mask_BST))
         absorbed = lat.absorb == "always" or (lat.absorb == "decode" and cache is not None and S == 1)
         if absorbed:
             out_BSHV = absorbed_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, mask_BST, s.scale,
@@ -255,7 +304,7 @@ class MLA(nn.Module):
         else:
             out_BSHV = expanded_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, mask_BST, s.scale,
                                           N, causal_blocks=cache is None)
-        return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHV.reshape(B, S, H * V)), cache
+        return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHV.reshape(B, S, H * V)), cache, record
 
 
 class Indexer(nn.Module):
@@ -339,5 +388,5 @@ def absorbed_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, 
                       preferred_element_type=F32).astype(q_nope_BSHN.dtype)
 
 
-__all__ = ["ABSORB", "Indexer", "LatentAttention", "LatentCache", "MLA", "MLASpec", "absorbed_attention",
+__all__ = ["ABSORB", "Indexer", "IndexerRecord", "KL_EPS", "LatentAttention", "dense_probabilities", "indexer_kl", "LatentCache", "MLA", "MLASpec", "absorbed_attention",
            "expanded_attention", "index_scores", "rotate", "top_keys", "yarn_query_scale"]

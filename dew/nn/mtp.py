@@ -56,7 +56,7 @@ class MTPDepth(nn.Module):
                        name="eh_proj")(joined_BSF)
         width, theta, scaling = s.mixer.rope()
         cos_BSD, sin_BSD = rotary_angles(positions_BS, width, theta, scaling)
-        context = context.replace(rotary={width: (cos_BSD[None], sin_BSD[None])})
+        context = context.replace(rotary={width: (cos_BSD[None], sin_BSD[None])}, report_indexer=False)
         knobs = LayerKnobs(window=None, rope=jnp.int32(0), index=jnp.int32(self.index), local=jnp.int32(0))
         (x_BSE, _, _), _ = DecoderLayer(s, self.dtype, self.param_dtype, name="block")((x_BSE, None, ()), knobs, context)
         return _SharedHead(s.norm_eps, s.norm_style, self.dtype, self.param_dtype, name="shared_head")(x_BSE)

@@ -297,7 +297,8 @@ class CausalTransformer(nn.Module):
     real token. `layers` lists layer numbers whose output states to keep in `aux` (`layers_N`).
     `routes` (`dew.nn.moe.Routes`, `[B, S, L, K]` over the sparse layers) replays recorded experts.
     `depths` runs the multi-token-prediction depths (`DecoderConfig.mtp_depths`) and reports their
-    states in `aux["depths"]`.
+    states in `aux["depths"]`; `indexer` reports each latent layer's lightning indexer in
+    `aux["indexer"]` (`dew.nn.mla.IndexerRecord`, `[L, B, S, ...]`).
 
     With `cache` (from `init_cache`) each row's real tokens are written after the tokens it already
     holds (padding takes no slot) and read by every later token; the call returns `(output, cache)`.
@@ -360,11 +361,13 @@ class CausalTransformer(nn.Module):
         layers: Sequence[int] = (),
         routes: Routes | None = None,
         depths: bool = False,
+        indexer: bool = False,
         **media,
     ):
         if isinstance(tokens, ModelInputs):
             fields = text_fields(tokens.kwargs(), "CausalTransformer")
-            return self(tokens.tokens, cache=cache, head=head, layers=layers, routes=routes, depths=depths, **fields)
+            return self(tokens.tokens, cache=cache, head=head, layers=layers, routes=routes, depths=depths,
+                        indexer=indexer, **fields)
         if media:
             text_fields(media, "CausalTransformer")
         c = self.config
@@ -377,6 +380,12 @@ class CausalTransformer(nn.Module):
         if depths and not c.mtp_depths:
             raise ValueError("depths=True runs the multi-token-prediction modules, and this model has none "
                              "(mtp_depths 0): build it with mtp_depths >= 1, or leave depths unset")
+        if indexer and (c.latent is None or not c.latent.index_heads):
+            raise ValueError("indexer=True reports the lightning indexer, and this model has none: build it with "
+                             "latent=LatentAttention(index_heads=...), or leave indexer unset")
+        if indexer and cache is not None:
+            raise ValueError("indexer=True scores a whole sequence against its dense attention, not a cached "
+                             "decode step: leave indexer unset when passing cache")
         if depths and cache is not None:
             raise ValueError("depths=True scores a whole sequence; the multi-token-prediction modules do not decode "
                              "through a cache: leave depths unset when passing cache")
@@ -420,9 +429,10 @@ class CausalTransformer(nn.Module):
         replay_LBSK = None
         if routes is not None:
             replay_LBSK, context_cache["covered_BS"] = self._replay(routes, B, S)
-        context = LayerContext(rotary=rotary, slots_BS=slots_BS, segments_BS=segments_BS, **context_cache)
+        context = LayerContext(rotary=rotary, slots_BS=slots_BS, segments_BS=segments_BS, report_indexer=indexer,
+                               **context_cache)
 
-        x_BSE, cache_runs, kept, routing = apply_layers(
+        x_BSE, cache_runs, kept, routing, indexed = apply_layers(
             self, specs, x_BSE, context, None if cache is None else cache.runs, scan_from=c.scan_layers, remat=c.remat,
             keep=keep, tables=tables, dtype=c.dtype, param_dtype=c.param_dtype, replay_LBSK=replay_LBSK,
         )
@@ -435,6 +445,8 @@ class CausalTransformer(nn.Module):
         aux = {f"layers_{i}": states for i, states in zip(keep, kept)}
         if routing is not None:
             aux["routing"] = routing
+        if indexer:
+            aux["indexer"] = indexed
         if c.mtp_depths and (depths or self.is_initializing()):
             bare = LayerContext(rotary={}, slots_BS=slots_BS, segments_BS=segments_BS)
             aux["depths"] = mtp_states(self, c.mtp_spec, c.mtp_depths, c.num_layers, hidden_BSE, tokens, positions,

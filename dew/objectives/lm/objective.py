@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dew.nn.mla import IndexerRecord
 from dew.nn.moe import RouterRecord, Routes
 from dew.objectives.base import Aux, Mean, PathFilter, Step, Variables, path_filter
+from dew.objectives.lm.indexer import IndexerTraining, kl_total
 from dew.objectives.lm.loss import chunked_cross_entropy
 from dew.objectives.lm.routing import RouterStatistics, RouterTerms, RouterTotals, bias_steps, max_one, move_biases, \
     slot_counts
@@ -88,7 +90,9 @@ class Scores:
     selected experts and weights `[B, S, L, K]`, scores `[B, S, L, E]`, log-normalisers `[B, S, L]`),
     and with `depths=True` the multi-token-prediction depths' own `Scores`, `[D, B, S]` each: depth
     d + 1 at index d scores, at position p, the token d + 2 ahead (the main target of position
-    p + d + 1), weighted as that main target when p to p + d + 1 lie in one document, else 0."""
+    p + d + 1), weighted as that main target when p to p + d + 1 lie in one document, else 0; with
+    `indexer=True` the lightning indexers' `IndexerRecord`s, `[L, B, S, ...]` over the indexed layers
+    (in the warm-up, whose loss scores no token, `losses`, `correct` and `lse` are None)."""
 
     losses: jax.Array
     weights: jax.Array
@@ -96,6 +100,7 @@ class Scores:
     lse: jax.Array
     routing: RouterRecord | None = None
     depths: "Scores | None" = None
+    indexer: IndexerRecord | None = None
 
 
 @struct.dataclass
@@ -110,14 +115,14 @@ class _Forward:
     routed_BS: jax.Array
     transposed: bool = struct.field(pytree_node=False)
     depths_DBSE: jax.Array | None = None
+    indexer: IndexerRecord | None = None
 
 
 _LATER = {
     "loss_role": "chat role masks",
-    "indexer": "DeepSeek-V3.2's lightning indexer",
     "qk_stats": "attention logit statistics",
 }
-_NEUTRAL = {"loss_role": None, "indexer": None, "qk_stats": False}
+_NEUTRAL = {"loss_role": None, "qk_stats": False}
 _ROUTER_NEUTRAL = {"balance_rate": None, "aux_loss_alpha": None, "router_z_loss": 0.0}
 
 # What `token_scores` can be asked to report beside the losses, the capability each needs, and the
@@ -125,7 +130,6 @@ _ROUTER_NEUTRAL = {"balance_rate": None, "aux_loss_alpha": None, "router_z_loss"
 _SCORED_LATER = {
     "roles": ("chat role masks", None),
     "qk_stats": ("attention logit statistics", False),
-    "indexer": ("DeepSeek-V3.2's lightning indexer", False),
     "layers": ("keeping layers' output states for feature distillation", ()),
 }
 
@@ -201,7 +205,7 @@ class LMObjective:
         trainable: PathFilter | str | None = None,
         token_accuracy: bool = True,
     ):
-        given = dict(loss_role=loss_role, qk_stats=qk_stats, indexer=indexer)
+        given = dict(loss_role=loss_role, qk_stats=qk_stats)
         for name, value in given.items():
             if value != _NEUTRAL[name]:
                 raise NotImplementedError(
@@ -242,6 +246,21 @@ class LMObjective:
                 raise ValueError(f"LMObjective(mtp_weight={mtp_weight!r}): use a weight >= 0 (DeepSeek-V3 used 0.3, "
                                  "then 0.1)")
         self.mtp_weight = mtp_weight
+        if indexer is not None:
+            if not isinstance(indexer, IndexerTraining):
+                raise TypeError(f"LMObjective(indexer={indexer!r}): give an IndexerTraining(phase, weight)")
+            indexer.check(config)
+            if indexer.warmup:
+                others = dict(mtp_weight=(mtp_weight, None), z_loss=(z_loss, 0.0), balance_rate=(balance_rate, None),
+                              aux_loss_alpha=(aux_loss_alpha, None), router_z_loss=(router_z_loss, 0.0),
+                              trainable=(trainable, None))
+                asked = [f"{name}={value!r}" for name, (value, neutral) in others.items() if value != neutral]
+                if asked:
+                    raise ValueError(f"LMObjective(indexer=IndexerTraining('warmup')) trains the indexer alone on its "
+                                     f"KL, with every other weight frozen, so {', '.join(asked)} has nothing to act on: "
+                                     "leave it unset, or use phase='sparse'")
+                trainable = IndexerTraining.trains
+        self.indexer = indexer
         self.router = _router_terms(config, balance_rate=balance_rate, aux_loss_alpha=aux_loss_alpha, seq_aux=seq_aux,
                                     router_z_loss=router_z_loss)
         self.balance_rate = balance_rate
@@ -273,6 +292,8 @@ class LMObjective:
             return self.model.init(key, tokens, head=False)
         expected = jax.eval_shape(lambda: self.model.init(key, tokens, head=False))
         variables = self.model.stack_variables(variables)  # a checkpoint's per-layer tree, in the model's form
+        if self.indexer is not None and self.indexer.warmup:
+            variables = self._fresh_indexers(key, tokens, variables)
         got = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), variables)
         if jax.tree_util.tree_structure(expected) != jax.tree_util.tree_structure(got):
             raise ValueError("the pretrained variables do not have this model's parameter tree")
@@ -282,6 +303,20 @@ class LMObjective:
                     f"pretrained {jax.tree_util.keystr(path)} has shape {have.shape}; the model expects {want.shape}"
                 )
         return variables
+
+    def _fresh_indexers(self, key, tokens, variables) -> Variables:
+        """`variables` with the indexer weights a checkpoint lacks (a DeepSeek-V3 one) taken from a fresh
+        init; any other missing weight is refused by name."""
+        fresh = self.model.init(key, tokens, head=False)
+        given = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(variables)}
+        missing = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(fresh)
+                   if jax.tree_util.keystr(path) not in given]
+        refused = [path for path in missing if "['indexer']" not in path]
+        if refused:
+            raise ValueError(f"the pretrained variables lack {refused[:4]}: only the indexer's weights may be missing "
+                             "(they start fresh in the warm-up); load the checkpoint the model was built for")
+        return jax.tree_util.tree_map_with_path(
+            lambda path, leaf: given.get(jax.tree_util.keystr(path), leaf), fresh)
 
     # -- host validation -------------------------------------------------------------------------
     def check_batch(self, batch: Mapping[str, Any]) -> None:
@@ -323,12 +358,16 @@ class LMObjective:
         aligned with the tokens over the model's sparse layers, covered `[B, seq_len + 1]` booleans
         (None for all); every router uses the recorded experts where covered and still weights them
         from its own scores (`dew.nn.moe.Routes`). `depths` adds the multi-token-prediction depths'
-        `Scores` (`Scores.depths`). `roles`, `qk_stats`, `indexer` and `layers` ask for what chat
-        masks, attention statistics, the lightning indexer and feature distillation report; none is
-        built yet, so each is refused by name when set, and accepted at its neutral value (False, None
-        or no layers).
+        `Scores` (`Scores.depths`), `indexer` the lightning indexers' scores, selections and KL
+        (`Scores.indexer`). `roles`, `qk_stats` and `layers` ask for what chat masks, attention
+        statistics and feature distillation report; none is built yet, so each is refused by name
+        when set, and accepted at its neutral value (False, None or no layers).
         """
-        _refuse_unbuilt_scoring(dict(roles=roles, qk_stats=qk_stats, indexer=indexer, layers=layers))
+        _refuse_unbuilt_scoring(dict(roles=roles, qk_stats=qk_stats, layers=layers))
+        latent = getattr(self.model.config, "latent", None)
+        if indexer and (latent is None or not latent.index_heads):
+            raise ValueError("token_scores(indexer=True) reports the lightning indexer, and this model has none: leave "
+                             "indexer unset")
         if depths and not getattr(self.model.config, "mtp_depths", 0):
             raise ValueError("token_scores(depths=True) scores the multi-token-prediction depths, and this model has "
                              "none (mtp_depths 0): leave depths unset")
@@ -337,17 +376,23 @@ class LMObjective:
             raise ValueError(f"token_scores({asked}) reads the routers of a mixture of experts, and this model has "
                              "none: build it with mixture={...}, or leave it unset")
         replay = None if routes is None else self._routes(routes, tokens.shape)
-        scores, forward = self._score(params, tokens, rngs, segment_ids, positions, replay, depths)
+        scores, forward = self._score(params, tokens, rngs, segment_ids, positions, replay, depths, indexer)
         if not routing:
             return scores
         # [L, B, S, ...] -> [B, S, L, ...], the layout routes are given in
         return scores.replace(routing=jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 2), forward.routing))
 
-    def _score(self, params, tokens, rngs, segment_ids, positions, routes: Routes | None = None, depths: bool = False):
-        """(the per-target `Scores` without routing, with the depths' when `depths`; the `_Forward`
-        behind them)."""
-        forward = self._forward(params, tokens, rngs, segment_ids, positions, routes, depths)
-        scores = self._cross_entropy(forward.hidden_NE, forward, forward.targets_N, forward.weights_BS)
+    def _score(self, params, tokens, rngs, segment_ids, positions, routes: Routes | None = None, depths: bool = False,
+               indexer: bool = False):
+        """(the per-target `Scores` without routing, with the depths' when `depths` and the indexers'
+        records when `indexer`; the `_Forward` behind them). The indexer's warm-up scores no token."""
+        forward = self._forward(params, tokens, rngs, segment_ids, positions, routes, depths, indexer)
+        if self.indexer is not None and self.indexer.warmup:
+            scores = Scores(losses=None, weights=forward.weights_BS, correct=None, lse=None)
+        else:
+            scores = self._cross_entropy(forward.hidden_NE, forward, forward.targets_N, forward.weights_BS)
+        if indexer:
+            scores = scores.replace(indexer=forward.indexer)
         if depths:
             scores = scores.replace(depths=self._depth_scores(forward, tokens, segment_ids))
         return scores, forward
@@ -417,7 +462,7 @@ class LMObjective:
         return weights_BS, routed_BS
 
     def _forward(self, params, tokens, rngs, segment_ids, positions, routes: Routes | None = None,
-                 depths: bool = False) -> _Forward:
+                 depths: bool = False, indexer: bool = False) -> _Forward:
         """The model over the inputs (without its head): what the loss and the router terms read."""
         inputs_BS, targets_BS = tokens[:, :-1], tokens[:, 1:]
         B, S = inputs_BS.shape
@@ -431,19 +476,30 @@ class LMObjective:
             kwargs["routes"] = routes
         if depths:
             kwargs["depths"] = True
+        if indexer:
+            kwargs["indexer"] = True
         output = self.model.apply(params, inputs_BS, head=False, rngs=rngs, **kwargs)
         return _Forward(hidden_NE=output.hidden.reshape(B * S, -1), head_weight=output.head.weight,
                         targets_N=targets_BS.reshape(-1).astype(jnp.int32), weights_BS=weights_BS,
                         routing=output.aux.get("routing"), routed_BS=routed_BS, transposed=output.head.transposed,
-                        depths_DBSE=output.aux.get("depths"))
+                        depths_DBSE=output.aux.get("depths"), indexer=output.aux.get("indexer"))
 
     def _statistics(self, params, batch) -> LMStatistics:
         scores, forward = self._score(params, batch[TEXT_KEY], None, batch.get(SEGMENTS_KEY), batch.get(POSITIONS_KEY),
-                                      depths=self.mtp_weight is not None)
+                                      depths=self.mtp_weight is not None, indexer=self.indexer is not None)
+        if self.indexer is not None and self.indexer.warmup:
+            # the KL alone, per counted query (every real input token: the warm-up scores no target)
+            queries = jnp.sum(forward.routed_BS.astype(jnp.float32))
+            kl = Mean(self.indexer.weight * kl_total(forward.indexer.kl, forward.routed_BS), queries)
+            return LMStatistics(ce=Mean(jnp.zeros((), jnp.float32), queries), token_accuracy=None,
+                                terms={"indexer_kl": kl})
         w = scores.weights
         count = jnp.sum(w)
         ce = Mean(jnp.sum(scores.losses * w), count)
         terms = {}
+        if self.indexer is not None:
+            # the KL over the selected keys, summed over counted queries, sharing the cross entropy's mass
+            terms["indexer_kl"] = Mean(self.indexer.weight * kl_total(forward.indexer.kl, forward.routed_BS), count)
         if self.z_loss:
             terms["z_loss"] = Mean(self.z_loss * jnp.sum(jnp.square(scores.lse) * w), count)
         if self.mtp_weight is not None:
@@ -476,6 +532,8 @@ class LMObjective:
         counts, which need a forward pass of the model (no head)."""
         tokens, segment_ids = batch[TEXT_KEY], batch.get(SEGMENTS_KEY)
         weights_BS, routed_BS = self._masks(tokens, segment_ids)
+        if self.indexer is not None and self.indexer.warmup:
+            weights_BS = routed_BS.astype(jnp.float32)  # the warm-up's mass: its counted queries
         router = None
         if self.router is not None:
             counts = None
@@ -523,6 +581,8 @@ class LMObjective:
         targets = max(float(stats.ce.count), 1.0)
         ce = float(stats.ce.total) / targets
         loss = float(stats.loss.total) / targets
+        if self.indexer is not None and self.indexer.warmup:  # no cross entropy: the KL per query alone
+            return {"loss": loss, "indexer_kl": float(stats.terms["indexer_kl"].total) / targets}
         router_terms = {}
         if stats.router is not None and self.router is not None:
             extra, router_terms = self.router.loss(stats.router, self.router.totals(stats.router))
