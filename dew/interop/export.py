@@ -20,6 +20,7 @@ from dew.interop import tensors
 from dew.interop.families import Converter, family_for
 from dew.interop.hub import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES
 from dew.interop.safetensors_files import write_atomically, write_checkpoint
+from dew.nn.linear import QUANT_COLLECTION
 from dew.nn.transformer import CausalTransformer
 from dew.sampling import Sampling
 
@@ -140,6 +141,9 @@ def split_collections(merged: Mapping, like: Mapping) -> dict:
 def checked_params(model: CausalTransformer, variables):
     """The weights of `variables` (collections merged, as `model_params` gives them), refused unless they
     are this model's tree in its own form or per layer."""
+    if QUANT_COLLECTION in variables:
+        raise ValueError("these variables hold int8 weights (dew.nn.quantize), made for generation: save the float "
+                         "weights they were quantized from (load the checkpoint without quantize=)")
     if "params" not in variables:
         variables = {"params": variables}
     own = model_variables(model)

@@ -1,6 +1,7 @@
 """GGUF files (llama.cpp): metadata as a transformers config, tensors dequantized to float32, the tokenizer.
 
-The architectures a family converter names GGUF tables for load (llama, qwen2 and qwen3); the file's
+The architectures a family converter names GGUF tables for load (llama, Mixtral as llama.cpp's llama
+with experts, qwen2, qwen3, qwen2moe and qwen3moe, their experts stacked per projection); the file's
 metadata becomes a config.json-style dict through the family's metadata table, read by the same
 family code as a safetensors checkpoint, and each tensor is dequantized from the memory-mapped file
 when the loader asks for it (only the rows asked for), under its GGUF name; the family's rules
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dew.interop.families import gguf_architectures, gguf_family
+from dew.interop.families import FAMILIES, gguf_architectures, gguf_family
+
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp token types
 _SPACE = "\u2581"  # SentencePiece's spelling of a space
 # Per-token arrays, read with `field` when the tokenizer is built rather than kept in `metadata`.
@@ -34,6 +36,9 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
 # with these alone, llama.cpp's linear and YaRN rotations are transformers' ones.
 _ROPE_SCALING_KEYS = {"factor": "factor", "original_context_length": "original_max_position_embeddings",
                       "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+# Tensors llama.cpp reads as a vector of `n_embd` where transformers has a `[1, n_embd]` row (Qwen2-MoE's
+# shared-expert gate): files hold either (ggml pads a tensor's dimensions with ones), read as the row.
+_ROW_VECTORS = ("ffn_gate_inp_shexp.weight",)
 _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
            "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 
@@ -68,10 +73,11 @@ class GGUFCheckpoint:
         self.metadata = {key: field.contents() for key, field in self._reader.fields.items()
                          if key not in _VOCABULARY_KEYS}
         self.architecture = self.metadata.get("general.architecture")
-        self.family = gguf_family(self.architecture)
+        self.family = _family(self.architecture, self.metadata)
         if self.family is None:
             raise ValueError(f"{self.path.name} holds a {self.architecture!r} model: Dew reads the GGUF architectures "
-                             f"{gguf_architectures()}; load this model from its safetensors checkpoint instead")
+                             f"{sorted(set(gguf_architectures()))}; load this model from its safetensors checkpoint "
+                             "instead")
         self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
         if "rope_freqs.weight" in self._tensors:
             raise ValueError(f"{self.path.name} holds rope_freqs.weight, llama.cpp's precomputed Llama 3 rotary "
@@ -99,6 +105,7 @@ class GGUFCheckpoint:
         config.setdefault("rope_theta", 10000.0)
         if config.get("vocab_size") is None:
             config["vocab_size"] = self.shape(gguf.names["model.embed_tokens.weight"])[0]
+        config.update(gguf.fixed)
         config.update(
             model_type=self.family.model_type, tie_word_embeddings=gguf.names["lm_head.weight"] not in self._tensors,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
@@ -137,6 +144,10 @@ class GGUFCheckpoint:
         return list(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        shape = self._stored_shape(name)
+        return (1, *shape) if len(shape) == 1 and name.endswith(_ROW_VECTORS) else shape
+
+    def _stored_shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(n) for n in reversed(self._tensors[name].shape))
 
     def dtype(self, name: str) -> str:
@@ -144,9 +155,15 @@ class GGUFCheckpoint:
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
         """A tensor's region `index` (slices, rows first) as float32: only its rows are dequantized."""
+        index = tuple(index)
+        if len(self._stored_shape(name)) < len(self.shape(name)):  # a row stored as a vector: the vector is the row
+            return self._read_stored(name, index[1:])[None][index[:1]]
+        return self._read_stored(name, index)
+
+    def _read_stored(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         gguf = _require_gguf()
         tensor = self._tensors[name]
-        shape = self.shape(name)
+        shape = self._stored_shape(name)
         rows = index[0] if index else slice(None)
         # the memory map holds one row per leading index (quantized rows as their bytes), so rows slice alike
         data = tensor.data.reshape(shape[0], -1) if len(shape) > 1 else tensor.data.reshape(1, -1)
@@ -161,6 +178,19 @@ class GGUFCheckpoint:
             return np.asarray(array, np.float32).reshape(shape)[rows]
         array = np.asarray(array, np.float32).reshape(count, *shape[1:])
         return array[(slice(None), *index[1:])]
+
+
+def _family(architecture: str, metadata: dict):
+    """The family that reads a GGUF file: llama.cpp writes Mixtral as a llama with `expert_count` experts,
+    so among the families of one architecture, the one whose metadata table reads an expert count
+    exactly when the file has one."""
+    family = gguf_family(architecture)
+    experts = bool(metadata.get(f"{architecture}.expert_count"))
+    if family is None or ("expert_count" in family.gguf.metadata) == experts:
+        return family
+    return next((converter for converter in FAMILIES.values() if converter.gguf is not None
+                 and converter.gguf.architecture == architecture
+                 and ("expert_count" in converter.gguf.metadata) == experts), family)
 
 
 def write_tokenizer(checkpoint: GGUFCheckpoint, directory: Path) -> bool:

@@ -25,11 +25,16 @@ def cap_logits(logits: jax.Array, softcap: float | None) -> jax.Array:
 @struct.dataclass
 class Head:
     """The output projection: `weight` in the compute dtype, `[E, V]`, or `[V, E]` when `transposed`
-    (a tied embedding), and the logit `softcap`. Gradients flow into the parameter it was read from."""
+    (a tied embedding), and the logit `softcap`. Gradients flow into the parameter it was read from.
+
+    With int8 weights (`dew.nn.quantize`) `weight` stays int8 and `scale` holds one float32 scale per
+    vocabulary entry; `logits` converts inside its product. Such a head is for generation: objectives
+    that read `weight` directly refuse int8 variables before they get here."""
 
     weight: jax.Array
     transposed: bool = struct.field(pytree_node=False)
     softcap: float | None = struct.field(pytree_node=False, default=None)
+    scale: jax.Array | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -38,6 +43,9 @@ class Head:
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Capped float32 logits `[..., V]` of hidden states `[..., E]` (`head_logits` in the reference)."""
         lead = hidden.shape[:-1]
-        logits_NV = vocab_logits(hidden.reshape(-1, hidden.shape[-1]).astype(self.weight.dtype), self.weight,
-                                 self.transposed)
+        hidden_NE = hidden.reshape(-1, hidden.shape[-1])
+        if self.scale is None:
+            logits_NV = vocab_logits(hidden_NE.astype(self.weight.dtype), self.weight, self.transposed)
+        else:
+            logits_NV = vocab_logits(hidden_NE, self.weight.astype(hidden.dtype), self.transposed) * self.scale
         return cap_logits(logits_NV, self.softcap).reshape(*lead, self.vocab_size)

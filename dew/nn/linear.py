@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax import lax
 
+QUANT_COLLECTION = "quant"  # int8 weights' float32 scales (see dew.nn.quantize)
+KERNEL_SCALE = "kernel_scale"
 _MATMUL = (((1,), (0,)), ((), ()))  # [N, D] x [D, F]
 _TRANSPOSED_B = (((1,), (1,)), ((), ()))  # [N, F] x [D, F]
 
@@ -66,7 +68,14 @@ class Linear(nn.Module):
                             self.param_dtype)
         lead = x.shape[:-1]
         x_ND = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        y_NF = matmul(x_ND, kernel.astype(self.dtype))
+        if self.has_variable(QUANT_COLLECTION, KERNEL_SCALE):
+            # int8 kernel, one scale per output: the conversion fuses into the product, so only the
+            # int8 bytes stream from memory; the scale applies to the float32 result.
+            scale_F = self.get_variable(QUANT_COLLECTION, KERNEL_SCALE)
+            y_NF = lax.dot_general(x_ND, kernel.astype(self.dtype), _MATMUL, preferred_element_type=jnp.float32)
+            y_NF = y_NF * scale_F
+        else:
+            y_NF = matmul(x_ND, kernel.astype(self.dtype))
         if self.use_bias:
             bias = self.param("bias", named(nn.initializers.zeros_init(), self.names and self.names[1:]),
                               (self.features,), self.param_dtype)

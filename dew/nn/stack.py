@@ -20,6 +20,7 @@ import numpy as np
 from flax import linen as nn
 
 from dew.nn.layer import DecoderLayer, LayerKnobs, LayerSpec
+from dew.nn.linear import QUANT_COLLECTION
 from dew.nn.moe import BIAS_COLLECTION
 
 REMAT_POLICIES = {
@@ -160,8 +161,10 @@ def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, 
         knobs = _knobs(specs, tables, start, stop, replay_LBSK)
         cache = None if cache_runs is None else cache_runs[run]
         if scan:
-            # Every collection a layer holds is stacked by layer: params, and a router's balancing bias.
-            scanned = nn.scan(layer_class, variable_axes={"params": 0, BIAS_COLLECTION: 0}, split_rngs={"params": True, "dropout": True},
+            # Every collection a layer holds is stacked by layer: params, a router's balancing bias, int8
+            # weights' scales.
+            scanned = nn.scan(layer_class, variable_axes={"params": 0, BIAS_COLLECTION: 0, QUANT_COLLECTION: 0},
+                              split_rngs={"params": True, "dropout": True},
                               in_axes=(0, nn.broadcast), length=stop - start,
                               metadata_params={nn.PARTITION_NAME: "layers"})
             layer = scanned(spec, dtype, param_dtype, keep, parent=parent, name=run_name(start, stop))

@@ -24,13 +24,14 @@ from dew.data.inputs import ModelInputs, text_fields
 from dew.nn.attention import AttentionSpec
 from dew.nn.head import Head
 from dew.nn.kv_cache import Cache
-from dew.nn.linear import named
+from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, named
 from dew.nn.layer import NORM_PLACEMENTS, LayerContext, LayerSpec
 from dew.nn.mla import LatentAttention, MLASpec
 from dew.nn.mlp import ACTIVATIONS, DenseSpec
 from dew.nn.moe import Mixture, Routes, SparseSpec
 from dew.nn.mtp import mtp_states
 from dew.nn.norms import NORM_STYLES, RMSNorm
+from dew.nn.quantize import EMBED_SCALE
 from dew.nn.rotary import RopeScaling, rotary_angles
 from dew.nn.stack import REMAT_POLICIES, apply_layers, runs, stack_variables, unstack_variables
 
@@ -411,7 +412,12 @@ class CausalTransformer(nn.Module):
         embed = nn.Embed(c.vocab_size, c.emb_features, dtype=c.dtype, param_dtype=c.param_dtype,
                          embedding_init=named(nn.initializers.normal(0.02), ("vocab", "embed")), name="embed_tokens")
         def embedded(ids_BS):
-            x_BSE = embed(ids_BS).astype(c.dtype)
+            if self.has_variable(QUANT_COLLECTION, EMBED_SCALE):  # int8 rows, one scale each (dew.nn.quantize)
+                scale_V = self.get_variable(QUANT_COLLECTION, EMBED_SCALE)
+                x_BSE = jnp.take(embed.embedding, ids_BS, axis=0).astype(c.dtype) * scale_V[ids_BS][..., None].astype(
+                    c.dtype)
+            else:
+                x_BSE = embed(ids_BS).astype(c.dtype)
             if c.scale_embeddings:
                 x_BSE = x_BSE * jnp.asarray(c.emb_features**0.5, c.dtype)
             return x_BSE
@@ -438,10 +444,12 @@ class CausalTransformer(nn.Module):
         )
         hidden_BSE = RMSNorm(c.norm_eps, c.norm_style, dtype=c.dtype, param_dtype=c.param_dtype, name="norm")(x_BSE)
         if c.tie_embeddings:
-            output_head = Head(embed.embedding.astype(c.dtype), transposed=True, softcap=c.logit_softcap)
+            scale_V = self.get_variable(QUANT_COLLECTION, EMBED_SCALE)  # None unless the weights are int8
+            output_head = Head(_compute(embed.embedding, c.dtype), transposed=True, softcap=c.logit_softcap,
+                               scale=scale_V)
         else:
-            kernel = _Kernel(c.vocab_size, c.param_dtype, name="lm_head")(c.emb_features)
-            output_head = Head(kernel.astype(c.dtype), transposed=False, softcap=c.logit_softcap)
+            kernel, scale_V = _Kernel(c.vocab_size, c.param_dtype, name="lm_head")(c.emb_features)
+            output_head = Head(_compute(kernel, c.dtype), transposed=False, softcap=c.logit_softcap, scale=scale_V)
         aux = {f"layers_{i}": states for i, states in zip(keep, kept)}
         if routing is not None:
             aux["routing"] = routing
@@ -479,6 +487,13 @@ class _Kernel(nn.Module):
     param_dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, in_features: int) -> jax.Array:
-        return self.param("kernel", named(nn.initializers.normal(0.02), ("embed", "vocab")),
-                          (in_features, self.features), self.param_dtype)
+    def __call__(self, in_features: int) -> tuple[jax.Array, jax.Array | None]:
+        """(the kernel, its int8 scales per vocabulary column or None for float weights)."""
+        kernel = self.param("kernel", named(nn.initializers.normal(0.02), ("embed", "vocab")),
+                            (in_features, self.features), self.param_dtype)
+        return kernel, self.get_variable(QUANT_COLLECTION, KERNEL_SCALE)
+
+
+def _compute(weight: jax.Array, dtype) -> jax.Array:
+    """A head weight in the compute dtype, or left int8 (the head converts it inside its product)."""
+    return weight if weight.dtype == jnp.int8 else weight.astype(dtype)

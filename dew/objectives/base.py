@@ -7,7 +7,7 @@ asks the objective what evaluation means.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import jax
@@ -48,6 +48,18 @@ class Mean:
         return self.total / jnp.maximum(self.count, 1)
 
 
+@struct.dataclass
+class Prediction:
+    """What a forward pass gives a distillation beside its loss: the whole float32 `logits`
+    `[B, seq_len, vocab]`, each target's `weights` `[B, seq_len]` (0 for targets the loss does not
+    count), and `layers`, the output states `[B, seq_len, emb]` of the layers asked for, under
+    `layers_N`."""
+
+    logits: jax.Array
+    weights: jax.Array
+    layers: dict = struct.field(default_factory=dict)
+
+
 class Objective(Protocol):
     """The contract `Trainer` compiles; every objective (language modelling, masked or block diffusion,
     preference and reinforcement objectives) implements it.
@@ -65,7 +77,8 @@ class Objective(Protocol):
       the scalars to log; `check_batch(batch)` refuses a host batch before it is placed.
     - Optional: `preview(params, batch, step)` (texts to show at each evaluation, or None),
       `preview_variables(state)` (the weights previews draw from; default `state.evaluated`),
-      `predict(...)` (scores with the logits behind them, for distillation),
+      `predict(params, batch, step, *, train, layers)` (the loss with the `Prediction` behind it,
+      for a distillation to compare a student with a teacher),
       `logical_names()` (each parameter's logical axes, which the trainer maps onto the mesh), and
       the window normalisation below.
 
@@ -113,6 +126,12 @@ class Objective(Protocol):
 
     def summarize(self, stats: Any) -> dict[str, float]:
         """The scalars to log for summed statistics, e.g. `{"loss", "ce", "perplexity"}`."""
+        ...
+
+    def predict(self, params: Variables, batch: Mapping[str, jax.Array], step: Step, *, train: bool,
+                layers: Sequence[int] = ()) -> tuple[Any, Aux, Prediction]:
+        """(optional) `loss`'s statistics and effects with the `Prediction` behind them: the whole
+        logits, the target weights and the output states of `layers`."""
         ...
 
 

@@ -20,6 +20,7 @@ import jax
 import tyro
 
 from dew.data import Dataset, load_tokenizer
+from dew.data.chat_data import ChatData
 from dew.data.tokenizers import tokenizer_file, tokenizer_name
 from dew.diffusion.discrete import MDLM
 from dew.errors import describe, exit_status, one_line_warnings, report
@@ -38,13 +39,16 @@ RECIPE = "lm"
 
 
 def _load_data(config: LMRunConfig) -> Dataset:
-    """The train stream and validation pass, refused unless meta.json names the run's tokenizer."""
+    """The train stream and validation pass, refused unless meta.json names the run's tokenizer (chat
+    conversations are rendered and tokenized with the run's tokenizer)."""
     spec = config.data
     if spec.tokenizer is not None and tokenizer_name(spec.tokenizer) != tokenizer_name(config.tokenizer):
         raise ValueError(
             f"--data.tokenizer {spec.tokenizer!r} and --tokenizer {config.tokenizer!r} disagree: "
             "leave --data.tokenizer unset; --tokenizer names the run's tokenizer"
         )
+    if isinstance(spec, ChatData):
+        return _load_chat(config, dataclasses.replace(spec, tokenizer=config.tokenizer))
     data = spec.load(batch=config.trainer.batch, val_batch=config.trainer.val_batch)
     if tokenizer_name(config.tokenizer) != data.meta["tokenizer"]:
         raise ValueError(
@@ -58,6 +62,16 @@ def _load_data(config: LMRunConfig) -> Dataset:
             "tokens: pass --trainer.eval-every None, or tokenize with a --val-fraction above 0"
         )
     return data
+
+
+def _load_chat(config: LMRunConfig, spec: ChatData) -> Dataset:
+    """Chat conversations as rows, with validation conversations when evaluation asks for them."""
+    if spec.val_path is None and config.trainer.eval_every is not None:
+        raise ValueError(
+            f"--trainer.eval-every {config.trainer.eval_every} asks for validation, and data:chat has no "
+            "--data.val-path: pass a JSONL file of validation conversations, or --trainer.eval-every None"
+        )
+    return spec.load(batch=config.trainer.batch, val_batch=config.trainer.val_batch)
 
 
 def _samples(config: LMRunConfig, max_seq_len: int) -> Samples | None:
@@ -305,7 +319,7 @@ def _objective(config: LMRunConfig, model, held, meta: dict[str, Any],
         model, config.data.seq_len, ema_decay=config.ema_decay, samples=samples,
         balance_rate=config.balance_rate, aux_loss_alpha=config.aux_loss_alpha, seq_aux=config.seq_aux,
         router_z_loss=config.router_z_loss, mtp_weight=config.mtp_weight, indexer=config.indexer,
-        token_accuracy=config.token_accuracy, pretrained=held,
+        token_accuracy=config.token_accuracy, pretrained=held, loss_role=config.loss_role,
     )
 
 

@@ -34,11 +34,11 @@ class Served:
     @classmethod
     def load(cls, source: str, *, slots: int = 8, capacity: int | None = None, queue: int = 256,
              prefill_rows: int = 4, name: str | None = None, chat_template_file: str | None = None,
-             live: bool = False) -> "Served":
+             live: bool = False, quantize: str | None = None) -> "Served":
         """Load `source` (whatever `dew.pipeline` reads), find its chat template, and start a warmed-up engine."""
         from dew.inference import pipeline
 
-        task = pipeline(source, ema=not live)
+        task = pipeline(source, ema=not live, quantize=quantize)
         if not isinstance(task, TextGeneration):
             raise ValueError(f"{source} holds a {type(task).__name__} model, and dew serve decodes causal language "
                              "models token by token: generate from it with dew.pipeline in Python")

@@ -38,6 +38,13 @@ def _key_data(key) -> jax.Array:
     return jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
 
 
+def _batch_signature(batch: dict) -> tuple:
+    """What a compiled step is specialised to: the batch's pytree structure (an entry may be a
+    `ModelInputs`) and each leaf's shape and dtype."""
+    leaves, structure = jax.tree_util.tree_flatten(batch)
+    return structure, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves)
+
+
 def _first_path(params, prefix: str = "params") -> str:
     """The path of the first leaf of a parameter tree, as a `trainable` filter sees it."""
     name, value = next(iter(params.items()))
@@ -287,10 +294,10 @@ class Trainer:
 
     def compile_step(self, state: TrainState, batch: dict, accumulation: int = 1):
         """The train step compiled ahead of time for these shapes (cached)."""
-        signature = (accumulation, tuple((k, v.shape, str(v.dtype)) for k, v in sorted(batch.items())))
+        signature = (accumulation, *_batch_signature(batch))
         if signature not in self._compiled:
             shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
-            batch_shardings = {k: v.sharding for k, v in batch.items()}
+            batch_shardings = jax.tree_util.tree_map(lambda x: x.sharding, batch)
             jitted = jax.jit(
                 self._train_step(accumulation), in_shardings=(shardings, batch_shardings),
                 out_shardings=(shardings, replicated(self.mesh)), donate_argnums=0,
@@ -301,7 +308,7 @@ class Trainer:
         return self._compiled[signature]
 
     def _eval_step(self, batch: dict):
-        signature = ("eval", tuple((k, v.shape) for k, v in sorted(batch.items())))
+        signature = ("eval", *_batch_signature(batch))
         if signature not in self._compiled:
 
             def eval_fn(state, batch, index, batch_index, key_data):

@@ -45,11 +45,13 @@ def _gguf_name(name: str) -> str:
     return LLAMA_CPP_NAMES[template].format(layer=layer and layer[1])
 
 
-def write_gguf(model, path: Path, extra=None) -> Path:
+def write_gguf(model, path: Path, extra=None, arch: str | None = None, tensors=None) -> Path:
     """The model as llama.cpp would write it: Q8_0 where the rows allow, float32 elsewhere.
 
-    `extra(writer)`, when given, adds to the metadata and tensors before the model's tensors."""
-    config, arch = model.config, model.config.model_type
+    `extra(writer)`, when given, adds to the metadata and tensors before the model's tensors. `arch` is
+    llama.cpp's name for the architecture (default: the model type); `tensors`, when given, are the
+    `(GGUF name, array, ggml type or None)` to write in place of the model's own (a mixture's stacked experts)."""
+    config, arch = model.config, arch or model.config.model_type
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -79,24 +81,38 @@ def write_gguf(model, path: Path, extra=None) -> Path:
     writer.add_eos_token_id(96)
     if extra is not None:
         extra(writer)
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        array = tensor.detach().numpy().astype(np.float32)
-        if arch == "llama" and ".q_proj." in name:
-            array = _permute(array, config.num_attention_heads)
-        if arch == "llama" and ".k_proj." in name:
-            array = _permute(array, config.num_key_value_heads)
-        if array.ndim == 2 and array.shape[1] % 32 == 0:
-            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(_gguf_name(name), array)
+    for name, array, raw_dtype in (_model_tensors(model, arch) if tensors is None else tensors):
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _model_tensors(model, arch: str):
+    """The model's tensors under llama.cpp's names: Q8_0 where the rows allow, float32 elsewhere."""
+    config = model.config
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        array = permuted(name, tensor.detach().numpy().astype(np.float32), config, arch)
+        if array.ndim == 2 and array.shape[1] % 32 == 0:
+            yield _gguf_name(name), gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0), Q8_0
+        else:
+            yield _gguf_name(name), array, None
+
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+def permuted(name: str, array: np.ndarray, config, arch: str) -> np.ndarray:
+    """A transformers tensor in llama.cpp's row order: a llama's queries and keys interleaved per head."""
+    if arch == "llama" and ".q_proj." in name:
+        return _permute(array, config.num_attention_heads)
+    if arch == "llama" and ".k_proj." in name:
+        return _permute(array, config.num_key_value_heads)
+    return array
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2-bias-window", "qwen3-qk-norm"])

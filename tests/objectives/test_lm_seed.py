@@ -60,9 +60,7 @@ def test_seq_aux_without_a_balance_loss_is_refused(tiny_model):
 
 
 @pytest.mark.parametrize("keyword, value, capability", [
-    ("roles", np.zeros((2, SEQ + 1), np.int32), "chat role masks"),
     ("qk_stats", True, "attention logit statistics"),
-    ("layers", (0,), "layers' output states"),
 ])
 def test_token_scores_refuses_each_unbuilt_report_by_name(tiny_model, tiny_variables, keyword, value, capability):
     objective = LMObjective(tiny_model, SEQ)

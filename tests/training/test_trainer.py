@@ -280,3 +280,37 @@ def test_sigint_checkpoints_the_step_and_stops_cleanly(tiny_model, tmp_path):
     # Without a checkpoint directory there is nothing to save: SIGINT interrupts as Python's default does.
     with pytest.raises(KeyboardInterrupt):
         trainer.fit(_stream(4), steps=10, log_every=1, verbose=False, trackers=[_SignalAt(signal.SIGINT, 2)])
+
+
+def test_a_model_inputs_batch_trains_as_its_token_rows(tiny_model):
+    """A batch entry may be a pytree (a `ModelInputs` under "text"): the step is compiled for its
+    structure, placed and split into micro-batches leaf by leaf."""
+    from dew.data.inputs import ModelInputs
+
+    def stream(wrap):
+        def train(partition):
+            step = 0
+            while True:
+                rows = _rows(step, 4)
+                yield {"text": wrap(rows)}
+                step += 1
+
+        return Dataset(train=train, val=None, records=10**6, batch=4)
+
+    objective = LMObjective(tiny_model, SEQ, ema_decay=None)
+    fit = lambda data: Trainer(objective, optax.sgd(0.5), key=jax.random.key(0)).fit(
+        data, steps=2, accumulation=2, verbose=False)
+    plain = fit(stream(lambda rows: rows))
+    wrapped = fit(stream(lambda rows: ModelInputs.of(rows)))
+    # The same rows and the same computation: bit-identical.
+    np.testing.assert_array_equal(_flat(wrapped.params), _flat(plain.params))
+
+    # With an attention mask among its token fields (the last three slots of each row are padding).
+    def masked(rows):
+        mask = np.ones_like(rows)
+        mask[:, -3:] = 0
+        return ModelInputs.of(rows, attention_mask=mask)
+
+    trainer = Trainer(objective, optax.sgd(0.5), key=jax.random.key(0))
+    state = trainer.fit(stream(masked), steps=1, verbose=False)
+    assert int(state.updates) == 1 and len(trainer._compiled) == 1

@@ -12,7 +12,7 @@ discipline and rotary parameters are shared, in `dew.interop.hf_decoders`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from dew.interop.hf_decoders import (
@@ -34,13 +34,15 @@ class GGUFNames:
     """How llama.cpp writes a family: its `architecture` name (`general.architecture`), the GGUF name of
     each checkpoint tensor name template (`names`), the config.json field each metadata key gives
     (`metadata`, keys after the `{architecture}.` prefix), and whether it stores the query and key rows
-    interleaved per head for its rotary layout (`permuted`, llama's). `dew.interop.gguf_files` reads
-    the file through these."""
+    interleaved per head for its rotary layout (`permuted`, llama's), and the config.json fields
+    llama.cpp's graph fixes for the architecture rather than reading them from the file (`fixed`).
+    `dew.interop.gguf_files` reads the file through these."""
 
     architecture: str
     names: Mapping[str, str]
     metadata: Mapping[str, str]
     permuted: bool = False
+    fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +130,13 @@ class Converter:
                 kwargs["local_rope_theta"] = theta
             if scaling != full_scaling:
                 kwargs["local_rope_scaling"] = scaling
+        self.read_family_fields(fields, kwargs)
         fields.finish()
         return kwargs
+
+    def read_family_fields(self, fields: ConfigFields, kwargs: dict) -> None:
+        """Read into `kwargs` the fields the tables above do not cover (a mixture of experts' fields,
+        in `dew.interop.families.experts`); a plain family has none."""
 
     def activation(self, fields: ConfigFields) -> str:
         """The config's MLP activation name, as transformers reads it."""
@@ -217,8 +224,10 @@ class Converter:
 
     # ---- tensors -------------------------------------------------------------------------------
 
-    def tensor_rules(self, config: DecoderConfig) -> tuple[Rule, ...]:
-        """The rules between this family's checkpoint tensors and Dew's parameters for `config`."""
+    def tensor_rules(self, config: DecoderConfig, names: Collection[str] | None = None) -> tuple[Rule, ...]:
+        """The rules between this family's checkpoint tensors and Dew's parameters for `config`: the
+        names it writes, or, given the `names` a checkpoint holds, the layout they are in (a family that
+        has more than one on disk reads each)."""
         return self.rules
 
     def fit_to_weights(self, kwargs: dict[str, Any], names) -> dict[str, Any]:
@@ -267,13 +276,21 @@ def _normal(spec: LayerSpec) -> LayerSpec:
     return dataclasses.replace(spec, mixer=mixer)
 
 
+_FEED_FORWARD_KINDS = {"DenseSpec": "a dense MLP", "SparseSpec": "a mixture of experts"}
+
+
 def _differences(ours: DecoderConfig, theirs: DecoderConfig) -> list[str]:
-    """Each computation two configs do differently, named (the first layer that differs, for layers)."""
+    """Each computation two configs do differently, named: every layer whose feed-forward is of another
+    kind (dense or a mixture), and the first layer that differs otherwise."""
     found = [f"{name} {getattr(ours, name)!r} (it computes {getattr(theirs, name)!r})"
              for name in _GLOBAL if getattr(ours, name) != getattr(theirs, name)]
     for index, (mine, its) in enumerate(zip(ours.layer_specs, theirs.layer_specs)):
         mine, its = _normal(mine), _normal(its)
         if mine == its:
+            continue
+        kinds = [_FEED_FORWARD_KINDS.get(type(spec.feed_forward).__name__) for spec in (mine, its)]
+        if kinds[0] != kinds[1]:  # every such layer is named: each is a change the family cannot make
+            found.append(f"layer {index} feed_forward {kinds[0]} (it computes {kinds[1]})")
             continue
         for part in ("mixer", "feed_forward", None):
             a, b = (getattr(mine, part), getattr(its, part)) if part else (mine, its)

@@ -19,7 +19,7 @@ naming the family's own routing) and refused by name where they do not; the trai
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from dew.interop.families.converter import Converter
@@ -281,7 +281,7 @@ class DeepseekConverter(Converter):
 
     # ---- tensors -------------------------------------------------------------------------------
 
-    def tensor_rules(self, config: DecoderConfig) -> tuple[Rule, ...]:
+    def tensor_rules(self, config: DecoderConfig, names: Collection[str] | None = None) -> tuple[Rule, ...]:
         return self.rules + tuple(rule for depth in range(config.mtp_depths)
                                   for rule in mtp_rules(depth, config.num_layers + depth))
 

@@ -187,7 +187,7 @@ class MaskedDiffusionObjective:
         and `processor` (a tokenizer) to encode text prompts and decode results."""
         from dew.inference import MaskedGeneration
 
-        params = state.ema if ema and state.ema is not None else state.params
+        params = state.averaged if ema and state.ema is not None else state.params  # frozen leaves included
         budget = self.samples.max_new_tokens if self.samples and self.samples.max_new_tokens else None
         return MaskedGeneration(self.model, params, self.process, tokenizer=processor, max_new_tokens=budget)
 

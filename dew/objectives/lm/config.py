@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import tyro
 
 from dew.data import TokenWindows
+from dew.data.chat import MESSAGE_ROLES
+from dew.data.chat_data import ChatData
 from dew.objectives.lm.indexer import IndexerTraining
 from dew.run_config import DataSpec, ModelConfig, OptimConfig, TrainerConfig
 from dew.sampling import Sampling
+
+LMDataSpec = DataSpec | Annotated[ChatData, tyro.conf.subcommand(
+    "chat", description="Chat conversations (JSONL) rendered with the tokenizer's chat template, a role per token "
+                        "(ChatData).")]
+"""What a language-model run trains on: token files (`DataSpec`), or `data:chat` conversations."""
 
 # Each objective, and None where it is built or what is not built yet.
 _OBJECTIVES = {"lm": None, "masked_diffusion": None, "block_diffusion": "block diffusion"}
 _DEFAULT_SAMPLING = Sampling(temperature=0.8, top_k=40)
 # Knobs of the autoregressive loss alone, with the value that asks for nothing.
 _LM_ONLY = {"balance_rate": None, "aux_loss_alpha": None, "seq_aux": True, "router_z_loss": 0.0, "mtp_weight": None,
-            "indexer": None}
+            "indexer": None, "loss_role": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +32,7 @@ class LMRunConfig:
     """A run, plus the language model's own knobs."""
 
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig("causal_transformer"))
-    data: DataSpec = TokenWindows()
+    data: LMDataSpec = TokenWindows()
     optim: OptimConfig = dataclasses.field(
         default_factory=lambda: OptimConfig(learning_rate=0.0006, weight_decay=0.1, clip_grads=1.0))
     trainer: TrainerConfig = TrainerConfig()
@@ -67,6 +74,8 @@ class LMRunConfig:
     """Clean prompt prefix in a block-diffusion token row (objective block_diffusion only)."""
     block_canvas_size: int | None = None
     """Training canvas width of block diffusion (objective block_diffusion only)."""
+    loss_role: Literal["system", "user", "assistant", "tool"] | None = None
+    """Train only on the targets of this role (LMObjective.loss_role): assistant for supervised fine-tuning. Needs data:chat rows, which carry a role per token; unset trains on every target."""
 
     def __post_init__(self):
         if self.objective not in _OBJECTIVES:
@@ -97,9 +106,17 @@ class LMRunConfig:
             raise ValueError(f"ema_decay is {self.ema_decay}; use a value in [0, 1], or None for no EMA")
         if self.sample_tokens < 0:
             raise ValueError(f"sample_tokens is {self.sample_tokens}; use 0 for no previews, or more")
+        if self.loss_role is not None and self.loss_role not in MESSAGE_ROLES:
+            raise ValueError(f"--loss-role {self.loss_role!r} is not a message role: use one of {MESSAGE_ROLES}")
+        if self.loss_role is not None and not isinstance(self.data, ChatData):
+            raise ValueError(f"--loss-role {self.loss_role} keeps the targets of one role, and {_data_name(self.data)} "
+                             "rows carry no roles: train on data:chat conversations, or drop --loss-role")
 
     def _check_masked_diffusion(self):
         """Refuse settings masked diffusion has no use for, rather than ignore them."""
+        if isinstance(self.data, ChatData):
+            raise ValueError("--objective masked_diffusion reads token rows whole, without their roles or "
+                             "conversation boundaries: train it on data:token-windows or data:packed-tokens")
         for name, neutral in _LM_ONLY.items():
             if getattr(self, name) != neutral:
                 flag = "--no-seq-aux" if name == "seq_aux" else f"--{name.replace('_', '-')} {getattr(self, name)}"
@@ -110,3 +127,9 @@ class LMRunConfig:
                 f"--sampling sets an autoregressive policy ({self.sampling}), and --objective masked_diffusion "
                 "previews and generates by unmasking with MDLM's sampler: drop the --sampling flags"
             )
+
+
+def _data_name(data) -> str:
+    """The subcommand that reads `data`, as the command line spells it."""
+    return {"TokenWindows": "data:token-windows", "PackedTokens": "data:packed-tokens"}.get(type(data).__name__,
+                                                                                          type(data).__name__)

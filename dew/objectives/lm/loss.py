@@ -9,6 +9,9 @@ runs the head.
 
 Tiles are `ceil(V / chunks)` wide; the last one starts early enough to end at `V`, and the columns
 it shares with the tile before are masked out of it.
+
+A `temperature` other than 1 divides the capped logits before the softmax, as a sampler tempers
+them (`LMObjective.sampled_log_probs`); at 1 the tiles are not divided at all.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def _layout(vocab: int, chunks: int) -> tuple[int, int]:
 
 
 def _tile(hidden_NE, weight, index, width, transposed, softcap):
-    """The tile's first column, its float32 logits `[N, width]` (shared columns at -inf), and the mask."""
+    """The tile's first column, its capped float32 logits `[N, width]` (shared columns at -inf), and the mask."""
     vocab = weight.shape[0] if transposed else weight.shape[1]
     start = jnp.minimum(index * width, vocab - width)
     if transposed:
@@ -44,26 +47,32 @@ def _tile(hidden_NE, weight, index, width, transposed, softcap):
     return start, w_tile, jnp.where(fresh_C[None, :], logits_NC, -jnp.inf), fresh_C
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _tempered(capped_NC, temperature: float):
+    return capped_NC if temperature == 1.0 else capped_NC / temperature
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def chunked_cross_entropy(hidden_NE, weight, targets_N, transposed: bool, chunks: int, softcap: float | None,
-                          accuracy: bool = True):
+                          accuracy: bool = True, temperature: float = 1.0):
     """Per-token `(ce, lse, correct)`, float32 `[N]` each.
 
     `weight` is the head, `[E, V]` (or `[V, E]` with `transposed`, a tied embedding); `hidden_NE` is in
     the compute dtype and `weight` already cast to it. `ce = lse - logit[target]`; `correct` is 1.0
     where the argmax (first maximum) is the target. Gradients flow through `ce` and `lse`. With
     `accuracy` False (a static flag) `correct` is None and the scan takes no argmax over the tiles.
+    `temperature` (a static Python float above 0) divides the capped logits first.
     """
-    return _forward(hidden_NE, weight, targets_N, transposed, chunks, softcap, accuracy)[0]
+    return _forward(hidden_NE, weight, targets_N, transposed, chunks, softcap, accuracy, temperature)[0]
 
 
-def _forward(hidden_NE, weight, targets_N, transposed, chunks, softcap, accuracy):
+def _forward(hidden_NE, weight, targets_N, transposed, chunks, softcap, accuracy, temperature):
     N = hidden_NE.shape[0]
     width, count = _layout(weight.shape[0] if transposed else weight.shape[1], chunks)
 
     def body(carry, index):
         running_max, running_sum, target_logit, best = carry
-        start, _, logits_NC, _ = _tile(hidden_NE, weight, index, width, transposed, softcap)
+        start, _, capped_NC, _ = _tile(hidden_NE, weight, index, width, transposed, softcap)
+        logits_NC = _tempered(capped_NC, temperature)
         tile_max = jnp.max(logits_NC, axis=-1)
         new_max = jnp.maximum(running_max, tile_max)
         running_sum = running_sum * jnp.exp(running_max - new_max) + jnp.sum(jnp.exp(logits_NC - new_max[:, None]), -1)
@@ -87,7 +96,7 @@ def _forward(hidden_NE, weight, targets_N, transposed, chunks, softcap, accuracy
     return (lse - target_logit, lse, correct), (hidden_NE, weight, targets_N, lse)
 
 
-def _backward(transposed, chunks, softcap, accuracy, residuals, cotangents):
+def _backward(transposed, chunks, softcap, accuracy, temperature, residuals, cotangents):
     hidden_NE, weight, targets_N, lse = residuals
     g_ce, g_lse, _ = cotangents
     g_total = (g_ce + g_lse)[:, None]
@@ -96,12 +105,14 @@ def _backward(transposed, chunks, softcap, accuracy, residuals, cotangents):
 
     def body(carry, index):
         d_hidden, d_weight = carry
-        start, w_tile, logits_NC, fresh_C = _tile(hidden_NE, weight, index, width, transposed, softcap)
-        probs_NC = jnp.exp(logits_NC - lse[:, None])  # 0 on the shared columns
+        start, w_tile, capped_NC, fresh_C = _tile(hidden_NE, weight, index, width, transposed, softcap)
+        probs_NC = jnp.exp(_tempered(capped_NC, temperature) - lse[:, None])  # 0 on the shared columns
         target_NC = (targets_N[:, None] - start == jnp.arange(width)[None, :]) & fresh_C[None, :]
         d_logits = probs_NC * g_total - jnp.where(target_NC, g_ce[:, None], 0.0)
+        if temperature != 1.0:
+            d_logits = d_logits / temperature
         if softcap is not None:
-            d_logits = jnp.where(fresh_C[None, :], d_logits * (1.0 - jnp.square(logits_NC / softcap)), 0.0)
+            d_logits = jnp.where(fresh_C[None, :], d_logits * (1.0 - jnp.square(capped_NC / softcap)), 0.0)
         d_logits = d_logits.astype(hidden_NE.dtype)
         # d_hidden += d_logits @ w_tile^T; the tile's weight gradient is hidden^T @ d_logits (or its transpose).
         w_contract = ((1,), (0,)) if transposed else ((1,), (1,))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -11,11 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dew.data.chat import Role
+from dew.data.inputs import ModelInputs, text_fields
+from dew.nn.head import Head
 from dew.nn.mla import IndexerRecord
 from dew.nn.moe import RouterRecord, Routes
-from dew.objectives.base import Aux, Mean, PathFilter, Step, Variables, path_filter
+from dew.objectives.base import Aux, Mean, PathFilter, Prediction, Step, Variables, path_filter
 from dew.objectives.lm.indexer import IndexerTraining, kl_total
 from dew.objectives.lm.loss import chunked_cross_entropy
+from dew.objectives.lm.scoring import PolicyGeneration, check_left_padding, check_support, shift_back, shift_left, \
+    support_log_probs
 from dew.objectives.lm.routing import RouterStatistics, RouterTerms, RouterTotals, bias_steps, max_one, move_biases, \
     slot_counts
 from dew.sampling import Sampling, generate
@@ -25,6 +31,8 @@ TEXT_KEY = "text"
 
 SEGMENTS_KEY = f"{TEXT_KEY}_segment_ids"
 POSITIONS_KEY = f"{TEXT_KEY}_positions"
+ROLES_KEY = f"{TEXT_KEY}_roles"
+"""Batch key of a chat batch's `Role` per token, int32 `[B, seq_len + 1]` like the token rows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,21 +94,62 @@ class LMTotals:
 class Scores:
     """Per-target results `[B, S]`: the losses, each target's weight, whether the argmax was right
     (None when the objective has `token_accuracy=False`, which takes no argmax), the log-normaliser,
-    with `routing=True` each sparse layer's `RouterRecord` laid out `[B, S, L, ...]` (the
-    selected experts and weights `[B, S, L, K]`, scores `[B, S, L, E]`, log-normalisers `[B, S, L]`),
-    and with `depths=True` the multi-token-prediction depths' own `Scores`, `[D, B, S]` each: depth
-    d + 1 at index d scores, at position p, the token d + 2 ahead (the main target of position
-    p + d + 1), weighted as that main target when p to p + d + 1 lie in one document, else 0; with
-    `indexer=True` the lightning indexers' `IndexerRecord`s, `[L, B, S, ...]` over the indexed layers
-    (in the warm-up, whose loss scores no token, `losses`, `correct` and `lse` are None)."""
+    and with `routing=True` each sparse layer's `RouterRecord` laid out `[B, S, L, ...]` (the
+    selected experts and weights `[B, S, L, K]`, scores `[B, S, L, E]`, log-normalisers `[B, S, L]`).
+    `states` are the final-norm output states behind the targets `[B, S, E]` (what `head_logits`
+    turns into logits); `layers` the output states of the layers `token_scores(layers=...)` named,
+    `{"layers_N": [B, S, E]}` (None when none were). With `depths=True`, `depths` holds the
+    multi-token-prediction depths' own `Scores`, `[D, B, S]` each: depth d + 1 at index d scores, at
+    position p, the token d + 2 ahead (the main target of position p + d + 1), weighted as that main
+    target when p to p + d + 1 lie in one document, else 0. With `indexer=True`, `indexer` holds the
+    lightning indexers' `IndexerRecord`s, `[L, B, S, ...]` over the indexed layers (in the warm-up,
+    whose loss scores no token, `losses`, `correct` and `lse` are None)."""
 
     losses: jax.Array
     weights: jax.Array
     correct: jax.Array
     lse: jax.Array
     routing: RouterRecord | None = None
+    states: jax.Array | None = None
+    layers: dict | None = None
     depths: "Scores | None" = None
     indexer: IndexerRecord | None = None
+
+
+@struct.dataclass
+class _Rows:
+    """A batch's token rows `[B, S + 1]` and their per-token fields, each `[B, S + 1]` or None."""
+
+    tokens: jax.Array
+    segment_ids: jax.Array | None = None
+    positions: jax.Array | None = None
+    roles: jax.Array | None = None
+    attention_mask: jax.Array | None = None
+
+
+def _rows_of(text, roles=None, segment_ids=None, positions=None) -> _Rows:
+    """Token rows from an array (with the given fields) or a `ModelInputs` (its own token fields)."""
+    if not isinstance(text, ModelInputs):
+        return _Rows(text, segment_ids, positions, roles)
+    if text.conditioning:
+        raise ValueError(f"LMObjective scores text, and the inputs carry media {sorted(text.conditioning)}")
+    fields = text_fields(text.token_fields, "LMObjective")
+    given = {"segment_ids": segment_ids, "positions": positions}
+    doubled = sorted(name for name, value in given.items() if value is not None and name in fields)
+    if doubled:
+        raise ValueError(f"{doubled} are given twice, as arguments and in the ModelInputs: give them once")
+    return _Rows(text.tokens, fields.get("segment_ids", segment_ids), fields.get("positions", positions), roles,
+                 fields.get("attention_mask"))
+
+
+def _real(rows: _Rows) -> jax.Array | None:
+    """Which tokens are real, not padding, `[B, S + 1]` bool: an attention mask's true slots that are
+    in a segment (not 0); None when nothing marks padding."""
+    real = None if rows.attention_mask is None else rows.attention_mask.astype(bool)
+    if rows.segment_ids is not None:
+        in_segment = rows.segment_ids != 0
+        real = in_segment if real is None else real & in_segment
+    return real
 
 
 @struct.dataclass
@@ -108,40 +157,33 @@ class _Forward:
     """The model's pass over a batch's inputs, as scoring reads it."""
 
     hidden_NE: jax.Array
-    head_weight: jax.Array
+    head: Head
     targets_N: jax.Array
     weights_BS: jax.Array
     routing: RouterRecord | None
     routed_BS: jax.Array
-    transposed: bool = struct.field(pytree_node=False)
+    layers: dict
     depths_DBSE: jax.Array | None = None
     indexer: IndexerRecord | None = None
 
 
 _LATER = {
-    "loss_role": "chat role masks",
     "qk_stats": "attention logit statistics",
 }
-_NEUTRAL = {"loss_role": None, "qk_stats": False}
+_NEUTRAL = {"qk_stats": False}
 _ROUTER_NEUTRAL = {"balance_rate": None, "aux_loss_alpha": None, "router_z_loss": 0.0}
 
 # What `token_scores` can be asked to report beside the losses, the capability each needs, and the
 # value that asks for nothing.
 _SCORED_LATER = {
-    "roles": ("chat role masks", None),
     "qk_stats": ("attention logit statistics", False),
-    "layers": ("keeping layers' output states for feature distillation", ()),
 }
 
 
 def _refuse_unbuilt_scoring(requested: dict[str, Any]) -> None:
     for name, value in requested.items():
         capability, neutral = _SCORED_LATER[name]
-        if name == "layers":
-            value = tuple(value)
-        # roles are arrays when given: only None asks for nothing.
-        asked = value is not None if neutral is None else value != neutral
-        if asked:
+        if value != neutral:
             raise NotImplementedError(
                 f"token_scores({name}={_brief(value)}): {capability} is not built in Dew yet; leave {name} unset"
             )
@@ -181,7 +223,13 @@ def _router_terms(config, *, balance_rate, aux_loss_alpha, seq_aux, router_z_los
 
 
 class LMObjective:
-    """Train a next-token model: shifted cross entropy, teacher-forced scoring, optional previews."""
+    """Train a next-token model: shifted cross entropy, teacher-forced scoring, optional previews.
+
+    A batch holds `text`, int ids `[B, seq_len + 1]` (or a `ModelInputs` whose `attention_mask`
+    marks padding), and optionally `text_segment_ids`, `text_positions` and, for chat rows,
+    `text_roles` (`dew.data.ChatData`). With `loss_role` (a `Role`, or its name) only the targets
+    of that role count: in the loss, the accuracy and an accumulation window's token mass.
+    """
 
     def __init__(
         self,
@@ -196,7 +244,7 @@ class LMObjective:
         balance_rate: float | None = None,
         aux_loss_alpha: float | None = None,
         seq_aux: bool = True,
-        loss_role=None,
+        loss_role: Role | str | None = None,
         mtp_weight: float | None = None,
         z_loss: float = 0.0,
         router_z_loss: float = 0.0,
@@ -205,7 +253,7 @@ class LMObjective:
         trainable: PathFilter | str | None = None,
         token_accuracy: bool = True,
     ):
-        given = dict(loss_role=loss_role, qk_stats=qk_stats)
+        given = dict(qk_stats=qk_stats)
         for name, value in given.items():
             if value != _NEUTRAL[name]:
                 raise NotImplementedError(
@@ -253,7 +301,7 @@ class LMObjective:
             if indexer.warmup:
                 others = dict(mtp_weight=(mtp_weight, None), z_loss=(z_loss, 0.0), balance_rate=(balance_rate, None),
                               aux_loss_alpha=(aux_loss_alpha, None), router_z_loss=(router_z_loss, 0.0),
-                              trainable=(trainable, None))
+                              loss_role=(loss_role, None), trainable=(trainable, None))
                 asked = [f"{name}={value!r}" for name, (value, neutral) in others.items() if value != neutral]
                 if asked:
                     raise ValueError(f"LMObjective(indexer=IndexerTraining('warmup')) trains the indexer alone on its "
@@ -264,6 +312,7 @@ class LMObjective:
         self.router = _router_terms(config, balance_rate=balance_rate, aux_loss_alpha=aux_loss_alpha, seq_aux=seq_aux,
                                     router_z_loss=router_z_loss)
         self.balance_rate = balance_rate
+        self.loss_role = None if loss_role is None else Role.of(loss_role, "LMObjective(loss_role=...):")
         self.model = model
         self.seq_len = seq_len
         self.ema_decay = ema_decay
@@ -323,7 +372,8 @@ class LMObjective:
         """Refuse a host batch the compiled step would silently mis-score."""
         if TEXT_KEY not in batch:
             raise KeyError(f"the batch has no {TEXT_KEY!r} entry (it has {sorted(batch)}); LMObjective reads token rows there")
-        tokens = np.asarray(batch[TEXT_KEY])
+        text = batch[TEXT_KEY]
+        tokens = np.asarray(text.tokens if isinstance(text, ModelInputs) else text)
         width = self.seq_len + 1
         if tokens.ndim != 2 or tokens.shape[1] != width:
             raise ValueError(
@@ -340,9 +390,25 @@ class LMObjective:
                 f"token id {int(tokens[row, column])} at row {row}, column {column} is outside vocab_size {vocab}: "
                 "the token files were written with another tokenizer, or the model's vocab_size is too small"
             )
-        for key in (SEGMENTS_KEY, POSITIONS_KEY):
-            if key in batch and np.shape(batch[key]) != tokens.shape:
-                raise ValueError(f"{key} has shape {np.shape(batch[key])}; it must match the token rows' {tokens.shape}")
+        fields = dict(text.token_fields) if isinstance(text, ModelInputs) else {}
+        for key in (SEGMENTS_KEY, POSITIONS_KEY, ROLES_KEY):
+            if key in batch:
+                fields[key] = batch[key]
+        for key, values in fields.items():
+            if np.shape(values)[:2] != tokens.shape:
+                raise ValueError(f"{key} has shape {np.shape(values)}; it must match the token rows' {tokens.shape}")
+        _rows_of(text)  # refuses media and fields given twice
+        if ROLES_KEY in batch:
+            roles = np.asarray(batch[ROLES_KEY])
+            outside = ~np.isin(roles, [int(role) for role in Role])
+            if outside.any():
+                row, column = (int(i) for i in np.argwhere(outside)[0])
+                raise ValueError(f"{ROLES_KEY} holds {int(roles[row, column])} at row {row}, column {column}, which is "
+                                 f"no Role ({', '.join(f'{role.name} {int(role)}' for role in Role)})")
+        if self.loss_role is not None and ROLES_KEY not in batch:
+            raise ValueError(f"LMObjective(loss_role={self.loss_role.name}) keeps the targets of one role, and the batch "
+                             f"has no {ROLES_KEY!r} (it has {sorted(batch)}): train on chat rows (dew.data.ChatData, "
+                             "data:chat), or leave loss_role unset")
 
     # -- scoring ---------------------------------------------------------------------------------
     def token_scores(self, params, tokens, train: bool = False, rngs=None, segment_ids=None, positions=None,
@@ -350,20 +416,25 @@ class LMObjective:
                      indexer: bool = False, layers: Sequence[int] = (), routes=None) -> Scores:
         """Score per-token next-token cross entropy over a `[B, seq_len + 1]` batch.
 
+        `tokens` are int ids `[B, seq_len + 1]`, or a `ModelInputs` holding them with their token
+        fields (an `attention_mask` marks padding, whose targets and predictions weigh nothing).
         With `segment_ids`, the last token of a document does not predict the first of the next one
         and padding (segment 0) predicts nothing; the model reads `positions` for its rotary angles.
+        `roles` (a chat batch's `Role` per token, `[B, seq_len + 1]`) keep only the targets whose role
+        is the objective's `loss_role`; they are required with a `loss_role` and refused without one.
         `train` changes nothing today: Dew's decoder has no training-only layer (no dropout).
         `routing` adds each sparse layer's `RouterRecord` (`Scores.routing`). `routes` replays a
         rollout engine's expert choices: `(ids, covered)`, ids `[B, seq_len + 1, layers, top_k]`
         aligned with the tokens over the model's sparse layers, covered `[B, seq_len + 1]` booleans
         (None for all); every router uses the recorded experts where covered and still weights them
-        from its own scores (`dew.nn.moe.Routes`). `depths` adds the multi-token-prediction depths'
-        `Scores` (`Scores.depths`), `indexer` the lightning indexers' scores, selections and KL
-        (`Scores.indexer`). `roles`, `qk_stats` and `layers` ask for what chat masks, attention
-        statistics and feature distillation report; none is built yet, so each is refused by name
-        when set, and accepted at its neutral value (False, None or no layers).
+        from its own scores (`dew.nn.moe.Routes`). `layers` names layers whose output states to keep
+        (`Scores.layers["layers_N"]`, `[B, seq_len, E]`), as a feature distillation reads them.
+        `depths` adds the multi-token-prediction depths' `Scores` (`Scores.depths`), `indexer` the
+        lightning indexers' scores, selections and KL (`Scores.indexer`); a model without them is
+        refused by name. `qk_stats` asks for attention statistics, which are not built yet: refused
+        by name when set.
         """
-        _refuse_unbuilt_scoring(dict(roles=roles, qk_stats=qk_stats, layers=layers))
+        _refuse_unbuilt_scoring(dict(qk_stats=qk_stats))
         latent = getattr(self.model.config, "latent", None)
         if indexer and (latent is None or not latent.index_heads):
             raise ValueError("token_scores(indexer=True) reports the lightning indexer, and this model has none: leave "
@@ -375,48 +446,59 @@ class LMObjective:
             asked = "routing=True" if routing else f"routes={_brief(routes)}"
             raise ValueError(f"token_scores({asked}) reads the routers of a mixture of experts, and this model has "
                              "none: build it with mixture={...}, or leave it unset")
-        replay = None if routes is None else self._routes(routes, tokens.shape)
-        scores, forward = self._score(params, tokens, rngs, segment_ids, positions, replay, depths, indexer)
+        if roles is not None and self.loss_role is None:
+            raise ValueError(f"token_scores(roles={_brief(roles)}) keeps the targets of the objective's loss_role, and "
+                             "this LMObjective has none: build it with loss_role=Role.ASSISTANT (the role to train on), "
+                             "or leave roles unset")
+        rows = _rows_of(tokens, roles, segment_ids, positions)
+        replay = None if routes is None else self._routes(routes, rows.tokens.shape)
+        scores, forward = self._score(params, rows, rngs, replay, layers, depths, indexer)
         if not routing:
             return scores
         # [L, B, S, ...] -> [B, S, L, ...], the layout routes are given in
         return scores.replace(routing=jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 2), forward.routing))
 
-    def _score(self, params, tokens, rngs, segment_ids, positions, routes: Routes | None = None, depths: bool = False,
-               indexer: bool = False):
+    def _score(self, params, rows: _Rows, rngs, routes: Routes | None = None, layers: Sequence[int] = (),
+               depths: bool = False, indexer: bool = False):
         """(the per-target `Scores` without routing, with the depths' when `depths` and the indexers'
         records when `indexer`; the `_Forward` behind them). The indexer's warm-up scores no token."""
-        forward = self._forward(params, tokens, rngs, segment_ids, positions, routes, depths, indexer)
+        forward = self._forward(params, rows, rngs, routes, layers, depths, indexer)
+        B, S = forward.weights_BS.shape
         if self.indexer is not None and self.indexer.warmup:
             scores = Scores(losses=None, weights=forward.weights_BS, correct=None, lse=None)
         else:
             scores = self._cross_entropy(forward.hidden_NE, forward, forward.targets_N, forward.weights_BS)
+        scores = scores.replace(states=forward.hidden_NE.reshape(B, S, -1), layers=forward.layers or None)
         if indexer:
             scores = scores.replace(indexer=forward.indexer)
         if depths:
-            scores = scores.replace(depths=self._depth_scores(forward, tokens, segment_ids))
+            scores = scores.replace(depths=self._depth_scores(forward, rows))
         return scores, forward
 
+    def _scored(self, params, rows: _Rows, layers: Sequence[int] = ()):
+        """`_score` with what this objective's loss reads: the depths with `mtp_weight`, the indexers with
+        `indexer`."""
+        return self._score(params, rows, None, layers=layers, depths=self.mtp_weight is not None,
+                           indexer=self.indexer is not None)
+
     def _cross_entropy(self, hidden_NE, forward: _Forward, targets_N, weights_BS) -> Scores:
-        ce, lse, correct = chunked_cross_entropy(hidden_NE, forward.head_weight, targets_N, forward.transposed,
-                                                 self.head_chunks, self.model.config.logit_softcap,
-                                                 self.token_accuracy)
+        ce, lse, correct = chunked_cross_entropy(hidden_NE, forward.head.weight, targets_N, forward.head.transposed,
+                                                 self.head_chunks, forward.head.softcap, self.token_accuracy)
         shape = lambda x: None if x is None else x.reshape(weights_BS.shape)
         return Scores(losses=shape(ce), weights=weights_BS, correct=shape(correct), lse=shape(lse))
 
-    def _depth_scores(self, forward: _Forward, tokens, segment_ids) -> Scores:
+    def _depth_scores(self, forward: _Forward, rows: _Rows) -> Scores:
         """Each multi-token-prediction depth's `Scores`, stacked `[D, B, S]` (see `Scores`)."""
         B, S = forward.weights_BS.shape
-        main_BS = forward.weights_BS
-        segments_BS = None if segment_ids is None else segment_ids[:, :-1]
+        segments_BS = None if rows.segment_ids is None else rows.segment_ids[:, :-1]
         depth_scores = []
         for index in range(forward.depths_DBSE.shape[0]):
             ahead = index + 1  # depth index + 1 reads the token `ahead` positions on and predicts the one after
             pad = lambda x_BS: jnp.concatenate([x_BS[:, ahead:], jnp.zeros((B, min(ahead, S)), x_BS.dtype)], 1)[:, :S]
-            weights_BS = pad(main_BS)
+            weights_BS = pad(forward.weights_BS)
             if segments_BS is not None:
                 weights_BS = weights_BS * (pad(segments_BS) == segments_BS).astype(jnp.float32)
-            targets_N = pad(tokens[:, 1:]).reshape(-1).astype(jnp.int32)
+            targets_N = pad(rows.tokens[:, 1:]).reshape(-1).astype(jnp.int32)
             depth_scores.append(self._cross_entropy(forward.depths_DBSE[index].reshape(B * S, -1), forward, targets_N,
                                                     weights_BS))
         return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *depth_scores)
@@ -447,46 +529,50 @@ class LMObjective:
         ids = jnp.asarray(ids)
         return Routes(ids[:, :-1], None if covered is None else jnp.asarray(covered)[:, :-1])
 
-    def _masks(self, tokens, segment_ids):
+    def _masks(self, rows: _Rows):
         """(the weight of each target `[B, S]`, float32; which input tokens are routed, not padding `[B, S]`)."""
-        inputs_BS, targets_BS = tokens[:, :-1], tokens[:, 1:]
+        inputs_BS, targets_BS = rows.tokens[:, :-1], rows.tokens[:, 1:]
         weights_BS = jnp.ones(inputs_BS.shape, jnp.float32)
         routed_BS = jnp.ones(inputs_BS.shape, bool)
         if self.pad_id is not None:
             weights_BS *= (targets_BS != self.pad_id).astype(jnp.float32)
             routed_BS &= inputs_BS != self.pad_id
-        if segment_ids is not None:
-            same_document = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
-            weights_BS *= same_document.astype(jnp.float32)
-            routed_BS &= segment_ids[:, :-1] != 0
+        real_BT = _real(rows)
+        if real_BT is not None:  # padding neither predicts nor is predicted
+            weights_BS *= (real_BT[:, :-1] & real_BT[:, 1:]).astype(jnp.float32)
+            routed_BS &= real_BT[:, :-1]
+        if rows.segment_ids is not None:  # no target across a document boundary
+            weights_BS *= (rows.segment_ids[:, 1:] == rows.segment_ids[:, :-1]).astype(jnp.float32)
+        if self.loss_role is not None:
+            if rows.roles is None:
+                raise ValueError(f"LMObjective(loss_role={self.loss_role.name}) keeps the targets of one role, and no "
+                                 f"roles were given: pass the chat rows' {ROLES_KEY} (token_scores(roles=...))")
+            weights_BS *= (rows.roles[:, 1:] == int(self.loss_role)).astype(jnp.float32)
         return weights_BS, routed_BS
 
-    def _forward(self, params, tokens, rngs, segment_ids, positions, routes: Routes | None = None,
+    def _forward(self, params, rows: _Rows, rngs, routes: Routes | None = None, layers: Sequence[int] = (),
                  depths: bool = False, indexer: bool = False) -> _Forward:
         """The model over the inputs (without its head): what the loss and the router terms read."""
-        inputs_BS, targets_BS = tokens[:, :-1], tokens[:, 1:]
+        inputs_BS, targets_BS = rows.tokens[:, :-1], rows.tokens[:, 1:]
         B, S = inputs_BS.shape
-        weights_BS, routed_BS = self._masks(tokens, segment_ids)
-        kwargs = {}
-        if segment_ids is not None:
-            kwargs["segment_ids"] = segment_ids[:, :-1]
-        if positions is not None:
-            kwargs["positions"] = positions[:, :-1]
+        weights_BS, routed_BS = self._masks(rows)
+        fields = dict(segment_ids=rows.segment_ids, positions=rows.positions, attention_mask=rows.attention_mask)
+        kwargs = {name: values[:, :-1] for name, values in fields.items() if values is not None}
         if routes is not None:
             kwargs["routes"] = routes
         if depths:
             kwargs["depths"] = True
         if indexer:
             kwargs["indexer"] = True
-        output = self.model.apply(params, inputs_BS, head=False, rngs=rngs, **kwargs)
-        return _Forward(hidden_NE=output.hidden.reshape(B * S, -1), head_weight=output.head.weight,
+        layers = tuple(int(i) for i in layers)
+        output = self.model.apply(params, inputs_BS, head=False, rngs=rngs, layers=layers, **kwargs)
+        return _Forward(hidden_NE=output.hidden.reshape(B * S, -1), head=output.head,
                         targets_N=targets_BS.reshape(-1).astype(jnp.int32), weights_BS=weights_BS,
-                        routing=output.aux.get("routing"), routed_BS=routed_BS, transposed=output.head.transposed,
+                        routing=output.aux.get("routing"), routed_BS=routed_BS,
+                        layers={f"layers_{i}": output.aux[f"layers_{i}"] for i in layers},
                         depths_DBSE=output.aux.get("depths"), indexer=output.aux.get("indexer"))
 
-    def _statistics(self, params, batch) -> LMStatistics:
-        scores, forward = self._score(params, batch[TEXT_KEY], None, batch.get(SEGMENTS_KEY), batch.get(POSITIONS_KEY),
-                                      depths=self.mtp_weight is not None, indexer=self.indexer is not None)
+    def _statistics(self, scores: Scores, forward: _Forward) -> LMStatistics:
         if self.indexer is not None and self.indexer.warmup:
             # the KL alone, per counted query (every real input token: the warm-up scores no target)
             queries = jnp.sum(forward.routed_BS.astype(jnp.float32))
@@ -497,9 +583,6 @@ class LMObjective:
         count = jnp.sum(w)
         ce = Mean(jnp.sum(scores.losses * w), count)
         terms = {}
-        if self.indexer is not None:
-            # the KL over the selected keys, summed over counted queries, sharing the cross entropy's mass
-            terms["indexer_kl"] = Mean(self.indexer.weight * kl_total(forward.indexer.kl, forward.routed_BS), count)
         if self.z_loss:
             terms["z_loss"] = Mean(self.z_loss * jnp.sum(jnp.square(scores.lse) * w), count)
         if self.mtp_weight is not None:
@@ -507,16 +590,52 @@ class LMObjective:
             # entropy, over the mass of the main targets (which the accumulation window adds up).
             depth_ce_D = jnp.sum(scores.depths.losses * scores.depths.weights, axis=(1, 2))
             terms["mtp"] = Mean(self.mtp_weight * jnp.mean(depth_ce_D), count)
+        if self.indexer is not None:
+            # the KL over the selected keys, summed over counted queries, sharing the cross entropy's mass
+            terms["indexer_kl"] = Mean(self.indexer.weight * kl_total(forward.indexer.kl, forward.routed_BS), count)
         accuracy = Mean(jnp.sum(scores.correct * w), count) if self.token_accuracy else None
         router = None if self.router is None else self.router.statistics(forward.routing, forward.routed_BS)
         return LMStatistics(ce=ce, token_accuracy=accuracy, terms=terms, router=router)
 
+    def _batch_rows(self, batch) -> _Rows:
+        """A batch's token rows and fields: `text` (ids, or a `ModelInputs`), `text_segment_ids`,
+        `text_positions`, `text_roles`."""
+        return _rows_of(batch[TEXT_KEY], batch.get(ROLES_KEY), batch.get(SEGMENTS_KEY), batch.get(POSITIONS_KEY))
+
+    def _effects(self, stats: LMStatistics) -> Aux:
+        return {} if self.balance_rate is None else {"counts": stats.router.counts.astype(jnp.int32)}
+
     def loss(self, params, batch, step: Step) -> tuple[LMStatistics, Aux]:
         """The statistics of one micro-batch, and with `balance_rate` its routers' slot counts (int32
         `[L, E]`) as the effect `counts`, which `apply_effects` turns into the bias step."""
-        stats = self._statistics(params, batch)
-        effects = {} if self.balance_rate is None else {"counts": stats.router.counts.astype(jnp.int32)}
-        return stats, effects
+        stats = self._statistics(*self._scored(params, self._batch_rows(batch)))
+        return stats, self._effects(stats)
+
+    def predict(self, params, batch, step: Step, *, train: bool, layers: Sequence[int] = ()):
+        """Score the loss with the logits, the target weights and the outputs of `layers` behind it,
+        for a teacher to compare (`Objective.predict`): `(statistics, effects, Prediction)`.
+
+        The logits are the whole `[B, seq_len, vocab]` float32 tensor the chunked loss never holds; a
+        distillation's KL reads every column. The router loss terms (`aux_loss_alpha`,
+        `router_z_loss`) carry their own normalisation, so they cannot ride a distillation's token
+        mass and are refused; `balance_rate` balances without a loss term and is kept. `train`
+        changes nothing today, as in `token_scores`.
+        """
+        if self.router is not None:
+            for name, value in (("aux_loss_alpha", self.router.aux_loss_alpha), ("router_z_loss", self.router.z_loss)):
+                if value:
+                    raise ValueError(
+                        f"LMObjective.predict: {name}={value!r} is a router loss normalised by its own totals (rows, "
+                        "routed positions), which a distillation's token mass cannot carry: leave it unset in the "
+                        "objective that predicts (balance_rate balances the routers without a loss term)")
+        if self.indexer is not None and self.indexer.warmup:
+            raise ValueError("LMObjective.predict: the indexer warm-up scores no token, so it has nothing to distil; "
+                             "predict with an objective without indexer, or with IndexerTraining('sparse')")
+        scores, forward = self._scored(params, self._batch_rows(batch), layers=layers)
+        stats = self._statistics(scores, forward)
+        logits_BSV = forward.head.logits(scores.states)
+        return stats, self._effects(stats), Prediction(logits=logits_BSV, weights=scores.weights,
+                                                       layers=forward.layers)
 
     @staticmethod
     def reduce_loss(stats: Mean | LMStatistics) -> tuple[jax.Array, jax.Array]:
@@ -530,15 +649,15 @@ class LMObjective:
         """One micro-batch's share of the window's totals, without gradient: its counted targets and
         routed positions and rows read off the batch alone, and for the Switch loss its routers' slot
         counts, which need a forward pass of the model (no head)."""
-        tokens, segment_ids = batch[TEXT_KEY], batch.get(SEGMENTS_KEY)
-        weights_BS, routed_BS = self._masks(tokens, segment_ids)
+        rows = self._batch_rows(batch)
+        weights_BS, routed_BS = self._masks(rows)
         if self.indexer is not None and self.indexer.warmup:
             weights_BS = routed_BS.astype(jnp.float32)  # the warm-up's mass: its counted queries
         router = None
         if self.router is not None:
             counts = None
             if self.router.switch:
-                forward = self._forward(params, tokens, None, segment_ids, batch.get(POSITIONS_KEY))
+                forward = self._forward(params, rows, None)
                 counts = slot_counts(forward.routing.experts, routed_BS, self.router.experts).astype(jnp.float32)
             router = RouterTotals(positions=jnp.sum(routed_BS.astype(jnp.float32)),
                                   rows=jnp.sum(jnp.any(routed_BS, axis=1).astype(jnp.float32)), counts=counts)
@@ -572,7 +691,7 @@ class LMObjective:
     def evaluate(self, params, batch, step: Step) -> LMStatistics:
         """Score the complete batch teacher-forced, using EMA when present (the trainer passes the EMA
         weights whenever the state keeps them, a frozen reference included)."""
-        return self._statistics(params, batch)
+        return self._statistics(*self._scored(params, self._batch_rows(batch)))
 
     def summarize(self, stats: LMStatistics) -> dict[str, float]:
         """The loss (main term plus router terms), cross entropy, perplexity, token accuracy, the named
@@ -597,12 +716,95 @@ class LMObjective:
             values.update(self.router.loads(stats.router))
         return values
 
-    # -- generation ------------------------------------------------------------------------------
-    def policy(self, params: Variables, sampling: Sampling = Sampling()):
-        """Expose the model over this training tree as a generation task."""
-        from dew.inference import TextGeneration
+    # -- policy scoring ----------------------------------------------------------------------------
+    def head_logits(self, params: Variables, states) -> jax.Array:
+        """Capped float32 logits `[..., vocab]` of output states `[..., E]` (`Scores.states`) through
+        the model's head over `params`."""
+        return self._head(params).logits(states)
 
-        return TextGeneration(self.model, params, sampling=sampling)
+    def _head(self, params) -> Head:
+        # The head is read inside the model's pass; one token's pass hands it over, and under jit the
+        # unused layers are dropped.
+        return self.model.apply(params, jnp.zeros((1, 1), jnp.int32), head=False).head
+
+    def per_token_log_probs(self, params: Variables, tokens, *, left_padding=None) -> jax.Array:
+        """Score raw policy likelihoods aligned to next-token targets.
+
+        `tokens` are ids `[B, S + 1]` or a `ModelInputs` (its `attention_mask` marks padding); the
+        result is float32 `[B, S]`, slot `j` the log-likelihood of token `j + 1` after tokens `0..j`
+        under the full softmax of the capped logits. Explicit `left_padding` counts (int `[B]`) move
+        each row's real context to position zero before scoring, so its positions start at 0. Returned
+        slots whose input is padding are zero and unscored, as are slots whose target is padding by
+        the attention mask or segment 0. Gradients flow (the chunked loss's).
+        """
+        rows = _rows_of(tokens)
+        if left_padding is not None:
+            if isinstance(tokens, ModelInputs):
+                raise ValueError("left_padding moves padding of plain token rows; a ModelInputs marks its padding "
+                                 "with attention_mask: give one or the other")
+            check_left_padding(left_padding, rows.tokens)
+            rows = _Rows(shift_left(jnp.asarray(rows.tokens), left_padding))
+        forward = self._forward(params, rows, None)
+        ce, _, _ = chunked_cross_entropy(forward.hidden_NE, forward.head.weight, forward.targets_N,
+                                         forward.head.transposed, self.head_chunks, forward.head.softcap, False)
+        log_probs_BS = -ce.reshape(forward.weights_BS.shape)
+        real_BT = _real(rows)
+        if real_BT is not None:
+            log_probs_BS = jnp.where(real_BT[:, :-1] & real_BT[:, 1:], log_probs_BS, 0.0)
+        if left_padding is not None:
+            log_probs_BS = shift_back(log_probs_BS, left_padding)
+        return log_probs_BS
+
+    def sampled_log_probs(self, params: Variables, scores: Scores, tokens, support=None,
+                          temperature: float = 1.0) -> jax.Array:
+        """Each next-token target's likelihood as the sampler that drew it saw it.
+
+        `scores` is `token_scores` over `tokens`, `[B, S + 1]`; the result is `[B, S]`. At unit
+        temperature without support that is the raw policy, `-scores.losses`. `temperature` (above 0)
+        divides the capped logits (`head_logits`). `support` is the per-row ragged `(ids, columns)`
+        pair `sessions.pack` builds, `[B, C]` each, `columns` the column in `tokens` of the target
+        each kept id belongs to (below 1: an unused entry); a target with entries is renormalised
+        over them (`support_log_probs`), the others over the whole vocabulary.
+        """
+        if not (isinstance(temperature, (int, float)) and np.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature is {temperature!r}; give the sampler's temperature, a number above 0 (a "
+                             "greedy draw, temperature 0, has likelihood 1 for its argmax and needs no scoring)")
+        temperature = float(temperature)
+        if temperature == 1.0 and support is None:
+            return -scores.losses
+        if scores.states is None:
+            raise ValueError("these scores carry no output states: score the tokens with token_scores")
+        if support is not None:
+            check_support(support, tokens, self.model.config.vocab_size)
+        head = self._head(params)
+        B, S = scores.losses.shape
+        log_probs_BS = -scores.losses
+        if temperature != 1.0:
+            targets_N = jnp.asarray(tokens)[:, 1:].reshape(-1).astype(jnp.int32)
+            ce, _, _ = chunked_cross_entropy(scores.states.reshape(B * S, -1).astype(head.weight.dtype), head.weight,
+                                             targets_N, head.transposed, self.head_chunks, head.softcap, False,
+                                             temperature)
+            log_probs_BS = -ce.reshape(B, S)
+        if support is None:
+            return log_probs_BS
+        renormalised_BS, kept_BS = support_log_probs(scores.states, head, tokens, support, temperature)
+        return jnp.where(kept_BS, renormalised_BS, log_probs_BS)
+
+    # -- generation ------------------------------------------------------------------------------
+    def policy(self, params: Variables, sampling: Sampling = Sampling()) -> PolicyGeneration:
+        """Expose the model over this training tree as a generation task.
+
+        A rollout binds one snapshot of the policy and draws every completion from it; the result (a
+        `Rollout`) records the actual and raw-policy likelihoods the objective's ratio needs: the
+        sampler's (`log_probs`, tempered and filtered) and the raw policy's (`policy_log_probs`, the
+        full softmax, as `per_token_log_probs` scores it).
+        """
+        return PolicyGeneration(self.model, params, sampling=sampling, raw_log_probs=self._compiled_log_probs)
+
+    @functools.cached_property
+    def _compiled_log_probs(self):
+        """`per_token_log_probs` compiled once per objective, so that every rollout reuses it."""
+        return jax.jit(self.per_token_log_probs)
 
     def pipeline(self, state, *, ema: bool = True, processor=None):
         """Publish the decoder over the state's weights as a generation task.

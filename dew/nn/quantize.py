@@ -1,0 +1,112 @@
+"""8-bit weights for generation: every linear kernel, the embedding and the output head held as int8.
+
+Decoding one token reads every weight once and does little arithmetic with it, so on a CPU its speed
+is the speed of streaming the weights from memory: float32 SmolLM2-135M moves 513 MiB a token. Held
+as int8 with one float32 scale per output channel (symmetric, `scale = max|w| / 127` over the input
+axis), the same weights are a quarter of the bytes. The product stays one XLA dot, whose int8 operand
+is converted inside the fused product (`x @ q * scale`, float32 accumulation), so the dequantized
+weight is never written to memory.
+
+`quantize_int8(model, variables)` returns the variables with int8 kernels and a `quant` collection of
+scales beside them, at the same module paths (`quant/layers_0to29/self_attn/q_proj/kernel_scale`,
+stacked by layer like the kernels; `quant/embed_tokens_scale` per vocabulary row; `quant/lm_head/
+kernel_scale` per vocabulary column when the head is untied). `model.apply` and `generate` take them as
+they are; the linears, the embedding and the head read the scales where they find them.
+
+What stays float: norms, biases, a router's kernel (its scores choose experts, and float32 routing is
+part of the mixture's contract) and stacked experts (`dew.nn.grouped` has no int8 product yet).
+The variables are for generation only: objectives refuse them (their tree is not the model's
+parameter tree), and `Pretrained.save` refuses them by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, Linear
+
+EMBED_SCALE = "embed_tokens_scale"
+_INT8_MAX = 127
+
+
+def int8_channels(weight, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(q, scale)` with `q` int8 and `q * scale ~ weight`, one scale per slice along every axis but
+    `axis` (the one reduced: a kernel's input axis, an embedding's width). An all-zero slice gets
+    scale 1, so nothing divides by zero."""
+    weight = np.asarray(jax.device_get(weight), np.float32)
+    peak = np.max(np.abs(weight), axis=axis, keepdims=True)
+    scale = np.where(peak > 0, peak / _INT8_MAX, 1.0).astype(np.float32)
+    q = np.clip(np.rint(weight / scale), -_INT8_MAX, _INT8_MAX).astype(np.int8)
+    return q, np.squeeze(scale, axis)
+
+
+def is_quantized(variables: Mapping[str, Any]) -> bool:
+    """Whether `variables` hold int8 weights made by `quantize_int8`."""
+    return QUANT_COLLECTION in variables
+
+
+def linear_paths(model, variables) -> list[tuple[str, ...]]:
+    """The module path of every `Linear` that `model` calls, in the tree of `variables` (scanned runs
+    name their stacked module once). Found by tracing one abstract forward, so the model's own
+    structure says what is a linear, not a table of names."""
+    seen: dict[tuple[str, ...], None] = {}
+
+    def record(call, args, kwargs, context):
+        if isinstance(context.module, Linear) and context.method_name == "__call__":
+            seen[tuple(context.module.path)] = None
+        return call(*args, **kwargs)
+
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    with nn.intercept_methods(record):
+        jax.eval_shape(lambda v: model.apply(v, tokens, head=False), variables)
+    return list(seen)
+
+
+def quantize_int8(model, variables: Mapping[str, Any]) -> dict[str, Any]:
+    """`variables` (a `model.init` tree, either layer form) with int8 linears, embedding and head.
+
+    Refuses variables that are already quantized. The result is a new tree; `variables` is unchanged.
+    """
+    if is_quantized(variables):
+        raise ValueError("these variables are already int8 (they hold a 'quant' collection): quantize float "
+                         "weights once")
+    if model.config.dtype == jnp.float16:
+        raise NotImplementedError("int8 weights with float16 compute are not built: use float32 or bfloat16")
+    variables = jax.tree_util.tree_map(lambda x: x, dict(variables))  # a copy of the containers
+    params = _mutable(variables["params"])
+    quant: dict[str, Any] = {}
+    for path in linear_paths(model, variables):
+        module = _at(params, path)
+        q, scale = int8_channels(module["kernel"], axis=-2)  # [.., in, out]: one scale per output
+        module["kernel"] = jnp.asarray(q)
+        _at(quant, path, create=True)[KERNEL_SCALE] = jnp.asarray(scale)
+    table = params["embed_tokens"]
+    q, scale = int8_channels(table["embedding"], axis=-1)  # [V, E]: one scale per row (a tied head's column)
+    table["embedding"] = jnp.asarray(q)
+    quant[EMBED_SCALE] = jnp.asarray(scale)
+    if "lm_head" in params:
+        q, scale = int8_channels(params["lm_head"]["kernel"], axis=-2)
+        params["lm_head"]["kernel"] = jnp.asarray(q)
+        quant["lm_head"] = {KERNEL_SCALE: jnp.asarray(scale)}
+    variables["params"] = params
+    variables[QUANT_COLLECTION] = quant
+    return variables
+
+
+def _mutable(tree):
+    return {key: _mutable(value) for key, value in tree.items()} if isinstance(tree, Mapping) else tree
+
+
+def _at(tree: dict, path: tuple[str, ...], create: bool = False) -> dict:
+    for name in path:
+        if create:
+            tree = tree.setdefault(name, {})
+        else:
+            tree = tree[name]
+    return tree

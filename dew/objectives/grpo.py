@@ -1,0 +1,206 @@
+"""`GRPOObjective`: group relative policy optimisation (DeepSeekMath, Shao et al., 2024) with rewards
+from a Python callable.
+
+A rollout (`rollout`) draws `group_size` completions of each prompt from one snapshot of the policy,
+scores each with `reward(prompt_ids, completion_ids) -> float`, and normalises the rewards within each
+group: `A = (r - mean) / (std + 1e-4)` (the sample standard deviation), every token of a completion
+carrying its completion's advantage. The update's loss per completion token is PPO's clipped
+surrogate against the likelihood the sampler recorded when it drew the token, `-min(rho A,
+clip(rho, 1 - clip, 1 + clip) A)` with `rho = exp(log pi(token) - log pi_sampler(token))`, plus with
+`kl_weight` the k3 estimate of the KL to the frozen reference, `exp(d) - d - 1` with `d = log ref -
+log pi`; the reference is the EMA slot at decay 1.0 (`reads_reference`). The loss is the mean over
+every completion token of the batch (token-level, as DAPO normalises), so micro-batches add up exactly.
+
+The sampler draws at temperature 1 without filters: then its recorded likelihood is the policy's own,
+the one the ratio compares against. Other settings are refused until the scoring of a sampler's
+likelihood under its temperature and kept support (`LMObjective.sampled_log_probs`) is built.
+
+A rollout's batch holds right-padded `[R, seq_len + 1]` rows under `text` (prompt then completion),
+`completion` (1 on each sampled token), `sampled_log_probs` (the sampler's log-likelihood at each
+sampled token, float32) and `advantages` (float32 `[R]`). `examples/grpo_arithmetic.py` alternates
+rollouts and updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from dew.objectives.base import Mean, PathFilter, Step, Variables, path_filter
+from dew.objectives.checks import check_decoder_objective
+from dew.objectives.lm import LMObjective
+from dew.sampling import Sampling, generate
+
+ADVANTAGE_EPS = 1e-4
+
+
+def group_advantages(rewards: np.ndarray, group_size: int) -> np.ndarray:
+    """Rewards `[P * G]` (grouped by prompt, as `generate(n=G)` orders rows) as advantages: each minus
+    its group's mean, over the group's sample standard deviation plus `ADVANTAGE_EPS`."""
+    grouped = np.asarray(rewards, np.float64).reshape(-1, group_size)
+    spread = grouped.std(axis=1, ddof=1, keepdims=True) if group_size > 1 else np.zeros_like(grouped[:, :1])
+    return ((grouped - grouped.mean(axis=1, keepdims=True)) / (spread + ADVANTAGE_EPS)).reshape(-1).astype(np.float32)
+
+
+def clipped_token_losses(new_log_probs, sampled_log_probs, advantages, clip: float, reference_log_probs=None,
+                         kl_weight: float = 0.0):
+    """Per-token GRPO losses `[R, S]` and their ratios and KL terms, from log-likelihoods `[R, S]` and
+    advantages `[R]` (see the module); positions that are not sampled tokens are the caller's to mask."""
+    ratio = jnp.exp(new_log_probs - sampled_log_probs)
+    advantage = advantages[:, None]
+    surrogate = jnp.minimum(ratio * advantage, jnp.clip(ratio, 1.0 - clip, 1.0 + clip) * advantage)
+    kl = jnp.zeros_like(ratio)
+    if reference_log_probs is not None:
+        gap = reference_log_probs - new_log_probs
+        kl = jnp.exp(gap) - gap - 1.0
+    return -surrogate + kl_weight * kl, ratio, kl
+
+
+@struct.dataclass
+class GRPOStatistics:
+    """Sums over completion tokens: the loss, the ratio, whether the ratio was clipped, the KL estimate."""
+
+    loss: Mean
+    ratio: Mean
+    clipped: Mean
+    kl: Mean
+
+
+class GRPOObjective:
+    """Train a policy on its own rollouts' rewards (see the module).
+
+    `reward(prompt_ids, completion_ids)` scores one completion (its ids up to and including EOS);
+    `group_size` completions are drawn per prompt, each up to `max_new_tokens` with `sampling` (only
+    its `eos_token_ids` and `pad_id` may differ from the neutral temperature-1 draw). `clip` is PPO's
+    epsilon. `kl_weight` above zero keeps the starting weights as a frozen reference in the EMA slot
+    (`ema_decay` 1.0) and adds the KL to it; 0 keeps no copy. `trainable` freezes the rest (LoRA's
+    `LoRA.trainable`), `pretrained` is the checkpoint the policy starts from.
+    """
+
+    def __init__(self, model, seq_len: int, reward: Callable[[list[int], list[int]], float], *, group_size: int = 8,
+                 max_new_tokens: int = 32, clip: float = 0.2, kl_weight: float = 0.0,
+                 sampling: Sampling = Sampling(), pretrained: Variables | None = None,
+                 trainable: PathFilter | str | None = None, head_chunks: int = 4):
+        self.ema_decay = 1.0 if kl_weight > 0 else None
+        self.reads_reference = kl_weight > 0
+        check_decoder_objective(model.config, seq_len=seq_len, ema_decay=self.ema_decay, head_chunks=head_chunks,
+                                rows="rollouts")
+        if group_size < 2:
+            raise ValueError(f"group_size is {group_size}; GRPO normalises rewards within a group of at least 2 "
+                             "completions per prompt (8 or 16 are common)")
+        if max_new_tokens < 1 or max_new_tokens > seq_len:
+            raise ValueError(f"max_new_tokens is {max_new_tokens}; it must lie in [1, seq_len {seq_len}]")
+        if not 0 < clip < 1:
+            raise ValueError(f"clip is {clip}; PPO's epsilon lies in (0, 1) (0.2 is common)")
+        if kl_weight < 0:
+            raise ValueError(f"kl_weight is {kl_weight}; use 0 for no KL term or a weight above 0 (0.04 is common)")
+        neutral = Sampling(eos_token_ids=sampling.eos_token_ids, pad_id=sampling.pad_id)
+        if sampling != neutral:
+            changed = [name for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+                       if getattr(sampling, name) != getattr(neutral, name)]
+            raise NotImplementedError(
+                f"GRPOObjective samples with {', '.join(f'{n}={getattr(sampling, n)!r}' for n in changed)}: the "
+                "update's ratio would need the sampler's likelihood under that temperature and kept support, "
+                "which Dew does not score yet; sample at temperature 1.0 without filters")
+        if not callable(reward):
+            raise TypeError(f"reward is {reward!r}; give a function (prompt_ids, completion_ids) -> float")
+        self.model, self.seq_len, self.reward = model, seq_len, reward
+        self.group_size, self.max_new_tokens, self.sampling = group_size, max_new_tokens, sampling
+        self.clip, self.kl_weight = float(clip), float(kl_weight)
+        self.trainable = path_filter(trainable)
+        self.scorer = LMObjective(model, seq_len, ema_decay=None, pretrained=pretrained, head_chunks=head_chunks,
+                                  token_accuracy=False)
+
+    def held_variables(self):
+        return self.scorer.held_variables()
+
+    def init(self, key, variables: Variables | None = None) -> Variables:
+        return self.scorer.init(key, variables)
+
+    def logical_names(self):
+        return self.model.logical_names()
+
+    # -- rollouts (host) -------------------------------------------------------------------------
+    def rollout(self, params: Variables, prompts: Sequence[Sequence[int]], key) -> tuple[dict[str, np.ndarray],
+                                                                                       np.ndarray]:
+        """Draw `group_size` completions of each prompt from `params` (one snapshot of the policy),
+        score them, and lay them out as a batch (see the module); returns `(batch, rewards [R])`, rows
+        grouped by prompt."""
+        width = self.seq_len + 1
+        longest = max(len(prompt) for prompt in prompts)
+        if longest + self.max_new_tokens > width:
+            raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens {self.max_new_tokens} is beyond "
+                             f"seq_len + 1 = {width}: raise seq_len, or shorten the prompts")
+        drawn = generate(self.model, params, [list(p) for p in prompts], self.max_new_tokens, key=key,
+                         sampling=self.sampling, n=self.group_size)
+        completions = drawn.continuations()
+        rows = len(completions)
+        batch = {"text": np.full((rows, width), self.sampling.pad_id, np.int32),
+                 "completion": np.zeros((rows, width), np.int32),
+                 "sampled_log_probs": np.zeros((rows, width), np.float32)}
+        rewards = np.zeros(rows, np.float32)
+        for row, completion in enumerate(completions):
+            prompt = list(prompts[row // self.group_size])
+            ids = prompt + completion
+            batch["text"][row, :len(ids)] = ids
+            batch["completion"][row, len(prompt):len(ids)] = 1
+            batch["sampled_log_probs"][row, len(prompt):len(ids)] = drawn.log_probs[row, :len(completion)]
+            rewards[row] = float(self.reward(prompt, completion))
+        batch["advantages"] = group_advantages(rewards, self.group_size)
+        return batch, rewards
+
+    def check_batch(self, batch: Mapping) -> None:
+        """Refuse a batch that is not a rollout's layout (see the module)."""
+        for key in ("text", "completion", "sampled_log_probs", "advantages"):
+            if key not in batch:
+                raise KeyError(f"the batch has no {key!r} entry (it has {sorted(batch)}); GRPOObjective reads a "
+                               "rollout's batch (GRPOObjective.rollout builds it)")
+        self.scorer.check_batch({"text": batch["text"]})
+        for key in ("completion", "sampled_log_probs"):
+            if np.shape(batch[key]) != np.shape(batch["text"]):
+                raise ValueError(f"{key} has shape {np.shape(batch[key])}; it must match text's {np.shape(batch['text'])}")
+        if np.shape(batch["advantages"]) != (np.shape(batch["text"])[0],):
+            raise ValueError(f"advantages have shape {np.shape(batch['advantages'])}; one per row, "
+                             f"[{np.shape(batch['text'])[0]}]")
+
+    # -- the update ------------------------------------------------------------------------------
+    def log_probs(self, params, tokens, rngs=None) -> jax.Array:
+        """The policy's log-likelihood of each next token `[R, seq_len]`, float32."""
+        return -self.scorer.token_scores(params, tokens, train=rngs is not None, rngs=rngs).losses
+
+    def _statistics(self, params, batch, reference, rngs=None) -> GRPOStatistics:
+        tokens = batch["text"]
+        mask = batch["completion"][:, 1:].astype(jnp.float32)  # targets that are sampled tokens
+        new = self.log_probs(params, tokens, rngs)
+        ref = None if reference is None else jax.lax.stop_gradient(self.log_probs(reference, tokens))
+        losses, ratio, kl = clipped_token_losses(new, batch["sampled_log_probs"][:, 1:], batch["advantages"],
+                                                 self.clip, ref, self.kl_weight)
+        count = jnp.sum(mask)
+        total = lambda x: Mean(jnp.sum(x * mask), count)
+        clipped = (jnp.abs(ratio - 1.0) > self.clip).astype(jnp.float32)
+        return GRPOStatistics(loss=total(losses), ratio=total(ratio), clipped=total(clipped), kl=total(kl))
+
+    def loss(self, params, batch, step: Step, *, reference=None) -> tuple[GRPOStatistics, dict]:
+        return self._statistics(params, batch, reference, {"dropout": step.key}), {}
+
+    def evaluate(self, params, batch, step: Step, *, reference=None) -> GRPOStatistics:
+        return self._statistics(params, batch, reference)
+
+    @staticmethod
+    def reduce_loss(stats: GRPOStatistics):
+        return stats.loss.total, stats.loss.count
+
+    def apply_effects(self, variables, effects):
+        return variables
+
+    def summarize(self, stats: GRPOStatistics) -> dict[str, float]:
+        """The mean loss, ratio, clipped fraction and KL estimate over the completion tokens."""
+        values = {name: float(value.total) / max(float(value.count), 1.0) for name, value in
+                  (("loss", stats.loss), ("ratio", stats.ratio), ("clipped", stats.clipped), ("kl", stats.kl))}
+        if not self.reads_reference:
+            del values["kl"]
+        return values

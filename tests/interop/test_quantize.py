@@ -1,0 +1,118 @@
+"""int8 weights for generation (dew.nn.quantize, `load_pretrained(..., quantize="int8")`)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew import models
+from dew.inference import pipeline
+from dew.interop import load_pretrained
+from dew.nn.quantize import EMBED_SCALE, QUANT_COLLECTION, int8_channels, linear_paths, quantize_int8
+from dew.sampling import Sampling, generate
+from tests.tolerances import decoder_ulps, ulp_bound
+
+SHAPE = dict(vocab_size=96, emb_features=32, num_layers=9, num_heads=4, num_kv_heads=2, mlp_features=64,
+             max_seq_len=32)
+
+
+def dequantized_params(model, quantized) -> dict:
+    """The float model whose weights are exactly what the int8 ones stand for: `q * scale` in float32."""
+    params = jax.tree_util.tree_map(lambda x: x, quantized["params"])
+    quant = quantized[QUANT_COLLECTION]
+    for path in linear_paths(model, quantized):
+        module, scales = params, quant
+        for name in path:
+            module, scales = module[name], scales[name]
+        module["kernel"] = module["kernel"].astype(jnp.float32) * scales["kernel_scale"][..., None, :]
+    table = params["embed_tokens"]
+    table["embedding"] = table["embedding"].astype(jnp.float32) * quant[EMBED_SCALE][:, None]
+    if "lm_head" in params:
+        params["lm_head"]["kernel"] = params["lm_head"]["kernel"].astype(jnp.float32) * quant["lm_head"]["kernel_scale"]
+    return {"params": params}
+
+
+@functools.cache
+def built(tie_embeddings: bool):
+    model = models.build("causal_transformer", **SHAPE, tie_embeddings=tie_embeddings)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    return model, variables, quantize_int8(model, variables)
+
+
+@pytest.fixture(params=[True, False], ids=["tied", "untied"])
+def tiny(request):
+    return built(request.param)
+
+
+@pytest.fixture
+def tied():
+    return built(True)
+
+
+def test_channels_round_to_half_a_step_and_zero_slices_divide_by_nothing():
+    weight = np.array([[1.0, 0.0, -0.3], [-2.54, 0.0, 0.2], [0.5, 0.0, 0.0]], np.float32)  # [in 3, out 3]
+    q, scale = int8_channels(weight, axis=-2)
+    np.testing.assert_array_equal(scale, np.float32([2.54 / 127, 1.0, 0.3 / 127]))
+    assert q.dtype == np.int8 and q[1, 0] == -127 and q[0, 2] == -127 and np.all(q[:, 1] == 0)
+    # Each weight lies within half a step of its int8 grid point (plus float32's own rounding).
+    assert np.all(np.abs(q * scale - weight) <= scale / 2 * (1 + 1e-6))
+
+
+def test_the_int8_model_computes_its_dequantized_weights(tiny):
+    model, variables, quantized = tiny
+    weights = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(quantized["params"])
+               if jax.tree_util.keystr(path).endswith(("['kernel']", "['embedding']"))]
+    assert weights and all(leaf.dtype == jnp.int8 for leaf in weights)
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, SHAPE["vocab_size"])
+    ours = np.asarray(model.apply(quantized, tokens))
+    reference = np.asarray(model.apply(dequantized_params(model, quantized), tokens))
+    # The same function as float32 weights q * scale, rounded in another order: every product term
+    # takes one more rounding (q * scale, or the scale on the sum), at most doubling each sum's
+    # roundings, so twice one library's own reordering allowance. Observed: about 2e-7 on logits of 0.5.
+    ulps = 2 * decoder_ulps(layers=9, width=32, mlp_width=64, heads=4, head_dim=8, seq_len=12, libraries=1)
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=ulp_bound(ulps, np.abs(reference).max()))
+    # And it is not the float model: int8 rounding moves the logits by far more than that allowance.
+    floats = np.asarray(model.apply(variables, tokens))
+    assert np.abs(ours - floats).max() > 10 * ulp_bound(ulps, np.abs(reference).max())
+
+
+def test_scanned_and_per_layer_int8_variables_agree_and_generate(tied):
+    model, _, quantized = tied
+    tokens = jax.random.randint(jax.random.key(2), (1, 6), 0, SHAPE["vocab_size"])
+    per_layer = model.unstack_variables(quantized)
+    assert "kernel_scale" in per_layer[QUANT_COLLECTION]["layers_3"]["mlp"]["up_proj"]
+    np.testing.assert_array_equal(model.apply(per_layer, tokens), model.apply(quantized, tokens))
+    greedy = Sampling(temperature=0.0)
+    ours = generate(model, quantized, tokens.tolist(), 8, key=jax.random.key(0), sampling=greedy)
+    full = generate(model, dequantized_params(model, quantized), tokens.tolist(), 8, key=jax.random.key(0),
+                    sampling=greedy)
+    np.testing.assert_array_equal(ours.tokens, full.tokens)
+
+
+def test_quantizing_twice_is_refused(tied):
+    model, _, quantized = tied
+    with pytest.raises(ValueError, match="already int8"):
+        quantize_int8(model, quantized)
+
+
+def test_load_pretrained_int8_generates_and_refuses_saving_and_bad_values(llama_checkpoint, tmp_path):
+    directory, _ = llama_checkpoint
+    floats = load_pretrained(directory)
+    bundle = load_pretrained(directory, quantize="int8")
+    expected = quantize_int8(floats.model, floats.variables)
+    for a, b in zip(jax.tree_util.tree_leaves(bundle.variables), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_array_equal(a, b)
+    result = bundle.text_generation(Sampling(temperature=0.0))("hello", 4)
+    # dew.pipeline (what dew generate and dew serve load through) quantizes the same way.
+    task = pipeline(directory, quantize="int8")
+    assert task.params[QUANT_COLLECTION].keys() == expected[QUANT_COLLECTION].keys()
+    again = task.with_sampling(Sampling(temperature=0.0))("hello", 4)
+    assert again.continuations() == result.continuations() and len(result.continuations()[0]) >= 1
+    with pytest.raises(ValueError, match="int8 weights .* made for generation"):
+        bundle.save(tmp_path / "export")
+    with pytest.raises(ValueError, match="quantize='int4' is not a weight format Dew builds: use 'int8'"):
+        load_pretrained(directory, quantize="int4")
