@@ -353,8 +353,9 @@ def top_keys(scores_BST: jax.Array, topk: int) -> jax.Array:
     if topk >= T:
         return jnp.ones(scores_BST.shape, bool)
     _, best_BSK = jax.lax.top_k(scores_BST, topk)
-    return jnp.zeros(scores_BST.shape, bool).at[
-        jnp.arange(scores_BST.shape[0])[:, None, None], jnp.arange(scores_BST.shape[1])[None, :, None], best_BSK].set(True)
+    rows_B11 = jnp.arange(scores_BST.shape[0])[:, None, None]
+    queries_1S1 = jnp.arange(scores_BST.shape[1])[None, :, None]
+    return jnp.zeros(scores_BST.shape, bool).at[rows_B11, queries_1S1, best_BSK].set(True)
 
 
 def expanded_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, mask_BST, scale: float, nope: int,
@@ -388,5 +389,6 @@ def absorbed_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, 
                       preferred_element_type=F32).astype(q_nope_BSHN.dtype)
 
 
-__all__ = ["ABSORB", "Indexer", "IndexerRecord", "KL_EPS", "LatentAttention", "dense_probabilities", "indexer_kl", "LatentCache", "MLA", "MLASpec", "absorbed_attention",
-           "expanded_attention", "index_scores", "rotate", "top_keys", "yarn_query_scale"]
+__all__ = ["ABSORB", "KL_EPS", "Indexer", "IndexerRecord", "LatentAttention", "LatentCache", "MLA", "MLASpec",
+           "absorbed_attention", "dense_probabilities", "expanded_attention", "index_scores", "indexer_kl", "rotate",
+           "top_keys", "yarn_query_scale"]

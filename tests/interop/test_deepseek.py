@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from dew.interop import load_pretrained, save_pretrained
-from dew.sampling import Sampling
-from tests.interop.conftest import torch, transformers
+from tests.interop.conftest import greedy_continuations, torch, transformers
 from tests.tolerances import LIBRARY_ULPS, decoder_ulps, ulp_bound
 
 from safetensors.torch import load_file, save_file  # noqa: E402  (torch is there: conftest skipped otherwise)
@@ -138,11 +137,8 @@ def test_logits_match_transformers(loaded):
 def test_greedy_tokens_match_transformers_generate(loaded):
     """16 tokens through the latent cache (decode in the absorbed form) against transformers' own cache."""
     case, model, _, bundle = loaded
-    with torch.no_grad():
-        theirs = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
-                                eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
-    ours = bundle.text_generation(Sampling(temperature=0.0))([PROMPT], 16)
-    assert ours.continuations()[0] == theirs, case
+    ours, theirs = greedy_continuations(model, bundle, PROMPT)
+    assert ours == theirs, case
 
 
 def test_mtp_depth_matches_transformers_mtp_model(loaded):
