@@ -1,6 +1,7 @@
 """GRPO on a verifiable toy task: a small decoder learns single-digit sums from rewards alone, on the CPU.
 
     python examples/grpo_arithmetic.py              # about a minute on a 2-core CPU
+    python examples/grpo_arithmetic.py --temperature 0.7 --top-k 5
 
 The vocabulary is the task's own: the digits 0-9, "+", "=" and an end token. A prompt is "a+b=" with a
 and b in 0..4, and a completion is rewarded 1 when its first token is the digit of a + b. The decoder
@@ -8,8 +9,10 @@ starts from random weights, so at first it answers about one prompt in a dozen b
 is the only signal it ever sees (there is no supervised step). Each round draws `--group` completions
 of each of `--prompts` random prompts from one snapshot of the policy (`GRPOObjective.rollout`),
 normalises the rewards within each prompt's group, and takes `--updates` optimizer steps on that
-batch, the clipped ratio holding each step near the snapshot. The printed reward is each round's mean
-over its rollouts, before its updates.
+batch, the clipped ratio holding each step near the snapshot. The sampler may temper and filter
+(`--temperature`, `--top-k`): the ratio then compares the sampler's own distribution, tempered and
+renormalised over the ids it kept. The printed reward is each round's mean over its rollouts, before
+its updates.
 """
 
 from __future__ import annotations
@@ -46,24 +49,28 @@ def main():
     parser.add_argument("--group", type=int, default=8, help="completions per prompt")
     parser.add_argument("--updates", type=int, default=2, help="optimizer steps on each rollout")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--temperature", type=float, default=1.0, help="the sampler's temperature (above 0)")
+    parser.add_argument("--top-k", type=int, default=None, help="the sampler keeps the k likeliest ids")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     model = models.build("causal_transformer", vocab_size=VOCAB, emb_features=64, num_layers=2, num_heads=4,
                          mlp_features=128, max_seq_len=8)
     objective = GRPOObjective(model, seq_len=5, reward=reward, group_size=args.group, max_new_tokens=2,
-                              sampling=Sampling(eos_token_ids=(END,), pad_id=END))
+                              sampling=Sampling(temperature=args.temperature, top_k=args.top_k, eos_token_ids=(END,),
+                                                pad_id=END))
     trainer = Trainer(objective, optax.adam(args.lr), key=jax.random.key(args.seed))
     state = trainer.init_state()
     rng = np.random.default_rng(args.seed)
-    started, step_fn, history = time.perf_counter(), None, []
+    started, history = time.perf_counter(), []
     for round_index in range(args.rounds):
         prompts = [prompt(*rng.integers(0, 5, 2)) for _ in range(args.prompts)]
         key = jax.random.fold_in(jax.random.key(args.seed + 1), round_index)
         host_batch, rewards = objective.rollout(state.params, prompts, key)
         objective.check_batch(host_batch)
         batch = place_batch(trainer.mesh, host_batch)
-        step_fn = step_fn or trainer.compile_step(state, batch)
+        # Compiled once per batch shape: a filtering sampler's supports may take another padded width.
+        step_fn = trainer.compile_step(state, batch)
         for _ in range(args.updates):
             state, out = step_fn(state, batch)
         history.append(float(rewards.mean()))

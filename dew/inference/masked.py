@@ -28,6 +28,8 @@ _AUTOREGRESSIVE = {
     "sequence_bias": "logits", "no_repeat_ngram_size": "logits", "guidance_scale": "logits",
 }
 
+AUTOREGRESSIVE_CONTROLS = _AUTOREGRESSIVE  # shared with block generation (dew.inference.block)
+
 
 @dataclasses.dataclass(frozen=True)
 class MaskedGeneration:
@@ -113,11 +115,18 @@ def from_checkpoint(bundle, process) -> MaskedGeneration:
 def task_for(bundle, sampling=None):
     """The generation task a loaded checkpoint (a `dew.interop.Pretrained`) calls for: a masked-diffusion
     family's (LLaDA, Dream) is native MDLM over its mask id (`MaskedGeneration`, which takes no
-    autoregressive `sampling`), any other a `TextGeneration` with the checkpoint's sampling unless
+    autoregressive `sampling`), DiffusionGemma's a `BlockGeneration` (dew.inference.block), any other a `TextGeneration` with the checkpoint's sampling unless
     `sampling` is given."""
     from dew.interop.families import family_of
 
     family = family_of(bundle.config)
+    if not family.writes_decoders:  # DiffusionGemma: block generation
+        if sampling is not None:
+            raise ValueError(f"sampling={sampling!r}: {family.model_type} generates by block diffusion, which takes no "
+                             "autoregressive sampling policy; pass process=BlockProcess(...) to the task's call")
+        from dew.inference.block import from_checkpoint as block_task
+
+        return block_task(bundle)
     if hasattr(family, "process"):
         if sampling is not None:
             raise ValueError(f"sampling={sampling!r}: {family.model_type} generates by masked diffusion, which takes "

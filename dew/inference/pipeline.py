@@ -11,9 +11,11 @@ import jax
 from dew import models
 from dew.inference.masked import MaskedGeneration
 from dew.inference.text import TextGeneration
+from dew.nn.lora import LoRA, LoRAModel
 from dew.nn.quantize import quantize_int8
 from dew.sampling import Sampling
 from dew.sharding import with_names
+from dew.trees import overlay
 
 
 def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = None, quantize: str | None = None,
@@ -100,6 +102,10 @@ def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextG
 
     run = RunDirectory(path)
     record = run.record()
+    if record.get("generation", {}).get("process") == "block":
+        raise ValueError(f"{path} is a block-diffusion run: generating from its directory is not built yet; export "
+                         "the trained weights with dataclasses.replace(bundle, model=objective.model).save(directory, "
+                         "variables=state.params) and load that directory")
     model = models.build(record["model"]["name"], **record["model"]["config"])
     if not run.checkpoint_steps():
         raise FileNotFoundError(f"{path} has no checkpoint yet: train it first (its run.json holds the command)")
@@ -109,10 +115,14 @@ def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextG
     finally:
         checkpoints.close()
     use_ema = ema and saved.get("ema") is not None
-    params = saved["ema"] if use_ema else saved["params"]
+    # With frozen parameters (a LoRA run) the EMA holds only the trained part: laid over the rest.
+    params = overlay(saved["params"], saved["ema"]) if use_ema else saved["params"]
     # In the model's own form (a run written before its layers were scanned holds them one by one),
     # placed by each parameter's logical names as the trainer places them.
     params = model.stack_variables(params)
+    lora = (record.get("settings") or {}).get("lora")
+    if lora:  # a LoRA run generates with its adapters folded into the kernels
+        params = LoRAModel(model, LoRA(**lora)).merge(params)
     params = jax.device_put(params, layout.shardings(mesh.build(), with_names(params, model.logical_names())))
     generation = record.get("generation", {})
     budget = generation.get("max_new_tokens") or None

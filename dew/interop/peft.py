@@ -90,6 +90,18 @@ def save_peft(directory: str | Path, model: LoRAModel, variables, *, base_model:
     return directory
 
 
+def check_peft(model: LoRAModel) -> None:
+    """Refuse, before anything trains, adapters that `save_peft` could not write for `model`: one on a
+    projection its checkpoint stores fused or split, names the projection."""
+    _plan(_adapter_rules(model.model)[0], _expected_adapters(model), model)
+
+
+def _expected_adapters(model: LoRAModel) -> dict:
+    """The shapes and dtypes of `model`'s adapter leaves (a `params` tree), computed without running it."""
+    return adapters(jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32),
+                                                      head=False)))["params"]
+
+
 def _plan(rules, params, model) -> tensors.Plan:
     try:
         return tensors.plan(rules, params, family_for(model.config).model_type)
@@ -134,8 +146,7 @@ def load_peft(directory: str | Path, model, variables, *, dtype=None) -> tuple[L
                     targets=tuple(module.removeprefix("layers/") for module in adapted),
                     dropout=float(config.get("lora_dropout") or 0.0))
         adapted_model = lora.adapt(model)
-        expected = adapters(jax.eval_shape(lambda: adapted_model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32),
-                                                                      head=False)))["params"]
+        expected = _expected_adapters(adapted_model)
         planned = _plan(rules, expected, adapted_model)
         _check_tensors(planned, reader, directory / WEIGHTS)
         stored = {_STORED.get(reader.dtype(name), "float32") for name in planned.tensors}

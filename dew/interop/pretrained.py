@@ -25,10 +25,14 @@ from dew.data.tokenizers import HFTokenizer
 from dew.interop import gguf_files, hf_decoders, tensors
 from dew.interop.export import model_params, model_variables, split_collections, write_export
 from dew.interop.families import FAMILIES, family_of
+from dew.interop.families import diffusion_gemma as block_diffusion
 from dew.interop.gguf_files import GGUFCheckpoint
-from dew.interop.hub import CONFIG, GENERATION_CONFIG, converted_directory, resolve, resolve_gguf
+from dew.interop.hub import (
+    CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, converted_directory, resolve, resolve_gguf,
+)
 from dew.interop.progress import byte_progress
-from dew.interop.safetensors_files import SafetensorsReader
+from dew.interop.safetensors_files import SafetensorsReader, write_atomically, write_checkpoint
+from dew.nn.diffusion_gemma import DiffusionGemma, scalars_as
 from dew.nn.quantize import quantize_int8
 from dew.nn.transformer import CausalTransformer, DecoderConfig
 from dew.sampling import Sampling
@@ -74,6 +78,24 @@ class Pretrained:
 
         return task_for(self, sampling)
 
+    def block_generation(self):
+        """DiffusionGemma's generation task over these weights (`dew.inference.block.BlockGeneration`), its
+        `BlockProcess` from generation_config.json; other models are refused."""
+        if not isinstance(self.model, DiffusionGemma):
+            raise ValueError(f"block_generation() is DiffusionGemma's; this {self.config.get('model_type')} "
+                             "checkpoint generates through text_generation()")
+        from dew.inference.block import from_checkpoint
+
+        return from_checkpoint(self)
+
+    @property
+    def processor(self):
+        """The checkpoint's text processor (`dew.data.text_processor.TextProcessor`: strings to `ModelInputs`),
+        None without a tokenizer."""
+        from dew.data.text_processor import TextProcessor
+
+        return None if self.tokenizer is None else TextProcessor(self.tokenizer, self.generation.pad_id)
+
     def save(self, directory: str | Path, variables=None, max_shard_size: int | str = "5GB") -> Path:
         """Write `variables` (default: the loaded ones; stacked runs or per layer) as a transformers
         checkpoint in `directory`.
@@ -83,6 +105,9 @@ class Pretrained:
         generation_config.json and the tokenizer files. Over an earlier export the switch is atomic;
         files the export does not write are left alone.
         """
+        if isinstance(self.model, DiffusionGemma):
+            return _save_block_diffusion(self, Path(directory), self.variables if variables is None else variables,
+                                         max_shard_size)
         return write_export(directory, self.model, family_of(self.config), self.variables if variables is None
                             else variables, self.config, self._generation_file(), self.directory, max_shard_size)
 
@@ -162,6 +187,13 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         config_path = snapshot.directory / CONFIG
         config, where, directory = _read_json(config_path), str(config_path), snapshot.directory
     family = family_of(config, where)
+    if family.model_type == block_diffusion.MODEL_TYPE:
+        # a one-device mesh places every parameter on the default device, which is where this load puts them
+        if (gguf_file is not None or (device_mesh is not None and device_mesh.devices.size > 1)
+                or scan_layers is not None or remat is not None or quantize is not None):
+            raise NotImplementedError("DiffusionGemma loads from safetensors onto one device; gguf_file, a mesh of "
+                                      "several devices, scan_layers, remat and quantize are not built for it yet")
+        return _load_block_diffusion(snapshot, reader, config, where, dtype, param_dtype, max_seq_len)
     kwargs = family.decoder_kwargs(config, where=where)
     for name, value in (("max_seq_len", max_seq_len), ("scan_layers", scan_layers), ("remat", remat)):
         if value is not None:
@@ -187,6 +219,57 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         variables = quantize_int8(model, variables)
     return Pretrained(model, variables, tokenizer, config, sampling, budget, snapshot.revision, directory,
                       generation_config)
+
+
+def _save_block_diffusion(bundle: Pretrained, directory: Path, variables, max_shard_size) -> Path:
+    """Write a DiffusionGemma bundle as a transformers checkpoint: its text tensors under their
+    checkpoint names, the carried media tensors unchanged, config.json and generation_config.json."""
+    # the checkpoint keeps the per-layer scalars as frozen buffers, whichever way the model trained them
+    variables = scalars_as({**bundle.variables, **(variables if "params" in variables else {"params": variables})},
+                           trainable=False)
+    model = DiffusionGemma(dataclasses.replace(bundle.model.config, trainable_scalars=False))
+    block_diffusion.check_shapes(model, variables, str(directory))
+    dtypes = {np.asarray(leaf).dtype.name for leaf in jax.tree_util.tree_leaves(variables["params"])}
+    written = block_diffusion.write_tensors(variables, model.config)
+    config_text = block_diffusion.config_text(bundle.config, dtypes.pop() if len(dtypes) == 1 else "float32")
+    copied = [] if bundle.directory.resolve() == directory.resolve() else [
+        name for name in TOKENIZER_FILES if (bundle.directory / name).is_file()]
+
+    def write_configs():
+        write_atomically(directory / CONFIG, config_text)
+        write_atomically(directory / GENERATION_CONFIG,
+                         json.dumps(bundle._generation_file(), indent=2, sort_keys=True) + "\n")
+        for name in copied:
+            write_atomically(directory / name, (bundle.directory / name).read_bytes())
+
+    write_checkpoint(directory, written, max_shard_size, before_switch=write_configs,
+                     staged_names=(CONFIG, GENERATION_CONFIG, *TOKENIZER_FILES))
+    return directory
+
+
+def _load_block_diffusion(snapshot, reader, config: dict, where: str, dtype, param_dtype,
+                          max_seq_len: int | None) -> Pretrained:
+    """A diffusion_gemma checkpoint as a `DiffusionGemma` (`dew.interop.families.diffusion_gemma`)."""
+    generation_path = snapshot.directory / GENERATION_CONFIG
+    generation_config = _read_json(generation_path) if generation_path.is_file() else None
+    with reader:
+        if param_dtype == "auto":
+            param_dtype = hf_decoders.param_dtype_name(config) or _first_float_dtype(reader)
+        model_config = block_diffusion.model_config(config, where, max_seq_len=max_seq_len, dtype=dtype,
+                                                    param_dtype=param_dtype)
+        variables = block_diffusion.read_variables(reader, model_config, where)
+    model = DiffusionGemma(model_config)
+    block_diffusion.check_shapes(model, variables, where)
+    variables = {name: (tree if name == "media" else jax.tree_util.tree_map(jnp.asarray, tree))
+                 for name, tree in variables.items()}
+    directory = snapshot.directory
+    tokenizer = HFTokenizer(directory) if (directory / "tokenizer.json").is_file() else None
+    eos = (generation_config or {}).get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    pad = (generation_config or {}).get("pad_token_id", config.get("text_config", {}).get("pad_token_id", 0))
+    sampling = Sampling(temperature=0.0, eos_token_ids=eos_ids, pad_id=0 if pad is None else pad)
+    return Pretrained(model, variables, tokenizer, config, sampling, (generation_config or {}).get("max_new_tokens"),
+                      snapshot.revision, directory, generation_config)
 
 
 def generation_defaults(generation: Mapping[str, Any] | None, config: Mapping[str, Any],

@@ -11,18 +11,27 @@ clip(rho, 1 - clip, 1 + clip) A)` with `rho = exp(log pi(token) - log pi_sampler
 log pi`; the reference is the EMA slot at decay 1.0 (`reads_reference`). The loss is the mean over
 every completion token of the batch (token-level, as DAPO normalises), so micro-batches add up exactly.
 
-The sampler draws at temperature 1 without filters: then its recorded likelihood is the policy's own,
-the one the ratio compares against. Other settings are refused until the scoring of a sampler's
-likelihood under its temperature and kept support (`LMObjective.sampled_log_probs`) is built.
+Rollouts come from `LMObjective.policy` at the objective's `sampling` (any temperature above 0, with
+or without top-k, top-p and min-p filters), and the ratio is taken between likelihoods of the same
+distribution: the sampler recorded each token's under the snapshot's tempered logits renormalised
+over the ids its filters kept, and the update scores the live policy's the same way
+(`LMObjective.sampled_log_probs` with the temperature and each token's kept ids, its support). The
+support is read at the rollout from the snapshot's logits through the sampler's own filter
+(`dew.sampling.filter_logits`); it holds the drawn token always, since the sampler kept it. The KL
+term compares the policy and the reference under that same distribution, so at the first step it is
+an exact zero. A repetition penalty depends on the row's history and is refused.
 
 A rollout's batch holds right-padded `[R, seq_len + 1]` rows under `text` (prompt then completion),
 `completion` (1 on each sampled token), `sampled_log_probs` (the sampler's log-likelihood at each
-sampled token, float32) and `advantages` (float32 `[R]`). `examples/grpo_arithmetic.py` alternates
-rollouts and updates.
+sampled token, float32) and `advantages` (float32 `[R]`); with filters also `support_ids` and
+`support_columns`, int32 `[R, C]`: entry `c` of row `r` keeps id `support_ids[r, c]` for the token in
+column `support_columns[r, c]` of `text` (-1: unused; `C` is padded to a power of two, so rollouts
+reuse compiled steps). `examples/grpo_arithmetic.py` alternates rollouts and updates.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -33,7 +42,9 @@ from flax import struct
 from dew.objectives.base import Mean, PathFilter, Step, Variables, path_filter
 from dew.objectives.checks import check_decoder_objective
 from dew.objectives.lm import LMObjective
-from dew.sampling import Sampling, generate
+from dew.objectives.lm.scoring import check_support
+from dew.sampling import Sampling
+from dew.sampling.sampling import SamplingParams, filter_logits
 
 ADVANTAGE_EPS = 1e-4
 
@@ -74,8 +85,8 @@ class GRPOObjective:
     """Train a policy on its own rollouts' rewards (see the module).
 
     `reward(prompt_ids, completion_ids)` scores one completion (its ids up to and including EOS);
-    `group_size` completions are drawn per prompt, each up to `max_new_tokens` with `sampling` (only
-    its `eos_token_ids` and `pad_id` may differ from the neutral temperature-1 draw). `clip` is PPO's
+    `group_size` completions are drawn per prompt, each up to `max_new_tokens` with `sampling` (a
+    temperature above 0, any filters, no repetition penalty; see the module). `clip` is PPO's
     epsilon. `kl_weight` above zero keeps the starting weights as a frozen reference in the EMA slot
     (`ema_decay` 1.0) and adds the KL to it; 0 keeps no copy. `trainable` freezes the rest (LoRA's
     `LoRA.trainable`), `pretrained` is the checkpoint the policy starts from.
@@ -98,14 +109,14 @@ class GRPOObjective:
             raise ValueError(f"clip is {clip}; PPO's epsilon lies in (0, 1) (0.2 is common)")
         if kl_weight < 0:
             raise ValueError(f"kl_weight is {kl_weight}; use 0 for no KL term or a weight above 0 (0.04 is common)")
-        neutral = Sampling(eos_token_ids=sampling.eos_token_ids, pad_id=sampling.pad_id)
-        if sampling != neutral:
-            changed = [name for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-                       if getattr(sampling, name) != getattr(neutral, name)]
+        if sampling.repetition_penalty is not None:
             raise NotImplementedError(
-                f"GRPOObjective samples with {', '.join(f'{n}={getattr(sampling, n)!r}' for n in changed)}: the "
-                "update's ratio would need the sampler's likelihood under that temperature and kept support, "
-                "which Dew does not score yet; sample at temperature 1.0 without filters")
+                f"GRPOObjective samples with repetition_penalty={sampling.repetition_penalty!r}: the penalty "
+                "depends on each row's history, and the update scores the sampler's likelihood from the "
+                "temperature and the kept ids alone; leave repetition_penalty unset")
+        if sampling.greedy:
+            raise ValueError("GRPOObjective samples at temperature 0: every completion of a prompt would be the "
+                             "same greedy one, so every advantage would be 0; sample at a temperature above 0")
         if not callable(reward):
             raise TypeError(f"reward is {reward!r}; give a function (prompt_ids, completion_ids) -> float")
         self.model, self.seq_len, self.reward = model, seq_len, reward
@@ -135,8 +146,8 @@ class GRPOObjective:
         if longest + self.max_new_tokens > width:
             raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens {self.max_new_tokens} is beyond "
                              f"seq_len + 1 = {width}: raise seq_len, or shorten the prompts")
-        drawn = generate(self.model, params, [list(p) for p in prompts], self.max_new_tokens, key=key,
-                         sampling=self.sampling, n=self.group_size)
+        drawn = self.scorer.policy(params, self.sampling)([list(p) for p in prompts], self.max_new_tokens, key=key,
+                                                          n=self.group_size)
         completions = drawn.continuations()
         rows = len(completions)
         batch = {"text": np.full((rows, width), self.sampling.pad_id, np.int32),
@@ -151,7 +162,51 @@ class GRPOObjective:
             batch["sampled_log_probs"][row, len(prompt):len(ids)] = drawn.log_probs[row, :len(completion)]
             rewards[row] = float(self.reward(prompt, completion))
         batch["advantages"] = group_advantages(rewards, self.group_size)
+        if self.filtered:
+            batch["support_ids"], batch["support_columns"] = self._supports(params, batch)
         return batch, rewards
+
+    @property
+    def filtered(self) -> bool:
+        """Whether the sampler keeps only some ids (top-k, top-p, min-p), so a rollout records supports."""
+        return any(value is not None for value in (self.sampling.top_k, self.sampling.top_p, self.sampling.min_p))
+
+    def _supports(self, params, batch) -> tuple[np.ndarray, np.ndarray]:
+        """The ids the sampler kept for each sampled token, as the ragged `(support_ids,
+        support_columns)` pair (see the module), read from the snapshot's logits: `[R, S, vocab]`
+        float32 at once, the memory a rollout's supports cost."""
+        kept_RSV = np.asarray(self._kept(params, jnp.asarray(batch["text"])))
+        sampled_RS = batch["completion"][:, 1:] > 0
+        targets_RS = batch["text"][:, 1:]
+        rows = []
+        for row in range(len(kept_RSV)):
+            ids, columns = [], []
+            for slot in np.flatnonzero(sampled_RS[row]):
+                kept = kept_RSV[row, slot].copy()
+                kept[targets_RS[row, slot]] = True  # the drawn token was kept, whatever a tie decided here
+                found = np.flatnonzero(kept)
+                ids.append(found)
+                columns.append(np.full(len(found), slot + 1))
+            rows.append((np.concatenate(ids or [np.zeros(0, np.int64)]), np.concatenate(columns or [np.zeros(0, np.int64)])))
+        width = 1 << max(0, int(np.ceil(np.log2(max(1, *(len(ids) for ids, _ in rows))))))
+        support_ids = np.zeros((len(rows), width), np.int32)
+        support_columns = np.full((len(rows), width), -1, np.int32)
+        for row, (ids, columns) in enumerate(rows):
+            support_ids[row, :len(ids)], support_columns[row, :len(ids)] = ids, columns
+        return support_ids, support_columns
+
+    @functools.cached_property
+    def _kept(self):
+        """`(params, tokens [R, S + 1]) -> [R, S, vocab]` bool: the ids the sampler keeps after each slot,
+        its filter over the capped logits (compiled once)."""
+        def kept(params, tokens):
+            scores = self.scorer.token_scores(params, tokens)
+            logits_RSV = self.scorer.head_logits(params, scores.states)
+            R, S, V = logits_RSV.shape
+            filtered = filter_logits(SamplingParams.of([self.sampling] * (R * S)), logits_RSV.reshape(R * S, V))
+            return (filtered > -jnp.inf).reshape(R, S, V)
+
+        return jax.jit(kept)
 
     def check_batch(self, batch: Mapping) -> None:
         """Refuse a batch that is not a rollout's layout (see the module)."""
@@ -163,20 +218,30 @@ class GRPOObjective:
         for key in ("completion", "sampled_log_probs"):
             if np.shape(batch[key]) != np.shape(batch["text"]):
                 raise ValueError(f"{key} has shape {np.shape(batch[key])}; it must match text's {np.shape(batch['text'])}")
+        if self.filtered:
+            for key in ("support_ids", "support_columns"):
+                if key not in batch:
+                    raise KeyError(f"the batch has no {key!r} entry (it has {sorted(batch)}); a GRPOObjective whose "
+                                   "sampler filters reads each token's kept ids (GRPOObjective.rollout records them)")
+            check_support((batch["support_ids"], batch["support_columns"]), batch["text"], self.model.config.vocab_size)
         if np.shape(batch["advantages"]) != (np.shape(batch["text"])[0],):
             raise ValueError(f"advantages have shape {np.shape(batch['advantages'])}; one per row, "
                              f"[{np.shape(batch['text'])[0]}]")
 
     # -- the update ------------------------------------------------------------------------------
-    def log_probs(self, params, tokens, rngs=None) -> jax.Array:
-        """The policy's log-likelihood of each next token `[R, seq_len]`, float32."""
-        return -self.scorer.token_scores(params, tokens, train=rngs is not None, rngs=rngs).losses
+    def log_probs(self, params, tokens, support=None, rngs=None) -> jax.Array:
+        """Each next token's log-likelihood `[R, seq_len]`, float32, as the sampler draws it: the
+        policy's logits over the sampling temperature, renormalised over `support` (a rollout's
+        `(support_ids, support_columns)`) where it keeps ids."""
+        scores = self.scorer.token_scores(params, tokens, train=rngs is not None, rngs=rngs)
+        return self.scorer.sampled_log_probs(params, scores, tokens, support, self.sampling.temperature)
 
     def _statistics(self, params, batch, reference, rngs=None) -> GRPOStatistics:
         tokens = batch["text"]
         mask = batch["completion"][:, 1:].astype(jnp.float32)  # targets that are sampled tokens
-        new = self.log_probs(params, tokens, rngs)
-        ref = None if reference is None else jax.lax.stop_gradient(self.log_probs(reference, tokens))
+        support = (batch["support_ids"], batch["support_columns"]) if self.filtered else None
+        new = self.log_probs(params, tokens, support, rngs)
+        ref = None if reference is None else jax.lax.stop_gradient(self.log_probs(reference, tokens, support))
         losses, ratio, kl = clipped_token_losses(new, batch["sampled_log_probs"][:, 1:], batch["advantages"],
                                                  self.clip, ref, self.kl_weight)
         count = jnp.sum(mask)

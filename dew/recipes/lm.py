@@ -25,7 +25,9 @@ from dew.data.tokenizers import tokenizer_file, tokenizer_name
 from dew.diffusion.discrete import MDLM
 from dew.errors import describe, exit_status, one_line_warnings, report
 from dew.inference.text import printable
-from dew.objectives.diffusion import MaskedDiffusionObjective
+from dew.nn.diffusion_gemma import DiffusionGemma
+from dew.nn.lora import LoRA, adapters
+from dew.objectives.diffusion import BlockDiffusionObjective, MaskedDiffusionObjective
 from dew.objectives.lm import LMObjective, LMRunConfig, Samples
 from dew.recipes.run_dir import PATH_SETTINGS, TOKENIZER, RunDirectory, resolve_path_setting
 from dew.run_config import to_json
@@ -36,6 +38,10 @@ from dew.training.trackers import JsonLines, TensorBoard, Tracker, WandB
 from dew.training.trainer import Trainer, TrainingDiverged, TrainingInterrupted
 
 RECIPE = "lm"
+ADAPTER = "adapter"
+"""RUN/adapter/: a LoRA run's adapters in PEFT's format, written when the run finishes."""
+# The key a LoRA run draws its fresh adapters from: the run's seed, past the trainer's streams (0-2).
+_ADAPTER_STREAM = 3
 
 
 def _load_data(config: LMRunConfig) -> Dataset:
@@ -98,6 +104,8 @@ def _generation_record(config: LMRunConfig, objective) -> dict[str, Any]:
     mask id (and a checkpoint's logits shift) native MDLM is rebuilt with (its default sampler, 64
     steps) and the budget."""
     record = {"max_new_tokens": config.sample_tokens, "ema": config.ema_decay is not None}
+    if config.objective == "block_diffusion":
+        return {"process": "block", **record}
     if config.objective == "masked_diffusion":
         process = objective.process
         shift = {"logits_shift": process.logits_shift} if process.logits_shift else {}
@@ -113,7 +121,8 @@ def _record(config: LMRunConfig, objective, meta: dict[str, Any], command: Seque
     for name in PATH_SETTINGS:
         *parents, leaf = name.split(".")
         holder = functools.reduce(dict.get, parents, settings)
-        holder[leaf] = resolve_path_setting(holder[leaf])
+        if leaf in holder:
+            holder[leaf] = resolve_path_setting(holder[leaf])
     return {
         "recipe": RECIPE,
         "settings": settings,
@@ -170,9 +179,26 @@ class LMRun:
                     tracker.close()
                 except OSError as error:  # a full disk: the error that ended the run is the one to show
                     print(f"warning: {type(tracker).__name__} could not close: {describe(error)}", file=sys.stderr)
+        if self.config.lora is not None:
+            self._write_adapter(state)
         self._status("finished", int(jax.device_get(state.step)))
         self.close()
         return state
+
+    def _write_adapter(self, state: TrainState) -> None:
+        """Write the run's adapters in PEFT's format to RUN/adapter/ (`dew.interop.peft.save_peft`): those
+        generation and previews read (the averaged ones when the run keeps a moving average, the live
+        ones when its EMA slot is a frozen reference), for `peft.PeftModel.from_pretrained` on the
+        --pretrained checkpoint."""
+        from jax.experimental import multihost_utils
+
+        from dew.interop.peft import save_peft
+
+        # Every process takes part in gathering the adapters; process 0 writes them.
+        found = multihost_utils.process_allgather(adapters(self.objective.preview_variables(state)), tiled=True)
+        if jax.process_index() == 0:
+            save_peft(self.directory.path / ADAPTER, self.objective.model, found,
+                      base_model=self.directory.record().get("pretrained"))
 
     def _last_checkpoint(self) -> int | None:
         saved = self.directory.checkpoint_steps()
@@ -235,7 +261,13 @@ def _model(config: LMRunConfig, meta: dict[str, Any]):
 
     bundle = load_pretrained(config.pretrained, **config.model.config)
     source = config.pretrained if bundle.revision is None else f"{config.pretrained.split('@')[0]}@{bundle.revision}"
+    if config.lora is not None:
+        return (*_adapted(config.lora, bundle, config.trainer.seed), source,
+                _check_pretrained_tokenizer(config, bundle, meta), None)
     process = None
+    if config.objective == "block_diffusion" and not isinstance(bundle.model, DiffusionGemma):
+        raise ValueError(f"--pretrained {config.pretrained} is a {bundle.config.get('model_type')} checkpoint: "
+                         "--objective block_diffusion fine-tunes a DiffusionGemma (model_type diffusion_gemma)")
     if config.objective == "masked_diffusion":
         from dew.interop.families import family_of
 
@@ -248,6 +280,16 @@ def _model(config: LMRunConfig, meta: dict[str, Any]):
             )
         process = family.process(bundle.config)
     return bundle.model, bundle.variables, source, _check_pretrained_tokenizer(config, bundle, meta), process
+
+
+def _adapted(lora: LoRA, bundle, seed: int):
+    """(the checkpoint's decoder with `lora`'s adapters, its variables with fresh adapters drawn from the
+    run's seed); targets that match no linear, or adapters PEFT's format cannot hold, are refused."""
+    from dew.interop.peft import check_peft
+
+    model = lora.adapt(bundle.model)
+    check_peft(model)
+    return model, model.attach(jax.random.fold_in(jax.random.key(seed), _ADAPTER_STREAM), bundle.variables)
 
 
 def _check_pretrained_tokenizer(config: LMRunConfig, bundle, meta: dict[str, Any]) -> list[str]:
@@ -301,10 +343,12 @@ def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
 
 
 def _objective(config: LMRunConfig, model, held, meta: dict[str, Any],
-               process) -> LMObjective | MaskedDiffusionObjective:
-    """The objective --objective names. Both train on the data's rows of --data.seq-len + 1 ids: the
+               process) -> LMObjective | MaskedDiffusionObjective | BlockDiffusionObjective:
+    """The objective --objective names. All train on the data's rows of --data.seq-len + 1 ids: the
     autoregressive one predicts the last seq_len of them from the first, masked diffusion (with
-    `process`) reads them whole."""
+    `process`) reads them whole, block diffusion as a prompt and whole canvases."""
+    if config.objective == "block_diffusion":
+        return _block_objective(config, model, held)
     samples = _samples(config, model.config.max_seq_len)
     if config.objective == "masked_diffusion":
         if config.pretrained is None and model.config.vocab_size <= process.mask_id:
@@ -320,7 +364,23 @@ def _objective(config: LMRunConfig, model, held, meta: dict[str, Any],
         balance_rate=config.balance_rate, aux_loss_alpha=config.aux_loss_alpha, seq_aux=config.seq_aux,
         router_z_loss=config.router_z_loss, mtp_weight=config.mtp_weight, indexer=config.indexer,
         token_accuracy=config.token_accuracy, pretrained=held, loss_role=config.loss_role,
+        trainable=None if config.lora is None else LoRA.trainable,
     )
+
+
+def _block_objective(config: LMRunConfig, model, held) -> BlockDiffusionObjective:
+    """Block diffusion over rows of --data.seq-len + 1 ids: --block-prompt-tokens, then whole canvases of
+    --block-canvas-size (default the checkpoint's canvas length)."""
+    row, prompt = config.data.seq_len + 1, config.block_prompt_tokens
+    canvas = config.block_canvas_size or model.config.canvas_length
+    if row <= prompt or (row - prompt) % canvas:
+        raise ValueError(
+            f"--data.seq-len {config.data.seq_len} gives rows of {row} ids, which must be --block-prompt-tokens "
+            f"{prompt} plus a whole number (at least 1) of canvases of {canvas}: use --data.seq-len "
+            f"{prompt + canvas * max(1, -(-(row - prompt) // canvas)) - 1}, or change the prompt or canvas size"
+        )
+    return BlockDiffusionObjective(model, prompt, (row - prompt) // canvas, canvas, ema_decay=config.ema_decay,
+                                   pretrained=held)
 
 
 def _tokenizer_files(name: str) -> dict[str, Path]:

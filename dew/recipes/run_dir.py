@@ -11,6 +11,7 @@
     RUN/samples.jsonl            the preview texts of each evaluation
     RUN/events.out.tfevents.*    TensorBoard (`tensorboard --logdir RUN`, or the directory of runs)
     RUN/wandb/                   Weights & Biases' files, when --trainer.wandb is set
+    RUN/adapter/                 a LoRA run's adapters in PEFT's format, written when it finishes
 
 run.json's `settings` is the command's config as JSON, its paths made absolute; `model` the model's
 resolved keywords; `tokenizer`, `generation` what generation from the run needs; `changes` the
@@ -52,8 +53,9 @@ MAY_CHANGE = ("trainer.run_dir", "trainer.log_every", "trainer.eval_every", "tra
 # filled in), not as --model.config spelled it.
 COMPARED = ("recipe", "settings", "model", "data")
 _SPELLED = "settings.model.config."
-# Settings that name files: compared as absolute paths (a hub name that is not a local path stays as is).
-PATH_SETTINGS = ("data.path", "data.tokenizer", "tokenizer", "pretrained")
+# Settings that name files: recorded and compared as absolute paths (a hub name that is not a local
+# path stays as is). A data source has only some of them (data:chat's template and val_path).
+PATH_SETTINGS = ("data.path", "data.tokenizer", "data.template", "data.val_path", "tokenizer", "pretrained")
 _PACKAGES = ("dew-ml", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy", "tokenizers")
 
 

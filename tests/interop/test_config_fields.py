@@ -29,7 +29,9 @@ _GETATTR = re.compile(r"getattr\((?:self\.)?config,\s*\"(\w+)\"")
 # olmo2 5.0e-6 / 5.3e-6, olmo3-window 3.6e-6 / 4.5e-6.
 RELATIVE_TOLERANCE = 64 * np.finfo(np.float32).eps
 # The families transformers has modeling code for (LLaDA and Dream ship theirs as remote code: tests/diffusion).
-TRANSFORMERS_FAMILIES = sorted(name for name, family in FAMILIES.items() if hasattr(transformers, family.config_class))
+# DiffusionGemma is not a decoder family: tests/interop/test_diffusion_gemma.py reads its fields.
+TRANSFORMERS_FAMILIES = sorted(name for name, family in FAMILIES.items()
+                               if hasattr(transformers, family.config_class) and name != "diffusion_gemma")
 TOKENS = np.random.default_rng(5).integers(0, SHAPE["vocab_size"], (2, 12))
 DEFAULT_HEAD_DIM = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]  # 8
 

@@ -29,8 +29,9 @@ SMOLLM2 = {  # SmolLM2-135M's config.json as published (transformers 4 spellings
 
 
 def test_families_cover_the_issue():
-    # and the masked-diffusion families whose code is remote, not transformers' (tests/diffusion/test_checkpoints.py)
-    assert set(FAMILIES) == set(_CLASSES) | {"llada", "Dream"}
+    # and the masked-diffusion families whose code is remote, not transformers' (tests/diffusion/test_checkpoints.py),
+    # and DiffusionGemma, which is no decoder family (tests/interop/test_diffusion_gemma.py)
+    assert set(FAMILIES) == set(_CLASSES) | {"llada", "Dream", "diffusion_gemma"}
 
 
 @pytest.mark.parametrize("model_type", sorted(_CLASSES))

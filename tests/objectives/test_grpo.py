@@ -94,8 +94,11 @@ def test_a_rollout_records_the_policys_likelihoods_at_the_snapshot(rollout, tiny
 
 
 def test_settings_the_update_cannot_follow_are_refused(tiny_model):
-    with pytest.raises(NotImplementedError, match="GRPOObjective samples with temperature=0.7, top_k=5"):
-        GRPOObjective(tiny_model, SEQ, _reward, max_new_tokens=4, sampling=Sampling(temperature=0.7, top_k=5))
+    with pytest.raises(NotImplementedError, match="GRPOObjective samples with repetition_penalty=1.2: the penalty "
+                                                  "depends on each row's history"):
+        GRPOObjective(tiny_model, SEQ, _reward, max_new_tokens=4, sampling=Sampling(repetition_penalty=1.2))
+    with pytest.raises(ValueError, match="GRPOObjective samples at temperature 0"):
+        GRPOObjective(tiny_model, SEQ, _reward, max_new_tokens=4, sampling=Sampling(temperature=0.0))
     with pytest.raises(ValueError, match="group_size is 1"):
         GRPOObjective(tiny_model, SEQ, _reward, max_new_tokens=4, group_size=1)
     objective = GRPOObjective(tiny_model, SEQ, _reward, max_new_tokens=4)
@@ -124,3 +127,48 @@ def test_the_kl_term_reads_the_frozen_reference(rollout, tiny_model, tiny_variab
         for entry in path:
             expected = expected[entry.key]
         np.testing.assert_array_equal(np.asarray(leaf), np.asarray(expected))
+
+
+@pytest.mark.slow
+def test_a_tempered_top_k_rollout_is_scored_as_the_sampler_drew_it(tiny_model, tiny_variables):
+    """Temperature 0.7 and top_k 5: the rollout records each sampled token's kept ids (the snapshot's 5
+    largest logits), and the update scores the sampler's distribution, tempered and renormalised over them."""
+    temperature, k = 0.7, 5
+    objective = GRPOObjective(tiny_model, SEQ, _reward, group_size=4, max_new_tokens=4, kl_weight=0.1,
+                              pretrained=tiny_variables,
+                              sampling=Sampling(temperature=temperature, top_k=k, eos_token_ids=(EOS,)))
+    batch, _ = objective.rollout(tiny_variables, [[5, 9, 12], [7, 1, 30, 4]], jax.random.key(3))
+    objective.check_batch(batch)
+    logits = np.asarray(tiny_model.apply(tiny_variables, jnp.asarray(batch["text"][:, :-1])), np.float64)
+    rows, columns = np.nonzero(batch["completion"])
+    assert len(rows) >= 8
+    # By hand, in float64: each sampled token's likelihood over the top 5 of the tempered logits.
+    expected = []
+    for row, column in zip(rows, columns):
+        tempered = logits[row, column - 1] / temperature
+        top = np.argsort(-tempered)[:k]
+        kept = batch["support_ids"][row][batch["support_columns"][row] == column]
+        assert sorted(kept.tolist()) == sorted(top.tolist()) and batch["text"][row, column] in kept
+        expected.append(tempered[batch["text"][row, column]] - np.log(np.exp(tempered[top]).sum()))
+    support = (jnp.asarray(batch["support_ids"]), jnp.asarray(batch["support_columns"]))
+    ours = np.asarray(jax.jit(objective.log_probs)(tiny_variables, jnp.asarray(batch["text"]), support))
+    # fp32 against float64 (the update) and cached decoding against float64 (the sampler): the logits differ
+    # by a forward pass's roundings (decoder_ulps of the largest logit), which dividing by the temperature
+    # scales by 1/0.7 (and rounds once); a log-softmax moves by at most twice its logits' error, and its
+    # 5-term sum and log add a few roundings of values up to log 5 + 2 logit / 0.7. Bound 1.1e-5; observed at most
+    # 2.2e-7 (the update) and 1.9e-7 (the sampler) over rollout keys 0-3.
+    logit = float(np.abs(logits).max())
+    ulps = decoder_ulps(layers=2, width=32, mlp_width=64, heads=4, head_dim=8, seq_len=SEQ + 1, libraries=1)
+    bound = 2 * ulp_bound(ulps + 1, logit / temperature) + ulp_bound(8, math.log(k) + 2 * logit / temperature)
+    assert_within(ours[rows, columns - 1], np.asarray(expected), bound, "the update's sampled likelihoods")
+    assert_within(batch["sampled_log_probs"][rows, columns], np.asarray(expected), bound,
+                  "the sampler's recorded likelihoods")
+    # One update from the snapshot: the ratio is 1 within that, and the KL to the reference (scored under the
+    # same distribution, the same computation on the same weights) an exact zero.
+    trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0))
+    state = trainer.init_state()
+    placed = place_batch(trainer.mesh, batch)
+    state, first = trainer.compile_step(state, placed)(state, placed)
+    count = float(first["stats"].ratio.count)
+    assert float(first["stats"].kl.total) == 0.0
+    assert abs(float(first["stats"].ratio.total) / count - 1.0) <= 2 * bound

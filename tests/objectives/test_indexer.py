@@ -14,11 +14,13 @@ import pytest
 from dew import Dataset, Trainer
 from dew.nn.mla import KL_EPS, LatentAttention, indexer_kl
 from dew.nn.transformer import CausalTransformer, DecoderConfig
+from dew.objectives.base import Step
 from dew.objectives.lm import IndexerTraining, LMObjective
 
 LATENT = LatentAttention(kv_rank=16, q_rank=24, nope_dim=8, rope_dim=4, value_dim=6, index_heads=2, index_head_dim=8)
 SHAPE = dict(vocab_size=40, emb_features=32, num_layers=2, num_heads=4, mlp_features=48, max_seq_len=32)
 SEQ = 10
+STEP = Step(index=jnp.int32(0), key=jax.random.key(0))  # the loss runs with the step's key as dropout rng
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(1, 40, (2, SEQ + 1)), jnp.int32)
 SEGMENTS = jnp.asarray([[1] * 6 + [2] * 5, [1] * 8 + [0] * 3])
 
@@ -50,7 +52,7 @@ def _reached(objective, variables, term) -> tuple[set, set]:
     batch = {"text": TOKENS, "text_segment_ids": SEGMENTS}
 
     def loss(params):
-        return term(objective.loss({**variables, "params": params}, batch, None)[0])
+        return term(objective.loss({**variables, "params": params}, batch, STEP)[0])
 
     grads = _leaves(jax.grad(loss)(variables["params"]))
     moved = {path for path, grad in grads.items() if np.any(grad != 0)}

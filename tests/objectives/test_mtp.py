@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from dew.nn.transformer import CausalTransformer, DecoderConfig
-from dew.objectives.base import Mean
+from dew.objectives.base import Mean, Step
 from dew.objectives.lm import LMObjective
 
 CONFIG = dict(vocab_size=40, emb_features=32, num_layers=2, num_heads=4, mlp_features=48, max_seq_len=32, mtp_depths=2,
               latent=dict(kv_rank=16, q_rank=24, nope_dim=8, rope_dim=4, value_dim=6),
               mixture=dict(experts=4, top_k=2, layers=(1,), score_function="sigmoid", bias=True, shared_features=16))
 SEQ = 10
+STEP = Step(index=jnp.int32(0), key=jax.random.key(0))  # the loss runs with the step's key as dropout rng
 TOKENS = np.random.default_rng(0).integers(1, 40, (2, SEQ + 1))
 # row 0: two documents (the second starts at column 6); row 1: one document ending in 3 padding tokens
 SEGMENTS = np.array([[1] * 6 + [2] * 5, [1] * 8 + [0] * 3])
@@ -50,7 +51,7 @@ def test_mtp_weight_is_the_mean_over_depths_over_the_main_target_mass(setup):
     the same 22 per-token losses of size ~4, so 1e-5 relative covers their different order."""
     model, objective, variables = setup
     tokens, segments = jnp.asarray(TOKENS), jnp.asarray(SEGMENTS)
-    stats, _ = objective.loss(variables, {"text": tokens, "text_segment_ids": segments}, None)
+    stats, _ = objective.loss(variables, {"text": tokens, "text_segment_ids": segments}, STEP)
     output = model.apply(variables, tokens[:, :-1], segment_ids=segments[:, :-1], head=False, depths=True)
     log_probs = jax.nn.log_softmax(np.asarray(output.head.logits(output.aux["depths"]), np.float64), axis=-1)
     weights = np.asarray(objective.token_scores(variables, tokens, segment_ids=segments, depths=True).depths.weights)
@@ -75,8 +76,8 @@ def test_two_micro_batches_equal_one_batch(setup):
     and together give one loss (fp32 sums in another order: 1e-6 relative)."""
     _, objective, variables = setup
     batch = {"text": jnp.asarray(TOKENS), "text_segment_ids": jnp.asarray(SEGMENTS)}
-    whole, _ = objective.loss(variables, batch, None)
-    parts = [objective.loss(variables, {k: v[i:i + 1] for k, v in batch.items()}, None)[0] for i in range(2)]
+    whole, _ = objective.loss(variables, batch, STEP)
+    parts = [objective.loss(variables, {k: v[i:i + 1] for k, v in batch.items()}, STEP)[0] for i in range(2)]
     totals = objective.totals_of(whole)
     accumulated = sum(float(objective.window_loss(part, totals)[0]) for part in parts)
     np.testing.assert_allclose(accumulated, float(objective.window_loss(whole, totals)[0]), rtol=1e-6)

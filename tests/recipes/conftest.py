@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 
 from dew.data.tokenize import tokenize_text
+from dew.training.trackers import JsonLines
 
 TINY_MODEL = {"emb_features": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "mlp_features": 64,
               "max_seq_len": 64}
@@ -28,3 +31,16 @@ def recipe_args(token_dir: str, run_dir, *extra: str, steps: int = 6) -> list[st
             "--model.config", json.dumps(TINY_MODEL), "--trainer.run-dir", str(run_dir),
             "--trainer.steps", str(steps), "--trainer.batch", "4", "--trainer.log-every", "1",
             "--trainer.eval-every", "None", "--trainer.checkpoint-every", "2", "--sample-tokens", "0", *extra]
+
+
+def terminate_at(monkeypatch, stop_step: int) -> None:
+    """Send this process SIGTERM once step `stop_step` is logged (as JsonLines writes it), as a user
+    stopping the run then would; `monkeypatch.undo()` ends it."""
+    write = JsonLines.scalars
+
+    def scalars(self, step, values):
+        write(self, step, values)
+        if step == stop_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(JsonLines, "scalars", scalars)

@@ -61,3 +61,26 @@ def _exit_code(run) -> int:
         return run()
     except SystemExit as exit:  # tyro reports a config's ValueError itself, in a box
         return exit.code
+
+
+def test_run_json_records_the_chat_files_as_absolute_paths(chat_files, tmp_path, monkeypatch, tiny_model):
+    """data:chat's path, template and val_path name files: run.json holds them absolute, so a rerun from
+    another directory compares the same files."""
+    from dew.data.chat_data import ChatData
+    from dew.objectives.lm import LMObjective, LMRunConfig
+    from dew.recipes.lm import _record
+
+    tokenizer, talk = chat_files
+    (tmp_path / "template.jinja").write_text("{{ messages }}")
+    (tmp_path / "talk.jsonl").write_text(open(talk).read())
+    monkeypatch.chdir(tmp_path)
+    config = LMRunConfig(data=ChatData(path="talk.jsonl", template="template.jinja", val_path="talk.jsonl"),
+                         tokenizer=tokenizer)
+    record = _record(config, LMObjective(tiny_model, 8), {"tokenizer": tokenizer}, None)
+    data = record["settings"]["data"]
+    assert (data["path"], data["template"], data["val_path"]) == (str(tmp_path / "talk.jsonl"),
+                                                                  str(tmp_path / "template.jinja"),
+                                                                  str(tmp_path / "talk.jsonl"))
+    unset = _record(LMRunConfig(data=ChatData(path="talk.jsonl"), tokenizer=tokenizer), LMObjective(tiny_model, 8),
+                    {"tokenizer": tokenizer}, None)["settings"]["data"]
+    assert unset["template"] is None and unset["val_path"] is None

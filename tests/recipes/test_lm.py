@@ -103,7 +103,7 @@ def test_the_guides_flags_parse():
 @pytest.mark.parametrize("flags, message", [
     (["--tokenizer", "gpt2"], "--tokenizer 'gpt2' is not the tokenizer 'byte' that wrote"),
     (["--pretrained", "Qwen/Qwen3-0.6B"], "decides the architecture, so --model.config may set only"),
-    (["--objective", "block_diffusion"], "block diffusion is not built"),
+    (["--objective", "block_diffusion"], "--objective block_diffusion fine-tunes a DiffusionGemma checkpoint"),
     (["--objective", "ar"], "objective is 'ar'; use one of"),
     (["--block-prompt-tokens", "128"], "block_prompt_tokens is 128, but it shapes only --objective block_diffusion"),
     (["--no-seq-aux"], "--no-seq-aux shapes the expert balance loss"),
@@ -128,11 +128,21 @@ def test_refusals_name_the_value_and_write_nothing(token_dir, tmp_path, capsys, 
     assert not run_dir.exists()
 
 
-def test_unbuilt_fields_are_refused_in_python_too():
-    with pytest.raises(NotImplementedError, match="LoRA adapters are not built"):
+def test_lora_settings_are_checked_in_python_too():
+    from dew.nn.lora import LoRA
+
+    with pytest.raises(TypeError, match=r"lora is \{'rank': 8\}; give a dew.nn.lora.LoRA \(--lora.rank N"):
         LMRunConfig(lora={"rank": 8})
-    with pytest.raises(NotImplementedError, match="block diffusion"):
-        dataclasses.replace(LMRunConfig(), objective="block_diffusion")
+    with pytest.raises(ValueError, match="--lora.rank 8 adapts a published checkpoint's linears"):
+        LMRunConfig(lora=LoRA(8))
+    with pytest.raises(NotImplementedError, match="LoRA runs of the recipe are built for --objective lm only"):
+        LMRunConfig(lora=LoRA(8), pretrained="some/checkpoint", objective="masked_diffusion")
+    assert LMRunConfig(lora=LoRA(8), pretrained="some/checkpoint").lora == LoRA(8)
+
+
+def test_block_diffusion_needs_a_checkpoint_in_python_too():
+    with pytest.raises(ValueError, match="block_diffusion fine-tunes a DiffusionGemma checkpoint"):
+        dataclasses.replace(LMRunConfig(), objective="block_diffusion")  # built: tests/recipes/test_block_diffusion.py
 
 
 def test_a_non_run_directory_is_refused(token_dir, tmp_path, capsys):

@@ -15,8 +15,7 @@ import pytest
 
 from dew.recipes.lm import main, parse, prepare, train
 from dew.recipes.run_dir import RunDirectory
-from dew.training.trackers import JsonLines
-from tests.recipes.conftest import recipe_args
+from tests.recipes.conftest import recipe_args, terminate_at
 from tests.training.test_trainer import _flat
 
 
@@ -39,14 +38,7 @@ def _steps(run: RunDirectory, key: str = "train/loss") -> list[int]:
 def test_sigterm_checkpoints_and_the_rerun_matches_an_uninterrupted_run(token_dir, tmp_path, straight, monkeypatch):
     run_dir = tmp_path / "stopped"
     argv = recipe_args(token_dir, run_dir)
-    write = JsonLines.scalars
-
-    def terminate_at_step_3(self, step, values):
-        write(self, step, values)
-        if step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(JsonLines, "scalars", terminate_at_step_3)
+    terminate_at(monkeypatch, 3)
     assert main(argv) == 128 + signal.SIGTERM
     monkeypatch.undo()
     run = RunDirectory(run_dir)

@@ -142,3 +142,39 @@ def test_a_filter_that_keeps_nothing_is_refused(tiny_model):
     objective = LMObjective(tiny_model, SEQ, trainable=LoRA.trainable)  # a model without adapters
     with pytest.raises(ValueError, match="trainable accepts no parameter of the model"):
         Trainer(objective, optax.sgd(0.1), key=jax.random.key(0)).init_state()
+
+
+def test_lm_objective_trains_with_adapter_dropout_and_evaluates_without(tiny_model):
+    """The training loss runs the model with the step's key as its dropout rng; evaluation with none."""
+    from dew.objectives.base import Step
+
+    variables = tiny_model.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32), head=False)
+    batch = {"text": jnp.asarray(np.random.default_rng(6).integers(0, 64, (2, SEQ + 1)), jnp.int32)}
+    step = Step(jnp.asarray(0), jax.random.key(7))
+    losses = {}
+    for rate in (0.0, 0.5):
+        model = LoRA(rank=4, alpha=8.0, dropout=rate).adapt(tiny_model)
+        adapted = jax.tree_util.tree_map_with_path(  # nonzero B, so the adapters' input matters
+            lambda path, leaf: jnp.full_like(leaf, 0.1) if "lora_B" in jax.tree_util.keystr(path) else leaf,
+            model.attach(jax.random.key(1), variables))
+        objective = _objective(model, adapted)
+        train = lambda step: objective.reduce_loss(objective.loss(adapted, batch, step)[0])[0]
+        losses[rate] = (train(step), objective.evaluate(adapted, batch, step).ce.total)
+        # Each step draws its own mask; the same step the same one.
+        assert (train(Step(jnp.asarray(1), jax.random.key(8))) != losses[rate][0]) == (rate > 0)
+        np.testing.assert_array_equal(train(step), losses[rate][0])
+    # Without dropout the training and the evaluation pass compute the same thing, bit for bit.
+    np.testing.assert_array_equal(losses[0.0][0], losses[0.0][1])
+    assert losses[0.5][0] != losses[0.0][0]
+    np.testing.assert_array_equal(losses[0.5][1], losses[0.0][1])  # evaluation draws no mask
+
+
+def test_the_pipeline_generates_from_the_averaged_adapters_over_the_frozen_base(adapted):
+    """With frozen parameters the EMA holds only the adapters: the pipeline lays it over the base."""
+    base, model, variables = adapted
+    objective = _objective(model, variables)
+    trainer = Trainer(objective, optax.adamw(1e-2), key=jax.random.key(2))
+    state = trainer.init_state()
+    task = objective.pipeline(state)
+    assert _leaves(task.params).keys() == _leaves(state.params).keys()
+    assert objective.pipeline(state, ema=False).params is state.params

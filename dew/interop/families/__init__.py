@@ -25,7 +25,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dew.interop.families import deepseek, dream, gemma, llada, llama, mixtral, olmo, qwen, qwen_moe
+from dew.interop.families import (
+    deepseek, diffusion_gemma, dream, gemma, llada, llama, mixtral, olmo, qwen, qwen_moe,
+)
 from dew.interop.families.converter import Converter, GGUFNames
 from dew.interop.hf_decoders import refuse_quantized
 from dew.nn.transformer import DecoderConfig
@@ -33,8 +35,8 @@ from dew.nn.transformer import DecoderConfig
 # Plainest first: `family_for` takes the first family that computes a model exactly.
 _BUILT_IN = (llama.LLAMA, qwen.QWEN2, qwen.QWEN3, llama.MISTRAL, llama.MINISTRAL, gemma.GEMMA, gemma.GEMMA2,
              gemma.GEMMA3_TEXT, olmo.OLMO2, olmo.OLMO3, llada.LLADA, dream.DREAM, mixtral.MIXTRAL,
-             qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, deepseek.DEEPSEEK_V3, deepseek.DEEPSEEK_V2,
-             deepseek.DEEPSEEK_V32)
+             qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, diffusion_gemma.DIFFUSION_GEMMA, deepseek.DEEPSEEK_V3,
+             deepseek.DEEPSEEK_V2, deepseek.DEEPSEEK_V32)
 FAMILIES: dict[str, Converter] = {}
 
 
@@ -74,6 +76,8 @@ def family_for(config: DecoderConfig) -> Converter:
     computes is refused, naming what the closest one would compute differently."""
     closest = None
     for converter in FAMILIES.values():
+        if not converter.writes_decoders:
+            continue  # DiffusionGemma's converter writes its own model, never a DecoderConfig
         differences = converter.differences(config)
         if not differences:
             return converter

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from dew.interop.hf_decoders import (
     ACTIVATION_NAMES, ACTIVATIONS, MASK_FIELDS, ConfigFields, read_rotary, rope_parameters,
@@ -60,6 +60,9 @@ class Converter:
     not declare them, each with the default getattr falls back to. `architecture` is the causal-LM
     class config.json's `architectures` names.
     """
+
+    # whether `family_for` may pick this family for a `DecoderConfig` (False: it loads its own model kind)
+    writes_decoders: ClassVar[bool] = True
 
     model_type: str
     config_class: str

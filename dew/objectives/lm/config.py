@@ -7,9 +7,10 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
-from dew.data import TokenWindows
+from dew.data import PackedTokens, TokenWindows
 from dew.data.chat import MESSAGE_ROLES
 from dew.data.chat_data import ChatData
+from dew.nn.lora import DEFAULT_TARGETS, LoRA
 from dew.objectives.lm.indexer import IndexerTraining
 from dew.run_config import DataSpec, ModelConfig, OptimConfig, TrainerConfig
 from dew.sampling import Sampling
@@ -20,11 +21,33 @@ LMDataSpec = DataSpec | Annotated[ChatData, tyro.conf.subcommand(
 """What a language-model run trains on: token files (`DataSpec`), or `data:chat` conversations."""
 
 # Each objective, and None where it is built or what is not built yet.
-_OBJECTIVES = {"lm": None, "masked_diffusion": None, "block_diffusion": "block diffusion"}
+_OBJECTIVES = {"lm": None, "masked_diffusion": None, "block_diffusion": None}
 _DEFAULT_SAMPLING = Sampling(temperature=0.8, top_k=40)
 # Knobs of the autoregressive loss alone, with the value that asks for nothing.
 _LM_ONLY = {"balance_rate": None, "aux_loss_alpha": None, "seq_aux": True, "router_z_loss": 0.0, "mtp_weight": None,
             "indexer": None, "loss_role": None}
+
+
+def lora_flags(rank: int | None = None, alpha: float = 16.0, targets: tuple[str, ...] = DEFAULT_TARGETS,
+               dropout: float = 0.0) -> LoRA | None:
+    """`LMRunConfig.lora` from the command line's --lora.* flags: None without --lora.rank (and the
+    other flags then refused by name, rather than ignored).
+
+    Args:
+        rank: The adapters' rank; unset trains the whole model, without adapters.
+        alpha: The adapters' product is scaled by alpha / rank.
+        targets: The linears to adapt, each by the end of its path (q_proj, self_attn/o_proj).
+        dropout: The rate the adapters' input is dropped at in training.
+    """
+    if rank is None:
+        given = {name: value for name, value, default in (("alpha", alpha, 16.0), ("targets", targets, DEFAULT_TARGETS),
+                                                          ("dropout", dropout, 0.0)) if value != default}
+        if given:
+            flags = ", ".join(f"--lora.{name}" for name in given)
+            raise ValueError(f"{flags} shape(s) LoRA adapters, and --lora.rank is unset, so there are none: add "
+                             "--lora.rank N (8 or 16 are common), or drop them")
+        return None
+    return LoRA(rank, alpha, tuple(targets), dropout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +60,9 @@ class LMRunConfig:
         default_factory=lambda: OptimConfig(learning_rate=0.0006, weight_decay=0.1, clip_grads=1.0))
     trainer: TrainerConfig = TrainerConfig()
     objective: str = "lm"
-    """Loss convention: lm (next-token cross entropy over rows of --data.seq-len + 1 ids), or masked_diffusion (MDLM's negative ELBO on a bidirectional decoder, over the same rows whole: --data.seq-len 127 trains on 128 ids; the mask takes the id after the tokenizer's last); block_diffusion (DiffusionGemma's) is not built yet."""
-    lora: tyro.conf.Suppress[Any] = None
-    """LoRA adapters (not built yet: refused)."""
+    """Loss convention: lm (next-token cross entropy over rows of --data.seq-len + 1 ids), or masked_diffusion (MDLM's negative ELBO on a bidirectional decoder, over the same rows whole: --data.seq-len 127 trains on 128 ids; the mask takes the id after the tokenizer's last), or block_diffusion (DiffusionGemma's block loss, fine-tuning --pretrained on rows of --block-prompt-tokens plus whole canvases: --data.seq-len + 1 ids)."""
+    lora: Annotated[LoRA | None, tyro.conf.arg(constructor=lora_flags)] = None
+    """LoRA adapters (dew.nn.lora.LoRA) on --pretrained's linears, on with --lora.rank N: only they train, the checkpoint's weights stay frozen. When the run finishes it writes them in PEFT's format to RUN/adapter/ (adapter_config.json, adapter_model.safetensors, for peft.PeftModel.from_pretrained on the checkpoint); dew generate and dew export read the run with them merged into the kernels. Unset trains the whole model."""
     tokenizer: str = "byte"
     """What the ids were written with: 'byte', or an HF tokenizer name."""
     ema_decay: float | None = 0.999
@@ -85,14 +108,16 @@ class LMRunConfig:
                 f"--objective {self.objective}: {_OBJECTIVES[self.objective]} is not built in Dew yet; "
                 "leave --objective at lm"
             )
-        if self.objective == "masked_diffusion":
-            self._check_masked_diffusion()
+        if self.objective in ("masked_diffusion", "block_diffusion"):
+            self._check_diffusion()
+        if self.objective == "block_diffusion":
+            self._check_block_diffusion()
         if self.lora is not None:
-            raise NotImplementedError(f"lora={self.lora!r}: LoRA adapters are not built in Dew yet; leave lora unset")
+            self._check_lora()
         block = {"block_prompt_tokens": (self.block_prompt_tokens, 256),
                  "block_canvas_size": (self.block_canvas_size, None)}
         for name, (value, default) in block.items():
-            if value != default:
+            if value != default and self.objective != "block_diffusion":
                 raise ValueError(
                     f"{name} is {value}, but it shapes only --objective block_diffusion rows and this run's "
                     f"objective is {self.objective}: leave {name} unset"
@@ -112,21 +137,52 @@ class LMRunConfig:
             raise ValueError(f"--loss-role {self.loss_role} keeps the targets of one role, and {_data_name(self.data)} "
                              "rows carry no roles: train on data:chat conversations, or drop --loss-role")
 
-    def _check_masked_diffusion(self):
-        """Refuse settings masked diffusion has no use for, rather than ignore them."""
+    def _check_lora(self):
+        if not isinstance(self.lora, LoRA):
+            raise TypeError(f"lora is {self.lora!r}; give a dew.nn.lora.LoRA (--lora.rank N on the command line)")
+        if self.pretrained is None:
+            raise ValueError(f"--lora.rank {self.lora.rank} adapts a published checkpoint's linears and freezes the rest, "
+                             "and --pretrained is unset, so the frozen weights would be random ones: add --pretrained "
+                             "DIR, or drop the --lora flags to train a model from scratch")
+        if self.objective != "lm":
+            raise NotImplementedError(f"--lora.rank {self.lora.rank} with --objective {self.objective}: LoRA runs of "
+                                      "the recipe are built for --objective lm only; drop the --lora flags")
+
+    def _check_diffusion(self):
+        """Refuse settings a diffusion objective has no use for, rather than ignore them."""
         if isinstance(self.data, ChatData):
-            raise ValueError("--objective masked_diffusion reads token rows whole, without their roles or "
-                             "conversation boundaries: train it on data:token-windows or data:packed-tokens")
+            rows = ("data:token-windows or data:packed-tokens" if self.objective == "masked_diffusion"
+                    else "data:token-windows")
+            raise ValueError(f"--objective {self.objective} reads token rows whole, without their roles or "
+                             f"conversation boundaries: train it on {rows}")
         for name, neutral in _LM_ONLY.items():
             if getattr(self, name) != neutral:
                 flag = "--no-seq-aux" if name == "seq_aux" else f"--{name.replace('_', '-')} {getattr(self, name)}"
-                raise ValueError(f"{flag} shapes the autoregressive objective, and --objective masked_diffusion does "
+                raise ValueError(f"{flag} shapes the autoregressive objective, and --objective {self.objective} does "
                                  f"not read it: drop {flag.split()[0]}")
         if self.sampling != _DEFAULT_SAMPLING:
-            raise ValueError(
-                f"--sampling sets an autoregressive policy ({self.sampling}), and --objective masked_diffusion "
-                "previews and generates by unmasking with MDLM's sampler: drop the --sampling flags"
-            )
+            how = ("previews and generates by unmasking with MDLM's sampler" if self.objective == "masked_diffusion"
+                   else "generates canvas by canvas with the checkpoint's BlockProcess")
+            raise ValueError(f"--sampling sets an autoregressive policy ({self.sampling}), and --objective "
+                             f"{self.objective} {how}: drop the --sampling flags")
+
+    def _check_block_diffusion(self):
+        """Block diffusion fine-tunes a DiffusionGemma checkpoint on unpacked rows, without previews."""
+        if self.pretrained is None:
+            raise ValueError("--objective block_diffusion fine-tunes a DiffusionGemma checkpoint: pass --pretrained "
+                             "(and --tokenizer, the checkpoint's)")
+        if isinstance(self.data, PackedTokens):
+            raise ValueError("--objective block_diffusion reads each row as one prompt and its response canvases, and "
+                             "packed documents' context boundaries differ: use data:token-windows")
+        if self.sample_tokens:
+            raise ValueError(f"--sample-tokens {self.sample_tokens}: --objective block_diffusion has no "
+                             "autoregressive preview; pass --sample-tokens 0 and generate through load_pretrained of "
+                             "the exported checkpoint")
+        if self.block_prompt_tokens < 1:
+            raise ValueError(f"--block-prompt-tokens is {self.block_prompt_tokens}; a row needs a clean prompt of at "
+                             "least 1 token")
+        if self.block_canvas_size is not None and self.block_canvas_size < 1:
+            raise ValueError(f"--block-canvas-size is {self.block_canvas_size}; a canvas holds at least 1 token")
 
 
 def _data_name(data) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -13,15 +12,16 @@ import numpy as np
 from flax import struct
 
 from dew.data.chat import Role
-from dew.data.inputs import ModelInputs, text_fields
+from dew.data.inputs import ModelInputs
 from dew.nn.head import Head
 from dew.nn.mla import IndexerRecord
 from dew.nn.moe import RouterRecord, Routes
 from dew.objectives.base import Aux, Mean, PathFilter, Prediction, Step, Variables, path_filter
+from dew.objectives.checks import check_decoder_objective
 from dew.objectives.lm.indexer import IndexerTraining, kl_total
 from dew.objectives.lm.loss import chunked_cross_entropy
-from dew.objectives.lm.scoring import PolicyGeneration, check_left_padding, check_support, shift_back, shift_left, \
-    support_log_probs
+from dew.objectives.lm.rows import _real, _Rows, _rows_of
+from dew.objectives.lm.scoring import PolicyScoring
 from dew.objectives.lm.routing import RouterStatistics, RouterTerms, RouterTotals, bias_steps, max_one, move_biases, \
     slot_counts
 from dew.sampling import Sampling, generate
@@ -117,42 +117,6 @@ class Scores:
 
 
 @struct.dataclass
-class _Rows:
-    """A batch's token rows `[B, S + 1]` and their per-token fields, each `[B, S + 1]` or None."""
-
-    tokens: jax.Array
-    segment_ids: jax.Array | None = None
-    positions: jax.Array | None = None
-    roles: jax.Array | None = None
-    attention_mask: jax.Array | None = None
-
-
-def _rows_of(text, roles=None, segment_ids=None, positions=None) -> _Rows:
-    """Token rows from an array (with the given fields) or a `ModelInputs` (its own token fields)."""
-    if not isinstance(text, ModelInputs):
-        return _Rows(text, segment_ids, positions, roles)
-    if text.conditioning:
-        raise ValueError(f"LMObjective scores text, and the inputs carry media {sorted(text.conditioning)}")
-    fields = text_fields(text.token_fields, "LMObjective")
-    given = {"segment_ids": segment_ids, "positions": positions}
-    doubled = sorted(name for name, value in given.items() if value is not None and name in fields)
-    if doubled:
-        raise ValueError(f"{doubled} are given twice, as arguments and in the ModelInputs: give them once")
-    return _Rows(text.tokens, fields.get("segment_ids", segment_ids), fields.get("positions", positions), roles,
-                 fields.get("attention_mask"))
-
-
-def _real(rows: _Rows) -> jax.Array | None:
-    """Which tokens are real, not padding, `[B, S + 1]` bool: an attention mask's true slots that are
-    in a segment (not 0); None when nothing marks padding."""
-    real = None if rows.attention_mask is None else rows.attention_mask.astype(bool)
-    if rows.segment_ids is not None:
-        in_segment = rows.segment_ids != 0
-        real = in_segment if real is None else real & in_segment
-    return real
-
-
-@struct.dataclass
 class _Forward:
     """The model's pass over a batch's inputs, as scoring reads it."""
 
@@ -189,6 +153,11 @@ def _refuse_unbuilt_scoring(requested: dict[str, Any]) -> None:
             )
 
 
+def _training_rngs(step: Step) -> dict:
+    """The rngs a training pass runs the model with: the step's key as `dropout`."""
+    return {"dropout": step.key}
+
+
 def _brief(value) -> str:
     """A value as an error names it: arrays by their shape, not their contents."""
     if isinstance(value, tuple) and any(hasattr(item, "shape") for item in value):
@@ -222,7 +191,7 @@ def _router_terms(config, *, balance_rate, aux_loss_alpha, seq_aux, router_z_los
                        aux_loss_alpha=aux_loss_alpha, seq_aux=seq_aux, z_loss=float(router_z_loss))
 
 
-class LMObjective:
+class LMObjective(PolicyScoring):
     """Train a next-token model: shifted cross entropy, teacher-forced scoring, optional previews.
 
     A batch holds `text`, int ids `[B, seq_len + 1]` (or a `ModelInputs` whose `attention_mask`
@@ -265,23 +234,7 @@ class LMObjective:
                 "none: leave seq_aux at True"
             )
         config = model.config
-        if config.attention_dropout > 0:
-            raise NotImplementedError(
-                f"the model's attention_dropout is {config.attention_dropout}: Dew does not apply attention dropout, "
-                "so training would not be the training that rate asks for; build the model with attention_dropout "
-                "0.0 to train without it (generation reads the rate nowhere and needs no change)"
-            )
-        if seq_len < 1:
-            raise ValueError(f"seq_len is {seq_len}; it must be at least 1")
-        if seq_len > config.max_seq_len:
-            raise ValueError(
-                f"seq_len {seq_len} is longer than the model's max_seq_len {config.max_seq_len}: "
-                f"build the model with max_seq_len >= {seq_len} or use shorter windows"
-            )
-        if ema_decay is not None and not 0.0 <= ema_decay <= 1.0:
-            raise ValueError(f"ema_decay is {ema_decay}; use a value in [0, 1], or None for no EMA")
-        if head_chunks < 1:
-            raise ValueError(f"head_chunks is {head_chunks}; it must be at least 1")
+        check_decoder_objective(config, seq_len=seq_len, ema_decay=ema_decay, head_chunks=head_chunks, rows="windows")
         if pad_id is not None and not 0 <= pad_id < config.vocab_size:
             raise ValueError(f"pad_id {pad_id} is outside the vocabulary [0, {config.vocab_size})")
         if mtp_weight is not None:
@@ -422,7 +375,8 @@ class LMObjective:
         and padding (segment 0) predicts nothing; the model reads `positions` for its rotary angles.
         `roles` (a chat batch's `Role` per token, `[B, seq_len + 1]`) keep only the targets whose role
         is the objective's `loss_role`; they are required with a `loss_role` and refused without one.
-        `train` changes nothing today: Dew's decoder has no training-only layer (no dropout).
+        `train` changes nothing itself: a training pass gives `rngs={"dropout": key}`, which LoRA's
+        adapter dropout reads (Dew's decoder has no dropout of its own).
         `routing` adds each sparse layer's `RouterRecord` (`Scores.routing`). `routes` replays a
         rollout engine's expert choices: `(ids, covered)`, ids `[B, seq_len + 1, layers, top_k]`
         aligned with the tokens over the model's sparse layers, covered `[B, seq_len + 1]` booleans
@@ -475,10 +429,10 @@ class LMObjective:
             scores = scores.replace(depths=self._depth_scores(forward, rows))
         return scores, forward
 
-    def _scored(self, params, rows: _Rows, layers: Sequence[int] = ()):
+    def _scored(self, params, rows: _Rows, rngs=None, layers: Sequence[int] = ()):
         """`_score` with what this objective's loss reads: the depths with `mtp_weight`, the indexers with
         `indexer`."""
-        return self._score(params, rows, None, layers=layers, depths=self.mtp_weight is not None,
+        return self._score(params, rows, rngs, layers=layers, depths=self.mtp_weight is not None,
                            indexer=self.indexer is not None)
 
     def _cross_entropy(self, hidden_NE, forward: _Forward, targets_N, weights_BS) -> Scores:
@@ -607,8 +561,9 @@ class LMObjective:
 
     def loss(self, params, batch, step: Step) -> tuple[LMStatistics, Aux]:
         """The statistics of one micro-batch, and with `balance_rate` its routers' slot counts (int32
-        `[L, E]`) as the effect `counts`, which `apply_effects` turns into the bias step."""
-        stats = self._statistics(*self._scored(params, self._batch_rows(batch)))
+        `[L, E]`) as the effect `counts`, which `apply_effects` turns into the bias step. The model runs
+        with the step's key as its `dropout` rng (LoRA's adapter dropout reads it; evaluation passes none)."""
+        stats = self._statistics(*self._scored(params, self._batch_rows(batch), _training_rngs(step)))
         return stats, self._effects(stats)
 
     def predict(self, params, batch, step: Step, *, train: bool, layers: Sequence[int] = ()):
@@ -618,8 +573,8 @@ class LMObjective:
         The logits are the whole `[B, seq_len, vocab]` float32 tensor the chunked loss never holds; a
         distillation's KL reads every column. The router loss terms (`aux_loss_alpha`,
         `router_z_loss`) carry their own normalisation, so they cannot ride a distillation's token
-        mass and are refused; `balance_rate` balances without a loss term and is kept. `train`
-        changes nothing today, as in `token_scores`.
+        mass and are refused; `balance_rate` balances without a loss term and is kept. With `train`
+        the model runs with the step's key as its `dropout` rng, as the training loss does.
         """
         if self.router is not None:
             for name, value in (("aux_loss_alpha", self.router.aux_loss_alpha), ("router_z_loss", self.router.z_loss)):
@@ -631,7 +586,8 @@ class LMObjective:
         if self.indexer is not None and self.indexer.warmup:
             raise ValueError("LMObjective.predict: the indexer warm-up scores no token, so it has nothing to distil; "
                              "predict with an objective without indexer, or with IndexerTraining('sparse')")
-        scores, forward = self._scored(params, self._batch_rows(batch), layers=layers)
+        rngs = _training_rngs(step) if train else None
+        scores, forward = self._scored(params, self._batch_rows(batch), rngs, layers=layers)
         stats = self._statistics(scores, forward)
         logits_BSV = forward.head.logits(scores.states)
         return stats, self._effects(stats), Prediction(logits=logits_BSV, weights=scores.weights,
@@ -656,8 +612,8 @@ class LMObjective:
         router = None
         if self.router is not None:
             counts = None
-            if self.router.switch:
-                forward = self._forward(params, rows, None)
+            if self.router.switch:  # the loss's own pass: the same dropout draw routes the same tokens
+                forward = self._forward(params, rows, _training_rngs(step))
                 counts = slot_counts(forward.routing.experts, routed_BS, self.router.experts).astype(jnp.float32)
             router = RouterTotals(positions=jnp.sum(routed_BS.astype(jnp.float32)),
                                   rows=jnp.sum(jnp.any(routed_BS, axis=1).astype(jnp.float32)), counts=counts)
@@ -716,96 +672,7 @@ class LMObjective:
             values.update(self.router.loads(stats.router))
         return values
 
-    # -- policy scoring ----------------------------------------------------------------------------
-    def head_logits(self, params: Variables, states) -> jax.Array:
-        """Capped float32 logits `[..., vocab]` of output states `[..., E]` (`Scores.states`) through
-        the model's head over `params`."""
-        return self._head(params).logits(states)
-
-    def _head(self, params) -> Head:
-        # The head is read inside the model's pass; one token's pass hands it over, and under jit the
-        # unused layers are dropped.
-        return self.model.apply(params, jnp.zeros((1, 1), jnp.int32), head=False).head
-
-    def per_token_log_probs(self, params: Variables, tokens, *, left_padding=None) -> jax.Array:
-        """Score raw policy likelihoods aligned to next-token targets.
-
-        `tokens` are ids `[B, S + 1]` or a `ModelInputs` (its `attention_mask` marks padding); the
-        result is float32 `[B, S]`, slot `j` the log-likelihood of token `j + 1` after tokens `0..j`
-        under the full softmax of the capped logits. Explicit `left_padding` counts (int `[B]`) move
-        each row's real context to position zero before scoring, so its positions start at 0. Returned
-        slots whose input is padding are zero and unscored, as are slots whose target is padding by
-        the attention mask or segment 0. Gradients flow (the chunked loss's).
-        """
-        rows = _rows_of(tokens)
-        if left_padding is not None:
-            if isinstance(tokens, ModelInputs):
-                raise ValueError("left_padding moves padding of plain token rows; a ModelInputs marks its padding "
-                                 "with attention_mask: give one or the other")
-            check_left_padding(left_padding, rows.tokens)
-            rows = _Rows(shift_left(jnp.asarray(rows.tokens), left_padding))
-        forward = self._forward(params, rows, None)
-        ce, _, _ = chunked_cross_entropy(forward.hidden_NE, forward.head.weight, forward.targets_N,
-                                         forward.head.transposed, self.head_chunks, forward.head.softcap, False)
-        log_probs_BS = -ce.reshape(forward.weights_BS.shape)
-        real_BT = _real(rows)
-        if real_BT is not None:
-            log_probs_BS = jnp.where(real_BT[:, :-1] & real_BT[:, 1:], log_probs_BS, 0.0)
-        if left_padding is not None:
-            log_probs_BS = shift_back(log_probs_BS, left_padding)
-        return log_probs_BS
-
-    def sampled_log_probs(self, params: Variables, scores: Scores, tokens, support=None,
-                          temperature: float = 1.0) -> jax.Array:
-        """Each next-token target's likelihood as the sampler that drew it saw it.
-
-        `scores` is `token_scores` over `tokens`, `[B, S + 1]`; the result is `[B, S]`. At unit
-        temperature without support that is the raw policy, `-scores.losses`. `temperature` (above 0)
-        divides the capped logits (`head_logits`). `support` is the per-row ragged `(ids, columns)`
-        pair `sessions.pack` builds, `[B, C]` each, `columns` the column in `tokens` of the target
-        each kept id belongs to (below 1: an unused entry); a target with entries is renormalised
-        over them (`support_log_probs`), the others over the whole vocabulary.
-        """
-        if not (isinstance(temperature, (int, float)) and np.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"temperature is {temperature!r}; give the sampler's temperature, a number above 0 (a "
-                             "greedy draw, temperature 0, has likelihood 1 for its argmax and needs no scoring)")
-        temperature = float(temperature)
-        if temperature == 1.0 and support is None:
-            return -scores.losses
-        if scores.states is None:
-            raise ValueError("these scores carry no output states: score the tokens with token_scores")
-        if support is not None:
-            check_support(support, tokens, self.model.config.vocab_size)
-        head = self._head(params)
-        B, S = scores.losses.shape
-        log_probs_BS = -scores.losses
-        if temperature != 1.0:
-            targets_N = jnp.asarray(tokens)[:, 1:].reshape(-1).astype(jnp.int32)
-            ce, _, _ = chunked_cross_entropy(scores.states.reshape(B * S, -1).astype(head.weight.dtype), head.weight,
-                                             targets_N, head.transposed, self.head_chunks, head.softcap, False,
-                                             temperature)
-            log_probs_BS = -ce.reshape(B, S)
-        if support is None:
-            return log_probs_BS
-        renormalised_BS, kept_BS = support_log_probs(scores.states, head, tokens, support, temperature)
-        return jnp.where(kept_BS, renormalised_BS, log_probs_BS)
-
     # -- generation ------------------------------------------------------------------------------
-    def policy(self, params: Variables, sampling: Sampling = Sampling()) -> PolicyGeneration:
-        """Expose the model over this training tree as a generation task.
-
-        A rollout binds one snapshot of the policy and draws every completion from it; the result (a
-        `Rollout`) records the actual and raw-policy likelihoods the objective's ratio needs: the
-        sampler's (`log_probs`, tempered and filtered) and the raw policy's (`policy_log_probs`, the
-        full softmax, as `per_token_log_probs` scores it).
-        """
-        return PolicyGeneration(self.model, params, sampling=sampling, raw_log_probs=self._compiled_log_probs)
-
-    @functools.cached_property
-    def _compiled_log_probs(self):
-        """`per_token_log_probs` compiled once per objective, so that every rollout reuses it."""
-        return jax.jit(self.per_token_log_probs)
-
     def pipeline(self, state, *, ema: bool = True, processor=None):
         """Publish the decoder over the state's weights as a generation task.
 
@@ -815,7 +682,8 @@ class LMObjective:
         """
         from dew.inference import TextGeneration
 
-        params = state.ema if ema and state.ema is not None else state.params
+        # averaged, not ema: with frozen parameters (LoRA) the EMA holds only the trainable part.
+        params = state.averaged if ema and state.ema is not None else state.params
         sampling = self.samples.sampling if self.samples else Sampling()
         budget = self.samples.max_new_tokens if self.samples and self.samples.max_new_tokens else None
         return TextGeneration(self.model, params, tokenizer=processor, sampling=sampling, max_new_tokens=budget)

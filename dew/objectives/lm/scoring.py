@@ -1,4 +1,5 @@
-"""The pieces behind `LMObjective`'s policy scoring: a target's likelihood renormalised over the ids a
+"""`LMObjective`'s policy scoring (`PolicyScoring`: `per_token_log_probs`, `sampled_log_probs`,
+`head_logits`, `policy`) and the pieces behind it: a target's likelihood renormalised over the ids a
 sampler kept (`support_log_probs`), left padding moved out of the way, and the rollout task `policy`
 returns, which records the raw policy's likelihoods beside the sampler's.
 """
@@ -6,14 +7,23 @@ returns, which records the raw policy's likelihoods beside the sampler's.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.data.inputs import ModelInputs
 from dew.inference.text import TextGeneration
 from dew.nn.head import Head, cap_logits
-from dew.sampling import Generation
+from dew.objectives.base import Variables
+from dew.objectives.lm.loss import chunked_cross_entropy
+from dew.objectives.lm.rows import _real, _Rows, _rows_of
+from dew.sampling import Generation, Sampling
+
+if TYPE_CHECKING:
+    from dew.objectives.lm.objective import Scores
 
 
 def _head_columns(head: Head, ids):
@@ -140,3 +150,97 @@ class PolicyGeneration(TextGeneration):
         raw = np.where(steps[None, :] < drawn.new_tokens[:, None], np.take_along_axis(scored, slots, axis=1), 0.0)
         fields = {field.name: getattr(drawn, field.name) for field in dataclasses.fields(Generation)}
         return Rollout(**fields, policy_log_probs=raw.astype(np.float32))
+
+
+class PolicyScoring:
+    """`LMObjective`'s policy-scoring methods, as the reference writes them. They read the objective's
+    `model`, `head_chunks` and its pass over token rows (`_forward`)."""
+
+    # -- policy scoring ----------------------------------------------------------------------------
+    def head_logits(self, params: Variables, states) -> jax.Array:
+        """Capped float32 logits `[..., vocab]` of output states `[..., E]` (`Scores.states`) through
+        the model's head over `params`."""
+        return self._head(params).logits(states)
+
+    def _head(self, params) -> Head:
+        # The head is read inside the model's pass; one token's pass hands it over, and under jit the
+        # unused layers are dropped.
+        return self.model.apply(params, jnp.zeros((1, 1), jnp.int32), head=False).head
+
+    def per_token_log_probs(self, params: Variables, tokens, *, left_padding=None) -> jax.Array:
+        """Score raw policy likelihoods aligned to next-token targets.
+
+        `tokens` are ids `[B, S + 1]` or a `ModelInputs` (its `attention_mask` marks padding); the
+        result is float32 `[B, S]`, slot `j` the log-likelihood of token `j + 1` after tokens `0..j`
+        under the full softmax of the capped logits. Explicit `left_padding` counts (int `[B]`) move
+        each row's real context to position zero before scoring, so its positions start at 0. Returned
+        slots whose input is padding are zero and unscored, as are slots whose target is padding by
+        the attention mask or segment 0. Gradients flow (the chunked loss's).
+        """
+        rows = _rows_of(tokens)
+        if left_padding is not None:
+            if isinstance(tokens, ModelInputs):
+                raise ValueError("left_padding moves padding of plain token rows; a ModelInputs marks its padding "
+                                 "with attention_mask: give one or the other")
+            check_left_padding(left_padding, rows.tokens)
+            rows = _Rows(shift_left(jnp.asarray(rows.tokens), left_padding))
+        forward = self._forward(params, rows, None)
+        ce, _, _ = chunked_cross_entropy(forward.hidden_NE, forward.head.weight, forward.targets_N,
+                                         forward.head.transposed, self.head_chunks, forward.head.softcap, False)
+        log_probs_BS = -ce.reshape(forward.weights_BS.shape)
+        real_BT = _real(rows)
+        if real_BT is not None:
+            log_probs_BS = jnp.where(real_BT[:, :-1] & real_BT[:, 1:], log_probs_BS, 0.0)
+        if left_padding is not None:
+            log_probs_BS = shift_back(log_probs_BS, left_padding)
+        return log_probs_BS
+
+    def sampled_log_probs(self, params: Variables, scores: Scores, tokens, support=None,
+                          temperature: float = 1.0) -> jax.Array:
+        """Each next-token target's likelihood as the sampler that drew it saw it.
+
+        `scores` is `token_scores` over `tokens`, `[B, S + 1]`; the result is `[B, S]`. At unit
+        temperature without support that is the raw policy, `-scores.losses`. `temperature` (above 0)
+        divides the capped logits (`head_logits`). `support` is the per-row ragged `(ids, columns)`
+        pair `sessions.pack` builds, `[B, C]` each, `columns` the column in `tokens` of the target
+        each kept id belongs to (below 1: an unused entry); a target with entries is renormalised
+        over them (`support_log_probs`), the others over the whole vocabulary.
+        """
+        if not (isinstance(temperature, (int, float)) and np.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature is {temperature!r}; give the sampler's temperature, a number above 0 (a "
+                             "greedy draw, temperature 0, has likelihood 1 for its argmax and needs no scoring)")
+        temperature = float(temperature)
+        if temperature == 1.0 and support is None:
+            return -scores.losses
+        if scores.states is None:
+            raise ValueError("these scores carry no output states: score the tokens with token_scores")
+        if support is not None:
+            check_support(support, tokens, self.model.config.vocab_size)
+        head = self._head(params)
+        B, S = scores.losses.shape
+        log_probs_BS = -scores.losses
+        if temperature != 1.0:
+            targets_N = jnp.asarray(tokens)[:, 1:].reshape(-1).astype(jnp.int32)
+            ce, _, _ = chunked_cross_entropy(scores.states.reshape(B * S, -1).astype(head.weight.dtype), head.weight,
+                                             targets_N, head.transposed, self.head_chunks, head.softcap, False,
+                                             temperature)
+            log_probs_BS = -ce.reshape(B, S)
+        if support is None:
+            return log_probs_BS
+        renormalised_BS, kept_BS = support_log_probs(scores.states, head, tokens, support, temperature)
+        return jnp.where(kept_BS, renormalised_BS, log_probs_BS)
+
+    def policy(self, params: Variables, sampling: Sampling = Sampling()) -> PolicyGeneration:
+        """Expose the model over this training tree as a generation task.
+
+        A rollout binds one snapshot of the policy and draws every completion from it; the result (a
+        `Rollout`) records the actual and raw-policy likelihoods the objective's ratio needs: the
+        sampler's (`log_probs`, tempered and filtered) and the raw policy's (`policy_log_probs`, the
+        full softmax, as `per_token_log_probs` scores it).
+        """
+        return PolicyGeneration(self.model, params, sampling=sampling, raw_log_probs=self._compiled_log_probs)
+
+    @functools.cached_property
+    def _compiled_log_probs(self):
+        """`per_token_log_probs` compiled once per objective, so that every rollout reuses it."""
+        return jax.jit(self.per_token_log_probs)

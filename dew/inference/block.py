@@ -1,0 +1,94 @@
+"""`BlockGeneration`: a DiffusionGemma model bound to its weights, block process, tokenizer and budget."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from dew.data.inputs import ModelInputs
+from dew.diffusion.block import BlockProcess
+from dew.inference.canvas import CanvasGeneration
+from dew.inference.masked import AUTOREGRESSIVE_CONTROLS
+from dew.inference.text import encode_prompts
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockGeneration:
+    """Generate from a DiffusionGemma `model` with `variables` canvas by canvas: `task(inputs,
+    max_new_tokens=None, *, key=None, seed=0, process=None)` returns a `CanvasGeneration`.
+
+    `inputs` is a `ModelInputs` (from the checkpoint's processor: its `attention_mask` marks each row's
+    tokens, padding before them), a string or list of strings (encoded with `tokenizer`), a list of ids
+    or a list of such lists. `process` (a `dew.diffusion.block.BlockProcess`) replaces the checkpoint's
+    defaults for one call; `max_new_tokens` defaults to the task's budget. EOS ids end a row after the
+    canvas that holds one; its response is cut after the first and padded with `pad_id`.
+    Autoregressive sampling, beam and logits controls are refused by name.
+    """
+
+    model: Any
+    variables: Any
+    process: BlockProcess
+    tokenizer: Any = None
+    max_new_tokens: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+
+    def __call__(self, inputs, max_new_tokens: int | None = None, *, key: jax.Array | None = None, seed: int = 0,
+                 process: BlockProcess | None = None, **controls) -> CanvasGeneration:
+        for name, value in controls.items():
+            if name not in AUTOREGRESSIVE_CONTROLS:
+                raise TypeError(f"BlockGeneration got an unexpected keyword {name}={value!r}; it takes key, seed and "
+                                "process (a BlockProcess)")
+            raise ValueError(f"{name}={value!r} is an autoregressive {AUTOREGRESSIVE_CONTROLS[name]} control, and "
+                             "DiffusionGemma refines whole canvases: pass process=BlockProcess(...) to change its "
+                             f"sampler; drop {name}")
+        budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if budget is None:
+            raise ValueError("this task has no default budget: pass max_new_tokens")
+        process = self.process if process is None else process
+        if not isinstance(process, BlockProcess):
+            raise TypeError(f"process is {type(process).__name__}; pass a dew.diffusion.block.BlockProcess")
+        key = jax.random.key(seed) if key is None else key
+        decode = None if self.tokenizer is None else self.tokenizer.decode
+        return process.generate(self.model, self.variables, self.prompts(inputs), budget, key=key,
+                                eos_token_ids=self.eos_token_ids, pad_id=self.pad_id, decode=decode)
+
+    def prompts(self, inputs) -> list[list[int]]:
+        """Each row's prompt ids, from any input the call takes."""
+        if not isinstance(inputs, ModelInputs):
+            return encode_prompts(self.tokenizer, inputs)
+        unknown = sorted(set(inputs.token_fields) - {"attention_mask"})
+        if unknown or inputs.conditioning:
+            names = unknown + sorted(inputs.conditioning)
+            raise ValueError(f"these inputs carry {names}; DiffusionGemma's block generation in Dew reads text only "
+                             "(token ids and attention_mask): media inputs are not built yet")
+        tokens = np.asarray(inputs.tokens)
+        mask = np.asarray(inputs.token_fields.get("attention_mask", np.ones(tokens.shape, bool)), bool)
+        return [[int(t) for t in row[keep]] for row, keep in zip(tokens, mask)]
+
+    def decode(self, generated: CanvasGeneration) -> list[str]:
+        """Each row's response (without the prompt) as text, through the checkpoint's tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("this task has no tokenizer: read the ids in generated.continuations()")
+        return [self.tokenizer.decode(ids) for ids in generated.continuations()]
+
+
+def from_checkpoint(bundle) -> BlockGeneration:
+    """A loaded DiffusionGemma checkpoint (a `dew.interop.Pretrained`) as a `BlockGeneration`: the block
+    process its generation_config.json asks for, its tokenizer, budget, EOS and padding ids."""
+    config = bundle.model.config
+    process = BlockProcess.from_generation(bundle.generation_config, config.canvas_length, config.vocab_size,
+                                           where=f"{bundle.directory}/generation_config.json")
+    variables = {name: bundle.variables[name] for name in ("params", "constants")}
+    return BlockGeneration(bundle.model, variables, process, tokenizer=bundle.tokenizer,
+                           max_new_tokens=bundle.max_new_tokens, eos_token_ids=bundle.generation.eos_token_ids,
+                           pad_id=bundle.generation.pad_id)
+
+
+__all__ = ["BlockGeneration", "from_checkpoint"]
