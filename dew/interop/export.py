@@ -101,19 +101,59 @@ def write_export(directory: str | Path, model: CausalTransformer, converter: Con
 
 
 def model_params(model: CausalTransformer):
-    """The model's parameter tree in its own form (scanned runs stacked), as shapes, without allocating it."""
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+    """Every weight a checkpoint of the model holds, as shapes, without allocating them: the parameters
+    in the model's own form (scanned runs stacked), with the leaves of its other collections (a
+    router's balancing bias, `moe`) merged in at their paths (`merge_collections`)."""
+    return merge_collections(model_variables(model))
+
+
+def model_variables(model: CausalTransformer):
+    """The model's variables, every collection, as shapes."""
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+
+
+def merge_collections(variables: Mapping) -> dict:
+    """One tree of every collection's leaves at their paths (`params` and `moe` never share a leaf);
+    `split_collections` cuts it back."""
+    merged: dict = {}
+
+    def merge(into: dict, tree: Mapping):
+        for key, value in tree.items():
+            if isinstance(value, Mapping):
+                merge(into.setdefault(key, {}), value)
+            else:
+                into[key] = value
+
+    for collection in sorted(variables, key=lambda name: name != "params"):
+        merge(merged, variables[collection])
+    return merged
+
+
+def split_collections(merged: Mapping, like: Mapping) -> dict:
+    """`merged` cut into the collections of `like`, a variables tree whose collections hold its leaves."""
+
+    def pick(tree: Mapping, shape: Mapping):
+        return {key: pick(tree[key], value) if isinstance(value, Mapping) else tree[key] for key, value in shape.items()}
+
+    return {collection: pick(merged, tree) for collection, tree in like.items()}
 
 
 def checked_params(model: CausalTransformer, variables):
-    """The params of `variables`, refused unless they are this model's tree in its own form or per layer."""
+    """The weights of `variables` (collections merged, as `model_params` gives them), refused unless they
+    are this model's tree in its own form or per layer."""
     if QUANT_COLLECTION in variables:
         raise ValueError("these variables hold int8 weights (dew.nn.quantize), made for generation: save the float "
                          "weights they were quantized from (load the checkpoint without quantize=)")
-    params = variables["params"] if "params" in variables else variables
-    own = model_params(model)
+    if "params" not in variables:
+        variables = {"params": variables}
+    own = model_variables(model)
+    missing = sorted(set(own) - set(variables))
+    if missing:
+        raise ValueError(f"the variables to save have no {missing} collection(s), which this model keeps weights in "
+                         "(a router's balancing bias is in 'moe'): pass the whole variables tree")
+    params = merge_collections({name: variables[name] for name in own})
     have = jax.tree_util.tree_structure(params)
-    for expected in (own, jax.eval_shape(model.unstack_variables, {"params": own})["params"]):
+    for expected in (merge_collections(own), merge_collections(jax.eval_shape(model.unstack_variables, own))):
         if have != jax.tree_util.tree_structure(expected):
             continue
         for (path, want), leaf in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree_util.tree_leaves(params)):

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from dew.data.tokenizers import HFTokenizer
 from dew.interop import gguf_files, hf_decoders, tensors
-from dew.interop.export import model_params, write_export
+from dew.interop.export import model_params, model_variables, split_collections, write_export
 from dew.interop.families import FAMILIES, family_of
 from dew.interop.families import diffusion_gemma as block_diffusion
 from dew.interop.gguf_files import GGUFCheckpoint
@@ -202,6 +202,7 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     generation_config = _read_json(generation_path) if generation_path.is_file() else None
     sampling, budget = generation_defaults(generation_config, config, where=str(generation_path))
     with reader:
+        kwargs = family.fit_to_weights(kwargs, reader.names())
         if param_dtype == "auto":
             param_dtype = hf_decoders.param_dtype_name(config) or _first_float_dtype(reader)
         model = CausalTransformer(DecoderConfig(**kwargs, dtype=dtype, param_dtype=param_dtype))
@@ -213,9 +214,11 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         params = _read_params(reader, model, family.model_type, rules, ignorable, device_mesh, layout,
                               label=f"loading {source}")
     tokenizer = HFTokenizer(directory) if (directory / "tokenizer.json").is_file() else None
-    variables = {"params": params} if quantize is None else quantize_int8(model, {"params": params})
-    return Pretrained(model, variables, tokenizer, config, sampling, budget, snapshot.revision,
-                      directory, generation_config)
+    variables = split_collections(params, model_variables(model))
+    if quantize is not None:
+        variables = quantize_int8(model, variables)
+    return Pretrained(model, variables, tokenizer, config, sampling, budget, snapshot.revision, directory,
+                      generation_config)
 
 
 def _save_block_diffusion(bundle: Pretrained, directory: Path, variables, max_shard_size) -> Path:

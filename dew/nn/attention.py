@@ -45,7 +45,8 @@ def attend(q_BSHD, k_BKTD, v_BKTD, mask_BST, *, causal_blocks: bool = False, sca
            softcap: float | None = None, block: int = 128) -> jax.Array:
     """Softmax attention in float32 for `H` query heads over `K` shared key/value heads.
 
-    Queries are `[B, S, H, D]`, keys and values heads-major `[B, K, T, D]` (the KV cache's layout).
+    Queries are `[B, S, H, D]`, keys heads-major `[B, K, T, D]` (the KV cache's layout) and values
+    `[B, K, T, Dv]` (latent attention's values are narrower than its keys); the result is `[B, S, H, Dv]`.
 
     Scores are `q . k` times `scale` (default `head_dim ** -0.5`), then, with `softcap`, squashed
     to `softcap * tanh(scores / softcap)` (Gemma 2).
@@ -74,7 +75,7 @@ def attend(q_BSHD, k_BKTD, v_BKTD, mask_BST, *, causal_blocks: bool = False, sca
             jnp.einsum("bkgst,bktd->bkgsd", probs_BKGST, v_BKTD[:, :, :end], preferred_element_type=jnp.float32)
         )
     out_BKGSD = outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs, axis=3)
-    return out_BKGSD.transpose(0, 3, 1, 2, 4).reshape(B, S, H, D).astype(q_BSHD.dtype)
+    return out_BKGSD.transpose(0, 3, 1, 2, 4).reshape(B, S, H, v_BKTD.shape[-1]).astype(q_BSHD.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,9 +131,10 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x_BSE: jax.Array, rotary: tuple[jax.Array, jax.Array], context, knobs,
-                 cache: AttentionCache | None = None) -> tuple[jax.Array, AttentionCache | None]:
+                 cache: AttentionCache | None = None) -> tuple[jax.Array, AttentionCache | None, None]:
         """`context` is the stack's `LayerContext` (slots, segments, the cache's filled slots) and
-        `knobs` this layer's `LayerKnobs` (its window and its index in the cache)."""
+        `knobs` this layer's `LayerKnobs` (its window and its index in the cache). The third result
+        is what the mixer reports (nothing, for this one; `dew.nn.mla` reports its indexer)."""
         s = self.spec
         B, S, E = x_BSE.shape
         H, K, D = s.num_heads, s.num_kv_heads, s.head_dim
@@ -164,4 +166,4 @@ class Attention(nn.Module):
         # Without a cache the query slots are the key slots, so a causal pass can skip future blocks.
         out_BSHD = attend(q_BSHD, keys, values, mask_BST, causal_blocks=s.causal and cache is None,
                           scale=s.query_scale, softcap=s.softcap)
-        return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache
+        return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache, None

@@ -26,6 +26,10 @@ class AttentionCache:
         shape = (layers, rows, kv_heads, capacity, head_dim)
         return cls(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype))
 
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
     def write(self, layer, slots_BS: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array) -> "AttentionCache":
         """Store token `s` of row `b` at slot `slots_BS[b, s]` of layer `layer`; a slot at or past the
         capacity (how padding is marked) is dropped."""
@@ -42,7 +46,8 @@ class AttentionCache:
 @struct.dataclass
 class Cache:
     """The whole model's cache: `runs` holds one mixer cache per run of layers (`AttentionCache` for
-    attention), `lengths` the filled slots of each row, int32 `[B]`."""
+    attention, `dew.nn.mla.LatentCache` for latent attention: each mixer owns its layout and says its
+    `capacity`), `lengths` the filled slots of each row, int32 `[B]`."""
 
     runs: tuple
     lengths: jax.Array
@@ -53,7 +58,7 @@ class Cache:
 
     @property
     def capacity(self) -> int:
-        return jax.tree_util.tree_leaves(self.runs)[0].shape[3]
+        return self.runs[0].capacity
 
     def reset(self, rows_B: jax.Array) -> "Cache":
         """Empty the rows where `rows_B` is true (their slots are reused; nothing else changes)."""

@@ -4,8 +4,9 @@ A new mixer (latent attention, say) or feed-forward block (a mixture of experts,
 spec class in its own module with a `module(...)` builder; `DecoderLayer` builds whatever its spec
 names. The layer's call signature is the scan body's, `(carry, knobs, context) -> (carry, report)`,
 so a run of layers whose specs agree up to their per-layer values (`LayerSpec.scan_key`) runs as one
-`nn.scan`, and what each layer reports (a sparse layer's `RouterRecord`; None otherwise) comes out of
-a scanned run stacked by layer.
+`nn.scan`, and what each layer reports, `(feed-forward's, mixer's)` (a sparse layer's `RouterRecord`,
+a latent mixer's `IndexerRecord` when asked; None otherwise), comes out of a scanned run stacked by
+layer.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class LayerContext:
     `write_slots_BS` says where each token is stored (the capacity for padding, which is dropped)
     and `filled_BT` marks, per row, the slots that hold a token once this call's tokens are written.
     `covered_BS` marks the tokens whose replayed experts (`LayerKnobs.replay`) apply (None: all).
+    `report_indexer` asks latent mixers with an indexer for their `dew.nn.mla.IndexerRecord`.
     """
 
     rotary: dict
@@ -87,6 +89,7 @@ class LayerContext:
     write_slots_BS: jax.Array | None = None
     filled_BT: jax.Array | None = None
     covered_BS: jax.Array | None = None
+    report_indexer: bool = struct.field(pytree_node=False, default=False)
 
 
 class DecoderLayer(nn.Module):
@@ -115,7 +118,7 @@ class DecoderLayer(nn.Module):
         rotary = (cos_RBSD[knobs.rope], sin_RBSD[knobs.rope])
 
         mixer_in = x_BSE if s.norm_placement == "post" else norm("input_layernorm")(x_BSE)
-        mixed, cache = mixer(mixer_in, rotary, context, knobs, cache)
+        mixed, cache, mixer_report = mixer(mixer_in, rotary, context, knobs, cache)
         if s.norm_placement != "pre":
             mixed = norm("post_attention_layernorm")(mixed)
         x_BSE = x_BSE + mixed
@@ -129,4 +132,4 @@ class DecoderLayer(nn.Module):
             fed = norm("post_feedforward_layernorm")(fed)
         x_BSE = x_BSE + fed
         kept = tuple(jnp.where(knobs.index == layer, x_BSE, states) for layer, states in zip(self.keep, kept))
-        return (x_BSE, cache, kept), report
+        return (x_BSE, cache, kept), (report, mixer_report)

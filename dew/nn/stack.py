@@ -142,8 +142,9 @@ def _knobs(specs: Sequence[LayerSpec], tables: Mapping, start: int, stop: int, r
 def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, cache_runs, *, scan_from: int,
                  remat: str, keep: tuple[int, ...], tables: Mapping, dtype, param_dtype, replay_LBSK=None):
     """Run every layer inside `parent`'s compact scope; returns `(x_BSE, cache runs, kept states,
-    reports)`, the last what the layers report (a `RouterRecord` per sparse layer), stacked on a
-    leading axis over the reporting layers in order (None when none reports).
+    routing, mixer reports)`: what the feed-forward blocks report (a `RouterRecord` per sparse layer)
+    and what the mixers report (an `IndexerRecord` per indexed layer, when the context asks), each
+    stacked on a leading axis over the reporting layers in order (None when none reports).
 
     `tables` maps each layer's `mixer.rope()` key to its index among the tables of its width;
     `replay_LBSK` (one entry per layer, read by sparse ones) holds replayed experts, or is None.
@@ -154,7 +155,7 @@ def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, 
     if REMAT_POLICIES[remat] is not None:
         policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[remat])
         layer_class = nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
-    reports = []
+    reports, mixer_reports = [], []
     for run, (start, stop, scan) in enumerate(runs(specs, scan_from)):
         spec = specs[start].scan_key() if scan else specs[start]
         knobs = _knobs(specs, tables, start, stop, replay_LBSK)
@@ -173,8 +174,10 @@ def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, 
             one = jax.tree_util.tree_map(lambda v: v[0], knobs)
             (x_BSE, cache, kept), report = layer((x_BSE, cache, kept), one, context)
             report = jax.tree_util.tree_map(lambda v: v[None], report)
-        if report is not None:
-            reports.append(report)
+        if report[0] is not None:
+            reports.append(report[0])
+        if report[1] is not None:
+            mixer_reports.append(report[1])
         new_cache.append(cache)
-    stacked = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *reports) if reports else None
-    return x_BSE, None if cache_runs is None else tuple(new_cache), kept, stacked
+    stack = lambda found: jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *found) if found else None
+    return x_BSE, None if cache_runs is None else tuple(new_cache), kept, stack(reports), stack(mixer_reports)

@@ -26,13 +26,18 @@ from dew.nn.head import Head
 from dew.nn.kv_cache import Cache
 from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, named
 from dew.nn.layer import NORM_PLACEMENTS, LayerContext, LayerSpec
+from dew.nn.mla import LatentAttention, MLASpec
 from dew.nn.mlp import ACTIVATIONS, DenseSpec
 from dew.nn.moe import Mixture, Routes, SparseSpec
+from dew.nn.mtp import mtp_states
 from dew.nn.norms import NORM_STYLES, RMSNorm
 from dew.nn.quantize import EMBED_SCALE
 from dew.nn.rotary import RopeScaling, rotary_angles
 from dew.nn.stack import REMAT_POLICIES, apply_layers, runs, stack_variables, unstack_variables
 
+# The knobs of grouped-query attention that latent attention does not have, and their neutral values.
+_NOT_LATENT = {"causal": True, "sliding_window": None, "layer_types": None, "qk_norm": False, "query_scale": None,
+               "attn_softcap": None}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -82,6 +87,11 @@ class DecoderConfig:
       objectives refuse a model whose rate is above zero.
     - `mixture`: a mixture of experts (`dew.nn.moe.Mixture`, or its fields as a dict) in the layers
       it names; their feed-forward is routed experts, the others' the dense MLP.
+    - `latent`: latent attention (`dew.nn.mla.LatentAttention`, or its fields as a dict) as every
+      layer's mixer instead of grouped-query attention (DeepSeek V2/V3); `head_dim` and
+      `num_kv_heads` then describe nothing and are ignored.
+    - `mtp_depths`: DeepSeek's multi-token-prediction modules after the last layer (`dew.nn.mtp`);
+      depth d predicts the token d + 1 ahead. 0: none.
     """
 
     vocab_size: int
@@ -115,6 +125,8 @@ class DecoderConfig:
     local_rope_scaling: RopeScaling | None = None
     attention_dropout: float = 0.0
     mixture: Mixture | None = None
+    latent: LatentAttention | None = None
+    mtp_depths: int = 0
     scan_layers: int = 8
     remat: str = "none"
     dtype: jnp.dtype = jnp.float32
@@ -133,6 +145,12 @@ class DecoderConfig:
                 raise TypeError(f"mixture has no fields {unknown}; its fields are "
                                 f"{[field.name for field in dataclasses.fields(Mixture)]}")
             set_("mixture", Mixture(**self.mixture))
+        if isinstance(self.latent, Mapping):
+            unknown = sorted(set(self.latent) - {field.name for field in dataclasses.fields(LatentAttention)})
+            if unknown:
+                raise TypeError(f"latent has no fields {unknown}; its fields are "
+                                f"{[field.name for field in dataclasses.fields(LatentAttention)]}")
+            set_("latent", LatentAttention(**self.latent))
         if self.num_kv_heads is None:
             set_("num_kv_heads", self.num_heads)
         if self.head_dim is None:
@@ -185,9 +203,17 @@ class DecoderConfig:
             outside = [i for i in self.mixture.layers or () if i >= self.num_layers]
             if outside:
                 raise ValueError(f"mixture layers {outside} are not layers of this {self.num_layers}-layer model")
-            if self.mlp_bias and self.sparse_layers:
+            if self.mlp_bias and (self.sparse_layers or self.mtp_depths):
                 raise NotImplementedError("mlp_bias with a mixture: experts with biases are not built in Dew yet; "
                                           "set mlp_bias False")
+
+        if self.mtp_depths < 0:
+            raise ValueError(f"mtp_depths is {self.mtp_depths}; it counts multi-token-prediction modules, 0 for none")
+        if self.latent is not None:
+            given = {name: getattr(self, name) for name, neutral in _NOT_LATENT.items() if getattr(self, name) != neutral}
+            if given:
+                raise ValueError(f"{given} shape grouped-query attention, and latent replaces it with latent "
+                                 "attention, which has none of them: leave them at their defaults")
 
     @property
     def sparse_layers(self) -> tuple[int, ...]:
@@ -205,14 +231,28 @@ class DecoderConfig:
         specs = []
         for index in range(self.num_layers):
             theta, scaling = self.layer_rope(index)
-            mixer = AttentionSpec(
-                self.num_heads, self.num_kv_heads, self.head_dim, causal=self.causal, window=self.layer_window(index),
-                rope_theta=theta, rope_scaling=scaling, qk_norm=self.qk_norm, qk_norm_scope=self.qk_norm_scope,
-                qkv_bias=self.qkv_bias, o_bias=self.o_bias, query_scale=self.query_scale, softcap=self.attn_softcap,
-            )
+            if self.latent is not None:
+                mixer = MLASpec(self.num_heads, self.latent, theta, scaling, bias=self.qkv_bias, o_bias=self.o_bias)
+            else:
+                mixer = AttentionSpec(
+                    self.num_heads, self.num_kv_heads, self.head_dim, causal=self.causal,
+                    window=self.layer_window(index), rope_theta=theta, rope_scaling=scaling, qk_norm=self.qk_norm,
+                    qk_norm_scope=self.qk_norm_scope, qkv_bias=self.qkv_bias, o_bias=self.o_bias,
+                    query_scale=self.query_scale, softcap=self.attn_softcap,
+                )
             feed_forward = sparse if index in self.sparse_layers else dense
             specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps))
         return tuple(specs)
+
+    @property
+    def mtp_spec(self) -> LayerSpec:
+        """The block of every multi-token-prediction depth: the last layer's, with the mixture of
+        experts when the model has one (DeepSeek's depths are sparse whatever `first_k_dense_replace`)."""
+        spec = self.layer_specs[-1]
+        if self.mixture is None:
+            return spec
+        return dataclasses.replace(spec, feed_forward=SparseSpec(
+            self.mixture, self.mixture.expert_features or self.mlp_features, self.activation))
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer `index`, None for full attention."""
@@ -257,6 +297,9 @@ class CausalTransformer(nn.Module):
     `attention_mask` (`[B, S]`, true for real tokens) marks padding, which reads and is read by no
     real token. `layers` lists layer numbers whose output states to keep in `aux` (`layers_N`).
     `routes` (`dew.nn.moe.Routes`, `[B, S, L, K]` over the sparse layers) replays recorded experts.
+    `depths` runs the multi-token-prediction depths (`DecoderConfig.mtp_depths`) and reports their
+    states in `aux["depths"]`; `indexer` reports each latent layer's lightning indexer in
+    `aux["indexer"]` (`dew.nn.mla.IndexerRecord`, `[L, B, S, ...]`).
 
     With `cache` (from `init_cache`) each row's real tokens are written after the tokens it already
     holds (padding takes no slot) and read by every later token; the call returns `(output, cache)`.
@@ -318,11 +361,14 @@ class CausalTransformer(nn.Module):
         head: bool = True,
         layers: Sequence[int] = (),
         routes: Routes | None = None,
+        depths: bool = False,
+        indexer: bool = False,
         **media,
     ):
         if isinstance(tokens, ModelInputs):
             fields = text_fields(tokens.kwargs(), "CausalTransformer")
-            return self(tokens.tokens, cache=cache, head=head, layers=layers, routes=routes, **fields)
+            return self(tokens.tokens, cache=cache, head=head, layers=layers, routes=routes, depths=depths,
+                        indexer=indexer, **fields)
         if media:
             text_fields(media, "CausalTransformer")
         c = self.config
@@ -332,6 +378,18 @@ class CausalTransformer(nn.Module):
         bad = [i for i in keep if not 0 <= i < c.num_layers]
         if bad:
             raise ValueError(f"layers {bad} are not layers of this {c.num_layers}-layer model")
+        if depths and not c.mtp_depths:
+            raise ValueError("depths=True runs the multi-token-prediction modules, and this model has none "
+                             "(mtp_depths 0): build it with mtp_depths >= 1, or leave depths unset")
+        if indexer and (c.latent is None or not c.latent.index_heads):
+            raise ValueError("indexer=True reports the lightning indexer, and this model has none: build it with "
+                             "latent=LatentAttention(index_heads=...), or leave indexer unset")
+        if indexer and cache is not None:
+            raise ValueError("indexer=True scores a whole sequence against its dense attention, not a cached "
+                             "decode step: leave indexer unset when passing cache")
+        if depths and cache is not None:
+            raise ValueError("depths=True scores a whole sequence; the multi-token-prediction modules do not decode "
+                             "through a cache: leave depths unset when passing cache")
         real_BS = jnp.ones((B, S), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
         segments_BS = real_BS if segment_ids is None else segment_ids.astype(jnp.int32) * real_BS
         if cache is None:
@@ -353,13 +411,18 @@ class CausalTransformer(nn.Module):
 
         embed = nn.Embed(c.vocab_size, c.emb_features, dtype=c.dtype, param_dtype=c.param_dtype,
                          embedding_init=named(nn.initializers.normal(0.02), ("vocab", "embed")), name="embed_tokens")
-        if self.has_variable(QUANT_COLLECTION, EMBED_SCALE):  # int8 rows, one scale each (dew.nn.quantize)
-            scale_V = self.get_variable(QUANT_COLLECTION, EMBED_SCALE)
-            x_BSE = jnp.take(embed.embedding, tokens, axis=0).astype(c.dtype) * scale_V[tokens][..., None].astype(c.dtype)
-        else:
-            x_BSE = embed(tokens).astype(c.dtype)
-        if c.scale_embeddings:
-            x_BSE = x_BSE * jnp.asarray(c.emb_features**0.5, c.dtype)
+        def embedded(ids_BS):
+            if self.has_variable(QUANT_COLLECTION, EMBED_SCALE):  # int8 rows, one scale each (dew.nn.quantize)
+                scale_V = self.get_variable(QUANT_COLLECTION, EMBED_SCALE)
+                x_BSE = jnp.take(embed.embedding, ids_BS, axis=0).astype(c.dtype) * scale_V[ids_BS][..., None].astype(
+                    c.dtype)
+            else:
+                x_BSE = embed(ids_BS).astype(c.dtype)
+            if c.scale_embeddings:
+                x_BSE = x_BSE * jnp.asarray(c.emb_features**0.5, c.dtype)
+            return x_BSE
+
+        x_BSE = embedded(tokens)
 
         # One cos/sin table per distinct rotary setting, stacked by rotated width; layers pick theirs.
         ropes = list(dict.fromkeys(spec.mixer.rope() for spec in specs))
@@ -372,9 +435,10 @@ class CausalTransformer(nn.Module):
         replay_LBSK = None
         if routes is not None:
             replay_LBSK, context_cache["covered_BS"] = self._replay(routes, B, S)
-        context = LayerContext(rotary=rotary, slots_BS=slots_BS, segments_BS=segments_BS, **context_cache)
+        context = LayerContext(rotary=rotary, slots_BS=slots_BS, segments_BS=segments_BS, report_indexer=indexer,
+                               **context_cache)
 
-        x_BSE, cache_runs, kept, routing = apply_layers(
+        x_BSE, cache_runs, kept, routing, indexed = apply_layers(
             self, specs, x_BSE, context, None if cache is None else cache.runs, scan_from=c.scan_layers, remat=c.remat,
             keep=keep, tables=tables, dtype=c.dtype, param_dtype=c.param_dtype, replay_LBSK=replay_LBSK,
         )
@@ -389,6 +453,12 @@ class CausalTransformer(nn.Module):
         aux = {f"layers_{i}": states for i, states in zip(keep, kept)}
         if routing is not None:
             aux["routing"] = routing
+        if indexer:
+            aux["indexer"] = indexed
+        if c.mtp_depths and (depths or self.is_initializing()):
+            bare = LayerContext(rotary={}, slots_BS=slots_BS, segments_BS=segments_BS)
+            aux["depths"] = mtp_states(self, c.mtp_spec, c.mtp_depths, c.num_layers, hidden_BSE, tokens, positions,
+                                       bare, embedded, c.dtype, c.param_dtype)
         output = output_head.logits(hidden_BSE) if head else ModelOutput(hidden_BSE, output_head, aux)
         if cache is None:
             return output

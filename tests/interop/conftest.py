@@ -64,6 +64,18 @@ def offline_hub(tmp_path_factory):
         yield
 
 
+def greedy_continuations(model, bundle, prompt, tokens: int = 16) -> tuple[list[int], list[int]]:
+    """(Dew's, transformers') greedy continuations of `prompt`, `tokens` long: the loaded `bundle`
+    through its cache, the transformers `model` through `generate`, neither stopping at an EOS."""
+    from dew.sampling import Sampling
+
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens,
+                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    ours = bundle.text_generation(Sampling(temperature=0.0))([prompt], tokens)
+    return [int(token) for token in ours.continuations()[0]], theirs
+
+
 def torch_model(case: str, seed: int = 0, **overrides):
     """A transformers model of `case` with random weights of order one, so a wrong convention shows."""
     config_class, model_class, options = CASES[case]

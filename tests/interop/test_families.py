@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from dew.interop import load_pretrained
-from dew.sampling import Sampling
-from tests.interop.conftest import CASES, save_checkpoint, torch, torch_model
+from tests.interop.conftest import CASES, greedy_continuations, save_checkpoint, torch, torch_model
 from tests.tolerances import transformers_decoder_ulps, ulp_bound
 
 # fp32 logits (largest 5.4-8.2) of 2-layer width-32 decoders over 12 tokens, Dew against transformers:
@@ -42,11 +41,8 @@ def test_logits_match_transformers(loaded):
 
 def test_greedy_tokens_match_transformers_generate(loaded):
     case, model, bundle = loaded
-    with torch.no_grad():
-        theirs = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
-                                eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
-    ours = bundle.text_generation(Sampling(temperature=0.0))([PROMPT], 16)
-    assert ours.continuations()[0] == theirs, case
+    ours, theirs = greedy_continuations(model, bundle, PROMPT)
+    assert ours == theirs, case
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen3-qk-norm", "gemma2-softcap-alternating"])

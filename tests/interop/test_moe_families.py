@@ -27,7 +27,7 @@ from dew.nn.transformer import CausalTransformer
 from dew.objectives.lm import LMObjective
 from dew.sampling import Sampling
 from dew.serve.engine import Engine, Request
-from tests.interop.conftest import CASES, save_checkpoint, torch, torch_model, transformers
+from tests.interop.conftest import CASES, greedy_continuations, save_checkpoint, torch, torch_model, transformers
 from tests.tolerances import LIBRARY_ULPS, assert_within, transformers_decoder_ulps, ulp_bound
 
 # Each family as transformers builds it (two layers of width 32), and the routing feature it computes
@@ -151,11 +151,8 @@ def test_routers_and_logits_match_transformers(loaded):
 
 def test_greedy_tokens_match_transformers_generate(loaded):
     family, model, _, bundle = loaded
-    with torch.no_grad():
-        theirs = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
-                                eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
-    ours = bundle.text_generation(Sampling(temperature=0.0))([PROMPT], 16)
-    assert ours.continuations()[0] == theirs, family
+    ours, theirs = greedy_continuations(model, bundle, PROMPT)
+    assert ours == theirs, family
 
 
 class _Tokens:

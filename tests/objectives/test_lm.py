@@ -164,7 +164,7 @@ def test_bad_batches_are_refused_by_name(tiny_model):
 def test_bad_configuration_is_refused_by_name(tiny_model):
     with pytest.raises(ValueError, match="seq_len 65 is longer than the model's max_seq_len 64"):
         LMObjective(tiny_model, seq_len=65)
-    with pytest.raises(NotImplementedError, match="mtp_weight=0.3.*multi-token prediction is not built"):
+    with pytest.raises(ValueError, match="mtp_weight=0.3.*no multi-token-prediction modules"):
         LMObjective(tiny_model, seq_len=8, mtp_weight=0.3)
     with pytest.raises(ValueError, match=r"balance_rate=0.01\) acts on the routers of a mixture of experts, and this "
                                          "model has none"):

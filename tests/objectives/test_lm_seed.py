@@ -60,14 +60,21 @@ def test_seq_aux_without_a_balance_loss_is_refused(tiny_model):
 
 
 @pytest.mark.parametrize("keyword, value, capability", [
-    ("depths", True, "multi-token prediction"),
     ("qk_stats", True, "attention logit statistics"),
-    ("indexer", True, "lightning indexer"),
 ])
 def test_token_scores_refuses_each_unbuilt_report_by_name(tiny_model, tiny_variables, keyword, value, capability):
     objective = LMObjective(tiny_model, SEQ)
     with pytest.raises(NotImplementedError, match=rf"token_scores\({keyword}=.*{re.escape(capability)}.*not built"):
         objective.token_scores(tiny_variables, jnp.asarray(_tokens()), **{keyword: value})
+
+
+@pytest.mark.parametrize("keyword, missing", [("depths", "mtp_depths 0"), ("indexer", "lightning indexer")])
+def test_token_scores_refuses_reports_the_model_cannot_give(tiny_model, tiny_variables, keyword, missing):
+    """Multi-token prediction and the indexer are built (tests/objectives/test_mtp.py, test_indexer.py); a
+    model without them is refused by name."""
+    objective = LMObjective(tiny_model, SEQ)
+    with pytest.raises(ValueError, match=rf"token_scores\({keyword}=True\).*{missing}"):
+        objective.token_scores(tiny_variables, jnp.asarray(_tokens()), **{keyword: True})
 
 
 @pytest.mark.parametrize("keyword, value, shown", [

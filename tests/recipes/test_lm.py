@@ -109,7 +109,7 @@ def test_the_guides_flags_parse():
     (["--no-seq-aux"], "--no-seq-aux shapes the expert balance loss"),
     (["--balance-rate", "0.001"], "balance_rate=0.001) acts on the routers of a mixture of experts, and this model "
                                   "has none"),
-    (["--mtp-weight", "0.3"], "multi-token prediction is not built"),
+    (["--mtp-weight", "0.3"], "no multi-token-prediction modules"),
     (["--model.config", '{"vocab_size": 100}'], "vocab_size 100 is below the vocab_size 256"),
     (["--model.config", '{"num_layer": 2}'], "causal_transformer: "),
     (["--model.config", "[2]"], "is not a JSON object"),

@@ -26,7 +26,7 @@ from dew.nn.transformer import FULL, SLIDING, DecoderConfig
 _RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat")
 # The DecoderConfig fields outside the layer specs that change what the model computes.
 _GLOBAL = ("vocab_size", "emb_features", "num_layers", "max_seq_len", "tie_embeddings", "logit_softcap", "norm_eps",
-           "norm_style", "scale_embeddings", "attention_dropout")
+           "norm_style", "scale_embeddings", "attention_dropout", "mtp_depths")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +233,11 @@ class Converter:
         has more than one on disk reads each)."""
         return self.rules
 
+    def fit_to_weights(self, kwargs: dict[str, Any], names) -> dict[str, Any]:
+        """`decoder_kwargs` adjusted to what the checkpoint's tensor `names` hold (optional modules its
+        config names but its weights lack); as they are for most families."""
+        return kwargs
+
     def ignorable(self, name: str, config: DecoderConfig) -> bool:
         """Tensors a checkpoint may hold that transformers drops too: rotary buffers, a tied head's copy."""
         return name.endswith("rotary_emb.inv_freq") or (config.tie_embeddings and name == "lm_head.weight")
@@ -269,7 +274,7 @@ def _query_pre_attn_scalar(config: DecoderConfig) -> int:
 def _normal(spec: LayerSpec) -> LayerSpec:
     """A spec with `query_scale` None spelled as the `head_dim ** -0.5` it stands for."""
     mixer = spec.mixer
-    if mixer.query_scale is None:
+    if getattr(mixer, "query_scale", 0.0) is None:
         mixer = dataclasses.replace(mixer, query_scale=mixer.head_dim ** -0.5)
     return dataclasses.replace(spec, mixer=mixer)
 
@@ -292,6 +297,9 @@ def _differences(ours: DecoderConfig, theirs: DecoderConfig) -> list[str]:
             continue
         for part in ("mixer", "feed_forward", None):
             a, b = (getattr(mine, part), getattr(its, part)) if part else (mine, its)
+            if type(a) is not type(b):
+                found.append(f"layer {index} {part} {type(a).__name__} (it computes {type(b).__name__})")
+                continue
             for field in dataclasses.fields(a):
                 if field.name not in ("mixer", "feed_forward") and getattr(a, field.name) != getattr(b, field.name):
                     found.append(f"layer {index} {field.name} {getattr(a, field.name)!r} "

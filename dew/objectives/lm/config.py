@@ -11,6 +11,7 @@ from dew.data import PackedTokens, TokenWindows
 from dew.data.chat import MESSAGE_ROLES
 from dew.data.chat_data import ChatData
 from dew.nn.lora import DEFAULT_TARGETS, LoRA
+from dew.objectives.lm.indexer import IndexerTraining
 from dew.run_config import DataSpec, ModelConfig, OptimConfig, TrainerConfig
 from dew.sampling import Sampling
 
@@ -87,9 +88,9 @@ class LMRunConfig:
     router_z_loss: float = 0.0
     """The routers' z-loss weight (LMObjective.router_z_loss): the mean squared log-sum-exp of the router logits over routed positions, summed over routers; lm-engine uses 0.1 times its aux coefficient. Zero adds nothing."""
     mtp_weight: float | None = None
-    """DeepSeek's lambda on the multi-token-prediction term (not built yet: refused)."""
-    indexer: tyro.conf.Suppress[Any] = None
-    """DeepSeek-V3.2's lightning-indexer phase (not built yet: refused)."""
+    """DeepSeek's lambda on the multi-token-prediction term. Needs a model with num_nextn_predict_layers above zero; unset leaves the term out."""
+    indexer: IndexerTraining | None = None
+    """DeepSeek-V3.2's lightning-indexer phase: indexer:indexer-training --indexer.phase warmup freezes everything but the indexer of a model whose mla mixer names the indexer's heads and no top-k; sparse trains the whole model on its top-k with the KL beside the cross entropy. Unset trains no indexer term."""
     token_accuracy: bool = True
     """Report the argmax accuracy beside the loss; False skips the argmax over every logit it costs."""
     block_prompt_tokens: int = 256

@@ -14,9 +14,11 @@ from flax import struct
 from dew.data.chat import Role
 from dew.data.inputs import ModelInputs
 from dew.nn.head import Head
+from dew.nn.mla import IndexerRecord
 from dew.nn.moe import RouterRecord, Routes
 from dew.objectives.base import Aux, Mean, PathFilter, Prediction, Step, Variables, path_filter
 from dew.objectives.checks import check_decoder_objective
+from dew.objectives.lm.indexer import IndexerTraining, kl_total
 from dew.objectives.lm.loss import chunked_cross_entropy
 from dew.objectives.lm.rows import _real, _Rows, _rows_of
 from dew.objectives.lm.scoring import PolicyScoring
@@ -96,7 +98,12 @@ class Scores:
     selected experts and weights `[B, S, L, K]`, scores `[B, S, L, E]`, log-normalisers `[B, S, L]`).
     `states` are the final-norm output states behind the targets `[B, S, E]` (what `head_logits`
     turns into logits); `layers` the output states of the layers `token_scores(layers=...)` named,
-    `{"layers_N": [B, S, E]}` (None when none were)."""
+    `{"layers_N": [B, S, E]}` (None when none were). With `depths=True`, `depths` holds the
+    multi-token-prediction depths' own `Scores`, `[D, B, S]` each: depth d + 1 at index d scores, at
+    position p, the token d + 2 ahead (the main target of position p + d + 1), weighted as that main
+    target when p to p + d + 1 lie in one document, else 0. With `indexer=True`, `indexer` holds the
+    lightning indexers' `IndexerRecord`s, `[L, B, S, ...]` over the indexed layers (in the warm-up,
+    whose loss scores no token, `losses`, `correct` and `lse` are None)."""
 
     losses: jax.Array
     weights: jax.Array
@@ -105,6 +112,8 @@ class Scores:
     routing: RouterRecord | None = None
     states: jax.Array | None = None
     layers: dict | None = None
+    depths: "Scores | None" = None
+    indexer: IndexerRecord | None = None
 
 
 @struct.dataclass
@@ -118,22 +127,20 @@ class _Forward:
     routing: RouterRecord | None
     routed_BS: jax.Array
     layers: dict
+    depths_DBSE: jax.Array | None = None
+    indexer: IndexerRecord | None = None
 
 
 _LATER = {
-    "mtp_weight": "multi-token prediction",
-    "indexer": "DeepSeek-V3.2's lightning indexer",
     "qk_stats": "attention logit statistics",
 }
-_NEUTRAL = {"mtp_weight": None, "indexer": None, "qk_stats": False}
+_NEUTRAL = {"qk_stats": False}
 _ROUTER_NEUTRAL = {"balance_rate": None, "aux_loss_alpha": None, "router_z_loss": 0.0}
 
 # What `token_scores` can be asked to report beside the losses, the capability each needs, and the
 # value that asks for nothing.
 _SCORED_LATER = {
-    "depths": ("multi-token prediction", False),
     "qk_stats": ("attention logit statistics", False),
-    "indexer": ("DeepSeek-V3.2's lightning indexer", False),
 }
 
 
@@ -215,7 +222,7 @@ class LMObjective(PolicyScoring):
         trainable: PathFilter | str | None = None,
         token_accuracy: bool = True,
     ):
-        given = dict(mtp_weight=mtp_weight, qk_stats=qk_stats, indexer=indexer)
+        given = dict(qk_stats=qk_stats)
         for name, value in given.items():
             if value != _NEUTRAL[name]:
                 raise NotImplementedError(
@@ -230,6 +237,31 @@ class LMObjective(PolicyScoring):
         check_decoder_objective(config, seq_len=seq_len, ema_decay=ema_decay, head_chunks=head_chunks, rows="windows")
         if pad_id is not None and not 0 <= pad_id < config.vocab_size:
             raise ValueError(f"pad_id {pad_id} is outside the vocabulary [0, {config.vocab_size})")
+        if mtp_weight is not None:
+            if not getattr(config, "mtp_depths", 0):
+                raise ValueError(f"LMObjective(mtp_weight={mtp_weight!r}) weighs the multi-token-prediction loss, and "
+                                 "this model has no multi-token-prediction modules (mtp_depths 0): build it with "
+                                 "mtp_depths >= 1 (a DeepSeek-V3 checkpoint with its model.layers.N.* weights), or "
+                                 "leave mtp_weight unset")
+            if not mtp_weight >= 0:
+                raise ValueError(f"LMObjective(mtp_weight={mtp_weight!r}): use a weight >= 0 (DeepSeek-V3 used 0.3, "
+                                 "then 0.1)")
+        self.mtp_weight = mtp_weight
+        if indexer is not None:
+            if not isinstance(indexer, IndexerTraining):
+                raise TypeError(f"LMObjective(indexer={indexer!r}): give an IndexerTraining(phase, weight)")
+            indexer.check(config)
+            if indexer.warmup:
+                others = dict(mtp_weight=(mtp_weight, None), z_loss=(z_loss, 0.0), balance_rate=(balance_rate, None),
+                              aux_loss_alpha=(aux_loss_alpha, None), router_z_loss=(router_z_loss, 0.0),
+                              loss_role=(loss_role, None), trainable=(trainable, None))
+                asked = [f"{name}={value!r}" for name, (value, neutral) in others.items() if value != neutral]
+                if asked:
+                    raise ValueError(f"LMObjective(indexer=IndexerTraining('warmup')) trains the indexer alone on its "
+                                     f"KL, with every other weight frozen, so {', '.join(asked)} has nothing to act on: "
+                                     "leave it unset, or use phase='sparse'")
+                trainable = IndexerTraining.trains
+        self.indexer = indexer
         self.router = _router_terms(config, balance_rate=balance_rate, aux_loss_alpha=aux_loss_alpha, seq_aux=seq_aux,
                                     router_z_loss=router_z_loss)
         self.balance_rate = balance_rate
@@ -262,6 +294,8 @@ class LMObjective(PolicyScoring):
             return self.model.init(key, tokens, head=False)
         expected = jax.eval_shape(lambda: self.model.init(key, tokens, head=False))
         variables = self.model.stack_variables(variables)  # a checkpoint's per-layer tree, in the model's form
+        if self.indexer is not None and self.indexer.warmup:
+            variables = self._fresh_indexers(key, tokens, variables)
         got = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), variables)
         if jax.tree_util.tree_structure(expected) != jax.tree_util.tree_structure(got):
             raise ValueError("the pretrained variables do not have this model's parameter tree")
@@ -271,6 +305,20 @@ class LMObjective(PolicyScoring):
                     f"pretrained {jax.tree_util.keystr(path)} has shape {have.shape}; the model expects {want.shape}"
                 )
         return variables
+
+    def _fresh_indexers(self, key, tokens, variables) -> Variables:
+        """`variables` with the indexer weights a checkpoint lacks (a DeepSeek-V3 one) taken from a fresh
+        init; any other missing weight is refused by name."""
+        fresh = self.model.init(key, tokens, head=False)
+        given = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(variables)}
+        missing = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(fresh)
+                   if jax.tree_util.keystr(path) not in given]
+        refused = [path for path in missing if "['indexer']" not in path]
+        if refused:
+            raise ValueError(f"the pretrained variables lack {refused[:4]}: only the indexer's weights may be missing "
+                             "(they start fresh in the warm-up); load the checkpoint the model was built for")
+        return jax.tree_util.tree_map_with_path(
+            lambda path, leaf: given.get(jax.tree_util.keystr(path), leaf), fresh)
 
     # -- host validation -------------------------------------------------------------------------
     def check_batch(self, batch: Mapping[str, Any]) -> None:
@@ -335,10 +383,19 @@ class LMObjective(PolicyScoring):
         (None for all); every router uses the recorded experts where covered and still weights them
         from its own scores (`dew.nn.moe.Routes`). `layers` names layers whose output states to keep
         (`Scores.layers["layers_N"]`, `[B, seq_len, E]`), as a feature distillation reads them.
-        `depths`, `qk_stats` and `indexer` ask for what multi-token prediction, attention statistics
-        and the lightning indexer report; none is built yet, so each is refused by name when set.
+        `depths` adds the multi-token-prediction depths' `Scores` (`Scores.depths`), `indexer` the
+        lightning indexers' scores, selections and KL (`Scores.indexer`); a model without them is
+        refused by name. `qk_stats` asks for attention statistics, which are not built yet: refused
+        by name when set.
         """
-        _refuse_unbuilt_scoring(dict(depths=depths, qk_stats=qk_stats, indexer=indexer))
+        _refuse_unbuilt_scoring(dict(qk_stats=qk_stats))
+        latent = getattr(self.model.config, "latent", None)
+        if indexer and (latent is None or not latent.index_heads):
+            raise ValueError("token_scores(indexer=True) reports the lightning indexer, and this model has none: leave "
+                             "indexer unset")
+        if depths and not getattr(self.model.config, "mtp_depths", 0):
+            raise ValueError("token_scores(depths=True) scores the multi-token-prediction depths, and this model has "
+                             "none (mtp_depths 0): leave depths unset")
         if (routing or routes is not None) and self.router is None:
             asked = "routing=True" if routing else f"routes={_brief(routes)}"
             raise ValueError(f"token_scores({asked}) reads the routers of a mixture of experts, and this model has "
@@ -349,22 +406,56 @@ class LMObjective(PolicyScoring):
                              "or leave roles unset")
         rows = _rows_of(tokens, roles, segment_ids, positions)
         replay = None if routes is None else self._routes(routes, rows.tokens.shape)
-        scores, forward = self._score(params, rows, rngs, replay, layers)
+        scores, forward = self._score(params, rows, rngs, replay, layers, depths, indexer)
         if not routing:
             return scores
         # [L, B, S, ...] -> [B, S, L, ...], the layout routes are given in
         return scores.replace(routing=jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 2), forward.routing))
 
-    def _score(self, params, rows: _Rows, rngs, routes: Routes | None = None, layers: Sequence[int] = ()):
-        """(the per-target `Scores` without routing, the `_Forward` behind them)."""
-        forward = self._forward(params, rows, rngs, routes, layers)
-        ce, lse, correct = chunked_cross_entropy(forward.hidden_NE, forward.head.weight, forward.targets_N,
-                                                 forward.head.transposed, self.head_chunks, forward.head.softcap,
-                                                 self.token_accuracy)
+    def _score(self, params, rows: _Rows, rngs, routes: Routes | None = None, layers: Sequence[int] = (),
+               depths: bool = False, indexer: bool = False):
+        """(the per-target `Scores` without routing, with the depths' when `depths` and the indexers'
+        records when `indexer`; the `_Forward` behind them). The indexer's warm-up scores no token."""
+        forward = self._forward(params, rows, rngs, routes, layers, depths, indexer)
         B, S = forward.weights_BS.shape
-        shape = lambda x: None if x is None else x.reshape(B, S)
-        return Scores(losses=shape(ce), weights=forward.weights_BS, correct=shape(correct), lse=shape(lse),
-                      states=forward.hidden_NE.reshape(B, S, -1), layers=forward.layers or None), forward
+        if self.indexer is not None and self.indexer.warmup:
+            scores = Scores(losses=None, weights=forward.weights_BS, correct=None, lse=None)
+        else:
+            scores = self._cross_entropy(forward.hidden_NE, forward, forward.targets_N, forward.weights_BS)
+        scores = scores.replace(states=forward.hidden_NE.reshape(B, S, -1), layers=forward.layers or None)
+        if indexer:
+            scores = scores.replace(indexer=forward.indexer)
+        if depths:
+            scores = scores.replace(depths=self._depth_scores(forward, rows))
+        return scores, forward
+
+    def _scored(self, params, rows: _Rows, rngs=None, layers: Sequence[int] = ()):
+        """`_score` with what this objective's loss reads: the depths with `mtp_weight`, the indexers with
+        `indexer`."""
+        return self._score(params, rows, rngs, layers=layers, depths=self.mtp_weight is not None,
+                           indexer=self.indexer is not None)
+
+    def _cross_entropy(self, hidden_NE, forward: _Forward, targets_N, weights_BS) -> Scores:
+        ce, lse, correct = chunked_cross_entropy(hidden_NE, forward.head.weight, targets_N, forward.head.transposed,
+                                                 self.head_chunks, forward.head.softcap, self.token_accuracy)
+        shape = lambda x: None if x is None else x.reshape(weights_BS.shape)
+        return Scores(losses=shape(ce), weights=weights_BS, correct=shape(correct), lse=shape(lse))
+
+    def _depth_scores(self, forward: _Forward, rows: _Rows) -> Scores:
+        """Each multi-token-prediction depth's `Scores`, stacked `[D, B, S]` (see `Scores`)."""
+        B, S = forward.weights_BS.shape
+        segments_BS = None if rows.segment_ids is None else rows.segment_ids[:, :-1]
+        depth_scores = []
+        for index in range(forward.depths_DBSE.shape[0]):
+            ahead = index + 1  # depth index + 1 reads the token `ahead` positions on and predicts the one after
+            pad = lambda x_BS: jnp.concatenate([x_BS[:, ahead:], jnp.zeros((B, min(ahead, S)), x_BS.dtype)], 1)[:, :S]
+            weights_BS = pad(forward.weights_BS)
+            if segments_BS is not None:
+                weights_BS = weights_BS * (pad(segments_BS) == segments_BS).astype(jnp.float32)
+            targets_N = pad(rows.tokens[:, 1:]).reshape(-1).astype(jnp.int32)
+            depth_scores.append(self._cross_entropy(forward.depths_DBSE[index].reshape(B * S, -1), forward, targets_N,
+                                                    weights_BS))
+        return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *depth_scores)
 
     def _routes(self, routes, shape) -> Routes:
         """`token_scores`' `(ids [B, S + 1, L, K], covered [B, S + 1] | None)` as the model's `Routes`
@@ -413,7 +504,8 @@ class LMObjective(PolicyScoring):
             weights_BS *= (rows.roles[:, 1:] == int(self.loss_role)).astype(jnp.float32)
         return weights_BS, routed_BS
 
-    def _forward(self, params, rows: _Rows, rngs, routes: Routes | None = None, layers: Sequence[int] = ()) -> _Forward:
+    def _forward(self, params, rows: _Rows, rngs, routes: Routes | None = None, layers: Sequence[int] = (),
+                 depths: bool = False, indexer: bool = False) -> _Forward:
         """The model over the inputs (without its head): what the loss and the router terms read."""
         inputs_BS, targets_BS = rows.tokens[:, :-1], rows.tokens[:, 1:]
         B, S = inputs_BS.shape
@@ -422,20 +514,39 @@ class LMObjective(PolicyScoring):
         kwargs = {name: values[:, :-1] for name, values in fields.items() if values is not None}
         if routes is not None:
             kwargs["routes"] = routes
+        if depths:
+            kwargs["depths"] = True
+        if indexer:
+            kwargs["indexer"] = True
         layers = tuple(int(i) for i in layers)
         output = self.model.apply(params, inputs_BS, head=False, rngs=rngs, layers=layers, **kwargs)
         return _Forward(hidden_NE=output.hidden.reshape(B * S, -1), head=output.head,
                         targets_N=targets_BS.reshape(-1).astype(jnp.int32), weights_BS=weights_BS,
                         routing=output.aux.get("routing"), routed_BS=routed_BS,
-                        layers={f"layers_{i}": output.aux[f"layers_{i}"] for i in layers})
+                        layers={f"layers_{i}": output.aux[f"layers_{i}"] for i in layers},
+                        depths_DBSE=output.aux.get("depths"), indexer=output.aux.get("indexer"))
 
     def _statistics(self, scores: Scores, forward: _Forward) -> LMStatistics:
+        if self.indexer is not None and self.indexer.warmup:
+            # the KL alone, per counted query (every real input token: the warm-up scores no target)
+            queries = jnp.sum(forward.routed_BS.astype(jnp.float32))
+            kl = Mean(self.indexer.weight * kl_total(forward.indexer.kl, forward.routed_BS), queries)
+            return LMStatistics(ce=Mean(jnp.zeros((), jnp.float32), queries), token_accuracy=None,
+                                terms={"indexer_kl": kl})
         w = scores.weights
         count = jnp.sum(w)
         ce = Mean(jnp.sum(scores.losses * w), count)
         terms = {}
         if self.z_loss:
             terms["z_loss"] = Mean(self.z_loss * jnp.sum(jnp.square(scores.lse) * w), count)
+        if self.mtp_weight is not None:
+            # DeepSeek-V3's eq. 24: the weight times the mean over depths of each depth's summed cross
+            # entropy, over the mass of the main targets (which the accumulation window adds up).
+            depth_ce_D = jnp.sum(scores.depths.losses * scores.depths.weights, axis=(1, 2))
+            terms["mtp"] = Mean(self.mtp_weight * jnp.mean(depth_ce_D), count)
+        if self.indexer is not None:
+            # the KL over the selected keys, summed over counted queries, sharing the cross entropy's mass
+            terms["indexer_kl"] = Mean(self.indexer.weight * kl_total(forward.indexer.kl, forward.routed_BS), count)
         accuracy = Mean(jnp.sum(scores.correct * w), count) if self.token_accuracy else None
         router = None if self.router is None else self.router.statistics(forward.routing, forward.routed_BS)
         return LMStatistics(ce=ce, token_accuracy=accuracy, terms=terms, router=router)
@@ -452,7 +563,7 @@ class LMObjective(PolicyScoring):
         """The statistics of one micro-batch, and with `balance_rate` its routers' slot counts (int32
         `[L, E]`) as the effect `counts`, which `apply_effects` turns into the bias step. The model runs
         with the step's key as its `dropout` rng (LoRA's adapter dropout reads it; evaluation passes none)."""
-        stats = self._statistics(*self._score(params, self._batch_rows(batch), _training_rngs(step)))
+        stats = self._statistics(*self._scored(params, self._batch_rows(batch), _training_rngs(step)))
         return stats, self._effects(stats)
 
     def predict(self, params, batch, step: Step, *, train: bool, layers: Sequence[int] = ()):
@@ -472,8 +583,11 @@ class LMObjective(PolicyScoring):
                         f"LMObjective.predict: {name}={value!r} is a router loss normalised by its own totals (rows, "
                         "routed positions), which a distillation's token mass cannot carry: leave it unset in the "
                         "objective that predicts (balance_rate balances the routers without a loss term)")
+        if self.indexer is not None and self.indexer.warmup:
+            raise ValueError("LMObjective.predict: the indexer warm-up scores no token, so it has nothing to distil; "
+                             "predict with an objective without indexer, or with IndexerTraining('sparse')")
         rngs = _training_rngs(step) if train else None
-        scores, forward = self._score(params, self._batch_rows(batch), rngs, layers=layers)
+        scores, forward = self._scored(params, self._batch_rows(batch), rngs, layers=layers)
         stats = self._statistics(scores, forward)
         logits_BSV = forward.head.logits(scores.states)
         return stats, self._effects(stats), Prediction(logits=logits_BSV, weights=scores.weights,
@@ -493,6 +607,8 @@ class LMObjective(PolicyScoring):
         counts, which need a forward pass of the model (no head)."""
         rows = self._batch_rows(batch)
         weights_BS, routed_BS = self._masks(rows)
+        if self.indexer is not None and self.indexer.warmup:
+            weights_BS = routed_BS.astype(jnp.float32)  # the warm-up's mass: its counted queries
         router = None
         if self.router is not None:
             counts = None
@@ -531,7 +647,7 @@ class LMObjective(PolicyScoring):
     def evaluate(self, params, batch, step: Step) -> LMStatistics:
         """Score the complete batch teacher-forced, using EMA when present (the trainer passes the EMA
         weights whenever the state keeps them, a frozen reference included)."""
-        return self._statistics(*self._score(params, self._batch_rows(batch), None))
+        return self._statistics(*self._scored(params, self._batch_rows(batch)))
 
     def summarize(self, stats: LMStatistics) -> dict[str, float]:
         """The loss (main term plus router terms), cross entropy, perplexity, token accuracy, the named
@@ -540,6 +656,8 @@ class LMObjective(PolicyScoring):
         targets = max(float(stats.ce.count), 1.0)
         ce = float(stats.ce.total) / targets
         loss = float(stats.loss.total) / targets
+        if self.indexer is not None and self.indexer.warmup:  # no cross entropy: the KL per query alone
+            return {"loss": loss, "indexer_kl": float(stats.terms["indexer_kl"].total) / targets}
         router_terms = {}
         if stats.router is not None and self.router is not None:
             extra, router_terms = self.router.loss(stats.router, self.router.totals(stats.router))
