@@ -159,3 +159,18 @@ def path_filter(spec: PathFilter | str | None) -> PathFilter | None:
 
     pattern = re.compile(spec)
     return lambda path: pattern.search(path) is not None
+
+
+class ScoredByLM:
+    """The variables side of an objective that scores rows through `self.scorer`, an `LMObjective` over
+    `self.model` (DPO, GRPO): the checkpoint it starts from, fresh or checked variables, and placement
+    names are the language model's."""
+
+    def held_variables(self) -> Variables | None:
+        return self.scorer.held_variables()
+
+    def init(self, key, variables: Variables | None = None) -> Variables:
+        return self.scorer.init(key, variables)
+
+    def logical_names(self):
+        return self.model.logical_names()

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dew.objectives.base import Mean, PathFilter, Step, Variables, path_filter
+from dew.objectives.base import Mean, PathFilter, ScoredByLM, Step, Variables, path_filter
 from dew.objectives.checks import check_decoder_objective
 from dew.objectives.lm import LMObjective
 from dew.objectives.lm.scoring import check_support
@@ -81,7 +81,7 @@ class GRPOStatistics:
     kl: Mean
 
 
-class GRPOObjective:
+class GRPOObjective(ScoredByLM):
     """Train a policy on its own rollouts' rewards (see the module).
 
     `reward(prompt_ids, completion_ids)` scores one completion (its ids up to and including EOS);
@@ -125,15 +125,6 @@ class GRPOObjective:
         self.trainable = path_filter(trainable)
         self.scorer = LMObjective(model, seq_len, ema_decay=None, pretrained=pretrained, head_chunks=head_chunks,
                                   token_accuracy=False)
-
-    def held_variables(self):
-        return self.scorer.held_variables()
-
-    def init(self, key, variables: Variables | None = None) -> Variables:
-        return self.scorer.init(key, variables)
-
-    def logical_names(self):
-        return self.model.logical_names()
 
     # -- rollouts (host) -------------------------------------------------------------------------
     def rollout(self, params: Variables, prompts: Sequence[Sequence[int]], key) -> tuple[dict[str, np.ndarray],

@@ -27,7 +27,7 @@ import numpy as np
 from flax import struct
 
 from dew.data.dataset import Dataset
-from dew.objectives.base import Mean, PathFilter, Step, Variables, path_filter
+from dew.objectives.base import Mean, PathFilter, ScoredByLM, Step, Variables, path_filter
 from dew.objectives.checks import check_decoder_objective
 from dew.objectives.lm import LMObjective
 
@@ -192,7 +192,7 @@ def dpo_losses(policy_chosen, policy_rejected, reference_chosen, reference_rejec
     return losses, chosen_reward, rejected_reward
 
 
-class DPOObjective:
+class DPOObjective(ScoredByLM):
     """Train a policy on preference pairs against its frozen starting point (see the module).
 
     `beta` sets how far the policy may move from the reference (0.1 is common); `label_smoothing`
@@ -218,15 +218,6 @@ class DPOObjective:
         # The scoring of next-token log-likelihoods is the language model's, over the same rows.
         self.scorer = LMObjective(model, seq_len, ema_decay=None, pretrained=pretrained, head_chunks=head_chunks,
                                   token_accuracy=False)
-
-    def held_variables(self):
-        return self.scorer.held_variables()
-
-    def init(self, key, variables: Variables | None = None) -> Variables:
-        return self.scorer.init(key, variables)
-
-    def logical_names(self):
-        return self.model.logical_names()
 
     def check_batch(self, batch: Mapping) -> None:
         """Refuse rows that are not pairs of `[B, seq_len + 1]` ids with response masks, a side with no
