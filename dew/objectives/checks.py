@@ -27,3 +27,27 @@ def check_decoder_objective(config, *, seq_len: int, ema_decay: float | None, he
         raise ValueError(f"ema_decay is {ema_decay}; use a value in [0, 1], or None for no EMA")
     if head_chunks < 1:
         raise ValueError(f"head_chunks is {head_chunks}; it must be at least 1")
+
+
+def init_or_check(model, key, seq_len: int, variables, fill=None):
+    """Fresh variables of `model` from `key` (rows of `seq_len` trace the init), or `variables` (a
+    checkpoint's, per layer or stacked) in the model's own form, refused unless their tree and shapes are
+    the model's. `fill(key, tokens, variables)`, when given, first completes the variables (with fresh
+    weights a checkpoint may lack, e.g. lightning indexers)."""
+    import jax
+    import jax.numpy as jnp
+
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+    if variables is None:
+        return model.init(key, tokens, head=False)
+    expected = jax.eval_shape(lambda: model.init(key, tokens, head=False))
+    variables = model.stack_variables(variables)  # a checkpoint's per-layer tree, in the model's form
+    if fill is not None:
+        variables = fill(key, tokens, variables)
+    got = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), variables)
+    if jax.tree_util.tree_structure(expected) != jax.tree_util.tree_structure(got):
+        raise ValueError("the pretrained variables do not have this model's parameter tree")
+    for (path, want), have in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree_util.tree_leaves(got)):
+        if want.shape != have.shape:
+            raise ValueError(f"pretrained {jax.tree_util.keystr(path)} has shape {have.shape}; the model expects {want.shape}")
+    return variables

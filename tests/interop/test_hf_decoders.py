@@ -30,8 +30,10 @@ SMOLLM2 = {  # SmolLM2-135M's config.json as published (transformers 4 spellings
 
 def test_families_cover_the_issue():
     # and the masked-diffusion families whose code is remote, not transformers' (tests/diffusion/test_checkpoints.py),
-    # and DiffusionGemma, which is no decoder family (tests/interop/test_diffusion_gemma.py)
-    assert set(FAMILIES) == set(_CLASSES) | {"llada", "Dream", "diffusion_gemma"}
+    # DiffusionGemma, which is no decoder family (tests/interop/test_diffusion_gemma.py), and DeepSeek's,
+    # whose configs carry fields of DeepSeek's own code beside transformers' (tests/interop/test_deepseek.py)
+    assert set(FAMILIES) == set(_CLASSES) | {"llada", "Dream", "diffusion_gemma", "deepseek_v2", "deepseek_v3",
+                                             "deepseek_v32"}
 
 
 @pytest.mark.parametrize("model_type", sorted(_CLASSES))

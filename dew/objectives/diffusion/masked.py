@@ -18,9 +18,9 @@ import numpy as np
 from flax import struct
 
 from dew.objectives.base import Aux, Mean, PathFilter, Step, Variables, path_filter
-from dew.objectives.checks import check_decoder_objective
+from dew.objectives.checks import check_decoder_objective, init_or_check
 from dew.objectives.lm.loss import chunked_cross_entropy
-from dew.objectives.lm.objective import POSITIONS_KEY, SEGMENTS_KEY, TEXT_KEY, LMObjective, Samples, prompt_batch
+from dew.objectives.lm.objective import POSITIONS_KEY, SEGMENTS_KEY, TEXT_KEY, Samples, prompt_batch
 from dew.sampling import Sampling
 
 
@@ -88,8 +88,7 @@ class MaskedDiffusionObjective:
 
     def init(self, key, variables: Variables | None = None) -> Variables:
         """Fresh variables from `key`, or `variables` checked against the model's parameter tree."""
-        # The tree check is the model's, not the loss's: LMObjective's reads only the model and seq_len.
-        return LMObjective.init(self, key, variables)
+        return init_or_check(self.model, key, self.seq_len, variables)
 
     def logical_names(self):
         """Each parameter's logical axis names (a tree like `init`'s), for placement on a mesh."""

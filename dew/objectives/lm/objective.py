@@ -17,7 +17,7 @@ from dew.nn.head import Head
 from dew.nn.mla import IndexerRecord
 from dew.nn.moe import RouterRecord, Routes
 from dew.objectives.base import Aux, Mean, PathFilter, Prediction, Step, Variables, path_filter
-from dew.objectives.checks import check_decoder_objective
+from dew.objectives.checks import check_decoder_objective, init_or_check
 from dew.objectives.lm.indexer import IndexerTraining, kl_total
 from dew.objectives.lm.loss import chunked_cross_entropy
 from dew.objectives.lm.rows import _real, _Rows, _rows_of
@@ -289,22 +289,8 @@ class LMObjective(PolicyScoring):
 
     def init(self, key, variables: Variables | None = None) -> Variables:
         """Fresh variables from `key`, or `variables` (the pretrained ones) checked against the model."""
-        tokens = jnp.zeros((1, self.seq_len), jnp.int32)
-        if variables is None:
-            return self.model.init(key, tokens, head=False)
-        expected = jax.eval_shape(lambda: self.model.init(key, tokens, head=False))
-        variables = self.model.stack_variables(variables)  # a checkpoint's per-layer tree, in the model's form
-        if self.indexer is not None and self.indexer.warmup:
-            variables = self._fresh_indexers(key, tokens, variables)
-        got = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), variables)
-        if jax.tree_util.tree_structure(expected) != jax.tree_util.tree_structure(got):
-            raise ValueError("the pretrained variables do not have this model's parameter tree")
-        for (path, want), have in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree_util.tree_leaves(got)):
-            if want.shape != have.shape:
-                raise ValueError(
-                    f"pretrained {jax.tree_util.keystr(path)} has shape {have.shape}; the model expects {want.shape}"
-                )
-        return variables
+        warmup = self.indexer is not None and self.indexer.warmup
+        return init_or_check(self.model, key, self.seq_len, variables, fill=self._fresh_indexers if warmup else None)
 
     def _fresh_indexers(self, key, tokens, variables) -> Variables:
         """`variables` with the indexer weights a checkpoint lacks (a DeepSeek-V3 one) taken from a fresh
