@@ -174,3 +174,18 @@ class ScoredByLM:
 
     def logical_names(self):
         return self.model.logical_names()
+
+
+class MeanLossNoEffects:
+    """`reduce_loss` and `apply_effects` of an objective whose statistics carry their loss as a `Mean`
+    named `loss` and whose step has no effects (no router bias to move): the trainer divides the summed
+    totals once, after the micro-batches, and any effect handed back is refused by name."""
+
+    @staticmethod
+    def reduce_loss(stats: Any) -> tuple[jax.Array, jax.Array]:
+        return stats.loss.total, stats.loss.count
+
+    def apply_effects(self, variables: Variables, effects: Aux) -> Variables:
+        if effects:
+            raise ValueError(f"{type(self).__name__} produces no effects, got {sorted(effects)}")
+        return variables

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dew.objectives.base import Mean, PathFilter, ScoredByLM, Step, Variables, path_filter
+from dew.objectives.base import Mean, MeanLossNoEffects, PathFilter, ScoredByLM, Step, Variables, path_filter
 from dew.objectives.checks import check_decoder_objective
 from dew.objectives.lm import LMObjective
 from dew.objectives.lm.scoring import check_support
@@ -81,7 +81,7 @@ class GRPOStatistics:
     kl: Mean
 
 
-class GRPOObjective(ScoredByLM):
+class GRPOObjective(ScoredByLM, MeanLossNoEffects):
     """Train a policy on its own rollouts' rewards (see the module).
 
     `reward(prompt_ids, completion_ids)` scores one completion (its ids up to and including EOS);
@@ -245,13 +245,6 @@ class GRPOObjective(ScoredByLM):
 
     def evaluate(self, params, batch, step: Step, *, reference=None) -> GRPOStatistics:
         return self._statistics(params, batch, reference)
-
-    @staticmethod
-    def reduce_loss(stats: GRPOStatistics):
-        return stats.loss.total, stats.loss.count
-
-    def apply_effects(self, variables, effects):
-        return variables
 
     def summarize(self, stats: GRPOStatistics) -> dict[str, float]:
         """The mean loss, ratio, clipped fraction and KL estimate over the completion tokens."""

@@ -27,7 +27,7 @@ import numpy as np
 from flax import struct
 
 from dew.data.dataset import Dataset
-from dew.objectives.base import Mean, PathFilter, ScoredByLM, Step, Variables, path_filter
+from dew.objectives.base import Mean, MeanLossNoEffects, PathFilter, ScoredByLM, Step, Variables, path_filter
 from dew.objectives.checks import check_decoder_objective
 from dew.objectives.lm import LMObjective
 
@@ -192,7 +192,7 @@ def dpo_losses(policy_chosen, policy_rejected, reference_chosen, reference_rejec
     return losses, chosen_reward, rejected_reward
 
 
-class DPOObjective(ScoredByLM):
+class DPOObjective(ScoredByLM, MeanLossNoEffects):
     """Train a policy on preference pairs against its frozen starting point (see the module).
 
     `beta` sets how far the policy may move from the reference (0.1 is common); `label_smoothing`
@@ -270,13 +270,6 @@ class DPOObjective(ScoredByLM):
     def evaluate(self, params, batch, step: Step, *, reference) -> PreferenceStatistics:
         """The live policy's statistics against the reference on a validation batch."""
         return self._statistics(params, batch, reference)
-
-    @staticmethod
-    def reduce_loss(stats: PreferenceStatistics):
-        return stats.loss.total, stats.loss.count
-
-    def apply_effects(self, variables, effects):
-        return variables
 
     def summarize(self, stats: PreferenceStatistics) -> dict[str, float]:
         """The mean loss, reward accuracy, reward margin and each side's reward over the pairs."""

@@ -30,7 +30,7 @@ import numpy as np
 from flax import struct
 
 from dew.nn.diffusion_gemma import DiffusionGemma, PrefixCache, scalars_as
-from dew.objectives.base import Aux, Mean, PathFilter, Step, Variables, path_filter
+from dew.objectives.base import Aux, Mean, MeanLossNoEffects, PathFilter, Step, Variables, path_filter
 from dew.objectives.lm.objective import POSITIONS_KEY, SEGMENTS_KEY, TEXT_KEY
 
 F32 = jnp.float32
@@ -55,7 +55,7 @@ def _row_mean_ce(logits_BSV, targets_BS, counted_BS):
     return jnp.sum((log_z - picked) * counted, axis=-1) / jnp.maximum(count_B, 1.0), count_B > 0
 
 
-class BlockDiffusionObjective:
+class BlockDiffusionObjective(MeanLossNoEffects):
     """Train a `DiffusionGemma` with the block loss (see the module) on rows of `prompt_length +
     num_canvases * canvas_size` ids (`canvas_size` defaults to the model's canvas length).
 
@@ -194,16 +194,6 @@ class BlockDiffusionObjective:
 
     def loss(self, params, batch, step: Step) -> tuple[BlockStatistics, Aux]:
         return self._statistics(params, batch, step.key), {}
-
-    @staticmethod
-    def reduce_loss(stats: BlockStatistics) -> tuple[jax.Array, jax.Array]:
-        """(the rows' summed weighted losses, the rows): the trainer divides once, after summing micro-batches."""
-        return stats.loss.total, stats.loss.count
-
-    def apply_effects(self, variables: Variables, effects: Aux) -> Variables:
-        if effects:
-            raise ValueError(f"BlockDiffusionObjective produces no effects, got {sorted(effects)}")
-        return variables
 
     def evaluate(self, params, batch, step: Step) -> BlockStatistics:
         return self._statistics(params, batch, step.key)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dew.objectives.base import Aux, Mean, PathFilter, Step, Variables, path_filter
+from dew.objectives.base import Aux, Mean, MeanLossNoEffects, PathFilter, Step, Variables, path_filter
 from dew.objectives.checks import check_decoder_objective, init_or_check
 from dew.objectives.lm.loss import chunked_cross_entropy
 from dew.objectives.lm.objective import POSITIONS_KEY, SEGMENTS_KEY, TEXT_KEY, Samples, prompt_batch
@@ -48,7 +48,7 @@ def _without_column(weight: jax.Array, column: int, transposed: bool) -> jax.Arr
     return jnp.concatenate([before, after], axis=axis)
 
 
-class MaskedDiffusionObjective:
+class MaskedDiffusionObjective(MeanLossNoEffects):
     """Train a bidirectional decoder as a masked diffusion model (MDLM): `process` corrupts, the
     model predicts the clean tokens, the loss is the negative ELBO per token.
 
@@ -153,16 +153,6 @@ class MaskedDiffusionObjective:
 
     def loss(self, params, batch, step: Step) -> tuple[MaskedStatistics, Aux]:
         return self._statistics(params, batch, step.key), {}
-
-    @staticmethod
-    def reduce_loss(stats: MaskedStatistics) -> tuple[jax.Array, jax.Array]:
-        """(the NELBO-weighted sum, real tokens): the trainer divides once, after summing micro-batches."""
-        return stats.loss.total, stats.loss.count
-
-    def apply_effects(self, variables: Variables, effects: Aux) -> Variables:
-        if effects:
-            raise ValueError(f"MaskedDiffusionObjective produces no effects, got {sorted(effects)}")
-        return variables
 
     def evaluate(self, params, batch, step: Step) -> MaskedStatistics:
         """Estimate the batch's negative ELBO with the evaluation key's times and masks (the trainer
