@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax import lax
 
+from dew.nn.int8_matmul import int8_product
+
 QUANT_COLLECTION = "quant"  # int8 weights' float32 scales (see dew.nn.quantize)
 KERNEL_SCALE = "kernel_scale"
 _MATMUL = (((1,), (0,)), ((), ()))  # [N, D] x [D, F]
@@ -71,9 +73,7 @@ class Linear(nn.Module):
         if self.has_variable(QUANT_COLLECTION, KERNEL_SCALE):
             # int8 kernel, one scale per output: the conversion fuses into the product, so only the
             # int8 bytes stream from memory; the scale applies to the float32 result.
-            scale_F = self.get_variable(QUANT_COLLECTION, KERNEL_SCALE)
-            y_NF = lax.dot_general(x_ND, kernel.astype(self.dtype), _MATMUL, preferred_element_type=jnp.float32)
-            y_NF = y_NF * scale_F
+            y_NF = int8_product(x_ND, kernel, self.get_variable(QUANT_COLLECTION, KERNEL_SCALE), self.dtype)
         else:
             y_NF = matmul(x_ND, kernel.astype(self.dtype))
         if self.use_bias:
