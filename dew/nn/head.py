@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dew.nn.int8_matmul import int8_product, kernel_takes
+
 
 def vocab_logits(hidden_NE: jax.Array, weight: jax.Array, transposed: bool) -> jax.Array:
     """float32 logits `[N, V]` from hidden states and the head (`[E, V]`, or `[V, E]` when tied)."""
@@ -26,7 +28,11 @@ _INT8_HEAD_ROWS = 4096
 def _int8_vocab_logits(hidden_NE: jax.Array, q: jax.Array, scale_V: jax.Array, transposed: bool) -> jax.Array:
     """float32 logits `[N, V]` of an int8 head (`[E, V]`, or `[V, E]` when `transposed`) and its per-entry
     scales, converted and multiplied piece by piece along the vocabulary (the fewest equal pieces of at
-    most `_INT8_HEAD_ROWS`; one piece when the vocabulary does not split evenly into small ones)."""
+    most `_INT8_HEAD_ROWS`; one piece when the vocabulary does not split evenly into small ones), or
+    whole in Dew's int8 kernel where it runs (`dew.nn.int8_matmul`)."""
+    if kernel_takes(hidden_NE, q, hidden_NE.dtype):
+        # Dew's kernel widens the int8 rows in registers: no float copy, so no pieces either.
+        return int8_product(hidden_NE, q, scale_V, hidden_NE.dtype, transposed)
     V = q.shape[0] if transposed else q.shape[1]
     pieces = next((p for p in range(-(-V // _INT8_HEAD_ROWS), V + 1) if V % p == 0 and V // p >= 256), 1)
     rows = V // pieces

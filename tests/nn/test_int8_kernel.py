@@ -1,0 +1,112 @@
+"""Dew's int8 kernel (dew.nn.int8_matmul, native/int8.cc) against the XLA form of the same product."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.nn.int8_matmul import int8_product, kernel_product, kernel_status, xla_product
+from dew.sampling import Sampling, generate
+from tests.interop.test_quantize import SHAPE, built
+from tests.tolerances import decoder_ulps, ulp_bound
+
+ON, WHY = kernel_status()
+pytestmark = pytest.mark.skipif(not ON, reason=f"the int8 kernel is off: {WHY}")
+
+
+def instruction_sets() -> list[str]:
+    """Every loop set this CPU runs, from the portable one up to its best."""
+    from dew import _native_int8
+
+    ladder = ["portable", "avx2", "avx512"]
+    return ladder[: ladder.index(_native_int8.isa()) + 1]
+
+
+def operands(rng, N: int, D: int, F: int, transposed: bool):
+    x = rng.standard_normal((N, D), np.float32)
+    q = rng.integers(-127, 128, (F, D) if transposed else (D, F), dtype=np.int8)
+    scale = (rng.random(F, np.float32) + 0.5) / 127
+    return x, q, scale
+
+
+def reorder_bound(x, q, scale, transposed: bool):
+    """How far two float32 evaluations of `(x @ q) * scale` may lie apart: each sum of D products rounds
+    at most D times (a product, or with FMA the product and its add together, then each add) by half
+    an ulp of the sum of the terms' magnitudes, so two orders differ by D ulps of it; the scale's product
+    rounds once more on each side."""
+    magnitude = np.abs(x).astype(np.float64) @ np.abs(q.T if transposed else q).astype(np.float64)
+    return ulp_bound(x.shape[1] + 1, magnitude * scale)
+
+
+# Shapes that reach every path: 256-, 128- and 64-column tiles and the column tail (F = 321 = 256 + 64
+# + 1), 1 to 8 rows of x (the 4-row tiles and each remainder), D off the 16-term steps and below one.
+@pytest.mark.parametrize("N,D,F", [(1, 577, 321), (8, 129, 200), (3, 64, 1024), (5, 7, 37)])
+@pytest.mark.parametrize("transposed", [False, True], ids=["DF", "FD"])
+def test_the_kernel_is_the_xla_product_in_another_order(N, D, F, transposed):
+    from dew import _native_int8
+
+    x, q, scale = operands(np.random.default_rng(N * D + F), N, D, F, transposed)
+    reference = np.asarray(xla_product(x, q, scale, jnp.float32, transposed))
+    run = jax.jit(lambda x, q, s: kernel_product(x, q, s, transposed))
+    bound = reorder_bound(x, q, scale, transposed)
+    try:
+        for isa in instruction_sets():
+            _native_int8.set_isa(isa)
+            ours = np.asarray(run(x, q, scale))
+            # Observed: at most 6e-7 relative to the largest output, a few ulps.
+            assert np.all(np.abs(ours - reference) <= bound), f"{isa}: {np.abs(ours - reference).max()}"
+    finally:
+        _native_int8.set_isa(instruction_sets()[-1])
+
+
+def test_bfloat16_compute_and_vmap_match_the_xla_form():
+    rng = np.random.default_rng(0)
+    x, q, scale = operands(rng, 2, 96, 80, transposed=False)
+    # bfloat16: x rounds to the compute dtype first on both sides; int8 values are exact in bfloat16.
+    ours = np.asarray(jax.jit(lambda x: int8_product(x, q, scale, jnp.bfloat16))(x))
+    x_rounded = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    reference = np.asarray(xla_product(x, q, scale, jnp.bfloat16))
+    assert np.all(np.abs(ours - reference) <= reorder_bound(x_rounded, q, scale, False))
+    # vmap over x alone (shared weights), and over x, q and scales together.
+    xs = rng.standard_normal((3, 2, 96), np.float32)
+    qs = rng.integers(-127, 128, (3, 96, 80), dtype=np.int8)
+    scales = rng.random((3, 80), np.float32)
+    shared = np.asarray(jax.jit(jax.vmap(lambda x: kernel_product(x, q, scale)))(xs))
+    each = np.asarray(jax.jit(jax.vmap(kernel_product))(xs, qs, scales))
+    for b in range(3):
+        reference = np.asarray(xla_product(xs[b], q, scale, jnp.float32))
+        assert np.all(np.abs(shared[b] - reference) <= reorder_bound(xs[b], q, scale, False))
+        reference = np.asarray(xla_product(xs[b], qs[b], scales[b], jnp.float32))
+        assert np.all(np.abs(each[b] - reference) <= reorder_bound(xs[b], qs[b], scales[b], False))
+
+
+def test_the_switch_turns_the_kernel_off_and_refuses_bad_values(monkeypatch):
+    x, q, scale = operands(np.random.default_rng(1), 1, 16, 16, transposed=False)
+    with pytest.raises(ValueError, match="cast them first"):
+        kernel_product(x.astype(np.float16), q, scale)
+    monkeypatch.setenv("DEW_INT8_KERNEL", "off")
+    assert kernel_status() == (False, "turned off by DEW_INT8_KERNEL=off")
+    with pytest.raises(RuntimeError, match="the int8 kernel is off: turned off by DEW_INT8_KERNEL=off"):
+        kernel_product(x, q, scale)
+    monkeypatch.setenv("DEW_INT8_KERNEL", "fast")
+    with pytest.raises(ValueError, match="DEW_INT8_KERNEL='fast' is not a setting: use 'on' or 'off'"):
+        kernel_status()
+
+
+@pytest.mark.parametrize("tie_embeddings", [True, False], ids=["tied", "untied"])
+def test_an_int8_model_generates_the_same_tokens_with_and_without_the_kernel(tie_embeddings, monkeypatch):
+    model, _, quantized = built(tie_embeddings)
+    tokens = jax.random.randint(jax.random.key(3), (2, 10), 0, SHAPE["vocab_size"])
+    greedy = Sampling(temperature=0.0)
+    ours = model.apply(quantized, tokens)
+    with_kernel = generate(model, quantized, tokens.tolist(), 8, key=jax.random.key(0), sampling=greedy)
+    monkeypatch.setenv("DEW_INT8_KERNEL", "off")
+    # Traced anew (a compiled generation keeps the form it was traced with): another budget, 9 tokens.
+    reference = model.apply(quantized, tokens)
+    without = generate(model, quantized, tokens.tolist(), 9, key=jax.random.key(0), sampling=greedy)
+    # One decoder rounded in two orders. Observed: about 1e-7 on logits of 0.5.
+    ulps = decoder_ulps(layers=9, width=32, mlp_width=64, heads=4, head_dim=8, seq_len=10, libraries=1)
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=ulp_bound(ulps, np.abs(reference).max()))
+    np.testing.assert_array_equal(with_kernel.tokens, without.tokens[:, :-1])
