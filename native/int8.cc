@@ -20,6 +20,10 @@
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
+// GCC 12's AVX-512 conversion intrinsics start from an undefined register, which its flow analysis
+// reports as a read of an uninitialized value (GCC bug 105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 #define DEW_X86 1
 #endif
@@ -40,21 +44,27 @@ struct Product {
   int64_t n, d, f;
 };
 
-using Body = void (*)(const Product&, int64_t f_begin, int64_t f_end);
+// [D, F] layout: sums over q's rows [k_begin, k_end) for the columns [c_begin, c_end) of every row of x,
+// unscaled, into `sums` ([n, f] row-major), added to what it holds unless `first`.
+using ColumnsBody = void (*)(const Product&, int64_t k_begin, int64_t k_end, int64_t c_begin, int64_t c_end,
+                             bool first, float* sums);
+// [F, D] layout: the finished, scaled columns [c_begin, c_end) of y.
+using RowsBody = void (*)(const Product&, int64_t c_begin, int64_t c_end);
 
 // ---- portable bodies (any CPU; also the column tails the vector bodies leave) ----
 
-void ColumnsPortable(const Product& p, int64_t f_begin, int64_t f_end) {
+void ColumnsPortable(const Product& p, int64_t k_begin, int64_t k_end, int64_t c_begin, int64_t c_end, bool first,
+                     float* sums) {
   for (int64_t r = 0; r < p.n; ++r) {
     const float* x = p.x + r * p.d;
-    float* y = p.y + r * p.f;
-    for (int64_t c = f_begin; c < f_end; ++c) y[c] = 0.0f;
-    for (int64_t k = 0; k < p.d; ++k) {
+    float* y = sums + r * p.f;
+    if (first)
+      for (int64_t c = c_begin; c < c_end; ++c) y[c] = 0.0f;
+    for (int64_t k = k_begin; k < k_end; ++k) {
       const int8_t* q = p.q + k * p.f;
       float xk = x[k];
-      for (int64_t c = f_begin; c < f_end; ++c) y[c] += xk * static_cast<float>(q[c]);
+      for (int64_t c = c_begin; c < c_end; ++c) y[c] += xk * static_cast<float>(q[c]);
     }
-    for (int64_t c = f_begin; c < f_end; ++c) y[c] *= p.scale[c];
   }
 }
 
@@ -82,14 +92,17 @@ constexpr int kAheadGroups = 2;
 // accumulators. Wider tiles read more contiguous bytes per row, which the memory streams faster. ----
 
 template <int R, int L>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void TileAvx512(const Product& p, int64_t r0, int64_t c) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void TileAvx512(const Product& p, int64_t r0, int64_t c,
+                                                                  int64_t k_begin, int64_t k_end, bool first,
+                                                                  float* sums) {
   constexpr int V = 4 * L;  // 16-column vectors per row
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < V; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int8_t* q = p.q + c;
+    for (int j = 0; j < V; ++j)
+      acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + (r0 + r) * p.f + c + 16 * j);
+  const int8_t* q = p.q + k_begin * p.f + c;
   const float* x = p.x + r0 * p.d;
-  for (int64_t k = 0; k < p.d; ++k, q += p.f) {
+  for (int64_t k = k_begin; k < k_end; ++k, q += p.f) {
     for (int l = 0; l < L; ++l)
       _mm_prefetch(reinterpret_cast<const char*>(q + kAheadRows * p.f + 64 * l), _MM_HINT_T0);
     for (int j = 0; j < V; ++j) {
@@ -97,35 +110,36 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void TileAvx512(const Produ
       for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * p.d + k]), w, acc[r][j]);
     }
   }
-  for (int j = 0; j < V; ++j) {
-    __m512 s = _mm512_loadu_ps(p.scale + c + 16 * j);
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(p.y + (r0 + r) * p.f + c + 16 * j, _mm512_mul_ps(acc[r][j], s));
-  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < V; ++j) _mm512_storeu_ps(sums + (r0 + r) * p.f + c + 16 * j, acc[r][j]);
 }
 
-// Rows [r0, r0 + R) across columns [c, end): the widest tiles first, whole cache lines only; returns
-// where the whole lines end.
+// Rows [r0, r0 + R) of x across columns [c, end): the widest tiles first, whole cache lines only;
+// returns where the whole lines end.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) int64_t ColumnTilesAvx512(const Product& p, int64_t r0,
-                                                                            int64_t c, int64_t end) {
+                                                                            int64_t c, int64_t end, int64_t k_begin,
+                                                                            int64_t k_end, bool first,
+                                                                            float* sums) {
   if constexpr (R == 1)
-    for (; c + 256 <= end; c += 256) TileAvx512<1, 4>(p, r0, c);
+    for (; c + 256 <= end; c += 256) TileAvx512<1, 4>(p, r0, c, k_begin, k_end, first, sums);
   if constexpr (R <= 2)
-    for (; c + 128 <= end; c += 128) TileAvx512<R, 2>(p, r0, c);
-  for (; c + 64 <= end; c += 64) TileAvx512<R, 1>(p, r0, c);
+    for (; c + 128 <= end; c += 128) TileAvx512<R, 2>(p, r0, c, k_begin, k_end, first, sums);
+  for (; c + 64 <= end; c += 64) TileAvx512<R, 1>(p, r0, c, k_begin, k_end, first, sums);
   return c;
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void ColumnsAvx512(const Product& p, int64_t f_begin,
-                                                                    int64_t f_end) {
-  int64_t r = 0, c = f_begin;
-  for (; r + 4 <= p.n; r += 4) c = ColumnTilesAvx512<4>(p, r, f_begin, f_end);
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void ColumnsAvx512(const Product& p, int64_t k_begin,
+                                                                    int64_t k_end, int64_t c_begin,
+                                                                    int64_t c_end, bool first, float* sums) {
+  int64_t r = 0, c = c_begin;
+  for (; r + 4 <= p.n; r += 4) c = ColumnTilesAvx512<4>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
   switch (p.n - r) {
-    case 3: c = ColumnTilesAvx512<3>(p, r, f_begin, f_end); break;
-    case 2: c = ColumnTilesAvx512<2>(p, r, f_begin, f_end); break;
-    case 1: c = ColumnTilesAvx512<1>(p, r, f_begin, f_end); break;
+    case 3: c = ColumnTilesAvx512<3>(p, r, c_begin, c_end, k_begin, k_end, first, sums); break;
+    case 2: c = ColumnTilesAvx512<2>(p, r, c_begin, c_end, k_begin, k_end, first, sums); break;
+    case 1: c = ColumnTilesAvx512<1>(p, r, c_begin, c_end, k_begin, k_end, first, sums); break;
   }
-  if (c < f_end) ColumnsPortable(p, c, f_end);
+  if (c < c_end) ColumnsPortable(p, k_begin, k_end, c, c_end, first, sums);
 }
 
 __attribute__((target("avx512f"))) inline float Sum512(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -170,39 +184,39 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void RowsAvx512(const Produ
   if (c < f_end) RowsPortable(p, c, f_end);
 }
 
-// ---- AVX2 + FMA: 32-column tiles, up to 2 rows of x at once (16 vector registers) ----
+// ---- AVX2 + FMA: V 8-column vectors per row against R rows of x, R * V <= 8 accumulators of the 16
+// registers: 64 columns (one cache line) for one row, 32 for two. ----
 
-template <int R>
-__attribute__((target("avx2,fma"))) void TileAvx2(const Product& p, int64_t r0, int64_t c) {
-  __m256 acc[R][4];
+template <int R, int V>
+__attribute__((target("avx2,fma"))) void TileAvx2(const Product& p, int64_t r0, int64_t c, int64_t k_begin,
+                                                 int64_t k_end, bool first, float* sums) {
+  __m256 acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
-  const int8_t* q = p.q + c;
+    for (int j = 0; j < V; ++j)
+      acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + (r0 + r) * p.f + c + 8 * j);
+  const int8_t* q = p.q + k_begin * p.f + c;
   const float* x = p.x + r0 * p.d;
-  for (int64_t k = 0; k < p.d; ++k, q += p.f) {
+  for (int64_t k = k_begin; k < k_end; ++k, q += p.f) {
     _mm_prefetch(reinterpret_cast<const char*>(q + kAheadRows * p.f), _MM_HINT_T0);
-    __m256 w[4];
-    for (int j = 0; j < 4; ++j)
-      w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j))));
-    for (int r = 0; r < R; ++r) {
-      __m256 xr = _mm256_broadcast_ss(x + r * p.d + k);
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(xr, w[j], acc[r][j]);
+    for (int j = 0; j < V; ++j) {
+      __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j))));
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * p.d + k), w, acc[r][j]);
     }
   }
-  for (int j = 0; j < 4; ++j) {
-    __m256 s = _mm256_loadu_ps(p.scale + c + 8 * j);
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(p.y + (r0 + r) * p.f + c + 8 * j, _mm256_mul_ps(acc[r][j], s));
-  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < V; ++j) _mm256_storeu_ps(sums + (r0 + r) * p.f + c + 8 * j, acc[r][j]);
 }
 
-__attribute__((target("avx2,fma"))) void ColumnsAvx2(const Product& p, int64_t f_begin, int64_t f_end) {
-  int64_t c = f_begin;
-  for (; c + 32 <= f_end; c += 32) {
-    int64_t r = 0;
-    for (; r + 2 <= p.n; r += 2) TileAvx2<2>(p, r, c);
-    if (r < p.n) TileAvx2<1>(p, r, c);
+__attribute__((target("avx2,fma"))) void ColumnsAvx2(const Product& p, int64_t k_begin, int64_t k_end,
+                                                    int64_t c_begin, int64_t c_end, bool first, float* sums) {
+  int64_t r = 0, c = c_begin;
+  for (; r + 2 <= p.n; r += 2)
+    for (c = c_begin; c + 32 <= c_end; c += 32) TileAvx2<2, 4>(p, r, c, k_begin, k_end, first, sums);
+  if (r < p.n) {
+    for (c = c_begin; c + 64 <= c_end; c += 64) TileAvx2<1, 8>(p, r, c, k_begin, k_end, first, sums);
+    for (; c + 32 <= c_end; c += 32) TileAvx2<1, 4>(p, r, c, k_begin, k_end, first, sums);
   }
-  if (c < f_end) ColumnsPortable(p, c, f_end);
+  if (c < c_end) ColumnsPortable(p, k_begin, k_end, c, c_end, first, sums);
 }
 
 __attribute__((target("avx2,fma"))) inline float Sum256(__m256 v) {
@@ -219,8 +233,10 @@ __attribute__((target("avx2,fma"))) void DotsAvx2(const Product& p, int64_t r0, 
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
   const int8_t* q = p.q + c * p.d;
   const float* x = p.x + r0 * p.d;
+  const char* ahead = reinterpret_cast<const char*>(q + kAheadGroups * 4 * p.d);
   int64_t k = 0;
   for (; k + 8 <= p.d; k += 8) {
+    if (k % 16 == 0) _mm_prefetch(ahead + 4 * k, _MM_HINT_T0);
     __m256 w[4];
     for (int j = 0; j < 4; ++j)
       w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j * p.d + k))));
@@ -267,45 +283,112 @@ Isa DetectIsa() {
 const Isa g_best_isa = DetectIsa();
 std::atomic<int> g_isa{static_cast<int>(g_best_isa)};
 
-Body PickBody(bool transposed) {
+ColumnsBody PickColumns() {
   switch (static_cast<Isa>(g_isa.load(std::memory_order_relaxed))) {
 #ifdef DEW_X86
-    case kAvx512: return transposed ? RowsAvx512 : ColumnsAvx512;
-    case kAvx2: return transposed ? RowsAvx2 : ColumnsAvx2;
+    case kAvx512: return ColumnsAvx512;
+    case kAvx2: return ColumnsAvx2;
 #endif
-    default: return transposed ? RowsPortable : ColumnsPortable;
+    default: return ColumnsPortable;
   }
 }
 
-// Pieces of the output columns, claimed from `next` by whichever thread is free; `done` counts the
-// finished ones. Shared by pointer, since a pool task may start after the call has returned (it then
-// finds nothing left to claim).
+RowsBody PickRows() {
+  switch (static_cast<Isa>(g_isa.load(std::memory_order_relaxed))) {
+#ifdef DEW_X86
+    case kAvx512: return RowsAvx512;
+    case kAvx2: return RowsAvx2;
+#endif
+    default: return RowsPortable;
+  }
+}
+
+// q's rows a [D, F] body sums before it moves to the next columns: a block of q (kBlockRows * F bytes)
+// is read whole, in order, so the memory streams it; the sums wait in `sums` between blocks.
+constexpr int64_t kBlockRows = 16;
+// At least this many weight bytes a piece: a piece's fixed cost is a few hundred nanoseconds.
+constexpr int64_t kPieceBytes = 32 << 10;
+// Products of at most this many rows of x split q's rows (D) among the threads, so that each reads one
+// contiguous region of q, and add the partial sums at the end; more rows split the columns, since
+// their sums are compute-bound and the partial sums would grow with the rows.
+constexpr int64_t kSplitRowsMaxN = 4;
+// ... and of at most this many columns (the partial sums, slices x n x f floats, stay in cache).
+constexpr int64_t kSplitRowsMaxF = 4096;
+
+// How a batch of products divides into pieces, claimed from `next` by whichever thread is free; `done`
+// counts the finished ones. A piece is (product, slice of q's rows, chunk of columns). Shared by
+// pointer, since a pool task may start after the call has returned (it then finds nothing to claim).
 struct Pieces {
   std::vector<Product> products;
-  Body body;
-  int64_t columns_per_piece, pieces_per_product, total;
+  bool transposed;
+  ColumnsBody columns_body;
+  RowsBody rows_body;
+  int64_t slices = 1, slice_rows = 0;  // slices of q's rows ([D, F] only)
+  int64_t chunks = 1, chunk_columns = 0;
+  int64_t total = 0;
+  float* partial = nullptr;  // [batch, slices, n, f] partial sums when slices > 1
   std::atomic<int64_t> next{0}, done{0};
+
+  void RunPiece(int64_t i) {
+    int64_t per_product = slices * chunks;
+    const Product& p = products[i / per_product];
+    int64_t slice = (i % per_product) / chunks, chunk = i % chunks;
+    int64_t c_begin = chunk * chunk_columns, c_end = std::min(c_begin + chunk_columns, p.f);
+    if (transposed) {
+      rows_body(p, c_begin, c_end);
+      return;
+    }
+    int64_t k_begin = slice * slice_rows, k_end = std::min(k_begin + slice_rows, p.d);
+    float* sums = slices > 1 ? partial + ((i / per_product) * slices + slice) * p.n * p.f : p.y;
+    for (int64_t k = k_begin; k < k_end; k += kBlockRows)
+      columns_body(p, k, std::min(k + kBlockRows, k_end), c_begin, c_end, k == k_begin, sums);
+    if (k_begin == k_end)
+      for (int64_t r = 0; r < p.n; ++r) std::fill(sums + r * p.f + c_begin, sums + r * p.f + c_end, 0.0f);
+    if (slices == 1)
+      for (int64_t r = 0; r < p.n; ++r)
+        for (int64_t c = c_begin; c < c_end; ++c) p.y[r * p.f + c] *= p.scale[c];
+  }
 
   void Run() {
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;) {
-      const Product& p = products[i / pieces_per_product];
-      int64_t begin = (i % pieces_per_product) * columns_per_piece;
-      body(p, begin, std::min(begin + columns_per_piece, p.f));
+      RunPiece(i);
       done.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  // y = scale * (the slices' partial sums added in slice order), so the result does not depend on
+  // which thread summed which slice.
+  void AddSlices() {
+    for (size_t b = 0; b < products.size(); ++b) {
+      const Product& p = products[b];
+      const float* first = partial + b * slices * p.n * p.f;
+      for (int64_t e = 0; e < p.n * p.f; ++e) {
+        float sum = first[e];
+        for (int64_t s = 1; s < slices; ++s) sum += first[s * p.n * p.f + e];
+        p.y[e] = sum * p.scale[e % p.f];
+      }
     }
   }
 };
 
-// Column alignment of a piece: whole tiles of the widest body (64 columns), or 4 for the [F, D] layout.
-int64_t PieceColumns(int64_t f, int64_t d, int64_t n, int64_t threads, bool transposed) {
-  int64_t align = transposed ? 4 : 64;
-  // At least ~32 KiB of weights per piece (a piece's fixed cost is a few hundred nanoseconds), and up
-  // to 4 pieces a thread so a thread slowed by another process does not hold up the rest.
-  int64_t min_columns = std::max<int64_t>(align, (32 << 10) / std::max<int64_t>(d, 1));
-  int64_t want = std::max<int64_t>(1, 4 * threads);
-  int64_t columns = std::max(min_columns, (f + want - 1) / want);
-  (void)n;
-  return (columns + align - 1) / align * align;
+// Splits the work for `threads` threads, up to 4 pieces each, so that a thread slowed by another
+// process does not hold up the rest.
+void Plan(Pieces& pieces, int64_t n, int64_t d, int64_t f, int64_t threads) {
+  int64_t want = std::max<int64_t>(1, std::min<int64_t>(4 * threads, d * f / kPieceBytes));
+  if (!pieces.transposed && n <= kSplitRowsMaxN && f <= kSplitRowsMaxF && threads > 1) {
+    int64_t blocks = (d + kBlockRows - 1) / kBlockRows;
+    pieces.slices = std::min(want, blocks);
+    pieces.slice_rows = (blocks + pieces.slices - 1) / pieces.slices * kBlockRows;
+    pieces.slices = (d + pieces.slice_rows - 1) / pieces.slice_rows;
+    pieces.chunk_columns = f;
+  } else {
+    // Whole tiles of the widest bodies: 64 columns, or 4 rows of q in the [F, D] layout.
+    int64_t align = pieces.transposed ? 4 : 64;
+    int64_t columns = (f + want - 1) / want;
+    pieces.chunk_columns = (columns + align - 1) / align * align;
+    pieces.slice_rows = d;
+  }
+  pieces.chunks = (f + pieces.chunk_columns - 1) / pieces.chunk_columns;
 }
 
 ffi::Error Int8Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
@@ -328,11 +411,12 @@ ffi::Error Int8Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
         return ffi::Error::InvalidArgument("dew int8 product: leading axes neither match nor broadcast");
     batch *= dy[i];
   }
+  if (batch == 0 || n == 0 || f == 0) return ffi::Error::Success();
   auto pieces = std::make_shared<Pieces>();
   pieces->products.reserve(batch);
   for (int64_t b = 0; b < batch; ++b) {
     int64_t ox = 0, oq = 0, os = 0, rest = b;
-    int64_t sx = 1, sq = 1, ss = 1;  // element counts of one step along the current leading axis
+    int64_t sx = 1, sq = 1, ss = 1;  // elements per step along the current leading axis, in products
     for (size_t i = rank - 2; i-- > 0;) {
       int64_t index = rest % dy[i];
       rest /= dy[i];
@@ -344,12 +428,19 @@ ffi::Error Int8Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     pieces->products.push_back(Product{x.typed_data() + ox * n * d, q.typed_data() + oq * d * f,
                                        scale.typed_data() + os * f, y->typed_data() + b * n * f, n, d, f});
   }
-  if (batch == 0 || n == 0 || f == 0) return ffi::Error::Success();
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  pieces->body = PickBody(transposed);
-  pieces->columns_per_piece = PieceColumns(f, d, n, threads, transposed);
-  pieces->pieces_per_product = (f + pieces->columns_per_piece - 1) / pieces->columns_per_piece;
-  pieces->total = batch * pieces->pieces_per_product;
+  pieces->transposed = transposed;
+  pieces->columns_body = PickColumns();
+  pieces->rows_body = PickRows();
+  Plan(*pieces, n, d, f, threads);
+  pieces->total = batch * pieces->slices * pieces->chunks;
+  // The partial sums live in the calling thread's buffer: every piece that writes them has finished
+  // before this call returns.
+  thread_local std::vector<float> partial;
+  if (pieces->slices > 1) {
+    partial.resize(static_cast<size_t>(batch * pieces->slices * n * f));
+    pieces->partial = partial.data();
+  }
   int64_t helpers = std::min<int64_t>(threads, pieces->total) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([pieces] { pieces->Run(); });
   pieces->Run();
@@ -360,6 +451,7 @@ ffi::Error Int8Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 #endif
     if (spins > 4096) std::this_thread::yield();
   }
+  if (pieces->slices > 1) pieces->AddSlices();
   return ffi::Error::Success();
 }
 

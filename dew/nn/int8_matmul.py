@@ -7,7 +7,8 @@ builds, called through `jax.ffi`) widens the int8 values in registers instead, a
 threads, with AVX-512, AVX2 or portable loops chosen by what the CPU reports at run time. Both forms
 accumulate in float32 and multiply the finished sum by the scale; they differ by the order of the sums.
 
-The kernel runs where `kernel_status()` says it is on: the extension built, the backend is the CPU,
+The kernel takes products of up to `KERNEL_MAX_ROWS` rows of x (decoding; a long prefill is XLA's)
+where `kernel_status()` says it is on: the extension built, the backend is the CPU,
 the process sees one device (GSPMD cannot partition a foreign call), and `DEW_INT8_KERNEL` is not
 `off`. Elsewhere the products are XLA's. The variable is read when a product is traced, so set it
 before the first generation of a process (a compiled generation keeps the form it was traced with).
@@ -29,6 +30,11 @@ _TARGET = "dew_int8_product"
 # The compute dtypes whose values float32 holds exactly, so the kernel's float32 operand is the XLA
 # form's operand.
 _KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Rows of x up to which the kernel runs: it reads q once for every 4 rows, so past a few dozen rows (a
+# prompt's prefill, a perplexity pass) the product is bound by arithmetic, where XLA's blocked matrix
+# product with one converted copy of q is faster (measured on SmolLM2's 576 x 1536, weights in cache:
+# equal at 16 and 32 rows, XLA 1.3x faster at 128 and 1.4-1.9x at 512).
+KERNEL_MAX_ROWS = 32
 
 
 def _policy() -> str:
@@ -85,8 +91,10 @@ def xla_product(x_ND: jax.Array, q: jax.Array, scale_F: jax.Array, dtype, transp
 
 
 def kernel_takes(x_ND: jax.Array, q: jax.Array, dtype) -> bool:
-    """Whether `int8_product` of these operands runs in the kernel in this process."""
-    return q.dtype == jnp.int8 and jnp.dtype(dtype) in _KERNEL_DTYPES and x_ND.ndim == 2 and kernel_status()[0]
+    """Whether `int8_product` of these operands runs in the kernel in this process: int8 weights, a
+    compute dtype float32 holds exactly, at most `KERNEL_MAX_ROWS` rows, and `kernel_status()` on."""
+    return (q.dtype == jnp.int8 and jnp.dtype(dtype) in _KERNEL_DTYPES and x_ND.ndim == 2
+            and x_ND.shape[0] <= KERNEL_MAX_ROWS and kernel_status()[0])
 
 
 def int8_product(x_ND: jax.Array, q: jax.Array, scale_F: jax.Array, dtype, transposed: bool = False) -> jax.Array:

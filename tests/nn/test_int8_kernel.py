@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.nn.int8_matmul import int8_product, kernel_product, kernel_status, xla_product
+from dew.nn.int8_matmul import KERNEL_MAX_ROWS, int8_product, kernel_product, kernel_status, kernel_takes, xla_product
 from dew.sampling import Sampling, generate
 from tests.interop.test_quantize import SHAPE, built
 from tests.tolerances import decoder_ulps, ulp_bound
@@ -84,6 +84,9 @@ def test_bfloat16_compute_and_vmap_match_the_xla_form():
 
 def test_the_switch_turns_the_kernel_off_and_refuses_bad_values(monkeypatch):
     x, q, scale = operands(np.random.default_rng(1), 1, 16, 16, transposed=False)
+    # Past KERNEL_MAX_ROWS rows (a prefill) the product is XLA's.
+    assert kernel_takes(np.zeros((KERNEL_MAX_ROWS, 16), np.float32), q, jnp.float32)
+    assert not kernel_takes(np.zeros((KERNEL_MAX_ROWS + 1, 16), np.float32), q, jnp.float32)
     with pytest.raises(ValueError, match="cast them first"):
         kernel_product(x.astype(np.float16), q, scale)
     monkeypatch.setenv("DEW_INT8_KERNEL", "off")
