@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from dew.nn.fast_matmul import dot
 from dew.nn.kv_cache import AttentionCache
 from dew.nn.linear import Linear
 from dew.nn.norms import RMSNorm
@@ -64,16 +65,16 @@ def attend(q_BSHD, k_BKTD, v_BKTD, mask_BST, *, causal_blocks: bool = False, sca
     for start in starts:
         stop = min(start + block, S) if causal_blocks else S
         end = stop if causal_blocks else k_BKTD.shape[2]
-        scores_BKGST = jnp.einsum(
-            "bkgsd,bktd->bkgst", q_BKGSD[:, :, :, start:stop], k_BKTD[:, :, :end], preferred_element_type=jnp.float32
-        ) * scale
+        rows = H // K * (stop - start)  # a group's queries of the block, one matrix per (row, kv head)
+        q_BKRD = q_BKGSD[:, :, :, start:stop].reshape(B, K, rows, D)
+        scores_BKGST = dot(q_BKRD, k_BKTD[:, :, :end], transpose_b=True).reshape(B, K, H // K, stop - start, end)
+        scores_BKGST = scores_BKGST * scale
         if softcap is not None:
             scores_BKGST = softcap * jnp.tanh(scores_BKGST / softcap)
         scores_BKGST = jnp.where(mask_BST[:, None, None, start:stop, :end], scores_BKGST, _MASKED)
         probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(v_BKTD.dtype)
-        outputs.append(
-            jnp.einsum("bkgst,bktd->bkgsd", probs_BKGST, v_BKTD[:, :, :end], preferred_element_type=jnp.float32)
-        )
+        out_BKRD = dot(probs_BKGST.reshape(B, K, rows, end), v_BKTD[:, :, :end])
+        outputs.append(out_BKRD.reshape(B, K, H // K, stop - start, v_BKTD.shape[-1]))
     out_BKGSD = outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs, axis=3)
     return out_BKGSD.transpose(0, 3, 1, 2, 4).reshape(B, S, H, v_BKTD.shape[-1]).astype(q_BSHD.dtype)
 

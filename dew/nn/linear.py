@@ -3,7 +3,8 @@
 On XLA's CPU backend a 3-D einsum's weight gradient contracts two axes and gets a transposing copy of
 the activation gradient in front of it; flattening to 2-D removes it (+59-66% fp32 step speed). The
 custom VJP keeps both backward products in the operands' dtype with float32 accumulation, which
-autodiff of a mixed-precision `dot_general` does not give.
+autodiff of a mixed-precision `dot_general` does not give (`dew.nn.fast_matmul.dot`). All three
+products run in XLA or in oneDNN, whichever this machine measured faster for their shape.
 """
 
 from __future__ import annotations
@@ -11,39 +12,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from jax import lax
 
+from dew.nn.fast_matmul import dot
 from dew.nn.int8_matmul import int8_product
 
 QUANT_COLLECTION = "quant"  # int8 weights' float32 scales (see dew.nn.quantize)
 KERNEL_SCALE = "kernel_scale"
-_MATMUL = (((1,), (0,)), ((), ()))  # [N, D] x [D, F]
-_TRANSPOSED_B = (((1,), (1,)), ((), ()))  # [N, F] x [D, F]
 
 
-@jax.custom_vjp
 def matmul(x_ND: jax.Array, w_DF: jax.Array) -> jax.Array:
-    """`x @ w` in the operands' dtype, accumulated in float32, returned as float32 `[N, F]`."""
-    return lax.dot_general(x_ND, w_DF, _MATMUL, preferred_element_type=jnp.float32)
-
-
-def _matmul_fwd(x_ND, w_DF):
-    return matmul(x_ND, w_DF), (x_ND, w_DF)
-
-
-def _matmul_bwd(residuals, g_NF):
-    x_ND, w_DF = residuals
-    g_NF = g_NF.astype(x_ND.dtype)
-    dx_ND = lax.dot_general(g_NF, w_DF, _TRANSPOSED_B, preferred_element_type=jnp.float32)
-    # x^T laid out as its own [D, N] array: XLA's CPU backend sends a dot that contracts the leading
-    # axis of both operands to Eigen, and a plain [D, N] x [N, F] to YNNPACK, 9-13% faster for these
-    # shapes on this CPU. The barrier keeps XLA from folding the transpose back into the dot.
-    x_DN = lax.optimization_barrier(x_ND.T)
-    dw_DF = lax.dot_general(x_DN, g_NF, _MATMUL, preferred_element_type=jnp.float32)
-    return dx_ND.astype(x_ND.dtype), dw_DF.astype(w_DF.dtype)
-
-
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
+    """`x @ w` in the operands' dtype, accumulated in float32, returned as float32 `[N, F]` (gradients
+    likewise: `dew.nn.fast_matmul.dot`)."""
+    return dot(x_ND, w_DF)
 
 
 def named(init: nn.initializers.Initializer, names: tuple[str, ...] | None):

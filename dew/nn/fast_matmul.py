@@ -1,0 +1,255 @@
+"""Matrix products of the linears, run by oneDNN where a measurement on this machine finds it faster.
+
+XLA's CPU backend runs a linear's products at 60-100% of what a tuned BLAS reaches on the same
+shapes, and its bfloat16 products that contract the leading axis (a weight gradient `x^T dY`) at
+30-40% of it. `product(a, b, transpose_a, transpose_b)` is the one entry the linears use (forward,
+input gradient and weight gradient, `dew.nn.linear.matmul`): it emits either XLA's own `dot_general`
+or a call through `jax.ffi` to oneDNN's row-major gemm (`dnnl_sgemm`, `dnnl_gemm_bf16bf16f32`; the
+`onednn-cpu-gomp` wheel, loaded at run time by the extension `dew._native_gemm` that `pip install`
+builds from `native/gemm.cc`). Both accumulate in float32 and return float32.
+
+Which one runs is decided per product shape (rows, contraction, columns, dtype, transposes) by
+timing both on this machine once; the choice is kept in memory and in a JSON file under
+`$XDG_CACHE_HOME/dew/matmul/` (default `~/.cache`), one file per CPU (its model name, the
+instruction-set flags the kernel dispatch reads, the usable core count) and library version, so a
+machine never reuses another's measurement. Products under 2^24 FLOPs stay XLA's without a
+measurement (a call's fixed cost and lost fusions outweigh any gain; the test suite's tiny models
+never leave XLA). `DEW_FAST_MATMUL` sets the policy:
+
+- `auto` (the default): measured, as above;
+- `on`: oneDNN for every product it can take, whatever the size (the tests of this path use it);
+- `off`: XLA only.
+
+The library path is off, with `status()` saying why, where the extension did not build, the wheel is
+absent (not x86-64 Linux), the backend is not the CPU, or the process sees more than one device
+(GSPMD cannot partition a foreign call, so sharded steps keep XLA's products).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import os
+import platform
+import time
+from importlib import metadata
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dew.files import write_atomically
+
+MODES = ("auto", "on", "off")
+MIN_FLOPS = 2**24  # below this a product stays XLA's in `auto`: a measured win there is noise
+_DIST = "onednn-cpu-gomp"
+_TARGETS = {jnp.dtype(jnp.float32): "dew_gemm_f32", jnp.dtype(jnp.bfloat16): "dew_gemm_bf16"}
+_MARGIN = 0.97  # oneDNN must take at most 97% of XLA's time to be chosen: a tie keeps XLA's fusions
+
+
+def mode() -> str:
+    """The policy from `DEW_FAST_MATMUL` (`auto` when unset)."""
+    value = os.environ.get("DEW_FAST_MATMUL", "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"DEW_FAST_MATMUL={value!r} is not a policy: use one of {', '.join(MODES)}")
+    return value
+
+
+@functools.cache
+def _load() -> tuple[bool, str]:
+    """(whether oneDNN's products are registered with XLA, a sentence saying which library or why not)."""
+    if jax.default_backend() != "cpu":
+        return False, f"the backend is {jax.default_backend()}, and these kernels are for the CPU"
+    try:
+        from dew import _native_gemm
+    except ImportError as error:
+        return False, (f"the extension dew._native_gemm did not build ({error}); reinstall Dew where a C++ "
+                       "compiler and Python's headers are present")
+    try:
+        library = _library_path()
+    except LookupError as error:
+        return False, str(error)
+    # oneDNN's OpenMP threads otherwise spin on a core after each product, starving XLA's next thunk.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        dnnl = ctypes.CDLL(str(library))
+    except OSError as error:
+        return False, f"{library} did not load ({error})"
+    address = lambda name: ctypes.cast(getattr(dnnl, name), ctypes.c_void_p).value  # noqa: E731
+    _native_gemm.set_gemm(address("dnnl_sgemm"), address("dnnl_gemm_bf16bf16f32"))
+    for key, capsule in _native_gemm.handlers().items():
+        jax.ffi.register_ffi_target(f"dew_gemm_{key}", capsule, platform="cpu")
+    return True, f"oneDNN {metadata.version(_DIST)} ({library})"
+
+
+def _library_path() -> Path:
+    try:
+        files = metadata.files(_DIST) or []
+    except metadata.PackageNotFoundError:
+        raise LookupError(f"the {_DIST} wheel is not installed (it exists for x86-64 Linux only)") from None
+    for file in files:
+        if file.name.startswith("libdnnl.so"):
+            return Path(file.locate()).resolve()
+    raise LookupError(f"the {_DIST} wheel holds no libdnnl.so")
+
+
+def status() -> tuple[bool, str]:
+    """(whether products may run in oneDNN in this process, why or why not)."""
+    policy = mode()
+    if policy == "off":
+        return False, "turned off by DEW_FAST_MATMUL=off"
+    if jax.device_count() > 1:
+        return False, (f"this process sees {jax.device_count()} devices, and sharded steps keep XLA's products "
+                       "(GSPMD cannot partition a foreign call)")
+    return _load()
+
+
+def _xla(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> jax.Array:
+    if transpose_a:
+        # `a^T` laid out as its own array: XLA's CPU backend sends a dot contracting the leading axis of
+        # both operands to Eigen, and a plain one to its faster matmul. The barrier keeps XLA from
+        # folding the transpose back into the dot.
+        a = lax.optimization_barrier(jnp.swapaxes(a, -1, -2))
+    contract_b = b.ndim - 1 if transpose_b else b.ndim - 2
+    batch = tuple(range(a.ndim - 2))
+    return lax.dot_general(a, b, (((a.ndim - 1,), (contract_b,)), (batch, batch)), preferred_element_type=jnp.float32)
+
+
+def _library(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> jax.Array:
+    m = a.shape[-1] if transpose_a else a.shape[-2]
+    n = b.shape[-2] if transpose_b else b.shape[-1]
+    out = jax.ShapeDtypeStruct((*a.shape[:-2], m, n), jnp.float32)
+    call = jax.ffi.ffi_call(_TARGETS[a.dtype], out, vmap_method="broadcast_all")
+    return call(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+
+
+def product(a: jax.Array, b: jax.Array, transpose_a: bool = False, transpose_b: bool = False) -> jax.Array:
+    """`op(a) @ op(b)` as float32, `op` transposing the last two axes where asked; `a` and `b` share a
+    dtype and any leading (batch) axes. oneDNN runs it where `choose` says so, else XLA."""
+    if a.dtype != b.dtype:
+        raise ValueError(f"product of {a.dtype} and {b.dtype}: cast the operands to one dtype first")
+    k = a.shape[-2] if transpose_a else a.shape[-1]
+    if k != (b.shape[-1] if transpose_b else b.shape[-2]):
+        raise ValueError(f"product of {a.shape} and {b.shape} (transpose_a={transpose_a}, "
+                         f"transpose_b={transpose_b}): the contracted axes differ")
+    m = a.shape[-1] if transpose_a else a.shape[-2]
+    n = b.shape[-2] if transpose_b else b.shape[-1]
+    batch = int(np.prod(a.shape[:-2], dtype=np.int64))
+    if choose(batch * m, k, n, a.dtype, transpose_a, transpose_b):
+        return _library(a, b, transpose_a, transpose_b)
+    return _xla(a, b, transpose_a, transpose_b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def dot(a: jax.Array, b: jax.Array, transpose_b: bool = False) -> jax.Array:
+    """`a @ op(b)` over the last two axes (leading axes batch), in the operands' dtype accumulated in
+    float32, returned as float32, with `op` transposing `b` where asked. Its gradients are the same
+    kind of product, with the output gradient cast to the operands' dtype (float32 accumulation),
+    which autodiff of a mixed-precision `dot_general` does not give; every one goes through `product`."""
+    return product(a, b, transpose_b=transpose_b)
+
+
+def _dot_fwd(a, b, transpose_b):
+    return dot(a, b, transpose_b), (a, b)
+
+
+def _dot_bwd(transpose_b, residuals, g):
+    a, b = residuals
+    g = g.astype(a.dtype)
+    if transpose_b:  # c = a b^T: da = g b, db = g^T a
+        da, db = product(g, b), product(g, a, transpose_a=True)
+    else:  # c = a b: da = g b^T, db = a^T g
+        da, db = product(g, b, transpose_b=True), product(a, g, transpose_a=True)
+    return da.astype(a.dtype), db.astype(b.dtype)
+
+
+dot.defvjp(_dot_fwd, _dot_bwd)
+
+
+def choose(m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool) -> bool:
+    """Whether an `[m, k] x [k, n]` product in `dtype` runs in oneDNN (see the module's policy)."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in _TARGETS or min(m, k, n) == 0 or not status()[0]:
+        return False
+    if mode() == "on":
+        return True
+    if 2 * m * k * n < MIN_FLOPS:
+        return False
+    key = f"{m}x{k}x{n}/{dtype.name}/{'T' if transpose_a else 'N'}{'T' if transpose_b else 'N'}"
+    table = _table()
+    if key not in table:
+        xla_seconds, library_seconds = measure(m, k, n, dtype, transpose_a, transpose_b)
+        table[key] = {"xla_s": xla_seconds, "onednn_s": library_seconds,
+                      "onednn": library_seconds < _MARGIN * xla_seconds}
+        _save(table)
+    return bool(table[key]["onednn"])
+
+
+def measure(m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool,
+            repeats: int = 7) -> tuple[float, float]:
+    """(XLA's seconds, oneDNN's seconds) for one product: each the fastest of `repeats` runs after a
+    warm-up, the two taking turns so that other work on the machine slows both alike."""
+    available, reason = _load()
+    if not available:
+        raise RuntimeError(f"oneDNN's products are off: {reason}")
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((k, m) if transpose_a else (m, k), np.float32)
+    b = rng.standard_normal((n, k) if transpose_b else (k, n), np.float32)
+    with jax.ensure_compile_time_eval():
+        a, b = jnp.asarray(a, dtype), jnp.asarray(b, dtype)
+        runs = [jax.jit(functools.partial(run, transpose_a=transpose_a, transpose_b=transpose_b))
+                for run in (_xla, _library)]
+        for run in runs:
+            run(a, b).block_until_ready()
+        best = [float("inf")] * len(runs)
+        for _ in range(repeats):
+            for i, run in enumerate(runs):
+                started = time.perf_counter()
+                run(a, b).block_until_ready()
+                best[i] = min(best[i], time.perf_counter() - started)
+    return best[0], best[1]
+
+
+def cache_file() -> Path:
+    """This machine's file of measured choices (see the module docstring)."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                flags += line.split(":", 1)[1].strip() + "\n"
+            if line.startswith("flags"):
+                break
+    except OSError:
+        flags = platform.processor()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    signature = f"{flags}{cores}\n{jax.__version__}\n{metadata.version(_DIST)}"
+    digest = hashlib.sha256(signature.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "dew" / "matmul" / f"{digest}.json"
+
+
+@functools.cache
+def _table() -> dict:
+    try:
+        return json.loads(cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save(table: dict) -> None:
+    """Write this process's choices, merged with what other processes wrote since it read the file."""
+    path = cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            on_disk = json.loads(path.read_text())
+        except (OSError, ValueError):
+            on_disk = {}
+        table.update({key: value for key, value in on_disk.items() if key not in table})
+        write_atomically(path, json.dumps(table, indent=1, sort_keys=True))
+    except OSError:
+        pass  # a read-only home: the choices stay in memory for this process

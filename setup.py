@@ -1,0 +1,30 @@
+"""Dew's compiled kernels: every `native/<name>.cc` becomes the extension module `dew._native_<name>`,
+XLA FFI handlers the compiled steps call through `jax.ffi`.
+
+The extensions are optional: where one cannot build (no C++ compiler, no Python headers) the install
+goes on without it and Dew runs XLA's own products (`dew.nn.fast_matmul` says why it is off)."""
+
+from pathlib import Path
+
+from setuptools import Extension, setup
+
+
+def _ffi_include() -> list[str]:
+    try:
+        import jaxlib  # the XLA FFI headers ship inside jaxlib (jax.ffi.include_dir())
+    except ImportError:
+        return []
+    return [str(Path(jaxlib.__file__).parent / "include")]
+
+
+def _extensions() -> list[Extension]:
+    include = _ffi_include()
+    if not include:
+        return []
+    return [Extension(f"dew._native_{source.stem}", [str(source.relative_to(Path(__file__).parent))],
+                      include_dirs=include, language="c++", optional=True,
+                      extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden"])
+            for source in sorted((Path(__file__).parent / "native").glob("*.cc"))]
+
+
+setup(ext_modules=_extensions())

@@ -1,0 +1,177 @@
+"""oneDNN's products through jax.ffi (dew.nn.fast_matmul) against XLA's, and the policy that picks them.
+
+Both sides accumulate in float32: bfloat16 operands multiply exactly in float32, so for either dtype
+the two results differ only by the order of the K additions, at most K - 1 roundings of the running
+sum, each half an ulp of at most `sum_k |a_ik b_kj|` per side: `ulp_bound(K, |a| @ |b|)` holds. The
+largest differences observed (AMD EPYC with AVX-512) are written in each test.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.nn import fast_matmul
+from dew.nn.fast_matmul import dot, product
+from tests.tolerances import ulp_bound
+
+AVAILABLE, WHY = fast_matmul._load()
+needs_library = pytest.mark.skipif(not AVAILABLE, reason=f"oneDNN path off here: {WHY}")
+
+
+@pytest.fixture
+def policy(monkeypatch):
+    def set_policy(value: str):
+        monkeypatch.setenv("DEW_FAST_MATMUL", value)
+    return set_policy
+
+
+def operands(shape_a, shape_b, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal(shape_a), dtype), jnp.asarray(rng.standard_normal(shape_b), dtype))
+
+
+def bound(a, b, transpose_a=False, transpose_b=False):
+    """Elementwise `ulp_bound(K, |op(a)| @ |op(b)|)` in float32 (see the module docstring)."""
+    a = np.abs(np.asarray(a, np.float32))
+    b = np.abs(np.asarray(b, np.float32))
+    a = np.swapaxes(a, -1, -2) if transpose_a else a
+    b = np.swapaxes(b, -1, -2) if transpose_b else b
+    return ulp_bound(a.shape[-1], a @ b)
+
+
+def test_the_path_builds_where_it_can():
+    """On x86-64 Linux with a C++ compiler, `pip install` builds the extension and the wheel is there;
+    elsewhere the reason is a sentence, and the products stay XLA's."""
+    if sys.platform == "linux" and platform.machine() == "x86_64" and shutil.which("c++"):
+        assert AVAILABLE, WHY
+        assert WHY.startswith("oneDNN 2023.2.0")
+    else:
+        assert isinstance(WHY, str) and WHY
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("transpose_a, transpose_b", [(False, False), (True, False), (False, True)])
+def test_products_match_xla(policy, dtype, transpose_a, transpose_b):
+    # Observed (AMD EPYC, AVX-512): bit-identical for every case here; the bound allows another order.
+    policy("on")
+    m, k, n = 37, 130, 51  # odd sizes: no kernel's tile divides them
+    a, b = operands((k, m) if transpose_a else (m, k), (n, k) if transpose_b else (k, n), dtype)
+    ours = jax.jit(lambda a, b: fast_matmul._library(a, b, transpose_a, transpose_b))(a, b)
+    xla = jax.jit(lambda a, b: fast_matmul._xla(a, b, transpose_a, transpose_b))(a, b)
+    assert ours.dtype == xla.dtype == jnp.float32 and ours.shape == xla.shape == (m, n)
+    np.testing.assert_array_less(np.abs(np.asarray(ours) - np.asarray(xla)), bound(a, b, transpose_a, transpose_b) + 1e-30)
+
+
+@needs_library
+def test_batched_and_vmapped_products(policy):
+    policy("on")
+    a, b = operands((2, 3, 16, 24), (2, 3, 40, 24), jnp.float32)
+    ours = jax.jit(lambda a, b: dot(a, b, True))(a, b)
+    reference = jnp.einsum("xyik,xyjk->xyij", a, b)
+    np.testing.assert_array_less(np.abs(ours - reference), bound(a, b, transpose_b=True) + 1e-30)
+    mapped = jax.jit(jax.vmap(lambda a, b: dot(a, b, True)))(a, b)
+    np.testing.assert_array_equal(mapped, ours)  # the same library call per matrix, in the same order
+    assert "dew_gemm_f32" in jax.jit(lambda a, b: dot(a, b, True)).lower(a, b).as_text()
+
+
+@needs_library
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_gradients_match_autodiff(policy, transpose_b):
+    """The custom VJP's products (each through oneDNN) against autodiff of XLA's float32 product."""
+    policy("on")
+    a, b = operands((48, 20), (36, 20) if transpose_b else (20, 36), jnp.float32, seed=1)
+    g = jnp.asarray(np.random.default_rng(2).standard_normal((48, 36)), jnp.float32)
+
+    def reference(a, b):
+        return (a @ (b.T if transpose_b else b) * g).sum()
+
+    ours = jax.jit(jax.grad(lambda a, b: (dot(a, b, transpose_b) * g).sum(), argnums=(0, 1)))(a, b)
+    theirs = jax.grad(reference, argnums=(0, 1))(a, b)
+    # da = g op(b)^T sums 36 terms, db sums 48: their bounds as products of the magnitudes.
+    bound_a = bound(g, b, transpose_b=not transpose_b)
+    bound_b = bound(g, a, transpose_a=True) if transpose_b else bound(a, g, transpose_a=True)
+    np.testing.assert_array_less(np.abs(ours[0] - theirs[0]), bound_a + 1e-30)
+    np.testing.assert_array_less(np.abs(ours[1] - theirs[1]), bound_b + 1e-30)
+
+
+@needs_library
+def test_a_decoder_step_matches_with_and_without(policy, tiny_model, tiny_variables):
+    """A tiny decoder's loss and gradients with every product in oneDNN against XLA only: within
+    float32 rounding of a few layers (relative 1e-5: each product's K <= 4 * width additions, a few
+    hundred ulps of float32 at most through the layers and softmax). Observed: equal losses, gradients
+    4.8e-7 of their largest entry apart."""
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, tiny_model.config.vocab_size, (2, 16)), jnp.int32)
+
+    def loss(params):
+        logits = tiny_model.apply({**tiny_variables, "params": params}, tokens)
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tokens[..., None], -1)[..., 0])
+
+    results = {}
+    for value in ("off", "on"):
+        policy(value)
+        results[value] = jax.jit(jax.value_and_grad(loss))(tiny_variables["params"])  # a fresh trace per policy
+    (loss_off, grads_off), (loss_on, grads_on) = results["off"], results["on"]
+    np.testing.assert_allclose(loss_on, loss_off, rtol=1e-5)
+    for off, on in zip(jax.tree.leaves(grads_off), jax.tree.leaves(grads_on)):
+        scale = float(jnp.max(jnp.abs(off))) or 1.0
+        np.testing.assert_allclose(on, off, rtol=0, atol=1e-5 * scale)
+
+
+def test_off_keeps_xla_products(policy):
+    policy("off")
+    a, b = operands((512, 256), (256, 512), jnp.float32)
+    assert "custom_call" not in jax.jit(dot).lower(a, b).as_text()
+    assert fast_matmul.status() == (False, "turned off by DEW_FAST_MATMUL=off")
+
+
+def test_a_bad_policy_names_the_choices(policy):
+    policy("fastest")
+    with pytest.raises(ValueError, match=r"DEW_FAST_MATMUL='fastest' is not a policy: use one of auto, on, off"):
+        fast_matmul.mode()
+
+
+def test_several_devices_keep_xla(policy, monkeypatch):
+    policy("on")
+    monkeypatch.setattr(jax, "device_count", lambda: 2)
+    available, reason = fast_matmul.status()
+    assert not available and "2 devices" in reason
+
+
+def test_product_refuses_mismatched_operands():
+    a, b = operands((4, 6), (5, 3), jnp.float32)
+    with pytest.raises(ValueError, match=r"the contracted axes differ"):
+        product(a, b)
+    with pytest.raises(ValueError, match=r"cast the operands to one dtype"):
+        product(a, b.astype(jnp.bfloat16))
+
+
+@needs_library
+def test_auto_measures_large_products_once_and_keeps_small_ones(policy, monkeypatch, tmp_path):
+    policy("auto")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    table = {}  # a fresh table, as read from the empty cache
+    monkeypatch.setattr(fast_matmul, "_table", lambda: table)
+    small = fast_matmul.choose(8, 16, 8, jnp.float32, False, False)
+    assert small is False and table == {}  # under MIN_FLOPS: no measurement
+    m, k, n = 256, 256, 256  # 2 * 256^3 = 2^25 FLOPs, over the threshold
+    chosen = fast_matmul.choose(m, k, n, jnp.float32, False, True)
+    entry = table["256x256x256/float32/NT"]
+    assert chosen == entry["onednn"] == (entry["onednn_s"] < 0.97 * entry["xla_s"])
+    on_disk = json.loads(fast_matmul.cache_file().read_text())
+    assert on_disk["256x256x256/float32/NT"] == entry
+    assert fast_matmul.cache_file().is_relative_to(tmp_path)
+
+    def measure_again(*args, **kwargs):
+        raise AssertionError("a product measured twice")
+
+    monkeypatch.setattr(fast_matmul, "measure", measure_again)
+    assert fast_matmul.choose(m, k, n, jnp.float32, False, True) == chosen
