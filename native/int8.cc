@@ -8,7 +8,9 @@
 // One binary runs on every x86-64: the AVX-512 and AVX2 bodies are compiled for their targets only and
 // chosen at run time by what the CPU reports; other machines run the portable body. The work splits
 // across XLA's intra-op thread pool (the FFI's ThreadPool context) in pieces claimed from a counter, so
-// the calling thread never waits for a piece no thread has started.
+// the calling thread never waits for a piece no thread has started: for a few rows of x, slices of q's
+// rows (each thread streams one contiguous region; the partial sums are added in slice order, so the
+// result does not depend on the threads), else chunks of columns.
 #include <Python.h>
 
 #include <algorithm>
@@ -265,8 +267,8 @@ __attribute__((target("avx2,fma"))) void RowsAvx2(const Product& p, int64_t f_be
 
 #endif  // DEW_X86
 
-// The instruction set the bodies use, chosen once: "avx512", "avx2" or "portable". DEW_INT8_ISA (read
-// by the Python side and passed to `set_isa`) can only lower it, for tests of the narrower bodies.
+// The instruction set the bodies use, the CPU's best at load: "avx512", "avx2" or "portable". The
+// module's `set_isa` can only lower it, so the tests run the narrower bodies on a wider CPU.
 enum Isa { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
 Isa DetectIsa() {
