@@ -40,8 +40,25 @@ def decoder_flops_per_token(layers: int, width: int, heads: int, kv_heads: int, 
     return 3 * forward
 
 
+def cpu_model() -> str:
+    """The CPU's model name and its vector extensions that matter to the kernels (from /proc/cpuinfo)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    kinds = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
+    return f"{name} ({', '.join(kinds) or 'no AVX2'})"
+
+
 def machine() -> str:
-    return f"{platform.processor() or platform.machine()}, {jax.local_device_count()} XLA CPU device(s), jax {jax.__version__}"
+    return f"{cpu_model()}, {jax.local_device_count()} XLA CPU device(s), jax {jax.__version__}"
 
 
 def smollm2_directory() -> str:

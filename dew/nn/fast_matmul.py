@@ -190,9 +190,12 @@ def choose(m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool) 
 
 
 def measure(m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool,
-            repeats: int = 7) -> tuple[float, float]:
-    """(XLA's seconds, oneDNN's seconds) for one product: each the fastest of `repeats` runs after a
-    warm-up, the two taking turns so that other work on the machine slows both alike."""
+            rounds: int = 9) -> tuple[float, float]:
+    """(XLA's seconds, oneDNN's seconds) for one product, scaled so that their ratio is the median
+    over `rounds` of the ratio within a round. Each round runs XLA's product then oneDNN's back to
+    back, so other work on the machine slows both alike; the median drops the rounds where one side
+    lost its cores (oneDNN's OpenMP team splits its work evenly and waits for a descheduled thread,
+    XLA's pool steals work, so a busy machine slows them differently)."""
     available, reason = _load()
     if not available:
         raise RuntimeError(f"oneDNN's products are off: {reason}")
@@ -205,13 +208,17 @@ def measure(m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool,
                 for run in (_xla, _library)]
         for run in runs:
             run(a, b).block_until_ready()
-        best = [float("inf")] * len(runs)
-        for _ in range(repeats):
-            for i, run in enumerate(runs):
+        samples = []
+        for _ in range(rounds):
+            pair = []
+            for run in runs:
                 started = time.perf_counter()
                 run(a, b).block_until_ready()
-                best[i] = min(best[i], time.perf_counter() - started)
-    return best[0], best[1]
+                pair.append(time.perf_counter() - started)
+            samples.append(pair)
+    xla_seconds = float(np.median([xla for xla, _ in samples]))
+    ratio = float(np.median([library / xla for xla, library in samples]))
+    return xla_seconds, xla_seconds * ratio
 
 
 def cache_file() -> Path:
