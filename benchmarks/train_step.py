@@ -1,7 +1,7 @@
 """Train-step speed: Dew against transformers' LlamaForCausalLM in torch, same shape, batch and AdamW.
 
-    python -m benchmarks.train_step [--vocab 256] [--steps 10] [--accumulation 4] [--compile]
-                                    [--matmul auto,off]
+    python -m benchmarks.train_step [--shape benchmark|quickstart] [--vocab 256] [--steps 10]
+                                    [--accumulation 4] [--compile] [--matmul auto,off]
 
 Prints tokens/s for Dew and torch in fp32 and bf16 (torch autocast), each with the batch whole and
 split into micro-batches, the ratio of the best of each, and the achieved FLOP/s beside this
@@ -29,6 +29,10 @@ from dew.objectives.lm import LMObjective
 from dew.training.mesh import place_batch
 
 SHAPE = dict(num_layers=4, emb_features=256, num_heads=4, num_kv_heads=4, mlp_features=1024)
+# `--shape quickstart`: examples/quickstart.py's model, sequence, batch and KJV BPE vocabulary.
+QUICKSTART = dict(num_layers=4, emb_features=128, num_heads=2, num_kv_heads=2, mlp_features=512)
+SHAPES = {"benchmark": (SHAPE, dict(vocab=256, seq=256, batch=16)),
+          "quickstart": (QUICKSTART, dict(vocab=4096, seq=128, batch=16))}
 
 
 @contextlib.contextmanager
@@ -47,15 +51,15 @@ def matmul_policy(policy: str | None):
 
 
 def dew_step(vocab: int, seq: int, batch: int, dtype, steps: int, accumulation: int = 1,
-             objective_class=LMObjective, policy: str | None = None) -> tuple[float, float, int]:
+             objective_class=LMObjective, policy: str | None = None, shape: dict = SHAPE) -> tuple[float, float, int]:
     """(seconds per step, seconds for the first step's trace and compile, the step's temporary bytes),
     the products chosen under the `DEW_FAST_MATMUL` `policy` (None: the environment's)."""
     with matmul_policy(policy):
-        return _dew_step(vocab, seq, batch, dtype, steps, accumulation, objective_class)
+        return _dew_step(vocab, seq, batch, dtype, steps, accumulation, objective_class, shape)
 
 
-def _dew_step(vocab, seq, batch, dtype, steps, accumulation, objective_class):
-    model = models.build("causal_transformer", vocab_size=vocab, max_seq_len=seq, dtype=dtype, **SHAPE)
+def _dew_step(vocab, seq, batch, dtype, steps, accumulation, objective_class, shape):
+    model = models.build("causal_transformer", vocab_size=vocab, max_seq_len=seq, dtype=dtype, **shape)
     objective = objective_class(model, seq, ema_decay=None)
     trainer = Trainer(objective, optax.adamw(1e-3, weight_decay=0.1), key=jax.random.key(0))
     state = trainer.init_state()
@@ -74,7 +78,7 @@ def _dew_step(vocab, seq, batch, dtype, steps, accumulation, objective_class):
 
 
 def torch_step(vocab: int, seq: int, batch: int, precision: str, steps: int, compiled: bool,
-               accumulation: int = 1) -> float:
+               accumulation: int = 1, shape: dict = SHAPE) -> float:
     """Seconds per AdamW step of transformers' Llama; with `accumulation`, the batch runs as that many
     micro-batches whose gradients add up (each loss scaled by its share), the same optimizer step."""
     import torch
@@ -82,9 +86,9 @@ def torch_step(vocab: int, seq: int, batch: int, precision: str, steps: int, com
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=SHAPE["emb_features"], intermediate_size=SHAPE["mlp_features"],
-        num_hidden_layers=SHAPE["num_layers"], num_attention_heads=SHAPE["num_heads"],
-        num_key_value_heads=SHAPE["num_kv_heads"], max_position_embeddings=seq, attn_implementation="sdpa",
+        vocab_size=vocab, hidden_size=shape["emb_features"], intermediate_size=shape["mlp_features"],
+        num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_heads"],
+        num_key_value_heads=shape["num_kv_heads"], max_position_embeddings=seq, attn_implementation="sdpa",
     )
     model = transformers.LlamaForCausalLM(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -117,9 +121,11 @@ def torch_matmul_flops(dtype, size: int = 512) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="benchmark",
+                        help="the model, sequence, batch and vocabulary (quickstart: examples/quickstart.py's)")
+    parser.add_argument("--vocab", type=int, default=None, help="the shape's own unless given")
+    parser.add_argument("--seq", type=int, default=None, help="the shape's own unless given")
+    parser.add_argument("--batch", type=int, default=None, help="the shape's own unless given")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--accumulation", type=int, default=4,
                         help="also time the batch as this many micro-batches (same optimizer step)")
@@ -130,6 +136,9 @@ def main():
     parser.add_argument("--torch-bf16", action="store_true",
                         help="time torch autocast bf16 even where torch's bf16 matmul is slow (no AVX512-BF16/AMX)")
     args = parser.parse_args()
+    shape, sizes = SHAPES[args.shape]
+    for name, value in sizes.items():
+        setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
     import torch
 
     from dew.nn import fast_matmul
@@ -138,11 +147,11 @@ def main():
     policies = args.matmul.split(",") if args.matmul else (["auto", "off"] if available else ["off"])
 
     tokens = args.batch * args.seq
-    flops = decoder_flops_per_token(SHAPE["num_layers"], SHAPE["emb_features"], SHAPE["num_heads"],
-                                    SHAPE["num_kv_heads"], SHAPE["mlp_features"], args.vocab, args.seq) * tokens
+    flops = decoder_flops_per_token(shape["num_layers"], shape["emb_features"], shape["num_heads"],
+                                    shape["num_kv_heads"], shape["mlp_features"], args.vocab, args.seq) * tokens
     peaks = {"fp32": matmul_peak(jnp.float32), "bf16": matmul_peak(jnp.bfloat16)}
     print(f"machine: {machine()}, torch {torch.__version__} with {torch.get_num_threads()} threads")
-    print(f"shape: {SHAPE}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, AdamW")
+    print(f"shape: {args.shape} {shape}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, AdamW")
     print(f"oneDNN products: {why}; Dew runs under DEW_FAST_MATMUL={', '.join(policies)}")
     print(f"XLA matmul peak (2048^2): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
     torch_bf16 = torch_matmul_flops(torch.bfloat16)
@@ -155,7 +164,7 @@ def main():
         for policy in policies:
             for accumulation in sorted({1, args.accumulation}):
                 seconds, compile_seconds, _ = dew_step(args.vocab, args.seq, args.batch, dtype, args.steps,
-                                                       accumulation, policy=policy)
+                                                       accumulation, policy=policy, shape=shape)
                 ours[policy, accumulation] = seconds
                 print(f"{precision}: dew ({policy}), {accumulation} micro-batch(es): {tokens / seconds:,.0f} tokens/s "
                       f"({flops / seconds / 1e9:.0f} GFLOP/s, {flops / seconds / peaks[precision]:.0%} of peak, "
@@ -166,7 +175,8 @@ def main():
                   "on this CPU (pass --torch-bf16 to time it anyway)")
             continue
         label = "torch eager" if precision == "fp32" else "torch autocast"
-        theirs = {accumulation: torch_step(args.vocab, args.seq, args.batch, precision, args.steps, False, accumulation)
+        theirs = {accumulation: torch_step(args.vocab, args.seq, args.batch, precision, args.steps, False, accumulation,
+                                           shape)
                   for accumulation in sorted({1, args.accumulation})}
         for accumulation, seconds in theirs.items():
             print(f"{precision}: {label}, {accumulation} micro-batch(es): {tokens / seconds:,.0f} tokens/s")
@@ -179,7 +189,7 @@ def main():
               f"{goal * flops / torch_best / 1e9:.0f} GFLOP/s, {goal * flops / torch_best / peaks[precision]:.0%} "
               f"of XLA's own {peaks[precision] / 1e9:.0f} GFLOP/s matmul peak")
         if args.compile:
-            compiled = torch_step(args.vocab, args.seq, args.batch, precision, args.steps, compiled=True)
+            compiled = torch_step(args.vocab, args.seq, args.batch, precision, args.steps, compiled=True, shape=shape)
             print(f"{precision}: torch.compile {tokens / compiled:,.0f} tokens/s | ratio {compiled / best:.2f}x")
 
 
