@@ -1,9 +1,11 @@
-// XLA FFI handler for products with an int8 weight and one float32 scale per output column:
-//   y[n, f] = scale[f] * sum_d x[n, d] * q[d, f]        (q stored [D, F]), or
-//   y[n, f] = scale[f] * sum_d x[n, d] * q[f, d]        (q stored [F, D]: `transposed`, a tied head).
-// Decoding reads each weight once per token, so the speed is the speed of streaming the int8 bytes:
-// the int8 values are widened to float32 in registers and never written back as floats. Sums
-// accumulate in float32 and the scale multiplies the finished sum, as the XLA form does.
+// XLA FFI handler for products with an int8 weight and float32 scales per output column and group of
+// `group` consecutive inputs (G = ceil(D / group) groups, the last one possibly shorter):
+//   y[n, f] = sum_g scale[g, f] * sum_{d in g} x[n, d] * q[d, f]    (q [D, F], scale [G, F]), or
+//   y[n, f] = sum_g scale[f, g] * sum_{d in g} x[n, d] * q[f, d]    (q [F, D], scale [F, G]: `transposed`).
+// The group is ceil(D / G), which the scale's shape gives. Decoding reads each weight once per token,
+// so the speed is the speed of streaming the int8 bytes: the int8 values are widened to float32 in
+// registers and never written back as floats. Sums accumulate in float32; a scale multiplies its
+// group's partial sum (in the [D, F] layout, each block of up to kBlockRows rows within one group).
 //
 // One binary runs on every x86-64: the AVX-512 and AVX2 bodies are compiled for their targets only and
 // chosen at run time by what the CPU reports; other machines run the portable body. The work splits
@@ -41,32 +43,36 @@ namespace {
 struct Product {
   const float* x;
   const int8_t* q;
-  const float* scale;
+  const float* scale;  // [G, F] or [F, G]
   float* y;
   int64_t n, d, f;
+  int64_t groups, group;  // G, and the inputs per group (ceil(D / G))
 };
 
-// [D, F] layout: sums over q's rows [k_begin, k_end) for the columns [c_begin, c_end) of every row of x,
-// unscaled, into `sums` ([n, f] row-major), added to what it holds unless `first`.
+// [D, F] layout: sums over q's rows [k_begin, k_end) (all in one group) for the columns [c_begin, c_end)
+// of every row of x, times the group's scales, into `sums` ([n, f] row-major), added to what it holds
+// unless `first`.
 using ColumnsBody = void (*)(const Product&, int64_t k_begin, int64_t k_end, int64_t c_begin, int64_t c_end,
                              bool first, float* sums);
-// [F, D] layout: the finished, scaled columns [c_begin, c_end) of y.
+// [F, D] layout: the finished columns [c_begin, c_end) of y.
 using RowsBody = void (*)(const Product&, int64_t c_begin, int64_t c_end);
 
 // ---- portable bodies (any CPU; also the column tails the vector bodies leave) ----
 
 void ColumnsPortable(const Product& p, int64_t k_begin, int64_t k_end, int64_t c_begin, int64_t c_end, bool first,
                      float* sums) {
+  const float* scale = p.scale + (k_begin / p.group) * p.f;
+  std::vector<float> block(c_end - c_begin);
   for (int64_t r = 0; r < p.n; ++r) {
     const float* x = p.x + r * p.d;
     float* y = sums + r * p.f;
-    if (first)
-      for (int64_t c = c_begin; c < c_end; ++c) y[c] = 0.0f;
+    std::fill(block.begin(), block.end(), 0.0f);
     for (int64_t k = k_begin; k < k_end; ++k) {
       const int8_t* q = p.q + k * p.f;
       float xk = x[k];
-      for (int64_t c = c_begin; c < c_end; ++c) y[c] += xk * static_cast<float>(q[c]);
+      for (int64_t c = c_begin; c < c_end; ++c) block[c - c_begin] += xk * static_cast<float>(q[c]);
     }
+    for (int64_t c = c_begin; c < c_end; ++c) y[c] = (first ? 0.0f : y[c]) + block[c - c_begin] * scale[c];
   }
 }
 
@@ -75,9 +81,14 @@ void RowsPortable(const Product& p, int64_t f_begin, int64_t f_end) {
     const int8_t* q = p.q + c * p.d;
     for (int64_t r = 0; r < p.n; ++r) {
       const float* x = p.x + r * p.d;
-      float sum = 0.0f;
-      for (int64_t k = 0; k < p.d; ++k) sum += x[k] * static_cast<float>(q[k]);
-      p.y[r * p.f + c] = sum * p.scale[c];
+      float total = 0.0f;
+      for (int64_t g = 0; g < p.groups; ++g) {
+        float sum = 0.0f;
+        for (int64_t k = g * p.group, end = std::min(k + p.group, p.d); k < end; ++k)
+          sum += x[k] * static_cast<float>(q[k]);
+        total += sum * p.scale[c * p.groups + g];
+      }
+      p.y[r * p.f + c] = total;
     }
   }
 }
@@ -100,8 +111,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void TileAvx512(const Produ
   constexpr int V = 4 * L;  // 16-column vectors per row
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < V; ++j)
-      acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + (r0 + r) * p.f + c + 16 * j);
+    for (int j = 0; j < V; ++j) acc[r][j] = _mm512_setzero_ps();
   const int8_t* q = p.q + k_begin * p.f + c;
   const float* x = p.x + r0 * p.d;
   for (int64_t k = k_begin; k < k_end; ++k, q += p.f) {
@@ -112,8 +122,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void TileAvx512(const Produ
       for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * p.d + k]), w, acc[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < V; ++j) _mm512_storeu_ps(sums + (r0 + r) * p.f + c + 16 * j, acc[r][j]);
+  const float* scale = p.scale + (k_begin / p.group) * p.f + c;
+  for (int j = 0; j < V; ++j) {
+    __m512 s = _mm512_loadu_ps(scale + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      float* y = sums + (r0 + r) * p.f + c + 16 * j;
+      _mm512_storeu_ps(y, _mm512_fmadd_ps(acc[r][j], s, first ? _mm512_setzero_ps() : _mm512_loadu_ps(y)));
+    }
+  }
 }
 
 // Rows [r0, r0 + R) of x across columns [c, end): the widest tiles first, whole cache lines only;
@@ -146,42 +162,51 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void ColumnsAvx512(const Pr
 
 __attribute__((target("avx512f"))) inline float Sum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-// [F, D] layout: 4 output columns (4 contiguous q rows) against up to 4 rows of x, 16 terms a step.
+// [F, D] layout: 4 output columns (4 contiguous q rows) against up to 2 rows of x, 16 terms a step. Each
+// group's sums fold into `total` times the group's scales: R * 4 of each, with the 4 widened q vectors
+// and x, within the 32 registers.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void DotsAvx512(const Product& p, int64_t r0, int64_t c) {
-  __m512 acc[R][4];
+  __m512 total[R][4];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) total[r][j] = _mm512_setzero_ps();
   const int8_t* q = p.q + c * p.d;
   const float* x = p.x + r0 * p.d;
+  const float* scale = p.scale + c * p.groups;
   // The next groups' rows: one cache line a step covers a group of 4 rows (4 * D bytes, 4 lines per
   // 16 terms) while this one is summed.
   const char* ahead = reinterpret_cast<const char*>(q + kAheadGroups * 4 * p.d);
-  for (int64_t k = 0; k < p.d; k += 16) {
-    _mm_prefetch(ahead + 4 * k, _MM_HINT_T0);
-    __mmask16 mask = p.d - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (p.d - k)) - 1);
-    __m512 w[4];
-    for (int j = 0; j < 4; ++j)
-      w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, q + j * p.d + k)));
-    for (int r = 0; r < R; ++r) {
-      __m512 xr = _mm512_maskz_loadu_ps(mask, x + r * p.d + k);
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xr, w[j], acc[r][j]);
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    int64_t end = std::min((g + 1) * p.group, p.d);
+    for (int64_t k = g * p.group; k < end; k += 16) {
+      _mm_prefetch(ahead + 4 * k, _MM_HINT_T0);
+      __mmask16 mask = end - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (end - k)) - 1);
+      __m512 w[4];
+      for (int j = 0; j < 4; ++j)
+        w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, q + j * p.d + k)));
+      for (int r = 0; r < R; ++r) {
+        __m512 xr = _mm512_maskz_loadu_ps(mask, x + r * p.d + k);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xr, w[j], acc[r][j]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      __m512 s = _mm512_set1_ps(scale[j * p.groups + g]);
+      for (int r = 0; r < R; ++r) total[r][j] = _mm512_fmadd_ps(acc[r][j], s, total[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) p.y[(r0 + r) * p.f + c + j] = Sum512(acc[r][j]) * p.scale[c + j];
+    for (int j = 0; j < 4; ++j) p.y[(r0 + r) * p.f + c + j] = Sum512(total[r][j]);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void RowsAvx512(const Product& p, int64_t f_begin, int64_t f_end) {
   int64_t c = f_begin;
   for (; c + 4 <= f_end; c += 4) {
     int64_t r = 0;
-    for (; r + 4 <= p.n; r += 4) DotsAvx512<4>(p, r, c);
-    switch (p.n - r) {
-      case 3: DotsAvx512<3>(p, r, c); break;
-      case 2: DotsAvx512<2>(p, r, c); break;
-      case 1: DotsAvx512<1>(p, r, c); break;
-    }
+    for (; r + 2 <= p.n; r += 2) DotsAvx512<2>(p, r, c);
+    if (r < p.n) DotsAvx512<1>(p, r, c);
   }
   if (c < f_end) RowsPortable(p, c, f_end);
 }
@@ -194,8 +219,7 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const Product& p, int64_t r0, 
                                                  int64_t k_end, bool first, float* sums) {
   __m256 acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < V; ++j)
-      acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + (r0 + r) * p.f + c + 8 * j);
+    for (int j = 0; j < V; ++j) acc[r][j] = _mm256_setzero_ps();
   const int8_t* q = p.q + k_begin * p.f + c;
   const float* x = p.x + r0 * p.d;
   for (int64_t k = k_begin; k < k_end; ++k, q += p.f) {
@@ -205,8 +229,14 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const Product& p, int64_t r0, 
       for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * p.d + k), w, acc[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < V; ++j) _mm256_storeu_ps(sums + (r0 + r) * p.f + c + 8 * j, acc[r][j]);
+  const float* scale = p.scale + (k_begin / p.group) * p.f + c;
+  for (int j = 0; j < V; ++j) {
+    __m256 s = _mm256_loadu_ps(scale + 8 * j);
+    for (int r = 0; r < R; ++r) {
+      float* y = sums + (r0 + r) * p.f + c + 8 * j;
+      _mm256_storeu_ps(y, _mm256_fmadd_ps(acc[r][j], s, first ? _mm256_setzero_ps() : _mm256_loadu_ps(y)));
+    }
+  }
 }
 
 __attribute__((target("avx2,fma"))) void ColumnsAvx2(const Product& p, int64_t k_begin, int64_t k_end,
@@ -228,40 +258,42 @@ __attribute__((target("avx2,fma"))) inline float Sum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int R>
+// [F, D] layout: 4 output columns against one row of x, 8 terms a step; each group's sums (its terms
+// past the last whole step summed one by one) fold into `total` times the group's scales.
 __attribute__((target("avx2,fma"))) void DotsAvx2(const Product& p, int64_t r0, int64_t c) {
-  __m256 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  __m256 total[4];
+  float rest[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int j = 0; j < 4; ++j) total[j] = _mm256_setzero_ps();
   const int8_t* q = p.q + c * p.d;
   const float* x = p.x + r0 * p.d;
+  const float* scale = p.scale + c * p.groups;
   const char* ahead = reinterpret_cast<const char*>(q + kAheadGroups * 4 * p.d);
-  int64_t k = 0;
-  for (; k + 8 <= p.d; k += 8) {
-    if (k % 16 == 0) _mm_prefetch(ahead + 4 * k, _MM_HINT_T0);
-    __m256 w[4];
-    for (int j = 0; j < 4; ++j)
-      w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j * p.d + k))));
-    for (int r = 0; r < R; ++r) {
-      __m256 xr = _mm256_loadu_ps(x + r * p.d + k);
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(xr, w[j], acc[r][j]);
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m256 acc[4];
+    for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_ps();
+    int64_t k = g * p.group, end = std::min(k + p.group, p.d);
+    for (; k + 8 <= end; k += 8) {
+      if (k % 16 == 0) _mm_prefetch(ahead + 4 * k, _MM_HINT_T0);
+      __m256 xr = _mm256_loadu_ps(x + k);
+      for (int j = 0; j < 4; ++j) {
+        __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j * p.d + k))));
+        acc[j] = _mm256_fmadd_ps(xr, w, acc[j]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      float s = scale[j * p.groups + g], tail = 0.0f;
+      for (int64_t t = k; t < end; ++t) tail += x[t] * static_cast<float>(q[j * p.d + t]);
+      total[j] = _mm256_fmadd_ps(acc[j], _mm256_set1_ps(s), total[j]);
+      rest[j] += tail * s;
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) {
-      float sum = Sum256(acc[r][j]);
-      for (int64_t t = k; t < p.d; ++t) sum += x[r * p.d + t] * static_cast<float>(q[j * p.d + t]);
-      p.y[(r0 + r) * p.f + c + j] = sum * p.scale[c + j];
-    }
+  for (int j = 0; j < 4; ++j) p.y[r0 * p.f + c + j] = Sum256(total[j]) + rest[j];
 }
 
 __attribute__((target("avx2,fma"))) void RowsAvx2(const Product& p, int64_t f_begin, int64_t f_end) {
   int64_t c = f_begin;
-  for (; c + 4 <= f_end; c += 4) {
-    int64_t r = 0;
-    for (; r + 2 <= p.n; r += 2) DotsAvx2<2>(p, r, c);
-    if (r < p.n) DotsAvx2<1>(p, r, c);
-  }
+  for (; c + 4 <= f_end; c += 4)
+    for (int64_t r = 0; r < p.n; ++r) DotsAvx2(p, r, c);
   if (c < f_end) RowsPortable(p, c, f_end);
 }
 
@@ -342,13 +374,13 @@ struct Pieces {
     }
     int64_t k_begin = slice * slice_rows, k_end = std::min(k_begin + slice_rows, p.d);
     float* sums = slices > 1 ? partial + ((i / per_product) * slices + slice) * p.n * p.f : p.y;
-    for (int64_t k = k_begin; k < k_end; k += kBlockRows)
-      columns_body(p, k, std::min(k + kBlockRows, k_end), c_begin, c_end, k == k_begin, sums);
+    // Blocks end at a group's end too, so each block's sums take one group's scales.
+    for (int64_t k = k_begin, end; k < k_end; k = end) {
+      end = std::min({k + kBlockRows, k_end, (k / p.group + 1) * p.group});
+      columns_body(p, k, end, c_begin, c_end, k == k_begin, sums);
+    }
     if (k_begin == k_end)
       for (int64_t r = 0; r < p.n; ++r) std::fill(sums + r * p.f + c_begin, sums + r * p.f + c_end, 0.0f);
-    if (slices == 1)
-      for (int64_t r = 0; r < p.n; ++r)
-        for (int64_t c = c_begin; c < c_end; ++c) p.y[r * p.f + c] *= p.scale[c];
   }
 
   void Run() {
@@ -358,8 +390,8 @@ struct Pieces {
     }
   }
 
-  // y = scale * (the slices' partial sums added in slice order), so the result does not depend on
-  // which thread summed which slice.
+  // y = the slices' partial sums added in slice order, so the result does not depend on which thread
+  // summed which slice.
   void AddSlices() {
     for (size_t b = 0; b < products.size(); ++b) {
       const Product& p = products[b];
@@ -367,7 +399,7 @@ struct Pieces {
       for (int64_t e = 0; e < p.n * p.f; ++e) {
         float sum = first[e];
         for (int64_t s = 1; s < slices; ++s) sum += first[s * p.n * p.f + e];
-        p.y[e] = sum * p.scale[e % p.f];
+        p.y[e] = sum;
       }
     }
   }
@@ -397,14 +429,21 @@ ffi::Error Int8Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
                        ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> y, bool transposed) {
   auto dx = x.dimensions(), dq = q.dimensions(), ds = scale.dimensions(), dy = y->dimensions();
   size_t rank = dy.size();
-  if (rank < 2 || dx.size() != rank || dq.size() != rank || ds.size() != rank - 1)
-    return ffi::Error::InvalidArgument("dew int8 product: x [..., N, D], q [..., D, F] and scale [..., F] must "
-                                       "share their leading axes (vmap with vmap_method='expand_dims')");
+  if (rank < 2 || dx.size() != rank || dq.size() != rank || ds.size() != rank)
+    return ffi::Error::InvalidArgument("dew int8 product: x [..., N, D], q [..., D, F] and scale [..., G, F] (or "
+                                       "[..., F, D] and [..., F, G]) must share their leading axes (vmap with "
+                                       "vmap_method='expand_dims')");
   int64_t n = dx[rank - 2], d = dx[rank - 1];
   int64_t f = transposed ? dq[rank - 2] : dq[rank - 1];
   int64_t dq_in = transposed ? dq[rank - 1] : dq[rank - 2];
-  if (dq_in != d || ds[rank - 2] != f || dy[rank - 2] != n || dy[rank - 1] != f)
+  int64_t groups = transposed ? ds[rank - 1] : ds[rank - 2];
+  int64_t scale_f = transposed ? ds[rank - 2] : ds[rank - 1];
+  if (dq_in != d || scale_f != f || dy[rank - 2] != n || dy[rank - 1] != f)
     return ffi::Error::InvalidArgument("dew int8 product: operand shapes do not make a product");
+  int64_t group = groups > 0 ? (d + groups - 1) / groups : 0;
+  if (d > 0 && (groups < 1 || (d + group - 1) / group != groups))
+    return ffi::Error::InvalidArgument("dew int8 product: the scales' groups do not divide the inputs (G groups "
+                                       "of ceil(D / G) inputs must cover D with none empty)");
   // Leading axes broadcast: an operand's axis is the result's or 1 (vmap's expand_dims).
   int64_t batch = 1;
   for (size_t i = 0; i + 2 < rank; ++i) {
@@ -414,6 +453,10 @@ ffi::Error Int8Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     batch *= dy[i];
   }
   if (batch == 0 || n == 0 || f == 0) return ffi::Error::Success();
+  if (d == 0) {
+    std::fill(y->typed_data(), y->typed_data() + batch * n * f, 0.0f);
+    return ffi::Error::Success();
+  }
   auto pieces = std::make_shared<Pieces>();
   pieces->products.reserve(batch);
   for (int64_t b = 0; b < batch; ++b) {
@@ -428,7 +471,8 @@ ffi::Error Int8Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
       sx *= dx[i], sq *= dq[i], ss *= ds[i];
     }
     pieces->products.push_back(Product{x.typed_data() + ox * n * d, q.typed_data() + oq * d * f,
-                                       scale.typed_data() + os * f, y->typed_data() + b * n * f, n, d, f});
+                                       scale.typed_data() + os * groups * f, y->typed_data() + b * n * f, n, d, f,
+                                       groups, std::max<int64_t>(group, 1)});
   }
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   pieces->transposed = transposed;

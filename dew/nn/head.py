@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dew.nn.int8_matmul import int8_product, kernel_takes
+from dew.nn.int8_matmul import dequantize, int8_product, kernel_takes
 
 
 def vocab_logits(hidden_NE: jax.Array, weight: jax.Array, transposed: bool) -> jax.Array:
@@ -25,25 +25,29 @@ def vocab_logits(hidden_NE: jax.Array, weight: jax.Array, transposed: bool) -> j
 _INT8_HEAD_ROWS = 4096
 
 
-def _int8_vocab_logits(hidden_NE: jax.Array, q: jax.Array, scale_V: jax.Array, transposed: bool) -> jax.Array:
-    """float32 logits `[N, V]` of an int8 head (`[E, V]`, or `[V, E]` when `transposed`) and its per-entry
-    scales, converted and multiplied piece by piece along the vocabulary (the fewest equal pieces of at
-    most `_INT8_HEAD_ROWS`; one piece when the vocabulary does not split evenly into small ones), or
-    whole in Dew's int8 kernel where it runs (`dew.nn.int8_matmul`)."""
+def _int8_vocab_logits(hidden_NE: jax.Array, q: jax.Array, scale: jax.Array, transposed: bool) -> jax.Array:
+    """float32 logits `[N, V]` of an int8 head (`[E, V]` with scales `[G, V]`, or `[V, E]` and `[V, G]`
+    when `transposed`), converted to float32 and multiplied piece by piece along the vocabulary (the
+    fewest equal pieces of at most `_INT8_HEAD_ROWS`; one piece when the vocabulary does not split
+    evenly into small ones), or whole in Dew's int8 kernel where it runs (`dew.nn.int8_matmul`)."""
     if kernel_takes(hidden_NE, q, hidden_NE.dtype):
         # Dew's kernel widens the int8 rows in registers: no float copy, so no pieces either.
-        return int8_product(hidden_NE, q, scale_V, hidden_NE.dtype, transposed)
+        return int8_product(hidden_NE, q, scale, hidden_NE.dtype, transposed)
     V = q.shape[0] if transposed else q.shape[1]
     pieces = next((p for p in range(-(-V // _INT8_HEAD_ROWS), V + 1) if V % p == 0 and V // p >= 256), 1)
     rows = V // pieces
     axis = 0 if transposed else 1
 
+    # The kernel's operands: hidden states rounded to the compute dtype, weights q * scale in float32.
+    hidden_NE = hidden_NE.astype(jnp.float32)
+
     def piece(i):
         part = jax.lax.dynamic_slice_in_dim(q, i * rows, rows, axis)
-        return vocab_logits(hidden_NE, part.astype(hidden_NE.dtype), transposed)
+        part_scale = jax.lax.dynamic_slice_in_dim(scale, i * rows, rows, axis)
+        return vocab_logits(hidden_NE, dequantize(part, part_scale, axis=1 - axis), transposed)
 
     logits_PNR = jax.lax.map(piece, jnp.arange(pieces))
-    return jnp.moveaxis(logits_PNR, 0, 1).reshape(hidden_NE.shape[0], V) * scale_V
+    return jnp.moveaxis(logits_PNR, 0, 1).reshape(hidden_NE.shape[0], V)
 
 
 def cap_logits(logits: jax.Array, softcap: float | None) -> jax.Array:
@@ -56,8 +60,9 @@ class Head:
     """The output projection: `weight` in the compute dtype, `[E, V]`, or `[V, E]` when `transposed`
     (a tied embedding), and the logit `softcap`. Gradients flow into the parameter it was read from.
 
-    With int8 weights (`dew.nn.quantize`) `weight` stays int8 and `scale` holds one float32 scale per
-    vocabulary entry; `logits` converts inside its product. Such a head is for generation: objectives
+    With int8 weights (`dew.nn.quantize`) `weight` stays int8 and `scale` holds its float32 scales per
+    vocabulary entry and group of the width (`[V, G]`, or `[G, V]` untied); `logits` converts inside its
+    product. Such a head is for generation: objectives
     that read `weight` directly refuse int8 variables before they get here."""
 
     weight: jax.Array

@@ -1,11 +1,18 @@
-"""Products with an int8 weight and one float32 scale per output column: `(x @ q) * scale`.
+"""Products with an int8 weight and float32 scales per output column and group of inputs: `x @ (q * scale)`.
+
+The scales of a `[D, F]` weight are `[G, F]` (of a `[F, D]` one, `[F, G]`): scale `g` covers the
+inputs `[g * group, (g + 1) * group)`, `group = ceil(D / G)`, the last group possibly shorter
+(`group_size`). One group (`G = 1`) is one scale per output column.
 
 Decoding reads every weight once per token, so its speed is the speed of streaming the int8 bytes.
 XLA's CPU backend converts the int8 operand into a float copy before its dot, moving more bytes than
 the weight holds; Dew's kernel (`native/int8.cc`, the extension `dew._native_int8` that `pip install`
 builds, called through `jax.ffi`) widens the int8 values in registers instead, across XLA's intra-op
-threads, with AVX-512, AVX2 or portable loops chosen by what the CPU reports at run time. Both forms
-accumulate in float32 and multiply the finished sum by the scale; they differ by the order of the sums.
+threads, with AVX-512, AVX2 or portable loops chosen by what the CPU reports at run time, and multiplies
+each group's partial sum by its scale. XLA's form (`xla_product`) converts the weight to float32 times
+its scales once per call and runs the float32 product the linears run (`dew.nn.fast_matmul.dot`), so
+a long prefill costs what float32 weights cost plus one pass over the int8 bytes. Both accumulate in
+float32; they differ by the order of the roundings.
 
 The kernel takes products of up to `KERNEL_MAX_ROWS` rows of x (decoding; a long prefill is XLA's)
 where `kernel_status()` says it is on: the extension built, the backend is the CPU,
@@ -24,17 +31,48 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-_MATMUL = (((1,), (0,)), ((), ()))  # [N, D] x [D, F]
-_MATMUL_T = (((1,), (1,)), ((), ()))  # [N, D] x [F, D]
+from dew.nn.fast_matmul import dot
+
 _TARGET = "dew_int8_product"
 # The compute dtypes whose values float32 holds exactly, so the kernel's float32 operand is the XLA
 # form's operand.
 _KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# Rows of x up to which the kernel runs: it reads q once for every 4 rows, so past a few dozen rows (a
-# prompt's prefill, a perplexity pass) the product is bound by arithmetic, where XLA's blocked matrix
-# product with one converted copy of q is faster (measured on SmolLM2's 576 x 1536, weights in cache:
-# equal at 16 and 32 rows, XLA 1.3x faster at 128 and 1.4-1.9x at 512).
+# Rows of x up to which the kernel runs: it reads q once for every few rows, so past a few dozen rows (a
+# prompt's prefill, a perplexity pass) the product is bound by arithmetic, where a blocked float32
+# matrix product with one converted copy of q is faster (measured on SmolLM2's 576 x 1536, weights in
+# cache: equal at 16 and 32 rows, XLA 1.3x faster at 128 and 1.4-1.9x at 512).
 KERNEL_MAX_ROWS = 32
+
+
+def group_size(inputs: int, groups: int) -> int:
+    """The inputs each of `groups` scales covers along an axis of `inputs`: `ceil(inputs / groups)`."""
+    return -(-inputs // groups)
+
+
+def _checked_group(q: jax.Array, scale: jax.Array, axis: int) -> int:
+    """The group size of `scale` for `q` (input axis `axis`), or a clear error where they do not fit."""
+    inputs, groups = q.shape[axis], scale.shape[axis] if scale.ndim == q.ndim else 0
+    group = group_size(inputs, groups) if groups else 0
+    if not group or group_size(inputs, group) != groups:
+        raise ValueError(f"scales of shape {scale.shape} do not fit an int8 weight of shape {q.shape} (its input "
+                         f"axis {axis} of {inputs} must split into the scales' groups of ceil({inputs} / groups), "
+                         "none empty): the scales were made for another weight")
+    return group
+
+
+def dequantize(q: jax.Array, scale: jax.Array, axis: int) -> jax.Array:
+    """float32 `q * scale`, `q` int8 with its input axis at `axis`, `scale` `q`'s shape with that axis
+    holding the G groups (`scale.shape[axis] == G`): each scale repeated over its group's inputs."""
+    group, groups = _checked_group(q, scale, axis), scale.shape[axis]
+    axis %= q.ndim
+    inputs = q.shape[axis]
+    # [.., G * group, ..] -> [.., G, group, ..] times the scales broadcast over `group`: one elementwise
+    # fusion (a repeated copy of the scales would be as large as the float weight). A shorter last group
+    # is padded with zeros and cut off again.
+    padded = lax.pad(q, jnp.int8(0), [(0, groups * group - inputs if a == axis else 0, 0) for a in range(q.ndim)])
+    split = (*q.shape[:axis], groups, group, *q.shape[axis + 1:])
+    w = padded.reshape(split).astype(jnp.float32) * jnp.expand_dims(scale.astype(jnp.float32), axis + 1)
+    return lax.slice_in_dim(w.reshape(padded.shape), 0, inputs, axis=axis)
 
 
 def _policy() -> str:
@@ -68,26 +106,27 @@ def kernel_status() -> tuple[bool, str]:
     return _load()
 
 
-def kernel_product(x_ND: jax.Array, q: jax.Array, scale_F: jax.Array, transposed: bool = False) -> jax.Array:
-    """`(x @ q) * scale` as float32 `[N, F]` in Dew's kernel: `x` float32 `[N, D]`, `q` int8 `[D, F]`
-    (or `[F, D]` when `transposed`, a tied head), `scale` float32 `[F]`. Under `vmap` every operand
-    may carry the batch axis or not. Raises where `kernel_status()` is off."""
+def kernel_product(x_ND: jax.Array, q: jax.Array, scale: jax.Array, transposed: bool = False) -> jax.Array:
+    """`x @ (q * scale)` as float32 `[N, F]` in Dew's kernel: `x` float32 `[N, D]`, `q` int8 `[D, F]` with
+    `scale` float32 `[G, F]` (or `[F, D]` and `[F, G]` when `transposed`, a tied head). Under `vmap`
+    every operand may carry the batch axis or not. Raises where `kernel_status()` is off."""
     on, why = kernel_status()
     if not on:
         raise RuntimeError(f"the int8 kernel is off: {why}")
-    if x_ND.dtype != jnp.float32 or q.dtype != jnp.int8 or scale_F.dtype != jnp.float32:
+    if x_ND.dtype != jnp.float32 or q.dtype != jnp.int8 or scale.dtype != jnp.float32:
         raise ValueError(f"the int8 kernel takes float32 x, int8 q and float32 scales, not {x_ND.dtype}, "
-                         f"{q.dtype} and {scale_F.dtype}: cast them first")
+                         f"{q.dtype} and {scale.dtype}: cast them first")
+    _checked_group(q, scale, axis=-1 if transposed else -2)
     F = q.shape[-2] if transposed else q.shape[-1]
     out = jax.ShapeDtypeStruct((*x_ND.shape[:-1], F), jnp.float32)
-    return jax.ffi.ffi_call(_TARGET, out, vmap_method="expand_dims")(x_ND, q, scale_F, transposed=transposed)
+    return jax.ffi.ffi_call(_TARGET, out, vmap_method="expand_dims")(x_ND, q, scale, transposed=transposed)
 
 
-def xla_product(x_ND: jax.Array, q: jax.Array, scale_F: jax.Array, dtype, transposed: bool = False) -> jax.Array:
-    """The XLA form of `int8_product`: one dot with the int8 operand converted to `dtype`."""
-    dims = _MATMUL_T if transposed else _MATMUL
-    y_NF = lax.dot_general(x_ND.astype(dtype), q.astype(dtype), dims, preferred_element_type=jnp.float32)
-    return y_NF * scale_F
+def xla_product(x_ND: jax.Array, q: jax.Array, scale: jax.Array, dtype, transposed: bool = False) -> jax.Array:
+    """The other form of `int8_product`: `q * scale` in float32 once, then the linears' float32 product
+    of `x` rounded to `dtype` (the kernel's operands; int8 times a float32 scale is not exact in bfloat16)."""
+    w = dequantize(q, scale, axis=-1 if transposed else -2)
+    return dot(x_ND.astype(dtype).astype(jnp.float32), w, transpose_b=transposed)
 
 
 def kernel_takes(x_ND: jax.Array, q: jax.Array, dtype) -> bool:
@@ -97,11 +136,12 @@ def kernel_takes(x_ND: jax.Array, q: jax.Array, dtype) -> bool:
             and x_ND.shape[0] <= KERNEL_MAX_ROWS and kernel_status()[0])
 
 
-def int8_product(x_ND: jax.Array, q: jax.Array, scale_F: jax.Array, dtype, transposed: bool = False) -> jax.Array:
-    """`(x @ q) * scale` as float32 `[N, F]`, `x` in the compute `dtype`, `q` int8 `[D, F]` (`[F, D]`
-    when `transposed`): Dew's kernel where `kernel_status()` is on, else XLA's dot."""
+def int8_product(x_ND: jax.Array, q: jax.Array, scale: jax.Array, dtype, transposed: bool = False) -> jax.Array:
+    """`x @ (q * scale)` as float32 `[N, F]`, `x` in the compute `dtype`, `q` int8 `[D, F]` and `scale`
+    `[G, F]` (`[F, D]` and `[F, G]` when `transposed`): Dew's kernel where `kernel_takes` says so, else
+    `xla_product`."""
     if kernel_takes(x_ND, q, dtype):
         # `dtype` first: the products are those of the compute dtype's x, as in the XLA form.
         x_ND = x_ND.astype(dtype).astype(jnp.float32)
-        return kernel_product(x_ND, q, scale_F.astype(jnp.float32), transposed)
-    return xla_product(x_ND, q, scale_F, dtype, transposed)
+        return kernel_product(x_ND, q, scale.astype(jnp.float32), transposed)
+    return xla_product(x_ND, q, scale, dtype, transposed)

@@ -51,8 +51,8 @@ class Linear(nn.Module):
         lead = x.shape[:-1]
         x_ND = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         if self.has_variable(QUANT_COLLECTION, KERNEL_SCALE):
-            # int8 kernel, one scale per output: the conversion fuses into the product, so only the
-            # int8 bytes stream from memory; the scale applies to the float32 result.
+            # int8 kernel, scales per output and group of inputs (dew.nn.quantize): in Dew's int8 kernel
+            # only the int8 bytes stream from memory; each group's scale applies to its float32 sum.
             y_NF = int8_product(x_ND, kernel, self.get_variable(QUANT_COLLECTION, KERNEL_SCALE), self.dtype)
         else:
             y_NF = matmul(x_ND, kernel.astype(self.dtype))

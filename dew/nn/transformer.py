@@ -23,6 +23,7 @@ from dew.data.inputs import ModelInputs, text_fields
 
 from dew.nn.attention import AttentionSpec
 from dew.nn.head import Head
+from dew.nn.int8_matmul import dequantize
 from dew.nn.kv_cache import Cache
 from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, named
 from dew.nn.layer import NORM_PLACEMENTS, LayerContext, LayerSpec
@@ -412,10 +413,9 @@ class CausalTransformer(nn.Module):
         embed = nn.Embed(c.vocab_size, c.emb_features, dtype=c.dtype, param_dtype=c.param_dtype,
                          embedding_init=named(nn.initializers.normal(0.02), ("vocab", "embed")), name="embed_tokens")
         def embedded(ids_BS):
-            if self.has_variable(QUANT_COLLECTION, EMBED_SCALE):  # int8 rows, one scale each (dew.nn.quantize)
-                scale_V = self.get_variable(QUANT_COLLECTION, EMBED_SCALE)
-                x_BSE = jnp.take(embed.embedding, ids_BS, axis=0).astype(c.dtype) * scale_V[ids_BS][..., None].astype(
-                    c.dtype)
+            if self.has_variable(QUANT_COLLECTION, EMBED_SCALE):  # int8 rows, scales per group of the width (dew.nn.quantize)
+                scale_VG = self.get_variable(QUANT_COLLECTION, EMBED_SCALE)
+                x_BSE = dequantize(jnp.take(embed.embedding, ids_BS, axis=0), scale_VG[ids_BS], axis=-1).astype(c.dtype)
             else:
                 x_BSE = embed(ids_BS).astype(c.dtype)
             if c.scale_embeddings:

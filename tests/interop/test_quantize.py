@@ -12,12 +12,16 @@ import pytest
 from dew import models
 from dew.inference import pipeline
 from dew.interop import load_pretrained
-from dew.nn.quantize import EMBED_SCALE, QUANT_COLLECTION, int8_channels, linear_paths, quantize_int8
+from dew.nn.int8_matmul import dequantize
+from dew.nn.quantize import EMBED_SCALE, GROUP, QUANT_COLLECTION, int8_groups, linear_paths, quantize_int8
 from dew.sampling import Sampling, generate
 from tests.tolerances import decoder_ulps, ulp_bound
 
 SHAPE = dict(vocab_size=96, emb_features=32, num_layers=9, num_heads=4, num_kv_heads=2, mlp_features=64,
              max_seq_len=32)
+# Groups of at most 12 inputs: the width 32 splits into 11 + 11 + 10, the MLP's 64 into 5 x 11 + 9, so
+# the tiny models' products meet several groups, a shorter last one, and groups off the vector steps.
+TINY_GROUP = 12
 
 
 def dequantized_params(model, quantized) -> dict:
@@ -28,11 +32,11 @@ def dequantized_params(model, quantized) -> dict:
         module, scales = params, quant
         for name in path:
             module, scales = module[name], scales[name]
-        module["kernel"] = module["kernel"].astype(jnp.float32) * scales["kernel_scale"][..., None, :]
+        module["kernel"] = dequantize(module["kernel"], scales["kernel_scale"], axis=-2)
     table = params["embed_tokens"]
-    table["embedding"] = table["embedding"].astype(jnp.float32) * quant[EMBED_SCALE][:, None]
+    table["embedding"] = dequantize(table["embedding"], quant[EMBED_SCALE], axis=-1)
     if "lm_head" in params:
-        params["lm_head"]["kernel"] = params["lm_head"]["kernel"].astype(jnp.float32) * quant["lm_head"]["kernel_scale"]
+        params["lm_head"]["kernel"] = dequantize(params["lm_head"]["kernel"], quant["lm_head"]["kernel_scale"], axis=-2)
     return {"params": params}
 
 
@@ -40,7 +44,7 @@ def dequantized_params(model, quantized) -> dict:
 def built(tie_embeddings: bool):
     model = models.build("causal_transformer", **SHAPE, tie_embeddings=tie_embeddings)
     variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    return model, variables, quantize_int8(model, variables)
+    return model, variables, quantize_int8(model, variables, group=TINY_GROUP)
 
 
 @pytest.fixture(params=[True, False], ids=["tied", "untied"])
@@ -53,13 +57,20 @@ def tied():
     return built(True)
 
 
-def test_channels_round_to_half_a_step_and_zero_slices_divide_by_nothing():
+def test_groups_round_to_half_a_step_and_zero_groups_divide_by_nothing():
     weight = np.array([[1.0, 0.0, -0.3], [-2.54, 0.0, 0.2], [0.5, 0.0, 0.0]], np.float32)  # [in 3, out 3]
-    q, scale = int8_channels(weight, axis=-2)
-    np.testing.assert_array_equal(scale, np.float32([2.54 / 127, 1.0, 0.3 / 127]))
-    assert q.dtype == np.int8 and q[1, 0] == -127 and q[0, 2] == -127 and np.all(q[:, 1] == 0)
+    q, scale = int8_groups(weight, axis=-2, group=2)  # 2 groups of 2 inputs, the second holding one
+    np.testing.assert_array_equal(scale, np.float32([[2.54 / 127, 1.0, 0.3 / 127], [0.5 / 127, 1.0, 1.0]]))
+    assert q.dtype == np.int8 and q[1, 0] == -127 and q[0, 2] == -127 and q[2, 0] == 127 and np.all(q[:, 1] == 0)
     # Each weight lies within half a step of its int8 grid point (plus float32's own rounding).
-    assert np.all(np.abs(q * scale - weight) <= scale / 2 * (1 + 1e-6))
+    step = np.float32(np.asarray(dequantize(np.ones_like(q), scale, axis=-2)))
+    assert np.all(np.abs(np.asarray(dequantize(q, scale, axis=-2)) - weight) <= step / 2 * (1 + 1e-6))
+    # Widths that GROUP does not divide split into equal groups of at most GROUP, the last shorter.
+    q, scale = int8_groups(np.ones((2, GROUP * 2 + 1), np.float32), axis=-1)
+    assert scale.shape == (2, 3) and q.shape == (2, GROUP * 2 + 1)
+    # 100 groups of 129 inputs would be groups of 2, of which 65 cover them: the scales are another weight's.
+    with pytest.raises(ValueError, match=r"scales of shape \(2, 100\) do not fit an int8 weight of shape \(2, 129\)"):
+        dequantize(q, np.ones((2, 100), np.float32), axis=-1)
 
 
 def test_the_int8_model_computes_its_dequantized_weights(tiny):
@@ -84,7 +95,9 @@ def test_scanned_and_per_layer_int8_variables_agree_and_generate(tied):
     model, _, quantized = tied
     tokens = jax.random.randint(jax.random.key(2), (1, 6), 0, SHAPE["vocab_size"])
     per_layer = model.unstack_variables(quantized)
-    assert "kernel_scale" in per_layer[QUANT_COLLECTION]["layers_3"]["mlp"]["up_proj"]
+    # One scale per output and group of inputs: [G, out] ([layers, G, out] stacked when scanned).
+    assert per_layer[QUANT_COLLECTION]["layers_3"]["mlp"]["down_proj"]["kernel_scale"].shape == (6, SHAPE["emb_features"])
+    assert quantized[QUANT_COLLECTION]["embed_tokens_scale"].shape == (SHAPE["vocab_size"], 3)
     np.testing.assert_array_equal(model.apply(per_layer, tokens), model.apply(quantized, tokens))
     greedy = Sampling(temperature=0.0)
     ours = generate(model, quantized, tokens.tolist(), 8, key=jax.random.key(0), sampling=greedy)

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.nn.int8_matmul import KERNEL_MAX_ROWS, int8_product, kernel_product, kernel_status, kernel_takes, xla_product
+from dew.nn.int8_matmul import (KERNEL_MAX_ROWS, dequantize, group_size, int8_product, kernel_product, kernel_status,
+                                kernel_takes, xla_product)
 from dew.sampling import Sampling, generate
 from tests.interop.test_quantize import SHAPE, built
 from tests.tolerances import decoder_ulps, ulp_bound
@@ -24,30 +25,36 @@ def instruction_sets() -> list[str]:
     return ladder[: ladder.index(_native_int8.isa()) + 1]
 
 
-def operands(rng, N: int, D: int, F: int, transposed: bool):
+def operands(rng, N: int, D: int, F: int, transposed: bool, G: int = 1):
+    """x `[N, D]`, q int8 and its scales (`[D, F]` and `[G, F]`, or `[F, D]` and `[F, G]`)."""
     x = rng.standard_normal((N, D), np.float32)
     q = rng.integers(-127, 128, (F, D) if transposed else (D, F), dtype=np.int8)
-    scale = (rng.random(F, np.float32) + 0.5) / 127
+    scale = (rng.random((F, G) if transposed else (G, F), np.float32) + 0.5) / 127
     return x, q, scale
 
 
 def reorder_bound(x, q, scale, transposed: bool):
-    """How far two float32 evaluations of `(x @ q) * scale` may lie apart: each sum of D products rounds
-    at most D times (a product, or with FMA the product and its add together, then each add) by half
-    an ulp of the sum of the terms' magnitudes, so two orders differ by D ulps of it; the scale's product
-    rounds once more on each side."""
-    magnitude = np.abs(x).astype(np.float64) @ np.abs(q.T if transposed else q).astype(np.float64)
-    return ulp_bound(x.shape[1] + 1, magnitude * scale)
+    """How far two float32 evaluations of `x @ (q * scale)` may lie apart: each side rounds every term at
+    most twice (the weight times its scale, or a group's sum times its scale; and the product with x),
+    and its sum of D terms D - 1 times, each by half an ulp of the sum of the terms' magnitudes (an FMA
+    rounds less), so the two differ by at most D + 1 ulps of it."""
+    w = np.abs(np.asarray(dequantize(q, scale, axis=-1 if transposed else -2), np.float64))
+    magnitude = np.abs(x).astype(np.float64) @ (w.T if transposed else w)
+    return ulp_bound(x.shape[1] + 1, magnitude)
 
 
 # Shapes that reach every path: 256-, 128- and 64-column tiles and the column tail (F = 321 = 256 + 64
-# + 1), 1 to 8 rows of x (the 4-row tiles and each remainder), D off the 16-term steps and below one.
-@pytest.mark.parametrize("N,D,F", [(1, 577, 321), (8, 129, 200), (3, 64, 1024), (5, 7, 37)])
+# + 1), 1 to 8 rows of x (the 4- and 2-row tiles and each remainder), D off the 16-term steps and below
+# one; groups of 64 (SmolLM2's), one group, and groups off the vector steps with a shorter last one
+# (577 in 10 groups of 58, the last 55; 129 in 3 of 43).
+@pytest.mark.parametrize("N,D,F,G", [(1, 577, 321, 10), (8, 129, 200, 3), (3, 64, 1024, 1), (2, 192, 96, 3),
+                                     (5, 7, 37, 1)])
 @pytest.mark.parametrize("transposed", [False, True], ids=["DF", "FD"])
-def test_the_kernel_is_the_xla_product_in_another_order(N, D, F, transposed):
+def test_the_kernel_is_the_xla_product_in_another_order(N, D, F, G, transposed):
     from dew import _native_int8
 
-    x, q, scale = operands(np.random.default_rng(N * D + F), N, D, F, transposed)
+    assert group_size(D, group_size(D, G)) == G
+    x, q, scale = operands(np.random.default_rng(N * D + F), N, D, F, transposed, G)
     reference = np.asarray(xla_product(x, q, scale, jnp.float32, transposed))
     run = jax.jit(lambda x, q, s: kernel_product(x, q, s, transposed))
     bound = reorder_bound(x, q, scale, transposed)
@@ -63,7 +70,7 @@ def test_the_kernel_is_the_xla_product_in_another_order(N, D, F, transposed):
 
 def test_bfloat16_compute_and_vmap_match_the_xla_form():
     rng = np.random.default_rng(0)
-    x, q, scale = operands(rng, 2, 96, 80, transposed=False)
+    x, q, scale = operands(rng, 2, 96, 80, transposed=False, G=2)
     # bfloat16: x rounds to the compute dtype first on both sides; int8 values are exact in bfloat16.
     ours = np.asarray(jax.jit(lambda x: int8_product(x, q, scale, jnp.bfloat16))(x))
     x_rounded = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
@@ -72,7 +79,7 @@ def test_bfloat16_compute_and_vmap_match_the_xla_form():
     # vmap over x alone (shared weights), and over x, q and scales together.
     xs = rng.standard_normal((3, 2, 96), np.float32)
     qs = rng.integers(-127, 128, (3, 96, 80), dtype=np.int8)
-    scales = rng.random((3, 80), np.float32)
+    scales = rng.random((3, 2, 80), np.float32)
     shared = np.asarray(jax.jit(jax.vmap(lambda x: kernel_product(x, q, scale)))(xs))
     each = np.asarray(jax.jit(jax.vmap(kernel_product))(xs, qs, scales))
     for b in range(3):
@@ -84,6 +91,8 @@ def test_bfloat16_compute_and_vmap_match_the_xla_form():
 
 def test_the_switch_turns_the_kernel_off_and_refuses_bad_values(monkeypatch):
     x, q, scale = operands(np.random.default_rng(1), 1, 16, 16, transposed=False)
+    with pytest.raises(ValueError, match=r"scales of shape \(16,\) do not fit an int8 weight of shape \(16, 16\)"):
+        kernel_product(x, q, scale[0])
     # Past KERNEL_MAX_ROWS rows (a prefill) the product is XLA's.
     assert kernel_takes(np.zeros((KERNEL_MAX_ROWS, 16), np.float32), q, jnp.float32)
     assert not kernel_takes(np.zeros((KERNEL_MAX_ROWS + 1, 16), np.float32), q, jnp.float32)
