@@ -2,8 +2,9 @@
 
 XLA's CPU backend runs a linear's products at 60-100% of what a tuned BLAS reaches on the same
 shapes, and its bfloat16 products that contract the leading axis (a weight gradient `x^T dY`) at
-30-40% of it. `product(a, b, transpose_a, transpose_b)` is the one entry the linears use (forward,
-input gradient and weight gradient, `dew.nn.linear.matmul`): it emits either XLA's own `dot_general`
+30-40% of it. `product(a, b, transpose_a, transpose_b)` is the one entry of every linear's products
+(forward, input gradient and weight gradient: `dot`, under `dew.nn.linear.matmul`) and of attention's
+scores and weighted values (`dew.nn.attention.attend`): it emits either XLA's own `dot_general`
 or a call through `jax.ffi` to oneDNN's row-major gemm (`dnnl_sgemm`, `dnnl_gemm_bf16bf16f32`; the
 `onednn-cpu-gomp` wheel, loaded at run time by the extension `dew._native_gemm` that `pip install`
 builds from `native/gemm.cc`). Both accumulate in float32 and return float32.
@@ -19,6 +20,8 @@ never leave XLA). `DEW_FAST_MATMUL` sets the policy:
 - `auto` (the default): measured, as above;
 - `on`: oneDNN for every product it can take, whatever the size (the tests of this path use it);
 - `off`: XLA only.
+
+The policy is read when a step is traced: a function already compiled keeps the products it chose.
 
 The library path is off, with `status()` saying why, where the extension did not build, the wheel is
 absent (not x86-64 Linux), the backend is not the CPU, or the process sees more than one device
