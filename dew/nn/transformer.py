@@ -415,7 +415,8 @@ class CausalTransformer(nn.Module):
         def embedded(ids_BS):
             if self.has_variable(QUANT_COLLECTION, EMBED_SCALE):  # int8 rows, scales per group of the width (dew.nn.quantize)
                 scale_VG = self.get_variable(QUANT_COLLECTION, EMBED_SCALE)
-                x_BSE = dequantize(jnp.take(embed.embedding, ids_BS, axis=0), scale_VG[ids_BS], axis=-1).astype(c.dtype)
+                q_BSE = jnp.take(embed.embedding, ids_BS, axis=0)
+                x_BSE = dequantize(q_BSE, scale_VG[ids_BS], axis=-1).astype(c.dtype)
             else:
                 x_BSE = embed(ids_BS).astype(c.dtype)
             if c.scale_embeddings:

@@ -96,7 +96,8 @@ def test_scanned_and_per_layer_int8_variables_agree_and_generate(tied):
     tokens = jax.random.randint(jax.random.key(2), (1, 6), 0, SHAPE["vocab_size"])
     per_layer = model.unstack_variables(quantized)
     # One scale per output and group of inputs: [G, out] ([layers, G, out] stacked when scanned).
-    assert per_layer[QUANT_COLLECTION]["layers_3"]["mlp"]["down_proj"]["kernel_scale"].shape == (6, SHAPE["emb_features"])
+    down_proj = per_layer[QUANT_COLLECTION]["layers_3"]["mlp"]["down_proj"]
+    assert down_proj["kernel_scale"].shape == (6, SHAPE["emb_features"])
     assert quantized[QUANT_COLLECTION]["embed_tokens_scale"].shape == (SHAPE["vocab_size"], 3)
     np.testing.assert_array_equal(model.apply(per_layer, tokens), model.apply(quantized, tokens))
     greedy = Sampling(temperature=0.0)
