@@ -46,6 +46,7 @@ import numpy as np
 from jax import lax
 
 from dew.files import write_atomically
+from dew.nn.native import import_extension, several_devices
 
 MODES = ("auto", "on", "off")
 MIN_FLOPS = 2**24  # below this a product stays XLA's in `auto`: a measured win there is noise
@@ -65,13 +66,9 @@ def mode() -> str:
 @functools.cache
 def _load() -> tuple[bool, str]:
     """(whether oneDNN's products are registered with XLA, a sentence saying which library or why not)."""
-    if jax.default_backend() != "cpu":
-        return False, f"the backend is {jax.default_backend()}, and these kernels are for the CPU"
-    try:
-        from dew import _native_gemm
-    except ImportError as error:
-        return False, (f"the extension dew._native_gemm did not build ({error}); reinstall Dew where a C++ "
-                       "compiler and Python's headers are present")
+    _native_gemm, why = import_extension("gemm")
+    if _native_gemm is None:
+        return False, why
     try:
         library = _library_path()
     except LookupError as error:
@@ -105,10 +102,8 @@ def status() -> tuple[bool, str]:
     policy = mode()
     if policy == "off":
         return False, "turned off by DEW_FAST_MATMUL=off"
-    if jax.device_count() > 1:
-        return False, (f"this process sees {jax.device_count()} devices, and sharded steps keep XLA's products "
-                       "(GSPMD cannot partition a foreign call)")
-    return _load()
+    shared = several_devices()
+    return (False, shared) if shared else _load()
 
 
 def _xla(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> jax.Array:

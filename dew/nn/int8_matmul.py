@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dew.nn.fast_matmul import dot
+from dew.nn.native import import_extension, several_devices
 
 _TARGET = "dew_int8_product"
 # The compute dtypes whose values float32 holds exactly, so the kernel's float32 operand is the XLA
@@ -85,13 +86,9 @@ def _policy() -> str:
 @functools.cache
 def _load() -> tuple[bool, str]:
     """(whether the kernel is registered with XLA, which bodies it runs or why it is not)."""
-    if jax.default_backend() != "cpu":
-        return False, f"the backend is {jax.default_backend()}, and the int8 kernel is for the CPU"
-    try:
-        from dew import _native_int8
-    except ImportError as error:
-        return False, (f"the extension dew._native_int8 did not build ({error}); reinstall Dew where a C++ "
-                       "compiler and Python's headers are present")
+    _native_int8, why = import_extension("int8")
+    if _native_int8 is None:
+        return False, why
     jax.ffi.register_ffi_target(_TARGET, _native_int8.handler(), platform="cpu")
     return True, f"dew._native_int8 with {_native_int8.isa()} loops"
 
@@ -100,10 +97,8 @@ def kernel_status() -> tuple[bool, str]:
     """(whether int8 products run in Dew's kernel in this process, which loops it runs or why not)."""
     if _policy() == "off":
         return False, "turned off by DEW_INT8_KERNEL=off"
-    if jax.device_count() > 1:
-        return False, (f"this process sees {jax.device_count()} devices, and sharded steps keep XLA's products "
-                       "(GSPMD cannot partition a foreign call)")
-    return _load()
+    shared = several_devices()
+    return (False, shared) if shared else _load()
 
 
 def kernel_product(x_ND: jax.Array, q: jax.Array, scale: jax.Array, transposed: bool = False) -> jax.Array:
