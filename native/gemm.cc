@@ -4,12 +4,16 @@
 // of its row-major `gemm` entry points, whose signature is oneDNN's C API:
 //   status gemm(char transa, char transb, int64 M, int64 N, int64 K, float alpha,
 //               const T *A, int64 lda, const T *B, int64 ldb, float beta, float *C, int64 ldc)
-// with T float (dnnl_sgemm) or bfloat16 bits (dnnl_gemm_bf16bf16f32). Products accumulate and return
-// float32 in either case; the caller converts.
+// with T float (dnnl_sgemm) or bfloat16 bits (dnnl_gemm_bf16bf16f32), and its OpenMP runtime's
+// omp_set_num_threads. Products accumulate and return float32 in either case; the caller converts.
 #include <Python.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -25,10 +29,53 @@ using Bf16GemmFn = int (*)(char, char, int64_t, int64_t, int64_t, float, const u
 SgemmFn g_sgemm = nullptr;
 Bf16GemmFn g_bf16_gemm = nullptr;
 
+// One product's operands, and how a call's products divide into pieces: (product, chunk of the
+// result's rows), claimed from `next` by whichever of XLA's intra-op threads is free, each piece one
+// single-threaded library gemm. XLA's pool, not the library's OpenMP team, spreads the work: a team
+// splits a product evenly and waits for its slowest thread, which XLA's other thunks running beside
+// the call would be. Shared by pointer, since a pool task may start after the call has returned (it
+// then finds nothing to claim).
+template <typename Elem, typename Fn>
+struct Pieces {
+  Fn fn;
+  char trans_a, trans_b;
+  int64_t m, n, k, lda, ldb, a_size, b_size;
+  const Elem* a;
+  const Elem* b;
+  float* c;
+  int64_t chunks = 1, chunk_rows = 0, total = 0;
+  void (*single_thread)(int) = nullptr;
+  std::atomic<int64_t> next{0}, done{0}, failed{0};
+
+  void RunPiece(int64_t i) {
+    int64_t item = i / chunks, row = (i % chunks) * chunk_rows, rows = std::min(chunk_rows, m - row);
+    if (rows <= 0) return;
+    // Row `row` of op(a) starts `row` rows down a stored a, or `row` columns across a stored a^T.
+    const Elem* pa = a + item * a_size + (trans_a == 'T' ? row : row * lda);
+    if (fn(trans_a, trans_b, rows, n, k, 1.0f, pa, lda, b + item * b_size, ldb, 0.0f, c + (item * m + row) * n, n) != 0)
+      failed.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  void Run() {
+    thread_local bool one_thread = false;
+    if (!one_thread && single_thread != nullptr) {
+      single_thread(1);  // this thread's OpenMP teams: itself alone
+      one_thread = true;
+    }
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;) {
+      RunPiece(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+void (*g_omp_set_num_threads)(int) = nullptr;
+constexpr int64_t kMinChunkRows = 64;  // fewer rows a piece and the gemm's packing of b costs more than it saves
+
 // Operands `[..., rows, cols]` with the same leading (batch) dimensions; `transpose_*` says the stored
 // matrix is the transpose of the product's operand. The result is `[..., M, N]` float32.
 template <ffi::DataType T, typename Elem, typename Fn>
-ffi::Error Gemm(Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b, ffi::Result<ffi::Buffer<ffi::F32>> c,
+ffi::Error Gemm(ffi::ThreadPool pool, Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b, ffi::Result<ffi::Buffer<ffi::F32>> c,
                 bool transpose_a, bool transpose_b) {
   if (fn == nullptr) return ffi::Error::Internal("dew gemm: the library's gemm was not set");
   auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
@@ -46,32 +93,48 @@ ffi::Error Gemm(Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b, ffi::Result<ffi::Buff
   int64_t n = transpose_b ? b_rows : b_cols, kb = transpose_b ? b_cols : b_rows;
   if (k != kb || dc[rank - 2] != m || dc[rank - 1] != n)
     return ffi::Error::InvalidArgument("dew gemm: operand shapes do not make a product");
-  const Elem* pa = reinterpret_cast<const Elem*>(a.untyped_data());
-  const Elem* pb = reinterpret_cast<const Elem*>(b.untyped_data());
-  float* pc = c->typed_data();
-  for (int64_t i = 0; i < batch; ++i) {
-    int status = fn(transpose_a ? 'T' : 'N', transpose_b ? 'T' : 'N', m, n, k, 1.0f, pa + i * a_rows * a_cols,
-                    a_cols, pb + i * b_rows * b_cols, b_cols, 0.0f, pc + i * m * n, n);
-    if (status != 0)
-      return ffi::Error::Internal("dew gemm: the library returned status " + std::to_string(status));
+  if (batch == 0 || m == 0 || n == 0) return ffi::Error::Success();
+  auto pieces = std::make_shared<Pieces<Elem, Fn>>();
+  Pieces<Elem, Fn>& p = *pieces;
+  p.fn = fn;
+  p.trans_a = transpose_a ? 'T' : 'N';
+  p.trans_b = transpose_b ? 'T' : 'N';
+  p.m = m, p.n = n, p.k = k, p.lda = a_cols, p.ldb = b_cols, p.a_size = a_rows * a_cols, p.b_size = b_rows * b_cols;
+  p.a = reinterpret_cast<const Elem*>(a.untyped_data());
+  p.b = reinterpret_cast<const Elem*>(b.untyped_data());
+  p.c = c->typed_data();
+  p.single_thread = g_omp_set_num_threads;
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // Enough pieces for every thread; a lone product splits its rows, a batch goes matrix by matrix.
+  p.chunks = batch >= threads ? 1 : std::max<int64_t>(1, std::min((threads + batch - 1) / batch, m / kMinChunkRows));
+  p.chunk_rows = (m + p.chunks - 1) / p.chunks;
+  p.total = batch * p.chunks;
+  int64_t helpers = std::min(threads, p.total) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([pieces] { pieces->Run(); });
+  p.Run();
+  // Every piece is claimed; wait for those other threads are finishing.
+  for (int spins = 0; p.done.load(std::memory_order_acquire) < p.total; ++spins) {
+    if (spins > 1024) std::this_thread::yield();
   }
+  if (p.failed.load() != 0) return ffi::Error::Internal("dew gemm: the library returned an error status");
   return ffi::Error::Success();
 }
 
-ffi::Error GemmF32(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Result<ffi::Buffer<ffi::F32>> c,
+ffi::Error GemmF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Result<ffi::Buffer<ffi::F32>> c,
                    bool transpose_a, bool transpose_b) {
-  return Gemm<ffi::F32, float>(g_sgemm, a, b, c, transpose_a, transpose_b);
+  return Gemm<ffi::F32, float>(pool, g_sgemm, a, b, c, transpose_a, transpose_b);
 }
 
-ffi::Error GemmBF16(ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::BF16> b, ffi::Result<ffi::Buffer<ffi::F32>> c,
+ffi::Error GemmBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::BF16> b, ffi::Result<ffi::Buffer<ffi::F32>> c,
                     bool transpose_a, bool transpose_b) {
-  return Gemm<ffi::BF16, uint16_t>(g_bf16_gemm, a, b, c, transpose_a, transpose_b);
+  return Gemm<ffi::BF16, uint16_t>(pool, g_bf16_gemm, a, b, c, transpose_a, transpose_b);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DewGemmF32, GemmF32,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
@@ -80,6 +143,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewGemmF32, GemmF32,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DewGemmBF16, GemmBF16,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
@@ -105,16 +169,18 @@ static PyObject* Handlers(PyObject*, PyObject*) {
 }
 
 static PyObject* SetGemm(PyObject*, PyObject* args) {
-  unsigned long long sgemm = 0, bf16 = 0;
-  if (!PyArg_ParseTuple(args, "KK", &sgemm, &bf16)) return nullptr;
+  unsigned long long sgemm = 0, bf16 = 0, omp_set_num_threads = 0;
+  if (!PyArg_ParseTuple(args, "KKK", &sgemm, &bf16, &omp_set_num_threads)) return nullptr;
   g_sgemm = reinterpret_cast<SgemmFn>(static_cast<uintptr_t>(sgemm));
   g_bf16_gemm = reinterpret_cast<Bf16GemmFn>(static_cast<uintptr_t>(bf16));
+  g_omp_set_num_threads = reinterpret_cast<void (*)(int)>(static_cast<uintptr_t>(omp_set_num_threads));
   Py_RETURN_NONE;
 }
 
 static PyMethodDef kMethods[] = {
     {"handlers", Handlers, METH_NOARGS, "The XLA FFI handlers, as capsules keyed by operand dtype."},
-    {"set_gemm", SetGemm, METH_VARARGS, "Set the addresses of the float32 and bfloat16 gemm functions."},
+    {"set_gemm", SetGemm, METH_VARARGS,
+     "Set the addresses of the float32 and bfloat16 gemm functions and of the library's omp_set_num_threads."},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_gemm", "Dew's XLA FFI matrix products.", -1,

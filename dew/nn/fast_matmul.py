@@ -52,6 +52,8 @@ MODES = ("auto", "on", "off")
 MIN_FLOPS = 2**24  # below this a product stays XLA's in `auto`: a measured win there is noise
 _DIST = "onednn-cpu-gomp"
 _TARGETS = {jnp.dtype(jnp.float32): "dew_gemm_f32", jnp.dtype(jnp.bfloat16): "dew_gemm_bf16"}
+# Part of the cache file's name: a change to how native/gemm.cc runs a product invalidates old choices.
+_KERNEL_VERSION = 2
 _MARGIN = 0.97  # oneDNN must take at most 97% of XLA's time to be chosen: a tie keeps XLA's fusions
 
 
@@ -73,14 +75,14 @@ def _load() -> tuple[bool, str]:
         library = _library_path()
     except LookupError as error:
         return False, str(error)
-    # oneDNN's OpenMP threads otherwise spin on a core after each product, starving XLA's next thunk.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         dnnl = ctypes.CDLL(str(library))
     except OSError as error:
         return False, f"{library} did not load ({error})"
     address = lambda name: ctypes.cast(getattr(dnnl, name), ctypes.c_void_p).value  # noqa: E731
-    _native_gemm.set_gemm(address("dnnl_sgemm"), address("dnnl_gemm_bf16bf16f32"))
+    # Each piece of a product runs single-threaded on one of XLA's threads (native/gemm.cc); the
+    # library's OpenMP runtime, found through its own dependencies, is told so per thread.
+    _native_gemm.set_gemm(address("dnnl_sgemm"), address("dnnl_gemm_bf16bf16f32"), address("omp_set_num_threads"))
     for key, capsule in _native_gemm.handlers().items():
         jax.ffi.register_ffi_target(f"dew_gemm_{key}", capsule, platform="cpu")
     return True, f"oneDNN {metadata.version(_DIST)} ({library})"
@@ -231,7 +233,7 @@ def cache_file() -> Path:
     except OSError:
         flags = platform.processor()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    signature = f"{flags}{cores}\n{jax.__version__}\n{metadata.version(_DIST)}"
+    signature = f"{flags}{cores}\n{jax.__version__}\n{metadata.version(_DIST)}\n{_KERNEL_VERSION}"
     digest = hashlib.sha256(signature.encode()).hexdigest()[:16]
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "dew" / "matmul" / f"{digest}.json"

@@ -63,7 +63,9 @@ def test_the_path_builds_where_it_can():
 def test_products_match_xla(policy, dtype, transpose_a, transpose_b):
     # Observed (AMD EPYC, AVX-512): bit-identical for every case here; the bound allows another order.
     policy("on")
-    m, k, n = 37, 130, 51  # odd sizes: no kernel's tile divides them
+    # Odd sizes, which no kernel's tile divides; 301 rows split into pieces on XLA's threads (at most
+    # one per thread, at least 64 rows each), each starting mid-way down (or across, transposed) `a`.
+    m, k, n = 301, 130, 51
     a, b = operands((k, m) if transpose_a else (m, k), (n, k) if transpose_b else (k, n), dtype)
     ours = jax.jit(lambda a, b: fast_matmul._library(a, b, transpose_a, transpose_b))(a, b)
     xla = jax.jit(lambda a, b: fast_matmul._xla(a, b, transpose_a, transpose_b))(a, b)
