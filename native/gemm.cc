@@ -11,9 +11,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -29,6 +31,19 @@ using Bf16GemmFn = int (*)(char, char, int64_t, int64_t, int64_t, float, const u
 SgemmFn g_sgemm = nullptr;
 Bf16GemmFn g_bf16_gemm = nullptr;
 
+// float32 to bfloat16, rounding to nearest even as XLA's convert does; a NaN stays a (quiet) NaN.
+// Branch-free, so the loop vectorizes; cloned for AVX-512 and AVX2, chosen when the library loads.
+__attribute__((target_clones("avx512bw", "avx2", "default")))
+void RoundToBf16(const float* in, uint16_t* out, int64_t count) {
+  for (int64_t e = 0; e < count; ++e) {
+    uint32_t bits;
+    std::memcpy(&bits, in + e, sizeof bits);
+    uint32_t nearest = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    uint32_t quiet_nan = ((bits >> 16) & 0x8000u) | 0x7fc0u;
+    out[e] = static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : nearest);
+  }
+}
+
 // One product's operands, and how a call's products divide into pieces: (product, chunk of the
 // result's rows), claimed from `next` by whichever of XLA's intra-op threads is free, each piece one
 // single-threaded library gemm. XLA's pool, not the library's OpenMP team, spreads the work: a team
@@ -42,7 +57,8 @@ struct Pieces {
   int64_t m, n, k, lda, ldb, a_size, b_size;
   const Elem* a;
   const Elem* b;
-  float* c;
+  float* c = nullptr;         // the float32 result, or
+  uint16_t* c_bf16 = nullptr; // the result rounded to bfloat16, each piece's rows as it finishes them
   int64_t chunks = 1, chunk_rows = 0, total = 0;
   void (*single_thread)(int) = nullptr;
   std::atomic<int64_t> next{0}, done{0}, failed{0};
@@ -52,8 +68,19 @@ struct Pieces {
     if (rows <= 0) return;
     // Row `row` of op(a) starts `row` rows down a stored a, or `row` columns across a stored a^T.
     const Elem* pa = a + item * a_size + (trans_a == 'T' ? row : row * lda);
-    if (fn(trans_a, trans_b, rows, n, k, 1.0f, pa, lda, b + item * b_size, ldb, 0.0f, c + (item * m + row) * n, n) != 0)
+    thread_local std::vector<float> scratch;
+    float* out = c;
+    if (c_bf16 != nullptr) {
+      scratch.resize(static_cast<size_t>(rows * n));
+      out = scratch.data();
+    } else {
+      out += (item * m + row) * n;
+    }
+    if (fn(trans_a, trans_b, rows, n, k, 1.0f, pa, lda, b + item * b_size, ldb, 0.0f, out, n) != 0)
       failed.fetch_add(1, std::memory_order_relaxed);
+    if (c_bf16 != nullptr) {
+      RoundToBf16(out, c_bf16 + (item * m + row) * n, rows * n);
+    }
   }
 
   void Run() {
@@ -74,8 +101,8 @@ constexpr int64_t kMinChunkRows = 64;  // fewer rows a piece and the gemm's pack
 
 // Operands `[..., rows, cols]` with the same leading (batch) dimensions; `transpose_*` says the stored
 // matrix is the transpose of the product's operand. The result is `[..., M, N]` float32.
-template <ffi::DataType T, typename Elem, typename Fn>
-ffi::Error Gemm(ffi::ThreadPool pool, Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b, ffi::Result<ffi::Buffer<ffi::F32>> c,
+template <ffi::DataType T, ffi::DataType Out, typename Elem, typename Fn>
+ffi::Error Gemm(ffi::ThreadPool pool, Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b, ffi::Result<ffi::Buffer<Out>> c,
                 bool transpose_a, bool transpose_b) {
   if (fn == nullptr) return ffi::Error::Internal("dew gemm: the library's gemm was not set");
   auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
@@ -102,7 +129,11 @@ ffi::Error Gemm(ffi::ThreadPool pool, Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b,
   p.m = m, p.n = n, p.k = k, p.lda = a_cols, p.ldb = b_cols, p.a_size = a_rows * a_cols, p.b_size = b_rows * b_cols;
   p.a = reinterpret_cast<const Elem*>(a.untyped_data());
   p.b = reinterpret_cast<const Elem*>(b.untyped_data());
-  p.c = c->typed_data();
+  if constexpr (Out == ffi::F32) {
+    p.c = c->typed_data();
+  } else {
+    p.c_bf16 = reinterpret_cast<uint16_t*>(c->untyped_data());
+  }
   p.single_thread = g_omp_set_num_threads;
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // Enough pieces for every thread; a lone product splits its rows, a batch goes matrix by matrix.
@@ -120,14 +151,21 @@ ffi::Error Gemm(ffi::ThreadPool pool, Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b,
   return ffi::Error::Success();
 }
 
-ffi::Error GemmF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Result<ffi::Buffer<ffi::F32>> c,
-                   bool transpose_a, bool transpose_b) {
-  return Gemm<ffi::F32, float>(pool, g_sgemm, a, b, c, transpose_a, transpose_b);
+ffi::Error GemmF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
+                   ffi::Result<ffi::Buffer<ffi::F32>> c, bool transpose_a, bool transpose_b) {
+  return Gemm<ffi::F32, ffi::F32, float>(pool, g_sgemm, a, b, c, transpose_a, transpose_b);
 }
 
-ffi::Error GemmBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::BF16> b, ffi::Result<ffi::Buffer<ffi::F32>> c,
-                    bool transpose_a, bool transpose_b) {
-  return Gemm<ffi::BF16, uint16_t>(pool, g_bf16_gemm, a, b, c, transpose_a, transpose_b);
+ffi::Error GemmBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::BF16> b,
+                    ffi::Result<ffi::Buffer<ffi::F32>> c, bool transpose_a, bool transpose_b) {
+  return Gemm<ffi::BF16, ffi::F32, uint16_t>(pool, g_bf16_gemm, a, b, c, transpose_a, transpose_b);
+}
+
+// The same product rounded to bfloat16 by the piece that computed it, while its rows are in cache:
+// no separate pass over a float32 result.
+ffi::Error GemmBF16ToBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buffer<ffi::BF16> b,
+                          ffi::Result<ffi::Buffer<ffi::BF16>> c, bool transpose_a, bool transpose_b) {
+  return Gemm<ffi::BF16, ffi::BF16, uint16_t>(pool, g_bf16_gemm, a, b, c, transpose_a, transpose_b);
 }
 
 }  // namespace
@@ -150,21 +188,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewGemmBF16, GemmBF16,
                                   .Attr<bool>("transpose_a")
                                   .Attr<bool>("transpose_b"));
 
-// Python module: handlers() -> {"f32": capsule, "bf16": capsule}; set_gemm(sgemm_address, bf16_address).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewGemmBF16ToBF16, GemmBF16ToBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<bool>("transpose_a")
+                                  .Attr<bool>("transpose_b"));
+
+// Python module: handlers() -> {"f32", "bf16", "bf16_to_bf16": capsule}; set_gemm(addresses).
 static PyObject* Handlers(PyObject*, PyObject*) {
+  struct Entry {
+    const char* key;
+    void* handler;
+  };
+  const Entry entries[] = {{"f32", reinterpret_cast<void*>(&DewGemmF32)},
+                           {"bf16", reinterpret_cast<void*>(&DewGemmBF16)},
+                           {"bf16_to_bf16", reinterpret_cast<void*>(&DewGemmBF16ToBF16)}};
   PyObject* out = PyDict_New();
   if (out == nullptr) return nullptr;
-  PyObject* f32 = PyCapsule_New(reinterpret_cast<void*>(&DewGemmF32), nullptr, nullptr);
-  PyObject* bf16 = PyCapsule_New(reinterpret_cast<void*>(&DewGemmBF16), nullptr, nullptr);
-  if (f32 == nullptr || bf16 == nullptr || PyDict_SetItemString(out, "f32", f32) != 0 ||
-      PyDict_SetItemString(out, "bf16", bf16) != 0) {
-    Py_XDECREF(f32);
-    Py_XDECREF(bf16);
-    Py_DECREF(out);
-    return nullptr;
+  for (const Entry& entry : entries) {
+    PyObject* capsule = PyCapsule_New(entry.handler, nullptr, nullptr);
+    if (capsule == nullptr || PyDict_SetItemString(out, entry.key, capsule) != 0) {
+      Py_XDECREF(capsule);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(capsule);
   }
-  Py_DECREF(f32);
-  Py_DECREF(bf16);
   return out;
 }
 

@@ -73,7 +73,7 @@ def attend(q_BSHD, k_BKTD, v_BKTD, mask_BST, *, causal_blocks: bool = False, sca
             scores_BKGST = softcap * jnp.tanh(scores_BKGST / softcap)
         scores_BKGST = jnp.where(mask_BST[:, None, None, start:stop, :end], scores_BKGST, _MASKED)
         probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(v_BKTD.dtype)
-        out_BKRD = dot(probs_BKGST.reshape(B, K, rows, end), v_BKTD[:, :, :end])
+        out_BKRD = dot(probs_BKGST.reshape(B, K, rows, end), v_BKTD[:, :, :end], out_dtype=q_BSHD.dtype)
         outputs.append(out_BKRD.reshape(B, K, H // K, stop - start, v_BKTD.shape[-1]))
     out_BKGSD = outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs, axis=3)
     return out_BKGSD.transpose(0, 3, 1, 2, 4).reshape(B, S, H, v_BKTD.shape[-1]).astype(q_BSHD.dtype)

@@ -51,9 +51,11 @@ from dew.nn.native import import_extension, several_devices
 MODES = ("auto", "on", "off")
 MIN_FLOPS = 2**24  # below this a product stays XLA's in `auto`: a measured win there is noise
 _DIST = "onednn-cpu-gomp"
-_TARGETS = {jnp.dtype(jnp.float32): "dew_gemm_f32", jnp.dtype(jnp.bfloat16): "dew_gemm_bf16"}
+_F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+# (operands' dtype, result's dtype) -> the handler: bfloat16 results are rounded inside the call.
+_TARGETS = {(_F32, _F32): "dew_gemm_f32", (_BF16, _F32): "dew_gemm_bf16", (_BF16, _BF16): "dew_gemm_bf16_to_bf16"}
 # Part of the cache file's name: a change to how native/gemm.cc runs a product invalidates old choices.
-_KERNEL_VERSION = 2
+_KERNEL_VERSION = 3
 _MARGIN = 0.97  # oneDNN must take at most 97% of XLA's time to be chosen: a tie keeps XLA's fusions
 
 
@@ -108,7 +110,7 @@ def status() -> tuple[bool, str]:
     return (False, shared) if shared else _load()
 
 
-def _xla(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> jax.Array:
+def _xla(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool, out_dtype=_F32) -> jax.Array:
     if transpose_a:
         # `a^T` laid out as its own array: XLA's CPU backend sends a dot contracting the leading axis of
         # both operands to Eigen, and a plain one to its faster matmul. The barrier keeps XLA from
@@ -116,20 +118,24 @@ def _xla(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> ja
         a = lax.optimization_barrier(jnp.swapaxes(a, -1, -2))
     contract_b = b.ndim - 1 if transpose_b else b.ndim - 2
     batch = tuple(range(a.ndim - 2))
-    return lax.dot_general(a, b, (((a.ndim - 1,), (contract_b,)), (batch, batch)), preferred_element_type=jnp.float32)
+    out = lax.dot_general(a, b, (((a.ndim - 1,), (contract_b,)), (batch, batch)), preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
 
 
-def _library(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool) -> jax.Array:
+def _library(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool, out_dtype=_F32) -> jax.Array:
     m = a.shape[-1] if transpose_a else a.shape[-2]
     n = b.shape[-2] if transpose_b else b.shape[-1]
-    out = jax.ShapeDtypeStruct((*a.shape[:-2], m, n), jnp.float32)
-    call = jax.ffi.ffi_call(_TARGETS[a.dtype], out, vmap_method="broadcast_all")
-    return call(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    returned = jnp.dtype(out_dtype) if (a.dtype, jnp.dtype(out_dtype)) in _TARGETS else _F32
+    out = jax.ShapeDtypeStruct((*a.shape[:-2], m, n), returned)
+    call = jax.ffi.ffi_call(_TARGETS[a.dtype, returned], out, vmap_method="broadcast_all")
+    return call(a, b, transpose_a=transpose_a, transpose_b=transpose_b).astype(out_dtype)
 
 
-def product(a: jax.Array, b: jax.Array, transpose_a: bool = False, transpose_b: bool = False) -> jax.Array:
-    """`op(a) @ op(b)` as float32, `op` transposing the last two axes where asked; `a` and `b` share a
-    dtype and any leading (batch) axes. oneDNN runs it where `choose` says so, else XLA."""
+def product(a: jax.Array, b: jax.Array, transpose_a: bool = False, transpose_b: bool = False,
+            out_dtype=jnp.float32) -> jax.Array:
+    """`op(a) @ op(b)` accumulated in float32 and returned as `out_dtype` (rounded once), `op`
+    transposing the last two axes where asked; `a` and `b` share a dtype and any leading (batch)
+    axes. oneDNN runs it where `choose` says so, else XLA."""
     if a.dtype != b.dtype:
         raise ValueError(f"product of {a.dtype} and {b.dtype}: cast the operands to one dtype first")
     k = a.shape[-2] if transpose_a else a.shape[-1]
@@ -139,50 +145,55 @@ def product(a: jax.Array, b: jax.Array, transpose_a: bool = False, transpose_b: 
     m = a.shape[-1] if transpose_a else a.shape[-2]
     n = b.shape[-2] if transpose_b else b.shape[-1]
     batch = int(np.prod(a.shape[:-2], dtype=np.int64))
-    if choose(batch * m, k, n, a.dtype, transpose_a, transpose_b):
-        return _library(a, b, transpose_a, transpose_b)
-    return _xla(a, b, transpose_a, transpose_b)
+    if choose(batch * m, k, n, a.dtype, transpose_a, transpose_b, out_dtype):
+        return _library(a, b, transpose_a, transpose_b, out_dtype)
+    return _xla(a, b, transpose_a, transpose_b, out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def dot(a: jax.Array, b: jax.Array, transpose_b: bool = False) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def dot(a: jax.Array, b: jax.Array, transpose_b: bool = False, out_dtype=jnp.float32) -> jax.Array:
     """`a @ op(b)` over the last two axes (leading axes batch), in the operands' dtype accumulated in
-    float32, returned as float32, with `op` transposing `b` where asked. Its gradients are the same
-    kind of product, with the output gradient cast to the operands' dtype (float32 accumulation),
-    which autodiff of a mixed-precision `dot_general` does not give; every one goes through `product`."""
-    return product(a, b, transpose_b=transpose_b)
+    float32, returned as `out_dtype` (float32 unless asked), with `op` transposing `b` where asked. Its
+    gradients are the same kind of product, with the output gradient cast to the operands' dtype and
+    each gradient rounded once to its operand's dtype, which autodiff of a mixed-precision
+    `dot_general` does not give; every one goes through `product`."""
+    return product(a, b, transpose_b=transpose_b, out_dtype=out_dtype)
 
 
-def _dot_fwd(a, b, transpose_b):
-    return dot(a, b, transpose_b), (a, b)
+def _dot_fwd(a, b, transpose_b, out_dtype):
+    return dot(a, b, transpose_b, out_dtype), (a, b)
 
 
-def _dot_bwd(transpose_b, residuals, g):
+def _dot_bwd(transpose_b, out_dtype, residuals, g):
     a, b = residuals
     g = g.astype(a.dtype)
     if transpose_b:  # c = a b^T: da = g b, db = g^T a
-        da, db = product(g, b), product(g, a, transpose_a=True)
+        da = product(g, b, out_dtype=a.dtype)
+        db = product(g, a, transpose_a=True, out_dtype=b.dtype)
     else:  # c = a b: da = g b^T, db = a^T g
-        da, db = product(g, b, transpose_b=True), product(a, g, transpose_a=True)
-    return da.astype(a.dtype), db.astype(b.dtype)
+        da = product(g, b, transpose_b=True, out_dtype=a.dtype)
+        db = product(a, g, transpose_a=True, out_dtype=b.dtype)
+    return da, db
 
 
 dot.defvjp(_dot_fwd, _dot_bwd)
 
 
-def choose(m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool) -> bool:
-    """Whether an `[m, k] x [k, n]` product in `dtype` runs in oneDNN (see the module's policy)."""
-    dtype = jnp.dtype(dtype)
-    if dtype not in _TARGETS or min(m, k, n) == 0 or not status()[0]:
+def choose(m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool, out_dtype=_F32) -> bool:
+    """Whether an `[m, k] x [k, n]` product in `dtype` returning `out_dtype` runs in oneDNN (see the
+    module's policy)."""
+    dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype)
+    if (dtype, _F32) not in _TARGETS or min(m, k, n) == 0 or not status()[0]:
         return False
     if mode() == "on":
         return True
     if 2 * m * k * n < MIN_FLOPS:
         return False
     key = f"{m}x{k}x{n}/{dtype.name}/{'T' if transpose_a else 'N'}{'T' if transpose_b else 'N'}"
+    key += "" if out_dtype == _F32 else f"/{out_dtype.name}"
     table = _table()
     if key not in table:
-        xla_seconds, library_seconds = measure(m, k, n, dtype, transpose_a, transpose_b)
+        xla_seconds, library_seconds = measure(m, k, n, dtype, transpose_a, transpose_b, out_dtype=out_dtype)
         table[key] = {"xla_s": xla_seconds, "onednn_s": library_seconds,
                       "onednn": library_seconds < _MARGIN * xla_seconds}
         _save(table)
@@ -190,7 +201,7 @@ def choose(m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool) 
 
 
 def measure(m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool,
-            rounds: int = 9) -> tuple[float, float]:
+            rounds: int = 9, out_dtype=_F32) -> tuple[float, float]:
     """(XLA's seconds, oneDNN's seconds) for one product, scaled so that their ratio is the median
     over `rounds` of the ratio within a round. Each round runs XLA's product then oneDNN's back to
     back, so other work on the machine slows both alike; the median drops the rounds where one side
@@ -204,7 +215,8 @@ def measure(m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool,
     b = rng.standard_normal((n, k) if transpose_b else (k, n), np.float32)
     with jax.ensure_compile_time_eval():
         a, b = jnp.asarray(a, dtype), jnp.asarray(b, dtype)
-        runs = [jax.jit(functools.partial(run, transpose_a=transpose_a, transpose_b=transpose_b))
+        runs = [jax.jit(functools.partial(run, transpose_a=transpose_a, transpose_b=transpose_b,
+                                          out_dtype=out_dtype))
                 for run in (_xla, _library)]
         for run in runs:
             run(a, b).block_until_ready()

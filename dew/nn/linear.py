@@ -55,7 +55,8 @@ class Linear(nn.Module):
             # only the int8 bytes stream from memory; each group's scale applies to its float32 sum.
             y_NF = int8_product(x_ND, kernel, self.get_variable(QUANT_COLLECTION, KERNEL_SCALE), self.dtype)
         else:
-            y_NF = matmul(x_ND, kernel.astype(self.dtype))
+            # Rounded to the compute dtype inside the product unless a float32 bias comes first.
+            y_NF = dot(x_ND, kernel.astype(self.dtype), out_dtype=jnp.float32 if self.use_bias else self.dtype)
         if self.use_bias:
             bias = self.param("bias", named(nn.initializers.zeros_init(), self.names and self.names[1:]),
                               (self.features,), self.param_dtype)

@@ -74,6 +74,23 @@ def test_products_match_xla(policy, dtype, transpose_a, transpose_b):
 
 
 @needs_library
+@pytest.mark.parametrize("transpose_a, transpose_b", [(False, False), (True, False)])
+def test_bfloat16_results_round_as_xla_converts(policy, transpose_a, transpose_b):
+    """The handler that rounds each piece's rows to bfloat16 itself gives what XLA's convert gives for
+    the same float32 products, bit for bit: ties to even, infinities, NaN (any NaN counts as equal)."""
+    policy("on")
+    m, k, n = 301, 64, 40
+    a, b = operands((k, m) if transpose_a else (m, k), (k, n), jnp.float32, seed=4)
+    a = a.at[0, 0].set(jnp.nan).at[1, 1].set(jnp.inf)  # a NaN row of results, and infinities
+    a, b = a.astype(jnp.bfloat16), (b * 1e3).astype(jnp.bfloat16)
+    rounded = jax.jit(lambda a, b: fast_matmul._library(a, b, transpose_a, transpose_b, jnp.bfloat16))(a, b)
+    converted = jax.jit(lambda a, b: fast_matmul._library(a, b, transpose_a, transpose_b).astype(jnp.bfloat16))(a, b)
+    assert rounded.dtype == jnp.bfloat16
+    assert np.isnan(np.asarray(rounded, np.float32)).any() and np.isinf(np.asarray(rounded, np.float32)).any()
+    np.testing.assert_array_equal(np.asarray(rounded, np.float32), np.asarray(converted, np.float32))
+
+
+@needs_library
 def test_batched_and_vmapped_products(policy):
     policy("on")
     a, b = operands((2, 3, 16, 24), (2, 3, 40, 24), jnp.float32)
