@@ -33,7 +33,7 @@ Bf16GemmFn g_bf16_gemm = nullptr;
 
 // float32 to bfloat16, rounding to nearest even as XLA's convert does; a NaN stays a (quiet) NaN.
 // Branch-free, so the loop vectorizes; cloned for AVX-512 and AVX2, chosen when the library loads.
-__attribute__((target_clones("avx512bw", "avx2", "default")))
+__attribute__((target_clones("avx512f", "avx2", "default")))
 void RoundToBf16(const float* in, uint16_t* out, int64_t count) {
   for (int64_t e = 0; e < count; ++e) {
     uint32_t bits;
@@ -60,7 +60,8 @@ struct Pieces {
   float* c = nullptr;         // the float32 result, or
   uint16_t* c_bf16 = nullptr; // the result rounded to bfloat16, each piece's rows as it finishes them
   int64_t chunks = 1, chunk_rows = 0, total = 0;
-  void (*single_thread)(int) = nullptr;
+  void (*single_thread)(int) = nullptr;  // omp_set_num_threads, or null
+  int (*max_threads)() = nullptr;        // omp_get_max_threads
   std::atomic<int64_t> next{0}, done{0}, failed{0};
 
   void RunPiece(int64_t i) {
@@ -84,19 +85,21 @@ struct Pieces {
   }
 
   void Run() {
-    thread_local bool one_thread = false;
-    if (!one_thread && single_thread != nullptr) {
-      single_thread(1);  // this thread's OpenMP teams: itself alone
-      one_thread = true;
-    }
+    // This thread's OpenMP teams: itself alone while it runs pieces, then what they were. The runtime
+    // may be shared with other libraries in the process (torch loads one with the same soname), and
+    // XLA may run a call on the Python thread that calls them next.
+    int before = single_thread != nullptr ? max_threads() : 0;
+    if (single_thread != nullptr) single_thread(1);
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;) {
       RunPiece(i);
       done.fetch_add(1, std::memory_order_release);
     }
+    if (single_thread != nullptr) single_thread(before);
   }
 };
 
 void (*g_omp_set_num_threads)(int) = nullptr;
+int (*g_omp_get_max_threads)() = nullptr;
 constexpr int64_t kMinChunkRows = 64;  // fewer rows a piece and the gemm's packing of b costs more than it saves
 
 // Operands `[..., rows, cols]` with the same leading (batch) dimensions; `transpose_*` says the stored
@@ -134,7 +137,10 @@ ffi::Error Gemm(ffi::ThreadPool pool, Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b,
   } else {
     p.c_bf16 = reinterpret_cast<uint16_t*>(c->untyped_data());
   }
-  p.single_thread = g_omp_set_num_threads;
+  if (g_omp_set_num_threads != nullptr && g_omp_get_max_threads != nullptr) {
+    p.single_thread = g_omp_set_num_threads;
+    p.max_threads = g_omp_get_max_threads;
+  }
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // Enough pieces for every thread; a lone product splits its rows, a batch goes matrix by matrix.
   p.chunks = batch >= threads ? 1 : std::max<int64_t>(1, std::min((threads + batch - 1) / batch, m / kMinChunkRows));
@@ -221,18 +227,20 @@ static PyObject* Handlers(PyObject*, PyObject*) {
 }
 
 static PyObject* SetGemm(PyObject*, PyObject* args) {
-  unsigned long long sgemm = 0, bf16 = 0, omp_set_num_threads = 0;
-  if (!PyArg_ParseTuple(args, "KKK", &sgemm, &bf16, &omp_set_num_threads)) return nullptr;
+  unsigned long long sgemm = 0, bf16 = 0, omp_set_num_threads = 0, omp_get_max_threads = 0;
+  if (!PyArg_ParseTuple(args, "KKKK", &sgemm, &bf16, &omp_set_num_threads, &omp_get_max_threads)) return nullptr;
   g_sgemm = reinterpret_cast<SgemmFn>(static_cast<uintptr_t>(sgemm));
   g_bf16_gemm = reinterpret_cast<Bf16GemmFn>(static_cast<uintptr_t>(bf16));
   g_omp_set_num_threads = reinterpret_cast<void (*)(int)>(static_cast<uintptr_t>(omp_set_num_threads));
+  g_omp_get_max_threads = reinterpret_cast<int (*)()>(static_cast<uintptr_t>(omp_get_max_threads));
   Py_RETURN_NONE;
 }
 
 static PyMethodDef kMethods[] = {
     {"handlers", Handlers, METH_NOARGS, "The XLA FFI handlers, as capsules keyed by operand dtype."},
     {"set_gemm", SetGemm, METH_VARARGS,
-     "Set the addresses of the float32 and bfloat16 gemm functions and of the library's omp_set_num_threads."},
+     "Set the addresses of the float32 and bfloat16 gemm functions and of the library's omp_set_num_threads "
+     "and omp_get_max_threads."},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_gemm", "Dew's XLA FFI matrix products.", -1,

@@ -84,7 +84,8 @@ def _load() -> tuple[bool, str]:
     address = lambda name: ctypes.cast(getattr(dnnl, name), ctypes.c_void_p).value  # noqa: E731
     # Each piece of a product runs single-threaded on one of XLA's threads (native/gemm.cc); the
     # library's OpenMP runtime, found through its own dependencies, is told so per thread.
-    _native_gemm.set_gemm(address("dnnl_sgemm"), address("dnnl_gemm_bf16bf16f32"), address("omp_set_num_threads"))
+    _native_gemm.set_gemm(address("dnnl_sgemm"), address("dnnl_gemm_bf16bf16f32"), address("omp_set_num_threads"),
+                          address("omp_get_max_threads"))
     for key, capsule in _native_gemm.handlers().items():
         jax.ffi.register_ffi_target(f"dew_gemm_{key}", capsule, platform="cpu")
     return True, f"oneDNN {metadata.version(_DIST)} ({library})"

@@ -194,3 +194,18 @@ def test_auto_measures_large_products_once_and_keeps_small_ones(policy, monkeypa
 
     monkeypatch.setattr(fast_matmul, "measure", measure_again)
     assert fast_matmul.choose(m, k, n, jnp.float32, False, True) == chosen
+
+
+@needs_library
+def test_the_callers_openmp_threads_are_left_as_they_were(policy):
+    """Pieces run with one OpenMP thread each; the thread that ran them gets its setting back, so a
+    library sharing the runtime (torch loads one under the same soname) keeps its threads."""
+    import ctypes
+
+    policy("on")
+    runtime = ctypes.CDLL(str(fast_matmul._library_path()))
+    before = runtime.omp_get_max_threads()
+    a, b = operands((301, 64), (64, 40), jnp.float32)
+    with jax.ensure_compile_time_eval():  # small: XLA may run it on this thread
+        jax.jit(lambda a, b: fast_matmul._library(a, b, False, False))(a, b).block_until_ready()
+    assert runtime.omp_get_max_threads() == before
