@@ -24,7 +24,6 @@ import optax
 
 from benchmarks.common import decoder_flops_per_token, machine, matmul_peak, timed
 from dew import Trainer, models
-from dew.data.dataset import Dataset
 from dew.objectives.lm import LMObjective
 from dew.training.mesh import place_batch
 
