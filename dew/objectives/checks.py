@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 
-def check_decoder_objective(config, *, seq_len: int, ema_decay: float | None, head_chunks: int, rows: str) -> None:
+def check_decoder_objective(config, *, seq_len: int, ema_decay: float | None, head_chunks: int | None, rows: str) -> None:
     """Refuse settings no objective over `config` (a DecoderConfig) can train with.
 
     `rows` names what the objective's rows are in the advice ("windows", "rows"). Refused: attention
     dropout (Dew applies none, so training would not be what the rate asks for), a `seq_len` below 1
-    or past the model's `max_seq_len`, an `ema_decay` outside [0, 1], and `head_chunks` below 1.
+    or past the model's `max_seq_len`, an `ema_decay` outside [0, 1], and `head_chunks` below 1 (None picks the count from the rows).
     """
     if config.attention_dropout > 0:
         raise NotImplementedError(
@@ -25,8 +25,9 @@ def check_decoder_objective(config, *, seq_len: int, ema_decay: float | None, he
         )
     if ema_decay is not None and not 0.0 <= ema_decay <= 1.0:
         raise ValueError(f"ema_decay is {ema_decay}; use a value in [0, 1], or None for no EMA")
-    if head_chunks < 1:
-        raise ValueError(f"head_chunks is {head_chunks}; it must be at least 1")
+    if head_chunks is not None and not (isinstance(head_chunks, int) and head_chunks >= 1):
+        raise ValueError(f"head_chunks is {head_chunks!r}; give a count of vocabulary tiles of at least 1, or None "
+                         "to pick the fewest whose float32 logits fit 64 MiB each")
 
 
 def init_or_check(model, key, seq_len: int, variables, fill=None):

@@ -95,7 +95,7 @@ class GRPOObjective(ScoredByLM, MeanLossNoEffects):
     def __init__(self, model, seq_len: int, reward: Callable[[list[int], list[int]], float], *, group_size: int = 8,
                  max_new_tokens: int = 32, clip: float = 0.2, kl_weight: float = 0.0,
                  sampling: Sampling = Sampling(), pretrained: Variables | None = None,
-                 trainable: PathFilter | str | None = None, head_chunks: int = 4):
+                 trainable: PathFilter | str | None = None, head_chunks: int | None = None):
         self.ema_decay = 1.0 if kl_weight > 0 else None
         self.reads_reference = kl_weight > 0
         check_decoder_objective(model.config, seq_len=seq_len, ema_decay=self.ema_decay, head_chunks=head_chunks,

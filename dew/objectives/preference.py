@@ -205,7 +205,7 @@ class DPOObjective(ScoredByLM, MeanLossNoEffects):
     ema_decay = 1.0
 
     def __init__(self, model, seq_len: int, *, beta: float = 0.1, label_smoothing: float = 0.0,
-                 pretrained: Variables | None = None, trainable: PathFilter | str | None = None, head_chunks: int = 4):
+                 pretrained: Variables | None = None, trainable: PathFilter | str | None = None, head_chunks: int | None = None):
         check_decoder_objective(model.config, seq_len=seq_len, ema_decay=self.ema_decay, head_chunks=head_chunks,
                                 rows="pairs")
         if not beta > 0:

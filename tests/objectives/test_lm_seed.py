@@ -21,8 +21,11 @@ from dew.training.mesh import place_batch
 
 SEQ = 8
 STEP = Step(jnp.zeros((), jnp.int32), jax.random.key(0))
-# jnp.argmax lowers to StableHLO's one variadic reduce: (values, indices) reduced together.
-ARGMAX = re.compile(r"stablehlo\.reduce\(%[\w#.]+ init: %[\w#.]+\), \(%[\w#.]+ init: %[\w#.]+\)")
+# The accuracy's argmax (dew.objectives.lm.loss) is the first column holding a row's maximum: a
+# minimum over int32 columns, a reduction nothing else in the step makes. (jnp.argmax would lower to
+# StableHLO's variadic reduce, (values, indices) together; neither must appear without accuracy.)
+ARGMAX = re.compile(r"stablehlo\.reduce\(%[\w#.]+ init: %[\w#.]+\), \(%[\w#.]+ init: %[\w#.]+\)"
+                    r"|applies stablehlo\.minimum across dimensions = \[\d+\] : \(tensor<[\dx]+xi32>")
 
 
 def _tokens(seed: int = 0, rows: int = 2) -> np.ndarray:

@@ -60,7 +60,7 @@ class MaskedDiffusionObjective(MeanLossNoEffects):
     at masked positions; `token_accuracy=False` skips it) and `masked_fraction`.
     """
 
-    def __init__(self, model, process, seq_len: int, *, ema_decay: float | None = 0.999, head_chunks: int = 4,
+    def __init__(self, model, process, seq_len: int, *, ema_decay: float | None = 0.999, head_chunks: int | None = None,
                  samples: Samples | None = None, pretrained: Variables | None = None,
                  trainable: PathFilter | str | None = None, token_accuracy: bool = True):
         config = model.config

@@ -198,6 +198,10 @@ class LMObjective(PolicyScoring):
     marks padding), and optionally `text_segment_ids`, `text_positions` and, for chat rows,
     `text_roles` (`dew.data.ChatData`). With `loss_role` (a `Role`, or its name) only the targets
     of that role count: in the loss, the accuracy and an accumulation window's token mass.
+
+    The loss scores the vocabulary in `head_chunks` tiles (`dew.objectives.lm.loss`), so no pass
+    holds the `[N, V]` logits whole; None (the default) takes the fewest tiles whose float32 logits
+    fit 64 MiB each, and one tile keeps its logits for the backward pass rather than making them again.
     """
 
     def __init__(
@@ -207,7 +211,7 @@ class LMObjective(PolicyScoring):
         *,
         ema_decay: float | None = 0.999,
         pad_id: int | None = None,
-        head_chunks: int = 4,
+        head_chunks: int | None = None,
         samples: Samples | None = None,
         pretrained: Variables | None = None,
         balance_rate: float | None = None,
