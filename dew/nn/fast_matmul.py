@@ -10,7 +10,7 @@ or a call through `jax.ffi` to oneDNN's row-major gemm (`dnnl_sgemm`, `dnnl_gemm
 builds from `native/gemm.cc`). Both accumulate in float32 and return float32.
 
 Which one runs is decided per product shape (rows, contraction, columns, dtype, transposes) by
-timing both on this machine once; the choice is kept in memory and in a JSON file under
+timing both on this machine once (`measure`); the choice is kept in memory and in a JSON file under
 `$XDG_CACHE_HOME/dew/matmul/` (default `~/.cache`), one file per CPU (its model name, the
 instruction-set flags the kernel dispatch reads, the usable core count) and library version, so a
 machine never reuses another's measurement. Products under 2^24 FLOPs stay XLA's without a
@@ -54,8 +54,9 @@ _DIST = "onednn-cpu-gomp"
 _F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 # (operands' dtype, result's dtype) -> the handler: bfloat16 results are rounded inside the call.
 _TARGETS = {(_F32, _F32): "dew_gemm_f32", (_BF16, _F32): "dew_gemm_bf16", (_BF16, _BF16): "dew_gemm_bf16_to_bf16"}
-# Part of the cache file's name: a change to how native/gemm.cc runs a product invalidates old choices.
-_KERNEL_VERSION = 3
+# Part of the cache file's name: a change to how native/gemm.cc runs a product, or to how `measure`
+# times one, invalidates old choices.
+_KERNEL_VERSION = 4
 _MARGIN = 0.97  # oneDNN must take at most 97% of XLA's time to be chosen: a tie keeps XLA's fusions
 
 
@@ -202,36 +203,38 @@ def choose(m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool, 
 
 
 def measure(m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool,
-            rounds: int = 9, out_dtype=_F32) -> tuple[float, float]:
-    """(XLA's seconds, oneDNN's seconds) for one product, scaled so that their ratio is the median
-    over `rounds` of the ratio within a round. Each round runs XLA's product then oneDNN's back to
-    back, so other work on the machine slows both alike; the median drops the rounds where one side
-    lost its cores (oneDNN's OpenMP team splits its work evenly and waits for a descheduled thread,
-    XLA's pool steals work, so a busy machine slows them differently)."""
+            rounds: int = 9, out_dtype=_F32, together: int = 4) -> tuple[float, float]:
+    """(XLA's seconds, oneDNN's seconds) for one product: each side's fastest of `rounds` rounds.
+
+    A round times `together` independent products of the shape in one compiled call (per product),
+    XLA's then oneDNN's back to back. Several at once, as a step's backward pass runs a linear's input
+    and weight gradients side by side, keep XLA's threads awake and busy the way they are inside a
+    step: timed alone, a product of a millisecond or less mostly measures how fast the sleeping
+    threads wake, and its ratio swung between 0.5x and 1.8x from run to run on one machine. Other
+    work on the machine only ever adds time, so each side's fastest round is its own speed."""
     available, reason = _load()
     if not available:
         raise RuntimeError(f"oneDNN's products are off: {reason}")
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((k, m) if transpose_a else (m, k), np.float32)
-    b = rng.standard_normal((n, k) if transpose_b else (k, n), np.float32)
+    shapes = ((k, m) if transpose_a else (m, k), (n, k) if transpose_b else (k, n))
+    operands = [rng.standard_normal(shape, np.float32) for _ in range(together) for shape in shapes]
+
+    def batched(run):
+        one = functools.partial(run, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
+        return jax.jit(lambda *xs: [one(a, b) for a, b in zip(xs[::2], xs[1::2])])
+
     with jax.ensure_compile_time_eval():
-        a, b = jnp.asarray(a, dtype), jnp.asarray(b, dtype)
-        runs = [jax.jit(functools.partial(run, transpose_a=transpose_a, transpose_b=transpose_b,
-                                          out_dtype=out_dtype))
-                for run in (_xla, _library)]
+        operands = [jnp.asarray(x, dtype) for x in operands]
+        runs = [batched(run) for run in (_xla, _library)]
         for run in runs:
-            run(a, b).block_until_ready()
-        samples = []
+            jax.block_until_ready(run(*operands))
+        best = [float("inf")] * len(runs)
         for _ in range(rounds):
-            pair = []
-            for run in runs:
+            for side, run in enumerate(runs):
                 started = time.perf_counter()
-                run(a, b).block_until_ready()
-                pair.append(time.perf_counter() - started)
-            samples.append(pair)
-    xla_seconds = float(np.median([xla for xla, _ in samples]))
-    ratio = float(np.median([library / xla for xla, library in samples]))
-    return xla_seconds, xla_seconds * ratio
+                jax.block_until_ready(run(*operands))
+                best[side] = min(best[side], (time.perf_counter() - started) / together)
+    return best[0], best[1]
 
 
 def cache_file() -> Path:
