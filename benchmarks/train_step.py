@@ -1,7 +1,7 @@
 """Train-step speed: Dew against transformers' LlamaForCausalLM in torch, same shape, batch and AdamW.
 
     python -m benchmarks.train_step [--shape benchmark|quickstart] [--vocab 256] [--steps 10]
-                                    [--accumulation 4] [--compile] [--matmul auto,off]
+                                    [--accumulation 4,8] [--compile] [--matmul auto,off]
 
 Prints tokens/s for Dew and torch in fp32 and bf16 (torch autocast), each with the batch whole and
 split into micro-batches, the ratio of the best of each, and the achieved FLOP/s beside this
@@ -126,8 +126,9 @@ def main():
     parser.add_argument("--seq", type=int, default=None, help="the shape's own unless given")
     parser.add_argument("--batch", type=int, default=None, help="the shape's own unless given")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--accumulation", type=int, default=4,
-                        help="also time the batch as this many micro-batches (same optimizer step)")
+    parser.add_argument("--accumulation", default="4",
+                        help="also time the batch as this many micro-batches (same optimizer step); "
+                             "comma-separated counts time each")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile (slow to compile)")
     parser.add_argument("--matmul", default=None,
                         help="comma-separated DEW_FAST_MATMUL policies to run Dew under (default: auto,off where "
@@ -145,6 +146,7 @@ def main():
     available, why = fast_matmul.status()
     policies = args.matmul.split(",") if args.matmul else (["auto", "off"] if available else ["off"])
 
+    counts = sorted({1, *(int(count) for count in args.accumulation.split(","))})
     tokens = args.batch * args.seq
     flops = decoder_flops_per_token(shape["num_layers"], shape["emb_features"], shape["num_heads"],
                                     shape["num_kv_heads"], shape["mlp_features"], args.vocab, args.seq) * tokens
@@ -156,12 +158,12 @@ def main():
     torch_bf16 = torch_matmul_flops(torch.bfloat16)
     print(f"torch matmul (512^2): fp32 {torch_matmul_flops(torch.float32) / 1e9:.0f} GFLOP/s, "
           f"bf16 {torch_bf16 / 1e9:.1f} GFLOP/s")
-    print(f"Dew and torch run the {args.batch}-row batch whole and as {args.accumulation} micro-batches "
+    print(f"Dew and torch run the {args.batch}-row batch whole and as {', '.join(map(str, counts[1:]))} micro-batches "
           "(gradients summed, one AdamW step): the same optimizer step either way")
     for precision, dtype in (("fp32", jnp.float32), ("bf16", jnp.bfloat16)):
         ours = {}
         for policy in policies:
-            for accumulation in sorted({1, args.accumulation}):
+            for accumulation in counts:
                 seconds, compile_seconds, _ = dew_step(args.vocab, args.seq, args.batch, dtype, args.steps,
                                                        accumulation, policy=policy, shape=shape)
                 ours[policy, accumulation] = seconds
@@ -176,7 +178,7 @@ def main():
         label = "torch eager" if precision == "fp32" else "torch autocast"
         theirs = {accumulation: torch_step(args.vocab, args.seq, args.batch, precision, args.steps, False, accumulation,
                                            shape)
-                  for accumulation in sorted({1, args.accumulation})}
+                  for accumulation in counts}
         for accumulation, seconds in theirs.items():
             print(f"{precision}: {label}, {accumulation} micro-batch(es): {tokens / seconds:,.0f} tokens/s")
         torch_best = min(theirs.values())
