@@ -63,7 +63,7 @@ test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow'
 
 benchmark: $(STAMP)
-	$(BIN)/python benchmarks/train_step.py
+	$(BIN)/python -m benchmarks.train_step
 
 clean:
 	rm -rf $(VENV) data/tokenizers $(VERSES) data/kjv-bpe data/kjv-gpt2 .pytest_cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -58,7 +59,11 @@ def cpu_model() -> str:
 
 
 def machine() -> str:
-    return f"{cpu_model()}, {jax.local_device_count()} XLA CPU device(s), jax {jax.__version__}"
+    from dew import hugepages
+
+    tunable = hugepages.TUNABLE in os.environ.get("GLIBC_TUNABLES", "")
+    pages = f"huge pages {hugepages.thp_mode() or 'unknown'}, {hugepages.TUNABLE} {'set' if tunable else 'unset'}"
+    return f"{cpu_model()}, {jax.local_device_count()} XLA CPU device(s), jax {jax.__version__}, {pages}"
 
 
 def smollm2_directory() -> str:

@@ -5,7 +5,9 @@
 
 Prints tokens/s for Dew and torch in fp32 and bf16 (torch autocast), each with the batch whole and
 split into micro-batches, the ratio of the best of each, and the achieved FLOP/s beside this
-machine's own 2048-square matmul peak measured in the same run. Dew runs once per `--matmul` policy
+machine's own 2048-square matmul peak measured in the same run. It starts again under glibc's
+huge-page tunable where that applies (`dew.hugepages`, as `dew train` does), so both sides run with
+it; `DEW_HUGEPAGES=0` runs both without. Dew runs once per `--matmul` policy
 (`DEW_FAST_MATMUL`, dew.nn.fast_matmul: `auto` products in oneDNN where measured faster, `off` XLA's
 only, `on` oneDNN's for all), so the policies compare side by side.
 """
@@ -23,7 +25,7 @@ import numpy as np
 import optax
 
 from benchmarks.common import decoder_flops_per_token, machine, matmul_peak, timed
-from dew import Trainer, models
+from dew import Trainer, hugepages, models
 from dew.objectives.lm import LMObjective
 from dew.training.mesh import place_batch
 
@@ -119,6 +121,7 @@ def torch_matmul_flops(dtype, size: int = 512) -> float:
 
 
 def main():
+    hugepages.reexec()  # both sides' buffers in huge pages, as `dew train` runs (DEW_HUGEPAGES=0: not)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="benchmark",
                         help="the model, sequence, batch and vocabulary (quickstart: examples/quickstart.py's)")

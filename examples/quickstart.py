@@ -24,7 +24,7 @@ import time
 import jax
 import optax
 
-from dew import Trainer, metrics, models
+from dew import Trainer, hugepages, metrics, models
 from dew.data import HFTokenizer, Loading, TokenWindows
 from dew.objectives.lm import LMObjective
 from dew.sampling import Sampling, generate
@@ -46,6 +46,7 @@ def settings(sampling: Sampling) -> str:
 
 
 def main():
+    hugepages.reexec()  # XLA's step buffers in transparent huge pages: 9-10% faster here (dew.hugepages)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="data/kjv-bpe", help="directory tools/tokenize_text.py wrote")
     parser.add_argument("--tokenizer", default="kjv-bpe", help="the tokenizer the token files were written with")
