@@ -55,11 +55,19 @@ def dew_step(vocab: int, seq: int, batch: int, dtype, steps: int, accumulation: 
              objective_class=LMObjective, policy: str | None = None, shape: dict = SHAPE) -> tuple[float, float, int]:
     """(seconds per step, seconds for the first step's trace and compile, the step's temporary bytes),
     the products chosen under the `DEW_FAST_MATMUL` `policy` (None: the environment's)."""
+    run, compile_seconds, temp_bytes = dew_runner(vocab, seq, batch, dtype, accumulation, objective_class, policy,
+                                                  shape)
+    return timed(run, steps), compile_seconds, temp_bytes
+
+
+def dew_runner(vocab: int, seq: int, batch: int, dtype, accumulation: int = 1, objective_class=LMObjective,
+               policy: str | None = None, shape: dict = SHAPE):
+    """(a function running one compiled step to completion, the compile seconds, the temporary bytes)."""
     with matmul_policy(policy):
-        return _dew_step(vocab, seq, batch, dtype, steps, accumulation, objective_class, shape)
+        return _dew_runner(vocab, seq, batch, dtype, accumulation, objective_class, shape)
 
 
-def _dew_step(vocab, seq, batch, dtype, steps, accumulation, objective_class, shape):
+def _dew_runner(vocab, seq, batch, dtype, accumulation, objective_class, shape):
     model = models.build("causal_transformer", vocab_size=vocab, max_seq_len=seq, dtype=dtype, **shape)
     objective = objective_class(model, seq, ema_decay=None)
     trainer = Trainer(objective, optax.adamw(1e-3, weight_decay=0.1), key=jax.random.key(0))
@@ -75,13 +83,19 @@ def _dew_step(vocab, seq, batch, dtype, steps, accumulation, objective_class, sh
         holder["state"], out = step(holder["state"], placed)
         jax.block_until_ready(out)
 
-    return timed(run, steps), compile_seconds, step.memory_analysis().temp_size_in_bytes
+    return run, compile_seconds, step.memory_analysis().temp_size_in_bytes
 
 
 def torch_step(vocab: int, seq: int, batch: int, precision: str, steps: int, compiled: bool,
                accumulation: int = 1, shape: dict = SHAPE) -> float:
     """Seconds per AdamW step of transformers' Llama; with `accumulation`, the batch runs as that many
     micro-batches whose gradients add up (each loss scaled by its share), the same optimizer step."""
+    return timed(torch_runner(vocab, seq, batch, precision, compiled, accumulation, shape), steps)
+
+
+def torch_runner(vocab: int, seq: int, batch: int, precision: str, compiled: bool = False, accumulation: int = 1,
+                 shape: dict = SHAPE):
+    """A function running one AdamW step of transformers' Llama (see `torch_step`)."""
     import torch
     import transformers
 
@@ -110,7 +124,19 @@ def torch_step(vocab: int, seq: int, batch: int, precision: str, steps: int, com
             loss.backward()
         optimizer.step()
 
-    return timed(run, steps)
+    return run
+
+
+def interleaved(runs: dict, steps: int, rounds: int) -> dict:
+    """Each run's per-round median seconds a step, timed in `rounds` rounds that take the runs in turn
+    (`steps` steps each): a machine whose speed drifts over minutes slows every side of a round alike."""
+    for run in runs.values():
+        run()
+    seconds = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            seconds[name].append(timed(run, steps, warmup=0))
+    return seconds
 
 
 def torch_matmul_flops(dtype, size: int = 512) -> float:
@@ -136,6 +162,9 @@ def main():
     parser.add_argument("--matmul", default=None,
                         help="comma-separated DEW_FAST_MATMUL policies to run Dew under (default: auto,off where "
                              "oneDNN's path is available, else off)")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="then time Dew's best setting and torch's in this many alternating rounds, the ratio "
+                             "taken within each round (robust to a machine whose speed drifts)")
     parser.add_argument("--torch-bf16", action="store_true",
                         help="time torch autocast bf16 even where torch's bf16 matmul is slow (no AVX512-BF16/AMX)")
     args = parser.parse_args()
@@ -188,6 +217,19 @@ def main():
         for policy in policies:
             mine = min(seconds for (name, _), seconds in ours.items() if name == policy)
             print(f"{precision}: ratio, dew ({policy}) best against {label}'s best: {torch_best / mine:.2f}x")
+        if args.rounds:
+            (policy, accumulation), _ = min(ours.items(), key=lambda item: item[1])
+            theirs_best = min(theirs, key=theirs.get)
+            seconds = interleaved({"dew": dew_runner(args.vocab, args.seq, args.batch, dtype, accumulation,
+                                                     policy=policy, shape=shape)[0],
+                                   "torch": torch_runner(args.vocab, args.seq, args.batch, precision,
+                                                         accumulation=theirs_best, shape=shape)},
+                                  args.steps, args.rounds)
+            ratios = sorted(t / d for d, t in zip(seconds["dew"], seconds["torch"]))
+            print(f"{precision}: {args.rounds} alternating rounds, dew ({policy}, {accumulation} micro-batch(es)) "
+                  f"{tokens / np.median(seconds['dew']):,.0f} tokens/s, {label} ({theirs_best}) "
+                  f"{tokens / np.median(seconds['torch']):,.0f}: ratio {np.median(ratios):.2f}x median of rounds "
+                  f"({ratios[0]:.2f}-{ratios[-1]:.2f})")
         goal = 1.3 if precision == "fp32" else 1.2  # issue 17's targets
         print(f"{precision}: ratio, best against best: {torch_best / best:.2f}x; {goal}x torch would take "
               f"{goal * flops / torch_best / 1e9:.0f} GFLOP/s, {goal * flops / torch_best / peaks[precision]:.0%} "
