@@ -70,7 +70,8 @@ def _owns_command_line() -> bool:
     if program == argv[0]:  # a script, or a console script such as `dew`
         return True
     module = program.replace(".", "/")  # `python -m package.module`: argv[0] is its file
-    return original[len(original) - len(argv) - 1] == "-m" and argv[0].endswith((f"{module}.py", f"{module}/__main__.py"))
+    flag = original[len(original) - len(argv) - 1]
+    return flag == "-m" and argv[0].endswith((f"{module}.py", f"{module}/__main__.py"))
 
 
 def reexec() -> None:

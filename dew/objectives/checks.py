@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 
-def check_decoder_objective(config, *, seq_len: int, ema_decay: float | None, head_chunks: int | None, rows: str) -> None:
+def check_decoder_objective(config, *, seq_len: int, ema_decay: float | None, head_chunks: int | None,
+                            rows: str) -> None:
     """Refuse settings no objective over `config` (a DecoderConfig) can train with.
 
     `rows` names what the objective's rows are in the advice ("windows", "rows"). Refused: attention
     dropout (Dew applies none, so training would not be what the rate asks for), a `seq_len` below 1
-    or past the model's `max_seq_len`, an `ema_decay` outside [0, 1], and `head_chunks` below 1 (None picks the count from the rows).
+    or past the model's `max_seq_len`, an `ema_decay` outside [0, 1], and `head_chunks` below 1 (None
+    picks the count from the rows).
     """
     if config.attention_dropout > 0:
         raise NotImplementedError(

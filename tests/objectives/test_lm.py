@@ -10,7 +10,6 @@ import numpy as np
 import optax
 import pytest
 
-from dew import models
 from dew.metrics import perplexity
 from dew.objectives.base import Mean, Step
 from dew.objectives.lm import LMObjective, LMStatistics, prompt_batch
@@ -216,6 +215,8 @@ def test_bad_configuration_is_refused_by_name(tiny_model):
     with pytest.raises(ValueError, match=r"balance_rate=0.01\) acts on the routers of a mixture of experts, and this "
                                          "model has none"):
         LMObjective(tiny_model, seq_len=8, balance_rate=0.01)
+    with pytest.raises(ValueError, match=r"head_chunks is 0; give a count of vocabulary tiles of at least 1, or None"):
+        LMObjective(tiny_model, seq_len=8, head_chunks=0)
 
 
 def test_prompt_batch():

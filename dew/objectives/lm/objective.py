@@ -199,9 +199,9 @@ class LMObjective(PolicyScoring):
     `text_roles` (`dew.data.ChatData`). With `loss_role` (a `Role`, or its name) only the targets
     of that role count: in the loss, the accuracy and an accumulation window's token mass.
 
-    The loss scores the vocabulary in `head_chunks` tiles (`dew.objectives.lm.loss`), so no pass
-    holds the `[N, V]` logits whole; None (the default) takes the fewest tiles whose float32 logits
-    fit 64 MiB each, and one tile keeps its logits for the backward pass rather than making them again.
+    The loss scores the vocabulary in `head_chunks` tiles (`dew.objectives.lm.loss`), so a pass holds
+    one tile's logits at a time; None (the default) takes the fewest tiles whose float32 logits fit
+    64 MiB each, and a single tile keeps its logits for the backward pass rather than making them again.
     """
 
     def __init__(
