@@ -61,8 +61,8 @@ def cpu_model() -> str:
 def machine() -> str:
     from dew import hugepages
 
-    tunable = hugepages.TUNABLE in os.environ.get("GLIBC_TUNABLES", "")
-    pages = f"huge pages {hugepages.thp_mode() or 'unknown'}, {hugepages.TUNABLE} {'set' if tunable else 'unset'}"
+    value = hugepages.tunable(os.environ)
+    pages = f"huge pages {hugepages.thp_mode() or 'unknown'}, {hugepages.TUNABLE}={'unset' if value is None else value}"
     return f"{cpu_model()}, {jax.local_device_count()} XLA CPU device(s), jax {jax.__version__}, {pages}"
 
 

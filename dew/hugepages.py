@@ -9,9 +9,9 @@ makes malloc ask for them: measured on a 2-core Zen 4 EPYC, the quick start's fl
 faster and the benchmark's 3% (`docs/performance.md`).
 
 glibc reads its tunables once, when the process starts, so a process can only get this by starting
-again: `reexec()` replaces a process that owns its command line (`dew`'s commands, the example
-scripts) with itself under the tunable, before any work. A library call never does. `DEW_HUGEPAGES=0`
-keeps the process as it is.
+again: `reexec()` replaces a process that owns its command line (`dew train`, the quick-start
+example, the train-step benchmark) with itself under the tunable, before any work. A library call
+never does. `DEW_HUGEPAGES=0` keeps the process as it is.
 """
 
 from __future__ import annotations
@@ -42,12 +42,18 @@ def environment(environ: dict[str, str], thp_mode: str | None, libc: tuple[str, 
         return None
     if name != "glibc" or (major, minor) < (2, 35):
         return None
-    tunables = environ.get("GLIBC_TUNABLES", "")
-    if any(entry.split("=", 1)[0] == TUNABLE for entry in tunables.split(":") if entry):
+    if tunable(environ) is not None:
         return None
+    tunables = environ.get("GLIBC_TUNABLES", "")
     # _AGAIN marks the started-again process: where something strips GLIBC_TUNABLES (a setuid
     # interpreter), it does not start again and again.
     return {**environ, "GLIBC_TUNABLES": f"{tunables}:{TUNABLE}=1" if tunables else f"{TUNABLE}=1", _AGAIN: "1"}
+
+
+def tunable(environ) -> str | None:
+    """The value `GLIBC_TUNABLES` in `environ` gives `glibc.malloc.hugetlb`, None where it gives none."""
+    entries = (entry.split("=", 1) for entry in environ.get("GLIBC_TUNABLES", "").split(":") if entry)
+    return next((pair[1] if len(pair) == 2 else "" for pair in entries if pair[0] == TUNABLE), None)
 
 
 def thp_mode() -> str | None:

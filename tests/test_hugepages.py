@@ -19,6 +19,12 @@ def test_environment_adds_the_tunable_and_marks_the_second_start():
     assert kept["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
 
 
+def test_tunable_reads_its_own_entry_among_others():
+    assert hugepages.tunable({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0"}) == "0"
+    assert hugepages.tunable({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) is None
+    assert hugepages.tunable({}) is None
+
+
 @pytest.mark.parametrize("environ, mode, libc", [
     ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "madvise", GLIBC),  # the user chose a value
     ({"DEW_HUGEPAGES": "0"}, "madvise", GLIBC),  # asked off
