@@ -46,4 +46,7 @@ class GatedMLP(nn.Module):
                                                      param_dtype=self.param_dtype, names=names, name=name)
         gate = dense(self.features, ("embed", "mlp"), "gate_proj")(x)
         up = dense(self.features, ("embed", "mlp"), "up_proj")(x)
-        return dense(x.shape[-1], ("mlp", "embed"), "down_proj")(ACTIVATIONS[self.activation](gate) * up)
+        # The activation in float32, rounded once, as torch's bfloat16 kernels compute it (and half the
+        # elementwise passes of a bfloat16 chain, which XLA's CPU backend runs slowly).
+        act = ACTIVATIONS[self.activation](gate.astype(jnp.float32)).astype(gate.dtype)
+        return dense(x.shape[-1], ("mlp", "embed"), "down_proj")(act * up)

@@ -121,3 +121,29 @@ def test_decoder_config_reads_scaling_back_from_json_and_stays_hashable():
     with pytest.raises(ValueError, match="local_rope_scaling applies to sliding layers"):
         models.build("causal_transformer", vocab_size=8, emb_features=32, num_layers=2, num_heads=4,
                      local_rope_scaling=scaling)
+
+
+def test_rotation_backward_matches_autodiff_of_the_rotation():
+    """`apply_rotary`'s own backward (the cotangent rotated back) against autodiff of the rotation as
+    written, for the input and both tables, in float32; and the cotangent keeps a bfloat16 input's dtype.
+    Each cotangent element is the same two products and one sum either way (`-rotate_half(g) * sin` is
+    the transpose of `rotate_half(x) * sin` because the table's halves are equal), so only the order of
+    an add or a fused multiply-add may differ: a few float32 ulps of the larger term."""
+    import jax
+
+    from dew.nn.rotary import _rotate, apply_rotary
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 6, 3, 8)), jnp.float32)
+    cos, sin = rotary_angles(jnp.broadcast_to(jnp.arange(6), (2, 6)) * 7 + 3, 8, 100.0)
+    g = jnp.asarray(rng.standard_normal((2, 6, 3, 8)), jnp.float32)
+    ours = jax.vjp(apply_rotary, x, cos, sin)[1](g)
+    plain = jax.vjp(_rotate, x, cos, sin)[1](g)
+    for name, a, b in zip(("x", "cos", "sin"), ours, plain):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6, err_msg=name)
+    assert np.asarray(ours[0]).any() and np.asarray(ours[1]).any()
+    dx_bf16 = jax.vjp(lambda v: apply_rotary(v, cos, sin), x.astype(jnp.bfloat16))[1](g.astype(jnp.bfloat16))[0]
+    assert dx_bf16.dtype == jnp.bfloat16
+    # bfloat16 (8 significant bits) rounds the input, the cotangent and the result, each by 2^-9
+    # relative; the terms are under 4 in size.
+    np.testing.assert_allclose(np.asarray(dx_bf16, np.float32), np.asarray(ours[0]), rtol=0.02, atol=0.05)
