@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from dew.nn import fast_softmax
 from dew.nn.fast_matmul import dot
+from dew.nn.fast_softmax import MASKED
 from dew.nn.kv_cache import AttentionCache
 from dew.nn.linear import Linear
 from dew.nn.norms import RMSNorm
 from dew.nn.rotary import RopeScaling, apply_rotary
 
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def attention_mask(
@@ -68,11 +69,16 @@ def attend(q_BSHD, k_BKTD, v_BKTD, mask_BST, *, causal_blocks: bool = False, sca
         rows = H // K * (stop - start)  # a group's queries of the block, one matrix per (row, kv head)
         q_BKRD = q_BKGSD[:, :, :, start:stop].reshape(B, K, rows, D)
         scores_BKGST = dot(q_BKRD, k_BKTD[:, :, :end], transpose_b=True).reshape(B, K, H // K, stop - start, end)
-        scores_BKGST = scores_BKGST * scale
-        if softcap is not None:
-            scores_BKGST = softcap * jnp.tanh(scores_BKGST / softcap)
-        scores_BKGST = jnp.where(mask_BST[:, None, None, start:stop, :end], scores_BKGST, _MASKED)
-        probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(v_BKTD.dtype)
+        if softcap is None and fast_softmax.usable(v_BKTD.dtype):
+            probs_BHRT = fast_softmax.masked_softmax(scores_BKGST.reshape(B, H, stop - start, end),
+                                                     mask_BST[:, start:stop, :end], scale, v_BKTD.dtype)
+            probs_BKGST = probs_BHRT.reshape(scores_BKGST.shape)
+        else:
+            scores_BKGST = scores_BKGST * scale
+            if softcap is not None:
+                scores_BKGST = softcap * jnp.tanh(scores_BKGST / softcap)
+            scores_BKGST = jnp.where(mask_BST[:, None, None, start:stop, :end], scores_BKGST, MASKED)
+            probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(v_BKTD.dtype)
         out_BKRD = dot(probs_BKGST.reshape(B, K, rows, end), v_BKTD[:, :, :end], out_dtype=q_BSHD.dtype)
         outputs.append(out_BKRD.reshape(B, K, H // K, stop - start, v_BKTD.shape[-1]))
     out_BKGSD = outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs, axis=3)

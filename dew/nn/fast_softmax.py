@@ -1,0 +1,99 @@
+"""Attention's masked softmax in one pass a row, forward and backward, by Dew's own kernel.
+
+`masked_softmax(scores, mask, scale, out_dtype)` is `jax.nn.softmax(jnp.where(mask, scores * scale,
+MASKED))` rounded to `out_dtype`, and its gradient is that expression's. XLA's CPU backend runs it as
+five to seven passes over the scores (scale, select, max, exp, sum, divide, round; the backward's
+product, sum, difference, product, select, scale), each through memory; the extension
+`dew._native_softmax` (`native/softmax.cc`, built by `pip install`) takes each row once, while it is
+in cache. Its results differ from XLA's by the exponential (a polynomial within 2 ulps, as XLA's
+own is) and the order of each row's sums.
+
+It runs where `dew.nn.fast_matmul`'s products may (`status()`): the CPU backend, one device, the
+extension built, and `DEW_FAST_MATMUL` not `off` (`auto` and `on` both take it, at any size: one pass
+instead of several costs less on any CPU, and the tests compare the two paths).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import numpy as np
+
+from dew.nn import fast_matmul
+from dew.nn.native import import_extension, several_devices
+
+MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked score: exp(MASKED - max) is 0, yet finite
+_F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+
+
+@functools.cache
+def _load() -> tuple[bool, str]:
+    native, why = import_extension("softmax")
+    if native is None:
+        return False, why
+    for key, capsule in native.handlers().items():
+        jax.ffi.register_ffi_target(f"dew_softmax_{key}", capsule, platform="cpu")
+    return True, "Dew's kernel (dew._native_softmax)"
+
+
+def status() -> tuple[bool, str]:
+    """(whether attention's softmax may run in Dew's kernel in this process, why or why not)."""
+    if fast_matmul.mode() == "off":
+        return False, "turned off by DEW_FAST_MATMUL=off"
+    shared = several_devices()
+    return (False, shared) if shared else _load()
+
+
+def usable(out_dtype) -> bool:
+    """Whether `masked_softmax` may run to `out_dtype` (float32 or bfloat16) in this process."""
+    return jnp.dtype(out_dtype) in (_F32, _BF16) and status()[0]
+
+
+def reference(scores_BHRT: jax.Array, mask_BRT: jax.Array, scale: float, out_dtype) -> jax.Array:
+    """The same softmax in XLA's operations: what the kernel computes, and what runs where it cannot."""
+    x = jnp.where(mask_BRT[:, None], scores_BHRT * scale, MASKED)
+    return jax.nn.softmax(x, axis=-1).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def masked_softmax(scores_BHRT: jax.Array, mask_BRT: jax.Array, scale: float, out_dtype) -> jax.Array:
+    """Softmax over the last axis of float32 `scores * scale` `[B, H, R, T]`, where the boolean
+    `mask` `[B, R, T]` (shared by the H heads) is true, rounded to `out_dtype`."""
+    return _forward(scores_BHRT, mask_BRT, scale, out_dtype)[0]
+
+
+def _forward(scores_BHRT, mask_BRT, scale, out_dtype):
+    """(the probabilities in `out_dtype`, the probabilities in float32 for the backward)."""
+    if scores_BHRT.dtype != _F32 or scores_BHRT.ndim != 4 or mask_BRT.shape != (
+            scores_BHRT.shape[0], *scores_BHRT.shape[2:]):
+        raise ValueError(f"masked_softmax takes float32 scores [B, H, R, T] and a mask [B, R, T]; got "
+                         f"{scores_BHRT.dtype} {scores_BHRT.shape} and {mask_BRT.shape}")
+    f32 = jax.ShapeDtypeStruct(scores_BHRT.shape, _F32)
+    mask_BRT = mask_BRT.astype(jnp.bool_)
+    if jnp.dtype(out_dtype) == _BF16:
+        call = jax.ffi.ffi_call("dew_softmax_bf16", (f32, jax.ShapeDtypeStruct(scores_BHRT.shape, _BF16)),
+                                vmap_method="sequential")
+        probs32, probs = call(scores_BHRT, mask_BRT, scale=np.float32(scale), masked=np.float32(MASKED))
+        return probs, probs32
+    call = jax.ffi.ffi_call("dew_softmax_f32", f32, vmap_method="sequential")
+    probs32 = call(scores_BHRT, mask_BRT, scale=np.float32(scale), masked=np.float32(MASKED))
+    return probs32.astype(out_dtype), probs32
+
+
+def _masked_softmax_fwd(scores_BHRT, mask_BRT, scale, out_dtype):
+    probs, probs32 = _forward(scores_BHRT, mask_BRT, scale, out_dtype)
+    return probs, (probs32, mask_BRT.astype(jnp.bool_))
+
+
+def _masked_softmax_bwd(scale, out_dtype, residuals, g):
+    probs32, mask_BRT = residuals
+    target = "dew_softmax_grad_bf16" if g.dtype == _BF16 else "dew_softmax_grad_f32"
+    g = g if g.dtype == _BF16 else g.astype(_F32)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(probs32.shape, _F32), vmap_method="sequential")
+    return call(probs32, g, mask_BRT, scale=np.float32(scale)), None
+
+
+masked_softmax.defvjp(_masked_softmax_fwd, _masked_softmax_bwd)

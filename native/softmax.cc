@@ -1,0 +1,291 @@
+// XLA FFI handlers for attention's masked softmax and its backward, one pass over each row.
+//
+// Scores `[B, H, R, T]` float32 (the raw `q . k` products), a mask `[B, R, T]` shared by the H heads
+// of a row, a scale and the value a masked score takes:
+//   forward   x = mask ? s * scale : masked;  p = exp(x - max(x)) / sum(exp(x - max(x)))
+//   backward  ds = mask ? (p * (g - sum(g * p))) * scale : 0
+// which is what `jnp.where` and `jax.nn.softmax` compute and differentiate, in the same roundings but
+// for the exponential (a polynomial here, within 2 ulps, as XLA's own is) and the order of the sums.
+// XLA's CPU backend runs the same math as five to seven passes over the scores, each reading and
+// writing them from memory; a row here (a few hundred floats) stays in the first-level cache.
+#include <Python.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <type_traits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// exp(x) for float32: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-7 Taylor-like polynomial
+// (the minimax coefficients of Cephes' expf), times 2^n built in the exponent bits. Within 2 ulps of
+// the exact result for x in [-87.3, 88.7]; 0 below (XLA's gives a subnormal there, under 1e-38),
+// +inf above. Branch-free, so the loops that call it vectorize.
+inline float Exp(float x) {
+  const float lo = -87.33654f, hi = 88.72283f;
+  float clamped = std::min(std::max(x, lo), hi);
+  float n = std::nearbyint(clamped * 1.44269504088896341f);
+  float r = clamped - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  float result = p * two_n;
+  result = x < lo ? 0.0f : result;
+  return x > hi ? HUGE_VALF : result;
+}
+
+inline uint16_t RoundToBf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  uint32_t nearest = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  uint32_t quiet_nan = ((bits >> 16) & 0x8000u) | 0x7fc0u;
+  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : nearest);
+}
+
+inline float Bf16ToFloat(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
+
+// Sums and maxima over a row are kept in kLanes partial results (one vector register), so the loops
+// vectorize without letting the compiler reorder float arithmetic on its own.
+constexpr int kLanes = 16;
+
+// One row of the forward: `p` gets the probabilities, `p_bf16` (when not null) them rounded.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void ForwardRow(const float* s, const bool* mask, float* p, uint16_t* p_bf16, int64_t t, float scale, float masked) {
+  float tops[kLanes], sums[kLanes];
+  for (int l = 0; l < kLanes; ++l) tops[l] = -HUGE_VALF, sums[l] = 0.0f;
+  int64_t body = t - t % kLanes;
+  for (int64_t j = 0; j < body; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      float x = mask[j + l] ? s[j + l] * scale : masked;
+      p[j + l] = x;
+      tops[l] = std::max(tops[l], x);
+    }
+  float top = -HUGE_VALF;
+  for (int l = 0; l < kLanes; ++l) top = std::max(top, tops[l]);
+  for (int64_t j = body; j < t; ++j) {
+    p[j] = mask[j] ? s[j] * scale : masked;
+    top = std::max(top, p[j]);
+  }
+  for (int64_t j = 0; j < body; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      float e = Exp(p[j + l] - top);
+      p[j + l] = e;
+      sums[l] += e;
+    }
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; ++l) sum += sums[l];
+  for (int64_t j = body; j < t; ++j) {
+    p[j] = Exp(p[j] - top);
+    sum += p[j];
+  }
+  for (int64_t j = 0; j < t; ++j) p[j] = p[j] / sum;
+  if (p_bf16 != nullptr)
+    for (int64_t j = 0; j < t; ++j) p_bf16[j] = RoundToBf16(p[j]);
+}
+
+// One row of the backward, the cotangent `g` in float32 or bfloat16 bits.
+template <typename G>
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void BackwardRow(const float* p, const G* g, const bool* mask, float* ds, int64_t t, float scale) {
+  auto load = [](G value) {
+    if constexpr (std::is_same_v<G, float>) {
+      return value;
+    } else {
+      return Bf16ToFloat(value);
+    }
+  };
+  float dots[kLanes] = {};
+  int64_t body = t - t % kLanes;
+  for (int64_t j = 0; j < body; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) dots[l] += load(g[j + l]) * p[j + l];
+  float dot = 0.0f;
+  for (int l = 0; l < kLanes; ++l) dot += dots[l];
+  for (int64_t j = body; j < t; ++j) dot += load(g[j]) * p[j];
+  for (int64_t j = 0; j < t; ++j) ds[j] = mask[j] ? (p[j] * (load(g[j]) - dot)) * scale : 0.0f;
+}
+
+// Rows divide into pieces that XLA's intra-op threads claim (as in native/gemm.cc); shared by pointer,
+// since a pool task may start after the call has returned (it then finds nothing to claim).
+struct Rows {
+  int64_t heads = 0, rows = 0, t = 0, total = 0, per_piece = 0, pieces = 0;
+  std::function<void(int64_t row, int64_t mask_row)> run;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void Work() {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < pieces;) {
+      int64_t first = i * per_piece, last = std::min(total, first + per_piece);
+      for (int64_t row = first; row < last; ++row) {
+        // Row `row` of [B, H, R]: its batch is row / (H R), its query row % R.
+        int64_t batch = row / (heads * rows), query = row % rows;
+        run(row, batch * rows + query);
+      }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error RunRows(ffi::ThreadPool pool, ffi::Span<const int64_t> dims, ffi::Span<const int64_t> mask_dims,
+                   std::function<void(int64_t, int64_t)> run) {
+  if (dims.size() != 4 || mask_dims.size() != 3)
+    return ffi::Error::InvalidArgument("dew softmax: scores must be [B, H, R, T] and the mask [B, R, T]");
+  if (mask_dims[0] != dims[0] || mask_dims[1] != dims[2] || mask_dims[2] != dims[3])
+    return ffi::Error::InvalidArgument("dew softmax: the mask's [B, R, T] differ from the scores'");
+  auto work = std::make_shared<Rows>();
+  work->heads = dims[1], work->rows = dims[2], work->t = dims[3];
+  work->total = dims[0] * dims[1] * dims[2];
+  if (work->total == 0 || work->t == 0) return ffi::Error::Success();
+  work->run = std::move(run);
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // A few pieces a thread, so one descheduled thread costs little; at least 16 rows a piece.
+  work->per_piece = std::max<int64_t>(16, (work->total + 4 * threads - 1) / (4 * threads));
+  work->pieces = (work->total + work->per_piece - 1) / work->per_piece;
+  int64_t helpers = std::min(threads, work->pieces) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work->Work(); });
+  work->Work();
+  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->pieces; ++spins) {
+    if (spins > 1024) std::this_thread::yield();
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error SoftmaxF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::PRED> mask,
+                      ffi::Result<ffi::Buffer<ffi::F32>> probs, float scale, float masked) {
+  const float* s = scores.typed_data();
+  const bool* m = mask.typed_data();
+  float* p = probs->typed_data();
+  int64_t t = scores.dimensions().back();
+  return RunRows(pool, scores.dimensions(), mask.dimensions(), [=](int64_t row, int64_t mask_row) {
+    ForwardRow(s + row * t, m + mask_row * t, p + row * t, nullptr, t, scale, masked);
+  });
+}
+
+ffi::Error SoftmaxBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::PRED> mask,
+                       ffi::Result<ffi::Buffer<ffi::F32>> probs, ffi::Result<ffi::Buffer<ffi::BF16>> rounded,
+                       float scale, float masked) {
+  const float* s = scores.typed_data();
+  const bool* m = mask.typed_data();
+  float* p = probs->typed_data();
+  uint16_t* r = reinterpret_cast<uint16_t*>(rounded->untyped_data());
+  int64_t t = scores.dimensions().back();
+  return RunRows(pool, scores.dimensions(), mask.dimensions(), [=](int64_t row, int64_t mask_row) {
+    ForwardRow(s + row * t, m + mask_row * t, p + row * t, r + row * t, t, scale, masked);
+  });
+}
+
+template <ffi::DataType GType, typename G>
+ffi::Error SoftmaxGrad(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::Buffer<GType> grad,
+                       ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::Buffer<ffi::F32>> dscores, float scale) {
+  const float* p = probs.typed_data();
+  const G* g = reinterpret_cast<const G*>(grad.untyped_data());
+  const bool* m = mask.typed_data();
+  float* ds = dscores->typed_data();
+  int64_t t = probs.dimensions().back();
+  return RunRows(pool, probs.dimensions(), mask.dimensions(), [=](int64_t row, int64_t mask_row) {
+    BackwardRow<G>(p + row * t, g + row * t, m + mask_row * t, ds + row * t, t, scale);
+  });
+}
+
+ffi::Error SoftmaxGradF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::Buffer<ffi::F32> grad,
+                          ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::Buffer<ffi::F32>> dscores, float scale) {
+  return SoftmaxGrad<ffi::F32, float>(pool, probs, grad, mask, dscores, scale);
+}
+
+ffi::Error SoftmaxGradBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::Buffer<ffi::BF16> grad,
+                           ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::Buffer<ffi::F32>> dscores, float scale) {
+  return SoftmaxGrad<ffi::BF16, uint16_t>(pool, probs, grad, mask, dscores, scale);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewSoftmaxF32, SoftmaxF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("masked"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewSoftmaxBF16, SoftmaxBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("masked"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewSoftmaxGradF32, SoftmaxGradF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewSoftmaxGradBF16, SoftmaxGradBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+// Python module: handlers() -> {"f32", "bf16", "grad_f32", "grad_bf16": capsule}.
+static PyObject* Handlers(PyObject*, PyObject*) {
+  struct Entry {
+    const char* key;
+    void* handler;
+  };
+  const Entry entries[] = {{"f32", reinterpret_cast<void*>(&DewSoftmaxF32)},
+                           {"bf16", reinterpret_cast<void*>(&DewSoftmaxBF16)},
+                           {"grad_f32", reinterpret_cast<void*>(&DewSoftmaxGradF32)},
+                           {"grad_bf16", reinterpret_cast<void*>(&DewSoftmaxGradBF16)}};
+  PyObject* out = PyDict_New();
+  if (out == nullptr) return nullptr;
+  for (const Entry& entry : entries) {
+    PyObject* capsule = PyCapsule_New(entry.handler, nullptr, nullptr);
+    if (capsule == nullptr || PyDict_SetItemString(out, entry.key, capsule) != 0) {
+      Py_XDECREF(capsule);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(capsule);
+  }
+  return out;
+}
+
+static PyMethodDef kMethods[] = {
+    {"handlers", Handlers, METH_NOARGS, "The XLA FFI handlers, as capsules keyed by dtype and direction."},
+    {nullptr, nullptr, 0, nullptr}};
+
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_softmax", "Dew's XLA FFI attention softmax.", -1,
+                              kMethods};
+
+PyMODINIT_FUNC PyInit__native_softmax(void) { return PyModule_Create(&kModule); }
