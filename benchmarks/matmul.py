@@ -41,6 +41,9 @@ def main():
     available, why = fast_matmul.status()
     print(f"machine: {machine()}, torch {torch.__version__} with {torch.get_num_threads()} threads")
     print(f"oneDNN products: {why}")
+    bfloat16, why_not = fast_matmul.status(jnp.bfloat16)
+    if not bfloat16:
+        print(f"bfloat16: {why_not}")
     if not available:
         raise SystemExit("nothing to compare: oneDNN's path is off here")
     n, d, f = args.rows, args.width, args.mlp
@@ -57,8 +60,10 @@ def main():
             a, b = jnp.asarray(a_np, dtype), jnp.asarray(b_np, dtype)
             ta, tb = torch.from_numpy(a_np).to(torch_dtype), torch.from_numpy(b_np).to(torch_dtype)
             ta, tb = (ta.T if transpose_a else ta), (tb.T if transpose_b else tb)
+            library = fast_matmul.status(dtype)[0]
             sides = {side: jax.jit(functools.partial(run, transpose_a=transpose_a, transpose_b=transpose_b))
-                     for side, run in (("xla", fast_matmul._xla), ("onednn", fast_matmul._library))}
+                     for side, run in (("xla", fast_matmul._xla), ("onednn", fast_matmul._library))
+                     if library or side == "xla"}
             runs = {side: (lambda call=call: call(a, b).block_until_ready()) for side, call in sides.items()}
             runs["torch"] = lambda: ta @ tb
             for run in runs.values():
@@ -70,8 +75,9 @@ def main():
             rate = {side: 2 * m * k * cols / statistics.median(times) / 1e9 for side, times in samples.items()}
             with jax.ensure_compile_time_eval():
                 picks = "oneDNN" if fast_matmul.choose(m, k, cols, dtype, transpose_a, transpose_b) else "XLA"
+            onednn = f"{rate['onednn']:7.0f}" if "onednn" in rate else f"{'-':>7}"
             print(f"{name:<15} {jnp.dtype(dtype).name:<9} {f'{m} x {k} x {cols}':<20} {rate['xla']:6.0f} "
-                  f"{rate['onednn']:7.0f} {rate['torch']:6.0f}  {picks}")
+                  f"{onednn} {rate['torch']:6.0f}  {picks}")
 
 
 if __name__ == "__main__":

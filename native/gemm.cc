@@ -77,8 +77,11 @@ struct Pieces {
     } else {
       out += (item * m + row) * n;
     }
-    if (fn(trans_a, trans_b, rows, n, k, 1.0f, pa, lda, b + item * b_size, ldb, 0.0f, out, n) != 0)
-      failed.fetch_add(1, std::memory_order_relaxed);
+    int status = fn(trans_a, trans_b, rows, n, k, 1.0f, pa, lda, b + item * b_size, ldb, 0.0f, out, n);
+    if (status != 0) {
+      int64_t none = 0;  // keep the first piece's status
+      failed.compare_exchange_strong(none, status, std::memory_order_relaxed);
+    }
     if (c_bf16 != nullptr) {
       RoundToBf16(out, c_bf16 + (item * m + row) * n, rows * n);
     }
@@ -153,7 +156,12 @@ ffi::Error Gemm(ffi::ThreadPool pool, Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b,
   for (int spins = 0; p.done.load(std::memory_order_acquire) < p.total; ++spins) {
     if (spins > 1024) std::this_thread::yield();
   }
-  if (p.failed.load() != 0) return ffi::Error::Internal("dew gemm: the library returned an error status");
+  if (int64_t status = p.failed.load(); status != 0) {
+    // dnnl_status_t: 3 is dnnl_unimplemented, what the bfloat16 gemm says on a CPU without the
+    // instructions it needs (Python's side asks it once and keeps such products in XLA).
+    return ffi::Error::Internal("dew gemm: oneDNN's gemm returned status " + std::to_string(status) +
+                                (status == 3 ? " (unimplemented on this CPU)" : ""));
+  }
   return ffi::Error::Success();
 }
 

@@ -103,13 +103,36 @@ def _library_path() -> Path:
     raise LookupError(f"the {_DIST} wheel holds no libdnnl.so")
 
 
-def status() -> tuple[bool, str]:
-    """(whether products may run in oneDNN in this process, why or why not)."""
+def status(dtype=_F32) -> tuple[bool, str]:
+    """(whether products of `dtype` operands may run in oneDNN in this process, why or why not)."""
     policy = mode()
     if policy == "off":
         return False, "turned off by DEW_FAST_MATMUL=off"
     shared = several_devices()
-    return (False, shared) if shared else _load()
+    if shared:
+        return False, shared
+    available, why = _load()
+    if available and jnp.dtype(dtype) == _BF16:
+        return _bfloat16()
+    return available, why
+
+
+@functools.cache
+def _bfloat16() -> tuple[bool, str]:
+    """Whether oneDNN's bfloat16 gemm runs on this CPU: it needs AVX512-core (or AVX2-VNNI-2) and says
+    `dnnl_unimplemented` elsewhere (AVX2-only CPUs), where bfloat16 products stay XLA's. Asked once,
+    with a 1 x 1 x 1 product."""
+    gemm = ctypes.CDLL(str(_library_path())).dnnl_gemm_bf16bf16f32
+    gemm.restype = ctypes.c_int
+    size, pointer, real = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    gemm.argtypes = [ctypes.c_char, ctypes.c_char, size, size, size, real, pointer, size, pointer, size, real,
+                     pointer, size]
+    one, two, out = np.array([0x3F80], np.uint16), np.array([0x4000], np.uint16), np.zeros(1, np.float32)
+    code = gemm(b"N", b"N", 1, 1, 1, 1.0, one.ctypes.data, 1, two.ctypes.data, 1, 0.0, out.ctypes.data, 1)
+    if code != 0 or out[0] != 2.0:
+        return False, (f"oneDNN's bfloat16 gemm is unavailable on this CPU (status {code}: it needs AVX512-core "
+                       "or AVX2-VNNI-2); bfloat16 products stay XLA's")
+    return True, f"oneDNN {metadata.version(_DIST)} (bfloat16 gemm)"
 
 
 def _xla(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool, out_dtype=_F32) -> jax.Array:
@@ -185,7 +208,7 @@ def choose(m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool, 
     """Whether an `[m, k] x [k, n]` product in `dtype` returning `out_dtype` runs in oneDNN (see the
     module's policy)."""
     dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype)
-    if (dtype, _F32) not in _TARGETS or min(m, k, n) == 0 or not status()[0]:
+    if (dtype, _F32) not in _TARGETS or min(m, k, n) == 0 or not status(dtype)[0]:
         return False
     if mode() == "on":
         return True
@@ -213,6 +236,8 @@ def measure(m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool,
     threads wake, and its ratio swung between 0.5x and 1.8x from run to run on one machine. Other
     work on the machine only ever adds time, so each side's fastest round is its own speed."""
     available, reason = _load()
+    if available and jnp.dtype(dtype) == _BF16:
+        available, reason = _bfloat16()
     if not available:
         raise RuntimeError(f"oneDNN's products are off: {reason}")
     rng = np.random.default_rng(0)

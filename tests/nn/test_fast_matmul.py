@@ -24,6 +24,9 @@ from tests.tolerances import ulp_bound
 
 AVAILABLE, WHY = fast_matmul._load()
 needs_library = pytest.mark.skipif(not AVAILABLE, reason=f"oneDNN path off here: {WHY}")
+# oneDNN's bfloat16 gemm needs AVX512-core (or AVX2-VNNI-2): AVX2-only CPUs keep bfloat16 products in XLA.
+BFLOAT16, WHY_BFLOAT16 = fast_matmul._bfloat16() if AVAILABLE else (False, WHY)
+needs_bfloat16 = pytest.mark.skipif(not BFLOAT16, reason=WHY_BFLOAT16)
 
 
 @pytest.fixture
@@ -63,6 +66,8 @@ def test_the_path_builds_where_it_can():
 def test_products_match_xla(policy, dtype, transpose_a, transpose_b):
     # Observed (AMD EPYC, AVX-512): bit-identical for every case here; the bound allows another order.
     policy("on")
+    if dtype == jnp.bfloat16 and not BFLOAT16:
+        pytest.skip(WHY_BFLOAT16)  # test_bfloat16_goes_to_the_library_where_it_runs covers this CPU
     # Odd sizes, which no kernel's tile divides; 301 rows split into pieces on XLA's threads (at most
     # one per thread, at least 64 rows each), each starting mid-way down (or across, transposed) `a`.
     m, k, n = 301, 130, 51
@@ -74,6 +79,37 @@ def test_products_match_xla(policy, dtype, transpose_a, transpose_b):
 
 
 @needs_library
+def test_bfloat16_goes_to_the_library_where_it_runs(policy):
+    """oneDNN's bfloat16 gemm says `dnnl_unimplemented` without AVX512-core (or AVX2-VNNI-2, which
+    brings AVX-NE-CONVERT): there even `on` keeps bfloat16 products in XLA, with the reason in
+    `status`, while float32 ones still go to the library."""
+    policy("on")
+    flags = set()
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        assert BFLOAT16, WHY_BFLOAT16
+    elif "avx_ne_convert" not in flags:
+        assert not BFLOAT16 and "unavailable on this CPU (status 3" in WHY_BFLOAT16
+    assert fast_matmul.status(jnp.bfloat16) == (BFLOAT16, WHY_BFLOAT16)
+    a, b = operands((512, 256), (256, 512), jnp.bfloat16)
+    lowered = jax.jit(lambda a, b: dot(a, b, out_dtype=jnp.bfloat16)).lower(a, b).as_text()
+    assert ("dew_gemm_bf16_to_bf16" in lowered) == BFLOAT16
+    as_float32 = a.astype(jnp.float32), b.astype(jnp.float32)
+    assert "dew_gemm_f32" in jax.jit(lambda a, b: dot(a, b)).lower(*as_float32).as_text()  # a fresh trace
+    out = jax.jit(lambda a, b: dot(a, b, out_dtype=jnp.bfloat16))(a, b)  # runs here whichever path
+    reference = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+    # Either path sums in float32 (in its own order: `bound`) and rounds once to bfloat16 (half an
+    # ulp, 2^-8 of the sum at most).
+    sums = bound(a, b)
+    limit = 2**-8 * (np.abs(reference) + sums) + sums
+    np.testing.assert_array_less(np.abs(np.asarray(out, np.float32) - reference), limit + 1e-30)
+
+
+@needs_library
+@needs_bfloat16
 @pytest.mark.parametrize("transpose_a, transpose_b", [(False, False), (True, False)])
 def test_bfloat16_results_round_as_xla_converts(policy, transpose_a, transpose_b):
     """The handler that rounds each piece's rows to bfloat16 itself gives what XLA's convert gives for
