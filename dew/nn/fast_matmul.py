@@ -7,7 +7,9 @@ shapes, and its bfloat16 products that contract the leading axis (a weight gradi
 scores and weighted values (`dew.nn.attention.attend`): it emits either XLA's own `dot_general`
 or a call through `jax.ffi` to oneDNN's row-major gemm (`dnnl_sgemm`, `dnnl_gemm_bf16bf16f32`; the
 `onednn-cpu-gomp` wheel, loaded at run time by the extension `dew._native_gemm` that `pip install`
-builds from `native/gemm.cc`). Both accumulate in float32 and return float32.
+builds from `native/gemm.cc`). Both accumulate in float32 and return float32. oneDNN's bfloat16 gemm
+needs AVX512-core or AVX2-VNNI-2: it is asked once (`status(jnp.bfloat16)`), and on other CPUs
+(AVX2-only ones) bfloat16 products stay XLA's.
 
 Which one runs is decided per product shape (rows, contraction, columns, dtype, transposes) by
 timing both on this machine once (`measure`); the choice is kept in memory and in a JSON file under
