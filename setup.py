@@ -22,7 +22,7 @@ def _extensions() -> list[Extension]:
     if not include:
         return []
     return [Extension(f"dew._native_{source.stem}", [str(source.relative_to(Path(__file__).parent))],
-                      include_dirs=include, language="c++", optional=True,
+                      include_dirs=include, language="c++", optional=True, depends=["native/module.h"],
                       extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden"])
             for source in sorted((Path(__file__).parent / "native").glob("*.cc"))]
 

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "module.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -213,25 +214,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewGemmBF16ToBF16, GemmBF16ToBF16,
 
 // Python module: handlers() -> {"f32", "bf16", "bf16_to_bf16": capsule}; set_gemm(addresses).
 static PyObject* Handlers(PyObject*, PyObject*) {
-  struct Entry {
-    const char* key;
-    void* handler;
-  };
-  const Entry entries[] = {{"f32", reinterpret_cast<void*>(&DewGemmF32)},
-                           {"bf16", reinterpret_cast<void*>(&DewGemmBF16)},
-                           {"bf16_to_bf16", reinterpret_cast<void*>(&DewGemmBF16ToBF16)}};
-  PyObject* out = PyDict_New();
-  if (out == nullptr) return nullptr;
-  for (const Entry& entry : entries) {
-    PyObject* capsule = PyCapsule_New(entry.handler, nullptr, nullptr);
-    if (capsule == nullptr || PyDict_SetItemString(out, entry.key, capsule) != 0) {
-      Py_XDECREF(capsule);
-      Py_DECREF(out);
-      return nullptr;
-    }
-    Py_DECREF(capsule);
-  }
-  return out;
+  const dew::HandlerEntry entries[] = {{"f32", reinterpret_cast<void*>(&DewGemmF32)},
+                                       {"bf16", reinterpret_cast<void*>(&DewGemmBF16)},
+                                       {"bf16_to_bf16", reinterpret_cast<void*>(&DewGemmBF16ToBF16)}};
+  return dew::HandlerDict(entries, sizeof entries / sizeof entries[0]);
 }
 
 static PyObject* SetGemm(PyObject*, PyObject* args) {

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "module.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -259,26 +260,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewSoftmaxGradBF16, SoftmaxGradBF16,
 
 // Python module: handlers() -> {"f32", "bf16", "grad_f32", "grad_bf16": capsule}.
 static PyObject* Handlers(PyObject*, PyObject*) {
-  struct Entry {
-    const char* key;
-    void* handler;
-  };
-  const Entry entries[] = {{"f32", reinterpret_cast<void*>(&DewSoftmaxF32)},
-                           {"bf16", reinterpret_cast<void*>(&DewSoftmaxBF16)},
-                           {"grad_f32", reinterpret_cast<void*>(&DewSoftmaxGradF32)},
-                           {"grad_bf16", reinterpret_cast<void*>(&DewSoftmaxGradBF16)}};
-  PyObject* out = PyDict_New();
-  if (out == nullptr) return nullptr;
-  for (const Entry& entry : entries) {
-    PyObject* capsule = PyCapsule_New(entry.handler, nullptr, nullptr);
-    if (capsule == nullptr || PyDict_SetItemString(out, entry.key, capsule) != 0) {
-      Py_XDECREF(capsule);
-      Py_DECREF(out);
-      return nullptr;
-    }
-    Py_DECREF(capsule);
-  }
-  return out;
+  const dew::HandlerEntry entries[] = {{"f32", reinterpret_cast<void*>(&DewSoftmaxF32)},
+                                       {"bf16", reinterpret_cast<void*>(&DewSoftmaxBF16)},
+                                       {"grad_f32", reinterpret_cast<void*>(&DewSoftmaxGradF32)},
+                                       {"grad_bf16", reinterpret_cast<void*>(&DewSoftmaxGradBF16)}};
+  return dew::HandlerDict(entries, sizeof entries / sizeof entries[0]);
 }
 
 static PyMethodDef kMethods[] = {

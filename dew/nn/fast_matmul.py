@@ -105,14 +105,17 @@ def _library_path() -> Path:
     raise LookupError(f"the {_DIST} wheel holds no libdnnl.so")
 
 
+def process_off() -> str | None:
+    """Why this process keeps every native kernel out of its steps (`DEW_FAST_MATMUL=off`, several
+    devices), or None; `dew.nn.fast_softmax` follows the same policy."""
+    return "turned off by DEW_FAST_MATMUL=off" if mode() == "off" else several_devices()
+
+
 def status(dtype=_F32) -> tuple[bool, str]:
     """(whether products of `dtype` operands may run in oneDNN in this process, why or why not)."""
-    policy = mode()
-    if policy == "off":
-        return False, "turned off by DEW_FAST_MATMUL=off"
-    shared = several_devices()
-    if shared:
-        return False, shared
+    off = process_off()
+    if off:
+        return False, off
     available, why = _load()
     if available and jnp.dtype(dtype) == _BF16:
         return _bfloat16()

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn import fast_matmul
-from dew.nn.native import import_extension, several_devices
+from dew.nn.native import import_extension
 
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked score: exp(MASKED - max) is 0, yet finite
 _F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
@@ -41,10 +41,8 @@ def _load() -> tuple[bool, str]:
 
 def status() -> tuple[bool, str]:
     """(whether attention's softmax may run in Dew's kernel in this process, why or why not)."""
-    if fast_matmul.mode() == "off":
-        return False, "turned off by DEW_FAST_MATMUL=off"
-    shared = several_devices()
-    return (False, shared) if shared else _load()
+    off = fast_matmul.process_off()
+    return (False, off) if off else _load()
 
 
 def usable(out_dtype) -> bool:
