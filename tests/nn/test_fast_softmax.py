@@ -53,7 +53,7 @@ def test_the_kernel_builds_where_it_can():
 
 
 @needs_kernel
-@pytest.mark.parametrize("t", [37, 256])  # a row with a tail past the vector lanes, and one without
+@pytest.mark.parametrize("t", [12, 37, 256])  # rows shorter than the lanes, with a tail past them, without
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_forward_and_backward_match_xla(policy, t, dtype):
     policy("on")
