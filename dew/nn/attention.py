@@ -170,7 +170,11 @@ class Attention(nn.Module):
             k_slots = jnp.broadcast_to(jnp.arange(keys.shape[2], dtype=jnp.int32), k_segments.shape)
         mask_BST = attention_mask(context.slots_BS, k_slots, context.segments_BS, k_segments, causal=s.causal,
                                   window=knobs.window)
-        # Without a cache the query slots are the key slots, so a causal pass can skip future blocks.
-        out_BSHD = attend(q_BSHD, keys, values, mask_BST, causal_blocks=s.causal and cache is None,
-                          scale=s.query_scale, softcap=s.softcap)
+        # Without a cache, or with one that held nothing, query `i` may read key slots up to `i` only (a
+        # row's real tokens fill slots from 0 in order, and a padding query's slot is at most its index),
+        # so a causal pass can skip each query block's later keys: the mask holds them out anyway. (A
+        # padding query that may read nothing averages the keys it scores; nothing reads its output.)
+        blocks = s.causal and (cache is None or context.fresh_cache)
+        out_BSHD = attend(q_BSHD, keys, values, mask_BST, causal_blocks=blocks, scale=s.query_scale,
+                          softcap=s.softcap)
         return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache, None

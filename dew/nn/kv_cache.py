@@ -47,10 +47,16 @@ class AttentionCache:
 class Cache:
     """The whole model's cache: `runs` holds one mixer cache per run of layers (`AttentionCache` for
     attention, `dew.nn.mla.LatentCache` for latent attention: each mixer owns its layout and says its
-    `capacity`), `lengths` the filled slots of each row, int32 `[B]`."""
+    `capacity`), `lengths` the filled slots of each row, int32 `[B]`.
+
+    `fresh` (static) promises that no row holds a token yet, as in a cache just made by `init_cache`:
+    a prefill into it lets causal attention skip, for each block of queries, the key slots past the
+    block (every row's token `i` lands in slot `i` or before). The cache a call returns is never fresh.
+    """
 
     runs: tuple
     lengths: jax.Array
+    fresh: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def rows(self) -> int:

@@ -81,6 +81,7 @@ class LayerContext:
     and `filled_BT` marks, per row, the slots that hold a token once this call's tokens are written.
     `covered_BS` marks the tokens whose replayed experts (`LayerKnobs.replay`) apply (None: all).
     `report_indexer` asks latent mixers with an indexer for their `dew.nn.mla.IndexerRecord`.
+    `fresh_cache` says the cache held no token before this call (`dew.nn.kv_cache.Cache.fresh`).
     """
 
     rotary: dict
@@ -90,6 +91,7 @@ class LayerContext:
     filled_BT: jax.Array | None = None
     covered_BS: jax.Array | None = None
     report_indexer: bool = struct.field(pytree_node=False, default=False)
+    fresh_cache: bool = struct.field(pytree_node=False, default=False)
 
 
 class DecoderLayer(nn.Module):

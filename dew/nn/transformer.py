@@ -406,7 +406,7 @@ class CausalTransformer(nn.Module):
             lengths_B = cache.lengths + jnp.sum(real_BS, axis=1)
             slots_BS = jnp.minimum(before_BS, capacity - 1)
             filled_BT = (jnp.arange(capacity, dtype=jnp.int32)[None, :] < lengths_B[:, None]).astype(jnp.int32)
-            context_cache = dict(write_slots_BS=write_slots_BS, filled_BT=filled_BT)
+            context_cache = dict(write_slots_BS=write_slots_BS, filled_BT=filled_BT, fresh_cache=cache.fresh)
             if positions is None:
                 positions = slots_BS
 

@@ -120,7 +120,8 @@ class DecodeState:
 def start(model, params, tokens_BP, valid_BP, capacity: int, penalty: bool) -> DecodeState:
     """Prefill a fresh cache of `capacity` slots per row."""
     B = tokens_BP.shape[0]
-    logits_BV, cache = prefill(model, params, tokens_BP, valid_BP, model.init_cache(B, capacity))
+    fresh = model.init_cache(B, capacity).replace(fresh=True)  # attention's prefill may skip later key blocks
+    logits_BV, cache = prefill(model, params, tokens_BP, valid_BP, fresh)
     seen_BV = None
     if penalty:
         seen_BV = jnp.zeros(logits_BV.shape, bool).at[jnp.arange(B)[:, None], tokens_BP].max(valid_BP > 0)
