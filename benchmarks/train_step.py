@@ -163,8 +163,9 @@ def main():
                         help="comma-separated DEW_FAST_MATMUL policies to run Dew under (default: auto,off where "
                              "oneDNN's path is available, else off)")
     parser.add_argument("--rounds", type=int, default=0,
-                        help="then time Dew's best setting and torch's in this many alternating rounds, the ratio "
-                             "taken within each round (robust to a machine whose speed drifts)")
+                        help="then time Dew's best setting under each --matmul policy and torch's best in this many "
+                             "alternating rounds, the ratio taken within each round (robust to a machine whose speed "
+                             "drifts)")
     parser.add_argument("--torch-bf16", action="store_true",
                         help="time torch autocast bf16 even where torch's bf16 matmul is slow (no AVX512-BF16/AMX)")
     args = parser.parse_args()
@@ -218,18 +219,23 @@ def main():
             mine = min(seconds for (name, _), seconds in ours.items() if name == policy)
             print(f"{precision}: ratio, dew ({policy}) best against {label}'s best: {torch_best / mine:.2f}x")
         if args.rounds:
-            (policy, accumulation), _ = min(ours.items(), key=lambda item: item[1])
             theirs_best = min(theirs, key=theirs.get)
-            seconds = interleaved({"dew": dew_runner(args.vocab, args.seq, args.batch, dtype, accumulation,
-                                                     policy=policy, shape=shape)[0],
-                                   "torch": torch_runner(args.vocab, args.seq, args.batch, precision,
-                                                         accumulation=theirs_best, shape=shape)},
-                                  args.steps, args.rounds)
-            ratios = sorted(t / d for d, t in zip(seconds["dew"], seconds["torch"]))
-            print(f"{precision}: {args.rounds} alternating rounds, dew ({policy}, {accumulation} micro-batch(es)) "
-                  f"{tokens / np.median(seconds['dew']):,.0f} tokens/s, {label} ({theirs_best}) "
-                  f"{tokens / np.median(seconds['torch']):,.0f}: ratio {np.median(ratios):.2f}x median of rounds "
-                  f"({ratios[0]:.2f}-{ratios[-1]:.2f})")
+            runs = {}
+            for policy in policies:  # each policy at its own best micro-batch count
+                accumulation = min((count for name, count in ours if name == policy),
+                                   key=lambda count: ours[policy, count])
+                runs[f"dew ({policy}, {accumulation} micro-batch(es))"] = dew_runner(
+                    args.vocab, args.seq, args.batch, dtype, accumulation, policy=policy, shape=shape)[0]
+            runs[f"{label} ({theirs_best})"] = torch_runner(args.vocab, args.seq, args.batch, precision,
+                                                             accumulation=theirs_best, shape=shape)
+            seconds = interleaved(runs, args.steps, args.rounds)
+            torch_seconds = seconds.pop(f"{label} ({theirs_best})")
+            print(f"{precision}: {args.rounds} alternating rounds, {label} ({theirs_best}) "
+                  f"{tokens / np.median(torch_seconds):,.0f} tokens/s")
+            for name, mine in seconds.items():
+                ratios = sorted(t / d for d, t in zip(mine, torch_seconds))
+                print(f"{precision}: {args.rounds} alternating rounds, {name} {tokens / np.median(mine):,.0f} tokens/s: "
+                      f"ratio {np.median(ratios):.2f}x median of rounds ({ratios[0]:.2f}-{ratios[-1]:.2f})")
         goal = 1.3 if precision == "fp32" else 1.2  # issue 17's targets
         print(f"{precision}: ratio, best against best: {torch_best / best:.2f}x; {goal}x torch would take "
               f"{goal * flops / torch_best / 1e9:.0f} GFLOP/s, {goal * flops / torch_best / peaks[precision]:.0%} "
