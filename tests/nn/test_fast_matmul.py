@@ -68,8 +68,8 @@ def test_products_match_xla(policy, dtype, transpose_a, transpose_b):
     policy("on")
     if dtype == jnp.bfloat16 and not BFLOAT16:
         pytest.skip(WHY_BFLOAT16)  # test_bfloat16_goes_to_the_library_where_it_runs covers this CPU
-    # Odd sizes, which no kernel's tile divides; 301 rows split into pieces on XLA's threads (at most
-    # one per thread, at least 64 rows each), each starting mid-way down (or across, transposed) `a`.
+    # Odd sizes, which no kernel's tile divides; 301 rows split into pieces on XLA's threads (up to
+    # two per thread, at least 64 rows each), each starting mid-way down (or across, transposed) `a`.
     m, k, n = 301, 130, 51
     a, b = operands((k, m) if transpose_a else (m, k), (n, k) if transpose_b else (k, n), dtype)
     ours = jax.jit(lambda a, b: fast_matmul._library(a, b, transpose_a, transpose_b))(a, b)
