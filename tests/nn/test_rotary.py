@@ -147,3 +147,30 @@ def test_rotation_backward_matches_autodiff_of_the_rotation():
     # bfloat16 (8 significant bits) rounds the input, the cotangent and the result, each by 2^-9
     # relative; the terms are under 4 in size.
     np.testing.assert_allclose(np.asarray(dx_bf16, np.float32), np.asarray(ours[0]), rtol=0.02, atol=0.05)
+
+
+def test_tables_are_evaluated_once_per_step():
+    """The cos and sin tables reach every query and key rotation, forward and backward, as arrays:
+    the compiled gradient of two layers' rotations evaluates each function once, on half the head
+    dimension. (Left as expressions, XLA's CPU backend fused them into each consumer, and each
+    re-ran libm's scalar `sincosf` over the whole table.)"""
+    import jax
+
+    from dew.nn.rotary import apply_rotary
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 16, 3, 8)), jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((2, 8, 8)), jnp.float32)
+
+    def loss(x, weights, positions):
+        cos, sin = rotary_angles(positions, 8, 100.0)
+        for w in weights:  # two layers, each rotating its queries and keys
+            q, k = apply_rotary(x @ w, cos, sin), apply_rotary(x @ w.T, cos, sin)
+            x = jnp.tanh(q * k)
+        return jnp.sum(x)
+
+    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, weights, positions).compile().as_text()
+    counts = {op: text.count(f" {op}(") for op in ("sine", "cosine")}
+    assert counts == {"sine": 1, "cosine": 1}, f"the tables were evaluated {counts} times in the compiled step"
+    assert "f32[2,16,4]{2,1,0} sine(" in text  # each frequency once, before the halves are repeated
