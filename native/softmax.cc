@@ -1,4 +1,5 @@
-// XLA FFI handlers for attention's masked softmax and its backward, one pass over each row.
+// XLA FFI handlers for attention's masked softmax and its backward, one pass over each row, and for
+// the first maximum of each row of logits (the loss's argmax accuracy).
 //
 // Scores `[B, H, R, T]` float32 (the raw `q . k` products), a mask `[B, R, T]` shared by the H heads
 // of a row, a scale and the value a masked score takes:
@@ -184,47 +185,93 @@ void BackwardRow(const float* p, const G* g, const bool* mask, float* ds, int64_
   for (int64_t j = t - t % kWidth; j < t; ++j) ds[j] = mask[j] ? (p[j] * (load(g[j]) - dot)) * scale : 0.0f;
 }
 
+// The first column holding the row's maximum, as `argmax` picks it (`t` when the row holds a NaN, as
+// `min(where(x == max(x), column, t))` gives, the maximum then being NaN). One pass: each of kLanes
+// lanes keeps its own maximum and the first column where it met it (a strictly greater value
+// replaces it), so the row's first maximum is the least such column among the lanes holding the
+// greatest value; the tail's columns come after every lane's.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+int32_t FirstMaxRow(const float* x, int64_t t) {
+  Vec tops[2] = {Splat(-HUGE_VALF), Splat(-HUGE_VALF)};
+  Ints firsts[2], nans = Ints{} + 0;
+  Ints columns[2];
+  for (int h = 0; h < 2; ++h)
+    for (int l = 0; l < kWidth; ++l) firsts[h][l] = columns[h][l] = h * kWidth + l;
+  int64_t body = t - t % kLanes;
+  for (int64_t j = 0; j < body; j += kLanes) {
+    for (int h = 0; h < 2; ++h) {
+      Vec v = Load(x + j + h * kWidth);
+      Ints greater = tops[h] < v;
+      tops[h] = greater ? v : tops[h];
+      firsts[h] = greater ? columns[h] : firsts[h];
+      nans |= v != v;
+      columns[h] += kLanes;
+    }
+  }
+  float top = -HUGE_VALF;
+  int64_t first = t;  // no column yet
+  bool nan = false;
+  if (body > 0) {
+    for (int l = 0; l < kLanes; ++l) {
+      float value = tops[l / kWidth][l % kWidth];
+      int64_t column = firsts[l / kWidth][l % kWidth];
+      nan |= nans[l % kWidth] != 0;
+      if (first == t || value > top || (value == top && column < first)) top = value, first = column;
+    }
+  }
+  for (int64_t j = body; j < t; ++j) {
+    nan |= x[j] != x[j];
+    if (first == t || x[j] > top) top = x[j], first = j;
+  }
+  return nan ? static_cast<int32_t>(t) : static_cast<int32_t>(first);
+}
+
 // Rows divide into pieces that XLA's intra-op threads claim (as in native/gemm.cc); shared by pointer,
 // since a pool task may start after the call has returned (it then finds nothing to claim).
 struct Rows {
-  int64_t heads = 0, rows = 0, t = 0, total = 0, per_piece = 0, pieces = 0;
-  std::function<void(int64_t row, int64_t mask_row)> run;
+  int64_t total = 0, per_piece = 0, pieces = 0;
+  std::function<void(int64_t row)> run;
   std::atomic<int64_t> next{0}, done{0};
 
   void Work() {
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < pieces;) {
       int64_t first = i * per_piece, last = std::min(total, first + per_piece);
-      for (int64_t row = first; row < last; ++row) {
-        // Row `row` of [B, H, R]: its batch is row / (H R), its query row % R.
-        int64_t batch = row / (heads * rows), query = row % rows;
-        run(row, batch * rows + query);
-      }
+      for (int64_t row = first; row < last; ++row) run(row);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-ffi::Error RunRows(ffi::ThreadPool pool, ffi::Span<const int64_t> dims, ffi::Span<const int64_t> mask_dims,
-                   std::function<void(int64_t, int64_t)> run) {
-  if (dims.size() != 4 || mask_dims.size() != 3)
-    return ffi::Error::InvalidArgument("dew softmax: scores must be [B, H, R, T] and the mask [B, R, T]");
-  if (mask_dims[0] != dims[0] || mask_dims[1] != dims[2] || mask_dims[2] != dims[3])
-    return ffi::Error::InvalidArgument("dew softmax: the mask's [B, R, T] differ from the scores'");
+// `run(row)` for each of `total` rows of `t` values.
+void ForEachRow(ffi::ThreadPool pool, int64_t total, int64_t t, std::function<void(int64_t)> run) {
+  if (total == 0 || t == 0) return;
   auto work = std::make_shared<Rows>();
-  work->heads = dims[1], work->rows = dims[2], work->t = dims[3];
-  work->total = dims[0] * dims[1] * dims[2];
-  if (work->total == 0 || work->t == 0) return ffi::Error::Success();
+  work->total = total;
   work->run = std::move(run);
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // A few pieces a thread, so one descheduled thread costs little; at least 16 rows a piece.
-  work->per_piece = std::max<int64_t>(16, (work->total + 4 * threads - 1) / (4 * threads));
-  work->pieces = (work->total + work->per_piece - 1) / work->per_piece;
+  work->per_piece = std::max<int64_t>(16, (total + 4 * threads - 1) / (4 * threads));
+  work->pieces = (total + work->per_piece - 1) / work->per_piece;
   int64_t helpers = std::min(threads, work->pieces) - 1;
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work->Work(); });
   work->Work();
   for (int spins = 0; work->done.load(std::memory_order_acquire) < work->pieces; ++spins) {
     if (spins > 1024) std::this_thread::yield();
   }
+}
+
+// `run(row, mask_row)` for each row of scores `[B, H, R, T]`, `mask_row` its row of the mask `[B, R, T]`.
+ffi::Error RunRows(ffi::ThreadPool pool, ffi::Span<const int64_t> dims, ffi::Span<const int64_t> mask_dims,
+                   std::function<void(int64_t, int64_t)> run) {
+  if (dims.size() != 4 || mask_dims.size() != 3)
+    return ffi::Error::InvalidArgument("dew softmax: scores must be [B, H, R, T] and the mask [B, R, T]");
+  if (mask_dims[0] != dims[0] || mask_dims[1] != dims[2] || mask_dims[2] != dims[3])
+    return ffi::Error::InvalidArgument("dew softmax: the mask's [B, R, T] differ from the scores'");
+  int64_t heads = dims[1], rows = dims[2];
+  ForEachRow(pool, dims[0] * heads * rows, dims[3], [heads, rows, run = std::move(run)](int64_t row) {
+    // Row `row` of [B, H, R]: its batch is row / (H R), its query row % R.
+    run(row, row / (heads * rows) * rows + row % rows);
+  });
   return ffi::Error::Success();
 }
 
@@ -275,7 +322,28 @@ ffi::Error SoftmaxGradBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ff
   return SoftmaxGrad<ffi::BF16, uint16_t>(pool, probs, grad, mask, dscores, scale);
 }
 
+// Each row of `[N, T]` float32 to its first maximum's column (int32 `[N]`), rows split over XLA's
+// threads as the softmax's are.
+ffi::Error FirstMax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::S32>> first) {
+  auto dims = x.dimensions();
+  if (dims.size() != 2 || first->dimensions().size() != 1 || first->dimensions()[0] != dims[0])
+    return ffi::Error::InvalidArgument("dew first_max: takes [N, T] float32 and returns [N] int32");
+  if (dims[1] > INT32_MAX) return ffi::Error::InvalidArgument("dew first_max: rows longer than 2^31 - 1");
+  const float* data = x.typed_data();
+  int32_t* out = first->typed_data();
+  int64_t t = dims[1];
+  if (t == 0) return ffi::Error::InvalidArgument("dew first_max: rows of no columns have no maximum");
+  ForEachRow(pool, dims[0], t, [=](int64_t row) { out[row] = FirstMaxRow(data + row * t, t); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewFirstMax, FirstMax,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DewSoftmaxF32, SoftmaxF32,
                               ffi::Ffi::Bind()
@@ -314,12 +382,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewSoftmaxGradBF16, SoftmaxGradBF16,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
 
-// Python module: handlers() -> {"f32", "bf16", "grad_f32", "grad_bf16": capsule}.
+// Python module: handlers() -> {"f32", "bf16", "grad_f32", "grad_bf16", "first_max": capsule}.
 static PyObject* Handlers(PyObject*, PyObject*) {
   const dew::HandlerEntry entries[] = {{"f32", reinterpret_cast<void*>(&DewSoftmaxF32)},
                                        {"bf16", reinterpret_cast<void*>(&DewSoftmaxBF16)},
                                        {"grad_f32", reinterpret_cast<void*>(&DewSoftmaxGradF32)},
-                                       {"grad_bf16", reinterpret_cast<void*>(&DewSoftmaxGradBF16)}};
+                                       {"grad_bf16", reinterpret_cast<void*>(&DewSoftmaxGradBF16)},
+                                       {"first_max", reinterpret_cast<void*>(&DewFirstMax)}};
   return dew::HandlerDict(entries, sizeof entries / sizeof entries[0]);
 }
 

@@ -131,3 +131,43 @@ def test_bad_shapes_are_refused(policy):
     with pytest.raises(ValueError, match=r"float32 scores \[B, H, R, T\] and a mask \[B, R, T\]; got float32 "
                                          r"\(2, 3, 5, 8\) and \(2, 5, 7\)"):
         fast_softmax.masked_softmax(scores, mask[..., :7], 1.0, jnp.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("width", [1, 7, 16, 33, 4096])
+def test_first_max_matches_xla(policy, width):
+    """The first maximum's column, exactly: comparisons only, so both sides give the same integers.
+    Rows with ties (the first one wins, in the vector body and in the tail), a maximum in the tail,
+    -inf columns (the loss's shared tile columns), all -inf, and -0.0 against 0.0 (equal, so the
+    first of them). A row holding a NaN is the kernel's `width`; XLA's answer there depends on which
+    of its reductions runs (YNNPACK's max skips a NaN at 4096 columns, XLA's own keeps it), so that
+    row is compared with `width` only."""
+    policy("on")
+    rng = np.random.default_rng(width)
+    x = rng.standard_normal((12, width)).astype(np.float32)
+    x[1, :] = 3.0  # every column ties: column 0
+    x[2, width // 2:] = 9.0  # a tie from the middle on
+    x[3, -1] = 50.0  # the maximum in the tail
+    x[4, :] = -np.inf
+    x[5, width // 3] = np.nan
+    x[6, :] = np.where(np.arange(width) % 2 == 0, -0.0, -1.0)
+    x[6, -1] = 0.0
+    x[7, : width // 2] = -np.inf
+    x[8, :] = np.float32(1e-30) * (np.arange(width) % 5)  # tiny values, ties every fifth column
+    jitted = jax.jit(fast_softmax.first_max)
+    assert "dew_softmax_first_max" in jitted.lower(jnp.asarray(x)).as_text()
+    ours = np.asarray(jitted(jnp.asarray(x)))
+    theirs = np.asarray(jax.jit(fast_softmax.first_max_reference)(jnp.asarray(x)))
+    rows = np.arange(len(x)) != 5
+    np.testing.assert_array_equal(ours[rows], theirs[rows])
+    assert ours[1] == 0 and ours[4] == 0 and ours[5] == width and ours[3] == width - 1
+    finite = np.isfinite(x).all(axis=1) & ~np.isnan(x).any(axis=1)
+    np.testing.assert_array_equal(ours[finite], np.argmax(x[finite], axis=1))
+
+
+def test_first_max_refuses_what_it_cannot_take(policy):
+    policy("on")
+    with pytest.raises(ValueError, match="float32 \\[N, C\\] with C >= 1"):
+        fast_softmax.first_max(jnp.zeros((3, 0), jnp.float32))
+    with pytest.raises(ValueError, match="float32"):
+        fast_softmax.first_max(jnp.zeros((3, 4), jnp.bfloat16))

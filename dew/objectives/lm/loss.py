@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dew.nn import fast_softmax
 from dew.nn.fast_matmul import product
 
 # `chunks=None`: the fewest tiles whose float32 logits take at most this many bytes each (64 MiB: the
@@ -97,10 +98,10 @@ def _forward(hidden_NE, weight, targets_N, transposed, chunks, softcap, accuracy
         if accuracy:  # the running first maximum: (its value, its column); absent from the carry otherwise
             best_value, best_index = best
             better = tile_max > best_value
-            # The first column holding the tile's maximum, as `argmax` picks it, by a plain min-reduction:
-            # XLA's CPU backend runs argmax's (value, index) reduction as a scalar loop, 10% of a small step.
-            columns_C = jnp.arange(width, dtype=jnp.int32)
-            first = jnp.min(jnp.where(logits_NC == tile_max[:, None], columns_C[None, :], width), axis=-1)
+            # The first column holding the tile's maximum, as `argmax` picks it: XLA's CPU backend runs
+            # argmax's (value, index) reduction as a scalar loop (10% of a small step), and its plain
+            # min-reduction form through an int32 copy of the tile (6%); `first_max` reads each row once.
+            first = fast_softmax.first_max(logits_NC)
             best_index = jnp.where(better, start + first, best_index)
             best = (jnp.maximum(best_value, tile_max), best_index)
         return (new_max, running_sum, target_logit, best), (capped_NC if count == 1 else None)
