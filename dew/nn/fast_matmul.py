@@ -58,7 +58,7 @@ _F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 _TARGETS = {(_F32, _F32): "dew_gemm_f32", (_BF16, _F32): "dew_gemm_bf16", (_BF16, _BF16): "dew_gemm_bf16_to_bf16"}
 # Part of the cache file's name: a change to how native/gemm.cc runs a product, or to how `measure`
 # times one, invalidates old choices.
-_KERNEL_VERSION = 5
+_KERNEL_VERSION = 6  # 6: wide lone products split by columns
 _MARGIN = 0.97  # oneDNN must take at most 97% of XLA's time to be chosen: a tie keeps XLA's fusions
 
 

@@ -62,15 +62,20 @@ def test_the_path_builds_where_it_can():
 
 @needs_library
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("transpose_a, transpose_b", [(False, False), (True, False), (False, True)])
-def test_products_match_xla(policy, dtype, transpose_a, transpose_b):
-    # Observed (AMD EPYC, AVX-512): bit-identical for every case here; the bound allows another order.
+@pytest.mark.parametrize("transpose_a, transpose_b", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("m, k, n", [(301, 130, 51), (37, 130, 301)], ids=["row-pieces", "column-pieces"])
+def test_products_match_xla(policy, dtype, transpose_a, transpose_b, m, k, n):
+    # Observed: bit-identical for the 301-row cases (AMD EPYC with AVX-512, Intel Xeon); the 37-row
+    # ones differ by up to 2.3e-5 on the Xeon, entries of size ~11 summed in another order, which the
+    # bound allows.
     policy("on")
     if dtype == jnp.bfloat16 and not BFLOAT16:
         pytest.skip(WHY_BFLOAT16)  # test_bfloat16_goes_to_the_library_where_it_runs covers this CPU
-    # Odd sizes, which no kernel's tile divides; 301 rows split into pieces on XLA's threads (up to
-    # two per thread, at least 64 rows each), each starting mid-way down (or across, transposed) `a`.
-    m, k, n = 301, 130, 51
+    # Odd sizes, which no kernel's tile divides. 301 rows split into pieces on XLA's threads (up to
+    # two per thread, at least 64 rows each), each starting mid-way down (or across, transposed) `a`;
+    # with `a` transposed (a weight gradient), 301 columns against 37 rows (4x wider or more) split
+    # into column pieces of 80 (a multiple of 16), the last 61 wide, each starting mid-way across the
+    # result and across `b` (down it, transposed); with `a` as stored, its 37 rows are one piece.
     a, b = operands((k, m) if transpose_a else (m, k), (n, k) if transpose_b else (k, n), dtype)
     ours = jax.jit(lambda a, b: fast_matmul._library(a, b, transpose_a, transpose_b))(a, b)
     xla = jax.jit(lambda a, b: fast_matmul._xla(a, b, transpose_a, transpose_b))(a, b)
@@ -111,11 +116,12 @@ def test_bfloat16_goes_to_the_library_where_it_runs(policy):
 @needs_library
 @needs_bfloat16
 @pytest.mark.parametrize("transpose_a, transpose_b", [(False, False), (True, False)])
-def test_bfloat16_results_round_as_xla_converts(policy, transpose_a, transpose_b):
+@pytest.mark.parametrize("m, k, n", [(301, 64, 40), (37, 64, 301)], ids=["row-pieces", "column-pieces"])
+def test_bfloat16_results_round_as_xla_converts(policy, transpose_a, transpose_b, m, k, n):
     """The handler that rounds each piece's rows to bfloat16 itself gives what XLA's convert gives for
-    the same float32 products, bit for bit: ties to even, infinities, NaN (any NaN counts as equal)."""
+    the same float32 products, bit for bit: ties to even, infinities, NaN (any NaN counts as equal),
+    whether the pieces are chunks of rows or of columns (written into the result's rows at an offset)."""
     policy("on")
-    m, k, n = 301, 64, 40
     a, b = operands((k, m) if transpose_a else (m, k), (k, n), jnp.float32, seed=4)
     a = a.at[0, 0].set(jnp.nan).at[1, 1].set(jnp.inf)  # a NaN row of results, and infinities
     a, b = a.astype(jnp.bfloat16), (b * 1e3).astype(jnp.bfloat16)
