@@ -46,11 +46,11 @@ void RoundToBf16(const float* in, uint16_t* out, int64_t count) {
 }
 
 // One product's operands, and how a call's products divide into pieces: (product, chunk of the
-// result's rows), claimed from `next` by whichever of XLA's intra-op threads is free, each piece one
-// single-threaded library gemm. XLA's pool, not the library's OpenMP team, spreads the work: a team
-// splits a product evenly and waits for its slowest thread, which XLA's other thunks running beside
-// the call would be. Shared by pointer, since a pool task may start after the call has returned (it
-// then finds nothing to claim).
+// result's rows or columns), claimed from `next` by whichever of XLA's intra-op threads is free, each
+// piece one single-threaded library gemm. XLA's pool, not the library's OpenMP team, spreads the
+// work: a team splits a product evenly and waits for its slowest thread, which XLA's other thunks
+// running beside the call would be. Shared by pointer, since a pool task may start after the call
+// has returned (it then finds nothing to claim).
 template <typename Elem, typename Fn>
 struct Pieces {
   Fn fn;
@@ -170,7 +170,8 @@ ffi::Error Gemm(ffi::ThreadPool pool, Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b,
     p.max_threads = g_omp_get_max_threads;
   }
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // Enough pieces for every thread; a lone product splits its rows, a batch goes matrix by matrix.
+  // Enough pieces for every thread; a lone product splits its rows (a wide weight gradient its
+  // columns), a batch goes matrix by matrix.
   int64_t wanted = kPiecesPerThread * threads;
   int64_t per_item = (wanted + batch - 1) / batch;
   p.by_columns = batch < threads && transpose_a && n >= kColumnsAspect * m;
@@ -182,7 +183,7 @@ ffi::Error Gemm(ffi::ThreadPool pool, Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b,
     p.chunks = std::max<int64_t>(1, std::min(per_item, m / kMinChunkRows));
   }
   p.chunk_rows = (m + p.chunks - 1) / p.chunks;
-  // Column pieces start on 16-float (64-byte) boundaries of the result's rows.
+  // Column pieces are a multiple of 16 floats (one AVX-512 register) wide, but for the last.
   p.chunk_cols = ((n + p.chunks - 1) / p.chunks + 15) / 16 * 16;
   p.chunks = p.by_columns ? (n + p.chunk_cols - 1) / p.chunk_cols : p.chunks;
   p.total = batch * p.chunks;
