@@ -21,7 +21,6 @@ from benchmarks.common import decoder_flops_per_token, machine, matmul_peak
 from benchmarks.train_step import SHAPE, dew_step
 from dew.objectives.lm import LMObjective
 from dew.objectives.lm.loss import chunked_cross_entropy
-from dew.objectives.lm.objective import Scores
 
 
 class UnchunkedHead(LMObjective):
@@ -30,13 +29,12 @@ class UnchunkedHead(LMObjective):
     It scores what LMObjective's tiled cross entropy scores (per-target losses, log-normalisers and
     whether the argmax was right), so the step reports the same statistics."""
 
-    def _cross_entropy(self, hidden_NE, forward, targets_N, weights_BS) -> Scores:
-        logits_NV = forward.head.logits(hidden_NE)
+    def _head_losses(self, hidden_NE, head, targets_N):
+        logits_NV = head.logits(hidden_NE)
         lse = jax.nn.logsumexp(logits_NV, axis=-1)
         ce = lse - jnp.take_along_axis(logits_NV, targets_N[:, None], axis=-1)[:, 0]
         correct = (jnp.argmax(logits_NV, axis=-1) == targets_N).astype(jnp.float32) if self.token_accuracy else None
-        shape = lambda x: None if x is None else x.reshape(weights_BS.shape)
-        return Scores(losses=shape(ce), weights=weights_BS, correct=shape(correct), lse=shape(lse))
+        return ce, lse, correct
 
 
 def head_temporaries(vocab: int, rows: int, width: int, chunks: int) -> tuple[int, int]:

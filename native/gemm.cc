@@ -178,14 +178,14 @@ ffi::Error Gemm(ffi::ThreadPool pool, Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b,
   if (batch >= threads) {
     p.chunks = 1;
   } else if (p.by_columns) {
-    p.chunks = std::max<int64_t>(1, std::min(per_item, n / kMinChunkCols));
+    // Column pieces a multiple of 16 floats (one AVX-512 register) wide, but for the last.
+    int64_t chunks = std::max<int64_t>(1, std::min(per_item, n / kMinChunkCols));
+    p.chunk_cols = ((n + chunks - 1) / chunks + 15) / 16 * 16;
+    p.chunks = (n + p.chunk_cols - 1) / p.chunk_cols;
   } else {
     p.chunks = std::max<int64_t>(1, std::min(per_item, m / kMinChunkRows));
   }
   p.chunk_rows = (m + p.chunks - 1) / p.chunks;
-  // Column pieces are a multiple of 16 floats (one AVX-512 register) wide, but for the last.
-  p.chunk_cols = ((n + p.chunks - 1) / p.chunks + 15) / 16 * 16;
-  p.chunks = p.by_columns ? (n + p.chunk_cols - 1) / p.chunk_cols : p.chunks;
   p.total = batch * p.chunks;
   int64_t helpers = std::min(threads, p.total) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([pieces] { pieces->Run(); });

@@ -65,9 +65,9 @@ def test_the_path_builds_where_it_can():
 @pytest.mark.parametrize("transpose_a, transpose_b", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("m, k, n", [(301, 130, 51), (37, 130, 301)], ids=["row-pieces", "column-pieces"])
 def test_products_match_xla(policy, dtype, transpose_a, transpose_b, m, k, n):
-    # Observed: bit-identical for the 301-row cases (AMD EPYC with AVX-512, Intel Xeon); the 37-row
-    # ones differ by up to 2.3e-5 on the Xeon, entries of size ~11 summed in another order, which the
-    # bound allows.
+    # Observed: bit-identical for the 301-row cases (AMD EPYC with AVX-512 for the first three
+    # transposes, Intel Xeon for all four); the 37-row ones differ by up to 2.3e-5 on the Xeon,
+    # entries of size ~11 summed in another order, which the bound allows.
     policy("on")
     if dtype == jnp.bfloat16 and not BFLOAT16:
         pytest.skip(WHY_BFLOAT16)  # test_bfloat16_goes_to_the_library_where_it_runs covers this CPU

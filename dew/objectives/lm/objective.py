@@ -425,9 +425,14 @@ class LMObjective(PolicyScoring):
         return self._score(params, rows, rngs, layers=layers, depths=self.mtp_weight is not None,
                            indexer=self.indexer is not None)
 
+    def _head_losses(self, hidden_NE, head: Head, targets_N):
+        """Per-target `(ce, lse, correct)` `[N]` through `head` (`correct` None without accuracy): the
+        vocabulary in tiles (`dew.objectives.lm.loss`)."""
+        return chunked_cross_entropy(hidden_NE, head.weight, targets_N, head.transposed, self.head_chunks,
+                                     head.softcap, self.token_accuracy)
+
     def _cross_entropy(self, hidden_NE, forward: _Forward, targets_N, weights_BS) -> Scores:
-        ce, lse, correct = chunked_cross_entropy(hidden_NE, forward.head.weight, targets_N, forward.head.transposed,
-                                                 self.head_chunks, forward.head.softcap, self.token_accuracy)
+        ce, lse, correct = self._head_losses(hidden_NE, forward.head, targets_N)
         shape = lambda x: None if x is None else x.reshape(weights_BS.shape)
         return Scores(losses=shape(ce), weights=weights_BS, correct=shape(correct), lse=shape(lse))
 
