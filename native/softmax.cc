@@ -1,5 +1,6 @@
-// XLA FFI handlers for attention's masked softmax and its backward, one pass over each row, and for
-// the first maximum of each row of logits (the loss's argmax accuracy).
+// XLA FFI handlers for attention's masked softmax and its backward, one pass over each row, for the
+// first maximum of each row of logits (the loss's argmax accuracy), and for a whole float32 attention
+// pass and its backward (the softmax between single-threaded library gemms, per block of query rows).
 //
 // Scores `[B, H, R, T]` float32 (the raw `q . k` products), a mask `[B, R, T]` shared by the H heads
 // of a row, a scale and the value a masked score takes:
@@ -19,6 +20,7 @@
 #include <functional>
 #include <type_traits>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -242,15 +244,15 @@ struct Rows {
   }
 };
 
-// `run(row)` for each of `total` rows of `t` values.
-void ForEachRow(ffi::ThreadPool pool, int64_t total, int64_t t, std::function<void(int64_t)> run) {
-  if (total == 0 || t == 0) return;
+// `run(item)` for each of `total` items, in pieces of at least `min_piece` items, a few pieces a
+// thread so that one descheduled thread costs little.
+void ForEach(ffi::ThreadPool pool, int64_t total, int64_t min_piece, std::function<void(int64_t)> run) {
+  if (total == 0) return;
   auto work = std::make_shared<Rows>();
   work->total = total;
   work->run = std::move(run);
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // A few pieces a thread, so one descheduled thread costs little; at least 16 rows a piece.
-  work->per_piece = std::max<int64_t>(16, (total + 4 * threads - 1) / (4 * threads));
+  work->per_piece = std::max<int64_t>(min_piece, (total + 4 * threads - 1) / (4 * threads));
   work->pieces = (total + work->per_piece - 1) / work->per_piece;
   int64_t helpers = std::min(threads, work->pieces) - 1;
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work->Work(); });
@@ -258,6 +260,12 @@ void ForEachRow(ffi::ThreadPool pool, int64_t total, int64_t t, std::function<vo
   for (int spins = 0; work->done.load(std::memory_order_acquire) < work->pieces; ++spins) {
     if (spins > 1024) std::this_thread::yield();
   }
+}
+
+// `run(row)` for each of `total` rows of `t` values, at least 16 rows a piece.
+void ForEachRow(ffi::ThreadPool pool, int64_t total, int64_t t, std::function<void(int64_t)> run) {
+  if (t == 0) return;
+  ForEach(pool, total, 16, std::move(run));
 }
 
 // `run(row, mask_row)` for each row of scores `[B, H, R, T]`, `mask_row` its row of the mask `[B, R, T]`.
@@ -337,6 +345,162 @@ ffi::Error FirstMax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Result<f
   return ffi::Error::Success();
 }
 
+// Attention in one call: each block of query rows' scores, softmax and weighted values (and, in the
+// backward, their gradients), one single-threaded gemm at a time on XLA's threads, with the block's
+// scores in cache between the steps. The gemm is the library's (oneDNN's `dnnl_sgemm`, row-major, its
+// address handed over by Python as native/gemm.cc's is), with its OpenMP team held to the calling
+// thread while a piece runs.
+using SgemmFn = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*,
+                        int64_t, float, float*, int64_t);
+SgemmFn g_sgemm = nullptr;
+void (*g_omp_set_num_threads)(int) = nullptr;
+int (*g_omp_get_max_threads)() = nullptr;
+
+// Queries `[B, S, H, D]`, keys `[B, T, K, D]`, values `[B, T, K, Dv]` (the projections' own layouts:
+// no transposes), the mask `[B, S, T]`; query head `h` reads key/value head `h / (H / K)`. Query rows go
+// in blocks of `block`; with `causal_blocks` (a causal pass whose query slot `i` is key slot `i`) a block
+// scores the keys up to its own last row only, else every key, exactly as `dew.nn.attention.attend`.
+struct AttentionShape {
+  int64_t b, s, h, k, d, dv, t, block, blocks;
+  bool causal_blocks;
+  int64_t Start(int64_t blk) const { return blk * block; }
+  int64_t Rows(int64_t blk) const { return std::min(block, s - blk * block); }
+  int64_t End(int64_t blk) const { return causal_blocks ? blk * block + Rows(blk) : t; }
+};
+
+ffi::Error CheckAttention(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k, ffi::Span<const int64_t> v,
+                          ffi::Span<const int64_t> mask, int64_t block, bool causal_blocks, AttentionShape* out) {
+  if (g_sgemm == nullptr) return ffi::Error::Internal("dew attention: the library's gemm was not set");
+  if (q.size() != 4 || k.size() != 4 || v.size() != 4 || mask.size() != 3)
+    return ffi::Error::InvalidArgument("dew attention: q [B, S, H, D], k [B, T, K, D], v [B, T, K, Dv], mask [B, S, T]");
+  AttentionShape a{q[0], q[1], q[2], k[2], q[3], v[3], k[1], block, 0, causal_blocks};
+  if (k[0] != a.b || v[0] != a.b || v[1] != a.t || v[2] != a.k || k[3] != a.d || a.k == 0 || a.h % a.k != 0 ||
+      mask[0] != a.b || mask[1] != a.s || mask[2] != a.t)
+    return ffi::Error::InvalidArgument("dew attention: q, k, v and mask shapes do not agree");
+  if (block <= 0) return ffi::Error::InvalidArgument("dew attention: block must be positive");
+  if (causal_blocks && a.s > a.t)
+    return ffi::Error::InvalidArgument("dew attention: causal blocks need at least as many keys as queries");
+  a.blocks = (a.s + block - 1) / block;
+  *out = a;
+  return ffi::Error::Success();
+}
+
+// Runs `run(task)` for `total` tasks, one a piece, the library's OpenMP team held to the thread; the
+// first failing gemm's status is kept in `failed`.
+void ForEachTask(ffi::ThreadPool pool, int64_t total, std::function<void(int64_t)> run) {
+  ForEach(pool, total, 1, [run = std::move(run)](int64_t task) {
+    int before = g_omp_get_max_threads != nullptr ? g_omp_get_max_threads() : 0;
+    if (g_omp_set_num_threads != nullptr) g_omp_set_num_threads(1);
+    run(task);
+    if (g_omp_set_num_threads != nullptr) g_omp_set_num_threads(before);
+  });
+}
+
+ffi::Error GemmFailed(int64_t status) {
+  return ffi::Error::Internal("dew attention: the library's gemm returned status " + std::to_string(status));
+}
+
+// Forward: `out` `[B, S, H, Dv]` and, for the backward, the probabilities `[B, H, S, T]` (a block's
+// columns past its last scored key are 0).
+ffi::Error AttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                        ffi::Result<ffi::Buffer<ffi::F32>> probs, float scale, float masked, int64_t block,
+                        bool causal_blocks) {
+  AttentionShape a;
+  if (auto error = CheckAttention(q.dimensions(), k.dimensions(), v.dimensions(), mask.dimensions(), block,
+                                  causal_blocks, &a);
+      error.failure())
+    return error;
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  const bool* mp = mask.typed_data();
+  float *op = out->typed_data(), *pp = probs->typed_data();
+  auto failed = std::make_shared<std::atomic<int64_t>>(0);
+  int64_t heads = a.b * a.h;
+  // Tasks (block, row, head), the widest blocks first so that the last ones to finish are short.
+  ForEachTask(pool, heads * a.blocks, [=](int64_t task) {
+    int64_t blk = a.blocks - 1 - task / heads, bh = task % heads, bi = bh / a.h, h = bh % a.h, kh = h / (a.h / a.k);
+    int64_t start = a.Start(blk), rows = a.Rows(blk), end = a.End(blk);
+    thread_local std::vector<float> scores;
+    scores.resize(static_cast<size_t>(rows * end));
+    const float* qb = qp + ((bi * a.s + start) * a.h + h) * a.d;
+    const float* kb = kp + bi * a.t * a.k * a.d + kh * a.d;
+    const float* vb = vp + bi * a.t * a.k * a.dv + kh * a.dv;
+    float* pb = pp + (bh * a.s + start) * a.t;
+    int status = g_sgemm('N', 'T', rows, end, a.d, 1.0f, qb, a.h * a.d, kb, a.k * a.d, 0.0f, scores.data(), end);
+    for (int64_t r = 0; r < rows && status == 0; ++r) {
+      ForwardRow(scores.data() + r * end, mp + (bi * a.s + start + r) * a.t, pb + r * a.t, nullptr, end, scale,
+                 masked);
+      std::fill(pb + r * a.t + end, pb + (r + 1) * a.t, 0.0f);
+    }
+    if (status == 0)
+      status = g_sgemm('N', 'N', rows, a.dv, end, 1.0f, pb, a.t, vb, a.k * a.dv, 0.0f,
+                       op + ((bi * a.s + start) * a.h + h) * a.dv, a.h * a.dv);
+    int64_t none = 0;
+    if (status != 0) failed->compare_exchange_strong(none, status, std::memory_order_relaxed);
+  });
+  if (int64_t status = failed->load(); status != 0) return GemmFailed(status);
+  return ffi::Error::Success();
+}
+
+// Backward, from the forward's probabilities and the output's cotangent `g` `[B, S, H, Dv]`: per key/value
+// head of a row (the query heads sharing it add into its gradients), per block, dv += p^T g,
+// dp = g v^T, ds = the softmax's backward of dp (`BackwardRow`, scaled), dq = ds k, dk += ds^T q.
+ffi::Error AttentionGradF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::F32> probs,
+                            ffi::Buffer<ffi::F32> g, ffi::Result<ffi::Buffer<ffi::F32>> dq,
+                            ffi::Result<ffi::Buffer<ffi::F32>> dk, ffi::Result<ffi::Buffer<ffi::F32>> dv, float scale,
+                            int64_t block, bool causal_blocks) {
+  AttentionShape a;
+  if (auto error = CheckAttention(q.dimensions(), k.dimensions(), v.dimensions(), mask.dimensions(), block,
+                                  causal_blocks, &a);
+      error.failure())
+    return error;
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *pp = probs.typed_data();
+  const float* gp = g.typed_data();
+  const bool* mp = mask.typed_data();
+  float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
+  auto failed = std::make_shared<std::atomic<int64_t>>(0);
+  int64_t group = a.h / a.k;
+  ForEachTask(pool, a.b * a.k, [=](int64_t task) {
+    int64_t bi = task / a.k, kh = task % a.k;
+    const float* kb = kp + bi * a.t * a.k * a.d + kh * a.d;
+    const float* vb = vp + bi * a.t * a.k * a.dv + kh * a.dv;
+    float* dkb = dkp + bi * a.t * a.k * a.d + kh * a.d;
+    float* dvb = dvp + bi * a.t * a.k * a.dv + kh * a.dv;
+    for (int64_t j = 0; j < a.t; ++j) {
+      std::fill(dkb + j * a.k * a.d, dkb + j * a.k * a.d + a.d, 0.0f);
+      std::fill(dvb + j * a.k * a.dv, dvb + j * a.k * a.dv + a.dv, 0.0f);
+    }
+    thread_local std::vector<float> dprobs, dscores;
+    int status = 0;
+    for (int64_t h = kh * group; h < (kh + 1) * group && status == 0; ++h) {
+      for (int64_t blk = 0; blk < a.blocks && status == 0; ++blk) {
+        int64_t start = a.Start(blk), rows = a.Rows(blk), end = a.End(blk);
+        dprobs.resize(static_cast<size_t>(rows * end));
+        dscores.resize(static_cast<size_t>(rows * end));
+        const float* pb = pp + ((bi * a.h + h) * a.s + start) * a.t;
+        const float* gb = gp + ((bi * a.s + start) * a.h + h) * a.dv;
+        const float* qb = qp + ((bi * a.s + start) * a.h + h) * a.d;
+        status = g_sgemm('T', 'N', end, a.dv, rows, 1.0f, pb, a.t, gb, a.h * a.dv, 1.0f, dvb, a.k * a.dv);
+        if (status == 0)
+          status = g_sgemm('N', 'T', rows, end, a.dv, 1.0f, gb, a.h * a.dv, vb, a.k * a.dv, 0.0f, dprobs.data(), end);
+        if (status != 0) break;
+        for (int64_t r = 0; r < rows; ++r)
+          BackwardRow<float>(pb + r * a.t, dprobs.data() + r * end, mp + (bi * a.s + start + r) * a.t,
+                             dscores.data() + r * end, end, scale);
+        status = g_sgemm('N', 'N', rows, a.d, end, 1.0f, dscores.data(), end, kb, a.k * a.d, 0.0f,
+                         dqp + ((bi * a.s + start) * a.h + h) * a.d, a.h * a.d);
+        if (status == 0)
+          status = g_sgemm('T', 'N', end, a.d, rows, 1.0f, dscores.data(), end, qb, a.h * a.d, 1.0f, dkb, a.k * a.d);
+      }
+    }
+    int64_t none = 0;
+    if (status != 0) failed->compare_exchange_strong(none, status, std::memory_order_relaxed);
+  });
+  if (int64_t status = failed->load(); status != 0) return GemmFailed(status);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DewFirstMax, FirstMax,
@@ -382,18 +546,62 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewSoftmaxGradBF16, SoftmaxGradBF16,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
 
-// Python module: handlers() -> {"f32", "bf16", "grad_f32", "grad_bf16", "first_max": capsule}.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewAttentionF32, AttentionF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("masked")
+                                  .Attr<int64_t>("block")
+                                  .Attr<bool>("causal_blocks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewAttentionGradF32, AttentionGradF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("block")
+                                  .Attr<bool>("causal_blocks"));
+
+// Python module: handlers() -> {"f32", "bf16", "grad_f32", "grad_bf16", "first_max", "attention_f32",
+// "attention_grad_f32": capsule}; set_gemm(addresses) for the attention's products.
 static PyObject* Handlers(PyObject*, PyObject*) {
   const dew::HandlerEntry entries[] = {{"f32", reinterpret_cast<void*>(&DewSoftmaxF32)},
                                        {"bf16", reinterpret_cast<void*>(&DewSoftmaxBF16)},
                                        {"grad_f32", reinterpret_cast<void*>(&DewSoftmaxGradF32)},
                                        {"grad_bf16", reinterpret_cast<void*>(&DewSoftmaxGradBF16)},
-                                       {"first_max", reinterpret_cast<void*>(&DewFirstMax)}};
+                                       {"first_max", reinterpret_cast<void*>(&DewFirstMax)},
+                                       {"attention_f32", reinterpret_cast<void*>(&DewAttentionF32)},
+                                       {"attention_grad_f32", reinterpret_cast<void*>(&DewAttentionGradF32)}};
   return dew::HandlerDict(entries, sizeof entries / sizeof entries[0]);
+}
+
+static PyObject* SetGemm(PyObject*, PyObject* args) {
+  unsigned long long sgemm = 0, omp_set_num_threads = 0, omp_get_max_threads = 0;
+  if (!PyArg_ParseTuple(args, "KKK", &sgemm, &omp_set_num_threads, &omp_get_max_threads)) return nullptr;
+  g_sgemm = reinterpret_cast<SgemmFn>(static_cast<uintptr_t>(sgemm));
+  g_omp_set_num_threads = reinterpret_cast<void (*)(int)>(static_cast<uintptr_t>(omp_set_num_threads));
+  g_omp_get_max_threads = reinterpret_cast<int (*)()>(static_cast<uintptr_t>(omp_get_max_threads));
+  Py_RETURN_NONE;
 }
 
 static PyMethodDef kMethods[] = {
     {"handlers", Handlers, METH_NOARGS, "The XLA FFI handlers, as capsules keyed by dtype and direction."},
+    {"set_gemm", SetGemm, METH_VARARGS,
+     "Set the addresses of the float32 gemm and of its library's omp_set_num_threads and omp_get_max_threads."},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_softmax", "Dew's XLA FFI attention softmax.", -1,

@@ -43,8 +43,11 @@ def attention_mask(
     return allowed
 
 
+BLOCK = 128  # query rows a block of a causal pass (`attend`'s `block`)
+
+
 def attend(q_BSHD, k_BKTD, v_BKTD, mask_BST, *, causal_blocks: bool = False, scale: float | None = None,
-           softcap: float | None = None, block: int = 128) -> jax.Array:
+           softcap: float | None = None, block: int = BLOCK) -> jax.Array:
     """Softmax attention in float32 for `H` query heads over `K` shared key/value heads.
 
     Queries are `[B, S, H, D]`, keys heads-major `[B, K, T, D]` (the KV cache's layout) and values
@@ -160,6 +163,14 @@ class Attention(nn.Module):
         q_BSHD = apply_rotary(q_BSHD, *rotary)
         k_BSKD = apply_rotary(k_BSKD, *rotary)
 
+        if cache is None and s.softcap is None and fast_softmax.attention_usable(q_BSHD, k_BSKD, v_BSKD):
+            # Training's pass (and any without a cache), float32: scores, softmax and weighted values in one
+            # kernel, keys and values as the projections laid them out.
+            mask_BST = attention_mask(context.slots_BS, context.slots_BS, context.segments_BS, context.segments_BS,
+                                      causal=s.causal, window=knobs.window)
+            scale = D**-0.5 if s.query_scale is None else s.query_scale
+            out_BSHD = fast_softmax.attention(q_BSHD, k_BSKD, v_BSKD, mask_BST, scale, s.causal, BLOCK)
+            return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache, None
         if cache is None:
             keys, values = k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3)
             k_slots, k_segments = context.slots_BS, context.segments_BS

@@ -77,21 +77,34 @@ def _load() -> tuple[bool, str]:
     if _native_gemm is None:
         return False, why
     try:
-        library = _library_path()
+        library, address = _library_functions()
     except LookupError as error:
         return False, str(error)
-    try:
-        dnnl = ctypes.CDLL(str(library))
-    except OSError as error:
-        return False, f"{library} did not load ({error})"
-    address = lambda name: ctypes.cast(getattr(dnnl, name), ctypes.c_void_p).value  # noqa: E731
     # Each piece of a product runs single-threaded on one of XLA's threads (native/gemm.cc); the
     # library's OpenMP runtime, found through its own dependencies, is told so per thread.
-    _native_gemm.set_gemm(address("dnnl_sgemm"), address("dnnl_gemm_bf16bf16f32"), address("omp_set_num_threads"),
-                          address("omp_get_max_threads"))
+    _native_gemm.set_gemm(address["dnnl_sgemm"], address["dnnl_gemm_bf16bf16f32"], address["omp_set_num_threads"],
+                          address["omp_get_max_threads"])
     for key, capsule in _native_gemm.handlers().items():
         jax.ffi.register_ffi_target(f"dew_gemm_{key}", capsule, platform="cpu")
     return True, f"oneDNN {metadata.version(_DIST)} ({library})"
+
+
+@functools.cache
+def _library_functions() -> tuple[Path, dict[str, int]]:
+    """(oneDNN's shared library, the addresses of its gemm entry points and of its OpenMP runtime's
+    thread-count functions), which Dew's kernels call; LookupError saying why where it cannot load."""
+    library = _library_path()
+    try:
+        dnnl = ctypes.CDLL(str(library))
+    except OSError as error:
+        raise LookupError(f"{library} did not load ({error})") from None
+    names = ("dnnl_sgemm", "dnnl_gemm_bf16bf16f32", "omp_set_num_threads", "omp_get_max_threads")
+    return library, {name: ctypes.cast(getattr(dnnl, name), ctypes.c_void_p).value for name in names}
+
+
+def library_functions() -> dict[str, int]:
+    """The addresses `_library_functions` finds (`dew.nn.fast_softmax`'s attention calls the same gemm)."""
+    return _library_functions()[1]
 
 
 def _library_path() -> Path:

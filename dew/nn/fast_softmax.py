@@ -17,6 +17,13 @@ the quick start's 165 ms step on an AVX-512 Xeon; the kernel takes each row once
 Both run where `dew.nn.fast_matmul`'s products may (`status()`): the CPU backend, one device, the
 extension built, and `DEW_FAST_MATMUL` not `off` (`auto` and `on` both take it, at any size: one pass
 instead of several costs less on any CPU, and the tests compare the two paths).
+
+`attention(q, k, v, mask, scale, causal_blocks, block)` is `dew.nn.attention.attend`'s whole float32
+pass in one call a direction (scores, this softmax and the weighted values per block of query rows,
+each product one single-threaded oneDNN gemm, the block's scores in cache between them), with keys
+and values in the projections' `[B, T, K, D]` layout, so none of the heads' transposes either; the
+attention layer takes it for a pass without a cache (training's) where `attention_status()` allows:
+as above, and oneDNN's library loaded.
 """
 
 from __future__ import annotations
@@ -124,3 +131,82 @@ def first_max(x_NC: jax.Array) -> jax.Array:
     call = jax.ffi.ffi_call("dew_softmax_first_max", jax.ShapeDtypeStruct(x_NC.shape[:1], jnp.int32),
                             vmap_method="sequential")
     return call(x_NC)
+
+
+@functools.cache
+def _load_attention() -> tuple[bool, str]:
+    loaded, why = _load()
+    if not loaded:
+        return False, why
+    try:
+        address = fast_matmul.library_functions()
+    except LookupError as error:
+        return False, str(error)
+    native, why = import_extension("softmax")
+    native.set_gemm(address["dnnl_sgemm"], address["omp_set_num_threads"], address["omp_get_max_threads"])
+    return True, "Dew's kernel (dew._native_softmax) with oneDNN's gemm"
+
+
+def attention_status() -> tuple[bool, str]:
+    """(whether `attention` may run in Dew's kernel in this process, why or why not): as `status()`,
+    and oneDNN's library loaded, whose single-threaded gemm runs the kernel's products."""
+    off = fast_matmul.process_off()
+    return (False, off) if off else _load_attention()
+
+
+def attention_usable(*arrays: jax.Array) -> bool:
+    """Whether `attention` may take these operands in this process: all float32, and `attention_status()`."""
+    return all(x.dtype == _F32 for x in arrays) and attention_status()[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def attention(q_BSHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask_BST: jax.Array, scale: float,
+              causal_blocks: bool, block: int) -> jax.Array:
+    """`dew.nn.attention.attend(q, k, v, mask, causal_blocks=..., scale=scale, block=block)` for float32
+    operands in one call a direction, keys and values `[B, T, K, D]` as the projections lay them out
+    (not heads-major): the result `[B, S, H, Dv]`.
+
+    Each block of `block` query rows of a head is scored against its keys (with `causal_blocks` only
+    those up to its last row), its masked softmax taken and its values weighted while the block's
+    scores are in cache, each product one single-threaded oneDNN gemm on one of XLA's threads; the
+    backward does the same per key/value head. XLA ran the same as a batched product, the softmax
+    kernel and another product per block, with the heads' transposes, copies and concatenations
+    between them. The same roundings as `attend`'s but for the products' order of summation."""
+    return _attention(q_BSHD, k_BTKD, v_BTKD, mask_BST, scale, causal_blocks, block)[0]
+
+
+def _attention(q_BSHD, k_BTKD, v_BTKD, mask_BST, scale, causal_blocks, block):
+    """(the result, the probabilities `[B, H, S, T]` the backward reads)."""
+    loaded, why = _load_attention()
+    if not loaded:
+        raise RuntimeError(f"Dew's attention kernel is unavailable: {why}; use dew.nn.attention.attend")
+    B, S, H, D = q_BSHD.shape
+    if not (q_BSHD.dtype == k_BTKD.dtype == v_BTKD.dtype == _F32) or k_BTKD.ndim != 4 or v_BTKD.ndim != 4:
+        raise ValueError(f"attention takes float32 q [B, S, H, D], k [B, T, K, D] and v [B, T, K, Dv]; got "
+                         f"{q_BSHD.dtype} {q_BSHD.shape}, {k_BTKD.dtype} {k_BTKD.shape}, {v_BTKD.dtype} {v_BTKD.shape}")
+    T, K = k_BTKD.shape[1:3]
+    if H % K or mask_BST.shape != (B, S, T) or (causal_blocks and S > T):
+        raise ValueError(f"attention: {H} query heads over {K} key/value heads, mask {mask_BST.shape} for "
+                         f"queries {q_BSHD.shape} and keys {k_BTKD.shape}"
+                         + (" (causal blocks need at least as many keys as queries)" if causal_blocks else ""))
+    shapes = (jax.ShapeDtypeStruct((B, S, H, v_BTKD.shape[-1]), _F32), jax.ShapeDtypeStruct((B, H, S, T), _F32))
+    call = jax.ffi.ffi_call("dew_softmax_attention_f32", shapes, vmap_method="sequential")
+    return call(q_BSHD, k_BTKD, v_BTKD, mask_BST.astype(jnp.bool_), scale=np.float32(scale),
+                masked=np.float32(MASKED), block=np.int64(block), causal_blocks=bool(causal_blocks))
+
+
+def _attention_fwd(q_BSHD, k_BTKD, v_BTKD, mask_BST, scale, causal_blocks, block):
+    out, probs = _attention(q_BSHD, k_BTKD, v_BTKD, mask_BST, scale, causal_blocks, block)
+    return out, (q_BSHD, k_BTKD, v_BTKD, mask_BST.astype(jnp.bool_), probs)
+
+
+def _attention_bwd(scale, causal_blocks, block, residuals, g):
+    q, k, v, mask, probs = residuals
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, _F32) for x in (q, k, v))
+    call = jax.ffi.ffi_call("dew_softmax_attention_grad_f32", shapes, vmap_method="sequential")
+    dq, dk, dv = call(q, k, v, mask, probs, g.astype(_F32), scale=np.float32(scale), block=np.int64(block),
+                      causal_blocks=bool(causal_blocks))
+    return dq, dk, dv, None
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
