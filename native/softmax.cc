@@ -366,10 +366,15 @@ struct AttentionShape {
   int64_t Start(int64_t blk) const { return blk * block; }
   int64_t Rows(int64_t blk) const { return std::min(block, s - blk * block); }
   int64_t End(int64_t blk) const { return causal_blocks ? blk * block + Rows(blk) : t; }
+  // Where a block's probabilities `[Rows, End]` start in a head's packed `[P]` of them (every block
+  // before it is whole), and P: a causal pass keeps about half the `S x T` scores, not all of them.
+  int64_t Offset(int64_t blk) const { return causal_blocks ? block * block * blk * (blk + 1) / 2 : blk * block * t; }
+  int64_t Packed() const { return Offset(blocks - 1) + Rows(blocks - 1) * End(blocks - 1); }
 };
 
 ffi::Error CheckAttention(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k, ffi::Span<const int64_t> v,
-                          ffi::Span<const int64_t> mask, int64_t block, bool causal_blocks, AttentionShape* out) {
+                          ffi::Span<const int64_t> mask, ffi::Span<const int64_t> probs, int64_t block,
+                          bool causal_blocks, AttentionShape* out) {
   if (g_sgemm == nullptr) return ffi::Error::Internal("dew attention: the library's gemm was not set");
   if (q.size() != 4 || k.size() != 4 || v.size() != 4 || mask.size() != 3)
     return ffi::Error::InvalidArgument("dew attention: q [B, S, H, D], k [B, T, K, D], v [B, T, K, Dv], mask [B, S, T]");
@@ -381,6 +386,8 @@ ffi::Error CheckAttention(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k
   if (causal_blocks && a.s > a.t)
     return ffi::Error::InvalidArgument("dew attention: causal blocks need at least as many keys as queries");
   a.blocks = (a.s + block - 1) / block;
+  if (probs.size() != 3 || probs[0] != a.b || probs[1] != a.h || probs[2] != (a.s == 0 ? 0 : a.Packed()))
+    return ffi::Error::InvalidArgument("dew attention: the probabilities must be [B, H, packed blocks]");
   *out = a;
   return ffi::Error::Success();
 }
@@ -400,17 +407,18 @@ ffi::Error GemmFailed(int64_t status) {
   return ffi::Error::Internal("dew attention: the library's gemm returned status " + std::to_string(status));
 }
 
-// Forward: `out` `[B, S, H, Dv]` and, for the backward, the probabilities `[B, H, S, T]` (a block's
-// columns past its last scored key are 0).
+// Forward: `out` `[B, S, H, Dv]` and, for the backward, the probabilities `[B, H, P]`, each head's
+// blocks `[Rows, End]` one after another (`AttentionShape::Offset`).
 ffi::Error AttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::Buffer<ffi::F32>> out,
                         ffi::Result<ffi::Buffer<ffi::F32>> probs, float scale, float masked, int64_t block,
                         bool causal_blocks) {
   AttentionShape a;
-  if (auto error = CheckAttention(q.dimensions(), k.dimensions(), v.dimensions(), mask.dimensions(), block,
-                                  causal_blocks, &a);
+  if (auto error = CheckAttention(q.dimensions(), k.dimensions(), v.dimensions(), mask.dimensions(),
+                                  probs->dimensions(), block, causal_blocks, &a);
       error.failure())
     return error;
+  if (a.s == 0) return ffi::Error::Success();
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   const bool* mp = mask.typed_data();
   float *op = out->typed_data(), *pp = probs->typed_data();
@@ -425,15 +433,14 @@ ffi::Error AttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     const float* qb = qp + ((bi * a.s + start) * a.h + h) * a.d;
     const float* kb = kp + bi * a.t * a.k * a.d + kh * a.d;
     const float* vb = vp + bi * a.t * a.k * a.dv + kh * a.dv;
-    float* pb = pp + (bh * a.s + start) * a.t;
+    float* pb = pp + bh * a.Packed() + a.Offset(blk);
     int status = g_sgemm('N', 'T', rows, end, a.d, 1.0f, qb, a.h * a.d, kb, a.k * a.d, 0.0f, scores.data(), end);
     for (int64_t r = 0; r < rows && status == 0; ++r) {
-      ForwardRow(scores.data() + r * end, mp + (bi * a.s + start + r) * a.t, pb + r * a.t, nullptr, end, scale,
+      ForwardRow(scores.data() + r * end, mp + (bi * a.s + start + r) * a.t, pb + r * end, nullptr, end, scale,
                  masked);
-      std::fill(pb + r * a.t + end, pb + (r + 1) * a.t, 0.0f);
     }
     if (status == 0)
-      status = g_sgemm('N', 'N', rows, a.dv, end, 1.0f, pb, a.t, vb, a.k * a.dv, 0.0f,
+      status = g_sgemm('N', 'N', rows, a.dv, end, 1.0f, pb, end, vb, a.k * a.dv, 0.0f,
                        op + ((bi * a.s + start) * a.h + h) * a.dv, a.h * a.dv);
     int64_t none = 0;
     if (status != 0) failed->compare_exchange_strong(none, status, std::memory_order_relaxed);
@@ -451,8 +458,8 @@ ffi::Error AttentionGradF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
                             ffi::Result<ffi::Buffer<ffi::F32>> dk, ffi::Result<ffi::Buffer<ffi::F32>> dv, float scale,
                             int64_t block, bool causal_blocks) {
   AttentionShape a;
-  if (auto error = CheckAttention(q.dimensions(), k.dimensions(), v.dimensions(), mask.dimensions(), block,
-                                  causal_blocks, &a);
+  if (auto error = CheckAttention(q.dimensions(), k.dimensions(), v.dimensions(), mask.dimensions(),
+                                  probs.dimensions(), block, causal_blocks, &a);
       error.failure())
     return error;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *pp = probs.typed_data();
@@ -478,15 +485,15 @@ ffi::Error AttentionGradF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
         int64_t start = a.Start(blk), rows = a.Rows(blk), end = a.End(blk);
         dprobs.resize(static_cast<size_t>(rows * end));
         dscores.resize(static_cast<size_t>(rows * end));
-        const float* pb = pp + ((bi * a.h + h) * a.s + start) * a.t;
+        const float* pb = pp + (bi * a.h + h) * a.Packed() + a.Offset(blk);
         const float* gb = gp + ((bi * a.s + start) * a.h + h) * a.dv;
         const float* qb = qp + ((bi * a.s + start) * a.h + h) * a.d;
-        status = g_sgemm('T', 'N', end, a.dv, rows, 1.0f, pb, a.t, gb, a.h * a.dv, 1.0f, dvb, a.k * a.dv);
+        status = g_sgemm('T', 'N', end, a.dv, rows, 1.0f, pb, end, gb, a.h * a.dv, 1.0f, dvb, a.k * a.dv);
         if (status == 0)
           status = g_sgemm('N', 'T', rows, end, a.dv, 1.0f, gb, a.h * a.dv, vb, a.k * a.dv, 0.0f, dprobs.data(), end);
         if (status != 0) break;
         for (int64_t r = 0; r < rows; ++r)
-          BackwardRow<float>(pb + r * a.t, dprobs.data() + r * end, mp + (bi * a.s + start + r) * a.t,
+          BackwardRow<float>(pb + r * end, dprobs.data() + r * end, mp + (bi * a.s + start + r) * a.t,
                              dscores.data() + r * end, end, scale);
         status = g_sgemm('N', 'N', rows, a.d, end, 1.0f, dscores.data(), end, kb, a.k * a.d, 0.0f,
                          dqp + ((bi * a.s + start) * a.h + h) * a.d, a.h * a.d);

@@ -176,7 +176,8 @@ def attention(q_BSHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask_BST:
 
 
 def _attention(q_BSHD, k_BTKD, v_BTKD, mask_BST, scale, causal_blocks, block):
-    """(the result, the probabilities `[B, H, S, T]` the backward reads)."""
+    """(the result, the probabilities the backward reads: `[B, H, P]`, each head's blocks of rows
+    `[rows, keys scored]` one after another, about half of `S x T` for a causal pass)."""
     loaded, why = _load_attention()
     if not loaded:
         raise RuntimeError(f"Dew's attention kernel is unavailable: {why}; use dew.nn.attention.attend")
@@ -189,7 +190,9 @@ def _attention(q_BSHD, k_BTKD, v_BTKD, mask_BST, scale, causal_blocks, block):
         raise ValueError(f"attention: {H} query heads over {K} key/value heads, mask {mask_BST.shape} for "
                          f"queries {q_BSHD.shape} and keys {k_BTKD.shape}"
                          + (" (causal blocks need at least as many keys as queries)" if causal_blocks else ""))
-    shapes = (jax.ShapeDtypeStruct((B, S, H, v_BTKD.shape[-1]), _F32), jax.ShapeDtypeStruct((B, H, S, T), _F32))
+    blocks = [(start, min(start + block, S)) for start in range(0, S, block)]
+    packed = sum((stop - start) * (stop if causal_blocks else T) for start, stop in blocks)
+    shapes = (jax.ShapeDtypeStruct((B, S, H, v_BTKD.shape[-1]), _F32), jax.ShapeDtypeStruct((B, H, packed), _F32))
     call = jax.ffi.ffi_call("dew_softmax_attention_f32", shapes, vmap_method="sequential")
     return call(q_BSHD, k_BTKD, v_BTKD, mask_BST.astype(jnp.bool_), scale=np.float32(scale),
                 masked=np.float32(MASKED), block=np.int64(block), causal_blocks=bool(causal_blocks))

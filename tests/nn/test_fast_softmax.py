@@ -279,3 +279,16 @@ def test_fused_attention_refuses_what_it_cannot_take(policy):
         fast_softmax.attention(q.astype(jnp.bfloat16), k, k, mask, 1.0, True, 4)
     with pytest.raises(ValueError, match=r"at least as many keys as queries"):
         fast_softmax.attention(jnp.zeros((1, 8, 2, 4)), k[:, :6], k[:, :6], mask[..., :6], 1.0, True, 4)
+
+
+@needs_attention
+def test_fused_attention_keeps_only_the_scored_blocks_for_its_backward(policy):
+    """Its residual probabilities hold each block's scored keys only: 64 x 64 + 64 x 128 + 64 x 192 +
+    8 x 200 of a causal pass's 200 x 200 (the last block is short), every key for a bidirectional one."""
+    policy("on")
+    q = jnp.zeros((1, 200, 2, 8), jnp.float32)
+    k = jnp.zeros((1, 200, 1, 8), jnp.float32)
+    mask = jnp.ones((1, 200, 200), bool)
+    for causal, packed in ((True, 64 * 64 + 64 * 128 + 64 * 192 + 8 * 200), (False, 200 * 200)):
+        out, probs = jax.eval_shape(lambda: fast_softmax._attention(q, k, k, mask, 1.0, causal, 64))
+        assert out.shape == (1, 200, 2, 8) and probs.shape == (1, 2, packed)
