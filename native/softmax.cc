@@ -377,7 +377,8 @@ ffi::Error CheckAttention(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k
                           bool causal_blocks, AttentionShape* out) {
   if (g_sgemm == nullptr) return ffi::Error::Internal("dew attention: the library's gemm was not set");
   if (q.size() != 4 || k.size() != 4 || v.size() != 4 || mask.size() != 3)
-    return ffi::Error::InvalidArgument("dew attention: q [B, S, H, D], k [B, T, K, D], v [B, T, K, Dv], mask [B, S, T]");
+    return ffi::Error::InvalidArgument(
+        "dew attention: q [B, S, H, D], k [B, T, K, D], v [B, T, K, Dv], mask [B, S, T]");
   AttentionShape a{q[0], q[1], q[2], k[2], q[3], v[3], k[1], block, 0, causal_blocks};
   if (k[0] != a.b || v[0] != a.b || v[1] != a.t || v[2] != a.k || k[3] != a.d || a.k == 0 || a.h % a.k != 0 ||
       mask[0] != a.b || mask[1] != a.s || mask[2] != a.t)

@@ -47,9 +47,10 @@ BLOCK = 128  # query rows a block of a causal pass (`attend`'s `block`)
 # The fused kernel's blocks: fewer masked scores computed (a causal pass at 256 tokens scores 62.5% of
 # the square instead of 75%), and inside one call smaller products cost no extra thunks; forward and
 # backward 11-19% faster than with 128 at the benchmark's and the quick start's shapes (AMD EPYC Zen 4;
-# 32 was no better; the whole step 0.98-1.02x, within that machine's noise). The same result as `attend`'s 128 but for the order of sums: without a cache every
-# query may read its own slot (same slot, same segment, inside any window), so no row is all masked, and
-# a masked score's exp(MASKED - max) is exactly 0 however many of them a block computes.
+# 32 was no better; the whole step 0.98-1.02x, within that machine's noise). The same result as
+# `attend`'s 128 but for the order of sums: without a cache every query may read its own slot (same
+# slot, same segment, inside any window), so no row is all masked, and a masked score's
+# exp(MASKED - max) is exactly 0 however many of them a block computes.
 FUSED_BLOCK = 64
 
 

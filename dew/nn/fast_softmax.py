@@ -186,6 +186,8 @@ def _attention(q_BSHD, k_BTKD, v_BTKD, mask_BST, scale, causal_blocks, block):
         raise ValueError(f"attention takes float32 q [B, S, H, D], k [B, T, K, D] and v [B, T, K, Dv]; got "
                          f"{q_BSHD.dtype} {q_BSHD.shape}, {k_BTKD.dtype} {k_BTKD.shape}, {v_BTKD.dtype} {v_BTKD.shape}")
     T, K = k_BTKD.shape[1:3]
+    if block < 1:
+        raise ValueError(f"attention: block is {block}; it must be at least 1 query row")
     if H % K or mask_BST.shape != (B, S, T) or (causal_blocks and S > T):
         raise ValueError(f"attention: {H} query heads over {K} key/value heads, mask {mask_BST.shape} for "
                          f"queries {q_BSHD.shape} and keys {k_BTKD.shape}"

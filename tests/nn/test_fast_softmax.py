@@ -277,6 +277,8 @@ def test_fused_attention_refuses_what_it_cannot_take(policy):
         fast_softmax.attention(q, k, k, mask, 1.0, True, 4)
     with pytest.raises(ValueError, match=r"float32 q \[B, S, H, D\].*bfloat16"):
         fast_softmax.attention(q.astype(jnp.bfloat16), k, k, mask, 1.0, True, 4)
+    with pytest.raises(ValueError, match=r"block is 0; it must be at least 1 query row"):
+        fast_softmax.attention(q[:, :, :2], k, k, mask, 1.0, True, 0)
     with pytest.raises(ValueError, match=r"at least as many keys as queries"):
         fast_softmax.attention(jnp.zeros((1, 8, 2, 4)), k[:, :6], k[:, :6], mask[..., :6], 1.0, True, 4)
 
