@@ -393,8 +393,8 @@ ffi::Error CheckAttention(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k
   return ffi::Error::Success();
 }
 
-// Runs `run(task)` for `total` tasks, one a piece, the library's OpenMP team held to the thread; the
-// first failing gemm's status is kept in `failed`.
+// Runs `run(task)` for `total` tasks, one a piece, the library's OpenMP team held to the thread (each
+// caller's tasks keep the first failing gemm's status themselves).
 void ForEachTask(ffi::ThreadPool pool, int64_t total, std::function<void(int64_t)> run) {
   ForEach(pool, total, 1, [run = std::move(run)](int64_t task) {
     int before = g_omp_get_max_threads != nullptr ? g_omp_get_max_threads() : 0;
