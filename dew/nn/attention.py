@@ -47,10 +47,11 @@ BLOCK = 128  # query rows a block of a causal pass (`attend`'s `block`)
 # The fused kernel's blocks: fewer masked scores computed (a causal pass at 256 tokens scores 62.5% of
 # the square instead of 75%), and inside one call smaller products cost no extra thunks; forward and
 # backward 11-19% faster than with 128 at the benchmark's and the quick start's shapes (AMD EPYC Zen 4;
-# 32 was no better; the whole step 0.98-1.02x, within that machine's noise). The same result as
-# `attend`'s 128 but for the order of sums: without a cache every query may read its own slot (same
-# slot, same segment, inside any window), so no row is all masked, and a masked score's
-# exp(MASKED - max) is exactly 0 however many of them a block computes.
+# 32 was no better; the whole step 0.98-1.02x, within that machine's noise). For every real token the
+# same result as `attend`'s 128 but for the order of sums: it reads only keys at or before itself, and
+# without a cache it may always read its own slot (same slot, same segment, inside any window), so its
+# row is never all masked and a masked score's exp(MASKED - max) is exactly 0 however many of them a
+# block computes. (A padding query may score other keys with 64 than with 128; nothing reads it.)
 FUSED_BLOCK = 64
 
 
@@ -171,29 +172,29 @@ class Attention(nn.Module):
         q_BSHD = apply_rotary(q_BSHD, *rotary)
         k_BSKD = apply_rotary(k_BSKD, *rotary)
 
-        if cache is None and s.softcap is None and fast_softmax.attention_usable(q_BSHD, k_BSKD, v_BSKD):
-            # Training's pass (and any without a cache), float32: scores, softmax and weighted values in one
-            # kernel, keys and values as the projections laid them out.
-            mask_BST = attention_mask(context.slots_BS, context.slots_BS, context.segments_BS, context.segments_BS,
-                                      causal=s.causal, window=knobs.window)
-            scale = D**-0.5 if s.query_scale is None else s.query_scale
-            out_BSHD = fast_softmax.attention(q_BSHD, k_BSKD, v_BSKD, mask_BST, scale, s.causal, FUSED_BLOCK)
-            return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache, None
         if cache is None:
-            keys, values = k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3)
             k_slots, k_segments = context.slots_BS, context.segments_BS
         else:
             cache = cache.write(knobs.local, context.write_slots_BS, k_BSKD, v_BSKD)
-            keys, values = cache.read(knobs.local)
             k_segments = context.filled_BT
-            k_slots = jnp.broadcast_to(jnp.arange(keys.shape[2], dtype=jnp.int32), k_segments.shape)
+            k_slots = jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32), k_segments.shape)
         mask_BST = attention_mask(context.slots_BS, k_slots, context.segments_BS, k_segments, causal=s.causal,
                                   window=knobs.window)
-        # Without a cache, or with one that held nothing, query `i` may read key slots up to `i` only (a
-        # row's real tokens fill slots from 0 in order, and a padding query's slot is at most its index),
-        # so a causal pass can skip each query block's later keys: the mask holds them out anyway. (A
-        # padding query that may read nothing averages the keys it scores; nothing reads its output.)
-        blocks = s.causal and (cache is None or context.fresh_cache)
-        out_BSHD = attend(q_BSHD, keys, values, mask_BST, causal_blocks=blocks, scale=s.query_scale,
-                          softcap=s.softcap)
+        if cache is None and s.softcap is None and fast_softmax.attention_usable(q_BSHD, k_BSKD, v_BSKD):
+            # Training's pass (and any without a cache), float32: scores, softmax and weighted values in one
+            # kernel, keys and values as the projections laid them out.
+            scale = D**-0.5 if s.query_scale is None else s.query_scale
+            out_BSHD = fast_softmax.attention(q_BSHD, k_BSKD, v_BSKD, mask_BST, scale, s.causal, FUSED_BLOCK)
+        else:
+            if cache is None:
+                keys, values = k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3)
+            else:
+                keys, values = cache.read(knobs.local)
+            # Without a cache, or with one that held nothing, query `i` may read key slots up to `i` only (a
+            # row's real tokens fill slots from 0 in order, and a padding query's slot is at most its index),
+            # so a causal pass can skip each query block's later keys: the mask holds them out anyway. (A
+            # padding query that may read nothing averages the keys it scores; nothing reads its output.)
+            blocks = s.causal and (cache is None or context.fresh_cache)
+            out_BSHD = attend(q_BSHD, keys, values, mask_BST, causal_blocks=blocks, scale=s.query_scale,
+                              softcap=s.softcap)
         return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache, None

@@ -77,7 +77,7 @@ def _load() -> tuple[bool, str]:
     if _native_gemm is None:
         return False, why
     try:
-        library, address = _library_functions()
+        library, address = library_functions()
     except LookupError as error:
         return False, str(error)
     # Each piece of a product runs single-threaded on one of XLA's threads (native/gemm.cc); the
@@ -90,9 +90,10 @@ def _load() -> tuple[bool, str]:
 
 
 @functools.cache
-def _library_functions() -> tuple[Path, dict[str, int]]:
+def library_functions() -> tuple[Path, dict[str, int]]:
     """(oneDNN's shared library, the addresses of its gemm entry points and of its OpenMP runtime's
-    thread-count functions), which Dew's kernels call; LookupError saying why where it cannot load."""
+    thread-count functions), which Dew's kernels call (native/gemm.cc's products, `dew.nn.fast_softmax`'s
+    attention); LookupError saying why where it cannot load."""
     library = _library_path()
     try:
         dnnl = ctypes.CDLL(str(library))
@@ -101,10 +102,6 @@ def _library_functions() -> tuple[Path, dict[str, int]]:
     names = ("dnnl_sgemm", "dnnl_gemm_bf16bf16f32", "omp_set_num_threads", "omp_get_max_threads")
     return library, {name: ctypes.cast(getattr(dnnl, name), ctypes.c_void_p).value for name in names}
 
-
-def library_functions() -> dict[str, int]:
-    """The addresses `_library_functions` finds (`dew.nn.fast_softmax`'s attention calls the same gemm)."""
-    return _library_functions()[1]
 
 
 def _library_path() -> Path:

@@ -139,7 +139,7 @@ def _load_attention() -> tuple[bool, str]:
     if not loaded:
         return False, why
     try:
-        address = fast_matmul.library_functions()
+        address = fast_matmul.library_functions()[1]
     except LookupError as error:
         return False, str(error)
     native, why = import_extension("softmax")
@@ -190,7 +190,8 @@ def _attention(q_BSHD, k_BTKD, v_BTKD, mask_BST, scale, causal_blocks, block):
         raise ValueError(f"attention: block is {block}; it must be at least 1 query row")
     if H % K or mask_BST.shape != (B, S, T) or (causal_blocks and S > T):
         raise ValueError(f"attention: {H} query heads over {K} key/value heads, mask {mask_BST.shape} for "
-                         f"queries {q_BSHD.shape} and keys {k_BTKD.shape}"
+                         f"queries {q_BSHD.shape} and keys {k_BTKD.shape}: the query heads must be a multiple "
+                         f"of the key/value heads and the mask [B, S, T] = {(B, S, T)}"
                          + (" (causal blocks need at least as many keys as queries)" if causal_blocks else ""))
     blocks = [(start, min(start + block, S)) for start in range(0, S, block)]
     packed = sum((stop - start) * (stop if causal_blocks else T) for start, stop in blocks)
