@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import pytest
+import os
 
-from dew import models
+from tests.compile_flags import suite_flags
+
+# Before JAX starts its backend (the first computation reads XLA_FLAGS); subprocesses inherit them.
+os.environ["XLA_FLAGS"] = suite_flags(os.environ.get("XLA_FLAGS", ""))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+from dew import models  # noqa: E402
 
 TINY = dict(vocab_size=64, emb_features=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_features=64, max_seq_len=64)
 

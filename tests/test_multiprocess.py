@@ -13,6 +13,8 @@ import time
 import numpy as np
 import pytest
 
+from tests.compile_flags import devices_environment
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = [sys.executable, "-m", "tests.multiprocess_worker"]
 # Observed about 60 s for the pair on 2 busy cores (load 11); a process past this is stuck.
@@ -26,9 +28,9 @@ def _free_port() -> int:
 
 
 def _environment(devices: int, **extra: str) -> dict[str, str]:
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("DEW_COORDINATOR", "DEW_NUM_PROCESSES", "DEW_PROCESS_ID", "JAX_COORDINATOR_ADDRESS")}
-    return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **extra}
+    inherited = ("DEW_COORDINATOR", "DEW_NUM_PROCESSES", "DEW_PROCESS_ID", "JAX_COORDINATOR_ADDRESS")
+    env = {name: value for name, value in devices_environment(devices).items() if name not in inherited}
+    return {**env, **extra}
 
 
 def _log(path) -> str:

@@ -17,6 +17,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from dew import sharding
 from dew.sharding import MESH_AXES, Layout, MeshSpec, Rules
+from tests.compile_flags import devices_environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -296,7 +297,7 @@ EIGHT_DEVICE_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_eight_devices_place_split_and_restore_across_meshes():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = devices_environment(8)
     done = subprocess.run([sys.executable, "-c", EIGHT_DEVICE_SCRIPT], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

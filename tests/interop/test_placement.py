@@ -13,6 +13,7 @@ import pytest
 
 from dew.interop import load_pretrained
 from dew.training.mesh import Layout, MeshSpec
+from tests.compile_flags import devices_environment
 
 # Runs with four CPU devices; argv[1] is the 8-layer Llama checkpoint's directory (its layers scan as one run).
 FOUR_DEVICE_SCRIPT = textwrap.dedent(
@@ -115,8 +116,7 @@ FOUR_DEVICE_SCRIPT = textwrap.dedent(
 
 
 def test_four_device_load_reads_each_shard_and_matches_the_host_load(deep_llama_checkpoint):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               HF_HUB_OFFLINE="1")
+    env = devices_environment(4, HF_HUB_OFFLINE="1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", FOUR_DEVICE_SCRIPT, str(deep_llama_checkpoint[0])], env=env, cwd=root,
                           capture_output=True, text=True, timeout=300)

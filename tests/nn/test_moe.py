@@ -16,6 +16,7 @@ from flax import linen as nn
 from dew import models
 from dew.nn import grouped
 from dew.nn.moe import Mixture, Routes, SparseMLP, SparseSpec, drop_overflow
+from tests.compile_flags import devices_environment
 from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound
 
 torch = pytest.importorskip("torch")
@@ -358,7 +359,7 @@ def test_experts_sharded_over_the_expert_axis_give_one_devices_losses():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = devices_environment(8)
     done = subprocess.run([sys.executable, "-c", EXPERT_MESH_SCRIPT], env=env, cwd=root, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

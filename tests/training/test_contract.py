@@ -18,6 +18,7 @@ from dew import Trainer, models
 from dew.data.dataset import Dataset
 from dew.objectives.base import Step
 from dew.objectives.lm import LMObjective
+from tests.compile_flags import devices_environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -114,7 +115,7 @@ MESH_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_parameters_are_placed_by_their_logical_names():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = devices_environment(4)
     done = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -16,6 +16,7 @@ import pytest
 from dew import Trainer
 from dew.data.dataset import Dataset
 from dew.objectives.lm import LMObjective
+from tests.compile_flags import devices_environment
 from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound
 
 SEQ = 16
@@ -174,7 +175,7 @@ MESH_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_eight_device_mesh_matches_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = devices_environment(8)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
                           timeout=600)
