@@ -35,7 +35,10 @@ def suite_flags(given: str = "") -> str:
 
 
 def devices_environment(devices: int, **extra: str) -> dict[str, str]:
-    """This process's environment for a subprocess that sees `devices` CPU devices, under the suite's
-    flags, with `extra` variables set."""
-    flags = suite_flags(f"--xla_force_host_platform_device_count={devices}")
+    """This process's environment for a subprocess that sees `devices` CPU devices, with `extra`
+    variables set: this process's XLA_FLAGS (so a flag the user named holds there too) under the
+    suite's flags, its device count replaced."""
+    count = "--xla_force_host_platform_device_count"
+    kept = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag.split("=", 1)[0] != count]
+    flags = suite_flags(" ".join([f"{count}={devices}", *kept]))
     return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, **extra}

@@ -28,8 +28,8 @@ def _free_port() -> int:
 
 
 def _environment(devices: int, **extra: str) -> dict[str, str]:
-    inherited = ("DEW_COORDINATOR", "DEW_NUM_PROCESSES", "DEW_PROCESS_ID", "JAX_COORDINATOR_ADDRESS")
-    env = {name: value for name, value in devices_environment(devices).items() if name not in inherited}
+    coordination = ("DEW_COORDINATOR", "DEW_NUM_PROCESSES", "DEW_PROCESS_ID", "JAX_COORDINATOR_ADDRESS")
+    env = {name: value for name, value in devices_environment(devices).items() if name not in coordination}
     return {**env, **extra}
 
 
