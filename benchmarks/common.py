@@ -63,6 +63,7 @@ def machine() -> str:
 
     value = hugepages.tunable(os.environ)
     pages = f"huge pages {hugepages.thp_mode() or 'unknown'}, {hugepages.TUNABLE}={'unset' if value is None else value}"
+    pages += ", big buffers reused (dew._native_buffers)" if hugepages.buffers_loaded() else ", big buffers not reused"
     return f"{cpu_model()}, {jax.local_device_count()} XLA CPU device(s), jax {jax.__version__}, {pages}"
 
 

@@ -6,8 +6,9 @@
 Prints tokens/s for Dew and torch in fp32 and bf16 (torch autocast), each with the batch whole and
 split into micro-batches, the ratio of the best of each, and the achieved FLOP/s beside this
 machine's own 2048-square matmul peak measured in the same run. It starts again under glibc's
-huge-page tunable where that applies (`dew.hugepages`, as `dew train` does), so both sides run with
-it; `DEW_HUGEPAGES=0` runs both without. Dew runs once per `--matmul` policy
+huge-page tunable and with big freed buffers reused where those apply (`dew.hugepages`, as `dew train`
+does), so both sides run with them; `DEW_HUGEPAGES=0` runs both without, `DEW_REUSE_BUFFERS=0` without
+the reuse. Dew runs once per `--matmul` policy
 (`DEW_FAST_MATMUL`, dew.nn.fast_matmul: `auto` products in oneDNN where measured faster, `off` XLA's
 only, `on` oneDNN's for all), so the policies compare side by side.
 """
@@ -147,7 +148,7 @@ def torch_matmul_flops(dtype, size: int = 512) -> float:
 
 
 def main():
-    hugepages.reexec()  # both sides' buffers in huge pages, as `dew train` runs (DEW_HUGEPAGES=0: not)
+    hugepages.reexec()  # both sides' buffers in huge pages and reused, as `dew train` runs (DEW_HUGEPAGES=0: not)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="benchmark",
                         help="the model, sequence, batch and vocabulary (quickstart: examples/quickstart.py's)")

@@ -290,8 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None and sys.argv[1:2] == ["train"]:
         from dew import hugepages
 
-        # This process is the command: a training run's step buffers in huge pages (dew.hugepages),
-        # for 1.5 s of imports again.
+        # This process is the command: a training run's step buffers in huge pages and reused from
+        # step to step (dew.hugepages), for 1.5 s of imports again.
         hugepages.reexec()
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):

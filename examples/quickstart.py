@@ -46,7 +46,7 @@ def settings(sampling: Sampling) -> str:
 
 
 def main():
-    hugepages.reexec()  # XLA's step buffers in transparent huge pages: 9-10% faster here (dew.hugepages)
+    hugepages.reexec()  # XLA's step buffers in huge pages and reused from step to step (dew.hugepages)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="data/kjv-bpe", help="directory tools/tokenize_text.py wrote")
     parser.add_argument("--tokenizer", default="kjv-bpe", help="the tokenizer the token files were written with")
