@@ -15,6 +15,8 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <malloc.h>
+#include <stdlib.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -39,23 +41,32 @@ static _Atomic int slots_used; /* blocks[0 .. slots_used) may be non-empty: free
 static size_t idle_bytes, idle_limit;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 
-static int (*next_posix_memalign)(void **, size_t, size_t);
-static void (*next_free)(void *);
-static void *(*next_realloc)(void *, size_t);
-static size_t (*next_usable_size)(void *);
+/* The C library's own functions this library stands in front of, looked up on first use: other
+ * libraries' constructors may allocate before this one's would run. posix_memalign needs none: below
+ * kSmallest it is memalign's answer, which is how glibc defines it. */
+static void (*_Atomic next_free)(void *);
+static void *(*_Atomic next_realloc)(void *, size_t);
+static size_t (*_Atomic next_usable_size)(void *);
+static __thread int resolving; /* dlsym may free: that free must not look the names up again */
+
+static void resolve(void) {
+  if (resolving) return;
+  resolving = 1;
+  next_free = (void (*)(void *))dlsym(RTLD_NEXT, "free");
+  next_realloc = (void *(*)(void *, size_t))dlsym(RTLD_NEXT, "realloc");
+  next_usable_size = (size_t(*)(void *))dlsym(RTLD_NEXT, "malloc_usable_size");
+  resolving = 0;
+}
 
 /* A fork while another thread holds the lock would leave the child's copy locked for good. */
 static void lock_for_fork(void) { pthread_mutex_lock(&lock); }
 static void unlock_after_fork(void) { pthread_mutex_unlock(&lock); }
 
-__attribute__((constructor)) static void find_next(void) {
+__attribute__((constructor)) static void start(void) {
   pthread_atfork(lock_for_fork, unlock_after_fork, unlock_after_fork);
-  next_posix_memalign = (int (*)(void **, size_t, size_t))dlsym(RTLD_NEXT, "posix_memalign");
-  next_free = (void (*)(void *))dlsym(RTLD_NEXT, "free");
-  next_realloc = (void *(*)(void *, size_t))dlsym(RTLD_NEXT, "realloc");
-  next_usable_size = (size_t(*)(void *))dlsym(RTLD_NEXT, "malloc_usable_size");
   long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   idle_limit = pages > 0 && page > 0 ? (size_t)pages * (size_t)page / kIdleShare : 0;
+  if (!next_free) resolve();
 }
 
 /* The slot holding `pointer`, -1 for any other pointer. Reads without the lock: a slot's start is set
@@ -133,8 +144,11 @@ __attribute__((visibility("default"))) int posix_memalign(void **out, size_t ali
       return 0;
     }
   }
-  if (!next_posix_memalign) return ENOMEM; /* called before the constructor ran: nothing to call */
-  return next_posix_memalign(out, alignment, size);
+  if (alignment < sizeof(void *) || (alignment & (alignment - 1))) return EINVAL;
+  void *block = memalign(alignment, size);
+  if (!block) return ENOMEM;
+  *out = block;
+  return 0;
 }
 
 __attribute__((visibility("default"))) void free(void *pointer) {
@@ -142,16 +156,18 @@ __attribute__((visibility("default"))) void free(void *pointer) {
   int i = slot_of(pointer);
   if (i >= 0) {
     give_back(i);
-  } else if (next_free) {
-    next_free(pointer);
-  } /* else freed while the loader resolves this library's own symbols: left (a few bytes, once) */
+    return;
+  }
+  if (!next_free) resolve();
+  if (next_free) next_free(pointer); /* else freed inside dlsym's own lookup of it: left (bytes, once) */
 }
 
 __attribute__((visibility("default"))) void *realloc(void *pointer, size_t size) {
   int i = pointer ? slot_of(pointer) : -1;
+  if (!next_realloc) resolve();
   if (i < 0) return next_realloc ? next_realloc(pointer, size) : NULL;
   if (size <= blocks[i].bytes) return pointer;
-  void *moved = next_realloc(NULL, size);
+  void *moved = malloc(size);
   if (moved) {
     memcpy(moved, pointer, blocks[i].bytes);
     give_back(i);
@@ -162,5 +178,6 @@ __attribute__((visibility("default"))) void *realloc(void *pointer, size_t size)
 __attribute__((visibility("default"))) size_t malloc_usable_size(void *pointer) {
   int i = pointer ? slot_of(pointer) : -1;
   if (i >= 0) return blocks[i].bytes;
+  if (!next_usable_size) resolve();
   return next_usable_size ? next_usable_size(pointer) : 0;
 }
