@@ -91,20 +91,31 @@ static void *map_block(size_t bytes) {
 }
 
 /* A block of at least `size` bytes: an idle one no more than an eighth larger, else a new mapping in
- * an empty slot; NULL where neither (the caller falls back to the C library). */
+ * an empty slot (or in the slot of an idle block that fits no request like this one, unmapped);
+ * NULL where none of these (the caller falls back to the C library). */
 static void *take_block(size_t size) {
   size_t bytes = (size + kHuge - 1) & ~(kHuge - 1);
   void *found = NULL;
   pthread_mutex_lock(&lock);
-  int best = -1, empty = -1;
+  int best = -1, empty = -1, unfit = -1;
   for (int i = 0; i < kSlots; ++i) {
     uintptr_t start = atomic_load_explicit(&blocks[i].start, memory_order_relaxed);
     if (!start) {
       if (empty < 0) empty = i;
-    } else if (!blocks[i].busy && blocks[i].bytes >= bytes && blocks[i].bytes - bytes <= bytes / 8 &&
-               (best < 0 || blocks[i].bytes < blocks[best].bytes)) {
-      best = i;
+    } else if (blocks[i].busy) {
+      continue;
+    } else if (blocks[i].bytes >= bytes && blocks[i].bytes - bytes <= bytes / 8) {
+      if (best < 0 || blocks[i].bytes < blocks[best].bytes) best = i;
+    } else if (unfit < 0 || blocks[i].bytes > blocks[unfit].bytes) {
+      unfit = i;
     }
+  }
+  if (best < 0 && empty < 0 && unfit >= 0) {
+    void *start = (void *)atomic_load_explicit(&blocks[unfit].start, memory_order_relaxed);
+    atomic_store_explicit(&blocks[unfit].start, 0, memory_order_release);
+    idle_bytes -= blocks[unfit].bytes;
+    munmap(start, blocks[unfit].bytes);
+    empty = unfit;
   }
   if (best >= 0) {
     blocks[best].busy = 1;

@@ -154,6 +154,29 @@ def test_a_freed_big_buffer_is_handed_back_for_the_next_request_of_about_its_siz
 
 
 @needs_library
+def test_a_full_table_gives_up_an_idle_block_that_fits_nothing_asked():
+    out = _run_preloaded("""
+        import ctypes
+        libc = ctypes.CDLL(None)
+        libc.malloc_usable_size.restype = ctypes.c_size_t
+        MiB = 1 << 20
+
+        def take(size):
+            pointer = ctypes.c_void_p()
+            assert libc.posix_memalign(ctypes.byref(pointer), ctypes.c_size_t(64), ctypes.c_size_t(size)) == 0
+            return pointer.value
+
+        held = [take(32 * MiB) for _ in range(32)]  # every slot (mapped, never touched: no memory used)
+        for pointer in held:
+            libc.free(ctypes.c_void_p(pointer))
+        bigger = take(64 * MiB)  # fits none of the idle blocks, and no slot is empty
+        out = {"ours": libc.malloc_usable_size(ctypes.c_void_p(bigger)) == 64 * MiB,  # glibc's is not whole MiB
+               "kept": take(32 * MiB) in held}
+        """)
+    assert out == {"ours": True, "kept": True}
+
+
+@needs_library
 def test_xla_steps_reuse_their_temporaries_instead_of_faulting_them_in_again():
     # A step whose 128 MiB temporary XLA allocates per execution, in 4 KiB pages (transparent huge
     # pages off for the process, whatever the machine's setting): glibc maps it afresh every time, so
