@@ -181,7 +181,10 @@ def test_xla_steps_reuse_their_temporaries_instead_of_faulting_them_in_again():
     # A step whose 128 MiB temporary XLA allocates per execution, in 4 KiB pages (transparent huge
     # pages off for the process, whatever the machine's setting): glibc maps it afresh every time, so
     # each execution faults in its 32,768 pages again (measured 32,782 faults); reused, it faults in
-    # once, and what is left is the same few allocations of Python's and XLA's in both (4-20 measured).
+    # once, and what is left is the same few allocations of Python's and XLA's in both (0-20 measured).
+    # XLA may let go of one execution's temporary just after the next has asked for its own (the
+    # result is ready first): then a second block is mapped, once, and the two take turns from then on
+    # (seen under load, at the first to the sixth execution), so one execution may fault it all in.
     code = """
         import ctypes
         ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: 4 KiB pages, one fault each
@@ -194,15 +197,15 @@ def test_xla_steps_reuse_their_temporaries_instead_of_faulting_them_in_again():
 
         x = jnp.ones((4096, 8192), jnp.float32)
         compiled = jax.jit(step).lower(x).compile()
-        out = {"temp": compiled.memory_analysis().temp_size_in_bytes}
+        out = {"temp": compiled.memory_analysis().temp_size_in_bytes, "faults": []}
         compiled(x).block_until_ready()
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for _ in range(4):
+        for _ in range(8):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             compiled(x).block_until_ready()
-        out["faults"] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4
+            out["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         """
     reused, mapped = _run_preloaded(code), _run_preloaded(code, preload=False)
     pages = reused["temp"] // 4096
     assert pages >= 32768
-    assert mapped["faults"] - reused["faults"] >= 0.9 * pages, (mapped, reused)
-    assert reused["faults"] < pages / 100, reused
+    assert min(mapped["faults"]) >= 0.9 * pages, mapped  # every execution maps and faults it afresh
+    assert sorted(reused["faults"])[-2] < pages / 100, reused  # all but at most one reuse a block
