@@ -25,10 +25,11 @@ def _extensions() -> list[Extension]:
     include = _ffi_include()
     if not include:
         return preloaded
-    return preloaded + [Extension(f"dew._native_{source.stem}", [str(source.relative_to(Path(__file__).parent))],
-                      include_dirs=include, language="c++", optional=True, depends=["native/module.h"],
-                      extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden"])
-            for source in sorted(native.glob("*.cc"))]
+    kernels = [Extension(f"dew._native_{source.stem}", [str(source.relative_to(native.parent))],
+                         include_dirs=include, language="c++", optional=True, depends=["native/module.h"],
+                         extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden"])
+               for source in sorted(native.glob("*.cc"))]
+    return preloaded + kernels
 
 
 setup(ext_modules=_extensions())

@@ -5,12 +5,13 @@
  * XLA's CPU runtime asks posix_memalign for a compiled step's temporaries, one block of tens to
  * hundreds of MiB per execution, and frees it when the step ends. glibc maps any block above its
  * largest mmap threshold (32 MiB) afresh and unmaps it on free, so every step faults the whole block
- * in again and the kernel clears every page of it: 15-18% of the quick start's step on an Intel Xeon,
- * 2-3% on a Zen 4 EPYC (docs/performance.md). Here a freed block of at least kSmallest bytes stays
- * mapped, up to kIdleShare of physical memory in all, and the next request of about its size takes
- * it back, its pages already present. Every other request, and every free of a pointer that is not
- * one of these blocks, goes to the C library as before. Like glibc's, the blocks are not cleared
- * between uses (posix_memalign promises no contents); calloc and malloc are not intercepted. */
+ * in again and the kernel clears every page of it: 15-18% of the quick start's step on an Intel Xeon.
+ * Here a freed block of at least kSmallest bytes stays mapped, up to 1/kIdleShare of physical memory
+ * in all, and the next request of about its size takes it back, its pages already present: the quick
+ * start's step 6% faster on a Zen 4 EPYC, the benchmark shape's 2% (docs/performance.md). Every
+ * other request, and every free of a pointer that is not one of these blocks, goes to the C library
+ * as before. Like glibc's, the blocks are not cleared between uses (posix_memalign promises no
+ * contents); calloc and malloc are not intercepted. */
 
 #define _GNU_SOURCE
 #include <dlfcn.h>
