@@ -16,6 +16,7 @@ only, `on` oneDNN's for all), so the policies compare side by side.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import time
@@ -164,9 +165,9 @@ def main():
                         help="comma-separated DEW_FAST_MATMUL policies to run Dew under (default: auto,off where "
                              "oneDNN's path is available, else off)")
     parser.add_argument("--rounds", type=int, default=0,
-                        help="then time Dew's best setting under each --matmul policy and torch's best in this many "
-                             "alternating rounds, the ratio taken within each round (robust to a machine whose speed "
-                             "drifts)")
+                        help="then time every micro-batch setting of Dew (under each --matmul policy) and of torch "
+                             "in this many alternating rounds, the ratio of each side's fastest taken within each round "
+                             "(robust to a machine whose speed drifts)")
     parser.add_argument("--torch-bf16", action="store_true",
                         help="time torch autocast bf16 even where torch's bf16 matmul is slow (no AVX512-BF16/AMX)")
     args = parser.parse_args()
@@ -220,23 +221,37 @@ def main():
             mine = min(seconds for (name, _), seconds in ours.items() if name == policy)
             print(f"{precision}: ratio, dew ({policy}) best against {label}'s best: {torch_best / mine:.2f}x")
         if args.rounds:
-            theirs_best = min(theirs, key=theirs.get)
-            runs = {}
-            for policy in policies:  # each policy at its own best micro-batch count
-                accumulation = min((count for name, count in ours if name == policy),
-                                   key=lambda count: ours[policy, count])
-                runs[f"dew ({policy}, {accumulation} micro-batch(es))"] = dew_runner(
-                    args.vocab, args.seq, args.batch, dtype, accumulation, policy=policy, shape=shape)[0]
-            runs[f"{label} ({theirs_best})"] = torch_runner(args.vocab, args.seq, args.batch, precision,
-                                                             accumulation=theirs_best, shape=shape)
+            # Every setting of each side runs in every round, and each round compares each side's fastest
+            # setting in it: a setting timed once above, during one of the machine's slow stretches, would
+            # otherwise pick a side's setting for all the rounds.
+            runs = {("dew", policy, count): dew_runner(args.vocab, args.seq, args.batch, dtype, count, policy=policy,
+                                                       shape=shape)[0]
+                    for policy in policies for count in counts}
+            runs.update({("torch", None, count): torch_runner(args.vocab, args.seq, args.batch, precision,
+                                                              accumulation=count, shape=shape) for count in counts})
             seconds = interleaved(runs, args.steps, args.rounds)
-            torch_seconds = seconds.pop(f"{label} ({theirs_best})")
-            print(f"{precision}: {args.rounds} alternating rounds, {label} ({theirs_best}) "
-                  f"{tokens / np.median(torch_seconds):,.0f} tokens/s")
-            for name, mine in seconds.items():
+            def fastest(side, policy):
+                """The side's seconds a step in each round, at its fastest micro-batch count in that round."""
+                return [min(seconds[side, policy, count][r] for count in counts) for r in range(args.rounds)]
+
+            def wins(side, policy):
+                """How often each micro-batch count was the side's fastest in a round."""
+                if len(counts) == 1:
+                    return ""
+                won = collections.Counter(min(counts, key=lambda count: seconds[side, policy, count][r])
+                                          for r in range(args.rounds))
+                return "; fastest " + ", ".join(f"{count} micro-batch(es) in {n}" for count, n in sorted(won.items()))
+
+            torch_seconds = fastest("torch", None)
+            print(f"{precision}: {args.rounds} alternating rounds, each side's fastest of its {len(counts)} "
+                  f"micro-batch setting(s) in each round: {label} {tokens / np.median(torch_seconds):,.0f} "
+                  f"tokens/s{wins('torch', None)}")
+            for policy in policies:
+                mine = fastest("dew", policy)
                 ratios = sorted(t / d for d, t in zip(mine, torch_seconds))
-                print(f"{precision}: {args.rounds} alternating rounds, {name} {tokens / np.median(mine):,.0f} tokens/s: "
-                      f"ratio {np.median(ratios):.2f}x median of rounds ({ratios[0]:.2f}-{ratios[-1]:.2f})")
+                print(f"{precision}: {args.rounds} alternating rounds, dew ({policy}) {tokens / np.median(mine):,.0f} "
+                      f"tokens/s{wins('dew', policy)}: ratio {np.median(ratios):.2f}x median of rounds "
+                      f"({ratios[0]:.2f}-{ratios[-1]:.2f})")
         goal = 1.3 if precision == "fp32" else 1.2  # issue 17's targets
         print(f"{precision}: ratio, best against best: {torch_best / best:.2f}x; {goal}x torch would take "
               f"{goal * flops / torch_best / 1e9:.0f} GFLOP/s, {goal * flops / torch_best / peaks[precision]:.0%} "
