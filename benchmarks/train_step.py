@@ -230,6 +230,7 @@ def main():
             runs.update({("torch", None, count): torch_runner(args.vocab, args.seq, args.batch, precision,
                                                               accumulation=count, shape=shape) for count in counts})
             seconds = interleaved(runs, args.steps, args.rounds)
+
             def fastest(side, policy):
                 """The side's seconds a step in each round, at its fastest micro-batch count in that round."""
                 return [min(seconds[side, policy, count][r] for count in counts) for r in range(args.rounds)]
