@@ -49,7 +49,7 @@ def cpu_model() -> str:
 
 def prompts(count: int) -> tuple[list[list[int]], int]:
     """`count` chat prompts as token ids (the checkpoint's template, a generation prompt), and the EOS id."""
-    from dew.inference import pipeline
+    from dew.runs import pipeline
     from dew.serve.service import _find_chat_template
 
     source = str(Path(smollm2_directory()) / GGUF)

@@ -2,7 +2,7 @@
 
 from dew import _compilation_cache, metrics, models
 from dew.data.dataset import Dataset
-from dew.inference import pipeline
+from dew.runs import pipeline
 from dew.training import Trainer
 
 __all__ = ["Dataset", "Trainer", "metrics", "models", "pipeline"]

@@ -87,7 +87,8 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
     """
     import dataclasses
 
-    from dew.inference import MaskedGeneration, pipeline
+    from dew.inference import MaskedGeneration
+    from dew.runs import pipeline
     from dew.inference.text import printable
 
     task = pipeline(source, ema=not live, quantize=quantize)
@@ -215,7 +216,7 @@ def runs(directory: Positional[Annotated[str, tyro.conf.arg(metavar="DIR")]] = "
     from rich.console import Console
     from rich.table import Table
 
-    from dew.recipes.run_dir import find_runs
+    from dew.runs.run_dir import find_runs
 
     found = find_runs(directory)
     if not found:

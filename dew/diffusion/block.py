@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.inference.canvas import CanvasGeneration, assemble
+from dew.diffusion.canvas import CanvasGeneration, assemble
 from dew.nn.diffusion_gemma import PrefixCache
 
 F32 = jnp.float32

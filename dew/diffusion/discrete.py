@@ -18,7 +18,7 @@ import numpy as np
 
 from dew.data.inputs import ModelInputs, text_fields
 from dew.diffusion.unmask import Unmask, check_steps, compiled_refinement
-from dew.inference.canvas import CanvasGeneration, assemble
+from dew.diffusion.canvas import CanvasGeneration, assemble
 from dew.sampling.generate import PROMPT_BUCKET, _check_prompts
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from dew.data.inputs import ModelInputs
 from dew.diffusion.block import BlockProcess
-from dew.inference.canvas import CanvasGeneration
+from dew.diffusion.canvas import CanvasGeneration
 from dew.inference.masked import AUTOREGRESSIVE_CONTROLS
 from dew.inference.text import encode_prompts
 

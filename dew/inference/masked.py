@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from dew.inference.canvas import CanvasGeneration
+from dew.diffusion.canvas import CanvasGeneration
 from dew.inference.text import TextGeneration, encode_prompts
 
 # generation_config.json fields masked generation reads (the budget, EOS, padding) or that change nothing.
@@ -110,28 +110,3 @@ def from_checkpoint(bundle, process) -> MaskedGeneration:
     return MaskedGeneration(bundle.model, bundle.variables, process, tokenizer=bundle.tokenizer,
                             max_new_tokens=bundle.max_new_tokens, eos_token_ids=bundle.generation.eos_token_ids,
                             pad_id=bundle.generation.pad_id)
-
-
-def task_for(bundle, sampling=None):
-    """The generation task a loaded checkpoint (a `dew.interop.Pretrained`) calls for: a masked-diffusion
-    family's (LLaDA, Dream) is native MDLM over its mask id (`MaskedGeneration`, which takes no
-    autoregressive `sampling`), DiffusionGemma's a `BlockGeneration` (dew.inference.block), any other a `TextGeneration` with the checkpoint's sampling unless
-    `sampling` is given."""
-    from dew.interop.families import family_of
-
-    family = family_of(bundle.config)
-    if not family.writes_decoders:  # DiffusionGemma: block generation
-        if sampling is not None:
-            raise ValueError(f"sampling={sampling!r}: {family.model_type} generates by block diffusion, which takes no "
-                             "autoregressive sampling policy; pass process=BlockProcess(...) to the task's call")
-        from dew.inference.block import from_checkpoint as block_task
-
-        return block_task(bundle)
-    if hasattr(family, "process"):
-        if sampling is not None:
-            raise ValueError(f"sampling={sampling!r}: {family.model_type} generates by masked diffusion, which takes "
-                             "no autoregressive sampling policy; call text_generation() without it (steps= on the "
-                             "call sets the sampler's evaluations)")
-        return from_checkpoint(bundle, family.process(bundle.config))
-    return TextGeneration(bundle.model, bundle.variables, bundle.tokenizer, sampling or bundle.generation,
-                          bundle.max_new_tokens)

@@ -21,7 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from dew.data.text_processor import TextProcessor
 from dew.data.tokenizers import HFTokenizer
+from dew.inference.block import from_checkpoint as block_task
+from dew.inference.masked import from_checkpoint as masked_task
+from dew.inference.text import TextGeneration
 from dew.interop import gguf_files, hf_decoders, tensors
 from dew.interop.export import model_params, model_variables, split_collections, write_export
 from dew.interop.families import FAMILIES, family_of
@@ -71,12 +75,25 @@ class Pretrained:
     generation_config: dict | None
 
     def text_generation(self, sampling: Sampling | None = None):
-        """The generation task over these weights that the checkpoint's family calls for
-        (`dew.inference.masked.task_for`): a `TextGeneration` with the checkpoint's sampling unless
-        `sampling` is given, or, for a masked-diffusion family, a `MaskedGeneration`."""
-        from dew.inference.masked import task_for  # interop reads checkpoints; inference builds tasks on them
-
-        return task_for(self, sampling)
+        """The generation task over these weights that the checkpoint's family calls for: a
+        `TextGeneration` with the checkpoint's sampling unless `sampling` is given; for a masked-diffusion
+        family (LLaDA, Dream) native MDLM over its mask id (`MaskedGeneration`, which takes no
+        autoregressive `sampling`); for DiffusionGemma a `BlockGeneration`."""
+        family = family_of(self.config)
+        if not family.writes_decoders:  # DiffusionGemma: block generation
+            if sampling is not None:
+                raise ValueError(f"sampling={sampling!r}: {family.model_type} generates by block diffusion, which "
+                                 "takes no autoregressive sampling policy; pass process=BlockProcess(...) to the "
+                                 "task's call")
+            return block_task(self)
+        if hasattr(family, "process"):
+            if sampling is not None:
+                raise ValueError(f"sampling={sampling!r}: {family.model_type} generates by masked diffusion, which "
+                                 "takes no autoregressive sampling policy; call text_generation() without it (steps= "
+                                 "on the call sets the sampler's evaluations)")
+            return masked_task(self, family.process(self.config))
+        return TextGeneration(self.model, self.variables, self.tokenizer, sampling or self.generation,
+                              self.max_new_tokens)
 
     def block_generation(self):
         """DiffusionGemma's generation task over these weights (`dew.inference.block.BlockGeneration`), its
@@ -84,16 +101,12 @@ class Pretrained:
         if not isinstance(self.model, DiffusionGemma):
             raise ValueError(f"block_generation() is DiffusionGemma's; this {self.config.get('model_type')} "
                              "checkpoint generates through text_generation()")
-        from dew.inference.block import from_checkpoint
-
-        return from_checkpoint(self)
+        return block_task(self)
 
     @property
     def processor(self):
         """The checkpoint's text processor (`dew.data.text_processor.TextProcessor`: strings to `ModelInputs`),
         None without a tokenizer."""
-        from dew.data.text_processor import TextProcessor
-
         return None if self.tokenizer is None else TextProcessor(self.tokenizer, self.generation.pad_id)
 
     def save(self, directory: str | Path, variables=None, max_shard_size: int | str = "5GB") -> Path:

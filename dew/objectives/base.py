@@ -1,4 +1,5 @@
-"""What every objective shares with the trainer: `Step`, `Mean`, and the `Objective` protocol.
+"""What every objective shares with the trainer: `Step` (the trainer's, `dew.training.state`), `Mean`, and
+the `Objective` protocol.
 
 The trainer knows nothing of language: it asks the objective for a loss whose statistics are sums
 (so micro-batches add up exactly and divide once), compiles it with the optimizer and the EMA, and
@@ -14,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dew.training.state import Step
+
 Variables = Mapping[str, Any]
 """A Flax variables tree, `{"params": {...}, ...}`."""
 
@@ -23,14 +26,6 @@ Aux = dict
 
 PathFilter = Callable[[str], bool]
 """Chooses parameters by their `/`-joined path, e.g. `"params/layers_0/self_attn/q_proj/kernel"`."""
-
-
-@struct.dataclass
-class Step:
-    """The position a loss or evaluation runs at: the batch index and that step's random key."""
-
-    index: jax.Array
-    key: jax.Array
 
 
 @struct.dataclass

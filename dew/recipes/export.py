@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 
 from dew.data.tokenizers import ByteTokenizer, HFTokenizer
+from dew.interop import save_pretrained
+from dew.runs.pipeline import pipeline, run_of
 
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -22,10 +24,7 @@ CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_templa
 def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = True, step: int | None = None) -> Path:
     """Write run directory (or checkpoint directory) `run` at `step` (default the newest) as a transformers
     checkpoint in `out`: the averaged weights when `ema` and the run keeps them, else the live ones."""
-    from dew.inference.pipeline import _run_of, pipeline
-    from dew.interop import save_pretrained
-
-    if _run_of(Path(run))[0] is None:
+    if run_of(Path(run))[0] is None:
         raise FileNotFoundError(f"{run} is not a run directory (it holds no run.json, nor is it RUN/checkpoints/STEP): "
                                 "dew export writes a trained run; a loaded checkpoint saves with Pretrained.save")
     task = pipeline(run, ema=ema, step=step)

@@ -25,12 +25,15 @@ from dew.data.tokenizers import tokenizer_file, tokenizer_name
 from dew.diffusion.discrete import MDLM
 from dew.errors import describe, exit_status, one_line_warnings, report
 from dew.inference.text import printable
+from dew.interop import load_pretrained
+from dew.interop.families import family_of
+from dew.interop.peft import check_peft, save_peft
 from dew.nn.diffusion_gemma import DiffusionGemma
 from dew.nn.lora import LoRA, adapters
 from dew.objectives.diffusion import BlockDiffusionObjective, MaskedDiffusionObjective
 from dew.objectives.lm import LMObjective, LMRunConfig, Samples
-from dew.recipes.run_dir import PATH_SETTINGS, TOKENIZER, RunDirectory, resolve_path_setting
 from dew.run_config import to_json
+from dew.runs.run_dir import PATH_SETTINGS, TOKENIZER, RunDirectory, resolve_path_setting
 from dew.sampling import Sampling
 from dew.sharding import initialize
 from dew.training.state import TrainState
@@ -192,8 +195,6 @@ class LMRun:
         --pretrained checkpoint."""
         from jax.experimental import multihost_utils
 
-        from dew.interop.peft import save_peft
-
         # Every process takes part in gathering the adapters; process 0 writes them.
         found = multihost_utils.process_allgather(adapters(self.objective.preview_variables(state)), tiled=True)
         if jax.process_index() == 0:
@@ -257,8 +258,6 @@ def _model(config: LMRunConfig, meta: dict[str, Any]):
             f"--pretrained {config.pretrained} decides the architecture, so --model.config may set only "
             f"{list(_PRETRAINED_OVERRIDES)}, not {fixed}: drop them from --model.config"
         )
-    from dew.interop import load_pretrained
-
     bundle = load_pretrained(config.pretrained, **config.model.config)
     source = config.pretrained if bundle.revision is None else f"{config.pretrained.split('@')[0]}@{bundle.revision}"
     if config.lora is not None:
@@ -269,8 +268,6 @@ def _model(config: LMRunConfig, meta: dict[str, Any]):
         raise ValueError(f"--pretrained {config.pretrained} is a {bundle.config.get('model_type')} checkpoint: "
                          "--objective block_diffusion fine-tunes a DiffusionGemma (model_type diffusion_gemma)")
     if config.objective == "masked_diffusion":
-        from dew.interop.families import family_of
-
         family = family_of(bundle.config)
         if not hasattr(family, "process"):
             raise ValueError(
@@ -285,8 +282,6 @@ def _model(config: LMRunConfig, meta: dict[str, Any]):
 def _adapted(lora: LoRA, bundle, seed: int):
     """(the checkpoint's decoder with `lora`'s adapters, its variables with fresh adapters drawn from the
     run's seed); targets that match no linear, or adapters PEFT's format cannot hold, are refused."""
-    from dew.interop.peft import check_peft
-
     model = lora.adapt(bundle.model)
     check_peft(model)
     return model, model.attach(jax.random.fold_in(jax.random.key(seed), _ADAPTER_STREAM), bundle.variables)

@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from dew.recipes.run_dir import RunDirectory
+from dew.runs.run_dir import RunDirectory
 
 QUANTITIES = ("loss", "perplexity")
 SPLITS = {"train": dict(linestyle="-"), "val": dict(linestyle="--", marker="o", markersize=3)}

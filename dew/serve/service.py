@@ -36,7 +36,7 @@ class Served:
              prefill_rows: int = 4, name: str | None = None, chat_template_file: str | None = None,
              live: bool = False, quantize: str | None = None) -> "Served":
         """Load `source` (whatever `dew.pipeline` reads), find its chat template, and start a warmed-up engine."""
-        from dew.inference import pipeline
+        from dew.runs import pipeline
 
         task = pipeline(source, ema=not live, quantize=quantize)
         if not isinstance(task, TextGeneration):

@@ -1,4 +1,5 @@
-"""`TrainState`: the weights, their moving average, the optimizer state, the counters and the key."""
+"""`TrainState`: the weights, their moving average, the optimizer state, the counters and the key; `Step`,
+the position a loss or evaluation runs at."""
 
 from __future__ import annotations
 
@@ -8,6 +9,14 @@ import jax
 from flax import struct
 
 from dew.trees import overlay
+
+
+@struct.dataclass
+class Step:
+    """The position a loss or evaluation runs at: the batch index and that step's random key."""
+
+    index: jax.Array
+    key: jax.Array
 
 
 @struct.dataclass

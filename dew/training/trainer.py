@@ -16,14 +16,13 @@ import numpy as np
 import optax
 
 from dew.data.dataset import Dataset, Partition
-from dew.objectives.base import Step
 from dew import trees as frozen
 from dew.training.checkpoints import Checkpoints
 from dew.training.in_flight import InFlight
 from dew.sharding import BATCH_AXES, logical_names, with_names
 from dew.training.mesh import Layout, MeshSpec, place_batch, replicated
 from dew.training.progress import Reporter, format_values
-from dew.training.state import TrainState
+from dew.training.state import Step, TrainState
 from dew.training.trackers import Tracker
 
 # Each stream folds its own constant into the run key, so evaluation and previews never reuse the

@@ -87,7 +87,7 @@ def test_bad_input_refused(bundle):
 
 
 def test_pipeline_gives_block_generation():
-    from dew.inference.pipeline import pipeline
+    from dew.runs import pipeline
 
     task = pipeline(str(FIXTURE), dtype="float32")
     assert isinstance(task, BlockGeneration)

@@ -10,7 +10,7 @@ import dew
 from dew.diffusion.discrete import MDLM, DiscreteProcess
 from dew.inference import MaskedGeneration
 from dew.recipes import lm
-from dew.recipes.run_dir import RunDirectory
+from dew.runs.run_dir import RunDirectory
 from dew.training.checkpoints import Checkpoints
 from tests.diffusion.test_checkpoints import DREAM
 from tests.recipes.conftest import recipe_args, token_dir  # noqa: F401  (the fixture)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dew import models
-from dew.inference import pipeline
+from dew.runs import pipeline
 from dew.interop import load_pretrained
 from dew.nn.int8_matmul import dequantize
 from dew.nn.quantize import EMBED_SCALE, GROUP, QUANT_COLLECTION, int8_groups, linear_paths, quantize_int8

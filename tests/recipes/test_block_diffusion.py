@@ -10,7 +10,7 @@ import pytest
 import dew
 from dew.data.tokenize import tokenize_text
 from dew.recipes import lm
-from dew.recipes.run_dir import RunDirectory
+from dew.runs.run_dir import RunDirectory
 
 SOURCE = Path(__file__).parents[1] / "fixtures" / "hf" / "diffusion-gemma-sft"
 BLOCK = ("--objective", "block_diffusion", "--pretrained", str(SOURCE), "--tokenizer", str(SOURCE))

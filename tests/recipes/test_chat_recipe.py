@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dew.recipes.lm import main
-from dew.recipes.run_dir import RunDirectory
+from dew.runs.run_dir import RunDirectory
 from tests.data.test_chat import SMOL, TALK, _tokenizer_dir, _write
 from tests.recipes.conftest import TINY_MODEL, recipe_args
 

@@ -10,7 +10,7 @@ import pytest
 from dew.cli import main as dew
 from dew.objectives.lm import LMRunConfig
 from dew.recipes.lm import main, parse
-from dew.recipes.run_dir import RunDirectory
+from dew.runs.run_dir import RunDirectory
 from tests.recipes.conftest import recipe_args
 from tests.tolerances import ulp_bound
 

@@ -14,7 +14,7 @@ from dew.interop import load_pretrained
 from dew.interop.peft import load_peft
 from dew.nn.lora import LoRA, LoRAModel, adapters
 from dew.recipes.lm import ADAPTER, main, parse, prepare, train
-from dew.recipes.run_dir import RunDirectory
+from dew.runs.run_dir import RunDirectory
 from dew.trees import overlay
 from tests.recipes.conftest import recipe_args, terminate_at
 from tests.recipes.test_chat_recipe import _exit_code

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from dew.recipes.lm import main
-from dew.recipes.run_dir import RunDirectory
+from dew.runs.run_dir import RunDirectory
 from tests.recipes.conftest import recipe_args
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from dew.run_config import OptimConfig, TrainerConfig
 from dew.recipes.lm import main, parse, prepare
-from dew.recipes.run_dir import RunDirectory
+from dew.runs.run_dir import RunDirectory
 from tests.recipes.conftest import recipe_args
 
 
@@ -319,7 +319,7 @@ def test_a_read_only_run_directory_is_one_line(token_dir, tmp_path):
 def test_status_is_recorded_in_place_when_the_disk_is_full(tmp_path, monkeypatch):
     import errno
 
-    from dew.recipes import run_dir as run_dir_module
+    from dew.runs import run_dir as run_dir_module
 
     run = RunDirectory(tmp_path)
     run.set_status("running", 3)

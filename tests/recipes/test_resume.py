@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dew.recipes.lm import main, parse, prepare, train
-from dew.recipes.run_dir import RunDirectory
+from dew.runs.run_dir import RunDirectory
 from tests.recipes.conftest import recipe_args, terminate_at
 from tests.training.test_trainer import _flat
 

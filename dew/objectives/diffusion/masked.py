@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dew.inference import MaskedGeneration
 from dew.objectives.base import Aux, Mean, MeanLossNoEffects, PathFilter, Step, Variables, path_filter
 from dew.objectives.checks import check_decoder_objective, init_or_check
 from dew.objectives.lm.loss import chunked_cross_entropy
@@ -174,8 +175,6 @@ class MaskedDiffusionObjective(MeanLossNoEffects):
         """The decoder over the state's weights as a `MaskedGeneration` task: the averaged weights when
         `ema` is set and kept (the live ones otherwise), this objective's process and preview budget,
         and `processor` (a tokenizer) to encode text prompts and decode results."""
-        from dew.inference import MaskedGeneration
-
         params = state.averaged if ema and state.ema is not None else state.params  # frozen leaves included
         budget = self.samples.max_new_tokens if self.samples and self.samples.max_new_tokens else None
         return MaskedGeneration(self.model, params, self.process, tokenizer=processor, max_new_tokens=budget)

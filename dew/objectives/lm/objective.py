@@ -13,6 +13,7 @@ from flax import struct
 
 from dew.data.chat import Role
 from dew.data.inputs import ModelInputs
+from dew.inference import TextGeneration
 from dew.nn.head import Head
 from dew.nn.mla import IndexerRecord
 from dew.nn.moe import RouterRecord, Routes
@@ -675,8 +676,6 @@ class LMObjective(PolicyScoring):
         otherwise), samples and is budgeted the way this objective's previews are, and `processor`
         (a tokenizer) encodes text prompts and decodes the results.
         """
-        from dew.inference import TextGeneration
-
         # averaged, not ema: with frozen parameters (LoRA) the EMA holds only the trainable part.
         params = state.averaged if ema and state.ema is not None else state.params
         sampling = self.samples.sampling if self.samples else Sampling()

@@ -9,12 +9,16 @@ from pathlib import Path
 import jax
 
 from dew import models
+from dew.diffusion.discrete import DiscreteProcess
 from dew.inference.masked import MaskedGeneration
 from dew.inference.text import TextGeneration
 from dew.nn.lora import LoRA, LoRAModel
 from dew.nn.quantize import quantize_int8
+from dew.runs.run_dir import RunDirectory
 from dew.sampling import Sampling
 from dew.sharding import with_names
+from dew.training.checkpoints import Checkpoints
+from dew.training.mesh import Layout, MeshSpec
 from dew.trees import overlay
 
 
@@ -36,10 +40,8 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
     options a run takes). `quantize="int8"` holds the weights as int8 for faster decoding on a CPU
     (`dew.nn.quantize`; autoregressive models on one device).
     """
-    from dew.training.mesh import Layout, MeshSpec
-
     path = Path(source)
-    run, run_step = _run_of(path)
+    run, run_step = run_of(path)
     if run is not None:
         if step is not None and run_step is not None and step != run_step:
             raise ValueError(f"{source} is the checkpoint of step {run_step}, and step={step} asks for another: "
@@ -57,12 +59,7 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
             raise NotImplementedError(f"quantize={quantize!r} over a mesh of {devices} devices (int8 weights split over "
                                       "several devices) is not built in Dew yet: quantize on one device")
         return dataclasses.replace(task, params=quantize_int8(task.model, {"params": task.params}))
-    try:
-        from dew.interop import load_pretrained
-    except ImportError as error:
-        raise ValueError(
-            f"{source} is not a run directory (no run.json), and loading published checkpoints is not available: {error}"
-        ) from None
+    from dew.interop import load_pretrained  # the checkpoint readers load when a published checkpoint is asked for
 
     if path.suffix == ".gguf" and path.is_file():
         load = {"gguf_file": path.name, **load}
@@ -84,7 +81,7 @@ def _check_quantizable(task, quantize: str, source) -> None:
 
 
 
-def _run_of(path: Path) -> tuple[Path | None, int | None]:
+def run_of(path: Path) -> tuple[Path | None, int | None]:
     """(the run directory, the checkpoint step) that `path` names: a run, RUN/checkpoints (its newest
     checkpoint) or RUN/checkpoints/STEP; (None, None) for anything else."""
     if (path / "run.json").is_file():
@@ -97,9 +94,6 @@ def _run_of(path: Path) -> tuple[Path | None, int | None]:
 
 
 def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextGeneration | MaskedGeneration:
-    from dew.recipes.run_dir import RunDirectory
-    from dew.training.checkpoints import Checkpoints
-
     run = RunDirectory(path)
     record = run.record()
     if record.get("generation", {}).get("process") == "block":
@@ -128,8 +122,6 @@ def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextG
     budget = generation.get("max_new_tokens") or None
     if generation.get("process") == "mdlm":
         # Native MDLM with its default sampler (64 steps): a run records no sampler choice and no EOS.
-        from dew.diffusion.discrete import DiscreteProcess
-
         process = DiscreteProcess(generation["mask_id"], logits_shift=generation.get("logits_shift", 0))
         return MaskedGeneration(model, params, process, tokenizer=run.tokenizer(), max_new_tokens=budget)
     sampling = Sampling(**generation.get("sampling", {}))

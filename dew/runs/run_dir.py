@@ -33,9 +33,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dew.data import load_tokenizer
+from dew.data.tokenizers import BYTE, HFTokenizer
 from dew.files import write_atomically
-from dew.recipes.run_lock import LOCK, RunLock
 from dew.run_config import RESUMABLE_CHANGES
+from dew.runs.lock import LOCK, RunLock
 from dew.training.checkpoints import saved_steps
 from dew.training.trackers import METRICS, read_jsonl
 
@@ -284,9 +286,6 @@ class RunDirectory:
     def tokenizer(self):
         """The run's tokenizer: its own copy, else bytes; a run from before runs kept a copy loads it by
         the name run.json records, unless that name is a path relative to where the run was started."""
-        from dew.data import load_tokenizer
-        from dew.data.tokenizers import BYTE, HFTokenizer
-
         if (self.path / TOKENIZER).is_file():
             return HFTokenizer(self.path)
         name = (self.record() or {}).get("tokenizer", BYTE)
