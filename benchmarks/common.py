@@ -59,11 +59,16 @@ def cpu_model() -> str:
 
 
 def machine() -> str:
-    from dew import hugepages
+    from dew.kernels import process
 
-    value = hugepages.tunable(os.environ)
-    pages = f"huge pages {hugepages.thp_mode() or 'unknown'}, {hugepages.TUNABLE}={'unset' if value is None else value}"
-    pages += ", big buffers reused (dew._native_buffers)" if hugepages.buffers_loaded() else ", big buffers not reused"
+    value = process.tunable(os.environ)
+    try:
+        maps = open("/proc/self/maps").read()
+    except OSError:
+        maps = ""
+    allocator = next((name for name, entry in process.ALLOCATORS.items() if entry and entry[0] in maps), "glibc")
+    pages = (f"huge pages {process.thp_mode() or 'unknown'}, {process.TUNABLE}={'unset' if value is None else value}, "
+             f"allocator {allocator}")
     return f"{cpu_model()}, {jax.local_device_count()} XLA CPU device(s), jax {jax.__version__}, {pages}"
 
 

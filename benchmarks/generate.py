@@ -9,7 +9,7 @@ both sides), or a randomly initialised Llama of its shape or a tiny one. EOS is 
 row runs the whole budget. `--int8` adds Dew with int8 weights (`load_pretrained(..., quantize="int8")`,
 `dew.nn.quantize`, a scale per group of 64 inputs) beside its float32 run, with both's perplexity on
 held-out text and their greedy agreement on the Paris prompt (smollm2-gguf); its products run in Dew's
-int8 kernel where it is on (`dew.nn.int8_matmul`; `DEW_INT8_KERNEL=off` measures XLA's form), and the
+int8 kernel where it is on (`dew.kernels.int8`; `DEW_KERNELS=xla` measures XLA's form), and the
 run prints which. `--llama-cpp` (smollm2-gguf only; needs `llama-cpp-python`,
 the `bench` extra, which builds llama.cpp from source) adds llama.cpp decoding the same Q4_1 file with
 its own 4-bit kernels, one sequence at a time: at batch 8 its rate is the rate of eight requests served
@@ -29,7 +29,7 @@ import numpy as np
 
 from benchmarks.common import decoder_flops_per_token, machine, matmul_peak, smollm2_directory
 from dew import models
-from dew.nn.int8_matmul import kernel_status
+from dew.kernels.int8 import kernel_status
 from dew.nn.quantize import GROUP, quantize_int8
 from dew.sampling import Sampling, generate
 

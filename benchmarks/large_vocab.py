@@ -20,7 +20,7 @@ import optax
 from benchmarks.common import decoder_flops_per_token, machine, matmul_peak
 from benchmarks.train_step import SHAPE, dew_step
 from dew.objectives.lm import LMObjective
-from dew.objectives.lm.loss import chunked_cross_entropy
+from dew.nn.head import chunked_cross_entropy
 
 
 class UnchunkedHead(LMObjective):

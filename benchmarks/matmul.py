@@ -1,11 +1,11 @@
-"""Single matrix products at the train step's shapes: XLA's, oneDNN's (dew.nn.fast_matmul) and torch's.
+"""Single matrix products at the train step's shapes: XLA's, oneDNN's (dew.kernels.matmul) and torch's.
 
     python -m benchmarks.matmul [--rows 4096] [--width 256] [--mlp 1024] [--rounds 9]
 
 For each product a linear layer runs in a step (forward `x W`, input gradient `dY W^T`, weight
 gradient `x^T dY`) at `rows` tokens, in float32 and bfloat16 (float32 accumulation), prints GFLOP/s
-of each side, the median of rounds in which the three run back to back, and the choice
-`DEW_FAST_MATMUL=auto` makes for the shape on this machine.
+of each side, the median of rounds in which the three run back to back, and the choice the kernel
+policy `auto` makes for the shape on this CPU class (the kernel table, `benchmarks.kernel_table`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import machine
-from dew.nn import fast_matmul
+from dew.kernels import matmul as fast_matmul
+from dew.kernels.policy import choose_onednn
 
 
 def seconds_of(run) -> float:
@@ -38,10 +39,10 @@ def main():
     args = parser.parse_args()
     import torch
 
-    available, why = fast_matmul.status()
+    available, why = fast_matmul.status(policy="native")
     print(f"machine: {machine()}, torch {torch.__version__} with {torch.get_num_threads()} threads")
     print(f"oneDNN products: {why}")
-    bfloat16, why_not = fast_matmul.status(jnp.bfloat16)
+    bfloat16, why_not = fast_matmul.status(jnp.bfloat16, policy="native")
     if not bfloat16:
         print(f"bfloat16: {why_not}")
     if not available:
@@ -60,9 +61,10 @@ def main():
             a, b = jnp.asarray(a_np, dtype), jnp.asarray(b_np, dtype)
             ta, tb = torch.from_numpy(a_np).to(torch_dtype), torch.from_numpy(b_np).to(torch_dtype)
             ta, tb = (ta.T if transpose_a else ta), (tb.T if transpose_b else tb)
-            library = fast_matmul.status(dtype)[0]
+            library = fast_matmul.status(dtype, policy="native")[0]
             sides = {side: jax.jit(functools.partial(run, transpose_a=transpose_a, transpose_b=transpose_b))
-                     for side, run in (("xla", fast_matmul._xla), ("onednn", fast_matmul._library))
+                     for side, run in (("xla", functools.partial(fast_matmul.xla_product, cpu_layout=True)),
+                                       ("onednn", fast_matmul.onednn_product))
                      if library or side == "xla"}
             runs = {side: (lambda call=call: call(a, b).block_until_ready()) for side, call in sides.items()}
             runs["torch"] = lambda: ta @ tb
@@ -73,8 +75,7 @@ def main():
                 for side, run in runs.items():
                     samples[side].append(seconds_of(run))
             rate = {side: 2 * m * k * cols / statistics.median(times) / 1e9 for side, times in samples.items()}
-            with jax.ensure_compile_time_eval():
-                picks = "oneDNN" if fast_matmul.choose(m, k, cols, dtype, transpose_a, transpose_b) else "XLA"
+            picks = "oneDNN" if choose_onednn(1, m, k, cols, dtype, transpose_a, transpose_b, jnp.float32, "auto") else "XLA"
             onednn = f"{rate['onednn']:7.0f}" if "onednn" in rate else f"{'-':>7}"
             print(f"{name:<15} {jnp.dtype(dtype).name:<9} {f'{m} x {k} x {cols}':<20} {rate['xla']:6.0f} "
                   f"{onednn} {rate['torch']:6.0f}  {picks}")

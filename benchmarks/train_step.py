@@ -1,24 +1,21 @@
 """Train-step speed: Dew against transformers' LlamaForCausalLM in torch, same shape, batch and AdamW.
 
     python -m benchmarks.train_step [--shape benchmark|quickstart] [--vocab 256] [--steps 10]
-                                    [--accumulation 4,8] [--compile] [--matmul auto,off]
+                                    [--accumulation 4,8] [--compile] [--kernels auto,xla]
 
 Prints tokens/s for Dew and torch in fp32 and bf16 (torch autocast), each with the batch whole and
 split into micro-batches, the ratio of the best of each, and the achieved FLOP/s beside this
-machine's own 2048-square matmul peak measured in the same run. It starts again under glibc's
-huge-page tunable and with big freed buffers reused where those apply (`dew.hugepages`, as `dew train`
-does), so both sides run with them; `DEW_HUGEPAGES=0` runs both without, `DEW_REUSE_BUFFERS=0` without
-the reuse. Dew runs once per `--matmul` policy
-(`DEW_FAST_MATMUL`, dew.nn.fast_matmul: `auto` products in oneDNN where measured faster, `off` XLA's
-only, `on` oneDNN's for all), so the policies compare side by side.
+machine's own 2048-square matmul peak measured in the same run. Both sides run in this one process,
+under whatever allocator it was started with (`dew launch --allocator ... -- python -m
+benchmarks.train_step` chooses one; benchmarks.allocators compares them). Dew runs once per `--kernels`
+policy (the model's `kernels`, dew.kernels.policy: `auto` the kernel table's choices, `xla` XLA's
+products only, `native` oneDNN's for all), so the policies compare side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
-import os
 import time
 
 import jax
@@ -27,7 +24,7 @@ import numpy as np
 import optax
 
 from benchmarks.common import decoder_flops_per_token, machine, matmul_peak, timed
-from dew import Trainer, hugepages, models
+from dew import Trainer, kernels, models
 from dew.objectives.lm import LMObjective
 from dew.training.mesh import place_batch
 
@@ -38,25 +35,10 @@ SHAPES = {"benchmark": (SHAPE, dict(vocab=256, seq=256, batch=16)),
           "quickstart": (QUICKSTART, dict(vocab=4096, seq=128, batch=16))}
 
 
-@contextlib.contextmanager
-def matmul_policy(policy: str | None):
-    """`DEW_FAST_MATMUL=policy` while a step traces (the policy is read at trace time), or as it is."""
-    before = os.environ.get("DEW_FAST_MATMUL")
-    if policy is not None:
-        os.environ["DEW_FAST_MATMUL"] = policy
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("DEW_FAST_MATMUL", None)
-        else:
-            os.environ["DEW_FAST_MATMUL"] = before
-
-
 def dew_step(vocab: int, seq: int, batch: int, dtype, steps: int, accumulation: int = 1,
              objective_class=LMObjective, policy: str | None = None, shape: dict = SHAPE) -> tuple[float, float, int]:
     """(seconds per step, seconds for the first step's trace and compile, the step's temporary bytes),
-    the products chosen under the `DEW_FAST_MATMUL` `policy` (None: the environment's)."""
+    the model's kernels under `policy` (None: the default, auto)."""
     run, compile_seconds, temp_bytes = dew_runner(vocab, seq, batch, dtype, accumulation, objective_class, policy,
                                                   shape)
     return timed(run, steps), compile_seconds, temp_bytes
@@ -65,12 +47,8 @@ def dew_step(vocab: int, seq: int, batch: int, dtype, steps: int, accumulation: 
 def dew_runner(vocab: int, seq: int, batch: int, dtype, accumulation: int = 1, objective_class=LMObjective,
                policy: str | None = None, shape: dict = SHAPE):
     """(a function running one compiled step to completion, the compile seconds, the temporary bytes)."""
-    with matmul_policy(policy):
-        return _dew_runner(vocab, seq, batch, dtype, accumulation, objective_class, shape)
-
-
-def _dew_runner(vocab, seq, batch, dtype, accumulation, objective_class, shape):
-    model = models.build("causal_transformer", vocab_size=vocab, max_seq_len=seq, dtype=dtype, **shape)
+    model = models.build("causal_transformer", vocab_size=vocab, max_seq_len=seq, dtype=dtype,
+                         kernels=policy or "auto", **shape)
     objective = objective_class(model, seq, ema_decay=None)
     trainer = Trainer(objective, optax.adamw(1e-3, weight_decay=0.1), key=jax.random.key(0))
     state = trainer.init_state()
@@ -149,7 +127,6 @@ def torch_matmul_flops(dtype, size: int = 512) -> float:
 
 
 def main():
-    hugepages.reexec()  # both sides' buffers in huge pages and reused, as `dew train` runs (DEW_HUGEPAGES=0: not)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="benchmark",
                         help="the model, sequence, batch and vocabulary (quickstart: examples/quickstart.py's)")
@@ -161,11 +138,11 @@ def main():
                         help="also time the batch as this many micro-batches (same optimizer step); "
                              "comma-separated counts time each")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile (slow to compile)")
-    parser.add_argument("--matmul", default=None,
-                        help="comma-separated DEW_FAST_MATMUL policies to run Dew under (default: auto,off where "
-                             "oneDNN's path is available, else off)")
+    parser.add_argument("--kernels", default=None,
+                        help="comma-separated kernel policies to run Dew under (default: auto,xla where oneDNN's "
+                             "path is available, else xla)")
     parser.add_argument("--rounds", type=int, default=0,
-                        help="then time every micro-batch setting of Dew (under each --matmul policy) and of torch "
+                        help="then time every micro-batch setting of Dew (under each --kernels policy) and of torch "
                              "in this many alternating rounds, the ratio of each side's fastest taken within each round "
                              "(robust to a machine whose speed drifts)")
     parser.add_argument("--torch-bf16", action="store_true",
@@ -176,10 +153,10 @@ def main():
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
     import torch
 
-    from dew.nn import fast_matmul
+    from dew.kernels import matmul
 
-    available, why = fast_matmul.status()
-    policies = args.matmul.split(",") if args.matmul else (["auto", "off"] if available else ["off"])
+    available, why = matmul.status(policy="native")
+    policies = args.kernels.split(",") if args.kernels else (["auto", "xla"] if available else ["xla"])
 
     counts = sorted({1, *(int(count) for count in args.accumulation.split(","))})
     tokens = args.batch * args.seq
@@ -188,7 +165,7 @@ def main():
     peaks = {"fp32": matmul_peak(jnp.float32), "bf16": matmul_peak(jnp.bfloat16)}
     print(f"machine: {machine()}, torch {torch.__version__} with {torch.get_num_threads()} threads")
     print(f"shape: {args.shape} {shape}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, AdamW")
-    print(f"oneDNN products: {why}; Dew runs under DEW_FAST_MATMUL={', '.join(policies)}")
+    print(f"oneDNN products: {why}; Dew runs under kernels={', '.join(policies)} (CPU class {kernels.cpu_class()})")
     print(f"XLA matmul peak (2048^2): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
     torch_bf16 = torch_matmul_flops(torch.bfloat16)
     print(f"torch matmul (512^2): fp32 {torch_matmul_flops(torch.float32) / 1e9:.0f} GFLOP/s, "
@@ -253,7 +230,7 @@ def main():
                 print(f"{precision}: {args.rounds} alternating rounds, dew ({policy}) {tokens / np.median(mine):,.0f} "
                       f"tokens/s{wins('dew', policy)}: ratio {np.median(ratios):.2f}x median of rounds "
                       f"({ratios[0]:.2f}-{ratios[-1]:.2f})")
-        goal = 1.3 if precision == "fp32" else 1.2  # issue 17's targets
+        goal = 1.3 if precision == "fp32" else 1.2  # the train step's goals (docs/performance.md)
         print(f"{precision}: ratio, best against best: {torch_best / best:.2f}x; {goal}x torch would take "
               f"{goal * flops / torch_best / 1e9:.0f} GFLOP/s, {goal * flops / torch_best / peaks[precision]:.0%} "
               f"of XLA's own {peaks[precision] / 1e9:.0f} GFLOP/s matmul peak")

@@ -1,6 +1,6 @@
 """Dew: train language models and generate from them, on JAX, Flax and optax."""
 
-from dew import _compilation_cache, metrics, models
+from dew import metrics, models
 from dew.data.dataset import Dataset
 from dew.runs import pipeline
 from dew.training import Trainer
@@ -8,4 +8,3 @@ from dew.training import Trainer
 __all__ = ["Dataset", "Trainer", "metrics", "models", "pipeline"]
 __version__ = "0.1.0"
 
-_compilation_cache.configure()

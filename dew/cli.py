@@ -1,5 +1,5 @@
 """The `dew` command: `dew train`, `dew tokenize`, `dew generate`, `dew serve`, `dew export`, `dew plot`,
-`dew runs`.
+`dew runs`, `dew launch`.
 
     dew tokenize --input data/kjv.txt.xz --out data/kjv-byte --tokenizer byte
     dew train data:token-windows --data.path data/kjv-byte --trainer.run-dir runs/kjv
@@ -8,6 +8,7 @@
     dew export runs/kjv exported/kjv
     dew runs runs
     dew plot runs/kjv runs/other --out curves.png
+    dew launch --allocator jemalloc -- dew train data:token-windows --data.path data/kjv-byte
 
 Each command's `--help` lists its flags; `dew train` is `python recipes/lm/train.py`; `dew --version`
 prints the version. A refusal or a fault prints one `error:` line; the exit statuses are in
@@ -242,6 +243,38 @@ def _train(argv: Sequence[str]) -> int:
     return train_main(argv, prog="dew train")
 
 
+def _launch(argv: Sequence[str]) -> int:
+    """`dew launch [--allocator NAME] [--huge-pages] -- COMMAND [ARGS...]`: replace this process with COMMAND
+    under a preloaded allocator and glibc's huge-page tunable (`dew.kernels.process`)."""
+    import argparse
+    import os
+
+    from dew.kernels.process import ALLOCATORS, launch_environment
+
+    parser = argparse.ArgumentParser(prog="dew launch", description=(
+        "Run COMMAND (dew train ..., python examples/quickstart.py, ...) with a well-kept allocator preloaded "
+        "and/or glibc's transparent-huge-page tunable: XLA's CPU runtime maps each step's temporaries afresh "
+        "under glibc's malloc. docs/performance.md measures each choice."))
+    parser.add_argument("--allocator", choices=tuple(ALLOCATORS), default="glibc",
+                        help="the allocator to preload (glibc: none; jemalloc: Debian's libjemalloc2; tcmalloc: "
+                             "libtcmalloc-minimal4)")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="glibc's glibc.malloc.hugetlb=1 tunable (glibc 2.35+, kernel huge pages in madvise mode)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
+    args = parser.parse_args(list(argv))
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise ValueError("dew launch runs a command: give it after --, e.g. dew launch --allocator jemalloc -- dew "
+                         "train ...")
+    environment = launch_environment(dict(os.environ), args.allocator, args.huge_pages)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(command[0], command, environment)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"dew launch: {command[0]!r} is not a command here (not on PATH, nor a file)") from None
+
+
 def _function(function: Callable[..., None]) -> Callable[[Sequence[str]], int]:
     def run(argv: Sequence[str]) -> int:
         tyro.cli(function, args=list(argv), prog=f"dew {function.__name__}")
@@ -261,6 +294,7 @@ COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "serve": ("serve a model over OpenAI's HTTP API with continuous batching", _function(serve)),
     "plot": ("plot runs' loss and perplexity against steps and tokens into a PNG", _function(plot)),
     "runs": ("list runs: status, step, checkpoint, last losses", _function(runs)),
+    "launch": ("run a command with a preloaded allocator or glibc's huge-page tunable (-- COMMAND ...)", _launch),
 }
 
 
@@ -285,15 +319,10 @@ def _usage() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `dew ARGV`; a refusal or a fault prints `error: ...` as one line (see `dew.errors`)."""
+    from dew import compilation_cache
     from dew.errors import one_line_warnings, report
 
     one_line_warnings()
-    if argv is None and sys.argv[1:2] == ["train"]:
-        from dew import hugepages
-
-        # This process is the command: a training run's step buffers in huge pages and reused from
-        # step to step (dew.hugepages), for 1.5 s of imports again.
-        hugepages.reexec()
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -305,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: dew has no command {argv[0]!r}: the commands are {', '.join(COMMANDS)} (dew --help)",
               file=sys.stderr)
         return 2
+    # Dew's own commands keep compiled programs for the next process (a library import changes no setting).
+    compilation_cache.configure()
     try:
         return COMMANDS[argv[0]][1](argv[1:])
     except Exception as error:  # noqa: BLE001 - `report` re-raises what is not a refusal or a fault

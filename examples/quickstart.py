@@ -8,14 +8,13 @@ The code below is the guide's "Train a decoder on TinyStories" sized for about t
 2-core CPU. The tokenizer is a 4,096-id byte-level BPE trained on the corpus
 (tools/train_tokenizer.py), not GPT-2's 50,257 ids, whose output head would cost several times the
 rest of a step this narrow; `make quickstart-gpt2` runs this same file on GPT-2's tokenizer, the
-guide's. The other choices, measured in docs/performance.md: width 128 learns as much per step as
-width 256 here at two fifths of the cost, so the budget goes to more steps; warmup and cosine
-decay let a run this short use a high peak rate; four micro-batches a step keep the matmuls in
-the CPU's cache (the same update as the whole batch: in three quarters of its time on the AVX2 EPYC
-this was sized on, about as fast as it on a Zen 4); float32, because CPUs without bf16 instructions
-(AVX2) run bf16 slower. Where the CPU has them (AVX512-BF16, AMX), `--dtype bfloat16` trains faster:
-1.3x float32's tokens a second on a Zen 4, to the same loss (150 steps: 19,698-21,168 against
-15,146-15,680).
+guide's. The other choices, with their measurements in docs/performance.md: width 128 learns as much
+per step as width 256 here at a fraction of the cost, so the budget goes to more steps; warmup and
+cosine decay let a run this short use a high peak rate; four micro-batches a step keep the matmuls in
+the CPU's cache (the same update as the whole batch); float32, because CPUs without bf16 instructions
+(AVX2) run bf16 slower, while `--dtype bfloat16` trains faster where the CPU has them (AVX512-BF16, AMX).
+A faster allocator is the launcher's to give, not this program's: `dew launch --allocator jemalloc --
+python examples/quickstart.py` (docs/performance.md measures it).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import time
 import jax
 import optax
 
-from dew import Trainer, hugepages, metrics, models
+from dew import Trainer, compilation_cache, metrics, models
 from dew.data import HFTokenizer, Loading, TokenWindows
 from dew.objectives.lm import LMObjective
 from dew.sampling import Sampling, generate
@@ -49,7 +48,7 @@ def settings(sampling: Sampling) -> str:
 
 
 def main():
-    hugepages.reexec()  # XLA's step buffers in huge pages and reused from step to step (dew.hugepages)
+    compilation_cache.configure()  # a second run skips the compiles the first paid for
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="data/kjv-bpe", help="directory tools/tokenize_text.py wrote")
     parser.add_argument("--tokenizer", default="kjv-bpe", help="the tokenizer the token files were written with")

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 from dew.diffusion.canvas import CanvasGeneration
-from dew.inference.text import TextGeneration, encode_prompts
+from dew.inference.text import encode_prompts
 
 # generation_config.json fields masked generation reads (the budget, EOS, padding) or that change nothing.
 _SHARED_GENERATION = frozenset({"max_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "mask_token_id",

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from dew.nn import fast_softmax
-from dew.nn.fast_matmul import dot
-from dew.nn.fast_softmax import MASKED
+from dew.kernels import softmax as fast_softmax
+from dew.kernels.matmul import dot
+from dew.kernels.softmax import MASKED
 from dew.nn.kv_cache import AttentionCache
 from dew.nn.linear import Linear
 from dew.nn.norms import RMSNorm
@@ -44,14 +44,12 @@ def attention_mask(
 
 
 BLOCK = 128  # query rows a block of a causal pass (`attend`'s `block`)
-# The fused kernel's blocks: fewer masked scores computed (a causal pass at 256 tokens scores 62.5% of
-# the square instead of 75%), and inside one call smaller products cost no extra thunks; forward and
-# backward 11-19% faster than with 128 at the benchmark's and the quick start's shapes (AMD EPYC Zen 4;
-# 32 was no better; the whole step 0.98-1.02x, within that machine's noise). For every real token the
-# same result as `attend`'s 128 but for the order of sums: it reads only keys at or before itself, and
-# without a cache it may always read its own slot (same slot, same segment, inside any window), so its
-# row is never all masked and a masked score's exp(MASKED - max) is exactly 0 however many of them a
-# block computes. (A padding query may score other keys with 64 than with 128; nothing reads it.)
+# The fused kernel's blocks: smaller blocks compute fewer masked scores, and inside one call smaller
+# products cost no extra thunks (docs/performance.md). For every real token the same result as `attend`'s
+# 128 but for the order of sums: it reads only keys at or before itself, and without a cache it may always
+# read its own slot, so its row is never all masked and a masked score's exp(MASKED - max) is exactly 0
+# however many of them a block computes. (A padding query may score other keys with 64 than with 128;
+# nothing reads it.)
 FUSED_BLOCK = 64
 
 
@@ -67,7 +65,7 @@ def attend(q_BSHD, k_BKTD, v_BKTD, mask_BST, *, causal_blocks: bool = False, sca
 
     With `causal_blocks` (a causal pass whose query slot `i` is key slot `i`) the queries go in
     blocks of `block`, each scoring only the keys up to its end: the masked upper triangle is mostly
-    never computed, and each block's scores stay in cache (2x faster on this CPU at 256 tokens).
+    never computed, and each block's scores stay in cache.
     """
     B, S, H, D = q_BSHD.shape
     K = k_BKTD.shape[1]

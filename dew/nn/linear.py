@@ -1,10 +1,10 @@
 """Linear layers as one 2-D matmul over `[B*S, D]`, with float32 accumulation for any operand dtype.
 
 On XLA's CPU backend a 3-D einsum's weight gradient contracts two axes and gets a transposing copy of
-the activation gradient in front of it; flattening to 2-D removes it (+59-66% fp32 step speed). The
-custom VJP keeps both backward products in the operands' dtype with float32 accumulation, which
-autodiff of a mixed-precision `dot_general` does not give (`dew.nn.fast_matmul.dot`). All three
-products run in XLA or in oneDNN, whichever this machine measured faster for their shape.
+the activation gradient in front of it; flattening to 2-D removes it (docs/performance.md). The custom
+VJP keeps both backward products in the operands' dtype with float32 accumulation, which autodiff of a
+mixed-precision `dot_general` does not give (`dew.kernels.matmul.dot`). The kernel policy in force
+(the model's, `dew.kernels.policy`) decides which kernel runs each of the three products.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from dew.nn.fast_matmul import dot
-from dew.nn.int8_matmul import int8_product
+from dew.kernels.int8 import int8_product
+from dew.kernels.matmul import dot
 
 QUANT_COLLECTION = "quant"  # int8 weights' float32 scales (see dew.nn.quantize)
 KERNEL_SCALE = "kernel_scale"
@@ -22,7 +22,7 @@ KERNEL_SCALE = "kernel_scale"
 
 def matmul(x_ND: jax.Array, w_DF: jax.Array) -> jax.Array:
     """`x @ w` in the operands' dtype, accumulated in float32, returned as float32 `[N, F]` (gradients
-    likewise: `dew.nn.fast_matmul.dot`)."""
+    likewise: `dew.kernels.matmul.dot`)."""
     return dot(x_ND, w_DF)
 
 

@@ -7,7 +7,7 @@ as int8 with one float32 scale per output channel and group of `GROUP` consecuti
 scale per channel keep an outlier weight from coarsening its whole column: on SmolLM2-135M, greedy
 decoding of the Paris prompt equals float32's for 32 of 32 tokens with groups of 64 (19 with one
 scale per channel), and held-out perplexity moves by +0.39% (+0.56% per channel). The products
-(`dew.nn.int8_matmul`) widen the int8 values in registers and scale each group's partial sum.
+(`dew.kernels.int8`) widen the int8 values in registers and scale each group's partial sum.
 
 `quantize_int8(model, variables)` returns the variables with int8 kernels and a `quant` collection of
 scales beside them, at the same module paths, with the kernel's shape but its input axis holding the
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from dew.nn.int8_matmul import group_size
+from dew.kernels.int8 import group_size
 from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, Linear
 
 EMBED_SCALE = "embed_tokens_scale"

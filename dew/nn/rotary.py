@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dew.kernels.policy import cpu_tuned
+
 # Each kind of scaling and the `RopeScaling` fields it reads.
 SCALINGS = {
     "default": (),
@@ -134,11 +136,10 @@ def rotary_angles(positions_BS: jax.Array, head_dim: int, theta: float,
     """cos and sin tables, float32 `[B, S, head_dim]`, for integer positions `[B, S]`.
 
     Each frequency's cos and sin are computed once, on `[B, S, head_dim // 2]`, and the halves
-    repeated; the tables are then held as arrays (an optimization barrier). Left as expressions, XLA's
-    CPU backend fused them into every consumer, so each layer's query and key rotations, forward and
-    backward, evaluated libm's scalar `sincosf` again: 48 evaluations of the full table in a 4-layer
-    train step, 4% of the quick start's float32 step on an AVX-512 Xeon. The values are the same
-    either way (the same angles, the same functions)."""
+    repeated; on the CPU (unless the kernel policy is `xla`) the tables are then held as arrays (an
+    optimization barrier): left as expressions, XLA's CPU backend fuses them into every consumer, so each
+    layer's query and key rotations, forward and backward, evaluate libm's scalar `sincosf` again. The
+    values are the same either way (the same angles, the same functions)."""
     inv_freq_F, attention_factor = rotary_frequencies(head_dim, theta, scaling)
     freqs_BSF = positions_BS.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F)
     cos_BSF, sin_BSF = jnp.cos(freqs_BSF), jnp.sin(freqs_BSF)
@@ -147,7 +148,7 @@ def rotary_angles(positions_BS: jax.Array, head_dim: int, theta: float,
         cos_BSF, sin_BSF = cos_BSF * factor, sin_BSF * factor
     cos_BSD = jnp.concatenate([cos_BSF, cos_BSF], axis=-1)
     sin_BSD = jnp.concatenate([sin_BSF, sin_BSF], axis=-1)
-    return lax.optimization_barrier((cos_BSD, sin_BSD))
+    return lax.optimization_barrier((cos_BSD, sin_BSD)) if cpu_tuned() else (cos_BSD, sin_BSD)
 
 
 def _rotate_half(x: jax.Array) -> jax.Array:

@@ -20,10 +20,11 @@ from flax import linen as nn
 from flax import struct
 
 from dew.data.inputs import ModelInputs, text_fields
+from dew.kernels import policy as kernel_policy
+from dew.kernels.int8 import dequantize
 
 from dew.nn.attention import AttentionSpec
 from dew.nn.head import Head
-from dew.nn.int8_matmul import dequantize
 from dew.nn.kv_cache import Cache
 from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, named
 from dew.nn.layer import NORM_PLACEMENTS, LayerContext, LayerSpec
@@ -93,6 +94,9 @@ class DecoderConfig:
       `num_kv_heads` then describe nothing and are ignored.
     - `mtp_depths`: DeepSeek's multi-token-prediction modules after the last layer (`dew.nn.mtp`);
       depth d predicts the token d + 1 ahead. 0: none.
+    - `kernels`: which kernels run the model's products (`dew.kernels.policy`): "auto" (Dew's native
+      CPU kernels where the shipped kernel table chooses them), "native" (wherever they can run) or
+      "xla" (XLA's own products only). The environment variable `DEW_KERNELS` overrides it.
     """
 
     vocab_size: int
@@ -132,6 +136,7 @@ class DecoderConfig:
     remat: str = "none"
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    kernels: str = "auto"
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -183,7 +188,7 @@ class DecoderConfig:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window is {self.sliding_window}; use None for full attention or a width >= 1")
         choices = {"norm_style": NORM_STYLES, "norm_placement": NORM_PLACEMENTS, "qk_norm_scope": ("head", "projection"),
-                   "activation": tuple(ACTIVATIONS), "remat": tuple(REMAT_POLICIES)}
+                   "activation": tuple(ACTIVATIONS), "remat": tuple(REMAT_POLICIES), "kernels": kernel_policy.POLICIES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} is {getattr(self, name)!r}; it must be one of {list(allowed)}")
@@ -351,7 +356,12 @@ class CausalTransformer(nn.Module):
         )
 
     @nn.compact
-    def __call__(
+    def __call__(self, tokens: jax.Array, **kwargs):
+        # Every product traced inside takes the model's kernel policy (the head carries it out as well).
+        with kernel_policy.using(self.config.kernels):
+            return self._forward(tokens, **kwargs)
+
+    def _forward(
         self,
         tokens: jax.Array,
         *,
@@ -447,10 +457,11 @@ class CausalTransformer(nn.Module):
         if c.tie_embeddings:
             scale_V = self.get_variable(QUANT_COLLECTION, EMBED_SCALE)  # None unless the weights are int8
             output_head = Head(_compute(embed.embedding, c.dtype), transposed=True, softcap=c.logit_softcap,
-                               scale=scale_V)
+                               scale=scale_V, kernels=c.kernels)
         else:
             kernel, scale_V = _Kernel(c.vocab_size, c.param_dtype, name="lm_head")(c.emb_features)
-            output_head = Head(_compute(kernel, c.dtype), transposed=False, softcap=c.logit_softcap, scale=scale_V)
+            output_head = Head(_compute(kernel, c.dtype), transposed=False, softcap=c.logit_softcap, scale=scale_V,
+                               kernels=c.kernels)
         aux = {f"layers_{i}": states for i, states in zip(keep, kept)}
         if routing is not None:
             aux["routing"] = routing

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import tyro
 
+from dew import kernels
 from dew.data import Dataset, load_tokenizer
 from dew.data.chat_data import ChatData
 from dew.data.tokenizers import tokenizer_file, tokenizer_name
@@ -130,6 +131,8 @@ def _record(config: LMRunConfig, objective, meta: dict[str, Any], command: Seque
         "recipe": RECIPE,
         "settings": settings,
         "model": {"name": config.model.name, "config": to_json(objective.model.config)},
+        # What decides each product's kernel (a pure function of these, the shape and the dtype).
+        "kernels": kernels.describe(getattr(objective.model.config, "kernels", "auto")),
         "data": meta,
         "tokenizer": meta["tokenizer"],
         "generation": _generation_record(config, objective),

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from dew.data.dataset import Dataset, Partition
+from dew import kernels
 from dew import trees as frozen
 from dew.training.checkpoints import Checkpoints
 from dew.training.in_flight import InFlight
@@ -144,6 +145,8 @@ class Trainer:
         self._check_reference()
         self.history: list[dict[str, float]] = []
         self._compiled: dict[tuple, Any] = {}
+        # What the last compiled train step runs each product and kernel with (`dew.kernels.recording`).
+        self.kernel_choices: dict[str, str] = {}
 
     # -- state -----------------------------------------------------------------------------------
     @property
@@ -302,8 +305,11 @@ class Trainer:
                 out_shardings=(shardings, replicated(self.mesh)), donate_argnums=0,
             )
             started = time.perf_counter()
-            self._compiled[signature] = jitted.lower(state, batch).compile()
+            with kernels.recording() as choices:
+                lowered = jitted.lower(state, batch)
+            self._compiled[signature] = lowered.compile()
             self.compile_seconds = time.perf_counter() - started
+            self.kernel_choices = choices
         return self._compiled[signature]
 
     def _eval_step(self, batch: dict):
@@ -466,7 +472,7 @@ class Trainer:
             batch = place_batch(self.mesh, host_batch)
             if step_fn is None:
                 step_fn = self.compile_step(state, batch, accumulation)
-                reporter.line(f"compiled the train step in {self.compile_seconds:.2f} s")
+                reporter.line(f"compiled the train step in {self.compile_seconds:.2f} s ({kernels.summary(self.kernel_choices)})")
                 window_started = time.perf_counter()
             state, out = step_fn(state, batch)
             unread.push(index, out)

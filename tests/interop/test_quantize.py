@@ -12,7 +12,7 @@ import pytest
 from dew import models
 from dew.runs import pipeline
 from dew.interop import load_pretrained
-from dew.nn.int8_matmul import dequantize
+from dew.kernels.int8 import dequantize
 from dew.nn.quantize import EMBED_SCALE, GROUP, QUANT_COLLECTION, int8_groups, linear_paths, quantize_int8
 from dew.sampling import Sampling, generate
 from tests.tolerances import decoder_ulps, ulp_bound

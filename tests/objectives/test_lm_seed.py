@@ -21,7 +21,7 @@ from dew.training.mesh import place_batch
 
 SEQ = 8
 STEP = Step(jnp.zeros((), jnp.int32), jax.random.key(0))
-# The accuracy's argmax (dew.objectives.lm.loss) is the first column holding a row's maximum: Dew's
+# The accuracy's argmax (dew.nn.head) is the first column holding a row's maximum: Dew's
 # kernel (`dew_softmax_first_max`) where it runs, else a minimum over int32 columns, a reduction
 # nothing else in the step makes. (jnp.argmax would lower to StableHLO's variadic reduce, (values,
 # indices) together; none of the three must appear without accuracy.)

@@ -17,7 +17,7 @@ from dew.data.dataset import Dataset
 from dew.data.inputs import ModelInputs
 from dew.objectives.base import Step
 from dew.objectives.lm import LMObjective, Role, sessions
-from dew.objectives.lm.loss import chunked_cross_entropy
+from dew.nn.head import chunked_cross_entropy
 from dew.sampling import Sampling
 from dew.sharding import MeshSpec, place_batch
 from tests.tolerances import LIBRARY_ULPS, assert_within, decoder_ulps, transformers_decoder_ulps, ulp_bound

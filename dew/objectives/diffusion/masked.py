@@ -20,7 +20,6 @@ from flax import struct
 from dew.inference import MaskedGeneration
 from dew.objectives.base import Aux, Mean, MeanLossNoEffects, PathFilter, Step, Variables, path_filter
 from dew.objectives.checks import check_decoder_objective, init_or_check
-from dew.objectives.lm.loss import chunked_cross_entropy
 from dew.objectives.lm.objective import POSITIONS_KEY, SEGMENTS_KEY, TEXT_KEY, Samples, prompt_batch
 from dew.sampling import Sampling
 
@@ -38,15 +37,6 @@ class MaskedStatistics:
     def ce(self) -> Mean:
         """The loss under the name `metrics.perplexity()` reads: its exp is the ELBO perplexity bound."""
         return self.loss
-
-
-def _without_column(weight: jax.Array, column: int, transposed: bool) -> jax.Array:
-    """The head `[E, V]` (`[V, E]` when `transposed`) without vocabulary entry `column`."""
-    axis = 0 if transposed else 1
-    vocab = weight.shape[axis]
-    before = jax.lax.slice_in_dim(weight, 0, column, axis=axis)
-    after = jax.lax.slice_in_dim(weight, column + 1, vocab, axis=axis)
-    return jnp.concatenate([before, after], axis=axis)
 
 
 class MaskedDiffusionObjective(MeanLossNoEffects):
@@ -142,9 +132,8 @@ class MaskedDiffusionObjective(MeanLossNoEffects):
         targets_N = tokens_BS.reshape(-1)
         targets_N = jnp.where(targets_N > mask_id, targets_N - 1, targets_N)
         hidden_BSE = self.process.predicting_states(output.hidden, segments_BS)
-        ce_N, _, correct_N = chunked_cross_entropy(
-            hidden_BSE.reshape(B * S, -1), _without_column(head.weight, mask_id, head.transposed), targets_N,
-            head.transposed, self.head_chunks, head.softcap, self.token_accuracy)
+        ce_N, _, correct_N = head.without_column(mask_id).cross_entropy(
+            hidden_BSE.reshape(B * S, -1), targets_N, self.head_chunks, self.token_accuracy)
         masked = masked_BS.astype(jnp.float32)
         real_count, masked_count = jnp.sum(real_BS.astype(jnp.float32)), jnp.sum(masked)
         weighted_BS = masked * self.process.weight(t_B)[:, None]

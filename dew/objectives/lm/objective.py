@@ -20,7 +20,6 @@ from dew.nn.moe import RouterRecord, Routes
 from dew.objectives.base import Aux, Mean, PathFilter, Prediction, Step, Variables, path_filter
 from dew.objectives.checks import check_decoder_objective, init_or_check
 from dew.objectives.lm.indexer import IndexerTraining, kl_total
-from dew.objectives.lm.loss import chunked_cross_entropy
 from dew.objectives.lm.rows import _real, _Rows, _rows_of
 from dew.objectives.lm.scoring import PolicyScoring
 from dew.objectives.lm.routing import RouterStatistics, RouterTerms, RouterTotals, bias_steps, max_one, move_biases, \
@@ -200,7 +199,7 @@ class LMObjective(PolicyScoring):
     `text_roles` (`dew.data.ChatData`). With `loss_role` (a `Role`, or its name) only the targets
     of that role count: in the loss, the accuracy and an accumulation window's token mass.
 
-    The loss scores the vocabulary in `head_chunks` tiles (`dew.objectives.lm.loss`), so a pass holds
+    The loss scores the vocabulary in `head_chunks` tiles (`Head.cross_entropy`), so a pass holds
     one tile's logits at a time; None (the default) takes the fewest tiles whose float32 logits fit
     64 MiB each, and a single tile keeps its logits for the backward pass rather than making them again.
     """
@@ -428,9 +427,8 @@ class LMObjective(PolicyScoring):
 
     def _head_losses(self, hidden_NE, head: Head, targets_N):
         """Per-target `(ce, lse, correct)` `[N]` through `head` (`correct` None without accuracy): the
-        vocabulary in tiles (`dew.objectives.lm.loss`)."""
-        return chunked_cross_entropy(hidden_NE, head.weight, targets_N, head.transposed, self.head_chunks,
-                                     head.softcap, self.token_accuracy)
+        vocabulary in tiles (`Head.cross_entropy`)."""
+        return head.cross_entropy(hidden_NE, targets_N, self.head_chunks, self.token_accuracy)
 
     def _cross_entropy(self, hidden_NE, forward: _Forward, targets_N, weights_BS) -> Scores:
         ce, lse, correct = self._head_losses(hidden_NE, forward.head, targets_N)

@@ -18,7 +18,6 @@ from dew.data.inputs import ModelInputs
 from dew.inference.text import TextGeneration
 from dew.nn.head import Head, cap_logits
 from dew.objectives.base import Variables
-from dew.objectives.lm.loss import chunked_cross_entropy
 from dew.objectives.lm.rows import _real, _Rows, _rows_of
 from dew.sampling import Generation, Sampling
 
@@ -185,8 +184,7 @@ class PolicyScoring:
             check_left_padding(left_padding, rows.tokens)
             rows = _Rows(shift_left(jnp.asarray(rows.tokens), left_padding))
         forward = self._forward(params, rows, None)
-        ce, _, _ = chunked_cross_entropy(forward.hidden_NE, forward.head.weight, forward.targets_N,
-                                         forward.head.transposed, self.head_chunks, forward.head.softcap, False)
+        ce, _, _ = forward.head.cross_entropy(forward.hidden_NE, forward.targets_N, self.head_chunks, accuracy=False)
         log_probs_BS = -ce.reshape(forward.weights_BS.shape)
         real_BT = _real(rows)
         if real_BT is not None:
@@ -221,9 +219,8 @@ class PolicyScoring:
         log_probs_BS = -scores.losses
         if temperature != 1.0:
             targets_N = jnp.asarray(tokens)[:, 1:].reshape(-1).astype(jnp.int32)
-            ce, _, _ = chunked_cross_entropy(scores.states.reshape(B * S, -1).astype(head.weight.dtype), head.weight,
-                                             targets_N, head.transposed, self.head_chunks, head.softcap, False,
-                                             temperature)
+            ce, _, _ = head.cross_entropy(scores.states.reshape(B * S, -1).astype(head.weight.dtype), targets_N,
+                                          self.head_chunks, accuracy=False, temperature=temperature)
             log_probs_BS = -ce.reshape(B, S)
         if support is None:
             return log_probs_BS

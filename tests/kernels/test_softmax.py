@@ -1,4 +1,4 @@
-"""Attention's masked softmax in Dew's kernel (dew.nn.fast_softmax) against the same math in XLA.
+"""Attention's masked softmax in Dew's kernel (dew.kernels.softmax) against the same math in XLA.
 
 Bounds, per element, from the computation. Forward: each side's exponential is within 2 ulps of the
 exact value (`LIBRARY_ULPS` apart), the row's sum of T terms in another order is T - 1 roundings of
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.nn import fast_softmax
+from dew.kernels import softmax as fast_softmax
 from dew.nn.attention import attend
 from tests.tolerances import LIBRARY_ULPS, ulp_bound
 
@@ -32,7 +32,7 @@ EPS = float(jnp.finfo(jnp.float32).eps)
 @pytest.fixture
 def policy(monkeypatch):
     def set_policy(value: str):
-        monkeypatch.setenv("DEW_FAST_MATMUL", value)
+        monkeypatch.setenv("DEW_KERNELS", value)
     return set_policy
 
 
@@ -56,7 +56,7 @@ def test_the_kernel_builds_where_it_can():
 @pytest.mark.parametrize("t", [12, 37, 256])  # rows shorter than the lanes, with a tail past them, without
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_forward_and_backward_match_xla(policy, t, dtype):
-    policy("on")
+    policy("native")
     scores, mask = scores_and_mask(t)
     scale = 0.125
     g = jnp.asarray(np.random.default_rng(1).standard_normal(scores.shape), dtype)
@@ -83,9 +83,9 @@ def test_forward_and_backward_match_xla(policy, t, dtype):
 
 
 @needs_kernel
-def test_attention_takes_the_kernel_unless_off(policy):
-    """`attend` calls the kernel under `auto` and `on`, XLA's operations under `off` or with a softcap,
-    and the two agree on a causal pass (within the decoder-step bound of test_fast_matmul)."""
+def test_attention_takes_the_kernel_unless_xla(policy):
+    """`attend` calls the kernel under `auto` and `native`, XLA's operations under `xla` or with a softcap,
+    and the two agree on a causal pass (within the decoder-step bound of test_matmul)."""
     rng = np.random.default_rng(2)
     q = jnp.asarray(rng.standard_normal((2, 40, 4, 8)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((2, 2, 40, 8)), jnp.float32) for _ in range(2))
@@ -93,19 +93,19 @@ def test_attention_takes_the_kernel_unless_off(policy):
     run = lambda softcap=None: jax.jit(lambda q, k, v: attend(q, k, v, mask, causal_blocks=True, block=16,  # noqa: E731
                                                               softcap=softcap))
     outputs = {}
-    for value in ("auto", "on", "off"):
+    for value in ("auto", "native", "xla"):
         policy(value)
         text = run().lower(q, k, v).as_text()
-        assert ("dew_softmax_f32" in text) == (value != "off"), value
+        assert ("dew_softmax_f32" in text) == (value != "xla"), value
         outputs[value] = np.asarray(run()(q, k, v))
-    policy("on")
+    policy("native")
     assert "dew_softmax" not in run(softcap=30.0).lower(q, k, v).as_text()
-    np.testing.assert_allclose(outputs["on"], outputs["off"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(outputs["native"], outputs["xla"], rtol=0, atol=1e-5)
 
 
 @needs_kernel
 def test_vmapped_softmax_runs_row_by_row(policy):
-    policy("on")
+    policy("native")
     scores, mask = scores_and_mask(16)
     stacked = jnp.stack([scores, scores * 0.5])
     ours = jax.vmap(lambda s: fast_softmax.masked_softmax(s, mask, 1.0, jnp.float32))(stacked)
@@ -114,10 +114,10 @@ def test_vmapped_softmax_runs_row_by_row(policy):
 
 
 def test_off_and_several_devices_keep_xla(policy, monkeypatch):
-    policy("off")
-    assert fast_softmax.status() == (False, "turned off by DEW_FAST_MATMUL=off")
+    policy("xla")
+    assert fast_softmax.status() == (False, "the policy is xla, so every product is XLA's own")
     assert not fast_softmax.usable(jnp.float32)
-    policy("on")
+    policy("native")
     monkeypatch.setattr(jax, "device_count", lambda: 2)
     available, reason = fast_softmax.status()
     assert not available and "2 devices" in reason
@@ -126,7 +126,7 @@ def test_off_and_several_devices_keep_xla(policy, monkeypatch):
 
 @needs_kernel
 def test_bad_shapes_are_refused(policy):
-    policy("on")
+    policy("native")
     scores, mask = scores_and_mask(8)
     with pytest.raises(ValueError, match=r"float32 scores \[B, H, R, T\] and a mask \[B, R, T\]; got float32 "
                                          r"\(2, 3, 5, 8\) and \(2, 5, 7\)"):
@@ -142,7 +142,7 @@ def test_first_max_matches_xla(policy, width):
     first of them). A row holding a NaN is the kernel's `width`; XLA's answer there depends on which
     of its reductions runs (YNNPACK's max skips a NaN at 4096 columns, XLA's own keeps it), so that
     row is compared with `width` only."""
-    policy("on")
+    policy("native")
     rng = np.random.default_rng(width)
     x = rng.standard_normal((12, width)).astype(np.float32)
     x[1, :] = 3.0  # every column ties: column 0
@@ -166,7 +166,7 @@ def test_first_max_matches_xla(policy, width):
 
 
 def test_first_max_refuses_what_it_cannot_take(policy):
-    policy("on")
+    policy("native")
     with pytest.raises(ValueError, match="float32 \\[N, C\\] with C >= 1"):
         fast_softmax.first_max(jnp.zeros((3, 0), jnp.float32))
     with pytest.raises(ValueError, match="float32"):
@@ -230,7 +230,7 @@ needs_attention = pytest.mark.skipif(not ATTENTION_AVAILABLE, reason=f"Dew's att
     (3, 40, 6, 3, 8, 8, True, 7),       # one block; padding rows that read only padding
 ])
 def test_fused_attention_matches_exact_math(policy, B, S, H, K, D, Dv, causal, padding):
-    policy("on")
+    policy("native")
     rng = np.random.default_rng(3)
     q, k, v, g = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
                   for shape in ((B, S, H, D), (B, S, K, D), (B, S, K, Dv), (B, S, H, Dv)))
@@ -250,7 +250,7 @@ def test_fused_attention_matches_exact_math(policy, B, S, H, K, D, Dv, causal, p
 @needs_attention
 def test_the_decoder_takes_fused_attention_in_float32_without_a_cache(policy, monkeypatch):
     """The attention layer calls the fused kernel for a float32 pass without a cache (training's),
-    and keeps `attend` (with its own softmax kernel) under a softcap, in bfloat16, or with `off`."""
+    and keeps `attend` (with its own softmax kernel) under a softcap, in bfloat16, or with `xla`."""
     from dew import models
 
     def targets(policy_value, dtype=jnp.float32, **config):
@@ -262,14 +262,14 @@ def test_the_decoder_takes_fused_attention_in_float32_without_a_cache(policy, mo
         return jax.jit(lambda p: jax.grad(lambda p: model.apply(p, tokens).astype(jnp.float32).sum())(p)).lower(
             params).as_text()
 
-    assert "dew_softmax_attention_f32" in targets("auto") and "dew_softmax_attention_grad_f32" in targets("on")
-    assert "dew_softmax_attention" not in targets("off")
-    assert "dew_softmax_attention" not in targets("on", dtype=jnp.bfloat16)
+    assert "dew_softmax_attention_f32" in targets("auto") and "dew_softmax_attention_grad_f32" in targets("native")
+    assert "dew_softmax_attention" not in targets("xla")
+    assert "dew_softmax_attention" not in targets("native", dtype=jnp.bfloat16)
 
 
 @needs_attention
 def test_fused_attention_refuses_what_it_cannot_take(policy):
-    policy("on")
+    policy("native")
     q = jnp.zeros((1, 8, 3, 4), jnp.float32)
     k = jnp.zeros((1, 8, 2, 4), jnp.float32)
     mask = jnp.ones((1, 8, 8), bool)
@@ -287,7 +287,7 @@ def test_fused_attention_refuses_what_it_cannot_take(policy):
 def test_fused_attention_keeps_only_the_scored_blocks_for_its_backward(policy):
     """Its residual probabilities hold each block's scored keys only: 64 x 64 + 64 x 128 + 64 x 192 +
     8 x 200 of a causal pass's 200 x 200 (the last block is short), every key for a bidirectional one."""
-    policy("on")
+    policy("native")
     q = jnp.zeros((1, 200, 2, 8), jnp.float32)
     k = jnp.zeros((1, 200, 1, 8), jnp.float32)
     mask = jnp.ones((1, 200, 200), bool)

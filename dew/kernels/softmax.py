@@ -1,29 +1,24 @@
-"""Attention's masked softmax in one pass a row, forward and backward, and a row's first maximum, by
-Dew's own kernels.
+"""Attention's masked softmax in one pass a row, forward and backward, a row's first maximum, and the whole
+float32 attention pass, in Dew's own kernels (`native/softmax.cc`, the extension `dew._native_softmax`).
 
 `masked_softmax(scores, mask, scale, out_dtype)` is `jax.nn.softmax(jnp.where(mask, scores * scale,
 MASKED))` rounded to `out_dtype`, and its gradient is that expression's. XLA's CPU backend runs it as
-five to seven passes over the scores (scale, select, max, exp, sum, divide, round; the backward's
-product, sum, difference, product, select, scale), each through memory; the extension
-`dew._native_softmax` (`native/softmax.cc`, built by `pip install`) takes each row once, while it is
-in cache. Its results differ from XLA's by the exponential (a polynomial within 2 ulps, as XLA's
-own is) and the order of each row's sums.
+five to seven passes over the scores, each through memory; the kernel takes each row once, while it is in
+cache. Its results differ from XLA's by the exponential (a polynomial within 2 ulps, as XLA's own is) and
+the order of each row's sums.
 
-`first_max(x)` is each row's first maximum's column, as `min(where(x == max(x), column, width))`
-gives it (`width` for a row holding a NaN) (the loss's argmax accuracy, `dew.objectives.lm.loss`): XLA's CPU backend materialized
-that select as an int32 array the size of the logits and reduced it as a tree of windows, 10 ms of
-the quick start's 165 ms step on an AVX-512 Xeon; the kernel takes each row once.
+`first_max(x)` is each row's first maximum's column, as `min(where(x == max(x), column, width))` gives it
+(`width` for a row holding a NaN): the loss head's argmax accuracy. XLA's CPU backend materializes that
+select as an int32 array the size of the logits; the kernel reads each row once.
 
-Both run where `dew.nn.fast_matmul`'s products may (`status()`): the CPU backend, one device, the
-extension built, and `DEW_FAST_MATMUL` not `off` (`auto` and `on` both take it, at any size: one pass
-instead of several costs less on any CPU, and the tests compare the two paths).
+`attention(q, k, v, mask, scale, causal_blocks, block)` is `dew.nn.attention.attend`'s whole float32 pass
+in one call a direction (scores, this softmax and the weighted values per block of query rows, each
+product one single-threaded oneDNN gemm, the block's scores in cache between them), with keys and values
+in the projections' `[B, T, K, D]` layout, so none of the heads' transposes either.
 
-`attention(q, k, v, mask, scale, causal_blocks, block)` is `dew.nn.attention.attend`'s whole float32
-pass in one call a direction (scores, this softmax and the weighted values per block of query rows,
-each product one single-threaded oneDNN gemm, the block's scores in cache between them), with keys
-and values in the projections' `[B, T, K, D]` layout, so none of the heads' transposes either; the
-attention layer takes it for a pass without a cache (training's) where `attention_status()` allows:
-as above, and oneDNN's library loaded.
+All three run wherever the kernel policy lets a native kernel into the step (`dew.kernels.policy`: `auto`
+or `native` on the CPU backend, one device) and the extension built: one pass instead of several costs
+less on any CPU, so no table decides them; the fused attention also needs oneDNN's library.
 """
 
 from __future__ import annotations
@@ -35,8 +30,8 @@ import jax.numpy as jnp
 
 import numpy as np
 
-from dew.nn import fast_matmul
-from dew.nn.native import import_extension
+from dew.kernels.loader import import_extension, onednn_functions
+from dew.kernels.policy import calls_refused, note
 
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked score: exp(MASKED - max) is 0, yet finite
 _F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
@@ -52,15 +47,18 @@ def _load() -> tuple[bool, str]:
     return True, "Dew's kernel (dew._native_softmax)"
 
 
-def status() -> tuple[bool, str]:
-    """(whether attention's softmax may run in Dew's kernel in this process, why or why not)."""
-    off = fast_matmul.process_off()
-    return (False, off) if off else _load()
+def status(policy: str | None = None) -> tuple[bool, str]:
+    """(whether the softmax kernels may run under `policy` (default the one in force) in this process, why
+    or why not)."""
+    refused = calls_refused(policy)
+    return (False, refused) if refused else _load()
 
 
-def usable(out_dtype) -> bool:
-    """Whether `masked_softmax` may run to `out_dtype` (float32 or bfloat16) in this process."""
-    return jnp.dtype(out_dtype) in (_F32, _BF16) and status()[0]
+def usable(out_dtype, policy: str | None = None) -> bool:
+    """Whether `masked_softmax` may run to `out_dtype` (float32 or bfloat16) under `policy` here."""
+    taken = jnp.dtype(out_dtype) in (_F32, _BF16) and status(policy)[0]
+    note(f"softmax/{jnp.dtype(out_dtype).name}", "dew" if taken else "xla")
+    return taken
 
 
 def reference(scores_BHRT: jax.Array, mask_BRT: jax.Array, scale: float, out_dtype) -> jax.Array:
@@ -119,14 +117,16 @@ def first_max_reference(x_NC: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(x_NC == jnp.max(x_NC, axis=-1, keepdims=True), columns_C, width), axis=-1)
 
 
-def first_max(x_NC: jax.Array) -> jax.Array:
-    """`first_max_reference(x_NC)` for float32 `[N, C]` (C at least 1), by the kernel where `status()`
+def first_max(x_NC: jax.Array, policy: str | None = None) -> jax.Array:
+    """`first_max_reference(x_NC)` for float32 `[N, C]` (C at least 1), by the kernel where `status(policy)`
     allows, else by XLA; the same integers either way (no arithmetic, only comparisons), but for a
     row holding a NaN, which the kernel answers with `C` (no column: a target there is never the
     argmax)."""
     if x_NC.ndim != 2 or x_NC.shape[1] == 0 or x_NC.dtype != _F32:
         raise ValueError(f"first_max takes float32 [N, C] with C >= 1; got {x_NC.dtype} {x_NC.shape}")
-    if not status()[0]:
+    taken = status(policy)[0]
+    note("first_max", "dew" if taken else "xla")
+    if not taken:
         return first_max_reference(x_NC)
     call = jax.ffi.ffi_call("dew_softmax_first_max", jax.ShapeDtypeStruct(x_NC.shape[:1], jnp.int32),
                             vmap_method="sequential")
@@ -139,7 +139,7 @@ def _load_attention() -> tuple[bool, str]:
     if not loaded:
         return False, why
     try:
-        address = fast_matmul.library_functions()[1]
+        address = onednn_functions()
     except LookupError as error:
         return False, str(error)
     native, why = import_extension("softmax")
@@ -147,16 +147,18 @@ def _load_attention() -> tuple[bool, str]:
     return True, "Dew's kernel (dew._native_softmax) with oneDNN's gemm"
 
 
-def attention_status() -> tuple[bool, str]:
-    """(whether `attention` may run in Dew's kernel in this process, why or why not): as `status()`,
+def attention_status(policy: str | None = None) -> tuple[bool, str]:
+    """(whether `attention` may run in Dew's kernel under `policy` here, why or why not): as `status()`,
     and oneDNN's library loaded, whose single-threaded gemm runs the kernel's products."""
-    off = fast_matmul.process_off()
-    return (False, off) if off else _load_attention()
+    refused = calls_refused(policy)
+    return (False, refused) if refused else _load_attention()
 
 
-def attention_usable(*arrays: jax.Array) -> bool:
-    """Whether `attention` may take these operands in this process: all float32, and `attention_status()`."""
-    return all(x.dtype == _F32 for x in arrays) and attention_status()[0]
+def attention_usable(*arrays: jax.Array, policy: str | None = None) -> bool:
+    """Whether `attention` may take these operands here: all float32, and `attention_status(policy)`."""
+    taken = all(x.dtype == _F32 for x in arrays) and attention_status(policy)[0]
+    note("attention/float32", "dew" if taken else "xla")
+    return taken
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -169,9 +171,8 @@ def attention(q_BSHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, mask_BST:
     Each block of `block` query rows of a head is scored against its keys (with `causal_blocks` only
     those up to its last row), its masked softmax taken and its values weighted while the block's
     scores are in cache, each product one single-threaded oneDNN gemm on one of XLA's threads; the
-    backward does the same per key/value head. XLA ran the same as a batched product, the softmax
-    kernel and another product per block, with the heads' transposes, copies and concatenations
-    between them. The same roundings as `attend`'s but for the products' order of summation."""
+    backward does the same per key/value head. The same roundings as `attend`'s but for the products'
+    order of summation."""
     return _attention(q_BSHD, k_BTKD, v_BTKD, mask_BST, scale, causal_blocks, block)[0]
 
 

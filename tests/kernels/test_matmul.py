@@ -1,4 +1,4 @@
-"""oneDNN's products through jax.ffi (dew.nn.fast_matmul) against XLA's, and the policy that picks them.
+"""oneDNN's products through jax.ffi (dew.kernels.matmul) against XLA's.
 
 Both sides accumulate in float32: bfloat16 operands multiply exactly in float32, so for either dtype
 the two results differ only by the order of the K additions, at most K - 1 roundings of the running
@@ -8,7 +8,6 @@ largest differences observed (AMD EPYC with AVX-512) are written in each test.
 
 from __future__ import annotations
 
-import json
 import platform
 import shutil
 import sys
@@ -18,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.nn import fast_matmul
-from dew.nn.fast_matmul import dot, product
+from dew.kernels import matmul as fast_matmul
+from dew.kernels.loader import onednn_path
+from dew.kernels.matmul import dot, product
 from tests.tolerances import ulp_bound
 
 AVAILABLE, WHY = fast_matmul._load()
@@ -32,7 +32,7 @@ needs_bfloat16 = pytest.mark.skipif(not BFLOAT16, reason=WHY_BFLOAT16)
 @pytest.fixture
 def policy(monkeypatch):
     def set_policy(value: str):
-        monkeypatch.setenv("DEW_FAST_MATMUL", value)
+        monkeypatch.setenv("DEW_KERNELS", value)
     return set_policy
 
 
@@ -68,7 +68,7 @@ def test_products_match_xla(policy, dtype, transpose_a, transpose_b, m, k, n):
     # Observed: bit-identical for the 301-row cases (AMD EPYC with AVX-512 for the first three
     # transposes, Intel Xeon for all four); the 37-row ones differ by up to 2.3e-5 on the Xeon,
     # entries of size ~11 summed in another order, which the bound allows.
-    policy("on")
+    policy("native")
     if dtype == jnp.bfloat16 and not BFLOAT16:
         pytest.skip(WHY_BFLOAT16)  # test_bfloat16_goes_to_the_library_where_it_runs covers this CPU
     # Odd sizes, which no kernel's tile divides. 301 rows split into pieces on XLA's threads (up to
@@ -77,8 +77,8 @@ def test_products_match_xla(policy, dtype, transpose_a, transpose_b, m, k, n):
     # into column pieces of 80 (a multiple of 16), the last 61 wide, each starting mid-way across the
     # result and across `b` (down it, transposed); with `a` as stored, its 37 rows are one piece.
     a, b = operands((k, m) if transpose_a else (m, k), (n, k) if transpose_b else (k, n), dtype)
-    ours = jax.jit(lambda a, b: fast_matmul._library(a, b, transpose_a, transpose_b))(a, b)
-    xla = jax.jit(lambda a, b: fast_matmul._xla(a, b, transpose_a, transpose_b))(a, b)
+    ours = jax.jit(lambda a, b: fast_matmul.onednn_product(a, b, transpose_a, transpose_b))(a, b)
+    xla = jax.jit(lambda a, b: fast_matmul.xla_product(a, b, transpose_a, transpose_b, cpu_layout=True))(a, b)
     assert ours.dtype == xla.dtype == jnp.float32 and ours.shape == xla.shape == (m, n)
     np.testing.assert_array_less(np.abs(np.asarray(ours) - np.asarray(xla)), bound(a, b, transpose_a, transpose_b) + 1e-30)
 
@@ -86,9 +86,9 @@ def test_products_match_xla(policy, dtype, transpose_a, transpose_b, m, k, n):
 @needs_library
 def test_bfloat16_goes_to_the_library_where_it_runs(policy):
     """oneDNN's bfloat16 gemm says `dnnl_unimplemented` without AVX512-core (or AVX2-VNNI-2, which
-    brings AVX-NE-CONVERT): there even `on` keeps bfloat16 products in XLA, with the reason in
+    brings AVX-NE-CONVERT): there even `native` keeps bfloat16 products in XLA, with the reason in
     `status`, while float32 ones still go to the library."""
-    policy("on")
+    policy("native")
     flags = set()
     for line in open("/proc/cpuinfo"):
         if line.startswith("flags"):
@@ -121,12 +121,12 @@ def test_bfloat16_results_round_as_xla_converts(policy, transpose_a, transpose_b
     """The handler that rounds each piece's rows to bfloat16 itself gives what XLA's convert gives for
     the same float32 products, bit for bit: ties to even, infinities, NaN (any NaN counts as equal),
     whether the pieces are chunks of rows or of columns (written into the result's rows at an offset)."""
-    policy("on")
+    policy("native")
     a, b = operands((k, m) if transpose_a else (m, k), (k, n), jnp.float32, seed=4)
     a = a.at[0, 0].set(jnp.nan).at[1, 1].set(jnp.inf)  # a NaN row of results, and infinities
     a, b = a.astype(jnp.bfloat16), (b * 1e3).astype(jnp.bfloat16)
-    rounded = jax.jit(lambda a, b: fast_matmul._library(a, b, transpose_a, transpose_b, jnp.bfloat16))(a, b)
-    converted = jax.jit(lambda a, b: fast_matmul._library(a, b, transpose_a, transpose_b).astype(jnp.bfloat16))(a, b)
+    rounded = jax.jit(lambda a, b: fast_matmul.onednn_product(a, b, transpose_a, transpose_b, jnp.bfloat16))(a, b)
+    converted = jax.jit(lambda a, b: fast_matmul.onednn_product(a, b, transpose_a, transpose_b).astype(jnp.bfloat16))(a, b)
     assert rounded.dtype == jnp.bfloat16
     assert np.isnan(np.asarray(rounded, np.float32)).any() and np.isinf(np.asarray(rounded, np.float32)).any()
     np.testing.assert_array_equal(np.asarray(rounded, np.float32), np.asarray(converted, np.float32))
@@ -134,7 +134,7 @@ def test_bfloat16_results_round_as_xla_converts(policy, transpose_a, transpose_b
 
 @needs_library
 def test_batched_and_vmapped_products(policy):
-    policy("on")
+    policy("native")
     a, b = operands((2, 3, 16, 24), (2, 3, 40, 24), jnp.float32)
     ours = jax.jit(lambda a, b: dot(a, b, True))(a, b)
     reference = jnp.einsum("xyik,xyjk->xyij", a, b)
@@ -148,7 +148,7 @@ def test_batched_and_vmapped_products(policy):
 @pytest.mark.parametrize("transpose_b", [False, True])
 def test_gradients_match_autodiff(policy, transpose_b):
     """The custom VJP's products (each through oneDNN) against autodiff of XLA's float32 product."""
-    policy("on")
+    policy("native")
     a, b = operands((48, 20), (36, 20) if transpose_b else (20, 36), jnp.float32, seed=1)
     g = jnp.asarray(np.random.default_rng(2).standard_normal((48, 36)), jnp.float32)
 
@@ -177,31 +177,33 @@ def test_a_decoder_step_matches_with_and_without(policy, tiny_model, tiny_variab
         return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tokens[..., None], -1)[..., 0])
 
     results = {}
-    for value in ("off", "on"):
+    for value in ("xla", "native"):
         policy(value)
         results[value] = jax.jit(jax.value_and_grad(loss))(tiny_variables["params"])  # a fresh trace per policy
-    (loss_off, grads_off), (loss_on, grads_on) = results["off"], results["on"]
+    (loss_off, grads_off), (loss_on, grads_on) = results["xla"], results["native"]
     np.testing.assert_allclose(loss_on, loss_off, rtol=1e-5)
     for off, on in zip(jax.tree.leaves(grads_off), jax.tree.leaves(grads_on)):
         scale = float(jnp.max(jnp.abs(off))) or 1.0
         np.testing.assert_allclose(on, off, rtol=0, atol=1e-5 * scale)
 
 
-def test_off_keeps_xla_products(policy):
-    policy("off")
-    a, b = operands((512, 256), (256, 512), jnp.float32)
-    assert "custom_call" not in jax.jit(dot).lower(a, b).as_text()
-    assert fast_matmul.status() == (False, "turned off by DEW_FAST_MATMUL=off")
-
-
-def test_a_bad_policy_names_the_choices(policy):
-    policy("fastest")
-    with pytest.raises(ValueError, match=r"DEW_FAST_MATMUL='fastest' is not a policy: use one of auto, on, off"):
-        fast_matmul.mode()
+def test_xla_keeps_plain_products(policy):
+    """Under `xla` a product is one `dot_general`: no foreign call, and no barrier around a transposed
+    operand (the CPU layout trick is part of the other policies)."""
+    policy("xla")
+    a, b = operands((512, 256), (512, 256), jnp.float32)
+    lowered = jax.jit(lambda a, b: jax.grad(lambda a: dot(a, b, True).sum())(a)).lower(a, b).as_text()
+    weight_gradient = jax.jit(lambda a, b: product(a, b, transpose_a=True)).lower(a, a).as_text()
+    for text in (lowered, weight_gradient):
+        assert "custom_call" not in text and "optimization_barrier" not in text
+    assert fast_matmul.status() == (False, "the policy is xla, so every product is XLA's own")
+    policy("auto")  # a small product stays XLA's under auto, laid out for XLA's CPU matmul
+    small = a[:16, :8]
+    assert "optimization_barrier" in jax.jit(lambda a: product(a, a, transpose_a=True)).lower(small).as_text()
 
 
 def test_several_devices_keep_xla(policy, monkeypatch):
-    policy("on")
+    policy("native")
     monkeypatch.setattr(jax, "device_count", lambda: 2)
     available, reason = fast_matmul.status()
     assert not available and "2 devices" in reason
@@ -216,40 +218,17 @@ def test_product_refuses_mismatched_operands():
 
 
 @needs_library
-def test_auto_measures_large_products_once_and_keeps_small_ones(policy, monkeypatch, tmp_path):
-    policy("auto")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    table = {}  # a fresh table, as read from the empty cache
-    monkeypatch.setattr(fast_matmul, "_table", lambda: table)
-    small = fast_matmul.choose(8, 16, 8, jnp.float32, False, False)
-    assert small is False and table == {}  # under MIN_FLOPS: no measurement
-    m, k, n = 256, 256, 256  # 2 * 256^3 = 2^25 FLOPs, over the threshold
-    chosen = fast_matmul.choose(m, k, n, jnp.float32, False, True)
-    entry = table["256x256x256/float32/NT"]
-    assert chosen == entry["onednn"] == (entry["onednn_s"] < 0.97 * entry["xla_s"])
-    on_disk = json.loads(fast_matmul.cache_file().read_text())
-    assert on_disk["256x256x256/float32/NT"] == entry
-    assert fast_matmul.cache_file().is_relative_to(tmp_path)
-
-    def measure_again(*args, **kwargs):
-        raise AssertionError("a product measured twice")
-
-    monkeypatch.setattr(fast_matmul, "measure", measure_again)
-    assert fast_matmul.choose(m, k, n, jnp.float32, False, True) == chosen
-
-
-@needs_library
 def test_the_callers_openmp_threads_are_left_as_they_were(policy):
     """Pieces run with one OpenMP thread each; the thread that ran them gets its setting back, so a
     library sharing the runtime (torch loads one under the same soname) keeps its threads. This fails
-    only when XLA runs the call on this thread, as it did for the small products `auto` measures
-    (torch's step then ran at half speed); elsewhere it passes either way."""
+    only when XLA runs the call on this thread, as it may for a small product; elsewhere it passes
+    either way."""
     import ctypes
 
-    policy("on")
-    runtime = ctypes.CDLL(str(fast_matmul._library_path()))
+    policy("native")
+    runtime = ctypes.CDLL(str(onednn_path()))
     before = runtime.omp_get_max_threads()
     a, b = operands((301, 64), (64, 40), jnp.float32)
     with jax.ensure_compile_time_eval():  # small: XLA may run it on this thread
-        jax.jit(lambda a, b: fast_matmul._library(a, b, False, False))(a, b).block_until_ready()
+        jax.jit(lambda a, b: fast_matmul.onednn_product(a, b, False, False))(a, b).block_until_ready()
     assert runtime.omp_get_max_threads() == before

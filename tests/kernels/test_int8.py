@@ -1,4 +1,4 @@
-"""Dew's int8 kernel (dew.nn.int8_matmul, native/int8.cc) against the XLA form of the same product."""
+"""Dew's int8 kernel (dew.kernels.int8, native/int8.cc) against the XLA form of the same product."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.nn.int8_matmul import (KERNEL_MAX_ROWS, dequantize, group_size, int8_product, kernel_product, kernel_status,
-                                kernel_takes, xla_product)
+from dew.kernels.int8 import (KERNEL_MAX_ROWS, dequantize, group_size, int8_product, kernel_product, kernel_status,
+                              kernel_takes, xla_product)
 from dew.sampling import Sampling, generate
 from tests.interop.test_quantize import SHAPE, built
 from tests.tolerances import decoder_ulps, ulp_bound
@@ -89,7 +89,7 @@ def test_bfloat16_compute_and_vmap_match_the_xla_form():
         assert np.all(np.abs(each[b] - reference) <= reorder_bound(xs[b], qs[b], scales[b], False))
 
 
-def test_the_switch_turns_the_kernel_off_and_refuses_bad_values(monkeypatch):
+def test_the_policy_turns_the_kernel_off_and_bad_operands_are_refused(monkeypatch):
     x, q, scale = operands(np.random.default_rng(1), 1, 16, 16, transposed=False)
     with pytest.raises(ValueError, match=r"scales of shape \(16,\) do not fit an int8 weight of shape \(16, 16\)"):
         kernel_product(x, q, scale[0])
@@ -98,12 +98,16 @@ def test_the_switch_turns_the_kernel_off_and_refuses_bad_values(monkeypatch):
     assert not kernel_takes(np.zeros((KERNEL_MAX_ROWS + 1, 16), np.float32), q, jnp.float32)
     with pytest.raises(ValueError, match="cast them first"):
         kernel_product(x.astype(np.float16), q, scale)
-    monkeypatch.setenv("DEW_INT8_KERNEL", "off")
-    assert kernel_status() == (False, "turned off by DEW_INT8_KERNEL=off")
-    with pytest.raises(RuntimeError, match="the int8 kernel is off: turned off by DEW_INT8_KERNEL=off"):
+    monkeypatch.setenv("DEW_KERNELS", "xla")
+    assert kernel_status() == (False, "the policy is xla, so every product is XLA's own")
+    with pytest.raises(RuntimeError, match="the int8 kernel is off: the policy is xla"):
         kernel_product(x, q, scale)
-    monkeypatch.setenv("DEW_INT8_KERNEL", "fast")
-    with pytest.raises(ValueError, match="DEW_INT8_KERNEL='fast' is not a setting: use 'on' or 'off'"):
+    monkeypatch.setenv("DEW_KERNELS", "fast")
+    with pytest.raises(ValueError, match="DEW_KERNELS='fast' is not a kernel policy: use one of auto, native, xla"):
+        kernel_status()
+    monkeypatch.delenv("DEW_KERNELS")
+    monkeypatch.setenv("DEW_INT8_KERNEL", "off")  # the old switch is refused, not ignored
+    with pytest.raises(ValueError, match="DEW_INT8_KERNEL is no longer read: set DEW_KERNELS"):
         kernel_status()
 
 
@@ -114,7 +118,7 @@ def test_an_int8_model_generates_the_same_tokens_with_and_without_the_kernel(tie
     greedy = Sampling(temperature=0.0)
     ours = model.apply(quantized, tokens)
     with_kernel = generate(model, quantized, tokens.tolist(), 8, key=jax.random.key(0), sampling=greedy)
-    monkeypatch.setenv("DEW_INT8_KERNEL", "off")
+    monkeypatch.setenv("DEW_KERNELS", "xla")
     # Traced anew (a compiled generation keeps the form it was traced with): another budget, 9 tokens.
     reference = model.apply(quantized, tokens)
     without = generate(model, quantized, tokens.tolist(), 9, key=jax.random.key(0), sampling=greedy)

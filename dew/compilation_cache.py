@@ -1,4 +1,7 @@
-"""A persistent XLA compilation cache, so a second process skips compiles the first one paid for."""
+"""A persistent XLA compilation cache, so a second process skips compiles the first one paid for.
+
+Dew's own commands (`dew ...`, the quick start) turn it on where they start; `import dew` changes no JAX
+setting, so a program that embeds Dew decides for itself (calling `configure()` is one way)."""
 
 from __future__ import annotations
 

@@ -10,38 +10,33 @@ the weight holds; Dew's kernel (`native/int8.cc`, the extension `dew._native_int
 builds, called through `jax.ffi`) widens the int8 values in registers instead, across XLA's intra-op
 threads, with AVX-512, AVX2 or portable loops chosen by what the CPU reports at run time, and multiplies
 each group's partial sum by its scale. XLA's form (`xla_product`) converts the weight to float32 times
-its scales once per call and runs the float32 product the linears run (`dew.nn.fast_matmul.dot`), so
+its scales once per call and runs the float32 product the linears run (`dew.kernels.matmul.dot`), so
 a long prefill costs what float32 weights cost plus one pass over the int8 bytes. Both accumulate in
 float32; they differ by the order of the roundings.
 
-The kernel takes products of up to `KERNEL_MAX_ROWS` rows of x (decoding; a long prefill is XLA's)
-where `kernel_status()` says it is on: the extension built, the backend is the CPU,
-the process sees one device (GSPMD cannot partition a foreign call), and `DEW_INT8_KERNEL` is not
-`off`. Elsewhere the products are XLA's. The variable is read when a product is traced, so set it
-before the first generation of a process (a compiled generation keeps the form it was traced with).
-`DEW_INT8_KERNEL=on` (or unset) asks for the kernel where it can run.
+The kernel takes products of up to `KERNEL_MAX_ROWS` rows of x (decoding; a long prefill is arithmetic-
+bound, where XLA's blocked float32 product with one converted copy of q is faster) wherever the kernel
+policy lets a native kernel into the step (`dew.kernels.policy`) and the extension built.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dew.nn.fast_matmul import dot
-from dew.nn.native import import_extension, several_devices
+from dew.kernels.loader import import_extension
+from dew.kernels.matmul import dot
+from dew.kernels.policy import calls_refused, note
 
 _TARGET = "dew_int8_product"
 # The compute dtypes whose values float32 holds exactly, so the kernel's float32 operand is the XLA
 # form's operand.
 _KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# Rows of x up to which the kernel runs: it reads q once for every few rows, so past a few dozen rows (a
-# prompt's prefill, a perplexity pass) the product is bound by arithmetic, where a blocked float32
-# matrix product with one converted copy of q is faster (measured on SmolLM2's 576 x 1536, weights in
-# cache: equal at 16 and 32 rows, XLA 1.3x faster at 128 and 1.4-1.9x at 512).
+# Rows of x up to which the kernel runs: it reads q once for every few rows (docs/performance.md has the
+# crossing point on SmolLM2's shapes).
 KERNEL_MAX_ROWS = 32
 
 
@@ -76,13 +71,6 @@ def dequantize(q: jax.Array, scale: jax.Array, axis: int) -> jax.Array:
     return lax.slice_in_dim(w.reshape(padded.shape), 0, inputs, axis=axis)
 
 
-def _policy() -> str:
-    value = os.environ.get("DEW_INT8_KERNEL", "on").strip().lower() or "on"
-    if value not in ("on", "off"):
-        raise ValueError(f"DEW_INT8_KERNEL={value!r} is not a setting: use 'on' or 'off'")
-    return value
-
-
 @functools.cache
 def _load() -> tuple[bool, str]:
     """(whether the kernel is registered with XLA, which bodies it runs or why it is not)."""
@@ -93,12 +81,11 @@ def _load() -> tuple[bool, str]:
     return True, f"dew._native_int8 with {_native_int8.isa()} loops"
 
 
-def kernel_status() -> tuple[bool, str]:
-    """(whether int8 products run in Dew's kernel in this process, which loops it runs or why not)."""
-    if _policy() == "off":
-        return False, "turned off by DEW_INT8_KERNEL=off"
-    shared = several_devices()
-    return (False, shared) if shared else _load()
+def kernel_status(policy: str | None = None) -> tuple[bool, str]:
+    """(whether int8 products run in Dew's kernel under `policy` (default the one in force) in this
+    process, which loops it runs or why not)."""
+    refused = calls_refused(policy)
+    return (False, refused) if refused else _load()
 
 
 def kernel_product(x_ND: jax.Array, q: jax.Array, scale: jax.Array, transposed: bool = False) -> jax.Array:
@@ -124,11 +111,13 @@ def xla_product(x_ND: jax.Array, q: jax.Array, scale: jax.Array, dtype, transpos
     return dot(x_ND.astype(dtype).astype(jnp.float32), w, transpose_b=transposed)
 
 
-def kernel_takes(x_ND: jax.Array, q: jax.Array, dtype) -> bool:
-    """Whether `int8_product` of these operands runs in the kernel in this process: int8 weights, a
+def kernel_takes(x_ND: jax.Array, q: jax.Array, dtype, policy: str | None = None) -> bool:
+    """Whether `int8_product` of these operands runs in the kernel under `policy` here: int8 weights, a
     compute dtype float32 holds exactly, at most `KERNEL_MAX_ROWS` rows, and `kernel_status()` on."""
-    return (q.dtype == jnp.int8 and jnp.dtype(dtype) in _KERNEL_DTYPES and x_ND.ndim == 2
-            and x_ND.shape[0] <= KERNEL_MAX_ROWS and kernel_status()[0])
+    taken = (q.dtype == jnp.int8 and jnp.dtype(dtype) in _KERNEL_DTYPES and x_ND.ndim == 2
+             and x_ND.shape[0] <= KERNEL_MAX_ROWS and kernel_status(policy)[0])
+    note(f"int8/{x_ND.shape[0]}x{q.shape[0]}x{q.shape[1]}", "dew" if taken else "xla")
+    return taken
 
 
 def int8_product(x_ND: jax.Array, q: jax.Array, scale: jax.Array, dtype, transposed: bool = False) -> jax.Array:

@@ -1,0 +1,161 @@
+"""Matrix products of the linears, of attention and of the loss head: XLA's `dot_general`, or oneDNN's gemm
+where the kernel policy chooses it (`dew.kernels.policy`).
+
+`product(a, b, transpose_a, transpose_b)` is the one entry of every such product: it emits either XLA's
+own `dot_general` or a call through `jax.ffi` to oneDNN's row-major gemm (`dnnl_sgemm`,
+`dnnl_gemm_bf16bf16f32`; the `onednn-cpu-gomp` wheel, loaded at run time by the extension
+`dew._native_gemm` that `pip install` builds from `native/gemm.cc`). Both accumulate in float32. oneDNN's
+bfloat16 gemm needs AVX512-core or AVX2-VNNI-2: it is asked once (`status(jnp.bfloat16)`), and on other
+CPUs bfloat16 products stay XLA's. `dot` is `product` with the gradients a mixed-precision linear needs.
+
+On the CPU, under `auto` and `native`, a product that contracts the leading axis of `a` (a weight
+gradient) lays `a^T` out as its own array first: XLA's CPU backend sends such a dot to Eigen, slower than
+its own matmul on the transposed copy. Under `xla`, and on every other backend, the product is a plain
+`dot_general` with nothing around it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dew.kernels.loader import import_extension, onednn_functions, onednn_path, onednn_version
+from dew.kernels.policy import calls_refused, choose_onednn, cpu_tuned, in_force, note, product_key
+
+_F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+# (operands' dtype, result's dtype) -> the handler: bfloat16 results are rounded inside the call.
+_TARGETS = {(_F32, _F32): "dew_gemm_f32", (_BF16, _F32): "dew_gemm_bf16", (_BF16, _BF16): "dew_gemm_bf16_to_bf16"}
+
+
+@functools.cache
+def _load() -> tuple[bool, str]:
+    """(whether oneDNN's products are registered with XLA, a sentence saying which library or why not)."""
+    native_gemm, why = import_extension("gemm")
+    if native_gemm is None:
+        return False, why
+    try:
+        address = onednn_functions()
+    except LookupError as error:
+        return False, str(error)
+    native_gemm.set_gemm(address["dnnl_sgemm"], address["dnnl_gemm_bf16bf16f32"], address["omp_set_num_threads"],
+                         address["omp_get_max_threads"])
+    for key, capsule in native_gemm.handlers().items():
+        jax.ffi.register_ffi_target(f"dew_gemm_{key}", capsule, platform="cpu")
+    return True, f"oneDNN {onednn_version()} ({onednn_path()})"
+
+
+def status(dtype=_F32, policy: str | None = None) -> tuple[bool, str]:
+    """(whether products of `dtype` operands may run in oneDNN under `policy` (default the one in force)
+    in this process, why or why not)."""
+    refused = calls_refused(policy)
+    if refused:
+        return False, refused
+    available, why = _load()
+    if available and jnp.dtype(dtype) == _BF16:
+        return _bfloat16()
+    return available, why
+
+
+@functools.cache
+def _bfloat16() -> tuple[bool, str]:
+    """Whether oneDNN's bfloat16 gemm runs on this CPU: it answers `dnnl_unimplemented` without AVX512-core
+    (or AVX2-VNNI-2). Asked once, with a 1 x 1 x 1 product."""
+    gemm = ctypes.CDLL(str(onednn_path())).dnnl_gemm_bf16bf16f32
+    gemm.restype = ctypes.c_int
+    size, pointer, real = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    gemm.argtypes = [ctypes.c_char, ctypes.c_char, size, size, size, real, pointer, size, pointer, size, real,
+                     pointer, size]
+    one, two, out = np.array([0x3F80], np.uint16), np.array([0x4000], np.uint16), np.zeros(1, np.float32)
+    code = gemm(b"N", b"N", 1, 1, 1, 1.0, one.ctypes.data, 1, two.ctypes.data, 1, 0.0, out.ctypes.data, 1)
+    if code != 0 or out[0] != 2.0:
+        return False, (f"oneDNN's bfloat16 gemm is unavailable on this CPU (status {code}: it needs AVX512-core "
+                       "or AVX2-VNNI-2); bfloat16 products stay XLA's")
+    return True, f"oneDNN {onednn_version()} (bfloat16 gemm)"
+
+
+def xla_product(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool, out_dtype=_F32,
+                cpu_layout: bool = False) -> jax.Array:
+    """`op(a) @ op(b)` as XLA's `dot_general` accumulated in float32; with `cpu_layout`, a transposed `a`
+    laid out as its own array first (XLA's CPU backend sends a dot contracting the leading axis of both
+    operands to Eigen, and a plain one to its faster matmul; the barrier keeps XLA from folding the
+    transpose back into the dot)."""
+    contract_a = a.ndim - 2 if transpose_a else a.ndim - 1
+    if transpose_a and cpu_layout:
+        a, contract_a = lax.optimization_barrier(jnp.swapaxes(a, -1, -2)), a.ndim - 1
+    contract_b = b.ndim - 1 if transpose_b else b.ndim - 2
+    batch = tuple(range(a.ndim - 2))
+    out = lax.dot_general(a, b, (((contract_a,), (contract_b,)), (batch, batch)), preferred_element_type=_F32)
+    return out.astype(out_dtype)
+
+
+def onednn_product(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool, out_dtype=_F32) -> jax.Array:
+    """`op(a) @ op(b)` in oneDNN's gemm (where `status()` allows it)."""
+    m = a.shape[-1] if transpose_a else a.shape[-2]
+    n = b.shape[-2] if transpose_b else b.shape[-1]
+    returned = jnp.dtype(out_dtype) if (a.dtype, jnp.dtype(out_dtype)) in _TARGETS else _F32
+    out = jax.ShapeDtypeStruct((*a.shape[:-2], m, n), returned)
+    call = jax.ffi.ffi_call(_TARGETS[a.dtype, returned], out, vmap_method="broadcast_all")
+    return call(a, b, transpose_a=transpose_a, transpose_b=transpose_b).astype(out_dtype)
+
+
+def product(a: jax.Array, b: jax.Array, transpose_a: bool = False, transpose_b: bool = False,
+            out_dtype=jnp.float32, policy: str | None = None) -> jax.Array:
+    """`op(a) @ op(b)` accumulated in float32 and returned as `out_dtype` (rounded once), `op`
+    transposing the last two axes where asked; `a` and `b` share a dtype and any leading (batch) axes.
+    oneDNN runs it where `policy` (default the one in force) chooses it, else XLA."""
+    if a.dtype != b.dtype:
+        raise ValueError(f"product of {a.dtype} and {b.dtype}: cast the operands to one dtype first")
+    k = a.shape[-2] if transpose_a else a.shape[-1]
+    if k != (b.shape[-1] if transpose_b else b.shape[-2]):
+        raise ValueError(f"product of {a.shape} and {b.shape} (transpose_a={transpose_a}, "
+                         f"transpose_b={transpose_b}): the contracted axes differ")
+    policy = in_force(policy)
+    m = a.shape[-1] if transpose_a else a.shape[-2]
+    n = b.shape[-2] if transpose_b else b.shape[-1]
+    batch = int(np.prod(a.shape[:-2], dtype=np.int64))
+    key = product_key(batch, m, k, n, a.dtype, transpose_a, transpose_b, out_dtype)
+    if ((a.dtype, _F32) in _TARGETS and min(batch, m, k, n) > 0 and status(a.dtype, policy)[0]
+            and choose_onednn(batch, m, k, n, a.dtype, transpose_a, transpose_b, out_dtype, policy)):
+        note(key, "onednn")
+        return onednn_product(a, b, transpose_a, transpose_b, out_dtype)
+    note(key, "xla")
+    return xla_product(a, b, transpose_a, transpose_b, out_dtype, cpu_layout=cpu_tuned(policy))
+
+
+def dot(a: jax.Array, b: jax.Array, transpose_b: bool = False, out_dtype=jnp.float32) -> jax.Array:
+    """`a @ op(b)` over the last two axes (leading axes batch), in the operands' dtype accumulated in
+    float32, returned as `out_dtype` (float32 unless asked), with `op` transposing `b` where asked. Its
+    gradients are the same kind of product, with the output gradient cast to the operands' dtype and
+    each gradient rounded once to its operand's dtype, which autodiff of a mixed-precision
+    `dot_general` does not give; every one goes through `product` under the policy in force here."""
+    return _dot(a, b, transpose_b, jnp.dtype(out_dtype), in_force())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _dot(a, b, transpose_b, out_dtype, policy):
+    return product(a, b, transpose_b=transpose_b, out_dtype=out_dtype, policy=policy)
+
+
+def _dot_fwd(a, b, transpose_b, out_dtype, policy):
+    return _dot(a, b, transpose_b, out_dtype, policy), (a, b)
+
+
+def _dot_bwd(transpose_b, out_dtype, policy, residuals, g):
+    # The backward is traced after the forward's `using` has closed: the policy rides along as a static.
+    a, b = residuals
+    g = g.astype(a.dtype)
+    if transpose_b:  # c = a b^T: da = g b, db = g^T a
+        da = product(g, b, out_dtype=a.dtype, policy=policy)
+        db = product(g, a, transpose_a=True, out_dtype=b.dtype, policy=policy)
+    else:  # c = a b: da = g b^T, db = a^T g
+        da = product(g, b, transpose_b=True, out_dtype=a.dtype, policy=policy)
+        db = product(a, g, transpose_a=True, out_dtype=b.dtype, policy=policy)
+    return da, db
+
+
+_dot.defvjp(_dot_fwd, _dot_bwd)
