@@ -24,7 +24,7 @@ import re
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -74,6 +74,14 @@ def read_index(index: Path) -> dict[str, str]:
         raise ValueError(f"{index} is not a safetensors index with a weight_map ({error}); fetch it again") from None
     if not isinstance(weight_map, dict):
         raise ValueError(f"{index}: weight_map is a {type(weight_map).__name__}, not a tensor-to-file mapping")
+    for tensor, name in weight_map.items():
+        # lexical: a Hub snapshot's files are links into its blob store, so resolved paths leave the directory
+        path = PurePosixPath(name) if isinstance(name, str) else None
+        if path is None or path.is_absolute() or ".." in path.parts or "\\" in name:
+            raise ValueError(f"{index} names {name!r} as the shard of tensor {tensor!r}: a shard is a file name "
+                             f"inside {index.parent}, not an absolute path or one that climbs out of it; the index is "
+                             "corrupt or made to reach other files, so nothing was opened: fetch it again from the "
+                             "checkpoint's source")
     return weight_map
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from dew.interop import load_pretrained
+from dew.interop import load_pretrained, safetensors_files
 
 
 @pytest.fixture
@@ -128,3 +129,21 @@ def test_generic_fallback_tier_is_refused_as_not_built(checkpoint):
     directory, _ = checkpoint
     with pytest.raises(NotImplementedError, match=r"fallback='torchax', the generic tier .* is not built"):
         load_pretrained(directory, fallback="torchax")
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "{outside}", "sub/../../outside.safetensors"])
+def test_index_naming_a_shard_outside_the_directory_is_refused_before_anything_is_opened(shard, checkpoint,
+                                                                                          monkeypatch):
+    directory, tensors = checkpoint
+    outside = directory.parent / "outside.safetensors"
+    _rewrite(directory.parent, tensors, outside.name)  # a file that would load, were the index followed
+    shard = shard.format(outside=outside)
+    (directory / "model.safetensors").unlink()
+    weight_map = {name: shard for name in tensors}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    opened = []
+    monkeypatch.setattr(safetensors_files, "safe_open", lambda path, **kwargs: opened.append(path))
+    with pytest.raises(ValueError, match=rf"index.json names '{re.escape(shard)}' as the shard of tensor '.*': a shard "
+                                         rf"is a file name inside {re.escape(str(directory))}, not an absolute path"):
+        load_pretrained(directory)
+    assert opened == []
