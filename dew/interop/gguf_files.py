@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from dew.interop.families import FAMILIES, gguf_architectures, gguf_family
+from dew.interop.hf_decoders import expected
 
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp token types
 _SPACE = "\u2581"  # SentencePiece's spelling of a space
@@ -238,6 +239,12 @@ class GGUFCheckpoint:
         config = {field: meta[f"{gguf.architecture}.{key}"] for key, field in gguf.metadata.items()
                   if f"{gguf.architecture}.{key}" in meta}
         get = lambda key, default=None: meta.get(f"{gguf.architecture}.{key}", default)
+        for key, field in gguf.metadata.items():
+            if field in ("hidden_size", "num_attention_heads") and expected("size", config.get(field)) is not None:
+                found = "lacks it" if field not in config else f"holds {config[field]!r}"
+                raise ValueError(f"{self.path} gives the model's {field} as metadata key {gguf.architecture}.{key}, a "
+                                 f"positive integer, and {found}: the file is damaged or was not written by "
+                                 "llama.cpp's converter; download it again")
         heads = config["num_attention_heads"]
         config.setdefault("num_key_value_heads", heads)
         config.setdefault("rope_theta", 10000.0)

@@ -291,6 +291,25 @@ def test_the_forged_gguf_is_refused_by_load_pretrained_at_once(tmp_path):
         signal.signal(signal.SIGALRM, previous)
 
 
+@pytest.mark.parametrize("heads, found", [(None, "lacks it"), ("4", "holds '4'")], ids=["missing", "string"])
+def test_a_gguf_without_the_sizes_its_config_needs_is_refused_naming_the_key(heads, found, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    if heads is not None:
+        writer.add_string("llama.attention.head_count", heads)
+    writer.add_tensor("token_embd.weight", np.ones((50, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=re.escape(
+            f"{tmp_path / 'model.gguf'} gives the model's num_attention_heads as metadata key "
+            f"llama.attention.head_count, a positive integer, and {found}: the file is damaged")):
+        load_pretrained(tmp_path, gguf_file="model.gguf")
+
+
 # ---- progress on a terminal, silence elsewhere --------------------------------------------------------------
 
 
