@@ -147,3 +147,21 @@ def test_index_naming_a_shard_outside_the_directory_is_refused_before_anything_i
                                          rf"is a file name inside {re.escape(str(directory))}, not an absolute path"):
         load_pretrained(directory)
     assert opened == []
+
+
+def test_weights_that_are_not_finite_are_refused_naming_the_tensor(checkpoint):
+    directory, tensors = checkpoint
+    _rewrite(directory, {name: np.full_like(array, np.nan) for name, array in tensors.items()})  # every weight NaN
+    with pytest.raises(ValueError, match=r"tensor '[\w.]+' in model.safetensors holds [\d,]+ NaN or infinite value\(s\) "
+                                         r"among the [\d,]+ read \(the first, nan, at position 0\): the checkpoint is "
+                                         r"damaged or was saved from a run that diverged"):
+        load_pretrained(directory)
+    key = tensors["model.layers.0.self_attn.k_proj.weight"].astype(np.float16)
+    key[1, 5] = np.inf  # one value in a half-precision tensor
+    _rewrite(directory, {**tensors, "model.layers.0.self_attn.k_proj.weight": key})
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.self_attn.k_proj.weight' in model.safetensors holds 1 "
+                                         r"NaN or infinite value\(s\) among the 512 read \(the first, inf, at position "
+                                         r"37\)"):
+        load_pretrained(directory)
+    _rewrite(directory, tensors)
+    load_pretrained(directory)
