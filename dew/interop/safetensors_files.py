@@ -228,11 +228,26 @@ def _write_shard(path: Path, shard: list[tuple[str, Callable[[], np.ndarray]]], 
     returns the tensors' bytes."""
     arrays = {name: np.ascontiguousarray(build()) for name, build in shard}
     target = staging or path
-    save_file(arrays, str(target), metadata={"format": "pt"})
+    with os_errors(path.parent):  # the directory, not the hidden staging name
+        save_file(arrays, str(target), metadata={"format": "pt"})
     fsync(target)
     if staging is not None:
         os.replace(staging, path)
     return sum(array.nbytes for array in arrays.values())
+
+
+@contextlib.contextmanager
+def os_errors(path: Path) -> Iterator[None]:
+    """Raise safetensors' error for a failed write (a full disk, a read-only one) as the OSError it wraps, for
+    `path`: `SafetensorError` is no OSError, so a command would report it as a bug rather than a fault of the
+    machine (`dew.errors`)."""
+    try:
+        yield
+    except SafetensorError as error:
+        failed = re.search(r"I/O error: (.+?) \(os error (\d+)\)", str(error))
+        if failed is None:
+            raise
+        raise OSError(int(failed[2]), failed[1], str(path)) from None
 
 
 @contextlib.contextmanager

@@ -20,7 +20,9 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from dew.interop.safetensors_files import INDEX, SINGLE, fsync, indexed_files, read_index, weight_files
+from dew.interop.safetensors_files import (
+    INDEX, SINGLE, fsync, indexed_files, os_errors, read_index, weight_files,
+)
 
 PICKLE = "pytorch_model.bin"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
@@ -110,7 +112,8 @@ def _convert_file(torch, source: Path, target: Path) -> int:
         # torch stores tied weights once; safetensors refuses tensors that share memory, so each gets its own
         tensors[name] = tensor.clone() if storage in storages else tensor.contiguous()
         storages.add(storage)
-    save_file(tensors, str(target), metadata={"format": "pt"})
+    with os_errors(target):
+        save_file(tensors, str(target), metadata={"format": "pt"})
     fsync(target)
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
 
