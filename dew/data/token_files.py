@@ -104,7 +104,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     except json.JSONDecodeError as error:
         problem = f"is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})"
     else:
-        problem = None if isinstance(meta, dict) else f"holds a JSON {type(meta).__name__}, not an object of fields"
+        problem = None if isinstance(meta, dict) else f"holds {json.dumps(meta)[:40]}, not an object of fields"
     if problem is not None:
         raise ValueError(f"{meta_path} {problem}: it was cut short or damaged; rewrite the token files with {_WRITER}")
     missing = [field for field in _META_FIELDS if field not in meta]

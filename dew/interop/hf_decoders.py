@@ -211,8 +211,9 @@ class ConfigFields:
         known = (set(self.defaults) | _BASE_FIELDS | _DROPPED_ON_LOAD | _LEGACY_FIELDS | _METADATA_FIELDS
                  | family.legacy_fields | {"dtype"})
         self.window_switches = {}  # Qwen's window fields in a family that does not read them
+        read = known | set(_QWEN_WINDOW_FIELDS) | {"hidden_act"}  # the fields this family may read
         for name, value in source.items():
-            if name in FIELD_KINDS:
+            if name in read and name in FIELD_KINDS:
                 check_field(where, name, value, FIELD_KINDS[name], f"transformers' {family.config_class}")
             if name in known:
                 continue

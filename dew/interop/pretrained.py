@@ -60,6 +60,8 @@ _GENERATION_KINDS = {"do_sample": "bool?", "temperature": "number?", "top_k": "c
 # What transformers applies only with do_sample true, each with the value at which it does not say so
 # (GenerationConfig.validate names the others, as Dew does).
 _SAMPLING_ONLY = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None}
+# JSON's names for what a file holds instead of an object.
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
 @dataclasses.dataclass
@@ -358,9 +360,6 @@ def _read_json(path: Path) -> dict:
             return value
         problem = f"holds a JSON {_JSON_KINDS.get(type(value), type(value).__name__)}, not an object of fields"
     raise ValueError(f"{path} {problem}: it is damaged or not a transformers config; fetch or export it again")
-
-
-_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
 def _first_float_dtype(reader: SafetensorsReader) -> str:

@@ -20,6 +20,7 @@ through five kinds of step:
 leaf and every tensor's shape. `read_region` builds any region of a leaf from a reader (`names`,
 `shape`, `dtype`, `read(name, index)`), asking only for the tensors, layers and rows inside it;
 `export_tensors` gives each tensor as a builder that cuts it out of the leaves when called.
+`check_finite` refuses a tensor holding a NaN or an infinity as it is read.
 """
 
 from __future__ import annotations
@@ -225,7 +226,8 @@ def read_region(reader, leaf: LeafPlan, index: tuple[slice, ...] | None, dtype,
                 advance: Callable[[int], None] = lambda nbytes: None) -> np.ndarray:
     """The region `index` (slices over `leaf.shape`; None for all of it) of a Dew leaf, as a host
     array of `dtype` (64-byte aligned), read from `reader` one tensor part at a time: only the
-    layers, experts and rows inside the region are read. `advance` hears the bytes of each read."""
+    layers, experts and rows inside the region are read, each checked to be finite (`check_finite`).
+    `advance` hears the bytes of each read."""
     index = tuple(slice(None) for _ in leaf.shape) if index is None else tuple(index)
     bounds = [s.indices(n)[:2] for s, n in zip(index, leaf.shape)]
     k = len(leaf.stacked)
@@ -241,7 +243,7 @@ def read_region(reader, leaf: LeafPlan, index: tuple[slice, ...] | None, dtype,
             dew, tensor = parts
             name = link.name.format(**values)
             array = _read(reader, name, tensor, link.permute)
-            check_finite(array, name, getattr(reader, "location", {}).get(name))
+            check_finite(array, name, reader.location.get(name))
             advance(array.nbytes)
             if link.transpose is not None:
                 array = array.transpose(link.transpose)
