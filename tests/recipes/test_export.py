@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -77,8 +76,9 @@ def test_export_onto_a_disk_that_refuses_the_write_is_one_line_and_exit_1(run, t
     writer alike, with an error that is no OSError until Dew unwraps it."""
     out = tmp_path / "exported"
     root = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run([sys.executable, "-m", "dew.cli", "export", str(run), str(out)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"},
-                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384)))
+    limited = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384)); "
+               "from dew.cli import main; sys.exit(main())")
+    done = subprocess.run([sys.executable, "-c", limited, "export", str(run), str(out)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"})
     assert (done.returncode, done.stderr) == (1, f"error: {out}: File too large\n")
     assert list(out.iterdir()) == []  # nothing half-written is left
