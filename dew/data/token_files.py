@@ -27,12 +27,24 @@ from dew.files import write_atomically
 SPLITS = ("train", "val")
 META = "meta.json"
 DTYPES = ("uint8", "uint16", "uint32")
-_META_FIELDS = ("tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens", "eos_id")
+# meta.json's fields, each with what it must hold.
+_META_FIELDS = {
+    "tokenizer": (lambda value: isinstance(value, str), "a tokenizer name"),
+    "vocab_size": (lambda value: _whole(value) and value >= 1, "a positive integer"),
+    "dtype": (lambda value: isinstance(value, str) and value in DTYPES, f"one of {', '.join(DTYPES)}"),
+    "train_tokens": (lambda value: _whole(value) and value >= 0, "a token count, 0 or more"),
+    "val_tokens": (lambda value: _whole(value) and value >= 0, "a token count, 0 or more"),
+    "eos_id": (lambda value: value is None or (_whole(value) and value >= 0), "a token id or null"),
+}
 _WRITER = "`dew tokenize` (tools/tokenize_text.py)"
 # The id check reads a split this many tokens at a time, so its memory stays bounded.
 _CHECK_TOKENS = 1 << 24
 # A writer's files live in `<out>/.staging-XXXXXXXX/` until `commit_staged` moves them into `out`.
 STAGING_PREFIX = ".staging-"
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -72,9 +84,10 @@ def write_meta(path: str | os.PathLike, meta: dict[str, Any]) -> Path:
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     """Read and check meta.json against itself and the .bin files beside it.
 
-    Raises FileNotFoundError when meta.json is missing and ValueError when a field is missing,
-    the dtype is unknown or does not fit the vocabulary, a .bin file's size disagrees with its
-    token count, or a .bin file holds an id outside the vocabulary (`check_ids`).
+    Raises FileNotFoundError when meta.json is missing and ValueError when it is not JSON (cut
+    short), a field is missing or of the wrong kind, the dtype is unknown or does not fit the
+    vocabulary, a .bin file's size disagrees with its token count, or a .bin file holds an id
+    outside the vocabulary (`check_ids`).
     """
     path = Path(path)
     meta_path = path / META
@@ -84,15 +97,23 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
             f"and meta.json, written by `dew tokenize --input TEXT --out {path} --tokenizer NAME` "
             f"(or tools/tokenize_text.py)"
         )
-    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        problem = f"is not UTF-8 text ({error.reason} at byte {error.start})"
+    except json.JSONDecodeError as error:
+        problem = f"is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})"
+    else:
+        problem = None if isinstance(meta, dict) else f"holds {json.dumps(meta)[:40]}, not an object of fields"
+    if problem is not None:
+        raise ValueError(f"{meta_path} {problem}: it was cut short or damaged; rewrite the token files with {_WRITER}")
     missing = [field for field in _META_FIELDS if field not in meta]
     if missing:
         raise ValueError(f"{meta_path} lacks {missing}: rewrite the token files with {_WRITER}")
-    if meta["dtype"] not in DTYPES:
-        raise ValueError(
-            f"{meta_path} gives dtype {meta['dtype']!r}; token files use one of {DTYPES}: "
-            f"rewrite them with {_WRITER}"
-        )
+    for field, (accepts, words) in _META_FIELDS.items():
+        if not accepts(meta[field]):
+            raise ValueError(f"{meta_path} gives {field} {meta[field]!r}, which is not {words}: the file was edited or "
+                             f"damaged; rewrite the token files with {_WRITER}")
     expected = dtype_for_vocab(meta["vocab_size"]).name
     if meta["dtype"] != expected:
         raise ValueError(

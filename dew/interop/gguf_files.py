@@ -7,17 +7,22 @@ family code as a safetensors checkpoint, and each tensor is dequantized from the
 when the loader asks for it (only the rows asked for), under its GGUF name; the family's rules
 (`Converter.gguf_rules`) rename it and put llama's query and key rows back in transformers' order.
 The tokenizer is rebuilt from the vocabulary in the metadata the way transformers builds it:
-byte-level BPE ("gpt2") or SentencePiece BPE ("llama").
+byte-level BPE ("gpt2") or SentencePiece BPE ("llama"). Before gguf's reader sees a file, every
+count and length in its header is checked against the file's size (`check_header`).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import mmap
+import struct
 from pathlib import Path
 
 import numpy as np
 
 from dew.interop.families import FAMILIES, gguf_architectures, gguf_family
+from dew.interop.hf_decoders import expected
 
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp token types
 _SPACE = "\u2581"  # SentencePiece's spelling of a space
@@ -51,6 +56,141 @@ def _require_gguf():
     return gguf
 
 
+# GGUF's metadata value types (gguf.GGUFValueType): each scalar's struct format and name, and the two that hold lengths.
+_SCALARS = {0: ("B", "uint8"), 1: ("b", "int8"), 2: ("H", "uint16"), 3: ("h", "int16"), 4: ("I", "uint32"),
+            5: ("i", "int32"), 6: ("f", "float32"), 7: ("?", "bool"), 10: ("Q", "uint64"), 11: ("q", "int64"),
+            12: ("d", "float64")}
+_STRING, _ARRAY = 8, 9
+# The fewest bytes each item of a list can take: a string (its length), an array (its type and length),
+# a metadata entry (an empty key, a type, a uint8), a tensor's description (an empty name, no dimensions).
+_LEAST = {_STRING: 8, _ARRAY: 12, "entry": 8 + 4 + 1, "tensor": 8 + 4 + 4 + 8}
+_NESTING = 4  # arrays of arrays deeper than this are refused (llama.cpp writes none)
+
+
+def check_header(path: Path) -> None:
+    """Refuse a GGUF file whose header claims more bytes than the file holds (a count of entries or
+    tensors, a string's or an array's length, a tensor's data), naming the key or the tensor.
+
+    gguf's reader builds a value for every element a header claims, so one forged length makes it
+    grow without bound; this walks the header first with the format's own field sizes, over a memory
+    map, allocating nothing per element. A file that is not GGUF version 2 or 3 is left to gguf's
+    reader to refuse."""
+    size = path.stat().st_size
+    if size < 24:  # shorter than the fixed header: gguf's reader refuses it
+        return
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        _HeaderWalk(path, view, size).walk()
+
+
+def _unreadable(path: Path, size: int, problem: str) -> str:
+    """The refusal of a GGUF file that cannot be read as one, saying why (`problem`)."""
+    return (f"{path} ({size:,} bytes) is not a readable GGUF file, it is truncated or corrupt ({problem}): download it "
+            "again and check its size or checksum against the source's")
+
+
+class _HeaderWalk:
+    """One pass over a GGUF header (see `check_header`): `at` is the byte being read."""
+
+    def __init__(self, path: Path, view: mmap.mmap, size: int):
+        self.path, self.view, self.size, self.at, self.order = path, view, size, 0, "<"
+
+    def walk(self) -> None:
+        if self.view[:4] != b"GGUF":
+            return
+        version = struct.unpack_from("<I", self.view, 4)[0]
+        if version & 0xFFFF == 0:  # written on a machine of the other byte order, as gguf's reader reads it
+            self.order, version = ">", struct.unpack_from(">I", self.view, 4)[0]
+        if version not in (2, 3):
+            return
+        self.at = 8
+        tensors, entries = self.number("Q", "the tensor count"), self.number("Q", "the metadata count")
+        self.fits(entries * _LEAST["entry"], f"the header's {entries:,} metadata entries", least=True)
+        alignment = 32  # GGUF's default, unless general.alignment says otherwise
+        for index in range(entries):
+            key = self.string(f"the key of metadata entry {index}").decode("utf-8", "replace")
+            kind = self.number("I", f"metadata key {key!r}'s type")
+            value = self.value(kind, f"metadata key {key!r}")
+            if key == "general.alignment" and kind == 4:
+                alignment = value
+        self.fits(tensors * _LEAST["tensor"], f"the header's {tensors:,} tensor descriptions", least=True)
+        described = []
+        for index in range(tensors):
+            name = self.string(f"the name of tensor {index}").decode("utf-8", "replace")
+            count = self.number("I", f"tensor {name!r}'s dimension count")
+            start = self.take(8 * count, f"tensor {name!r}'s {count:,} dimensions")
+            shape = struct.unpack_from(f"{self.order}{count}Q", self.view, start)
+            described.append((name, shape, self.number("I", f"tensor {name!r}'s type"),
+                              self.number("Q", f"tensor {name!r}'s offset")))
+        if alignment < 1 or alignment & (alignment - 1):
+            return  # gguf's reader refuses an alignment that is not a power of two
+        data = -(-self.at // alignment) * alignment
+        gguf = _require_gguf()
+        for name, shape, kind, offset in described:
+            if kind not in gguf.GGML_QUANT_SIZES:
+                raise ValueError(f"{self.path}: tensor {name!r} has ggml type {kind}, which the gguf package does not "
+                                 "know: the file is corrupt, or newer than the installed gguf (pip install -U gguf)")
+            block, type_size = gguf.GGML_QUANT_SIZES[kind]
+            self.at = data + offset
+            self.fits(math.prod(shape) * type_size // block,
+                      f"tensor {name!r}, {' x '.join(map(str, shape))} {gguf.GGMLQuantizationType(kind).name},")
+
+    def fits(self, count: int, what: str, least: bool = False) -> None:
+        """Refuse `what` unless `count` bytes from `at` lie inside the file."""
+        if count > self.size - self.at:
+            self.refuse(f"{what} claims {'at least ' if least else ''}{count:,} bytes from byte {self.at:,} and the "
+                        f"file holds {max(self.size - self.at, 0):,} more")
+
+    def refuse(self, problem: str):
+        raise ValueError(_unreadable(self.path, self.size, problem))
+
+    def take(self, count: int, what: str) -> int:
+        """Step over `count` bytes that must lie inside the file; where they start."""
+        self.fits(count, what)
+        self.at += count
+        return self.at - count
+
+    def number(self, code: str, what: str) -> int | float:
+        return struct.unpack_from(self.order + code, self.view, self.take(struct.calcsize(code), what))[0]
+
+    def string(self, what: str) -> bytes:
+        length = self.number("Q", f"{what}'s length")
+        start = self.take(length, f"{what}, a string,")
+        return self.view[start:start + length]
+
+    def value(self, kind: int, what: str, depth: int = 0):
+        """Step over one metadata value of type `kind`; a scalar's value (None for the others)."""
+        if kind in _SCALARS:
+            return self.number(_SCALARS[kind][0], what)
+        if kind == _STRING:
+            self.string(what)
+            return None
+        if kind != _ARRAY:
+            self.refuse(f"{what} has value type {kind}, which GGUF does not define")
+        item = self.number("I", f"{what}'s element type")
+        count = self.number("Q", f"{what}'s length")
+        if item in _SCALARS:
+            code, name = _SCALARS[item]
+            self.take(count * struct.calcsize(code), f"{what}, an array of {count:,} {name},")
+            return None
+        if item == _ARRAY and depth >= _NESTING:
+            self.refuse(f"{what} nests arrays more than {_NESTING} deep, which no GGUF writer does")
+        if item in _LEAST:
+            noun = "strings" if item == _STRING else "arrays"
+            self.fits(count * _LEAST[item], f"{what}, an array of {count:,} {noun},", least=True)
+        if item == _STRING:  # a vocabulary's 100,000s of strings: lengths read in a tight loop
+            length, at, end = struct.Struct(self.order + "Q").unpack_from, self.at, self.size
+            for index in range(count):
+                if at + 8 > end or at + 8 + length(self.view, at)[0] > end:
+                    self.at = at
+                    self.string(f"{what}'s string {index}")  # refuses it, naming the length
+                at += 8 + length(self.view, at)[0]
+            self.at = at
+            return None
+        for _ in range(count):
+            self.value(item, what, depth + 1)
+        return None
+
+
 class GGUFCheckpoint:
     """One GGUF file, memory-mapped: its metadata, its config, its family and its tensors.
 
@@ -62,14 +202,13 @@ class GGUFCheckpoint:
     def __init__(self, path: Path):
         gguf = _require_gguf()
         self.path = Path(path)
+        check_header(self.path)
         try:
             self._reader = gguf.GGUFReader(self.path)
         except (ValueError, IndexError, KeyError, OverflowError, OSError) as error:
             # gguf's reader indexes past the end of a file cut inside its metadata or tensor table
             size = self.path.stat().st_size if self.path.is_file() else 0
-            raise ValueError(f"{self.path} ({size:,} bytes) is not a readable GGUF file, it is truncated or corrupt "
-                             f"({type(error).__name__}: {error}): download it again and check its size or checksum "
-                             "against the source's") from None
+            raise ValueError(_unreadable(self.path, size, f"{type(error).__name__}: {error}")) from None
         self.metadata = {key: field.contents() for key, field in self._reader.fields.items()
                          if key not in _VOCABULARY_KEYS}
         self.architecture = self.metadata.get("general.architecture")
@@ -100,6 +239,12 @@ class GGUFCheckpoint:
         config = {field: meta[f"{gguf.architecture}.{key}"] for key, field in gguf.metadata.items()
                   if f"{gguf.architecture}.{key}" in meta}
         get = lambda key, default=None: meta.get(f"{gguf.architecture}.{key}", default)
+        for key, field in gguf.metadata.items():
+            if field in ("hidden_size", "num_attention_heads") and expected("size", config.get(field)) is not None:
+                found = "lacks it" if field not in config else f"holds {config[field]!r}"
+                raise ValueError(f"{self.path} gives the model's {field} as metadata key {gguf.architecture}.{key}, a "
+                                 f"positive integer, and {found}: the file is damaged or was not written by "
+                                 "llama.cpp's converter; download it again")
         heads = config["num_attention_heads"]
         config.setdefault("num_key_value_heads", heads)
         config.setdefault("rope_theta", 10000.0)

@@ -8,15 +8,123 @@ spellings transformers still converts on load (`torch_dtype`, `rope_theta`, `rop
 field is refused by name unless it is in `_INERT_FIELDS`, fields transformers neither declares nor
 reads. A field whose value Dew cannot compute is refused by name too, with what would load.
 `ConfigFields` applies that discipline for one converter (`dew.interop.families`).
+
+Each field's value is checked against what transformers' config class declares for it (`FIELD_KINDS`:
+an integer, a number, a list of strings, ...), and a field that fixes the shape of the weights may
+not be left out where transformers would fill in its reference model's size (`SHAPE_FIELDS`).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from dew.nn.rotary import SCALINGS, RopeScaling
 from dew.nn.transformer import FULL, SLIDING
+
+# What a value must be, by kind, and the words a refusal uses. An integer is never a bool; a number is an
+# integer or a float (transformers' strict classes refuse an int for a float, but JSON writers drop ".0").
+_KINDS = {
+    "size": (lambda value: _integer(value) and value > 0, "a positive integer"),
+    "count": (lambda value: _integer(value) and value >= 0, "a whole number, 0 or more"),
+    "integer": (lambda value: _integer(value), "an integer"),
+    "number": (lambda value: _number(value), "a finite number"),
+    "bool": (lambda value: isinstance(value, bool), "true or false"),
+    "string": (lambda value: isinstance(value, str), "a string"),
+    "object": (lambda value: isinstance(value, dict), "an object"),
+    "strings": (lambda value: isinstance(value, list) and all(isinstance(item, str) for item in value),
+                "a list of strings"),
+    "integers": (lambda value: isinstance(value, list) and all(_integer(item) for item in value), "a list of integers"),
+    "token ids": (lambda value: _integer(value) or (isinstance(value, list) and all(_integer(item) for item in value)),
+                  "a token id or a list of token ids"),
+}
+# Each config.json field Dew reads and the kind of value transformers' config classes annotate it with
+# (the remote code's for LLaDA and Dream); "?" lets it be null, where some family's class does or defaults
+# to null. tests/interop/test_config_fields.py holds these against transformers' own annotations.
+FIELD_KINDS = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "max_position_embeddings", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "n_routed_experts", "index_head_dim", "index_n_heads", "index_topk", "moe_layer_freq",
+                     "sliding_window_pattern", "_sliding_window_pattern", "d_model", "n_heads", "n_layers", "mlp_ratio",
+                     "max_sequence_length", "block_group_size", "query_pre_attn_scalar"), "size"),
+    **dict.fromkeys(("num_key_value_heads", "head_dim", "q_lora_rank", "v_head_dim", "qk_head_dim", "n_group",
+                     "topk_group", "moe_intermediate_size", "n_kv_heads", "mlp_hidden_size", "embedding_size"),
+                    "size?"),
+    **dict.fromkeys(("max_window_layers", "n_shared_experts", "num_local_experts", "num_nextn_predict_layers",
+                     "shared_expert_intermediate_size", "num_experts", "decoder_sparse_step"), "count"),
+    # counts whose 0 the families refuse or read themselves (Qwen's switched-off window is 0)
+    **dict.fromkeys(("sliding_window", "first_k_dense_replace", "num_experts_per_tok"), "count?"),
+    **dict.fromkeys(("pretraining_tp", "bos_token_id", "pad_token_id", "mask_token_id"), "integer?"),
+    "eos_token_id": "token ids?",
+    **dict.fromkeys(("rms_norm_eps", "rope_theta", "rope_local_base_freq", "partial_rotary_factor",
+                     "routed_scaling_factor", "router_aux_loss_coef", "router_jitter_noise", "alibi_bias_max",
+                     "residual_dropout", "embedding_dropout", "init_std"), "number"),
+    **dict.fromkeys(("attention_dropout", "initializer_range", "attn_logit_softcapping", "final_logit_softcapping",
+                     "init_cutoff_factor"), "number?"),
+    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_cache", "use_sliding_window",
+                     "output_router_logits", "qkv_bias", "is_causal", "alibi", "rope", "rope_full_precision",
+                     "flash_attention", "attention_layer_norm", "input_emb_norm", "layer_norm_with_affine",
+                     "attention_layer_norm_with_affine", "include_qkv_bias", "include_bias", "scale_logits",
+                     "weight_tying"), "bool"),
+    **dict.fromkeys(("norm_topk_prob", "use_bidirectional_attention", "rope_interleave", "multi_query_attention",
+                     "bias_for_layer_norm"), "bool?"),
+    **dict.fromkeys(("hidden_act", "hidden_activation", "activation_type", "block_type", "layer_norm_type",
+                     "init_fn"), "string"),
+    **dict.fromkeys(("dtype", "torch_dtype", "scoring_func", "topk_method", "init_device", "precision"), "string?"),
+    **dict.fromkeys(("rope_parameters", "rope_scaling"), "object?"),
+    **dict.fromkeys(("layer_types", "mlp_layer_types"), "strings?"),
+    "mlp_only_layers": "integers?",
+}
+# Fields that fix the shape of the weights. Where transformers' default for one is a number, that number is
+# its reference model's size (Llama 2 7B's hidden_size 4096), which a checkpoint's weights need not have, so
+# leaving the field out is refused; a default of None (head_dim from hidden_size, as many key/value heads
+# as heads) or 0 (no dense layers first) is a rule of the architecture and is read as transformers reads it.
+SHAPE_FIELDS = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+    "num_local_experts", "n_routed_experts", "n_shared_experts", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "num_nextn_predict_layers", "index_head_dim",
+    "index_n_heads", "d_model", "n_heads", "n_layers", "embedding_size",
+})
+
+
+def reference_sizes(defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The shape fields among a config class's `defaults` that default to its reference model's size, which a
+    config.json must name (see `SHAPE_FIELDS`)."""
+    return {name: value for name, value in defaults.items() if name in SHAPE_FIELDS and value not in (None, 0)}
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def expected(kind: str, value) -> str | None:
+    """None when `value` is of `kind` (a `_KINDS` name, "?" allowing null); else what it must be, in words."""
+    accepts, words = _KINDS[kind.removesuffix("?")]
+    if (value is None and kind.endswith("?")) or (value is not None and accepts(value)):
+        return None
+    return words + (" (or null)" if kind.endswith("?") else "")
+
+
+def check_field(where: str, name: str, value, kind: str, declared_by: str) -> None:
+    """Refuse field `name` = `value` of `where` unless it is of `kind`, as `declared_by` declares it."""
+    needs = expected(kind, value)
+    if needs is None:
+        return
+    try:
+        unquoted = json.loads(value) if isinstance(value, str) else None
+    except ValueError:
+        unquoted = None
+    fix = (f"write {value} without quotes" if unquoted is not None and expected(kind, unquoted) is None
+           else "write the value the model was trained with")
+    raise ValueError(f"{where} field {name!r} = {value!r} is not {needs}, as {declared_by} declares it: {fix}")
+
 
 # Fields of transformers' PreTrainedConfig that say nothing about the decoder's numbers.
 _BASE_FIELDS = frozenset({
@@ -103,7 +211,10 @@ class ConfigFields:
         known = (set(self.defaults) | _BASE_FIELDS | _DROPPED_ON_LOAD | _LEGACY_FIELDS | _METADATA_FIELDS
                  | family.legacy_fields | {"dtype"})
         self.window_switches = {}  # Qwen's window fields in a family that does not read them
+        read = known | set(_QWEN_WINDOW_FIELDS) | {"hidden_act"}  # the fields this family may read
         for name, value in source.items():
+            if name in read and name in FIELD_KINDS:
+                check_field(where, name, value, FIELD_KINDS[name], f"transformers' {family.config_class}")
             if name in known:
                 continue
             if name in _QWEN_WINDOW_FIELDS:
@@ -124,10 +235,20 @@ class ConfigFields:
                 f"cannot compute it: remove it if the model was trained without it"
             )
 
-    def get(self, name: str):
+    def get(self, name: str, alias: str | None = None):
+        """The field's value, transformers' default when the config leaves it out; `alias` is transformers'
+        other name for the field (its class's attribute map), read when the config uses that one."""
         self.unread.discard(name)
-        value = self.source.get(name)
-        return self.defaults[name] if value is None and name not in self.source else value
+        if name in self.source:
+            return self.source[name]
+        if alias in self.source:
+            return self.source[alias]
+        default = self.defaults[name]
+        if reference_sizes({name: default}):
+            raise ValueError(f"{self.where} has no {name!r}, which fixes the shape of the weights: transformers' "
+                             f"{self.family.config_class} would take {default}, its reference model's, which these "
+                             f"weights need not have; add the {name} this checkpoint was trained with")
+        return default
 
     def refuse(self, name: str, value, fix: str):
         raise ValueError(f"{self.where} field {name!r} = {value!r} is not something Dew computes for "
@@ -222,6 +343,8 @@ def _rope(fields: ConfigFields, rope: Mapping[str, Any], max_seq_len: int) -> tu
         scaling = RopeScaling(kind, **{_ROPE_KEYS[key]: value for key, value in given.items()})
     except (TypeError, ValueError) as error:
         fields.refuse("rope_parameters", rope, str(error))
+    if expected("number", rope["rope_theta"]) is not None:
+        fields.refuse("rope_parameters", rope, f"its rope_theta must be {expected('number', rope['rope_theta'])}")
     return float(rope["rope_theta"]), scaling
 
 

@@ -53,6 +53,15 @@ _UNAPPLIED_GENERATION = {
     "sequence_bias": None, "guidance_scale": None, "encoder_repetition_penalty": 1.0, "diversity_penalty": 0.0,
     "exponential_decay_length_penalty": None,
 }
+# The generation_config.json fields Dew reads, with the kinds transformers' GenerationConfig gives them.
+_GENERATION_KINDS = {"do_sample": "bool?", "temperature": "number?", "top_k": "count?", "top_p": "number?",
+                     "min_p": "number?", "repetition_penalty": "number?", "max_new_tokens": "size?",
+                     "eos_token_id": "token ids?", "pad_token_id": "integer?", "bos_token_id": "integer?"}
+# What transformers applies only with do_sample true, each with the value at which it does not say so
+# (GenerationConfig.validate names the others, as Dew does).
+_SAMPLING_ONLY = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None}
+# JSON's names for what a file holds instead of an object.
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
 @dataclasses.dataclass
@@ -213,7 +222,8 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
             kwargs[name] = value
     generation_path = snapshot.directory / GENERATION_CONFIG
     generation_config = _read_json(generation_path) if generation_path.is_file() else None
-    sampling, budget = generation_defaults(generation_config, config, where=str(generation_path))
+    sampling, budget = generation_defaults(generation_config, config, where=str(generation_path),
+                                           token_by_token=not hasattr(family, "process"))
     with reader:
         kwargs = family.fit_to_weights(kwargs, reader.names())
         if param_dtype == "auto":
@@ -265,6 +275,7 @@ def _load_block_diffusion(snapshot, reader, config: dict, where: str, dtype, par
     """A diffusion_gemma checkpoint as a `DiffusionGemma` (`dew.interop.families.diffusion_gemma`)."""
     generation_path = snapshot.directory / GENERATION_CONFIG
     generation_config = _read_json(generation_path) if generation_path.is_file() else None
+    _check_generation(generation_config or {}, str(generation_path))
     with reader:
         if param_dtype == "auto":
             param_dtype = hf_decoders.param_dtype_name(config) or _first_float_dtype(reader)
@@ -286,17 +297,21 @@ def _load_block_diffusion(snapshot, reader, config: dict, where: str, dtype, par
 
 
 def generation_defaults(generation: Mapping[str, Any] | None, config: Mapping[str, Any],
-                        where: str = GENERATION_CONFIG) -> tuple[Sampling, int | None]:
+                        where: str = GENERATION_CONFIG, token_by_token: bool = True) -> tuple[Sampling, int | None]:
     """The `Sampling` and `max_new_tokens` a checkpoint's generation_config.json asks for.
 
-    As in transformers: without `do_sample` decoding is greedy (temperature 0); sampling keeps
-    transformers' defaults (top_k 50) for fields the file leaves out; EOS and padding fall back to
-    config.json's, and padding to the first EOS id.
+    As in transformers: without `do_sample` true decoding is greedy (temperature 0) and the sampling
+    fields are not applied (a warning names those the file sets); sampling keeps transformers'
+    defaults (top_k 50) for fields the file leaves out; EOS and padding fall back to config.json's,
+    and padding to the first EOS id. A field of the wrong kind is refused, naming `where`. Without
+    `token_by_token` (a masked-diffusion model, whose own task judges the sampling fields) nothing is said
+    of fields the policy does not apply.
     """
     generation = dict(generation or {})
+    _check_generation(generation, where)
     unapplied = {k: generation[k] for k, neutral in _UNAPPLIED_GENERATION.items()
                  if generation.get(k, neutral) != neutral}
-    if unapplied:
+    if unapplied and token_by_token:
         warnings.warn(f"{where} sets {unapplied}, which Dew's sampler does not apply; its default policy ignores "
                       "them (pass text_generation(sampling=...) to choose one)", stacklevel=3)
     eos = generation.get("eos_token_id", config.get("eos_token_id"))
@@ -312,14 +327,39 @@ def generation_defaults(generation: Mapping[str, Any] | None, config: Mapping[st
                       top_p=None if top_p in (None, 1.0) else top_p, min_p=min_p or None)
     else:
         policy["temperature"] = 0.0
-    return Sampling(**policy), generation.get("max_new_tokens")
+        ignored = {name: generation[name] for name, quiet in _SAMPLING_ONLY.items()
+                   if generation.get(name, quiet) not in (None, quiet)}
+        if ignored and token_by_token:
+            listed = ", ".join(f"{name} {value!r}" for name, value in ignored.items())
+            warnings.warn(f"{where} sets {listed} but not do_sample true, so, as in transformers, generation is greedy "
+                          "and they are not applied: set do_sample to true there to sample with them (or choose a "
+                          "policy with text_generation(sampling=...), or dew generate's --temperature)", stacklevel=3)
+    try:
+        return Sampling(**policy), generation.get("max_new_tokens")
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+def _check_generation(generation: Mapping[str, Any], where: str) -> None:
+    """Refuse a generation_config.json field Dew reads whose value is not of the kind transformers gives it."""
+    for name, kind in _GENERATION_KINDS.items():
+        if name in generation:
+            hf_decoders.check_field(where, name, generation[name], kind, "transformers' GenerationConfig")
 
 
 def _read_json(path: Path) -> dict:
+    """A config file's object of fields, refusing one that is not UTF-8 JSON or does not hold an object."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        problem = f"is not UTF-8 text ({error.reason} at byte {error.start})"
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error}); fetch or export it again") from None
+        problem = f"is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})"
+    else:
+        if isinstance(value, dict):
+            return value
+        problem = f"holds a JSON {_JSON_KINDS.get(type(value), type(value).__name__)}, not an object of fields"
+    raise ValueError(f"{path} {problem}: it is damaged or not a transformers config; fetch or export it again")
 
 
 def _first_float_dtype(reader: SafetensorsReader) -> str:

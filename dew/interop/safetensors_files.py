@@ -24,7 +24,7 @@ import re
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -74,6 +74,14 @@ def read_index(index: Path) -> dict[str, str]:
         raise ValueError(f"{index} is not a safetensors index with a weight_map ({error}); fetch it again") from None
     if not isinstance(weight_map, dict):
         raise ValueError(f"{index}: weight_map is a {type(weight_map).__name__}, not a tensor-to-file mapping")
+    for tensor, name in weight_map.items():
+        # lexical: a Hub snapshot's files are links into its blob store, so resolved paths leave the directory
+        path = PurePosixPath(name) if isinstance(name, str) else None
+        if path is None or path.is_absolute() or ".." in path.parts or "\\" in name:
+            raise ValueError(f"{index} names {name!r} as the shard of tensor {tensor!r}: a shard is a file name "
+                             f"inside {index.parent}, not an absolute path or one that climbs out of it; the index is "
+                             "corrupt or made to reach other files, so nothing was opened: fetch it again from the "
+                             "checkpoint's source")
     return weight_map
 
 
@@ -220,11 +228,26 @@ def _write_shard(path: Path, shard: list[tuple[str, Callable[[], np.ndarray]]], 
     returns the tensors' bytes."""
     arrays = {name: np.ascontiguousarray(build()) for name, build in shard}
     target = staging or path
-    save_file(arrays, str(target), metadata={"format": "pt"})
+    with os_errors(path.parent):  # the directory, not the hidden staging name
+        save_file(arrays, str(target), metadata={"format": "pt"})
     fsync(target)
     if staging is not None:
         os.replace(staging, path)
     return sum(array.nbytes for array in arrays.values())
+
+
+@contextlib.contextmanager
+def os_errors(path: Path) -> Iterator[None]:
+    """Raise safetensors' error for a failed write (a full disk, a read-only one) as the OSError it wraps, for
+    `path`: `SafetensorError` is no OSError, so a command would report it as a bug rather than a fault of the
+    machine (`dew.errors`)."""
+    try:
+        yield
+    except SafetensorError as error:
+        failed = re.search(r"I/O error: (.+?) \(os error (\d+)\)", str(error))
+        if failed is None:
+            raise
+        raise OSError(int(failed[2]), failed[1], str(path)) from None
 
 
 @contextlib.contextmanager

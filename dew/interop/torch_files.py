@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import secrets
 import shutil
 import time
@@ -19,12 +20,16 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from dew.interop.safetensors_files import INDEX, SINGLE, fsync, indexed_files, read_index, weight_files
+from dew.interop.safetensors_files import (
+    INDEX, SINGLE, fsync, indexed_files, os_errors, read_index, weight_files,
+)
 
 PICKLE = "pytorch_model.bin"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 INSTALL = "pip install 'dew-ml[torch]'"
 CONVERT_SPACE = "https://huggingface.co/spaces/safetensors/convert"
+# How torch's message begins when weights_only=True refused what a pickle holds.
+_WEIGHTS_ONLY_REFUSAL = "Weights only load failed"
 
 logger = logging.getLogger("dew.interop")
 
@@ -107,7 +112,8 @@ def _convert_file(torch, source: Path, target: Path) -> int:
         # torch stores tied weights once; safetensors refuses tensors that share memory, so each gets its own
         tensors[name] = tensor.clone() if storage in storages else tensor.contiguous()
         storages.add(storage)
-    save_file(tensors, str(target), metadata={"format": "pt"})
+    with os_errors(target):
+        save_file(tensors, str(target), metadata={"format": "pt"})
     fsync(target)
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
 
@@ -117,9 +123,20 @@ def _load_pickle(torch, source: Path) -> dict:
     try:
         state = torch.load(source, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(source))
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
-        raise ValueError(f"{source} is not a PyTorch weights file torch.load(weights_only=True) reads ({error}): it "
-                         f"is truncated or corrupt, or pickles objects other than tensors; download it again, or "
-                         f"convert it at {CONVERT_SPACE}") from None
+        # torch's refusals under weights_only=True advise weights_only=False, which would run the file's code:
+        # a file that asks to call something is refused as code, any other keeps only torch's reason
+        reason = str(error)
+        if reason.startswith(_WEIGHTS_ONLY_REFUSAL):
+            called = re.search(r"GLOBAL ([\w.]+)", reason)
+            if called:
+                raise ValueError(f"{source} asks to call {called[1]} when it is unpickled: the file wants to run code, "
+                                 "and Dew will not load it (it reads pickles with torch.load(weights_only=True), which "
+                                 "runs none); load the model's safetensors weights instead") from None
+            stated = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|$)", reason, re.S)
+            reason = stated[1] if stated else "it holds something other than tensors"
+        raise ValueError(f"{source} is not a PyTorch weights file torch.load(weights_only=True) reads "
+                         f"({' '.join(reason.split())}): it is truncated or corrupt, or pickles objects other than "
+                         f"tensors; download it again, or convert it at {CONVERT_SPACE}") from None
     if not isinstance(state, dict):
         raise ValueError(f"{source} holds a {type(state).__name__}, not a tensor-name-to-tensor mapping: it is not a "
                          "transformers weights file")

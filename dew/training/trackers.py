@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,16 +36,33 @@ class Tracker(Protocol):
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a .jsonl file ([] when it is missing); a line cut short by a killed process is skipped."""
+    """The records of a .jsonl file ([] when it is missing). A line cut short by a killed process is skipped;
+    a line that is not UTF-8 text or not a JSON object is skipped with a warning naming the file and line."""
     path = Path(path)
     if not path.is_file():
         return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    data = path.read_bytes()
+    lines = data.splitlines()
+    records, foreign = [], []
+    for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            if number < len(lines) or data.endswith(b"\n"):  # not a last line cut inside a character
+                foreign.append(number)
+            continue
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            foreign.append(number)
+    if foreign:
+        shown = ", ".join(map(str, foreign[:5])) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        what = ("line {}, which is not a UTF-8 JSON record" if len(foreign) == 1
+                else "lines {}, which are not UTF-8 JSON records")
+        warnings.warn(f"{path}: skipped {what.format(shown)}: the file was edited or damaged; the other lines are read",
+                      stacklevel=2)
     return records
 
 

@@ -80,6 +80,25 @@ def test_unknown_or_wrong_dtype(tmp_path):
         read_meta(tmp_path)
 
 
+@pytest.mark.parametrize("meta, says", [
+    (lambda text: text[: len(text) // 2], r"is not valid JSON \(.* at line \d+, column \d+\): it was cut short"),
+    (lambda text: "[1, 2]", r"holds \[1, 2\], not an object of fields"),
+    (lambda text: text.replace('"vocab_size": 300', '"vocab_size": "300"'),
+     r"gives vocab_size '300', which is not a positive integer"),
+    (lambda text: text.replace('"train_tokens": 1', '"train_tokens": -1'),
+     r"gives train_tokens -1, which is not a token count, 0 or more"),
+    (lambda text: text.replace('"eos_id": null', '"eos_id": "eos"'), r"gives eos_id 'eos', which is not a token id"),
+    (lambda text: text.replace('"dtype": "uint16"', '"dtype": ["uint16"]'),
+     r"gives dtype \['uint16'\], which is not one of uint8, uint16, uint32"),
+], ids=["truncated", "list", "string-vocab", "negative-count", "string-eos", "list-dtype"])
+def test_a_meta_json_that_lies_is_refused_naming_the_file_and_field(meta, says, tmp_path):
+    write_files(tmp_path, [1], [2])
+    text = (tmp_path / "meta.json").read_text()
+    (tmp_path / "meta.json").write_text(meta(text))
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'meta.json'} {says}.*rewrite the token files with"):
+        read_meta(tmp_path)
+
+
 def ids_of(path):
     return np.concatenate([open_split(path, "val"), open_split(path, "train")])
 

@@ -64,6 +64,15 @@ def offline_hub(tmp_path_factory):
         yield
 
 
+def sized(model_type: str, **fields) -> dict:
+    """A config.json of `model_type` naming `fields` and, at transformers' defaults, the shape fields a
+    config must name (`reference_sizes`): the bare config of the family's reference model."""
+    from dew.interop.families import FAMILIES
+    from dew.interop.hf_decoders import reference_sizes
+
+    return {"model_type": model_type, **reference_sizes(FAMILIES[model_type].fields), **fields}
+
+
 def greedy_continuations(model, bundle, prompt, tokens: int = 16) -> tuple[list[int], list[int]]:
     """(Dew's, transformers') greedy continuations of `prompt`, `tokens` long: the loaded `bundle`
     through its cache, the transformers `model` through `generate`, neither stopping at an EOS."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from dew.interop import load_pretrained
+from dew.interop import load_pretrained, safetensors_files
 
 
 @pytest.fixture
@@ -118,8 +119,10 @@ def test_directory_without_safetensors(checkpoint):
                                                 r"pytorch_model.bin nor the pytorch_model.bin.index.json"):
         load_pretrained(directory)
     (directory / "pytorch_model-00001-of-00002.bin").rename(directory / "pytorch_model.bin")  # safetensors bytes
-    with pytest.raises(ValueError, match=r"pytorch_model.bin is not a PyTorch weights file torch.load\(weights_only"):
+    with pytest.raises(ValueError, match=r"pytorch_model.bin is not a PyTorch weights file torch.load\(weights_only=True\) "
+                                         r"reads \(Unsupported operand \d+\): it is truncated or corrupt") as refused:
         load_pretrained(directory)
+    assert "weights_only=False" not in str(refused.value)  # torch's advice, which would run a pickle's code
     with pytest.raises(FileNotFoundError, match="neither a local directory nor a Hub repository id"):
         load_pretrained(str(directory / "no such" / "dir"))
 
@@ -128,3 +131,39 @@ def test_generic_fallback_tier_is_refused_as_not_built(checkpoint):
     directory, _ = checkpoint
     with pytest.raises(NotImplementedError, match=r"fallback='torchax', the generic tier .* is not built"):
         load_pretrained(directory, fallback="torchax")
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "{outside}", "sub/../../outside.safetensors"])
+def test_index_naming_a_shard_outside_the_directory_is_refused_before_anything_is_opened(shard, checkpoint,
+                                                                                          monkeypatch):
+    directory, tensors = checkpoint
+    outside = directory.parent / "outside.safetensors"
+    _rewrite(directory.parent, tensors, outside.name)  # a file that would load, were the index followed
+    shard = shard.format(outside=outside)
+    (directory / "model.safetensors").unlink()
+    weight_map = {name: shard for name in tensors}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    opened = []
+    monkeypatch.setattr(safetensors_files, "safe_open", lambda path, **kwargs: opened.append(path))
+    with pytest.raises(ValueError, match=rf"index.json names '{re.escape(shard)}' as the shard of tensor '.*': a shard "
+                                         rf"is a file name inside {re.escape(str(directory))}, not an absolute path"):
+        load_pretrained(directory)
+    assert opened == []
+
+
+def test_weights_that_are_not_finite_are_refused_naming_the_tensor(checkpoint):
+    directory, tensors = checkpoint
+    _rewrite(directory, {name: np.full_like(array, np.nan) for name, array in tensors.items()})  # every weight NaN
+    with pytest.raises(ValueError, match=r"tensor '[\w.]+' in model.safetensors holds [\d,]+ NaN or infinite value\(s\) "
+                                         r"among the [\d,]+ read \(the first, nan, at position 0\): the checkpoint is "
+                                         r"damaged or was saved from a run that diverged"):
+        load_pretrained(directory)
+    key = tensors["model.layers.0.self_attn.k_proj.weight"].astype(np.float16)
+    key[1, 5] = np.inf  # one value in a half-precision tensor
+    _rewrite(directory, {**tensors, "model.layers.0.self_attn.k_proj.weight": key})
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.self_attn.k_proj.weight' in model.safetensors holds 1 "
+                                         r"NaN or infinite value\(s\) among the 512 read \(the first, inf, at position "
+                                         r"37\)"):
+        load_pretrained(directory)
+    _rewrite(directory, tensors)
+    load_pretrained(directory)

@@ -3,6 +3,7 @@ OLMo 2 and OLMo 3; the mask code's `is_causal` for every family), and the fields
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import re
@@ -12,10 +13,12 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from huggingface_hub.errors import StrictDataclassFieldValidationError
 
 from dew.interop import load_pretrained
 from dew.interop.families import FAMILIES, decoder_kwargs
-from tests.interop.conftest import SHAPE, save_checkpoint, torch, torch_model, transformers
+from dew.interop.hf_decoders import FIELD_KINDS, expected, reference_sizes
+from tests.interop.conftest import SHAPE, save_checkpoint, sized, torch, torch_model, transformers
 
 # The transformers module that holds each family's modeling code.
 _MODULES = {"gemma3_text": "gemma3"}
@@ -68,7 +71,7 @@ def test_head_dim_read_with_getattr_matches_transformers(case, head_dim, tmp_pat
 @pytest.mark.parametrize("model_type", ["qwen2", "olmo2", "olmo3"])
 def test_head_dim_null_reads_as_the_default(model_type):
     # transformers' rotary code reads `getattr(config, "head_dim", None) or hidden_size // num_attention_heads`
-    assert decoder_kwargs({"model_type": model_type, "head_dim": None}) == decoder_kwargs({"model_type": model_type})
+    assert decoder_kwargs({**sized(model_type), "head_dim": None}) == decoder_kwargs(sized(model_type))
 
 
 # Families whose transformers defaults do not make a model transformers runs, and the field that completes one.
@@ -77,7 +80,7 @@ _COMPLETING = {"deepseek_v2": {"num_experts_per_tok": 2}}  # its MoE layers pick
 
 @pytest.mark.parametrize("model_type", TRANSFORMERS_FAMILIES)
 def test_is_causal_true_loads_and_false_is_refused(model_type):
-    plain = {"model_type": model_type, **_COMPLETING.get(model_type, {})}
+    plain = {**sized(model_type), **_COMPLETING.get(model_type, {})}
     assert decoder_kwargs({**plain, "is_causal": True}) == decoder_kwargs(plain)
     with pytest.raises(ValueError, match=r"'is_causal' = False .* bidirectional encoder\) is not built"):
         decoder_kwargs({**plain, "is_causal": False})
@@ -99,7 +102,7 @@ METADATA = {
 @pytest.mark.parametrize("name", sorted(METADATA))
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text"])
 def test_metadata_fields_change_nothing(model_type, name):
-    plain = {"model_type": model_type}
+    plain = sized(model_type)
     assert decoder_kwargs({**plain, name: METADATA[name]}) == decoder_kwargs(plain)
 
 
@@ -118,11 +121,11 @@ def test_published_config_with_metadata_loads_and_computes_the_same(llama_checkp
 
 
 @pytest.mark.parametrize("source", [
-    {"model_type": "llama", "max_window_layers": 28},
-    {"model_type": "llama", "max_window_layers": 28, "use_sliding_window": False, "sliding_window": None},
-    {"model_type": "qwen2", "max_window_layers": 21, "use_sliding_window": False, "sliding_window": 131072},
-    {"model_type": "mistral", "max_window_layers": 28, "sliding_window": None},
-    {"model_type": "gemma", "use_sliding_window": False},
+    {**sized("llama"), "max_window_layers": 28},
+    {**sized("llama"), "max_window_layers": 28, "use_sliding_window": False, "sliding_window": None},
+    {**sized("qwen2"), "max_window_layers": 21, "use_sliding_window": False, "sliding_window": 131072},
+    {**sized("mistral"), "max_window_layers": 28, "sliding_window": None},
+    {**sized("gemma"), "use_sliding_window": False},
 ], ids=["llama", "llama-window-off", "qwen2-window-off", "mistral-no-window", "gemma-window-off"])
 def test_qwen_window_switches_load_where_no_window_is_in_effect(source):
     kwargs = decoder_kwargs(source)
@@ -133,16 +136,16 @@ def test_qwen_window_switches_load_where_no_window_is_in_effect(source):
 
 
 @pytest.mark.parametrize("source, message", [
-    ({"model_type": "mistral", "max_window_layers": 28, "sliding_window": 4096},
+    ({**sized("mistral"), "max_window_layers": 28, "sliding_window": 4096},
      r"'max_window_layers' = 28 is Qwen's window switch, which transformers' MistralConfig never reads: it windows "
      r"every sliding layer at 4096"),
-    ({"model_type": "ministral", "use_sliding_window": False},
+    ({**sized("ministral"), "use_sliding_window": False},
      r"'use_sliding_window' = False .* MinistralConfig never reads: it windows every sliding layer at 4096"),
-    ({"model_type": "llama", "use_sliding_window": True}, r"'use_sliding_window' = True .* it applies no window"),
-    ({"model_type": "llama", "attention_chunk_size": 8192}, r"'attention_chunk_size' = 8192 is not a field"),
-    ({"model_type": "llama", "per_layer_config": {"0": {"intermediate_size": 8}}}, r"'per_layer_config' = .* not a field"),
-    ({"model_type": "llama", "pruned_heads": {"0": [1]}}, r"'pruned_heads' = \{'0': \[1\]\} is not a field"),
-    ({"model_type": "llama", "use_mrope": True}, r"'use_mrope' = True is not a field"),
+    ({**sized("llama"), "use_sliding_window": True}, r"'use_sliding_window' = True .* it applies no window"),
+    ({**sized("llama"), "attention_chunk_size": 8192}, r"'attention_chunk_size' = 8192 is not a field"),
+    ({**sized("llama"), "per_layer_config": {"0": {"intermediate_size": 8}}}, r"'per_layer_config' = .* not a field"),
+    ({**sized("llama"), "pruned_heads": {"0": [1]}}, r"'pruned_heads' = \{'0': \[1\]\} is not a field"),
+    ({**sized("llama"), "use_mrope": True}, r"'use_mrope' = True is not a field"),
 ])
 def test_computational_fields_are_still_refused_by_name(source, message):
     with pytest.raises(ValueError, match=message):
@@ -162,3 +165,116 @@ def test_attention_dropout_loads_for_inference_and_saves_back(tmp_path):
     np.testing.assert_allclose(ours, theirs, atol=RELATIVE_TOLERANCE * np.abs(theirs).max(), rtol=0)
     again = load_pretrained(bundle.save(tmp_path / "export"))
     assert again.config["attention_dropout"] == 0.1 and again.model.config.attention_dropout == 0.1
+
+
+# ---- values of the wrong kind, and the fields a config must name ---------------------------------------------
+
+# One value of each JSON kind, inside every range transformers checks (initializer_range's [0, 1]).
+PROBES = [None, True, 1, 0.5, "1", ["a"], [1], {"rope_type": "default"}]
+
+
+def _transformers_accepts(config_class, name: str, value) -> bool:
+    """Whether the strict config class takes `value` for `name` (it validates each field's type on assignment)."""
+    try:
+        config_class(**{name: value})
+    except StrictDataclassFieldValidationError as error:
+        return f"'{name}'" not in str(error)
+    except Exception:  # noqa: BLE001 - a later check of the whole config: the value's type was taken
+        return True
+    return True
+
+
+def test_every_field_a_family_reads_has_a_kind():
+    # DiffusionGemma reads its fields itself (tests/interop/test_diffusion_gemma.py)
+    read = {name for model_type, family in FAMILIES.items() if model_type != "diffusion_gemma"
+            for name in (*family.fields, *family.getattr_fields)}
+    assert read - set(FIELD_KINDS) == set()
+
+
+@pytest.mark.parametrize("model_type", TRANSFORMERS_FAMILIES)
+def test_field_kinds_take_what_transformers_takes_and_refuse_what_it_refuses(model_type):
+    family = FAMILIES[model_type]
+    config_class = getattr(transformers, family.config_class)
+    declared = {field.name for field in dataclasses.fields(config_class)}
+    for name, default in family.fields.items():
+        if default is None:  # read as the architecture's rule (head_dim from hidden_size, ...)
+            assert FIELD_KINDS[name].endswith("?"), name
+        if name not in declared:  # DeepSeek's own code's fields: transformers takes any value
+            continue
+        for probe in PROBES:
+            theirs, ours = _transformers_accepts(config_class, name, probe), expected(FIELD_KINDS[name], probe) is None
+            if theirs:
+                assert ours, (name, probe)
+            # a null Dew reads as transformers' default, and an integer where a float is declared (JSON writers
+            # drop ".0"), are the only values Dew takes and transformers does not
+            elif probe is not None and not (type(probe) is int and _transformers_accepts(config_class, name, 0.5)):
+                assert not ours, (name, probe)
+
+
+@pytest.mark.parametrize("model_type", TRANSFORMERS_FAMILIES)
+def test_a_shape_field_left_out_is_refused_unless_transformers_derives_it(model_type):
+    complete = sized(model_type, **_COMPLETING.get(model_type, {}))
+    decoder_kwargs(complete)
+    required = reference_sizes(FAMILIES[model_type].fields)
+    assert {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"} <= set(required)
+    for name in required:
+        with pytest.raises(ValueError, match=rf"config.json has no '{name}', which fixes the shape of the weights: "
+                                             rf"transformers' \w+ would take {required[name]}, its reference model's"):
+            decoder_kwargs({key: value for key, value in complete.items() if key != name})
+    # a default transformers derives is read as it derives it: head_dim, and Llama's key/value heads
+    assert decoder_kwargs(sized("llama", hidden_size=64, num_attention_heads=4))["head_dim"] == 16
+    assert decoder_kwargs(sized("llama", num_attention_heads=4))["num_kv_heads"] == 4
+
+
+def test_mixtral_names_its_expert_count_either_way():
+    complete = sized("mixtral")
+    alias = {**{key: value for key, value in complete.items() if key != "num_local_experts"}, "num_experts": 4}
+    assert decoder_kwargs(alias)["mixture"].experts == 4
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda config: config.pop("hidden_size"),
+     "has no 'hidden_size', which fixes the shape of the weights: transformers' LlamaConfig would take 4096, its "
+     "reference model's, which these weights need not have; add the hidden_size this checkpoint was trained with"),
+    (lambda config: config.update(hidden_size="32"),
+     "field 'hidden_size' = '32' is not a positive integer, as transformers' LlamaConfig declares it: write 32 "
+     "without quotes"),
+    (lambda config: config.update(rms_norm_eps="1e-6"),
+     "field 'rms_norm_eps' = '1e-6' is not a finite number, as transformers' LlamaConfig declares it: write 1e-6 "
+     "without quotes"),
+    (lambda config: config.update(num_hidden_layers=2.0),
+     "field 'num_hidden_layers' = 2.0 is not a positive integer, as transformers' LlamaConfig declares it: write the "
+     "value the model was trained with"),
+    (lambda config: config.update(tie_word_embeddings="false"),
+     "field 'tie_word_embeddings' = 'false' is not true or false, as transformers' LlamaConfig declares it: write "
+     "false without quotes"),
+    (lambda config: config.update(num_key_value_heads=0),
+     "field 'num_key_value_heads' = 0 is not a positive integer \\(or null\\)"),
+    (lambda config: config.update(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}),
+     "field 'rope_parameters' = .* its rope_theta must be a finite number"),
+], ids=["missing", "string-size", "string-eps", "float-size", "string-bool", "zero-heads", "string-theta"])
+def test_a_config_json_that_lies_is_refused_naming_file_field_value_and_expectation(edit, says, llama_checkpoint,
+                                                                                   tmp_path):
+    directory = tmp_path / "copy"
+    shutil.copytree(llama_checkpoint[0], directory)
+    config = json.loads((directory / "config.json").read_text())
+    edit(config)
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(directory / 'config.json'))} .*{says}"):
+        load_pretrained(directory)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("[1, 2]", "holds a JSON array, not an object of fields"),
+    ('{"model_type": "llama", ', "is not valid JSON (Expecting property name enclosed in double quotes at line 1"),
+    (b'{"model_type": "ll\xffama"}', "is not UTF-8 text (invalid start byte at byte 18)"),
+], ids=["list", "truncated", "not-utf-8"])
+def test_a_config_json_that_is_no_object_of_fields_is_refused_by_name(text, says, llama_checkpoint, tmp_path):
+    directory = tmp_path / "copy"
+    shutil.copytree(llama_checkpoint[0], directory)
+    for name in ("config.json", "generation_config.json"):
+        original = (directory / name).read_bytes()
+        (directory / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(ValueError, match=re.escape(f"{directory / name} {says}")):
+            load_pretrained(directory)
+        (directory / name).write_bytes(original)

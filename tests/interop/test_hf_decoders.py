@@ -9,7 +9,7 @@ import pytest
 from dew.interop.families import FAMILIES, decoder_kwargs
 from dew.interop.hf_decoders import param_dtype_name
 from dew.nn.rotary import RopeScaling
-from tests.interop.conftest import transformers
+from tests.interop.conftest import sized, transformers
 
 _CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "ministral": "MinistralConfig", "qwen2": "Qwen2Config",
             "qwen3": "Qwen3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
@@ -43,7 +43,7 @@ def test_family_declares_what_transformers_declares(model_type):
     declared = {field.name: field.default for field in dataclasses.fields(config_class) if field.name not in base}
     assert dict(FAMILIES[model_type].fields) == declared
     # transformers' own serialisation of its default config reads like an empty config (the defaults).
-    assert decoder_kwargs(config_class().to_dict()) == decoder_kwargs({"model_type": model_type})
+    assert decoder_kwargs(config_class().to_dict()) == decoder_kwargs(sized(model_type))
 
 
 def test_old_and_new_spellings_read_alike():
@@ -88,7 +88,7 @@ def test_published_gemma_configs_read_as_transformers_reads_them(source):
 
 
 def test_qwen25_inert_mrope_flag():
-    qwen = {"model_type": "qwen2", "use_mrope": False, "use_sliding_window": False, "sliding_window": 131072,
+    qwen = {**sized("qwen2"), "use_mrope": False, "use_sliding_window": False, "sliding_window": 131072,
             "max_window_layers": 21, "rope_theta": 1000000.0}
     assert decoder_kwargs(qwen).get("sliding_window") is None
     with pytest.raises(ValueError, match="'use_mrope' = True"):
@@ -96,33 +96,33 @@ def test_qwen25_inert_mrope_flag():
 
 
 @pytest.mark.parametrize("source, message", [
-    ({"model_type": "llama", "sliding_window": 4096}, "sliding_window 4096 but transformers' LlamaConfig attends to every key"),
-    ({"model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+    ({**sized("llama"), "sliding_window": 4096}, "sliding_window 4096 but transformers' LlamaConfig attends to every key"),
+    ({**sized("llama"), "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
      "'rope_parameters' .* rope_type 'dynamic' is not built; Dew builds default, linear, llama3, yarn"),
-    ({"model_type": "qwen2", "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0],
+    ({**sized("qwen2"), "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0],
                                                  "long_factor": [2.0]}},
      "rope_type 'longrope' is not built; Dew builds default, linear, llama3, yarn"),
-    ({"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
+    ({**sized("llama"), "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
      "'rope_parameters' .* low_freq_factor None and high_freq_factor None: both are needed"),
-    ({"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0, "low_freq_factor": 1.0}},
+    ({**sized("llama"), "rope_scaling": {"type": "linear", "factor": 2.0, "low_freq_factor": 1.0}},
      "rope_type 'linear' reads \\['factor'\\], not \\['low_freq_factor'\\]"),
-    ({"model_type": "llama", "rope_scaling": {"type": "linear"}}, "rope_type 'linear' needs a factor"),
-    ({"model_type": "llama", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+    ({**sized("llama"), "rope_scaling": {"type": "linear"}}, "rope_type 'linear' needs a factor"),
+    ({**sized("llama"), "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
      "rotates every feature of a head"),
-    ({"model_type": "llama", "partial_rotary_factor": 0.5}, "'partial_rotary_factor' = 0.5.*every feature"),
-    ({"model_type": "llama", "rope_parameters": {"full_attention": {"rope_type": "default"}}},
+    ({**sized("llama"), "partial_rotary_factor": 0.5}, "'partial_rotary_factor' = 0.5.*every feature"),
+    ({**sized("llama"), "rope_parameters": {"full_attention": {"rope_type": "default"}}},
      "transformers' LlamaConfig gives every layer one rotary setting"),
-    ({"model_type": "olmo3", "rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+    ({**sized("olmo3"), "rope_parameters": {"rope_type": "linear", "factor": 2.0}},
      "transformers' Olmo3Config reads one setting per layer type and ignores a flat one"),
-    ({"model_type": "olmo3", "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "truncate": False}},
+    ({**sized("olmo3"), "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "truncate": False}},
      "always truncates in a per-layer-type one"),
-    ({"model_type": "gemma3_text", "sliding_window": None}, "'sliding_window' = None .* sliding layers rotate with"),
-    ({"model_type": "llama", "hidden_act": "relu"}, "'hidden_act' = 'relu'.*activations Dew has"),
-    ({"model_type": "llama", "mup_scale": 2.0}, "field 'mup_scale' = 2.0 is not a field of transformers' LlamaConfig"),
+    ({**sized("gemma3_text"), "sliding_window": None}, "'sliding_window' = None .* sliding layers rotate with"),
+    ({**sized("llama"), "hidden_act": "relu"}, "'hidden_act' = 'relu'.*activations Dew has"),
+    ({**sized("llama"), "mup_scale": 2.0}, "field 'mup_scale' = 2.0 is not a field of transformers' LlamaConfig"),
     ({"model_type": "gpt_neox"}, "model_type 'gpt_neox', which is not a Dew family: native families are"),
     ({"hidden_size": 32}, "no model_type"),
-    ({"model_type": "llama", "quantization": {"group_size": 64, "bits": 4}}, "MLX-quantized"),
-    ({"model_type": "gemma2", "use_bidirectional_attention": True}, "bidirectional Gemma"),
+    ({**sized("llama"), "quantization": {"group_size": 64, "bits": 4}}, "MLX-quantized"),
+    ({**sized("gemma2"), "use_bidirectional_attention": True}, "bidirectional Gemma"),
 ])
 def test_refusals_name_the_field(source, message):
     with pytest.raises(ValueError, match=message):
@@ -130,17 +130,17 @@ def test_refusals_name_the_field(source, message):
 
 
 def test_window_read_only_where_the_family_applies_it():
-    assert decoder_kwargs({"model_type": "llama", "sliding_window": None}).get("sliding_window") is None
-    assert decoder_kwargs({"model_type": "mistral", "sliding_window": 7})["sliding_window"] == 7
-    assert decoder_kwargs({"model_type": "mistral", "sliding_window": None})["sliding_window"] is None
+    assert decoder_kwargs({**sized("llama"), "sliding_window": None}).get("sliding_window") is None
+    assert decoder_kwargs({**sized("mistral"), "sliding_window": 7})["sliding_window"] == 7
+    assert decoder_kwargs({**sized("mistral"), "sliding_window": None})["sliding_window"] is None
 
 
 def test_gemma_legacy_gelu_is_the_tanh_form():
-    assert decoder_kwargs({"model_type": "gemma", "hidden_act": "gelu"})["activation"] == "gelu_tanh"
+    assert decoder_kwargs({**sized("gemma"), "hidden_act": "gelu"})["activation"] == "gelu_tanh"
 
 
 def test_gemma3_legacy_rotary_and_pattern():
-    kwargs = decoder_kwargs({"model_type": "gemma3_text", "num_hidden_layers": 4, "rope_theta": 1e6,
+    kwargs = decoder_kwargs({**sized("gemma3_text"), "num_hidden_layers": 4, "rope_theta": 1e6,
                              "rope_local_base_freq": 1e4, "sliding_window_pattern": 2})
     assert kwargs["layer_types"] == ("sliding_attention", "full_attention") * 2
     assert (kwargs["rope_theta"], kwargs["local_rope_theta"]) == (1e6, 1e4)
@@ -152,21 +152,21 @@ UNSCALED = RopeScaling()
 
 
 @pytest.mark.parametrize("source, full, sliding", [
-    ({"model_type": "llama", "max_position_embeddings": 131072, "rope_theta": 500000.0,
+    ({**sized("llama"), "max_position_embeddings": 131072, "rope_theta": 500000.0,
       "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                        "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
      RopeScaling("llama3", 32.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0), None),
-    ({"model_type": "qwen3", "max_position_embeddings": 131072,
+    ({**sized("qwen3"), "max_position_embeddings": 131072,
       "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
      RopeScaling("yarn", 4.0, 32768), None),
-    ({"model_type": "llama", "max_position_embeddings": 163840,
+    ({**sized("llama"), "max_position_embeddings": 163840,
       "rope_parameters": {"type": "yarn", "factor": None, "original_max_position_embeddings": 4096, "mscale": 1.0,
                           "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}},
      RopeScaling("yarn", 40.0, 4096, mscale=1.0, mscale_all_dim=1.0), None),
-    ({"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0}}, RopeScaling("linear", 2.0), None),
-    ({"model_type": "gemma3_text", "num_hidden_layers": 6, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+    ({**sized("llama"), "rope_scaling": {"type": "linear", "factor": 2.0}}, RopeScaling("linear", 2.0), None),
+    ({**sized("gemma3_text"), "num_hidden_layers": 6, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
      RopeScaling("linear", 8.0), UNSCALED),
-    ({"model_type": "olmo3", "num_hidden_layers": 4, "max_position_embeddings": 65536,
+    ({**sized("olmo3"), "num_hidden_layers": 4, "max_position_embeddings": 65536,
       "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
                        "attention_factor": 1.2079441541679836, "beta_fast": 32, "beta_slow": 1}},
      RopeScaling("yarn", 8.0, 8192, attention_factor=1.2079441541679836), UNSCALED),
@@ -181,7 +181,7 @@ def test_rotary_scalings_read_as_transformers_resolves_them(source, full, slidin
 
 def test_olmo3_older_rope_theta_is_the_full_layers_only():
     # transformers' Olmo3Config gives sliding layers its default 500000 whatever the older rope_theta says.
-    kwargs = decoder_kwargs({"model_type": "olmo3", "num_hidden_layers": 4, "rope_theta": 1000.0})
+    kwargs = decoder_kwargs({**sized("olmo3"), "num_hidden_layers": 4, "rope_theta": 1000.0})
     assert (kwargs["rope_theta"], kwargs["local_rope_theta"]) == (1000.0, 500000.0)
     resaved = transformers.Olmo3Config(num_hidden_layers=4, rope_theta=1000.0).to_dict()
     assert decoder_kwargs(resaved) == kwargs

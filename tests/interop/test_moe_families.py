@@ -27,7 +27,9 @@ from dew.nn.transformer import CausalTransformer
 from dew.objectives.lm import LMObjective
 from dew.sampling import Sampling
 from dew.serve.engine import Engine, Request
-from tests.interop.conftest import CASES, greedy_continuations, save_checkpoint, torch, torch_model, transformers
+from tests.interop.conftest import (
+    CASES, greedy_continuations, save_checkpoint, sized, torch, torch_model, transformers,
+)
 from tests.tolerances import LIBRARY_ULPS, assert_within, transformers_decoder_ulps, ulp_bound
 
 # Each family as transformers builds it (two layers of width 32), and the routing feature it computes
@@ -361,28 +363,30 @@ def test_a_mixture_no_family_computes_is_refused_by_name(knobs, message):
 
 
 def test_config_fields_are_read_as_transformers_reads_them():
-    qwen3 = decoder_kwargs({"model_type": "qwen3_moe", "num_hidden_layers": 4, "decoder_sparse_step": 2,
-                            "mlp_only_layers": [3], "num_local_experts": 16, "norm_topk_prob": True,
-                            "output_router_logits": True, "router_aux_loss_coef": 0.02})
+    qwen3 = {**sized("qwen3_moe"), "num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3],
+             "num_local_experts": 16, "norm_topk_prob": True, "output_router_logits": True,
+             "router_aux_loss_coef": 0.02}
+    del qwen3["num_experts"]
+    qwen3 = decoder_kwargs(qwen3)
     # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (its attribute map)
     assert qwen3["mixture"].layers == (1,) and qwen3["mixture"].experts == 16 and qwen3["mixture"].norm_topk_prob
     # the router-loss fields set transformers' training loss, not the model
-    assert decoder_kwargs({"model_type": "mixtral", "output_router_logits": True, "router_aux_loss_coef": 0.1}) == \
-        decoder_kwargs({"model_type": "mixtral"})
-    assert decoder_kwargs({"model_type": "qwen2_moe", "num_experts": 0}).get("mixture") is None  # every layer dense
+    assert decoder_kwargs({**sized("mixtral"), "output_router_logits": True, "router_aux_loss_coef": 0.1}) == \
+        decoder_kwargs(sized("mixtral"))
+    assert decoder_kwargs({**sized("qwen2_moe"), "num_experts": 0}).get("mixture") is None  # every layer dense
     with pytest.warns(UserWarning, match=r"router_jitter_noise 0.1: transformers multiplies .* in training mode only"):
-        decoder_kwargs({"model_type": "mixtral", "router_jitter_noise": 0.1})
+        decoder_kwargs({**sized("mixtral"), "router_jitter_noise": 0.1})
 
 
 @pytest.mark.parametrize("source, message", [
-    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 5},
+    ({**sized("qwen3_moe"), "num_experts": 4, "num_experts_per_tok": 5},
      r"field 'num_experts_per_tok' = 5 is not something Dew computes for qwen3_moe: a token picks between 1 and the "
      r"4 experts there are \(num_experts\)"),
-    ({"model_type": "mixtral", "num_local_experts": 0}, r"'num_local_experts' = 0 .* needs at least one expert"),
-    ({"model_type": "qwen3_moe", "num_experts": 8, "num_local_experts": 4},
+    ({**sized("mixtral"), "num_local_experts": 0}, r"'num_local_experts' = 0 .* needs at least one expert"),
+    ({**sized("qwen3_moe"), "num_experts": 8, "num_local_experts": 4},
      r"'num_local_experts' = 4 .* transformers' other name for num_experts, which says 8"),
-    ({"model_type": "qwen2_moe", "decoder_sparse_step": 0}, r"'decoder_sparse_step' = 0 .* use 1 or more"),
-    ({"model_type": "qwen2_moe", "shared_expert_intermediate_size": 0},
+    ({**sized("qwen2_moe"), "decoder_sparse_step": 0}, r"'decoder_sparse_step' = 0 .* use 1 or more"),
+    ({**sized("qwen2_moe"), "shared_expert_intermediate_size": 0},
      r"'shared_expert_intermediate_size' = 0 .* always add a gated shared expert"),
 ])
 def test_mixture_configs_dew_cannot_compute_are_refused_by_name(source, message):

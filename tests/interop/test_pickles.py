@@ -211,3 +211,28 @@ def test_gguf_only_hub_repo_names_its_files_and_the_argument(monkeypatch):
     monkeypatch.setattr(hub, "HfApi", lambda: listing)
     with pytest.raises(FileNotFoundError, match=expected):  # online: the Hub lists the repository
         load_pretrained("dew-tests/gguf-only")
+
+
+class _RunsCode:
+    """What a malicious pickle holds: unpickling it calls os.system."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_pickle_that_wants_to_run_code_is_refused_as_such(tmp_path, dew_cache):
+    source = write_pickles(torch_model("llama"), tmp_path / "pickles")
+    marker = tmp_path / "ran"
+    torch.save({**torch.load(source / "pytorch_model.bin", weights_only=True),
+                "lm_head.extra": _RunsCode(marker)}, source / "pytorch_model.bin")
+    with pytest.raises(ValueError) as refused:
+        load_pretrained(source)
+    assert str(refused.value) == (
+        f"{source / 'pytorch_model.bin'} asks to call {os.system.__module__}.system when it is unpickled: the file "
+        "wants to run code, and Dew will not load it (it reads pickles with torch.load(weights_only=True), which runs "
+        "none); load the model's safetensors weights instead")
+    assert "weights_only=False" not in str(refused.value)  # torch's own advice would run it
+    assert not marker.exists() and not (dew_cache.exists() and any(dew_cache.iterdir()))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +12,7 @@ import pytest
 
 from dew.interop import generation_defaults, load_pretrained
 from dew.sampling import Sampling
-from tests.interop.conftest import save_checkpoint, torch, torch_model
+from tests.interop.conftest import save_checkpoint, torch, torch_model, transformers
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +125,47 @@ def test_scan_layers_and_remat_change_how_a_load_compiles_not_what_it_computes(d
     # The same operations, fused differently inside a loop body, through 8 layers: 64 ulps of the largest
     # logit (4.0e-5 at 5.3; observed 1.4e-5).
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=64 * float(np.abs(theirs).max()) * np.finfo(np.float32).eps)
+
+
+@pytest.mark.parametrize("generation", [
+    {"temperature": 0.7, "top_p": 0.9},
+    {"temperature": 1.0, "top_k": 50, "top_p": 1.0},
+    {"do_sample": False, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2},
+    {"do_sample": True, "temperature": 0.7, "top_k": 20},
+], ids=["unset", "neutral", "false", "sampling"])
+def test_sampling_fields_without_do_sample_are_not_applied_and_said_so_as_in_transformers(generation):
+    theirs = transformers.GenerationConfig(**generation)
+    try:
+        theirs.validate(strict=True)
+        flagged = set()
+    except ValueError as error:
+        flagged = set(re.findall(r"- `(\w+)`: `do_sample` is not set to `True`", str(error)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sampling, _ = generation_defaults(generation, {}, where="gen/generation_config.json")
+    said = [str(warning.message) for warning in caught]
+    assert sampling.greedy == (theirs.get_generation_mode() == "greedy_search")
+    assert sampling.repetition_penalty == generation.get("repetition_penalty")  # applied either way, as there
+    if flagged:
+        (message,) = said
+        listed = ", ".join(f"{name} {generation[name]!r}" for name in generation if name in flagged)
+        assert message.startswith(f"gen/generation_config.json sets {listed} but not do_sample true, so, as in "
+                                  "transformers, generation is greedy and they are not applied")
+    else:
+        assert said == []
+
+
+@pytest.mark.parametrize("generation, says", [
+    ({"do_sample": True, "temperature": "0.7"},
+     " field 'temperature' = '0.7' is not a finite number (or null), as transformers' GenerationConfig declares it: "
+     "write 0.7 without quotes"),
+    ({"eos_token_id": "2"}, " field 'eos_token_id' = '2' is not a token id or a list of token ids (or null)"),
+    ({"eos_token_id": [1, "2"]}, " field 'eos_token_id' = [1, '2'] is not a token id or a list of token ids"),
+    ({"do_sample": "yes"}, " field 'do_sample' = 'yes' is not true or false (or null)"),
+    ({"max_new_tokens": 0}, " field 'max_new_tokens' = 0 is not a positive integer (or null)"),
+    ({"do_sample": True, "temperature": -1.0}, ": temperature is -1.0; use 0 for greedy or a positive value"),
+], ids=["string-temperature", "string-eos", "string-in-eos-list", "string-do-sample", "no-tokens",
+        "negative-temperature"])
+def test_generation_config_values_of_the_wrong_kind_are_refused_naming_the_file(generation, says):
+    with pytest.raises(ValueError, match=f"^gen/generation_config.json{re.escape(says)}"):
+        generation_defaults(generation, {}, where="gen/generation_config.json")

@@ -7,12 +7,16 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
+import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
 import time
+import tracemalloc
 from pathlib import Path
 
 import huggingface_hub.constants as constants
@@ -213,6 +217,97 @@ def test_truncated_gguf_is_refused_in_one_line(where, tmp_path):
     assert "\n" not in message
     assert message.startswith(f"{path} ({cut:,} bytes) is not a readable GGUF file, it is truncated or corrupt (")
     assert message.endswith("download it again and check its size or checksum against the source's")
+
+
+def _string(text: bytes) -> bytes:
+    return struct.pack("<Q", len(text)) + text
+
+
+def _gguf_header(entries: list[bytes], tensors: list[bytes] = (), entry_count: int | None = None,
+                 size: int = 0) -> bytes:
+    """A GGUF v3 header of `entries` (key, type, value) and tensor descriptions, padded to `size` bytes."""
+    count = len(entries) if entry_count is None else entry_count
+    header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), count) + b"".join(entries) + b"".join(tensors)
+    return header + bytes(max(size - len(header), 0))
+
+
+_ARRAY, _STRING = struct.pack("<I", 9), struct.pack("<I", 8)
+# (id, the file, what the refusal says). The first is the issue's: 153 bytes claiming 2^40 elements.
+FORGED_HEADERS = [
+    ("uint8-array", _gguf_header([_string(b"tokenizer.ggml.token_type") + _ARRAY + struct.pack("<IQ", 0, 2**40)],
+                                 size=153),
+     "metadata key 'tokenizer.ggml.token_type', an array of 1,099,511,627,776 uint8, claims 1,099,511,627,776 bytes "
+     "from byte 73 and the file holds 80 more"),
+    ("string-array", _gguf_header([_string(b"tokenizer.ggml.tokens") + _ARRAY + struct.pack("<IQ", 8, 2**40)]),
+     "metadata key 'tokenizer.ggml.tokens', an array of 1,099,511,627,776 strings, claims at least "
+     "8,796,093,022,208 bytes"),
+    ("string-in-an-array", _gguf_header([_string(b"tokenizer.ggml.tokens") + _ARRAY + struct.pack("<IQ", 8, 2)
+                                         + _string(b"a") + struct.pack("<Q", 2**60)]),
+     "metadata key 'tokenizer.ggml.tokens''s string 1, a string, claims 1,152,921,504,606,846,976 bytes"),
+    ("string", _gguf_header([_string(b"general.name") + _STRING + struct.pack("<Q", 2**60) + b"tiny"]),
+     "metadata key 'general.name', a string, claims 1,152,921,504,606,846,976 bytes from byte 56 and the file "
+     "holds 4 more"),
+    ("entry-count", _gguf_header([], entry_count=2**40),
+     "the header's 1,099,511,627,776 metadata entries claims at least 14,293,651,161,088 bytes"),
+    ("tensor-data", _gguf_header([], [_string(b"token_embd.weight") + struct.pack("<IQQIQ", 2, 8, 2**40, 0, 0)]),
+     "tensor 'token_embd.weight', 8 x 1099511627776 F32, claims 35,184,372,088,832 bytes from byte 96"),
+]
+
+
+@pytest.mark.parametrize("data, says", [case[1:] for case in FORGED_HEADERS], ids=[case[0] for case in FORGED_HEADERS])
+def test_a_gguf_header_claiming_more_than_the_file_holds_is_refused_before_anything_is_built(data, says, tmp_path):
+    pytest.importorskip("gguf")
+    from dew.interop.gguf_files import check_header
+
+    path = tmp_path / "forged.gguf"
+    path.write_bytes(data)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError) as refused:
+            check_header(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    message = str(refused.value)
+    assert message.startswith(f"{path} ({len(data):,} bytes) is not a readable GGUF file, it is truncated or corrupt (")
+    assert says in message and "\n" not in message
+    assert peak < 64 * 1024  # nothing built per claimed element (gguf's reader grew past 1 GB on the first)
+
+
+def test_the_forged_gguf_is_refused_by_load_pretrained_at_once(tmp_path):
+    pytest.importorskip("gguf")
+    (tmp_path / "forged.gguf").write_bytes(FORGED_HEADERS[0][1])
+
+    def stop(signum, frame):
+        raise TimeoutError("no refusal within 60 s: gguf's reader is building the claimed array")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(60)  # without the check this grows memory without bound: stop it rather than the machine
+    try:
+        with pytest.raises(ValueError, match=re.escape(FORGED_HEADERS[0][2])):
+            load_pretrained(tmp_path, gguf_file="forged.gguf")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("heads, found", [(None, "lacks it"), ("4", "holds '4'")], ids=["missing", "string"])
+def test_a_gguf_without_the_sizes_its_config_needs_is_refused_naming_the_key(heads, found, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    if heads is not None:
+        writer.add_string("llama.attention.head_count", heads)
+    writer.add_tensor("token_embd.weight", np.ones((50, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=re.escape(
+            f"{tmp_path / 'model.gguf'} gives the model's num_attention_heads as metadata key "
+            f"llama.attention.head_count, a positive integer, and {found}: the file is damaged")):
+        load_pretrained(tmp_path, gguf_file="model.gguf")
 
 
 # ---- progress on a terminal, silence elsewhere --------------------------------------------------------------

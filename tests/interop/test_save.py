@@ -11,8 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
+from dew.errors import describe, exit_status
 from dew.interop import load_pretrained
+from dew.interop.safetensors_files import os_errors
 from tests.interop.conftest import save_checkpoint, torch, torch_model, transformers
 from tests.tolerances import transformers_decoder_ulps, ulp_bound
 
@@ -126,3 +129,10 @@ def test_variables_of_another_model_are_refused(llama_checkpoint, gemma3, tmp_pa
     with pytest.raises(ValueError, match=r"\['norm'\]\['scale'\] with shape \(33,\); this model has \(32,\)"):
         bundle.save(tmp_path / "wrong", variables=wider)
     assert not (tmp_path / "wrong").exists()
+
+
+def test_a_write_the_system_refuses_is_the_oserror_it_wraps(tmp_path):
+    with pytest.raises(OSError) as refused, os_errors(tmp_path):  # safetensors' own error for a failed write
+        save_file({"x": np.ones(4, np.float32)}, str(tmp_path / "missing" / "model.safetensors"))
+    assert isinstance(refused.value, FileNotFoundError) and refused.value.filename == str(tmp_path)
+    assert describe(refused.value) == f"{tmp_path}: No such file or directory" and exit_status(refused.value) == 2

@@ -4,6 +4,10 @@ tokenizer with the ids the run trained on, and the weights (EMA or live, any ste
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -65,3 +69,16 @@ def test_live_and_averaged_weights_differ_and_a_bad_source_is_refused(run, tmp_p
     capsys.readouterr()
     assert main(["export", str(tmp_path / "ema"), str(tmp_path / "again")]) == 2
     assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_export_onto_a_disk_that_refuses_the_write_is_one_line_and_exit_1(run, tmp_path):
+    """A full disk (ENOSPC) and a file-size limit (EFBIG, set here with no special file system) fail safetensors'
+    writer alike, with an error that is no OSError until Dew unwraps it."""
+    out = tmp_path / "exported"
+    root = str(Path(__file__).resolve().parents[2])
+    limited = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384)); "
+               "from dew.cli import main; sys.exit(main())")
+    done = subprocess.run([sys.executable, "-c", limited, "export", str(run), str(out)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"})
+    assert (done.returncode, done.stderr) == (1, f"error: {out}: File too large\n")
+    assert list(out.iterdir()) == []  # nothing half-written is left

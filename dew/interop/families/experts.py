@@ -131,7 +131,7 @@ class MixtureConverter(Converter):
             return
         if experts < 1:
             fields.refuse(self.experts_field, experts, "a sparse layer needs at least one expert")
-        if not 1 <= top_k <= experts:
+        if top_k is None or not 1 <= top_k <= experts:
             fields.refuse("num_experts_per_tok", top_k, f"a token picks between 1 and the {experts} experts there are "
                           f"({self.experts_field}); set it to the top-k the model was trained with")
         if self.reads("shared_expert_intermediate_size") and shared < 1:
@@ -141,13 +141,10 @@ class MixtureConverter(Converter):
                                     norm_topk_prob=bool(norm), shared_features=shared, shared_gate=shared > 0)
 
     def _expert_count(self, fields: ConfigFields) -> int:
-        count = fields.get(self.experts_field)
-        if self.experts_alias in fields.source:
-            alias = fields.source[self.experts_alias]
-            if self.experts_field in fields.source and alias != count:
-                fields.refuse(self.experts_alias, alias, f"it is transformers' other name for {self.experts_field}, "
-                              f"which says {count}: keep one")
-            count = alias
+        count = fields.get(self.experts_field, alias=self.experts_alias)
+        if self.experts_alias in fields.source and fields.source[self.experts_alias] != count:
+            fields.refuse(self.experts_alias, fields.source[self.experts_alias], f"it is transformers' other name for "
+                          f"{self.experts_field}, which says {count}: keep one")
         return count
 
     # ---- config.json out -----------------------------------------------------------------------
