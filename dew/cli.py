@@ -26,7 +26,7 @@ import tyro
 from tyro.conf import Positional
 
 def tokenize(input: str, out: str, tokenizer: str, val_fraction: float = 0.01, workers: int | None = None,
-             eos_between_files: bool = False) -> None:
+             eos_between_files: bool = False, force: bool = False) -> None:
     """Tokenize text into train.bin, val.bin and meta.json, the token files a run trains on.
 
     Args:
@@ -36,15 +36,19 @@ def tokenize(input: str, out: str, tokenizer: str, val_fraction: float = 0.01, w
         val_fraction: The share of the tokens, from the start, held out as val.bin.
         workers: Tokenizing processes (None: every core).
         eos_between_files: Put the tokenizer's EOS id between consecutive input files.
+        force: Replace the token files already in OUT (without it they are refused).
     """
-    from dew.data.tokenize import tokenize_text
+    from dew.data.tokenize import existing_token_files, tokenize_text
 
     started = time.perf_counter()
-    meta = tokenize_text(input, out, tokenizer, val_fraction, workers, eos_between_files=eos_between_files)
+    replaced = existing_token_files(out) if force and out else None
+    meta = tokenize_text(input, out, tokenizer, val_fraction, workers, eos_between_files=eos_between_files,
+                         force=force)
     tokens = meta["train_tokens"] + meta["val_tokens"]
     seconds = time.perf_counter() - started
     print(f"{out}: {tokens:,} tokens ({meta['val_tokens']:,} val, {meta['dtype']}, {meta['tokenizer']}) "
-          f"in {seconds:.1f} s, {tokens / max(seconds, 1e-9):,.0f} tokens/s")
+          f"in {seconds:.1f} s, {tokens / max(seconds, 1e-9):,.0f} tokens/s"
+          + (f"; they replace the {replaced} it held" if replaced else ""))
 
 
 def plot(runs: Positional[Annotated[tuple[str, ...], tyro.conf.arg(metavar="RUN [RUN ...]")]], out: str) -> None:
