@@ -185,25 +185,29 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
 
 def export(run: Positional[Annotated[str, tyro.conf.arg(metavar="RUN")]],
            out: Positional[Annotated[str, tyro.conf.arg(metavar="OUT")]], live: bool = False,
-           step: int | None = None) -> None:
+           step: int | None = None, force: bool = False) -> None:
     """Write a trained run as a transformers checkpoint (config.json of the family that computes it,
     safetensors, tokenizer files, generation_config.json), which transformers, vLLM and dew serve load.
 
     Args:
         run: A run directory (holding run.json), or one of its checkpoints (RUN/checkpoints/STEP).
-        out: The directory to write (an earlier export there is replaced atomically).
+        out: The directory to write: a new or empty one, outside the run directory.
         live: Export the live weights instead of the moving average.
         step: The checkpoint to export (default: the newest that reads).
+        force: Write into an OUT that holds files: an earlier export there is replaced atomically, other
+            files are kept.
     """
     import json
     from pathlib import Path
 
-    from dew.recipes.export import export_run
+    from dew.recipes.export import export_run, replaced_by_export
 
-    directory = export_run(run, out, ema=not live, step=step)
+    replaced = replaced_by_export(out) if force and out else []
+    directory = export_run(run, out, ema=not live, step=step, force=force)
     family = json.loads((Path(directory) / "config.json").read_text())["model_type"]
     print(f"wrote {directory} ({family}): transformers.AutoModelForCausalLM.from_pretrained({str(directory)!r}) "
-          f"loads it; so do `vllm serve {directory}` and `dew serve {directory}`")
+          f"loads it; so do `vllm serve {directory}` and `dew serve {directory}`"
+          + (f"; it replaces the {', '.join(replaced)} that {out} held" if replaced else ""))
 
 
 def _number(value, digits: int = 4) -> str:

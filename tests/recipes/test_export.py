@@ -65,3 +65,28 @@ def test_live_and_averaged_weights_differ_and_a_bad_source_is_refused(run, tmp_p
     capsys.readouterr()
     assert main(["export", str(tmp_path / "ema"), str(tmp_path / "again")]) == 2
     assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_an_export_never_goes_into_the_run_and_replaces_files_only_when_forced(run, tmp_path, capsys):
+    before = sorted(path.name for path in run.iterdir())
+    for out, says in ((run, f"OUT {run} is the run directory"),
+                      (run / "checkpoints" / "4", f"OUT {run / 'checkpoints' / '4'} is inside {run}'s checkpoints")):
+        assert main(["export", str(run), str(out), "--force"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.startswith(f"error: {says}: an export there would write over the run's own files") and (
+            "\n" not in error)
+    assert sorted(path.name for path in run.iterdir()) == before
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["export", str(run), str(out)]) == 2
+    assert (f"error: OUT {out} is not empty (it holds notes.txt): pass --force to write the export there (nothing "
+            "there would be replaced; the rest stays)") in capsys.readouterr().err
+    assert main(["export", str(run), str(out), "--force"]) == 0
+    assert "replaces" not in capsys.readouterr().out
+    exported = "config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json"
+    assert main(["export", str(run), str(out), "--live"]) == 2  # an earlier export counts as well
+    assert f"(it would replace {exported}; the rest stays)" in capsys.readouterr().err
+    assert main(["export", str(run), str(out), "--live", "--force"]) == 0
+    assert f"; it replaces the {exported} that {out} held" in capsys.readouterr().out
+    assert (out / "notes.txt").read_text() == "mine"
