@@ -166,7 +166,7 @@ class TrainerConfig:
     batch: int = 32
     """Rows per global batch."""
     val_batch: int | None = None
-    """Rows per validation batch; None uses batch."""
+    """Rows per validation batch, at most the validation rows; None uses batch (all the validation rows as one batch when they are fewer)."""
     log_every: int = 50
     """Steps between logged training lines."""
     eval_every: int | None = 500

@@ -25,7 +25,7 @@ import numpy as np
 from dew.data.chat import Role, encode_chat, template_of
 from dew.data.dataset import Batch, Dataset, Partition
 from dew.data.tokenizers import load_tokenizer, tokenizer_name
-from dew.data.windows import _IN_THREAD, _rows, _val_rows
+from dew.data.windows import _IN_THREAD, _rows, _val_rows, check_val_batch
 
 TEXT = "text"
 SEGMENTS, POSITIONS, ROLES = f"{TEXT}_segment_ids", f"{TEXT}_positions", f"{TEXT}_roles"
@@ -161,8 +161,10 @@ class ChatData:
 
         val = None
         if self.val_path is not None:
-            val = _val_batches(chat_rows(self.encode(self.val_path, tokenizer, template), width, self.pack),
-                               _val_rows(batch, val_batch))
+            val_rows = chat_rows(self.encode(self.val_path, tokenizer, template), width, self.pack)
+            check_val_batch(val_batch, len(val_rows[TEXT]), f"rows of seq_len {self.seq_len} + 1 the validation "
+                            f"conversations of {self.val_path} fill", "add validation conversations")
+            val = _val_batches(val_rows, _val_rows(batch, val_batch))
         meta = {"tokenizer": tokenizer_name(self.tokenizer), "vocab_size": tokenizer.vocab_size,
                 "eos_id": tokenizer.eos_id, "seq_len": self.seq_len, "template": template.source,
                 "rows": count, "assistant_tokens": learned}

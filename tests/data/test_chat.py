@@ -205,6 +205,9 @@ def test_chat_data_resumes_at_the_same_batch_and_validates_in_order(checkpoints,
     np.testing.assert_array_equal(next(resumed)["text"], expected["text"])
     validation = list(data.val(Partition()))
     assert len(validation) == 1 and validation[0]["text"].shape == (3, 128)
+    with pytest.raises(ValueError, match=r"val_batch 5 \(--trainer.val-batch\) is more than the 4 rows of seq_len "
+                                         rf"127 \+ 1 the validation conversations of {path} fill"):
+        spec.load(batch=2, val_batch=5)
 
 
 def test_overlong_conversations_are_refused_or_truncated_as_asked(checkpoints, tmp_path):
