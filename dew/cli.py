@@ -84,7 +84,8 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
         repetition_penalty: Divide the positive logits (multiply the negative ones) of tokens already in
             the text by this; 1 changes nothing.
         seed: The sampling seed.
-        n: Continuations of the prompt; with more than one they print when all are done.
+        n: Continuations of the prompt; with more than one they print when all are done. As many as fit
+            in memory beside the weights (more are refused, naming the most that fit).
         live: Use a run's live weights instead of its moving average.
         quantize: int8 holds the weights as 8-bit integers (a quarter of float32's bytes), for faster
             decoding on a CPU.
