@@ -22,7 +22,7 @@ from absl import flags
 from grain.experimental import FirstFitPackIterDataset, ThreadPrefetchIterDataset
 
 from dew.data.dataset import Batch, Dataset, Partition
-from dew.data.token_files import open_split, read_meta
+from dew.data.token_files import fingerprint, open_split, read_meta
 from dew.data.tokenizers import same_tokenizer, tokenizer_name
 
 TEXT = "text"
@@ -121,7 +121,7 @@ def _rows(batch: int, partition: Partition, what: str = "batch") -> slice:
 
 
 def _open(path: str, seq_len: int, seed: int, tokenizer: str | None) -> dict[str, Any]:
-    """meta.json of `path`, checked against the spec's own fields."""
+    """meta.json of `path`, checked against the spec's own fields, with the files' `fingerprint`."""
     if seq_len < 1:
         raise ValueError(f"seq_len is {seq_len}: a window needs at least 1 input token")
     if not 0 <= seed < 2**32:
@@ -133,7 +133,7 @@ def _open(path: str, seq_len: int, seed: int, tokenizer: str | None) -> dict[str
             f"{tokenizer_name(tokenizer)!r}: pass tokenizer={meta['tokenizer']!r}, or rewrite the "
             f"files with `dew tokenize --tokenizer {tokenizer}`"
         )
-    return meta
+    return {**meta, "fingerprint": fingerprint(path, meta)}
 
 
 def _val_rows(batch: int, val_batch: int | None) -> int:

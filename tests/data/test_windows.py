@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dew.data import Loading, PackedTokens, Partition, TokenWindows
-from dew.data.token_files import dtype_for_vocab, make_meta, write_meta
+from dew.data.token_files import dtype_for_vocab, fingerprint, make_meta, read_meta, write_meta
 from dew.data.windows import _pieces
 
 SEQ = 4
@@ -177,6 +177,14 @@ def test_a_packed_val_batch_above_the_rows_the_documents_pack_into_is_refused(tm
         PackedTokens(path, SEQ).load(2, val_batch=5)
     (batch,) = PackedTokens(path, SEQ).load(2, val_batch=4).val(Partition())  # one batch of the four rows
     assert batch["text"].shape == (4, SEQ + 1)
+
+
+def test_both_readers_carry_the_token_files_fingerprint(tmp_path):
+    path = write_files(tmp_path / "a", sum(DOCUMENTS * 4, []), sum(DOCUMENTS, []), vocab_size=16, eos_id=EOS)
+    found = {reader(path, SEQ).load(2).meta["fingerprint"] for reader in (TokenWindows, PackedTokens)}
+    assert found == {fingerprint(path, read_meta(path))}
+    other = write_files(tmp_path / "b", sum(DOCUMENTS[::-1] * 4, []), sum(DOCUMENTS, []), vocab_size=16, eos_id=EOS)
+    assert PackedTokens(other, SEQ).load(2).meta["fingerprint"] not in found  # the same documents, reordered
 
 
 def test_packed_train_rows_state_and_seed(tmp_path):
