@@ -37,7 +37,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Tr
     if source is None:
         raise FileNotFoundError(f"{run} is not a run directory (it holds no run.json, nor is it RUN/checkpoints/STEP): "
                                 "dew export writes a trained run; a loaded checkpoint saves with Pretrained.save")
-    _check_target(source, Path(out), force)
+    _check_target(source, out, force)
     task = pipeline(run, ema=ema, step=step)
     with tempfile.TemporaryDirectory(prefix="dew-export-tokenizer-") as staging:
         tokenizer_dir = tokenizer_files(task.tokenizer, Path(staging), task.model.config.max_seq_len)
@@ -60,12 +60,13 @@ def replaced_by_export(out: str | os.PathLike) -> list[str]:
     return sorted(entry.name for entry in out.iterdir() if entry.name in names)
 
 
-def _check_target(run: Path, out: Path, force: bool) -> None:
-    """Refuse an `out` that is a run directory or inside a run's checkpoints, and, unless `force`, a
-    directory that holds anything."""
+def _check_target(run: Path, out: str | os.PathLike, force: bool) -> None:
+    """Refuse an empty `out`, one that is a run directory or inside a run's checkpoints, and, unless
+    `force`, a directory that holds anything."""
     if os.fspath(out) == "":
         raise ValueError("OUT is an empty path, which would write the export into the current directory: name a new "
                          "or empty directory")
+    out = Path(out)
     if (out / RUN_JSON).is_file() or out.resolve().is_relative_to((run / CHECKPOINTS).resolve()):
         what = "the run directory" if out.resolve() == run.resolve() else (
             "a run directory" if (out / RUN_JSON).is_file() else f"inside {run}'s checkpoints")

@@ -76,6 +76,9 @@ def test_an_export_never_goes_into_the_run_and_replaces_files_only_when_forced(r
         assert error.startswith(f"error: {says}: an export there would write over the run's own files") and (
             "\n" not in error)
     assert sorted(path.name for path in run.iterdir()) == before
+    assert main(["export", str(run), "", "--force"]) == 2
+    assert "error: OUT is an empty path, which would write the export into the current directory" in (
+        capsys.readouterr().err)
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
