@@ -39,9 +39,10 @@ $(VERSES): $(STAMP) data/kjv.txt.xz tools/kjv_verses.py
 $(KJV_BPE): $(VERSES) tools/train_tokenizer.py
 	$(BIN)/python tools/train_tokenizer.py --input $(VERSES) --vocab-size $(KJV_VOCAB) --out $(dir $(KJV_BPE))
 
+# --force: a rebuild replaces the token files an earlier one wrote.
 $(CORPUS): $(KJV_BPE) $(VERSES) tools/tokenize_text.py
 	$(BIN)/python tools/tokenize_text.py --input $(VERSES) --out $(dir $(CORPUS)) \
-	    --tokenizer kjv-bpe --val-fraction 0.01
+	    --tokenizer kjv-bpe --val-fraction 0.01 --force
 
 quickstart: $(CORPUS)
 	$(BIN)/python examples/quickstart.py --data $(dir $(CORPUS)) --tokenizer kjv-bpe
@@ -49,7 +50,7 @@ quickstart: $(CORPUS)
 # The same example with GPT-2's 50,257-id vocabulary: the guide's tokenizer, a slower step.
 $(GPT2_CORPUS): $(GPT2) $(VERSES) tools/tokenize_text.py
 	$(BIN)/python tools/tokenize_text.py --input $(VERSES) --out $(dir $(GPT2_CORPUS)) \
-	    --tokenizer gpt2 --val-fraction 0.01
+	    --tokenizer gpt2 --val-fraction 0.01 --force
 
 quickstart-gpt2: $(GPT2_CORPUS)
 	$(BIN)/python examples/quickstart.py --data $(dir $(GPT2_CORPUS)) --tokenizer gpt2

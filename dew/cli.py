@@ -27,7 +27,7 @@ import tyro
 from tyro.conf import Positional
 
 def tokenize(input: str, out: str, tokenizer: str, val_fraction: float = 0.01, workers: int | None = None,
-             eos_between_files: bool = False) -> None:
+             eos_between_files: bool = False, force: bool = False) -> None:
     """Tokenize text into train.bin, val.bin and meta.json, the token files a run trains on.
 
     Args:
@@ -37,15 +37,19 @@ def tokenize(input: str, out: str, tokenizer: str, val_fraction: float = 0.01, w
         val_fraction: The share of the tokens, from the start, held out as val.bin.
         workers: Tokenizing processes (None: every core).
         eos_between_files: Put the tokenizer's EOS id between consecutive input files.
+        force: Replace the token files already in OUT (without it they are refused).
     """
-    from dew.data.tokenize import tokenize_text
+    from dew.data.tokenize import existing_token_files, tokenize_text
 
     started = time.perf_counter()
-    meta = tokenize_text(input, out, tokenizer, val_fraction, workers, eos_between_files=eos_between_files)
+    replaced = existing_token_files(out) if force and out else None
+    meta = tokenize_text(input, out, tokenizer, val_fraction, workers, eos_between_files=eos_between_files,
+                         force=force)
     tokens = meta["train_tokens"] + meta["val_tokens"]
     seconds = time.perf_counter() - started
     print(f"{out}: {tokens:,} tokens ({meta['val_tokens']:,} val, {meta['dtype']}, {meta['tokenizer']}) "
-          f"in {seconds:.1f} s, {tokens / max(seconds, 1e-9):,.0f} tokens/s")
+          f"in {seconds:.1f} s, {tokens / max(seconds, 1e-9):,.0f} tokens/s"
+          + (f"; they replace the {replaced} it held" if replaced else ""))
 
 
 def plot(runs: Positional[Annotated[tuple[str, ...], tyro.conf.arg(metavar="RUN [RUN ...]")]], out: str) -> None:
@@ -81,7 +85,8 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
         repetition_penalty: Divide the positive logits (multiply the negative ones) of tokens already in
             the text by this; 1 changes nothing.
         seed: The sampling seed.
-        n: Continuations of the prompt; with more than one they print when all are done.
+        n: Continuations of the prompt; with more than one they print when all are done. As many as fit
+            in memory beside the weights (more are refused, naming the most that fit).
         live: Use a run's live weights instead of its moving average.
         quantize: int8 holds the weights as 8-bit integers (a quarter of float32's bytes), for faster
             decoding on a CPU.
@@ -182,25 +187,29 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
 
 def export(run: Positional[Annotated[str, tyro.conf.arg(metavar="RUN")]],
            out: Positional[Annotated[str, tyro.conf.arg(metavar="OUT")]], live: bool = False,
-           step: int | None = None) -> None:
+           step: int | None = None, force: bool = False) -> None:
     """Write a trained run as a transformers checkpoint (config.json of the family that computes it,
     safetensors, tokenizer files, generation_config.json), which transformers, vLLM and dew serve load.
 
     Args:
         run: A run directory (holding run.json), or one of its checkpoints (RUN/checkpoints/STEP).
-        out: The directory to write (an earlier export there is replaced atomically).
+        out: The directory to write: a new or empty one, outside the run directory.
         live: Export the live weights instead of the moving average.
         step: The checkpoint to export (default: the newest that reads).
+        force: Write into an OUT that holds files: an earlier export there is replaced atomically, other
+            files are kept.
     """
     import json
     from pathlib import Path
 
-    from dew.recipes.export import export_run
+    from dew.recipes.export import export_run, replaced_by_export
 
-    directory = export_run(run, out, ema=not live, step=step)
+    replaced = replaced_by_export(out) if force and out else []
+    directory = export_run(run, out, ema=not live, step=step, force=force)
     family = json.loads((Path(directory) / "config.json").read_text())["model_type"]
     print(f"wrote {directory} ({family}): transformers.AutoModelForCausalLM.from_pretrained({str(directory)!r}) "
-          f"loads it; so do `vllm serve {directory}` and `dew serve {directory}`")
+          f"loads it; so do `vllm serve {directory}` and `dew serve {directory}`"
+          + (f"; it replaces the {', '.join(replaced)} that {out} held" if replaced else ""))
 
 
 def _number(value, digits: int = 4) -> str:

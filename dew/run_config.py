@@ -67,9 +67,12 @@ class ModelConfig:
 
 _SCHEDULES = ("cosine", "linear", "constant")
 # The settings --trainer.allow-changes may name: the optimizer's, which a checkpoint's optimizer
-# state serves unchanged. The model, the data and the run's length never change within a run.
-RESUMABLE_CHANGES = tuple(f"optim.{name}" for name in ("learning_rate", "schedule", "warmup_steps", "final_fraction",
-                                                      "weight_decay", "clip_grads", "b1", "b2", "eps"))
+# state serves unchanged, and the data's contents (data.fingerprint, run.json's record of them) when
+# their shape (meta.json) is the same, so the checkpoint's data position still points into them. The
+# model, the data's shape and the run's length never change within a run.
+RESUMABLE_CHANGES = (*(f"optim.{name}" for name in ("learning_rate", "schedule", "warmup_steps", "final_fraction",
+                                                    "weight_decay", "clip_grads", "b1", "b2", "eps")),
+                     "data.fingerprint")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +169,7 @@ class TrainerConfig:
     batch: int = 32
     """Rows per global batch."""
     val_batch: int | None = None
-    """Rows per validation batch; None uses batch."""
+    """Rows per validation batch, at most the validation rows; None uses batch (all the validation rows as one batch when they are fewer)."""
     log_every: int = 50
     """Steps between logged training lines."""
     eval_every: int | None = 500
@@ -182,7 +185,7 @@ class TrainerConfig:
     mesh: MeshSpec = MeshSpec()
     layout: Layout = Layout()
     allow_changes: tuple[str, ...] = ()
-    """Optimizer settings a rerun may change (e.g. optim.learning-rate): the run continues from its last checkpoint with the new values, and run.json records each change and the step it took effect at."""
+    """Optimizer settings a rerun may change (e.g. optim.learning-rate), or data.fingerprint to go on with data whose contents changed: the run continues from its last checkpoint with the new values, and run.json records each change and the step it took effect at."""
     wandb: str | None = None
     """A Weights & Biases project to log to as well; None (the default) logs to none."""
     wandb_mode: Literal["offline", "online"] = "offline"
@@ -200,9 +203,9 @@ class TrainerConfig:
         unknown = [name for name in names if name not in RESUMABLE_CHANGES]
         if unknown:
             raise ValueError(
-                f"trainer.allow_changes names {unknown}; a run may change only its optimizer settings "
-                f"({', '.join(name.replace('_', '-') for name in RESUMABLE_CHANGES)}): a different model or data "
-                "is a new run, in a new --trainer.run-dir"
+                f"trainer.allow_changes names {unknown}; a run may change only its optimizer settings and its "
+                f"data's contents ({', '.join(name.replace('_', '-') for name in RESUMABLE_CHANGES)}): a different "
+                "model or data of another shape is a new run, in a new --trainer.run-dir"
             )
         object.__setattr__(self, "allow_changes", names)
         if self.wandb is None and self.wandb_mode != "offline":

@@ -29,7 +29,7 @@ def _tiny(token_dir, run_dir, *extra: str) -> list[str]:  # noqa: F811
     return [*recipe_args(token_dir, run_dir, *extra, steps=2), "--model.config", ONE_LAYER]
 
 
-# (id, argv with {tokens} {run} {work} {damaged} {locked} {blocked} {bad_json} {empty_run} filled in,
+# (id, argv with {tokens} {corpus} {run} {work} {damaged} {locked} {blocked} {bad_json} {empty_run} filled in,
 #  exit status, kind, what stderr says). kind: "error" one line, "box" tyro's box, "warning" a
 #  warning line and exit 0.
 CASES = [
@@ -38,6 +38,10 @@ CASES = [
     ("plot-missing-run", ["plot", "{work}", "--out", "{work}/curves.png"], 2, "error", "holds no run.json"),
     ("tokenize-missing-input", ["tokenize", "--input", "{work}/missing.txt", "--out", "{work}/tokens",
                                 "--tokenizer", "byte"], 2, "error", "missing.txt"),
+    ("tokenize-empty-out", ["tokenize", "--input", "{corpus}", "--out", "", "--tokenizer", "byte"], 2, "error",
+     "out is an empty path, which would write the token files into the current directory"),
+    ("export-into-the-run", ["export", "{run}", "{run}", "--force"], 2, "error",
+     "OUT {run} is the run directory: an export there would write over the run's own files"),
     ("generate-missing-run", ["generate", "{work}/runs/sigg", "--prompt", "x"], 2, "error", "runs/sigg"),
     ("generate-missing-step", ["generate", "{run}/checkpoints/99", "--prompt", "x"], 2, "error",
      "holds no complete checkpoint at step 99; it holds steps [2]"),
@@ -45,6 +49,9 @@ CASES = [
      "temperature is nan; it must be a finite number"),
     ("generate-too-long", ["generate", "{run}", "--prompt", "x", "--max-new-tokens", "1000"], 2, "error",
      "beyond the model's max_seq_len 64"),
+    ("generate-rows-beyond-memory", ["generate", "{run}", "--prompt", "x", "--max-new-tokens", "4", "--n",
+                                     "1000000000"], 2, "error",
+     "n 1,000,000,000 continuations of 1 prompt(s) are 1,000,000,000 rows, which would hold about"),
     ("generate-no-checkpoint", ["generate", "{empty_run}", "--prompt", "x"], 2, "error", "has no checkpoint yet"),
     ("generate-malformed-run-json", ["generate", "{bad_json}", "--prompt", "x"], 2, "error",
      "run.json is not valid JSON"),
@@ -60,6 +67,9 @@ CASES = [
      "--trainer.batch 3 does not split into --trainer.accumulation 2"),
     ("train-other-tokenizer", ["train", *_tiny("{tokens}", "{work}/r5"), "--tokenizer", "gpt2"], 2, "error",
      "is not the tokenizer 'byte' that wrote"),
+    ("train-val-batch-above-the-windows", ["train", *_tiny("{tokens}", "{work}/r6"), "--trainer.eval-every", "2",
+                                           "--trainer.val-batch", "1000"], 2, "error",
+     "val_batch 1000 (--trainer.val-batch) is more than the"),
     ("train-run-dir-under-a-file", ["train", *_tiny("{tokens}", "{blocked}/run")], 2, "error",
      "Not a directory"),
     ("train-held-run-dir", ["train", *_tiny("{tokens}", "{locked}")], 1, "error", "is held by process"),
@@ -102,7 +112,8 @@ def places(token_dir, tmp_path_factory):  # noqa: F811
          "handle.write(json.dumps({'pid': os.getpid(), 'host': 'here', 'since': 'now'}))\nhandle.flush()\n"
          "print('held', flush=True)\ntime.sleep(600)\n", str(locked / "run.lock")], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
-    yield {"work": work, "tokens": token_dir, "run": run, "damaged": damaged, "bad_json": bad_json,
+    corpus = os.path.join(os.path.dirname(token_dir), "corpus.txt")  # the text the token files hold
+    yield {"work": work, "tokens": token_dir, "corpus": corpus, "run": run, "damaged": damaged, "bad_json": bad_json,
            "empty_run": empty_run, "blocked": work / "blocked", "locked": locked, "holder": holder.pid}
     holder.kill()
     holder.wait(timeout=30)

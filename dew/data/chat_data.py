@@ -14,6 +14,7 @@ A conversation longer than a row is refused by default (`overlong="refuse"`, nam
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,7 +26,7 @@ import numpy as np
 from dew.data.chat import Role, encode_chat, template_of
 from dew.data.dataset import Batch, Dataset, Partition
 from dew.data.tokenizers import load_tokenizer, tokenizer_name
-from dew.data.windows import _IN_THREAD, _rows, _val_rows
+from dew.data.windows import _IN_THREAD, _rows, _val_rows, check_val_batch
 
 TEXT = "text"
 SEGMENTS, POSITIONS, ROLES = f"{TEXT}_segment_ids", f"{TEXT}_positions", f"{TEXT}_roles"
@@ -159,14 +160,32 @@ class ChatData:
                       .batch(batch).map(_ReadRows(train, _rows(batch, partition))))
             return iter(stream.to_iter_dataset(_IN_THREAD))
 
-        val = None
+        val, val_rows = None, None
         if self.val_path is not None:
-            val = _val_batches(chat_rows(self.encode(self.val_path, tokenizer, template), width, self.pack),
-                               _val_rows(batch, val_batch))
+            val_rows = chat_rows(self.encode(self.val_path, tokenizer, template), width, self.pack)
+            check_val_batch(val_batch, len(val_rows[TEXT]), f"rows of seq_len {self.seq_len} + 1 the validation "
+                            f"conversations of {self.val_path} fill", "add validation conversations")
+            val = _val_batches(val_rows, _val_rows(batch, val_batch))
         meta = {"tokenizer": tokenizer_name(self.tokenizer), "vocab_size": tokenizer.vocab_size,
                 "eos_id": tokenizer.eos_id, "seq_len": self.seq_len, "template": template.source,
-                "rows": count, "assistant_tokens": learned}
+                "rows": count, "assistant_tokens": learned, "fingerprint": rows_fingerprint(train, val_rows)}
         return Dataset(train=train_batches, val=val, records=count, batch=batch, meta=meta)
+
+
+def rows_fingerprint(train: dict[str, np.ndarray], val: dict[str, np.ndarray] | None) -> str:
+    """A hash of the rows a run trains and validates on (every key, shape and id): 32 hex digits.
+
+    The rows are in memory once `load` has read the conversations, so it hashes them whole: any change
+    to a conversation, the chat template or the tokenizer that changes a row is caught; one that
+    leaves every row as it was (JSON spacing, the order of a message's keys) is the same data.
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    for split, rows in (("train", train), ("val", val or {})):
+        for key in sorted(rows):
+            values = np.ascontiguousarray(rows[key], np.int32)
+            digest.update(f"{split} {key} {values.shape}\n".encode())
+            digest.update(values.tobytes())
+    return digest.hexdigest()
 
 
 def _val_batches(rows: dict[str, np.ndarray], val_batch: int) -> Callable[[Partition], Iterator[Batch]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -41,6 +42,8 @@ _WRITER = "`dew tokenize` (tools/tokenize_text.py)"
 _CHECK_TOKENS = 1 << 24
 # A writer's files live in `<out>/.staging-XXXXXXXX/` until `commit_staged` moves them into `out`.
 STAGING_PREFIX = ".staging-"
+# A fingerprint reads this many blocks of this many bytes of each .bin file (1 MiB), or the whole file.
+FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK = 256, 4096
 
 
 def _whole(value) -> bool:
@@ -167,6 +170,32 @@ def check_ids(path: str | os.PathLike, split: str, meta: dict[str, Any]) -> None
                 f"{meta['tokenizer']!r}; rewrite it with `dew tokenize --input TEXT --out {path} "
                 f"--tokenizer {meta['tokenizer']}`"
             )
+
+
+def fingerprint(path: str | os.PathLike, meta: dict[str, Any]) -> str:
+    """A hash that tells these token files from others, cheap for files of any size: 32 hex digits.
+
+    It hashes meta.json's record (`meta`), each .bin file's size, and 256 blocks of 4 KiB of each
+    .bin file at evenly spaced offsets from its first byte to its last (the whole file when it is
+    1 MiB or less), so it reads at most 2 MiB. It catches other meta.json counts or tokenizer, other
+    sizes, any change to a file of up to 1 MiB, and a replacement by other data of the same size
+    (other text, or the same text tokenized or split another way, differs in nearly every block).
+    It cannot catch a change confined to the bytes between the blocks of a larger file, such as a
+    few documents edited in place.
+    """
+    digest = hashlib.blake2b(json.dumps(meta, sort_keys=True).encode(), digest_size=16)
+    for split in SPLITS:
+        with open(split_path(path, split), "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            digest.update(f"{split}.bin {size}\n".encode())
+            if size <= FINGERPRINT_BLOCKS * FINGERPRINT_BLOCK:
+                offsets = range(0, size, FINGERPRINT_BLOCK)
+            else:
+                last = size - FINGERPRINT_BLOCK
+                offsets = (last * index // (FINGERPRINT_BLOCKS - 1) for index in range(FINGERPRINT_BLOCKS))
+            for offset in offsets:
+                digest.update(os.pread(handle.fileno(), FINGERPRINT_BLOCK, offset))
+    return digest.hexdigest()
 
 
 def open_split(path: str | os.PathLike, split: str, meta: dict[str, Any] | None = None) -> np.ndarray:

@@ -14,6 +14,7 @@ import codecs
 import contextlib
 import errno
 import gzip
+import json
 import lzma
 import multiprocessing
 import os
@@ -26,7 +27,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from dew.data.token_files import (SPLITS, commit_staged, dtype_for_vocab, make_meta, split_path,
+from dew.data.token_files import (META, SPLITS, commit_staged, dtype_for_vocab, make_meta, split_path,
                                   staging_directory, write_meta)
 from dew.data.tokenizers import Tokenizer, load_tokenizer
 
@@ -41,6 +42,9 @@ _DECOMPRESSION_ERRORS = (EOFError, lzma.LZMAError, gzip.BadGzipFile, zlib.error)
 
 def input_files(input: str | os.PathLike) -> list[Path]:
     """The files to read: `input` itself, or every *.txt (also .txt.xz, .txt.gz) under it, sorted."""
+    if os.fspath(input) == "":
+        raise ValueError("input is an empty path, which would read every text file under the current directory: "
+                         "name the text file or directory to tokenize (--input)")
     path = Path(input)
     if path.is_file():
         return [path]
@@ -212,6 +216,21 @@ def _encoded_chunks(files: list[Path], tokenizer: Tokenizer, workers: int, chunk
             yield head if isinstance(head, np.ndarray) else head.get()
 
 
+def existing_token_files(out: str | os.PathLike) -> str | None:
+    """What `out` already holds of a set of token files, in words (meta.json's counts and tokenizer when
+    it reads), or None when it holds none of train.bin, val.bin and meta.json."""
+    out = Path(out)
+    held = [name for name in (*(split_path(out, split).name for split in SPLITS), META) if (out / name).exists()]
+    if not held:
+        return None
+    try:
+        meta = json.loads((out / META).read_text(encoding="utf-8"))
+        return (f"token files of {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens, tokenizer "
+                f"{meta['tokenizer']!r}")
+    except (OSError, ValueError, KeyError, TypeError):  # no meta.json, or not one a writer left whole
+        return ", ".join(held)
+
+
 def _cores() -> int:
     """The cores this process may run on (all of them where the OS cannot say)."""
     if hasattr(os, "sched_getaffinity"):  # Linux
@@ -324,7 +343,7 @@ def _write_tokens(chunks: Iterator[np.ndarray], staging: Path, out: Path, itemsi
 def tokenize_text(input: str | os.PathLike, out: str | os.PathLike, tokenizer: str | Tokenizer,
                   val_fraction: float = 0.01, workers: int | None = None, *,
                   eos_between_files: bool = False, chunk_bytes: int = CHUNK_BYTES,
-                  progress: bool | None = None) -> dict[str, Any]:
+                  progress: bool | None = None, force: bool = False) -> dict[str, Any]:
     """Tokenize a text file or directory into `out`/train.bin, val.bin and meta.json.
 
     `tokenizer` is "byte", a Hugging Face tokenizer name or path, or a tokenizer object.
@@ -336,9 +355,11 @@ def tokenize_text(input: str | os.PathLike, out: str | os.PathLike, tokenizer: s
     the total, tokens written) is shown with `progress=True`, or by default when stderr is a
     terminal.
 
-    The new files replace those in `out` only once all three are written: an input that is not
-    UTF-8, truncated or holds no text (ValueError), a failed write (OSError), Ctrl-C or SIGTERM
-    leave `out` as it was and remove this call's staging files. A SIGKILLed call's staging
+    Token files already in `out` are refused, naming them (`existing_token_files`), unless `force`
+    asks to replace them; an empty `out` is refused rather than read as the current directory. The
+    new files replace the old ones only once all three are written: an input that is not UTF-8,
+    truncated or holds no text (ValueError), a failed write (OSError), Ctrl-C or SIGTERM leave
+    `out` as it was and remove this call's staging files. A SIGKILLed call's staging
     directory is removed by the next call that writes to `out`.
     """
     if not 0 <= val_fraction < 1:
@@ -348,6 +369,13 @@ def tokenize_text(input: str | os.PathLike, out: str | os.PathLike, tokenizer: s
         raise ValueError(f"workers is {workers}: tokenizing needs at least 1 process")
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes is {chunk_bytes}: chunks need at least 1 byte")
+    if os.fspath(out) == "":
+        raise ValueError("out is an empty path, which would write the token files into the current directory: name "
+                         "the directory for train.bin, val.bin and meta.json (--out)")
+    held = existing_token_files(out)
+    if held is not None and not force:
+        raise FileExistsError(f"{out} already holds {held}: pass --force (force=True) to replace them, or choose "
+                              "another --out")
     tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     if eos_between_files and tokenizer.eos_id is None:
         raise ValueError(

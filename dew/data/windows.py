@@ -11,6 +11,7 @@ the model's vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from absl import flags
 from grain.experimental import FirstFitPackIterDataset, ThreadPrefetchIterDataset
 
 from dew.data.dataset import Batch, Dataset, Partition
-from dew.data.token_files import open_split, read_meta
+from dew.data.token_files import fingerprint, open_split, read_meta
 from dew.data.tokenizers import same_tokenizer, tokenizer_name
 
 TEXT = "text"
@@ -120,7 +121,7 @@ def _rows(batch: int, partition: Partition, what: str = "batch") -> slice:
 
 
 def _open(path: str, seq_len: int, seed: int, tokenizer: str | None) -> dict[str, Any]:
-    """meta.json of `path`, checked against the spec's own fields."""
+    """meta.json of `path`, checked against the spec's own fields, with the files' `fingerprint`."""
     if seq_len < 1:
         raise ValueError(f"seq_len is {seq_len}: a window needs at least 1 input token")
     if not 0 <= seed < 2**32:
@@ -132,13 +133,21 @@ def _open(path: str, seq_len: int, seed: int, tokenizer: str | None) -> dict[str
             f"{tokenizer_name(tokenizer)!r}: pass tokenizer={meta['tokenizer']!r}, or rewrite the "
             f"files with `dew tokenize --tokenizer {tokenizer}`"
         )
-    return meta
+    return {**meta, "fingerprint": fingerprint(path, meta)}
 
 
 def _val_rows(batch: int, val_batch: int | None) -> int:
     if val_batch is not None and val_batch < 1:
         raise ValueError(f"val_batch is {val_batch}: use at least 1 row, or None for `batch`")
     return batch if val_batch is None else val_batch
+
+
+def check_val_batch(val_batch: int | None, rows: int, what: str, fix: str) -> None:
+    """Refuse a `val_batch` asked for (not the default, `batch`, which reads fewer rows as one batch)
+    above the `rows` the validation split holds; `what` names those rows, `fix` how to get more."""
+    if val_batch is not None and val_batch > rows:
+        raise ValueError(f"val_batch {val_batch} (--trainer.val-batch) is more than the {rows} {what}, so no "
+                         f"batch of it could be read: pass --trainer.val-batch {rows} or fewer, or {fix}")
 
 
 def _too_small(path: str, tokens: int, units: str, have: int, need: int, fix: str) -> ValueError:
@@ -184,10 +193,11 @@ class TokenWindows:
                       .batch(batch).map(_ReadWindows(train, self.seq_len, _rows(batch, partition))))
             return iter(self.loading.apply(stream.to_iter_dataset(_IN_THREAD)))
 
-        return Dataset(train=train_batches, val=self._val(meta, _val_rows(batch, val_batch)),
+        return Dataset(train=train_batches, val=self._val(meta, batch, val_batch),
                        records=windows, batch=batch, meta={**meta, "seq_len": self.seq_len})
 
-    def _val(self, meta: dict[str, Any], val_batch: int) -> Callable[[Partition], Iterator[Batch]] | None:
+    def _val(self, meta: dict[str, Any], batch: int,
+             val_batch: int | None) -> Callable[[Partition], Iterator[Batch]] | None:
         val = _Tokens(Path(self.path), "val", meta)
         if val.count == 0:
             return None
@@ -198,6 +208,10 @@ class TokenWindows:
                 f"{self.seq_len + 1}: tokenize with a larger --val-fraction (or 0 for no "
                 f"validation), or use a smaller seq_len"
             )
+        check_val_batch(val_batch, windows,
+                        f"validation windows of {self.path} ({val.count:,} val.bin tokens in windows of "
+                        f"seq_len {self.seq_len} + 1)", "tokenize with a larger --val-fraction")
+        val_batch = _val_rows(batch, val_batch)
         # A split smaller than one batch is read as a single batch of all its windows.
         full = windows >= val_batch
         batches = windows // val_batch if full else 1
@@ -302,6 +316,13 @@ class PackedTokens:
         val = _Tokens(Path(self.path), "val", meta)
         val_pieces = _pieces(val.array, eos_id, width)
         val_rows = _val_rows(batch, val_batch)
+        if val.count and val_batch is not None:
+            # Packing stops at the first full batch, so this reads at most one batch's documents.
+            pieces = grain.MapDataset.range(len(val_pieces)).map(_ReadPiece(val, val_pieces))
+            packed = sum(1 for _ in itertools.islice(_pack(pieces, val_rows, width), val_rows))
+            check_val_batch(val_batch, packed,
+                            f"rows of seq_len {self.seq_len} + 1 the {val.count:,} val.bin tokens of "
+                            f"{self.path} pack into", "tokenize with a larger --val-fraction")
 
         def val_batches(partition: Partition) -> Iterator[Batch]:
             pieces = grain.MapDataset.range(len(val_pieces)).map(_ReadPiece(val, val_pieces))

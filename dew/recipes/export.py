@@ -16,22 +16,70 @@ from pathlib import Path
 
 from dew.data.tokenizers import ByteTokenizer, HFTokenizer
 from dew.interop import save_pretrained
+from dew.interop.hub import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES
+from dew.interop.safetensors_files import INDEX, SINGLE, read_index
 from dew.runs.pipeline import pipeline, run_of
+from dew.runs.run_dir import CHECKPOINTS, RUN_JSON
 
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = True, step: int | None = None) -> Path:
+def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = True, step: int | None = None,
+               force: bool = False) -> Path:
     """Write run directory (or checkpoint directory) `run` at `step` (default the newest) as a transformers
-    checkpoint in `out`: the averaged weights when `ema` and the run keeps them, else the live ones."""
-    if run_of(Path(run))[0] is None:
+    checkpoint in `out`: the averaged weights when `ema` and the run keeps them, else the live ones.
+
+    `out` is a new or empty directory; one that holds anything is refused unless `force`, and then
+    the files `replaced_by_export` names are replaced (an earlier export's, atomically) and the others
+    kept. A run directory, and the checkpoints inside one, are refused whatever `force` says.
+    """
+    source = run_of(Path(run))[0]
+    if source is None:
         raise FileNotFoundError(f"{run} is not a run directory (it holds no run.json, nor is it RUN/checkpoints/STEP): "
                                 "dew export writes a trained run; a loaded checkpoint saves with Pretrained.save")
+    _check_target(source, out, force)
     task = pipeline(run, ema=ema, step=step)
     with tempfile.TemporaryDirectory(prefix="dew-export-tokenizer-") as staging:
         tokenizer_dir = tokenizer_files(task.tokenizer, Path(staging), task.model.config.max_seq_len)
         return save_pretrained(task.model, task.params, out, tokenizer_dir=tokenizer_dir, generation=task.sampling,
                                max_new_tokens=task.max_new_tokens)
+
+
+def replaced_by_export(out: str | os.PathLike) -> list[str]:
+    """The entries of `out` an export written there replaces, sorted: the files it writes (config.json,
+    generation_config.json, the tokenizer's, the weights) and the weight shards an earlier export's index
+    names, which the new export removes."""
+    out = Path(out)
+    if not out.is_dir():
+        return []
+    names = {CONFIG, GENERATION_CONFIG, *TOKENIZER_FILES, SINGLE, INDEX}
+    try:
+        names.update(read_index(out / INDEX).values())
+    except (OSError, ValueError):  # no index, or one the save replaces without knowing its shards
+        pass
+    return sorted(entry.name for entry in out.iterdir() if entry.name in names)
+
+
+def _check_target(run: Path, out: str | os.PathLike, force: bool) -> None:
+    """Refuse an empty `out`, one that is a run directory or inside a run's checkpoints, and, unless
+    `force`, a directory that holds anything."""
+    if os.fspath(out) == "":
+        raise ValueError("OUT is an empty path, which would write the export into the current directory: name a new "
+                         "or empty directory")
+    out = Path(out)
+    if (out / RUN_JSON).is_file() or out.resolve().is_relative_to((run / CHECKPOINTS).resolve()):
+        what = "the run directory" if out.resolve() == run.resolve() else (
+            "a run directory" if (out / RUN_JSON).is_file() else f"inside {run}'s checkpoints")
+        raise ValueError(f"OUT {out} is {what}: an export there would write over the run's own files (its "
+                         "tokenizer.json, its checkpoints); choose a directory outside the run, e.g. "
+                         f"{run.parent / (run.name + '-hf')}")
+    entries = sorted(entry.name for entry in out.iterdir()) if out.is_dir() else []
+    if entries and not force:
+        replaced = replaced_by_export(out)
+        shown = ", ".join(entries[:8]) + (f" and {len(entries) - 8} more" if len(entries) > 8 else "")
+        effect = (f"it would replace {', '.join(replaced)}" if replaced else "nothing there would be replaced")
+        raise FileExistsError(f"OUT {out} is not empty (it holds {shown}): pass --force to write the export there "
+                              f"({effect}; the rest stays), or choose a new or empty directory")
 
 
 def tokenizer_files(tokenizer, staging: Path, max_length: int) -> Path:

@@ -14,8 +14,10 @@
     RUN/adapter/                 a LoRA run's adapters in PEFT's format, written when it finishes
 
 run.json's `settings` is the command's config as JSON, its paths made absolute; `model` the model's
-resolved keywords; `tokenizer`, `generation` what generation from the run needs; `changes` the
-settings a rerun changed with --trainer.allow-changes, each with the step it took effect at.
+resolved keywords; `data` the data's shape (meta.json's record, seq_len) and its `fingerprint`, a
+hash of its contents (`dew.data.token_files.fingerprint`, `dew.data.chat_data.rows_fingerprint`);
+`tokenizer`, `generation` what generation from the run needs; `changes` what a rerun changed with
+--trainer.allow-changes (settings, or the data's fingerprint), each with the step it took effect at.
 """
 
 from __future__ import annotations
@@ -44,8 +46,12 @@ from dew.training.trackers import METRICS, read_jsonl
 RUN_JSON, STATUS, CHECKPOINTS = "run.json", "status.json", "checkpoints"
 TOKENIZER = "tokenizer.json"
 # 2: settings' paths are absolute, so a rerun from another directory compares the same files; the
-# run keeps a copy of its tokenizer.
-FORMAT = 2
+# run keeps a copy of its tokenizer. 3: `data` holds the data's fingerprint.
+FORMAT = 3
+# run.json's record of the data's contents: a rerun on other contents is refused unless
+# --trainer.allow-changes names it. A run from before format 3 records none, and takes the data's
+# fingerprint as it is at its next rerun.
+FINGERPRINT = "data.fingerprint"
 
 # What a rerun may change: these decide what is logged and kept, not what is trained.
 MAY_CHANGE = ("trainer.run_dir", "trainer.log_every", "trainer.eval_every", "trainer.val_batch",
@@ -114,6 +120,19 @@ def _flag(name: str) -> str:
     return name
 
 
+def _short(name: str) -> str:
+    """A run.json path as --trainer.allow-changes names it: `settings.optim.b1` -> `optim.b1`."""
+    return name.removeprefix("settings.")
+
+
+def _set(record: dict[str, Any], name: str, value: Any) -> None:
+    """Set the value at the dotted path `name` of `record` (its parents exist)."""
+    *parents, leaf = name.split(".")
+    for part in parents:
+        record = record[part]
+    record[leaf] = value
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
@@ -176,10 +195,11 @@ class RunDirectory:
         Refuses, writing nothing, a path that is not a directory or a directory holding something
         other than a run; then takes the lock (`RunLocked` names the process that has it). A new run
         writes run.json with the package versions and the time. An existing one must agree with
-        `record` in every setting but those in MAY_CHANGE and the optimizer settings named in
-        `allow_changes` (RESUMABLE_CHANGES, e.g. "optim.learning_rate"), else `RunMismatch` says what
-        differs. An allowed change is written into run.json's settings and appended to its `changes`
-        with the step of the checkpoint it continues from. `keep` maps file names to the files the
+        `record` in every setting but those in MAY_CHANGE, and in its data's shape and fingerprint,
+        but for what `allow_changes` names (RESUMABLE_CHANGES: optimizer settings such as
+        "optim.learning_rate", or "data.fingerprint"), else `RunMismatch` says what differs. An
+        allowed change is written into run.json and appended to its `changes` with the step of the
+        checkpoint it continues from. `keep` maps file names to the files the
         run keeps a copy of (its tokenizer's): copied when missing, and a tokenizer.json that differs
         from the run's copy is refused. Returns notes on what differs harmlessly (package versions)
         and on the changes made.
@@ -213,6 +233,9 @@ class RunDirectory:
     def _compare(self, record: dict[str, Any], saved: dict[str, Any], allow_changes: Sequence[str]) -> list[str]:
         """Refuse a record that differs from the run's beyond what may change; apply allowed changes."""
         ours, theirs = _compared(record), _compared(saved)
+        unrecorded = FINGERPRINT in ours and FINGERPRINT not in theirs
+        if unrecorded:
+            theirs[FINGERPRINT] = ours[FINGERPRINT]
         differing = [name for name in sorted(set(ours) | set(theirs))
                      if ours.get(name) != theirs.get(name) and name.removeprefix("settings.") not in MAY_CHANGE]
         allowed = [name for name in differing if name.removeprefix("settings.") in allow_changes]
@@ -220,13 +243,12 @@ class RunDirectory:
         # What the command says first; what follows from it (the built model) only when it says the same.
         differing = [name for name in differing if name.startswith("settings.")] or differing
         if differing:
-            differences = [f"  {_flag(name)}: the run has {json.dumps(theirs.get(name))}, "
-                           f"this command {json.dumps(ours.get(name))}" for name in differing]
+            differences = [self._difference(name, theirs.get(name), ours.get(name), record) for name in differing]
             latest = saved.get("changes", [{}])[-1].get("command") or saved.get("command")
             started = shlex.join(latest) if latest else "(not recorded)"
             changeable = [name.removeprefix("settings.") for name in differing
                           if name.removeprefix("settings.") in RESUMABLE_CHANGES]
-            continuing = (f"\nTo continue this run from its last checkpoint with the new value, add "
+            continuing = (f"\nTo continue this run from its last checkpoint as this command describes it, add "
                           f"--trainer.allow-changes {' '.join(name.replace('_', '-') for name in changeable)}."
                           if len(changeable) == len(differing) else "")
             raise RunMismatch(
@@ -234,36 +256,52 @@ class RunDirectory:
                 f"\nThe run was started with: {started}\nRerun that command to resume it, or start a new run "
                 f"with --trainer.run-dir NEW_DIRECTORY (or delete {self.path} to start this one over)." + continuing
             )
-        unchanged = [name for name in allow_changes if f"settings.{name}" not in allowed]
+        changed = {_short(name) for name in allowed}
         notes = [f"--trainer.allow-changes {name.replace('_', '-')}: the run already has this value"
-                 for name in unchanged]
+                 for name in allow_changes if name not in changed]
+        if unrecorded:
+            _set(saved, FINGERPRINT, ours[FINGERPRINT])
+            notes.append(f"{self.path / RUN_JSON} recorded no fingerprint of the data (the run started before runs "
+                         f"kept one): it now records that of the data as it is, {ours[FINGERPRINT]}, which later "
+                         "reruns must match")
         if allowed:
-            notes.append(self._change(saved, record, [name.removeprefix("settings.") for name in allowed]))
+            notes.append(self._change(saved, record, allowed))
+        if allowed or unrecorded:
+            _write_json(self.path / RUN_JSON, saved)
         return notes
 
+    @staticmethod
+    def _difference(name: str, theirs: Any, ours: Any, record: dict[str, Any]) -> str:
+        """One line of a refusal: what the run has and what the command has for `name`."""
+        if name == FINGERPRINT:
+            path = record.get("settings", {}).get("data", {}).get("path")
+            return (f"  --data.path {path}: its contents are not those the run trained on (their fingerprint "
+                    f"was {theirs}, now {ours}): the files were replaced or changed")
+        return f"  {_flag(name)}: the run has {json.dumps(theirs)}, this command {json.dumps(ours)}"
+
     def _change(self, saved: dict[str, Any], record: dict[str, Any], names: list[str]) -> str:
-        """Write `names`' new values from `record` into run.json, with the step they take effect at."""
-        values = {name: (flatten(saved["settings"]).get(name), flatten(record["settings"]).get(name)) for name in names}
-        if "optim.clip_grads" in values and None in values["optim.clip_grads"]:
+        """Set `names`' (run.json paths: settings.optim.learning_rate, data.fingerprint) new values from
+        `record` in `saved`, appending the change and the step it takes effect at to its `changes`."""
+        values = {name: (flatten(saved).get(name), flatten(record).get(name)) for name in names}
+        clip = values.get("settings.optim.clip_grads")
+        if clip is not None and None in clip:
             raise RunMismatch(
-                f"{self.path}: optim.clip_grads cannot change between {values['optim.clip_grads'][0]} and "
-                f"{values['optim.clip_grads'][1]} within a run (clipping adds a step to the optimizer, so the "
-                "checkpoint's optimizer state no longer fits): change it between two norms, or start a new run"
+                f"{self.path}: optim.clip_grads cannot change between {clip[0]} and {clip[1]} within a run (clipping "
+                "adds a step to the optimizer, so the checkpoint's optimizer state no longer fits): change it "
+                "between two norms, or start a new run"
             )
         saved_steps_ = self.checkpoint_steps()
         step = saved_steps_[-1] if saved_steps_ else 0
         if step >= saved["settings"]["trainer"]["steps"]:
             return f"the run finished at step {step}, so its settings stay as they were (nothing is left to train)"
-        for name, (_, new) in values.items():
-            *parents, leaf = name.split(".")
-            holder = saved["settings"]
-            for part in parents:
-                holder = holder[part]
-            holder[leaf] = new
-        change = {"step": step, "settings": {name: {"from": old, "to": new} for name, (old, new) in values.items()},
-                  "command": record.get("command"), "time": _now()}
-        _write_json(self.path / RUN_JSON, {**saved, "changes": [*saved.get("changes", []), change]})
-        listed = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in values.items())
+        change: dict[str, Any] = {"step": step}
+        for name, (old, new) in values.items():
+            _set(saved, name, new)
+            part, rest = name.split(".", 1)
+            change.setdefault(part, {})[rest] = {"from": old, "to": new}
+        change.update(command=record.get("command"), time=_now())
+        saved["changes"] = [*saved.get("changes", []), change]
+        listed = ", ".join(f"{_short(name)} {old} -> {new}" for name, (old, new) in values.items())
         return f"changed {listed}, from step {step} on (recorded in {self.path / RUN_JSON})"
 
     def _check_kept(self, keep: Mapping[str, Path]) -> None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,10 @@ from dew.data.inputs import ModelInputs, text_fields
 from dew.sampling.sampling import Sampling, SamplingParams, draw
 
 PROMPT_BUCKET = 16
+# The float32 rows as wide as the vocabulary one decoding row holds at once: its logits, the filtered
+# logits, and the sorted copy and probabilities top-p works on.
+_VOCABULARY_ROWS = 4
+_CGROUP_MEMORY = Path("/sys/fs/cgroup/memory.max")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +91,50 @@ def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
             raise ValueError(f"prompt {index} holds token id {bad[0]}, outside the model's vocab_size {vocab_size}")
         rows.append(row)
     return rows
+
+
+def row_bytes(model, capacity: int, max_new_tokens: int) -> int:
+    """Bytes one row of generation holds while it decodes: its cache of `capacity` slots (KV or
+    recurrent state, as `model.init_cache` lays it out), float32 rows as wide as the vocabulary, a
+    repetition penalty's mask, and its tokens and log-probabilities."""
+    cache = jax.eval_shape(lambda: model.init_cache(1, capacity))
+    cached = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(cache))
+    vocab = model.config.vocab_size
+    return cached + (_VOCABULARY_ROWS * 4 + 1) * vocab + 4 * capacity + 8 * max_new_tokens
+
+
+def memory() -> tuple[int, str]:
+    """(bytes, what they are) of the memory generation runs in: the first device's limit on an
+    accelerator, else the host's, within the container's cgroup limit when it sets one."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), f"the memory of the {device.device_kind}"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = _CGROUP_MEMORY.read_text().strip()
+    except OSError:
+        limit = "max"
+    return (min(total, int(limit)) if limit.isdigit() else total), "the host's memory"
+
+
+def _check_memory(model, params, prompts: int, n: int, capacity: int, max_new_tokens: int) -> None:
+    """Refuse more rows than fit beside the weights in `memory()`, before any of them is allocated."""
+    per_row = row_bytes(model, capacity, max_new_tokens)
+    available, where = memory()
+    free = available - sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(params) if hasattr(leaf, "nbytes"))
+    if prompts * n * per_row <= free:
+        return
+    gib = lambda count: f"{count / 2**30:,.1f} GiB"
+    most = max(free, 0) // per_row // prompts
+    fix = (f"ask for n of at most {most:,}, and for more in further calls with other seeds" if most else
+           "ask for fewer new tokens, or shorter prompts")
+    raise ValueError(
+        f"n {n:,} continuations of {prompts} prompt(s) are {prompts * n:,} rows, which would hold about "
+        f"{gib(prompts * n * per_row)} while decoding ({per_row:,} bytes a row: a cache of {capacity} positions and "
+        f"float32 logits over {model.config.vocab_size:,} tokens), more than the {gib(free)} the weights leave of "
+        f"{where} ({gib(available)}): {fix}"
+    )
 
 
 def prefill(model, params, tokens_BP: jax.Array, valid_BP: jax.Array, cache):
@@ -159,7 +209,8 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
     """Continue each prompt by `max_new_tokens` tokens, `n` times each, in one compiled call.
 
     `prompts` are lists of token ids, or a `ModelInputs` whose `attention_mask` marks each row's
-    real tokens.
+    real tokens. Rows (prompts times `n`) that would not fit beside the weights in the memory
+    generation runs in (`row_bytes`, `memory`) are refused before any is allocated.
 
     `on_token(tokens, live)`, when given, is called on the host after every decode step with that
     step's int32 tokens `[rows]` and which rows were still generating; decoding then runs as a host
@@ -182,6 +233,7 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
             "shorten the prompt or ask for fewer tokens"
         )
     width = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
+    _check_memory(model, params, len(rows), n, width + max_new_tokens, max_new_tokens)
     tokens = np.zeros((len(rows) * n, width), np.int32)
     valid = np.zeros((len(rows) * n, width), np.int32)
     prompt_ids = np.repeat(np.arange(len(rows)), n)

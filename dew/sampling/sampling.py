@@ -21,7 +21,7 @@ class Sampling:
     In transformers' order: `repetition_penalty` first divides the positive logits (multiplies the
     negative ones) of every token already in the row, prompt included; then `temperature` 0 takes
     the argmax, otherwise the logits are divided by it, `top_k` keeps the k largest, `top_p` the
-    smallest set whose probability reaches p, and `min_p` drops tokens below `min_p` times the top
+    smallest set whose probability reaches p (at least the most likely token), and `min_p` drops tokens below `min_p` times the top
     probability. A row stops after emitting one of `eos_token_ids`; its later slots hold `pad_id`.
 
     Compiled decoding reads the values as per-row arrays (`SamplingParams`), so a new temperature,
@@ -33,7 +33,7 @@ class Sampling:
     top_k: int | None = None
     """Keep the k most likely tokens; None keeps all."""
     top_p: float | None = None
-    """Keep the smallest set of tokens whose probability reaches p, in (0, 1]; None keeps all."""
+    """Keep the smallest set of tokens whose probability reaches p (at least the top one), in (0, 1]; None keeps all."""
     min_p: float | None = None
     """Drop tokens less likely than min_p times the most likely one, in [0, 1]; None drops none."""
     repetition_penalty: float | None = None
@@ -140,10 +140,13 @@ def filter_logits(params: SamplingParams, logits_BV: jax.Array, seen_BV: jax.Arr
     if params.use_top_p:
         sorted_BV = jnp.sort(sampled_BV, axis=-1)[:, ::-1]
         probs = jax.nn.softmax(sorted_BV, axis=-1)
-        # keep a token while the mass before it is below p (the top token always stays)
+        # Keep a token while the mass before it is below p, and the most likely one whatever p is, as
+        # transformers (min_tokens_to_keep=1) and vLLM do: a p below float32's normal range reads as 0
+        # on a CPU that flushes denormals, and would otherwise keep nothing.
         before = jnp.cumsum(probs, axis=-1) - probs
         top_p = column(params.top_p)
-        cutoff = jnp.min(jnp.where(before < top_p, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+        kept = (before < top_p) | (jnp.arange(vocab) == 0)
+        cutoff = jnp.min(jnp.where(kept, sorted_BV, jnp.inf), axis=-1, keepdims=True)
         sampled_BV = jnp.where((top_p < 1.0) & (sampled_BV < cutoff), _NEG, sampled_BV)
     if params.use_min_p:
         probs = jax.nn.softmax(sampled_BV, axis=-1)

@@ -4,6 +4,7 @@ the overlong rule, and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -205,6 +206,26 @@ def test_chat_data_resumes_at_the_same_batch_and_validates_in_order(checkpoints,
     np.testing.assert_array_equal(next(resumed)["text"], expected["text"])
     validation = list(data.val(Partition()))
     assert len(validation) == 1 and validation[0]["text"].shape == (3, 128)
+    with pytest.raises(ValueError, match=r"val_batch 5 \(--trainer.val-batch\) is more than the 4 rows of seq_len "
+                                         rf"127 \+ 1 the validation conversations of {path} fill"):
+        spec.load(batch=2, val_batch=5)
+
+
+def test_the_fingerprint_follows_the_rows_not_the_files_spelling(checkpoints, tmp_path):
+    conversations = [TALK[:2], TALK, TALK[2:]]
+    path = _write(tmp_path / "talk.jsonl", conversations)
+    spec = ChatData(path, 127, tokenizer=str(checkpoints["smol"]), val_path=path)
+    first = spec.load(batch=1).meta["fingerprint"]
+    # The same conversations spelled with other JSON spacing and key order: the same rows.
+    (tmp_path / "spaced.jsonl").write_text("".join(
+        json.dumps({"messages": [dict(reversed(message.items())) for message in messages]}, indent=1).replace("\n", "")
+        + "\n" for messages in conversations))
+    spaced = dataclasses.replace(spec, path=str(tmp_path / "spaced.jsonl"))
+    assert spaced.load(batch=1).meta["fingerprint"] == first
+    changed = [*conversations[:2], [{**TALK[2], "content": TALK[2]["content"] + "!"}, *TALK[3:]]]
+    other = dataclasses.replace(spec, path=_write(tmp_path / "changed.jsonl", changed))
+    assert other.load(batch=1).meta["fingerprint"] != first
+    assert dataclasses.replace(spec, val_path=other.path).load(batch=1).meta["fingerprint"] != first
 
 
 def test_overlong_conversations_are_refused_or_truncated_as_asked(checkpoints, tmp_path):

@@ -2,12 +2,14 @@ import gzip
 import io
 import json
 import lzma
+import shutil
 
 import numpy as np
 import pytest
 
 from dew.data import ByteTokenizer, HFTokenizer
-from dew.data.token_files import dtype_for_vocab, make_meta, open_split, read_meta, write_meta
+from dew.data.token_files import (FINGERPRINT_BLOCK, FINGERPRINT_BLOCKS, dtype_for_vocab, fingerprint, make_meta,
+                                  open_split, read_meta, write_meta)
 from dew.data.tokenize import text_chunks, tokenize_text
 
 from .conftest import make_corpus
@@ -46,6 +48,27 @@ def test_meta_and_memmap(tmp_path):
     assert isinstance(train, np.memmap) and train.dtype == np.uint16
     np.testing.assert_array_equal(train, np.arange(10))
     np.testing.assert_array_equal(open_split(tmp_path, "val", meta), [299, 7])
+
+
+def test_the_fingerprint_tells_same_size_data_apart_but_not_an_edit_between_its_blocks(tmp_path):
+    ids = np.random.default_rng(0).integers(0, 300, 600_000)  # 1.2 MB of uint16: sampled, not read whole
+    write_files(tmp_path / "tokens", ids, [1, 2, 3])
+    meta = read_meta(tmp_path / "tokens")
+    first = fingerprint(tmp_path / "tokens", meta)
+    assert len(first) == 32
+    shutil.copytree(tmp_path / "tokens", tmp_path / "copy")
+    assert fingerprint(tmp_path / "copy", meta) == first  # the contents, wherever they are
+    write_files(tmp_path / "shuffled", np.random.default_rng(1).permutation(ids), [1, 2, 3])
+    assert read_meta(tmp_path / "shuffled") == meta and fingerprint(tmp_path / "shuffled", meta) != first
+    write_files(tmp_path / "val", ids, [1, 2, 4])  # a file of up to 1 MiB is read whole: one id shows
+    assert fingerprint(tmp_path / "val", meta) != first
+    # What it cannot see: an id in the gap between the first two sampled blocks of train.bin.
+    size = (tmp_path / "tokens" / "train.bin").stat().st_size
+    gap = (FINGERPRINT_BLOCK + (size - FINGERPRINT_BLOCK) // (FINGERPRINT_BLOCKS - 1)) // 2  # a byte offset
+    edited = ids.copy()
+    edited[gap // 2] = (edited[gap // 2] + 1) % 300
+    write_files(tmp_path / "edited", edited, [1, 2, 3])
+    assert fingerprint(tmp_path / "edited", meta) == first
 
 
 def test_empty_split_is_an_empty_array(tmp_path):

@@ -1,4 +1,5 @@
-"""`tokenize_text` never destroys the token files already in `out`: failures, signals, full disks."""
+"""`tokenize_text` never destroys the token files already in `out`: it replaces them only when forced, and a forced
+replacement that fails (bad input, a signal, a full disk) leaves them as they were."""
 
 import gzip
 import lzma
@@ -45,12 +46,12 @@ def test_text_that_is_not_utf8_names_the_file_and_offset(previous, tmp_path):
     bad.write_bytes("é".encode() * 10 + b"\xe9t\xe9\n")  # 20 bytes of UTF-8, then Latin-1
     # 3-byte reads cut the two-byte characters in half, so the offset must count the held byte.
     with pytest.raises(ValueError, match=rf"{bad} is not UTF-8 text: the byte at offset 20 \(0xe9\)"):
-        tokenize_text(bad, out, "byte", 0.1, 1, chunk_bytes=3)
+        tokenize_text(bad, out, "byte", 0.1, 1, chunk_bytes=3, force=True)
     assert_intact(out, before)
     with lzma.open(tmp_path / "latin1.txt.xz", "wb") as stream:
         stream.write(b"fine\n" + b"\xff\n")
     with pytest.raises(ValueError, match="offset 5 of its decompressed text"):
-        tokenize_text(tmp_path / "latin1.txt.xz", out, "byte", 0.1, 1)
+        tokenize_text(tmp_path / "latin1.txt.xz", out, "byte", 0.1, 1, force=True)
     assert_intact(out, before)
 
 
@@ -63,12 +64,12 @@ def test_truncated_compressed_input_is_named(previous, tmp_path, suffix, opener)
     cut = tmp_path / f"cut.txt{suffix}"
     cut.write_bytes(whole.read_bytes()[:len(whole.read_bytes()) // 2])
     with pytest.raises(ValueError, match=rf"{cut} is truncated or corrupt: decompressing it failed"):
-        tokenize_text(cut, out, "byte", 0.1, 1, chunk_bytes=256)
+        tokenize_text(cut, out, "byte", 0.1, 1, chunk_bytes=256, force=True)
     assert_intact(out, before)
     damaged = tmp_path / f"damaged.txt{suffix}"
     damaged.write_bytes(b"not compressed at all\n")
     with pytest.raises(ValueError, match=rf"{damaged} is truncated or corrupt"):
-        tokenize_text(damaged, out, "byte", 0.1, 1)
+        tokenize_text(damaged, out, "byte", 0.1, 1, force=True)
     assert_intact(out, before)
 
 
@@ -80,14 +81,37 @@ def test_empty_input_is_refused(previous, tmp_path):
         pass
     for empty in (tmp_path / "empty" / "a.txt", tmp_path / "empty"):
         with pytest.raises(ValueError, match=rf"{empty} holds no text: tokenizing it gave 0 tokens"):
-            tokenize_text(empty, out, "byte", 0.1, 1)
+            tokenize_text(empty, out, "byte", 0.1, 1, force=True)
         assert_intact(out, before)
+
+
+def test_token_files_already_there_are_replaced_only_when_forced(previous, tmp_path):
+    out, before = previous
+    (tmp_path / "new.txt").write_text("a different corpus\n" * 30, encoding="utf-8")
+    meta = read_meta(out)
+    with pytest.raises(FileExistsError, match=rf"{out} already holds token files of {meta['train_tokens']:,} train and "
+                                              rf"{meta['val_tokens']:,} val tokens, tokenizer 'byte': pass --force"):
+        tokenize_text(tmp_path / "new.txt", out, "byte", 0.0, 1)
+    assert_intact(out, before)
+    (out / "meta.json").unlink()  # what is left of a set of token files counts too
+    with pytest.raises(FileExistsError, match=rf"{out} already holds train.bin, val.bin: pass --force"):
+        tokenize_text(tmp_path / "new.txt", out, "byte", 0.0, 1)
+
+
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "new.txt").write_text("text\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="out is an empty path, which would write the token files into the current"):
+        tokenize_text("new.txt", "", "byte", 0.0, 1)
+    with pytest.raises(ValueError, match="input is an empty path, which would read every text file under"):
+        tokenize_text("", "out", "byte", 0.0, 1)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["new.txt"]
 
 
 def test_a_new_run_replaces_the_files_whole(previous, tmp_path):
     out, before = previous
     (tmp_path / "new.txt").write_text("a different corpus\n" * 30, encoding="utf-8")
-    meta = tokenize_text(tmp_path / "new.txt", out, "byte", 0.0, 1)
+    meta = tokenize_text(tmp_path / "new.txt", out, "byte", 0.0, 1, force=True)
     assert meta == read_meta(out) and meta["val_tokens"] == 0
     assert bytes(open_split(out, "train")) == (tmp_path / "new.txt").read_bytes()
     assert sorted(path.name for path in out.iterdir()) == list(FILES)
@@ -112,7 +136,7 @@ _CHILD = textwrap.dedent("""
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
     try:
-        tokenize_text(sys.argv[1], sys.argv[2], "byte", 0.01, int(sys.argv[4]))
+        tokenize_text(sys.argv[1], sys.argv[2], "byte", 0.01, int(sys.argv[4]), force=True)
     except OSError as error:
         print(error)
         sys.exit(3)
@@ -156,7 +180,7 @@ def test_a_killed_run_leaves_the_previous_files(previous, tmp_path, number, work
     else:
         assert_intact(out, before, staging_left=1)
         (tmp_path / "next.txt").write_text("the next run\n", encoding="utf-8")
-        tokenize_text(tmp_path / "next.txt", out, "byte", 0.0, 1)  # removes what the killed one left
+        tokenize_text(tmp_path / "next.txt", out, "byte", 0.0, 1, force=True)  # removes what the killed one left
         assert sorted(path.name for path in out.iterdir()) == list(FILES)
         assert bytes(open_split(out, "train")) == b"the next run\n"
 

@@ -31,5 +31,5 @@ def test_progress_on_a_terminal(text, tmp_path, monkeypatch):
 def test_quiet_when_stderr_is_not_a_terminal(text, tmp_path, capsys):
     tokenize_text(text, tmp_path / "out", "byte", 0.0, 1)
     assert capsys.readouterr().err == ""
-    tokenize_text(text, tmp_path / "out", "byte", 0.0, 1, progress=True)  # asked for: shown anyway
+    tokenize_text(text, tmp_path / "shown", "byte", 0.0, 1, progress=True)  # asked for: shown anyway
     assert "15,000 tokens" in capsys.readouterr().err

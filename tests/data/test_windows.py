@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dew.data import Loading, PackedTokens, Partition, TokenWindows
-from dew.data.token_files import dtype_for_vocab, make_meta, write_meta
+from dew.data.token_files import dtype_for_vocab, fingerprint, make_meta, read_meta, write_meta
 from dew.data.windows import _pieces
 
 SEQ = 4
@@ -91,6 +91,14 @@ def test_val_smaller_than_one_batch_is_one_batch(counting):
     assert share["text"][:, 0].tolist() == [1012, 1016, 1020]  # 6 of the 7 windows, split in two
 
 
+def test_a_val_batch_above_the_validation_windows_is_refused_naming_both(counting):
+    with pytest.raises(ValueError, match=r"val_batch 8 \(--trainer.val-batch\) is more than the 7 validation windows "
+                                         r"of .*counting \(30 val.bin tokens in windows of seq_len 4 \+ 1\), so no "
+                                         r"batch of it could be read: pass --trainer.val-batch 7 or fewer"):
+        TokenWindows(counting, SEQ).load(2, val_batch=8)
+    assert len(list(TokenWindows(counting, SEQ).load(2, val_batch=7).val(Partition()))) == 1
+
+
 def test_val_absent_or_too_short(tmp_path):
     assert TokenWindows(write_files(tmp_path / "none", np.arange(99), []), SEQ).load(2).val is None
     short = write_files(tmp_path / "short", np.arange(99), [1, 2, 3])
@@ -160,6 +168,23 @@ def test_packed_val_rows_by_hand(tmp_path):
     assert second["text_segment_ids"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
     assert second["text_positions"].tolist() == [[0, 1, 2, 0, 0], [0, 1, 2, 0, 0]]
     assert [b["text"].tolist() for b in data.val(Partition(1, 2))] == [[[8, 9, 10, 11, 12]], [[2, 3, 1, 0, 0]]]
+
+
+def test_a_packed_val_batch_above_the_rows_the_documents_pack_into_is_refused(tmp_path):
+    path = write_files(tmp_path, sum(DOCUMENTS * 4, []), sum(DOCUMENTS, []), vocab_size=16, eos_id=EOS)
+    with pytest.raises(ValueError, match=r"val_batch 5 \(--trainer.val-batch\) is more than the 4 rows of seq_len 4 "
+                                         r"\+ 1 the 16 val.bin tokens of .* pack into, so no batch"):
+        PackedTokens(path, SEQ).load(2, val_batch=5)
+    (batch,) = PackedTokens(path, SEQ).load(2, val_batch=4).val(Partition())  # one batch of the four rows
+    assert batch["text"].shape == (4, SEQ + 1)
+
+
+def test_both_readers_carry_the_token_files_fingerprint(tmp_path):
+    path = write_files(tmp_path / "a", sum(DOCUMENTS * 4, []), sum(DOCUMENTS, []), vocab_size=16, eos_id=EOS)
+    found = {reader(path, SEQ).load(2).meta["fingerprint"] for reader in (TokenWindows, PackedTokens)}
+    assert found == {fingerprint(path, read_meta(path))}
+    other = write_files(tmp_path / "b", sum(DOCUMENTS[::-1] * 4, []), sum(DOCUMENTS, []), vocab_size=16, eos_id=EOS)
+    assert PackedTokens(other, SEQ).load(2).meta["fingerprint"] not in found  # the same documents, reordered
 
 
 def test_packed_train_rows_state_and_seed(tmp_path):

@@ -82,3 +82,31 @@ def test_export_onto_a_disk_that_refuses_the_write_is_one_line_and_exit_1(run, t
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"})
     assert (done.returncode, done.stderr) == (1, f"error: {out}: File too large\n")
     assert list(out.iterdir()) == []  # nothing half-written is left
+
+
+def test_an_export_never_goes_into_the_run_and_replaces_files_only_when_forced(run, tmp_path, capsys):
+    before = sorted(path.name for path in run.iterdir())
+    for out, says in ((run, f"OUT {run} is the run directory"),
+                      (run / "checkpoints" / "4", f"OUT {run / 'checkpoints' / '4'} is inside {run}'s checkpoints")):
+        assert main(["export", str(run), str(out), "--force"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.startswith(f"error: {says}: an export there would write over the run's own files") and (
+            "\n" not in error)
+    assert sorted(path.name for path in run.iterdir()) == before
+    assert main(["export", str(run), "", "--force"]) == 2
+    assert "error: OUT is an empty path, which would write the export into the current directory" in (
+        capsys.readouterr().err)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["export", str(run), str(out)]) == 2
+    assert (f"error: OUT {out} is not empty (it holds notes.txt): pass --force to write the export there (nothing "
+            "there would be replaced; the rest stays)") in capsys.readouterr().err
+    assert main(["export", str(run), str(out), "--force"]) == 0
+    assert "replaces" not in capsys.readouterr().out
+    exported = "config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json"
+    assert main(["export", str(run), str(out), "--live"]) == 2  # an earlier export counts as well
+    assert f"(it would replace {exported}; the rest stays)" in capsys.readouterr().err
+    assert main(["export", str(run), str(out), "--live", "--force"]) == 0
+    assert f"; it replaces the {exported} that {out} held" in capsys.readouterr().out
+    assert (out / "notes.txt").read_text() == "mine"

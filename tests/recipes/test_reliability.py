@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 from dew.run_config import OptimConfig, TrainerConfig
 from dew.recipes.lm import main, parse, prepare
 from dew.runs.run_dir import RunDirectory
-from tests.recipes.conftest import recipe_args
+from tests.recipes.conftest import recipe_args, terminate_at
 
 
 def test_a_second_process_on_a_held_run_directory_is_refused_naming_the_holder(token_dir, tmp_path, capsys):
@@ -105,6 +106,38 @@ def test_a_diverged_run_names_its_last_good_checkpoint_and_continues_from_it_wit
     assert run.status()["state"] == "finished" and run.checkpoint_steps()[-1] == 6
     assert main(changed) == 0  # the changed command is now the run's own
     assert main(argv) == 2  # and the first one is not
+
+
+def test_a_rerun_on_replaced_token_files_is_refused_unless_allowed_and_the_change_is_recorded(
+        token_dir, tmp_path, monkeypatch, capsys):
+    tokens, run_dir = tmp_path / "tokens", tmp_path / "run"
+    shutil.copytree(token_dir, tokens)
+    argv = recipe_args(str(tokens), run_dir, steps=4)
+    terminate_at(monkeypatch, 2)
+    assert main(argv) == 128 + signal.SIGTERM  # checkpoint 2 of 4
+    monkeypatch.undo()
+    before = (run_dir / "run.json").read_text()
+    old = json.loads(before)["data"]["fingerprint"]
+    train_bin = tokens / "train.bin"
+    train_bin.write_bytes(train_bin.read_bytes()[::-1])  # other data of the same size: meta.json still agrees
+    capsys.readouterr()
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert f"--data.path {tokens}: its contents are not those the run trained on (their fingerprint was {old}" in error
+    assert error.rstrip().endswith("add --trainer.allow-changes data.fingerprint.")
+    assert (run_dir / "run.json").read_text() == before
+    assert main(argv + ["--trainer.allow-changes", "data.fingerprint"]) == 0
+    record = RunDirectory(run_dir).record()
+    new = record["data"]["fingerprint"]
+    assert f"changed data.fingerprint {old} -> {new}, from step 2 on" in capsys.readouterr().out
+    assert [(change["step"], change["data"]) for change in record["changes"]] == [
+        (2, {"fingerprint": {"from": old, "to": new}})]
+    # A run.json from before runs recorded a fingerprint takes the data's as it is, and says so.
+    del record["data"]["fingerprint"]
+    (run_dir / "run.json").write_text(json.dumps(record))
+    assert main(argv) == 0
+    assert "recorded no fingerprint of the data (the run started before runs kept one)" in capsys.readouterr().out
+    assert RunDirectory(run_dir).record()["data"]["fingerprint"] == new
 
 
 def _word_tokenizer(directory, words: list[str]):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,9 @@ import pytest
 
 from dew import models
 from dew.sampling import Sampling, generate
+
+# The module, which dew.sampling's `generate` (the function) hides.
+generate_module = importlib.import_module("dew.sampling.generate")
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +81,23 @@ def test_bad_requests_are_refused_by_name(windowed):
         generate(model, variables, [[1]], 0, key=key)
     with pytest.raises(ValueError, match="temperature is -1"):
         Sampling(temperature=-1)
+
+
+def test_rows_beyond_memory_are_refused_before_any_is_allocated(windowed, monkeypatch):
+    model, variables = windowed
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match=r"n 1,000,000,000,000 continuations of 2 prompt\(s\) are 2,000,000,000,000 "
+                                         r"rows, which would hold about .* while decoding .* a cache of 20 positions "
+                                         r"and float32 logits over 64 tokens\), more than the .* the weights leave of "
+                                         r"the (host's memory|memory of .*) \(.* GiB\): ask for n of at most "):
+        generate(model, variables, [[1, 2], [3]], 4, key=key, n=10**12)
+    # Room for 2 prompts x 3 rows beside the weights (16 prompt slots + 4 new tokens a row): n 3 fits, 4 does not.
+    weights = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(variables))
+    room = weights + 6 * generate_module.row_bytes(model, 20, 4)
+    monkeypatch.setattr(generate_module, "memory", lambda: (room, "a small device"))
+    assert generate(model, variables, [[1, 2], [3]], 4, key=key, n=3).tokens.shape == (6, 6)
+    with pytest.raises(ValueError, match=r"of a small device \(.* GiB\): ask for n of at most 3, and for more in "):
+        generate(model, variables, [[1, 2], [3]], 4, key=key, n=4)
 
 
 def test_prompts_that_pad_to_one_width_reuse_the_executable(windowed):

@@ -19,6 +19,10 @@ CASES = {
     "top-k": (Sampling(temperature=1.3, top_k=5), [hf.TemperatureLogitsWarper(1.3), hf.TopKLogitsWarper(5)]),
     "top-p": (Sampling(temperature=0.9, top_p=0.8), [hf.TemperatureLogitsWarper(0.9), hf.TopPLogitsWarper(0.8)]),
     "min-p": (Sampling(temperature=1.0, min_p=0.1), [hf.MinPLogitsWarper(0.1)]),
+    # A p below every token's probability keeps the most likely one (transformers' min_tokens_to_keep=1);
+    # 1e-40 is a float32 denormal, which a CPU that flushes denormals reads as 0.
+    "top-p-below-every-token": (Sampling(temperature=0.9, top_p=1e-40),
+                                [hf.TemperatureLogitsWarper(0.9), hf.TopPLogitsWarper(1e-40)]),
     "all": (
         Sampling(temperature=0.8, top_k=12, top_p=0.9, min_p=0.05, repetition_penalty=1.3),
         [hf.RepetitionPenaltyLogitsProcessor(1.3), hf.TemperatureLogitsWarper(0.8), hf.TopKLogitsWarper(12),
@@ -70,6 +74,16 @@ def test_greedy_takes_the_first_maximum_and_reports_its_log_probability():
     # a log and two subtractions, 7 roundings of terms up to 3. Observed: equal.
     np.testing.assert_allclose(float(log_prob[0]), float(jax.nn.log_softmax(logits)[0, 1]), atol=ulp_bound(7, 3.0),
                                rtol=0)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_top_p_that_keeps_no_token_draws_the_most_likely_one(jit):
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(8, 40)) * 3, jnp.float32)
+    sampling = Sampling(temperature=1.0, top_p=1e-40)
+    draw = jax.jit(sampling.draw) if jit else sampling.draw
+    tokens, log_probs = draw(jax.random.split(jax.random.key(0), 8), logits)
+    np.testing.assert_array_equal(np.asarray(tokens), np.argmax(np.asarray(logits), axis=-1))
+    np.testing.assert_array_equal(np.asarray(log_probs), 0.0)  # the only token kept: probability 1
 
 
 def test_bad_sampling_is_refused_by_name():
