@@ -274,7 +274,9 @@ def train(config: LMRunConfig, *, verbose: bool = True) -> TrainState:
     return prepare(config).fit(verbose)
 
 
-_DESCRIPTION = """Train a language model on token files and keep the run in --trainer.run-dir.
+_DESCRIPTION = """Train a language model and keep the run in --trainer.run-dir: --objective lm (the default),
+masked_diffusion or block_diffusion on token files, lm on data:chat conversations, dpo on
+data:preference-pairs, grpo on data:prompts (docs/recipes.md, "Objectives").
 
 Rerunning the same command resumes the run from its last checkpoint, reading the same next batch;
 SIGINT or SIGTERM saves a checkpoint first. A command whose settings differ from the run's run.json
