@@ -170,8 +170,8 @@ KNOBS: dict[str, Knob] = {
 # -- the objectives ---------------------------------------------------------------------------------------
 
 class RunObjective:
-    """One `--objective`: the data it `reads` (custom `refusals` for some other data), the `KNOBS` it
-    `reads` beyond those every objective reads, and `check_own(config)`, its own checks."""
+    """One `--objective`: the `data` specs it reads (with `refusals`, messages of its own for some others),
+    the `knobs` (names in `KNOBS`) it reads, and `check_own(config)`, its own checks."""
 
     name: ClassVar[str]
     data: ClassVar[tuple[type, ...]]
