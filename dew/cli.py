@@ -294,7 +294,8 @@ def _function(function: Callable[..., None]) -> Callable[[Sequence[str]], int]:
 
 # name -> (summary, entry point taking the remaining arguments and returning the exit status).
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
-    "train": ("train a language model from flags (python recipes/lm/train.py)", _train),
+    "train": ("train a language model from flags: --objective lm, masked_diffusion, block_diffusion, dpo, grpo",
+              _train),
     "tokenize": ("tokenize text into train.bin, val.bin and meta.json", _function(tokenize)),
     "generate": ("continue a prompt from a run, a checkpoint or a GGUF file, streaming the text",
                  _function(generate)),

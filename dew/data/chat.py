@@ -80,6 +80,15 @@ def template_of(tokenizer, template: str | Path | None = None) -> ChatTemplate:
     return found
 
 
+def template_if_any(tokenizer, template: str | Path | None = None) -> ChatTemplate | None:
+    """`template_of(tokenizer, template)`, or None when no file is given and the tokenizer carries no
+    template (for data whose records may be plain text, which needs none)."""
+    path = getattr(tokenizer, "path", None)
+    if template is None and (path is None or chat_template(Path(path).parent) is None):
+        return None
+    return template_of(tokenizer, template)
+
+
 def check_messages(messages, where: str) -> list[dict[str, str]]:
     """`messages` as a list of `{"role", "content"}` dicts, refused by name unless each role is a message
     role of `Role` and each content a string."""

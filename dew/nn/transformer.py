@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,36 @@ def as_dtype(value) -> jnp.dtype:
             raise ValueError(f"dtype {value!r} is not one of {sorted(_DTYPES)}")
         return jnp.dtype(_DTYPES[value])
     return jnp.dtype(value)
+
+
+def _from_fields(kind: type) -> Callable[[str, object], object]:
+    """A dict (a config read back from JSON) as the dataclass `kind`, its unknown keys refused by name;
+    any other value as given."""
+    def convert(name: str, value):
+        if not isinstance(value, Mapping):
+            return value
+        fields = [field.name for field in dataclasses.fields(kind)]
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise TypeError(f"{name} has no fields {unknown}; its fields are {fields}")
+        return kind(**value)
+
+    return convert
+
+
+# Each field a caller may give in a convenient form, and how it becomes the stored one (in this order).
+_CONVERSIONS: dict[str, Callable[[str, object], object]] = {
+    "dtype": lambda name, value: as_dtype(value),
+    "param_dtype": lambda name, value: as_dtype(value),
+    "rope_scaling": _from_fields(RopeScaling),
+    "local_rope_scaling": _from_fields(RopeScaling),
+    "mixture": _from_fields(Mixture),
+    "latent": _from_fields(LatentAttention),
+    "layer_types": lambda name, value: None if value is None else tuple(value),
+}
+# The string knobs and the values each may take.
+_CHOICES = {"norm_style": NORM_STYLES, "norm_placement": NORM_PLACEMENTS, "qk_norm_scope": ("head", "projection"),
+            "activation": tuple(ACTIVATIONS), "remat": tuple(REMAT_POLICIES), "kernels": kernel_policy.POLICIES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,35 +169,31 @@ class DecoderConfig:
     kernels: str = "auto"
 
     def __post_init__(self):
-        set_ = lambda name, value: object.__setattr__(self, name, value)
-        set_("dtype", as_dtype(self.dtype))
-        set_("param_dtype", as_dtype(self.param_dtype))
-        for name in ("rope_scaling", "local_rope_scaling"):
-            if isinstance(getattr(self, name), Mapping):  # a config read back from JSON
-                set_(name, RopeScaling(**getattr(self, name)))
-        if isinstance(self.mixture, Mapping):
-            unknown = sorted(set(self.mixture) - {field.name for field in dataclasses.fields(Mixture)})
-            if unknown:
-                raise TypeError(f"mixture has no fields {unknown}; its fields are "
-                                f"{[field.name for field in dataclasses.fields(Mixture)]}")
-            set_("mixture", Mixture(**self.mixture))
-        if isinstance(self.latent, Mapping):
-            unknown = sorted(set(self.latent) - {field.name for field in dataclasses.fields(LatentAttention)})
-            if unknown:
-                raise TypeError(f"latent has no fields {unknown}; its fields are "
-                                f"{[field.name for field in dataclasses.fields(LatentAttention)]}")
-            set_("latent", LatentAttention(**self.latent))
+        for name, value in self._normalized().items():
+            object.__setattr__(self, name, value)
+        self._check()
+
+    def _normalized(self) -> dict:
+        """Every field given in a convenient form, in its stored form: dtype names as dtypes, the dicts a
+        config read back from JSON holds as their dataclasses, `layer_types` as a tuple; then the
+        defaults that derive from other fields (`num_kv_heads`, `head_dim`, `mlp_features`), by name."""
+        normalized = {name: convert(name, getattr(self, name)) for name, convert in _CONVERSIONS.items()}
+        num_heads, emb_features = self.num_heads, self.emb_features
         if self.num_kv_heads is None:
-            set_("num_kv_heads", self.num_heads)
-        if self.head_dim is None:
-            if self.emb_features % self.num_heads:
+            normalized["num_kv_heads"] = num_heads
+        if self.head_dim is None and num_heads >= 1:  # below 1, `_check` names num_heads
+            if emb_features % num_heads:
                 raise ValueError(
-                    f"emb_features {self.emb_features} is not divisible by num_heads {self.num_heads}: "
+                    f"emb_features {emb_features} is not divisible by num_heads {num_heads}: "
                     "pass head_dim explicitly or pick a width that divides"
                 )
-            set_("head_dim", self.emb_features // self.num_heads)
+            normalized["head_dim"] = emb_features // num_heads
         if self.mlp_features is None:
-            set_("mlp_features", 4 * self.emb_features)
+            normalized["mlp_features"] = 4 * emb_features
+        return normalized
+
+    def _check(self) -> None:
+        """Refuse a normalized config that describes no decoder Dew computes, naming the field."""
         positive = ("vocab_size", "emb_features", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                     "mlp_features", "max_seq_len")
         for name in positive:
@@ -187,13 +213,10 @@ class DecoderConfig:
             raise ValueError(f"attention_dropout is {self.attention_dropout}; it is a rate in [0, 1)")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window is {self.sliding_window}; use None for full attention or a width >= 1")
-        choices = {"norm_style": NORM_STYLES, "norm_placement": NORM_PLACEMENTS, "qk_norm_scope": ("head", "projection"),
-                   "activation": tuple(ACTIVATIONS), "remat": tuple(REMAT_POLICIES), "kernels": kernel_policy.POLICIES}
-        for name, allowed in choices.items():
+        for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} is {getattr(self, name)!r}; it must be one of {list(allowed)}")
         if self.layer_types is not None:
-            set_("layer_types", tuple(self.layer_types))
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types names {len(self.layer_types)} layers but num_layers is {self.num_layers}")
             unknown = sorted(set(self.layer_types) - {FULL, SLIDING})
@@ -212,7 +235,6 @@ class DecoderConfig:
             if self.mlp_bias and (self.sparse_layers or self.mtp_depths):
                 raise NotImplementedError("mlp_bias with a mixture: experts with biases are not built in Dew yet; "
                                           "set mlp_bias False")
-
         if self.mtp_depths < 0:
             raise ValueError(f"mtp_depths is {self.mtp_depths}; it counts multi-token-prediction modules, 0 for none")
         if self.latent is not None:

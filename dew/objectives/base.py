@@ -74,8 +74,10 @@ class Objective(Protocol):
       `preview_variables(state)` (the weights previews draw from; default `state.evaluated`),
       `predict(params, batch, step, *, train, layers)` (the loss with the `Prediction` behind it,
       for a distillation to compare a student with a teacher),
-      `logical_names()` (each parameter's logical axes, which the trainer maps onto the mesh), and
-      the window normalisation below.
+      `logical_names()` (each parameter's logical axes, which the trainer maps onto the mesh),
+      `on_policy_batch(params, batch, key)` (an on-policy objective, GRPO: the batch a step trains on,
+      drawn from the live weights for each batch of the data, its prompts), and the window
+      normalisation below.
 
     Window normalisation (optional; `WindowNormalized`). One numerator over one denominator is exact
     under accumulation only for a loss with a single normalisation. A loss whose terms divide by
@@ -158,8 +160,8 @@ def path_filter(spec: PathFilter | str | None) -> PathFilter | None:
 
 class ScoredByLM:
     """The variables side of an objective that scores rows through `self.scorer`, an `LMObjective` over
-    `self.model` (DPO, GRPO): the checkpoint it starts from, fresh or checked variables, and placement
-    names are the language model's."""
+    `self.model` (DPO, GRPO): the checkpoint it starts from, fresh or checked variables, placement
+    names and previews are the language model's."""
 
     def held_variables(self) -> Variables | None:
         return self.scorer.held_variables()
@@ -169,6 +171,14 @@ class ScoredByLM:
 
     def logical_names(self):
         return self.model.logical_names()
+
+    def preview_variables(self, state):
+        """The live policy: the EMA slot holds the frozen reference, or nothing."""
+        return state.params
+
+    def preview(self, params, batch=None, step: Step | None = None) -> list[str] | None:
+        """The scorer's previews of `params` (None when it has no `samples`)."""
+        return self.scorer.preview(params, batch, step)
 
 
 class MeanLossNoEffects:

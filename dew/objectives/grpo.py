@@ -23,10 +23,12 @@ an exact zero. A repetition penalty depends on the row's history and is refused.
 
 A rollout's batch holds right-padded `[R, seq_len + 1]` rows under `text` (prompt then completion),
 `completion` (1 on each sampled token), `sampled_log_probs` (the sampler's log-likelihood at each
-sampled token, float32) and `advantages` (float32 `[R]`); with filters also `support_ids` and
+sampled token, float32), `advantages` and `rewards` (float32 `[R]`; the rewards are logged as
+`reward`, the mean over completions); with filters also `support_ids` and
 `support_columns`, int32 `[R, C]`: entry `c` of row `r` keeps id `support_ids[r, c]` for the token in
 column `support_columns[r, c]` of `text` (-1: unused; `C` is padded to a power of two, so rollouts
-reuse compiled steps). `examples/grpo_arithmetic.py` alternates rollouts and updates.
+reuse compiled steps). `examples/grpo_arithmetic.py` alternates rollouts and updates by hand;
+`Trainer.fit` does it through `on_policy_batch`, one rollout of each batch of prompts per step.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from flax import struct
 
 from dew.objectives.base import Mean, MeanLossNoEffects, PathFilter, ScoredByLM, Step, Variables, path_filter
 from dew.objectives.checks import check_decoder_objective
-from dew.objectives.lm import LMObjective
+from dew.objectives.lm import LMObjective, Samples
 from dew.objectives.lm.scoring import check_support
 from dew.sampling import Sampling
 from dew.sampling.sampling import SamplingParams, filter_logits
@@ -73,29 +75,34 @@ def clipped_token_losses(new_log_probs, sampled_log_probs, advantages, clip: flo
 
 @struct.dataclass
 class GRPOStatistics:
-    """Sums over completion tokens: the loss, the ratio, whether the ratio was clipped, the KL estimate."""
+    """Sums over completion tokens: the loss, the ratio, whether the ratio was clipped, the KL estimate;
+    and over completions their rewards (None for a batch that carries none)."""
 
     loss: Mean
     ratio: Mean
     clipped: Mean
     kl: Mean
+    reward: Mean | None = None
 
 
 class GRPOObjective(ScoredByLM, MeanLossNoEffects):
     """Train a policy on its own rollouts' rewards (see the module).
 
-    `reward(prompt_ids, completion_ids)` scores one completion (its ids up to and including EOS);
+    `reward(prompt_ids, completion_ids)` scores one completion (its ids up to and including EOS); a
+    rollout given `records` (one per prompt) calls `reward(prompt_ids, completion_ids, record)`.
     `group_size` completions are drawn per prompt, each up to `max_new_tokens` with `sampling` (a
     temperature above 0, any filters, no repetition penalty; see the module). `clip` is PPO's
     epsilon. `kl_weight` above zero keeps the starting weights as a frozen reference in the EMA slot
     (`ema_decay` 1.0) and adds the KL to it; 0 keeps no copy. `trainable` freezes the rest (LoRA's
-    `LoRA.trainable`), `pretrained` is the checkpoint the policy starts from.
+    `LoRA.trainable`), `pretrained` is the checkpoint the policy starts from; `samples`
+    (`dew.objectives.lm.Samples`) are previews drawn from the live policy at each evaluation.
     """
 
     def __init__(self, model, seq_len: int, reward: Callable[[list[int], list[int]], float], *, group_size: int = 8,
                  max_new_tokens: int = 32, clip: float = 0.2, kl_weight: float = 0.0,
                  sampling: Sampling = Sampling(), pretrained: Variables | None = None,
-                 trainable: PathFilter | str | None = None, head_chunks: int | None = None):
+                 trainable: PathFilter | str | None = None, head_chunks: int | None = None,
+                 samples: Samples | None = None):
         self.ema_decay = 1.0 if kl_weight > 0 else None
         self.reads_reference = kl_weight > 0
         check_decoder_objective(model.config, seq_len=seq_len, ema_decay=self.ema_decay, head_chunks=head_chunks,
@@ -124,14 +131,16 @@ class GRPOObjective(ScoredByLM, MeanLossNoEffects):
         self.clip, self.kl_weight = float(clip), float(kl_weight)
         self.trainable = path_filter(trainable)
         self.scorer = LMObjective(model, seq_len, ema_decay=None, pretrained=pretrained, head_chunks=head_chunks,
-                                  token_accuracy=False)
+                                  token_accuracy=False, samples=samples)
 
     # -- rollouts (host) -------------------------------------------------------------------------
-    def rollout(self, params: Variables, prompts: Sequence[Sequence[int]], key) -> tuple[dict[str, np.ndarray],
-                                                                                       np.ndarray]:
+    def rollout(self, params: Variables, prompts: Sequence[Sequence[int]], key,
+                records: Sequence | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """Draw `group_size` completions of each prompt from `params` (one snapshot of the policy),
-        score them, and lay them out as a batch (see the module); returns `(batch, rewards [R])`, rows
-        grouped by prompt."""
+        score them (with each prompt's entry of `records`, when given), and lay them out as a batch
+        (see the module); returns `(batch, rewards [R])`, rows grouped by prompt."""
+        if records is not None and len(records) != len(prompts):
+            raise ValueError(f"{len(records)} records for {len(prompts)} prompts: give one record per prompt")
         width = self.seq_len + 1
         longest = max(len(prompt) for prompt in prompts)
         if longest + self.max_new_tokens > width:
@@ -151,11 +160,26 @@ class GRPOObjective(ScoredByLM, MeanLossNoEffects):
             batch["text"][row, :len(ids)] = ids
             batch["completion"][row, len(prompt):len(ids)] = 1
             batch["sampled_log_probs"][row, len(prompt):len(ids)] = drawn.log_probs[row, :len(completion)]
-            rewards[row] = float(self.reward(prompt, completion))
+            context = () if records is None else (records[row // self.group_size],)
+            rewards[row] = float(self.reward(prompt, completion, *context))
         batch["advantages"] = group_advantages(rewards, self.group_size)
+        batch["rewards"] = rewards
         if self.filtered:
             batch["support_ids"], batch["support_columns"] = self._supports(params, batch)
         return batch, rewards
+
+    def on_policy_batch(self, params: Variables, prompts: Mapping[str, np.ndarray], key) -> dict[str, np.ndarray]:
+        """The batch a step trains on, drawn from `params` (the live policy) for a batch of prompts
+        (`Trainer.fit` calls it each step): `prompt`, int32 `[P, W]` right-padded ids, `prompt_length`
+        int32 `[P]`, and optionally `record`, `[P]` objects each handed to the reward (see `rollout`)."""
+        for name in ("prompt", "prompt_length"):
+            if name not in prompts:
+                raise KeyError(f"the prompt batch has no {name!r} entry (it has {sorted(prompts)}); "
+                               "GRPOObjective.on_policy_batch reads prompt and prompt_length (dew.data.prompts)")
+        ids = [row[:length].tolist() for row, length in zip(np.asarray(prompts["prompt"]),
+                                                            np.asarray(prompts["prompt_length"]))]
+        records = prompts.get("record")
+        return self.rollout(params, ids, key, None if records is None else list(records))[0]
 
     @property
     def filtered(self) -> bool:
@@ -215,9 +239,9 @@ class GRPOObjective(ScoredByLM, MeanLossNoEffects):
                     raise KeyError(f"the batch has no {key!r} entry (it has {sorted(batch)}); a GRPOObjective whose "
                                    "sampler filters reads each token's kept ids (GRPOObjective.rollout records them)")
             check_support((batch["support_ids"], batch["support_columns"]), batch["text"], self.model.config.vocab_size)
-        if np.shape(batch["advantages"]) != (np.shape(batch["text"])[0],):
-            raise ValueError(f"advantages have shape {np.shape(batch['advantages'])}; one per row, "
-                             f"[{np.shape(batch['text'])[0]}]")
+        for key in ("advantages", "rewards"):
+            if key in batch and np.shape(batch[key]) != (np.shape(batch["text"])[0],):
+                raise ValueError(f"{key} have shape {np.shape(batch[key])}; one per row, [{np.shape(batch['text'])[0]}]")
 
     # -- the update ------------------------------------------------------------------------------
     def log_probs(self, params, tokens, support=None, rngs=None) -> jax.Array:
@@ -238,7 +262,12 @@ class GRPOObjective(ScoredByLM, MeanLossNoEffects):
         count = jnp.sum(mask)
         total = lambda x: Mean(jnp.sum(x * mask), count)
         clipped = (jnp.abs(ratio - 1.0) > self.clip).astype(jnp.float32)
-        return GRPOStatistics(loss=total(losses), ratio=total(ratio), clipped=total(clipped), kl=total(kl))
+        reward = None
+        if "rewards" in batch:
+            rewards = batch["rewards"].astype(jnp.float32)
+            reward = Mean(jnp.sum(rewards), jnp.asarray(rewards.shape[0], jnp.float32))
+        return GRPOStatistics(loss=total(losses), ratio=total(ratio), clipped=total(clipped), kl=total(kl),
+                              reward=reward)
 
     def loss(self, params, batch, step: Step, *, reference=None) -> tuple[GRPOStatistics, dict]:
         return self._statistics(params, batch, reference, {"dropout": step.key}), {}
@@ -247,9 +276,11 @@ class GRPOObjective(ScoredByLM, MeanLossNoEffects):
         return self._statistics(params, batch, reference)
 
     def summarize(self, stats: GRPOStatistics) -> dict[str, float]:
-        """The mean loss, ratio, clipped fraction and KL estimate over the completion tokens."""
+        """The mean loss, ratio, clipped fraction and KL estimate over the completion tokens, and the
+        mean reward over the completions."""
         values = {name: float(value.total) / max(float(value.count), 1.0) for name, value in
-                  (("loss", stats.loss), ("ratio", stats.ratio), ("clipped", stats.clipped), ("kl", stats.kl))}
+                  (("loss", stats.loss), ("ratio", stats.ratio), ("clipped", stats.clipped), ("kl", stats.kl),
+                   ("reward", stats.reward)) if value is not None}
         if not self.reads_reference:
             del values["kl"]
         return values

@@ -7,168 +7,27 @@ log ref(rejected)))`, each sequence's log-likelihood summed over its response to
 trainer keeps in the EMA slot at `ema_decay` 1.0: the starting weights, never moved (with LoRA, the
 starting adapters over the frozen base), which the trainer hands to the loss as `reference`.
 
-Pairs come from JSONL (`read_pairs`): one record a line, `{"prompt", "chosen", "rejected"}`, each a
-string (plain text, no template) or a list of chat messages rendered with the checkpoint's chat
-template (`dew.data.chat_template`); without `prompt`, chosen and rejected are whole conversations
-whose messages before the last one are the prompt. A batch holds `[B, seq_len + 1]` rows under
-`chosen` and `rejected`, right-padded, and under `chosen_response` / `rejected_response` 1 on each
-response token (0 on the prompt and the padding).
+Pairs come from JSONL (`dew.data.preference_pairs`: `read_pairs`, `pair_dataset`, and the data
+source `PreferencePairs`): one `{"prompt", "chosen", "rejected"}` record a line, as TRL's DPOTrainer
+reads them. A batch holds `[B, seq_len + 1]` rows under `chosen` and `rejected`, right-padded, and
+under `chosen_response` / `rejected_response` 1 on each response token (0 on the prompt and the
+padding).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dew.data.dataset import Dataset
+from dew.data.preference_pairs import SIDES, pair_dataset, read_pairs  # noqa: F401  (this module's names too)
 from dew.objectives.base import Mean, MeanLossNoEffects, PathFilter, ScoredByLM, Step, Variables, path_filter
 from dew.objectives.checks import check_decoder_objective
-from dew.objectives.lm import LMObjective
+from dew.objectives.lm import LMObjective, Samples
 
-SIDES = ("chosen", "rejected")
-
-
-# -- data ----------------------------------------------------------------------------------------
-
-def _messages(value, where: str) -> list[dict] | None:
-    """A record's field as chat messages (None for plain text), refused unless each has a role and content."""
-    if isinstance(value, str):
-        return None
-    if not isinstance(value, list) or not all(isinstance(m, Mapping) and "role" in m and "content" in m
-                                              for m in value):
-        raise ValueError(f"{where} is {str(value)[:80]!r}: give a string, or a list of messages "
-                         '[{"role": ..., "content": ...}]')
-    return [dict(m) for m in value]
-
-
-def _split_record(record: Mapping, where: str):
-    """(prompt, chosen response, rejected response), as text (all strings) or messages (all lists)."""
-    missing = [side for side in SIDES if side not in record]
-    if missing:
-        raise ValueError(f"{where} has no {missing[0]!r}; a preference record has 'chosen' and 'rejected' (and "
-                         "'prompt', unless chosen and rejected are whole conversations)")
-    sides = {side: _messages(record[side], f"{where} {side}") for side in SIDES}
-    if "prompt" in record:
-        prompt = _messages(record["prompt"], f"{where} prompt")
-        if (prompt is None) != all(sides[side] is None for side in SIDES) or \
-                any((sides[side] is None) != (sides["chosen"] is None) for side in SIDES):
-            raise ValueError(f"{where} mixes plain text and chat messages among prompt, chosen and rejected; give "
-                             "all three as strings or all as message lists")
-        if prompt is None:
-            return record["prompt"], record["chosen"], record["rejected"]
-        responses = {}
-        for side in SIDES:
-            messages = sides[side]
-            # A side that repeats the prompt (a whole conversation) must repeat it exactly.
-            if len(messages) > len(prompt) and messages[:len(prompt)] == prompt:
-                messages = messages[len(prompt):]
-            elif messages[0].get("role") != "assistant":
-                raise ValueError(f"the prompt of {where} differs between the prompt and {side}: {side} starts "
-                                 f"with a {messages[0].get('role')!r} message that is not the prompt's; give "
-                                 "chosen and rejected as the responses, or as conversations that begin with the "
-                                 "prompt")
-            responses[side] = messages
-        return prompt, responses["chosen"], responses["rejected"]
-    if any(sides[side] is None for side in SIDES):
-        raise ValueError(f"{where} has no 'prompt', so chosen and rejected must be whole conversations (message "
-                         "lists) whose last message is the response")
-    chosen, rejected = sides["chosen"], sides["rejected"]
-    if chosen[:-1] != rejected[:-1]:
-        first = next((i for i, (a, b) in enumerate(zip(chosen[:-1], rejected[:-1])) if a != b),
-                     min(len(chosen), len(rejected)) - 1)
-        raise ValueError(f"the prompt of {where} differs between chosen and rejected (message {first} is "
-                         f"{str(chosen[first])[:60]!r} in one and {str(rejected[first])[:60]!r} in the other): a "
-                         "preference pair answers one prompt; fix the record, or give the prompt as 'prompt'")
-    return chosen[:-1], chosen[-1:], rejected[-1:]
-
-
-def _row(prompt, response, tokenizer, template, where: str) -> tuple[list[int], int]:
-    """(the pair side's ids, how many of them are the prompt)."""
-    if isinstance(prompt, str):
-        prompt_ids = tokenizer.encode(prompt)
-        # Plain text ends where the model should stop: with its EOS token, when it has one.
-        response_ids = tokenizer.encode(response) + ([] if tokenizer.eos_id is None else [tokenizer.eos_id])
-        return prompt_ids + response_ids, len(prompt_ids)
-    if template is None:
-        raise ValueError(f"{where} holds chat messages and no chat template was given: pass the checkpoint's "
-                         "(dew.data.chat_template.chat_template(directory)), or give the pairs as plain text")
-    prompt_text = template.render(prompt, add_generation_prompt=True)
-    whole = template.render(prompt + response, add_generation_prompt=False)
-    if not whole.startswith(prompt_text):
-        raise ValueError(f"{where}: the chat template renders the conversation without its prompt's text as a "
-                         "prefix (it rewrites earlier turns), so the response tokens cannot be told apart; use a "
-                         "template that appends turns")
-    prompt_ids = tokenizer.encode(prompt_text)
-    return prompt_ids + tokenizer.encode(whole[len(prompt_text):]), len(prompt_ids)
-
-
-def read_pairs(path: str | Path, tokenizer, seq_len: int, template=None, pad_id: int = 0) -> dict[str, np.ndarray]:
-    """The preference pairs of a JSONL file as batch rows (see the module): int32 `[N, seq_len + 1]`
-    under `chosen`, `rejected`, `chosen_response`, `rejected_response`. A side longer than
-    `seq_len + 1` tokens is refused, naming the line (nothing is truncated): raise `seq_len`, or drop
-    or shorten the record."""
-    width = seq_len + 1
-    rows: dict[str, list] = {key: [] for key in (*SIDES, *(f"{side}_response" for side in SIDES))}
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{path} line {number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where} is not JSON ({error.msg}); a preference file holds one record a line") from None
-            prompt, chosen, rejected = _split_record(record, where)
-            for side, response in zip(SIDES, (chosen, rejected)):
-                ids, prompt_length = _row(prompt, response, tokenizer, template, f"{where} {side}")
-                if len(ids) > width:
-                    raise ValueError(f"{where}: {side} is {len(ids)} tokens, beyond seq_len + 1 = {width}; raise "
-                                     "seq_len, or shorten or drop the record (pairs are never truncated)")
-                if len(ids) == prompt_length:
-                    raise ValueError(f"{where}: {side} has no response token; every side needs a response to score")
-                padded = np.full(width, pad_id, np.int32)
-                padded[:len(ids)] = ids
-                response_mask = np.zeros(width, np.int32)
-                response_mask[prompt_length:len(ids)] = 1
-                rows[side].append(padded)
-                rows[f"{side}_response"].append(response_mask)
-    if not rows["chosen"]:
-        raise ValueError(f"{path} holds no preference record")
-    return {key: np.stack(value) for key, value in rows.items()}
-
-
-def pair_dataset(train: Mapping[str, np.ndarray], batch: int, val: Mapping[str, np.ndarray] | None = None,
-                 seed: int = 0) -> Dataset:
-    """A `Dataset` over `read_pairs` rows: each epoch a fresh shuffle (from `seed` and the epoch), cut
-    into batches of `batch` pairs (the last partial batch of an epoch dropped); `val` in order, whole
-    batches. A plain iterator: a resumed run replays it to the same next batch."""
-    count = len(train["chosen"])
-    if count < batch:
-        raise ValueError(f"{count} training pairs do not fill one batch of {batch}: use a smaller batch")
-
-    def train_batches(partition):
-        epoch = 0
-        while True:
-            order = np.random.default_rng([seed, epoch]).permutation(count)
-            for start in range(0, count - batch + 1, batch):
-                rows = order[start:start + batch][partition.index::partition.count]
-                yield {key: value[rows] for key, value in train.items()}
-            epoch += 1
-
-    def val_batches(partition):
-        for start in range(0, len(val["chosen"]) - batch + 1, batch):
-            yield {key: value[start:start + batch][partition.index::partition.count] for key, value in val.items()}
-
-    return Dataset(train=train_batches, val=None if val is None else val_batches, records=count, batch=batch)
-
-
-# -- the objective -------------------------------------------------------------------------------
 
 @struct.dataclass
 class PreferenceStatistics:
@@ -198,14 +57,16 @@ class DPOObjective(ScoredByLM, MeanLossNoEffects):
     `beta` sets how far the policy may move from the reference (0.1 is common); `label_smoothing`
     (cDPO's eps, in [0, 0.5)) is the assumed rate of flipped labels. `trainable` freezes the rest
     (LoRA's `LoRA.trainable`); `pretrained` is the checkpoint the policy and the reference start from.
-    The EMA slot holds the reference, so `ema_decay` is 1.0.
+    The EMA slot holds the reference, so `ema_decay` is 1.0. `samples` (`dew.objectives.lm.Samples`)
+    are previews drawn from the live policy at each evaluation.
     """
 
     reads_reference = True
     ema_decay = 1.0
 
     def __init__(self, model, seq_len: int, *, beta: float = 0.1, label_smoothing: float = 0.0,
-                 pretrained: Variables | None = None, trainable: PathFilter | str | None = None, head_chunks: int | None = None):
+                 pretrained: Variables | None = None, trainable: PathFilter | str | None = None, head_chunks: int | None = None,
+                 samples: Samples | None = None):
         check_decoder_objective(model.config, seq_len=seq_len, ema_decay=self.ema_decay, head_chunks=head_chunks,
                                 rows="pairs")
         if not beta > 0:
@@ -217,7 +78,7 @@ class DPOObjective(ScoredByLM, MeanLossNoEffects):
         self.trainable = path_filter(trainable)
         # The scoring of next-token log-likelihoods is the language model's, over the same rows.
         self.scorer = LMObjective(model, seq_len, ema_decay=None, pretrained=pretrained, head_chunks=head_chunks,
-                                  token_accuracy=False)
+                                  token_accuracy=False, samples=samples)
 
     def check_batch(self, batch: Mapping) -> None:
         """Refuse rows that are not pairs of `[B, seq_len + 1]` ids with response masks, a side with no

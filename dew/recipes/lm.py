@@ -21,21 +21,16 @@ import tyro
 
 from dew import kernels
 from dew.data import Dataset, load_tokenizer
-from dew.data.chat_data import ChatData
-from dew.data.tokenizers import tokenizer_file, tokenizer_name
-from dew.diffusion.discrete import MDLM
+from dew.data.tokenizers import tokenizer_file
 from dew.errors import describe, exit_status, one_line_warnings, report
-from dew.inference.text import printable
 from dew.interop import load_pretrained
-from dew.interop.families import family_of
 from dew.interop.peft import check_peft, save_peft
-from dew.nn.diffusion_gemma import DiffusionGemma
 from dew.nn.lora import LoRA, adapters
-from dew.objectives.diffusion import BlockDiffusionObjective, MaskedDiffusionObjective
-from dew.objectives.lm import LMObjective, LMRunConfig, Samples
+from dew.objectives import Objective
+from dew.objectives.lm import LMRunConfig
+from dew.recipes.objectives import RecipeObjective, recipe_objective
 from dew.run_config import to_json
 from dew.runs.run_dir import PATH_SETTINGS, TOKENIZER, RunDirectory, resolve_path_setting
-from dew.sampling import Sampling
 from dew.sharding import initialize
 from dew.training.state import TrainState
 from dew.training.trackers import JsonLines, TensorBoard, Tracker, WandB
@@ -44,81 +39,15 @@ from dew.training.trainer import Trainer, TrainingDiverged, TrainingInterrupted
 RECIPE = "lm"
 ADAPTER = "adapter"
 """RUN/adapter/: a LoRA run's adapters in PEFT's format, written when the run finishes."""
-# The key a LoRA run draws its fresh adapters from: the run's seed, past the trainer's streams (0-2).
+# The key a LoRA run draws its fresh adapters from: stream 3 of the seed's key (the trainer's streams
+# fold into a key split from it, so none meets this one).
 _ADAPTER_STREAM = 3
 
 
-def _load_data(config: LMRunConfig) -> Dataset:
-    """The train stream and validation pass, refused unless meta.json names the run's tokenizer (chat
-    conversations are rendered and tokenized with the run's tokenizer)."""
-    spec = config.data
-    if spec.tokenizer is not None and tokenizer_name(spec.tokenizer) != tokenizer_name(config.tokenizer):
-        raise ValueError(
-            f"--data.tokenizer {spec.tokenizer!r} and --tokenizer {config.tokenizer!r} disagree: "
-            "leave --data.tokenizer unset; --tokenizer names the run's tokenizer"
-        )
-    if isinstance(spec, ChatData):
-        return _load_chat(config, dataclasses.replace(spec, tokenizer=config.tokenizer))
-    data = spec.load(batch=config.trainer.batch, val_batch=config.trainer.val_batch)
-    if tokenizer_name(config.tokenizer) != data.meta["tokenizer"]:
-        raise ValueError(
-            f"--tokenizer {config.tokenizer!r} is not the tokenizer {data.meta['tokenizer']!r} that wrote "
-            f"{spec.path} (its meta.json): pass --tokenizer {data.meta['tokenizer']}, or rewrite the token files "
-            f"with `dew tokenize --input TEXT --out {spec.path} --tokenizer {config.tokenizer}`"
-        )
-    if data.val is None and config.trainer.eval_every is not None:
-        raise ValueError(
-            f"--trainer.eval-every {config.trainer.eval_every} asks for validation, and {spec.path} has no val.bin "
-            "tokens: pass --trainer.eval-every None, or tokenize with a --val-fraction above 0"
-        )
-    return data
-
-
-def _load_chat(config: LMRunConfig, spec: ChatData) -> Dataset:
-    """Chat conversations as rows, with validation conversations when evaluation asks for them."""
-    if spec.val_path is None and config.trainer.eval_every is not None:
-        raise ValueError(
-            f"--trainer.eval-every {config.trainer.eval_every} asks for validation, and data:chat has no "
-            "--data.val-path: pass a JSONL file of validation conversations, or --trainer.eval-every None"
-        )
-    return spec.load(batch=config.trainer.batch, val_batch=config.trainer.val_batch)
-
-
-def _samples(config: LMRunConfig, max_seq_len: int) -> Samples | None:
-    """The preview drawn at each evaluation, checked against the model's length up front (a masked
-    diffusion preview unmasks with its process's sampler, so it carries no sampling policy)."""
-    if config.sample_tokens == 0:
-        return None
-    tokenizer = load_tokenizer(config.tokenizer)
-    prompt = tokenizer.encode(config.sample_prompt or "\n")
-    if len(prompt) + config.sample_tokens > max_seq_len:
-        raise ValueError(
-            f"the preview's prompt ({len(prompt)} tokens) plus --sample-tokens {config.sample_tokens} is "
-            f"{len(prompt) + config.sample_tokens}, beyond the model's max_seq_len {max_seq_len}: pass a smaller "
-            "--sample-tokens (0 for no previews), a shorter --sample-prompt, or a larger max_seq_len"
-        )
-    # Previews are printed to the terminal: control characters a model emits are escaped.
-    sampling = config.sampling if config.objective == "lm" else Sampling()
-    return Samples(prompt=prompt, max_new_tokens=config.sample_tokens, sampling=sampling,
-                   decode=lambda ids: printable(tokenizer.decode(ids)))
-
-
-def _generation_record(config: LMRunConfig, objective) -> dict[str, Any]:
-    """What generation from the run reads: the preview policy and budget, or for masked diffusion the
-    mask id (and a checkpoint's logits shift) native MDLM is rebuilt with (its default sampler, 64
-    steps) and the budget."""
-    record = {"max_new_tokens": config.sample_tokens, "ema": config.ema_decay is not None}
-    if config.objective == "block_diffusion":
-        return {"process": "block", **record}
-    if config.objective == "masked_diffusion":
-        process = objective.process
-        shift = {"logits_shift": process.logits_shift} if process.logits_shift else {}
-        return {"process": "mdlm", "mask_id": process.mask_id, **shift, **record}
-    return {"sampling": to_json(config.sampling), **record}
-
-
 def _record(config: LMRunConfig, objective, meta: dict[str, Any], command: Sequence[str] | None) -> dict[str, Any]:
-    """run.json's content (RunDirectory adds the versions and the time)."""
+    """run.json's content (RunDirectory adds the versions and the time); `generation` and the tokens a step
+    trains on are the objective's (`dew.recipes.objectives`)."""
+    entry = recipe_objective(config.objective)
     settings = to_json(config)
     settings["data"] = {"type": type(config.data).__name__, **settings["data"]}
     # Paths as absolute ones: the run compares and finds the same files from any working directory.
@@ -135,8 +64,8 @@ def _record(config: LMRunConfig, objective, meta: dict[str, Any], command: Seque
         "kernels": kernels.describe(getattr(objective.model.config, "kernels", "auto")),
         "data": meta,
         "tokenizer": meta["tokenizer"],
-        "generation": _generation_record(config, objective),
-        "tokens_per_step": config.trainer.batch * objective.seq_len,
+        "generation": entry.generation(config, objective),
+        "tokens_per_step": entry.tokens_per_step(config, objective),
         "command": list(command) if command is not None else None,
     }
 
@@ -149,7 +78,7 @@ class LMRun:
 
     config: LMRunConfig
     data: Dataset
-    objective: LMObjective | MaskedDiffusionObjective
+    objective: Objective
     trainer: Trainer
     directory: RunDirectory
     trackers: list[Tracker]
@@ -245,16 +174,11 @@ class Diverged(FloatingPointError):
 _PRETRAINED_OVERRIDES = ("max_seq_len", "dtype", "attention_impl", "scan_layers", "remat")
 
 
-def _model(config: LMRunConfig, meta: dict[str, Any]):
-    """(model, variables to start from or None, the source as recorded: a hub id pinned to its commit,
-    notes for the user, and for masked diffusion its process: native MDLM over the checkpoint's mask
-    id, or over the id after the tokenizer's last for a model trained from scratch)."""
+def _model(config: LMRunConfig, meta: dict[str, Any], entry: RecipeObjective):
+    """(model, variables to start from or None, the source as recorded: a hub id pinned to its commit, notes
+    for the user, the loaded checkpoint or None): the objective's fresh model, or --pretrained's."""
     if config.pretrained is None:
-        if config.objective == "masked_diffusion":
-            # The mask takes the id after the tokenizer's last, and reads both ways.
-            model = config.model.build(vocab_size=meta["vocab_size"] + 1, causal=False)
-            return model, None, None, [], MDLM(mask_id=meta["vocab_size"])()
-        return config.model.build(vocab_size=meta["vocab_size"]), None, None, [], None
+        return entry.fresh_model(config, meta), None, None, [], None
     fixed = sorted(set(config.model.config) - set(_PRETRAINED_OVERRIDES))
     if fixed:
         raise ValueError(
@@ -263,23 +187,11 @@ def _model(config: LMRunConfig, meta: dict[str, Any]):
         )
     bundle = load_pretrained(config.pretrained, **config.model.config)
     source = config.pretrained if bundle.revision is None else f"{config.pretrained.split('@')[0]}@{bundle.revision}"
+    entry.check_pretrained(config, bundle)
+    model, variables = bundle.model, bundle.variables
     if config.lora is not None:
-        return (*_adapted(config.lora, bundle, config.trainer.seed), source,
-                _check_pretrained_tokenizer(config, bundle, meta), None)
-    process = None
-    if config.objective == "block_diffusion" and not isinstance(bundle.model, DiffusionGemma):
-        raise ValueError(f"--pretrained {config.pretrained} is a {bundle.config.get('model_type')} checkpoint: "
-                         "--objective block_diffusion fine-tunes a DiffusionGemma (model_type diffusion_gemma)")
-    if config.objective == "masked_diffusion":
-        family = family_of(bundle.config)
-        if not hasattr(family, "process"):
-            raise ValueError(
-                f"--pretrained {config.pretrained} is a {family.model_type} checkpoint, a causal decoder: "
-                "--objective masked_diffusion continues a masked-diffusion checkpoint (LLaDA, Dream), or trains a "
-                "model from scratch without --pretrained"
-            )
-        process = family.process(bundle.config)
-    return bundle.model, bundle.variables, source, _check_pretrained_tokenizer(config, bundle, meta), process
+        model, variables = _adapted(config.lora, bundle, config.trainer.seed)
+    return model, variables, source, _check_pretrained_tokenizer(config, bundle, meta), bundle
 
 
 def _adapted(lora: LoRA, bundle, seed: int):
@@ -311,15 +223,16 @@ def _check_pretrained_tokenizer(config: LMRunConfig, bundle, meta: dict[str, Any
 
 def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
     """Build everything `config` describes and open its run directory; refuse before writing anything."""
-    data = _load_data(config)
+    entry = recipe_objective(config.objective)
+    data = entry.load_data(config)
     meta = data.meta
-    model, held, source, pretrained_notes, process = _model(config, meta)
+    model, held, source, pretrained_notes, bundle = _model(config, meta, entry)
     if model.config.vocab_size < meta["vocab_size"]:
         raise ValueError(
             f"--model.config vocab_size {model.config.vocab_size} is below the vocab_size {meta['vocab_size']} "
             f"of {config.data.path} (meta.json): leave vocab_size out of --model.config to take the files' one"
         )
-    objective = _objective(config, model, held, meta, process)
+    objective = entry.build(config, model, held, meta, bundle)
     settings = config.trainer
     trainer = Trainer(objective, config.optim.build(settings.steps), key=jax.random.key(settings.seed),
                       mesh=settings.mesh, layout=settings.layout)
@@ -338,47 +251,6 @@ def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
                                allow_changes=settings.allow_changes, keep=_tokenizer_files(config.tokenizer))
         notes += pretrained_notes
     return LMRun(config, data, objective, trainer, directory, trackers, notes)
-
-
-def _objective(config: LMRunConfig, model, held, meta: dict[str, Any],
-               process) -> LMObjective | MaskedDiffusionObjective | BlockDiffusionObjective:
-    """The objective --objective names. All train on the data's rows of --data.seq-len + 1 ids: the
-    autoregressive one predicts the last seq_len of them from the first, masked diffusion (with
-    `process`) reads them whole, block diffusion as a prompt and whole canvases."""
-    if config.objective == "block_diffusion":
-        return _block_objective(config, model, held)
-    samples = _samples(config, model.config.max_seq_len)
-    if config.objective == "masked_diffusion":
-        if config.pretrained is None and model.config.vocab_size <= process.mask_id:
-            raise ValueError(
-                f"--model.config vocab_size {model.config.vocab_size} leaves no id for the mask: masked diffusion "
-                f"masks with id {process.mask_id}, the one after the {meta['vocab_size']} ids of {config.data.path} "
-                "(meta.json); leave vocab_size out of --model.config to take one more than the files' vocab_size"
-            )
-        return MaskedDiffusionObjective(model, process, config.data.seq_len + 1, ema_decay=config.ema_decay,
-                                        samples=samples, token_accuracy=config.token_accuracy, pretrained=held)
-    return LMObjective(
-        model, config.data.seq_len, ema_decay=config.ema_decay, samples=samples,
-        balance_rate=config.balance_rate, aux_loss_alpha=config.aux_loss_alpha, seq_aux=config.seq_aux,
-        router_z_loss=config.router_z_loss, mtp_weight=config.mtp_weight, indexer=config.indexer,
-        token_accuracy=config.token_accuracy, pretrained=held, loss_role=config.loss_role,
-        trainable=None if config.lora is None else LoRA.trainable,
-    )
-
-
-def _block_objective(config: LMRunConfig, model, held) -> BlockDiffusionObjective:
-    """Block diffusion over rows of --data.seq-len + 1 ids: --block-prompt-tokens, then whole canvases of
-    --block-canvas-size (default the checkpoint's canvas length)."""
-    row, prompt = config.data.seq_len + 1, config.block_prompt_tokens
-    canvas = config.block_canvas_size or model.config.canvas_length
-    if row <= prompt or (row - prompt) % canvas:
-        raise ValueError(
-            f"--data.seq-len {config.data.seq_len} gives rows of {row} ids, which must be --block-prompt-tokens "
-            f"{prompt} plus a whole number (at least 1) of canvases of {canvas}: use --data.seq-len "
-            f"{prompt + canvas * max(1, -(-(row - prompt) // canvas)) - 1}, or change the prompt or canvas size"
-        )
-    return BlockDiffusionObjective(model, prompt, (row - prompt) // canvas, canvas, ema_decay=config.ema_decay,
-                                   pretrained=held)
 
 
 def _tokenizer_files(name: str) -> dict[str, Path]:
@@ -405,7 +277,9 @@ def train(config: LMRunConfig, *, verbose: bool = True) -> TrainState:
     return prepare(config).fit(verbose)
 
 
-_DESCRIPTION = """Train a language model on token files and keep the run in --trainer.run-dir.
+_DESCRIPTION = """Train a language model and keep the run in --trainer.run-dir: --objective lm (the default),
+masked_diffusion or block_diffusion on token files, lm on data:chat conversations, dpo on
+data:preference-pairs, grpo on data:prompts (docs/recipes.md, "Objectives").
 
 Rerunning the same command resumes the run from its last checkpoint, reading the same next batch;
 SIGINT or SIGTERM saves a checkpoint first. A command whose settings differ from the run's run.json

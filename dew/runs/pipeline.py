@@ -30,7 +30,7 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
     `source` is one of:
     - a run directory (it holds `run.json`): the recorded model and the run's own tokenizer, with
       the checkpoint at `step` (default the newest that reads): the averaged weights when `ema` is
-      set and the run keeps them, else the live ones;
+      set and the run keeps them (its generation record's `ema`), else the live ones;
     - a run's checkpoint directory, RUN/checkpoints/STEP: that run at that step;
     - a GGUF file (`*.gguf`): `dew.interop.load_pretrained(its directory, gguf_file=its name, **load)`;
     - anything else, a published checkpoint for `dew.interop.load_pretrained(source, **load)`: a
@@ -108,7 +108,9 @@ def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextG
         saved = checkpoints.restore_tree(step)
     finally:
         checkpoints.close()
-    use_ema = ema and saved.get("ema") is not None
+    # A run whose EMA slot holds a frozen reference rather than an average (dpo, grpo) records "ema": false,
+    # and generates from its live weights.
+    use_ema = ema and record.get("generation", {}).get("ema", True) and saved.get("ema") is not None
     # With frozen parameters (a LoRA run) the EMA holds only the trained part: laid over the rest.
     params = overlay(saved["params"], saved["ema"]) if use_ema else saved["params"]
     # In the model's own form (a run written before its layers were scanned holds them one by one),

@@ -26,9 +26,9 @@ from dew.training.progress import Reporter, format_values
 from dew.training.state import Step, TrainState
 from dew.training.trackers import Tracker
 
-# Each stream folds its own constant into the run key, so evaluation and previews never reuse the
-# keys training draws.
-TRAIN_STREAM, EVAL_STREAM, PREVIEW_STREAM = 0, 1, 2
+# Each stream folds its own constant into the run key, so evaluation, previews and rollouts never reuse
+# the keys training draws.
+TRAIN_STREAM, EVAL_STREAM, PREVIEW_STREAM, ROLLOUT_STREAM = 0, 1, 2, 3
 # How many dispatched steps (or validation batches) may be outstanding before the host waits.
 STEPS_AHEAD = 2
 
@@ -329,10 +329,24 @@ class Trainer:
         return self._compiled[signature]
 
     # -- the loop --------------------------------------------------------------------------------
+    @property
+    def _on_policy(self) -> bool:
+        """Whether the objective draws the batches it trains on from the live policy (GRPO):
+        `on_policy_batch(params, batch, key)` turns each batch of the data (prompts) into that batch."""
+        return callable(getattr(self.objective, "on_policy_batch", None))
+
+    def _drawn(self, params, host_batch: dict, key_data, step: int, batch_index: int) -> dict:
+        """What an on-policy objective draws from `params` for `host_batch`, with a key of its own for
+        the step and the batch (0 for training, 1 + the index for a validation batch)."""
+        key = jax.random.fold_in(jax.random.wrap_key_data(jax.device_get(key_data)), ROLLOUT_STREAM)
+        return self.objective.on_policy_batch(params, host_batch,
+                                              jax.random.fold_in(jax.random.fold_in(key, step), batch_index))
+
     def evaluate(self, state: TrainState, data: Dataset, metrics: Sequence = (), *,
                  reporter: Reporter | None = None) -> dict[str, float]:
         """Score one whole validation pass on the evaluated weights (EMA when kept; for an objective
-        that reads a frozen reference, the live weights against it).
+        that reads a frozen reference, the live weights against it). An on-policy objective scores
+        what it draws from those weights for each validation batch.
 
         `reporter` (fit's) shows the batches scored while the pass runs."""
         if data.val is None:
@@ -349,6 +363,9 @@ class Trainer:
             reporter.pass_begin("val")
         try:
             for index, host_batch in enumerate(data.val(self._partition())):
+                if self._on_policy:
+                    weights = state.params if self._reads_reference else state.evaluated
+                    host_batch = self._drawn(weights, host_batch, state.key, int(jax.device_get(state.step)), index + 1)
                 self.objective.check_batch(host_batch)
                 batch = place_batch(self.mesh, host_batch)
                 run = self._eval_step(batch)
@@ -465,15 +482,21 @@ class Trainer:
             checkpoints.save(state, iterator.get_state() if hasattr(iterator, "get_state") else None)
             aside["checkpoint"] += time.perf_counter() - started
 
-        step_fn = None
+        first = True
         for index in range(start, steps):
             host_batch = next(iterator)
+            if self._on_policy:
+                host_batch = self._drawn(state.params, host_batch, state.key, index, 0)
             self.objective.check_batch(host_batch)
             batch = place_batch(self.mesh, host_batch)
-            if step_fn is None:
-                step_fn = self.compile_step(state, batch, accumulation)
-                reporter.line(f"compiled the train step in {self.compile_seconds:.2f} s ({kernels.summary(self.kernel_choices)})")
-                window_started = time.perf_counter()
+            # One executable per batch signature: an on-policy batch may change shape between steps.
+            compiled = len(self._compiled)
+            step_fn = self.compile_step(state, batch, accumulation)
+            if len(self._compiled) > compiled:
+                reporter.line(f"compiled the train step in {self.compile_seconds:.2f} s "
+                              f"({kernels.summary(self.kernel_choices)})")
+            if first:
+                first, window_started = False, time.perf_counter()
             state, out = step_fn(state, batch)
             unread.push(index, out)
             done = index + 1

@@ -7,25 +7,33 @@ from typing import Annotated, Literal
 
 import tyro
 
-from dew.data import PackedTokens, TokenWindows
+from dew.data import TokenWindows
 from dew.data.chat import MESSAGE_ROLES
 from dew.data.chat_data import ChatData
+from dew.data.preference_pairs import PreferencePairs
+from dew.data.prompts import Prompts
 from dew.nn.lora import DEFAULT_TARGETS, LoRA
 from dew.objectives.lm.indexer import IndexerTraining
+from dew.objectives.lm.run_objectives import (
+    DEFAULT_EMA, DEFAULT_SAMPLING, DPOSettings, GRPOSettings, data_name, dpo_flags, grpo_flags, run_objective,
+)
 from dew.run_config import DataSpec, ModelConfig, OptimConfig, TrainerConfig
 from dew.sampling import Sampling
 
-LMDataSpec = DataSpec | Annotated[ChatData, tyro.conf.subcommand(
-    "chat", description="Chat conversations (JSONL) rendered with the tokenizer's chat template, a role per token "
-                        "(ChatData).")]
-"""What a language-model run trains on: token files (`DataSpec`), or `data:chat` conversations."""
-
-# Each objective, and None where it is built or what is not built yet.
-_OBJECTIVES = {"lm": None, "masked_diffusion": None, "block_diffusion": None}
-_DEFAULT_SAMPLING = Sampling(temperature=0.8, top_k=40)
-# Knobs of the autoregressive loss alone, with the value that asks for nothing.
-_LM_ONLY = {"balance_rate": None, "aux_loss_alpha": None, "seq_aux": True, "router_z_loss": 0.0, "mtp_weight": None,
-            "indexer": None, "loss_role": None}
+LMDataSpec = (
+    DataSpec
+    | Annotated[ChatData, tyro.conf.subcommand(
+        "chat", description="Chat conversations (JSONL) rendered with the tokenizer's chat template, a role per "
+                            "token (ChatData).")]
+    | Annotated[PreferencePairs, tyro.conf.subcommand(
+        "preference-pairs", description="Preference pairs (JSONL of prompt, chosen, rejected: TRL's DPO format) for "
+                                        "--objective dpo (PreferencePairs).")]
+    | Annotated[Prompts, tyro.conf.subcommand(
+        "prompts", description="Prompts (JSONL of prompt and the fields its rewards read: TRL's GRPO format) for "
+                               "--objective grpo (Prompts).")]
+)
+"""What a language-model run trains on: token files (`DataSpec`), `data:chat` conversations, `data:preference-pairs`
+or `data:prompts`."""
 
 
 def lora_flags(rank: int | None = None, alpha: float = 16.0, targets: tuple[str, ...] = DEFAULT_TARGETS,
@@ -52,7 +60,11 @@ def lora_flags(rank: int | None = None, alpha: float = 16.0, targets: tuple[str,
 
 @dataclasses.dataclass(frozen=True)
 class LMRunConfig:
-    """A run, plus the language model's own knobs."""
+    """A run, plus the language model's own knobs.
+
+    Each objective reads some of the knobs (`dew.objectives.lm.run_objectives`); a knob another
+    objective reads is refused unless it keeps its default.
+    """
 
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig("causal_transformer"))
     data: LMDataSpec = TokenWindows()
@@ -60,20 +72,21 @@ class LMRunConfig:
         default_factory=lambda: OptimConfig(learning_rate=0.0006, weight_decay=0.1, clip_grads=1.0))
     trainer: TrainerConfig = TrainerConfig()
     objective: str = "lm"
-    """Loss convention: lm (next-token cross entropy over rows of --data.seq-len + 1 ids), or masked_diffusion (MDLM's negative ELBO on a bidirectional decoder, over the same rows whole: --data.seq-len 127 trains on 128 ids; the mask takes the id after the tokenizer's last), or block_diffusion (DiffusionGemma's block loss, fine-tuning --pretrained on rows of --block-prompt-tokens plus whole canvases: --data.seq-len + 1 ids)."""
+    """Loss convention: lm (next-token cross entropy over rows of --data.seq-len + 1 ids), or masked_diffusion (MDLM's negative ELBO on a bidirectional decoder, over the same rows whole: --data.seq-len 127 trains on 128 ids; the mask takes the id after the tokenizer's last), or block_diffusion (DiffusionGemma's block loss, fine-tuning --pretrained on rows of --block-prompt-tokens plus whole canvases: --data.seq-len + 1 ids), or dpo (DPO's sigmoid loss on data:preference-pairs against the frozen starting weights; --dpo.*), or grpo (GRPO on the policy's own completions of data:prompts, scored by --grpo.rewards; --grpo.*)."""
     lora: Annotated[LoRA | None, tyro.conf.arg(constructor=lora_flags)] = None
     """LoRA adapters (dew.nn.lora.LoRA) on --pretrained's linears, on with --lora.rank N: only they train, the checkpoint's weights stay frozen. When the run finishes it writes them in PEFT's format to RUN/adapter/ (adapter_config.json, adapter_model.safetensors, for peft.PeftModel.from_pretrained on the checkpoint); dew generate and dew export read the run with them merged into the kernels. Unset trains the whole model."""
     tokenizer: str = "byte"
     """What the ids were written with: 'byte', or an HF tokenizer name."""
-    ema_decay: float | None = 0.999
-    """None disables EMA; 1.0 retains a frozen copy."""
+    ema_decay: float | None = DEFAULT_EMA
+    """None disables EMA; 1.0 retains a frozen copy (dpo and grpo keep their own: their frozen reference, or none)."""
     sample_prompt: str = ""
     """Prompt the validation samples continue; empty continues a newline."""
     sample_tokens: int = 128
     """Tokens generated per validation sample; 0 logs no text."""
     sampling: Annotated[Sampling, tyro.conf.arg(help=(
-        "The preview policy, recorded with the run for inference (objective lm; masked_diffusion unmasks with "
-        "MDLM's sampler instead)."))] = dataclasses.field(default_factory=lambda: _DEFAULT_SAMPLING)
+        "The preview policy, recorded with the run for inference (objectives lm and dpo; grpo draws its "
+        "completions with it, stopping at the tokenizer's EOS as well; masked_diffusion unmasks with MDLM's "
+        "sampler instead)."))] = dataclasses.field(default_factory=lambda: DEFAULT_SAMPLING)
     pretrained: Annotated[str | None, tyro.conf.arg(help=(
         "Hugging Face decoder to continue training: a hub repo id, repo@revision (a branch, tag or commit), or a "
         "local directory in that layout. A run records a hub repo as repo@commit, the commit it resolved to. The "
@@ -99,29 +112,24 @@ class LMRunConfig:
     """Training canvas width of block diffusion (objective block_diffusion only)."""
     loss_role: Literal["system", "user", "assistant", "tool"] | None = None
     """Train only on the targets of this role (LMObjective.loss_role): assistant for supervised fine-tuning. Needs data:chat rows, which carry a role per token; unset trains on every target."""
+    dpo: Annotated[DPOSettings | None, tyro.conf.arg(constructor=dpo_flags)] = None
+    """DPO's knobs (objective dpo only): --dpo.beta (0.1), --dpo.label-smoothing (0). The reference is the run's starting weights (--pretrained's, or the fresh ones), frozen. Unset takes the defaults."""
+    grpo: Annotated[GRPOSettings | None, tyro.conf.arg(constructor=grpo_flags)] = None
+    """GRPO's knobs (objective grpo only): --grpo.rewards (needed), --grpo.group-size (8), --grpo.max-new-tokens (256), --grpo.clip (0.2), --grpo.kl-weight (0), --grpo.answer-field (answer). Each step draws --grpo.group-size completions of --trainer.batch / group-size prompts and takes one update on them."""
 
     def __post_init__(self):
-        if self.objective not in _OBJECTIVES:
-            raise ValueError(f"objective is {self.objective!r}; use one of {sorted(_OBJECTIVES)}")
-        if _OBJECTIVES[self.objective] is not None:
-            raise NotImplementedError(
-                f"--objective {self.objective}: {_OBJECTIVES[self.objective]} is not built in Dew yet; "
-                "leave --objective at lm"
-            )
-        if self.objective in ("masked_diffusion", "block_diffusion"):
-            self._check_diffusion()
-        if self.objective == "block_diffusion":
-            self._check_block_diffusion()
-        if self.lora is not None:
-            self._check_lora()
-        block = {"block_prompt_tokens": (self.block_prompt_tokens, 256),
-                 "block_canvas_size": (self.block_canvas_size, None)}
-        for name, (value, default) in block.items():
-            if value != default and self.objective != "block_diffusion":
-                raise ValueError(
-                    f"{name} is {value}, but it shapes only --objective block_diffusion rows and this run's "
-                    f"objective is {self.objective}: leave {name} unset"
-                )
+        if self.lora is not None and not isinstance(self.lora, LoRA):
+            raise TypeError(f"lora is {self.lora!r}; give a dew.nn.lora.LoRA (--lora.rank N on the command line)")
+        # Knobs left at their defaults are recorded as None, so a run whose objective does not read them
+        # records (and compares on resuming) none of them.
+        for name, default in (("dpo", DPOSettings()), ("grpo", GRPOSettings())):
+            if getattr(self, name) == default:
+                object.__setattr__(self, name, None)
+        run_objective(self.objective).check(self)
+        if self.lora is not None and self.pretrained is None:
+            raise ValueError(f"--lora.rank {self.lora.rank} adapts a published checkpoint's linears and freezes the rest, "
+                             "and --pretrained is unset, so the frozen weights would be random ones: add --pretrained "
+                             "DIR, or drop the --lora flags to train a model from scratch")
         if not self.seq_aux and self.aux_loss_alpha is None:
             raise ValueError(
                 "--no-seq-aux shapes the expert balance loss, and aux_loss_alpha is unset, so there is none: "
@@ -134,58 +142,5 @@ class LMRunConfig:
         if self.loss_role is not None and self.loss_role not in MESSAGE_ROLES:
             raise ValueError(f"--loss-role {self.loss_role!r} is not a message role: use one of {MESSAGE_ROLES}")
         if self.loss_role is not None and not isinstance(self.data, ChatData):
-            raise ValueError(f"--loss-role {self.loss_role} keeps the targets of one role, and {_data_name(self.data)} "
+            raise ValueError(f"--loss-role {self.loss_role} keeps the targets of one role, and {data_name(self.data)} "
                              "rows carry no roles: train on data:chat conversations, or drop --loss-role")
-
-    def _check_lora(self):
-        if not isinstance(self.lora, LoRA):
-            raise TypeError(f"lora is {self.lora!r}; give a dew.nn.lora.LoRA (--lora.rank N on the command line)")
-        if self.pretrained is None:
-            raise ValueError(f"--lora.rank {self.lora.rank} adapts a published checkpoint's linears and freezes the rest, "
-                             "and --pretrained is unset, so the frozen weights would be random ones: add --pretrained "
-                             "DIR, or drop the --lora flags to train a model from scratch")
-        if self.objective != "lm":
-            raise NotImplementedError(f"--lora.rank {self.lora.rank} with --objective {self.objective}: LoRA runs of "
-                                      "the recipe are built for --objective lm only; drop the --lora flags")
-
-    def _check_diffusion(self):
-        """Refuse settings a diffusion objective has no use for, rather than ignore them."""
-        if isinstance(self.data, ChatData):
-            rows = ("data:token-windows or data:packed-tokens" if self.objective == "masked_diffusion"
-                    else "data:token-windows")
-            raise ValueError(f"--objective {self.objective} reads token rows whole, without their roles or "
-                             f"conversation boundaries: train it on {rows}")
-        for name, neutral in _LM_ONLY.items():
-            if getattr(self, name) != neutral:
-                flag = "--no-seq-aux" if name == "seq_aux" else f"--{name.replace('_', '-')} {getattr(self, name)}"
-                raise ValueError(f"{flag} shapes the autoregressive objective, and --objective {self.objective} does "
-                                 f"not read it: drop {flag.split()[0]}")
-        if self.sampling != _DEFAULT_SAMPLING:
-            how = ("previews and generates by unmasking with MDLM's sampler" if self.objective == "masked_diffusion"
-                   else "generates canvas by canvas with the checkpoint's BlockProcess")
-            raise ValueError(f"--sampling sets an autoregressive policy ({self.sampling}), and --objective "
-                             f"{self.objective} {how}: drop the --sampling flags")
-
-    def _check_block_diffusion(self):
-        """Block diffusion fine-tunes a DiffusionGemma checkpoint on unpacked rows, without previews."""
-        if self.pretrained is None:
-            raise ValueError("--objective block_diffusion fine-tunes a DiffusionGemma checkpoint: pass --pretrained "
-                             "(and --tokenizer, the checkpoint's)")
-        if isinstance(self.data, PackedTokens):
-            raise ValueError("--objective block_diffusion reads each row as one prompt and its response canvases, and "
-                             "packed documents' context boundaries differ: use data:token-windows")
-        if self.sample_tokens:
-            raise ValueError(f"--sample-tokens {self.sample_tokens}: --objective block_diffusion has no "
-                             "autoregressive preview; pass --sample-tokens 0 and generate through load_pretrained of "
-                             "the exported checkpoint")
-        if self.block_prompt_tokens < 1:
-            raise ValueError(f"--block-prompt-tokens is {self.block_prompt_tokens}; a row needs a clean prompt of at "
-                             "least 1 token")
-        if self.block_canvas_size is not None and self.block_canvas_size < 1:
-            raise ValueError(f"--block-canvas-size is {self.block_canvas_size}; a canvas holds at least 1 token")
-
-
-def _data_name(data) -> str:
-    """The subcommand that reads `data`, as the command line spells it."""
-    return {"TokenWindows": "data:token-windows", "PackedTokens": "data:packed-tokens"}.get(type(data).__name__,
-                                                                                          type(data).__name__)
