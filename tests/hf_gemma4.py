@@ -41,8 +41,8 @@ def gemma4_spec(config, index: int, causal: bool = True) -> AttentionSpec:
 
 
 def random_gemma4_weights(variables, seed: int):
-    """`variables` redrawn so that every output is of order one: kernels N(0, 1/fan_in), norm and router
-    scales 1 + N(0, 0.1^2) (init would leave them one, hiding a misplaced scale)."""
+    """`variables` redrawn so that every output is of order one: kernels N(0, 1/fan_in), every other value
+    (norm, router and output scales) 1 + N(0, 0.1^2) (init would leave them one, hiding a misplaced scale)."""
     rng = np.random.default_rng(seed)
 
     def draw(path, leaf):

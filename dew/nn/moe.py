@@ -349,7 +349,8 @@ class Experts(nn.Module):
                                                            self.param_dtype)
         else:
             kernel = lambda name, shape, names: _StackedKernel(shape, names, self.param_dtype, name=name)()
-        return kernel("gate_proj", (E, D, F), up), kernel("up_proj", (E, D, F), up), kernel("down_proj", (E, F, D), down)
+        return (kernel("gate_proj", (E, D, F), up), kernel("up_proj", (E, D, F), up),
+                kernel("down_proj", (E, F, D), down))
 
 
 def route(router: Router, experts: Experts, spec: SparseSpec, route_ND, x_ND, rows: int, dtype, replay_BSK=None,

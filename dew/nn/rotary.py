@@ -69,8 +69,8 @@ class RopeScaling:
             raise ValueError(f"rope_type {self.kind!r} has original_max_seq_len {self.original_max_seq_len}: give "
                              "the context length the model was pretrained at")
         if not 0 < self.rotated_fraction <= 1:
-            raise ValueError(f"rope_type {self.kind!r} has rotated_fraction {self.rotated_fraction}; it is the share of "
-                             "each head that turns, in (0, 1]")
+            raise ValueError(f"rope_type {self.kind!r} has rotated_fraction {self.rotated_fraction}; it is the share "
+                             "of each head that turns, in (0, 1]")
         if self.kind == "llama3":
             low, high = self.low_freq_factor, self.high_freq_factor
             if low is None or high is None or not 0 < low < high:
