@@ -32,7 +32,7 @@ def ulp_bound(ulps, magnitude=1.0, dtype=np.float32):
 
 # float32 roundings each side takes after `theta ** (2i / head_dim)` (an exponent division, then the
 # scaling's formula), each of which may break differently once two pow functions disagree.
-_FREQUENCY_ROUNDINGS = {"default": 2, "linear": 3, "llama3": 14, "yarn": 7}
+_FREQUENCY_ROUNDINGS = {"default": 2, "linear": 3, "llama3": 14, "yarn": 7, "proportional": 3}
 
 
 def rotary_frequency_ulps(kind: str = "default", factor: float = 1.0, low_freq_factor: float | None = None,

@@ -279,7 +279,8 @@ class ConfigFields:
 _ROPE_KEYS = {"factor": "factor", "original_max_position_embeddings": "original_max_seq_len",
               "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor", "beta_fast": "beta_fast",
               "beta_slow": "beta_slow", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim",
-              "attention_factor": "attention_factor", "truncate": "truncate"}
+              "attention_factor": "attention_factor", "truncate": "truncate",
+              "partial_rotary_factor": "rotated_fraction"}
 _ROPE_PARAMETERS = {kind: [key for key, field in _ROPE_KEYS.items() if field in reads]
                     for kind, reads in SCALINGS.items()}
 

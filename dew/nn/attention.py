@@ -19,7 +19,7 @@ from dew.kernels.matmul import dot
 from dew.kernels.softmax import MASKED
 from dew.nn.kv_cache import AttentionCache
 from dew.nn.linear import Linear
-from dew.nn.norms import RMSNorm
+from dew.nn.norms import RMSNorm, normalize
 from dew.nn.rotary import RopeScaling, apply_rotary
 
 
@@ -103,7 +103,9 @@ class AttentionSpec:
     angles use `rope_theta` and `rope_scaling`. `qk_norm` normalises queries and keys before the
     rotation, per head (`qk_norm_scope="head"`, Qwen 3, Gemma 3) or over the whole projection
     (`"projection"`, OLMo 2); `qkv_bias`/`o_bias` add biases; `query_scale` replaces
-    `head_dim ** -0.5`; `softcap` caps the scores (Gemma 2). `window` and the rotary setting may
+    `head_dim ** -0.5`; `softcap` caps the scores (Gemma 2). Gemma 4: `value_norm` divides each value
+    head by its rms (no scale), and `keys_as_values` reads the values from the key projection (before
+    its norm and rotation), so the layer has no `v_proj`. `window` and the rotary setting may
     differ between the layers of one scanned run; everything else shapes the parameters or the
     program and may not.
     """
@@ -121,6 +123,8 @@ class AttentionSpec:
     o_bias: bool = False
     query_scale: float | None = None
     softcap: float | None = None
+    value_norm: bool = False
+    keys_as_values: bool = False
 
     def rope(self) -> tuple[int, float, RopeScaling]:
         """The rotary table this mixer reads: (rotated features, base, scaling)."""
@@ -159,7 +163,10 @@ class Attention(nn.Module):
                                                            param_dtype=self.param_dtype, names=names, name=name)
         q_BSF = dense(H * D, s.qkv_bias, ("embed", "heads"), "q_proj")(x_BSE)
         k_BSF = dense(K * D, s.qkv_bias, ("embed", "kv"), "k_proj")(x_BSE)
-        v_BSKD = dense(K * D, s.qkv_bias, ("embed", "kv"), "v_proj")(x_BSE).reshape(B, S, K, D)
+        v_BSF = k_BSF if s.keys_as_values else dense(K * D, s.qkv_bias, ("embed", "kv"), "v_proj")(x_BSE)
+        v_BSKD = v_BSF.reshape(B, S, K, D)
+        if s.value_norm:
+            v_BSKD = normalize(v_BSKD, self.norm_eps)
         norm = lambda name: RMSNorm(self.norm_eps, self.norm_style, dtype=self.dtype, param_dtype=self.param_dtype,
                                     name=name)
         if s.qk_norm and s.qk_norm_scope == "projection":
@@ -173,9 +180,15 @@ class Attention(nn.Module):
         if cache is None:
             k_slots, k_segments = context.slots_BS, context.segments_BS
         else:
-            cache = cache.write(knobs.local, context.write_slots_BS, k_BSKD, v_BSKD)
+            if not context.read_only_cache:
+                cache = cache.write(knobs.local, context.write_slots_BS, k_BSKD, v_BSKD)
             k_segments = context.filled_BT
-            k_slots = jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32), k_segments.shape)
+            k_slots = context.key_slots_BT
+            if k_slots is None:
+                k_slots = jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32), k_segments.shape)
+            if context.read_only_cache:  # this call's own keys follow the cached ones
+                k_slots = jnp.concatenate([k_slots, context.slots_BS], axis=1)
+                k_segments = jnp.concatenate([k_segments, context.segments_BS], axis=1)
         mask_BST = attention_mask(context.slots_BS, k_slots, context.segments_BS, k_segments, causal=s.causal,
                                   window=knobs.window)
         if cache is None and s.softcap is None and fast_softmax.attention_usable(q_BSHD, k_BSKD, v_BSKD):
@@ -188,6 +201,10 @@ class Attention(nn.Module):
                 keys, values = k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3)
             else:
                 keys, values = cache.read(knobs.local)
+                if context.read_only_cache:
+                    own = lambda x_BSKD, cached: x_BSKD.transpose(0, 2, 1, 3).astype(cached.dtype)
+                    keys = jnp.concatenate([keys, own(k_BSKD, keys)], axis=2)
+                    values = jnp.concatenate([values, own(v_BSKD, values)], axis=2)
             # Without a cache, or with one that held nothing, query `i` may read key slots up to `i` only (a
             # row's real tokens fill slots from 0 in order, and a padding query's slot is at most its index),
             # so a causal pass can skip each query block's later keys: the mask holds them out anyway. (A

@@ -21,10 +21,12 @@ from flax import struct
 
 from dew.nn.attention import AttentionSpec
 from dew.nn.mlp import DenseSpec
-from dew.nn.moe import SparseSpec
+from dew.nn.moe import DenseSparseSpec, Experts, Router, SparseSpec, route
 from dew.nn.norms import NORM_STYLES, RMSNorm
 
 NORM_PLACEMENTS = ("pre", "sandwich", "post")
+# The collection of per-layer values a checkpoint keeps as frozen buffers (`LayerSpec.output_scalar`).
+CONSTANTS = "constants"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,20 +38,27 @@ class LayerSpec:
     `post_attention_layernorm`, as in Llama), "sandwich" (Gemma 2/3: also a norm after each
     sublayer, `pre_feedforward_layernorm` before the feed-forward) or "post" (OLMo 2: norms only
     after each sublayer, before the residual add). `norm_style` is the RMSNorm rounding
-    (`dew.nn.norms`).
+    (`dew.nn.norms`). `output_scalar` names a per-layer scalar `[1]` (initially 1) the layer's output is
+    multiplied by (Gemma 4's `layer_scalar`), kept in the `constants` collection as transformers keeps
+    the buffer, or in `params` with `trainable_scalar`.
     """
 
     mixer: AttentionSpec
-    feed_forward: DenseSpec | SparseSpec
+    feed_forward: DenseSpec | SparseSpec | DenseSparseSpec
     norm_placement: str = "pre"
     norm_style: str = "llama"
     norm_eps: float = 1e-6
+    output_scalar: str | None = None
+    trainable_scalar: bool = False
 
     def __post_init__(self):
         if self.norm_placement not in NORM_PLACEMENTS:
             raise ValueError(f"norm_placement is {self.norm_placement!r}; it must be one of {list(NORM_PLACEMENTS)}")
         if self.norm_style not in NORM_STYLES:
             raise ValueError(f"norm_style is {self.norm_style!r}; it must be one of {list(NORM_STYLES)}")
+        if isinstance(self.feed_forward, DenseSparseSpec) and self.norm_placement != "sandwich":
+            raise ValueError(f"norm_placement is {self.norm_placement!r}; a DenseSparseSpec (Gemma 4's) sits between "
+                             "the sandwich's pre_feedforward_layernorm and post_feedforward_layernorm: use 'sandwich'")
 
     def scan_key(self) -> "LayerSpec":
         """The spec with its per-layer values erased: consecutive layers with equal keys scan together."""
@@ -82,6 +91,10 @@ class LayerContext:
     `covered_BS` marks the tokens whose replayed experts (`LayerKnobs.replay`) apply (None: all).
     `report_indexer` asks latent mixers with an indexer for their `dew.nn.mla.IndexerRecord`.
     `fresh_cache` says the cache held no token before this call (`dew.nn.kv_cache.Cache.fresh`).
+    `key_slots_BT` gives each cached key the slot the mask rule reads (None: its index in the cache;
+    `dew.nn.diffusion_gemma` gives positions). With `read_only_cache` the cache is a prefix this call
+    reads and does not write: attention reads the cached keys (`filled_BT`, `key_slots_BT`), then the
+    call's own (`segments_BS`, `slots_BS`), and the cache comes back as it was.
     """
 
     rotary: dict
@@ -92,10 +105,13 @@ class LayerContext:
     covered_BS: jax.Array | None = None
     report_indexer: bool = struct.field(pytree_node=False, default=False)
     fresh_cache: bool = struct.field(pytree_node=False, default=False)
+    key_slots_BT: jax.Array | None = None
+    read_only_cache: bool = struct.field(pytree_node=False, default=False)
 
 
 class DecoderLayer(nn.Module):
-    """`x + mixer(norm(x))`, then `x + feed_forward(norm(x))`, with the norms where the spec puts them.
+    """`x + mixer(norm(x))`, then `x + feed_forward(norm(x))`, with the norms where the spec puts them,
+    times the spec's output scalar when it names one.
 
     The carry is `(x_BSE, cache, kept)`: the residual stream, this run's cache (None without one),
     and the outputs of the layers listed in `keep`, each replaced when this layer's index matches.
@@ -114,7 +130,8 @@ class DecoderLayer(nn.Module):
                                     name=name)
         mixer = s.mixer.module(norm_style=s.norm_style, norm_eps=s.norm_eps, dtype=self.dtype,
                                param_dtype=self.param_dtype, name="self_attn")
-        feed_forward = s.feed_forward.module(dtype=self.dtype, param_dtype=self.param_dtype, name="mlp")
+        if not isinstance(s.feed_forward, DenseSparseSpec):
+            feed_forward = s.feed_forward.module(dtype=self.dtype, param_dtype=self.param_dtype, name="mlp")
         width = s.mixer.rope()[0]
         cos_RBSD, sin_RBSD = context.rotary[width]
         rotary = (cos_RBSD[knobs.rope], sin_RBSD[knobs.rope])
@@ -128,10 +145,33 @@ class DecoderLayer(nn.Module):
         fed_in = x_BSE if ff_norm is None else norm(ff_norm)(x_BSE)
         if isinstance(s.feed_forward, SparseSpec):
             fed, report = feed_forward(fed_in, knobs.replay, context.covered_BS)
+        elif isinstance(s.feed_forward, DenseSparseSpec):
+            fed, report = self._dense_beside_sparse(s.feed_forward, fed_in, x_BSE, norm, knobs, context)
         else:
             fed, report = feed_forward(fed_in), None
         if s.norm_placement != "pre":
             fed = norm("post_feedforward_layernorm")(fed)
         x_BSE = x_BSE + fed
+        if s.output_scalar is not None:
+            ones = lambda *_: jnp.ones((1,), self.param_dtype)
+            if s.trainable_scalar:
+                scalar = self.param(s.output_scalar, ones)
+            else:
+                scalar = self.variable(CONSTANTS, s.output_scalar, ones).value
+            x_BSE = x_BSE * scalar.astype(x_BSE.dtype)
         kept = tuple(jnp.where(knobs.index == layer, x_BSE, states) for layer, states in zip(self.keep, kept))
         return (x_BSE, cache, kept), (report, mixer_report)
+
+    def _dense_beside_sparse(self, spec: DenseSparseSpec, normed_BSE, x_BSE, norm, knobs, context):
+        """Gemma 4's feed-forward (`DenseSparseSpec`) on the residual `x_BSE` and its pre-norm `normed_BSE`:
+        the sum of both halves, and the router's record."""
+        dense = spec.dense.module(dtype=self.dtype, param_dtype=self.param_dtype, name="mlp")(normed_BSE)
+        B, S, E = x_BSE.shape
+        m = spec.sparse.mixture
+        router = Router(m, self.spec.norm_eps, self.dtype, self.param_dtype, name="router")
+        experts = Experts(E, spec.sparse.features, m.experts, self.param_dtype, bare=True, name="experts")
+        x_NE = x_BSE.reshape(B * S, E)
+        sparse_NE, report = route(router, experts, spec.sparse, x_NE, norm("pre_feedforward_layernorm_2")(x_NE), B,
+                                  self.dtype, knobs.replay, context.covered_BS)
+        sparse_BSE = norm("post_feedforward_layernorm_2")(sparse_NE.astype(self.dtype).reshape(B, S, E))
+        return norm("post_feedforward_layernorm_1")(dense) + sparse_BSE, report

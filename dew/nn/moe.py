@@ -11,10 +11,15 @@ gradient, and serves selection only.
 Routing (`Router`): float32 logits, scores by softmax or sigmoid, the top-k of `scores + bias`
 (within the best `groups_per_token` of `groups` expert groups when grouped, a group scored by the sum
 of its two best experts or by its best), weights gathered from the unbiased scores, divided by their
-sum when `norm_topk_prob`, times `scaling`. Dispatch is dropless: the token slots are sorted by expert
-and run through `dew.nn.grouped.expert_mlp`, then combined with the weights in float32. With
-`capacity_factor`, each expert takes at most `ceil(capacity_factor * S * top_k / E)` slots per row,
-in token order; the slots past it contribute nothing.
+sum when `norm_topk_prob`, times `scaling` (and each chosen expert's `per_expert_scale`, Gemma 4's).
+Gemma 4's router (`router_norm`) projects `x / rms(x) * scale * width ** -0.5` through `proj` instead
+of the float32 `kernel`. `DenseSparseSpec` is Gemma 4's feed-forward: a dense MLP beside the experts,
+whose parts sit on the layer (`dew.nn.layer.DecoderLayer` wires them).
+
+Dispatch is dropless: the token slots are sorted by expert and run through
+`dew.nn.grouped.expert_mlp`, then combined with the weights in float32. With `capacity_factor`, each
+expert takes at most `ceil(capacity_factor * S * top_k / E)` slots per row, in token order; the slots
+past it contribute nothing.
 
 Each sparse layer reports a `RouterRecord` (the router's choices, weights, scores and log-normaliser);
 the decoder gathers them, layer-stacked, under `ModelOutput.aux["routing"]`. `Routes` replays a
@@ -34,7 +39,8 @@ from jax import lax
 
 from dew.nn.grouped import expert_mlp
 from dew.nn.linear import Linear, named
-from dew.nn.mlp import GatedMLP
+from dew.nn.mlp import DenseSpec, GatedMLP
+from dew.nn.norms import normalize
 
 F32 = jnp.float32
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -64,6 +70,9 @@ class Mixture:
     - `shared_features`: the hidden width of a dense gated MLP every token also runs through (0: none);
       `shared_gate` scales it by `sigmoid(x . w)` (Qwen2-MoE).
     - `capacity_factor`: None routes every slot (dropless); a factor caps each expert's slots per row.
+    - `router_norm`: the router reads `x / rms(x)` times a learned `scale` `[D]` and `D ** -0.5`, and
+      projects it through `proj` in the compute dtype (Gemma 4's router); `expert_scale`: a learned
+      `per_expert_scale` `[E]` multiplies each chosen expert's weight (Gemma 4's).
     """
 
     experts: int
@@ -81,6 +90,8 @@ class Mixture:
     shared_features: int = 0
     shared_gate: bool = False
     capacity_factor: float | None = None
+    router_norm: bool = False
+    expert_scale: bool = False
 
     def __post_init__(self):
         if self.layers is not None:
@@ -142,6 +153,18 @@ class SparseSpec:
         return SparseMLP(self, dtype=dtype, param_dtype=param_dtype, name=name)
 
 
+@dataclasses.dataclass(frozen=True)
+class DenseSparseSpec:
+    """Gemma 4's feed-forward: the `dense` gated MLP beside the `sparse` mixture of experts, each between
+    its own norms, summed. `DecoderLayer` wires it, since its parts sit on the layer under transformers'
+    names: `mlp` (the dense half, after the layer's `pre_feedforward_layernorm`, then
+    `post_feedforward_layernorm_1`), `router` (reading the un-normed residual), `experts` (bare
+    parameters, after `pre_feedforward_layernorm_2`, then `post_feedforward_layernorm_2`)."""
+
+    dense: DenseSpec
+    sparse: SparseSpec
+
+
 @struct.dataclass
 class RouterRecord:
     """What a sparse layer's router reports, per token (leading axes `[..., B, S]`; the decoder's
@@ -194,17 +217,27 @@ def limit_groups(choice_NE: jax.Array, groups: int, keep: int, group_score: str)
 
 
 class Router(nn.Module):
-    """Scores, selects and weights each token's experts (see the module docstring); all float32."""
+    """Scores, selects and weights each token's experts (see the module docstring); all float32 but
+    for `router_norm`'s input and projection, which run in `dtype` (`norm_eps` is its norm's)."""
 
     mixture: Mixture
+    norm_eps: float = 1e-6
+    dtype: jnp.dtype = F32
+    param_dtype: jnp.dtype = F32
 
     @nn.compact
     def __call__(self, x_ND, replay_NK=None, covered_N=None):
         m = self.mixture
-        kernel = self.param("kernel", named(nn.initializers.normal(0.02), ("embed", None)), (x_ND.shape[-1], m.experts),
-                            F32)
-        logits_NE = lax.dot_general(x_ND.astype(F32), kernel, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
-                                    preferred_element_type=F32)
+        D = x_ND.shape[-1]
+        if m.router_norm:
+            scale = self.param("scale", named(nn.initializers.ones_init(), ("norm",)), (D,), self.param_dtype)
+            routed_ND = normalize(x_ND, self.norm_eps) * scale.astype(self.dtype) * jnp.asarray(D**-0.5, self.dtype)
+            logits_NE = Linear(m.experts, dtype=self.dtype, param_dtype=self.param_dtype, names=("embed", None),
+                               name="proj")(routed_ND).astype(F32)
+        else:
+            kernel = self.param("kernel", named(nn.initializers.normal(0.02), ("embed", None)), (D, m.experts), F32)
+            logits_NE = lax.dot_general(x_ND.astype(F32), kernel, (((1,), (0,)), ((), ())),
+                                        precision=lax.Precision.HIGHEST, preferred_element_type=F32)
         scores_NE = jax.nn.softmax(logits_NE, axis=-1) if m.score_function == "softmax" else jax.nn.sigmoid(logits_NE)
         choice_NE = scores_NE
         if m.bias:
@@ -220,6 +253,9 @@ class Router(nn.Module):
         if m.norm_topk_prob:
             weights_NK = weights_NK / (jnp.sum(weights_NK, axis=-1, keepdims=True) + _NORM_GUARD)
         weights_NK = weights_NK * m.scaling
+        if m.expert_scale:
+            per_expert_E = self.param("per_expert_scale", nn.initializers.ones_init(), (m.experts,), self.param_dtype)
+            weights_NK = weights_NK * per_expert_E.astype(F32)[experts_NK]
         return experts_NK, weights_NK, scores_NE, jax.nn.logsumexp(logits_NE, axis=-1)
 
 
@@ -279,17 +315,9 @@ class SparseMLP(nn.Module):
         m, F = self.spec.mixture, self.spec.features
         B, S, D = x_BSD.shape
         x_ND = x_BSD.reshape(B * S, D)
-        replay_NK = None if replay_BSK is None else replay_BSK.reshape(B * S, m.top_k)
-        covered_N = None if covered_BS is None else covered_BS.reshape(B * S)
-        experts_NK, weights_NK, scores_NE, log_z_N = Router(m, name="gate")(x_ND, replay_NK, covered_N)
-        stacked = _Experts(D, F, m.experts, self.param_dtype, name="experts")()
-        gate_EDF, up_EDF, down_EFD = (w.astype(self.dtype) for w in stacked)
-        slots_NK = experts_NK
-        capacity = m.capacity(S)
-        if capacity is not None:
-            slots_NK = drop_overflow(experts_NK.reshape(B, S * m.top_k), m.experts, capacity).reshape(B * S, m.top_k)
-        y_ND = dispatch(x_ND.astype(self.dtype), slots_NK, weights_NK, gate_EDF, up_EDF, down_EFD,
-                        self.spec.activation)
+        router = Router(m, name="gate")
+        experts = Experts(D, F, m.experts, self.param_dtype, name="experts")
+        y_ND, record = route(router, experts, self.spec, x_ND, x_ND, B, self.dtype, replay_BSK, covered_BS)
         if m.shared_features:
             shared_ND = GatedMLP(m.shared_features, self.spec.activation, dtype=self.dtype,
                                  param_dtype=self.param_dtype, name="shared_experts")(x_ND).astype(F32)
@@ -298,28 +326,53 @@ class SparseMLP(nn.Module):
                                     name="shared_expert_gate")(x_ND)
                 shared_ND = jax.nn.sigmoid(gate_logit.astype(F32)) * shared_ND
             y_ND = y_ND + shared_ND
-        record = RouterRecord(experts=experts_NK.reshape(B, S, m.top_k), weights=weights_NK.reshape(B, S, m.top_k),
-                              scores=scores_NE.reshape(B, S, m.experts), log_z=log_z_N.reshape(B, S))
         return y_ND.astype(self.dtype).reshape(B, S, D), record
 
 
-class _Experts(nn.Module):
+class Experts(nn.Module):
     """The experts' stacked projections, in transformers' names: `gate_proj`, `up_proj` `[E, D, F]`
-    and `down_proj` `[E, F, D]` (each a `kernel`, `[in, out]` per expert as Dew's linears are)."""
+    and `down_proj` `[E, F, D]`, `[in, out]` per expert as Dew's linears are: each a `kernel`, or with
+    `bare` this module's own parameters (Gemma 4's layout, `experts/gate_proj`)."""
 
     width: int
     features: int
     experts: int
     param_dtype: jnp.dtype
+    bare: bool = False
 
     @nn.compact
     def __call__(self):
         E, D, F = self.experts, self.width, self.features
-        up = ("expert", "embed", "mlp")
-        return (_StackedKernel((E, D, F), up, self.param_dtype, name="gate_proj")(),
-                _StackedKernel((E, D, F), up, self.param_dtype, name="up_proj")(),
-                _StackedKernel((E, F, D), ("expert", "mlp", "embed"), self.param_dtype, name="down_proj")())
+        up, down = ("expert", "embed", "mlp"), ("expert", "mlp", "embed")
+        if self.bare:
+            kernel = lambda name, shape, names: self.param(name, named(nn.initializers.normal(0.02), names), shape,
+                                                           self.param_dtype)
+        else:
+            kernel = lambda name, shape, names: _StackedKernel(shape, names, self.param_dtype, name=name)()
+        return (kernel("gate_proj", (E, D, F), up), kernel("up_proj", (E, D, F), up),
+                kernel("down_proj", (E, F, D), down))
 
 
-__all__ = ["Mixture", "RouterRecord", "Routes", "SparseMLP", "SparseSpec", "dispatch",
-           "drop_overflow", "limit_groups"]
+def route(router: Router, experts: Experts, spec: SparseSpec, route_ND, x_ND, rows: int, dtype, replay_BSK=None,
+          covered_BS=None):
+    """The routed experts' float32 output `[N, D]` for the tokens `x_ND` (`rows` rows of `N / rows`),
+    chosen by `router` from `route_ND`, and the router's `RouterRecord` `[B, S, ...]`; `replay_BSK` /
+    `covered_BS` replay recorded experts (`Routes`)."""
+    m = spec.mixture
+    B, S = rows, x_ND.shape[0] // rows
+    replay_NK = None if replay_BSK is None else replay_BSK.reshape(B * S, m.top_k)
+    covered_N = None if covered_BS is None else covered_BS.reshape(B * S)
+    experts_NK, weights_NK, scores_NE, log_z_N = router(route_ND, replay_NK, covered_N)
+    gate_EDF, up_EDF, down_EFD = (w.astype(dtype) for w in experts())
+    slots_NK = experts_NK
+    capacity = m.capacity(S)
+    if capacity is not None:
+        slots_NK = drop_overflow(experts_NK.reshape(B, S * m.top_k), m.experts, capacity).reshape(B * S, m.top_k)
+    y_ND = dispatch(x_ND.astype(dtype), slots_NK, weights_NK, gate_EDF, up_EDF, down_EFD, spec.activation)
+    record = RouterRecord(experts=experts_NK.reshape(B, S, m.top_k), weights=weights_NK.reshape(B, S, m.top_k),
+                          scores=scores_NE.reshape(B, S, m.experts), log_z=log_z_N.reshape(B, S))
+    return y_ND, record
+
+
+__all__ = ["DenseSparseSpec", "Experts", "Mixture", "Router", "RouterRecord", "Routes", "SparseMLP", "SparseSpec",
+           "dispatch", "drop_overflow", "limit_groups", "route"]

@@ -6,6 +6,7 @@
 - `"gemma"` (Gemma 1-3): `(1 + scale) * x_hat` in float32, rounded once; `scale` starts at zero.
 
 In float32 the first two agree; in bf16 they round at different points, as the families do.
+`normalize` is the norm without a scale (Gemma 4's values, router input and self-conditioning).
 """
 
 from __future__ import annotations
@@ -15,6 +16,17 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 NORM_STYLES = ("llama", "olmo", "gemma")
+
+
+def _normalized32(x: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+
+
+def normalize(x: jax.Array, eps: float) -> jax.Array:
+    """`x / rms(x)` over the last axis in float32, rounded back to `x`'s dtype (transformers' RMSNorm
+    `with_scale=False`)."""
+    return _normalized32(x, eps).astype(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -29,8 +41,7 @@ class RMSNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         init = nn.initializers.zeros_init() if self.style == "gemma" else nn.initializers.ones_init()
         scale = self.param("scale", nn.with_logical_partitioning(init, ("norm",)), (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        normed = _normalized32(x, self.eps)
         if self.style == "llama":
             return (scale.astype(self.dtype) * normed.astype(self.dtype)).astype(self.dtype)
         weight = scale.astype(jnp.float32) + (1.0 if self.style == "gemma" else 0.0)

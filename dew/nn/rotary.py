@@ -1,5 +1,6 @@
 """Rotary position embeddings in the rotate-half layout transformers' Llama uses, with the frequency
-scalings published checkpoints use (linear, Llama 3's, YaRN), computed the way transformers computes them."""
+scalings published checkpoints use (linear, Llama 3's, YaRN, Gemma 4's proportional), computed the way
+transformers computes them."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ SCALINGS = {
     "llama3": ("factor", "original_max_seq_len", "low_freq_factor", "high_freq_factor"),
     "yarn": ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
              "attention_factor", "truncate"),
+    "proportional": ("factor", "rotated_fraction"),
 }
 
 
@@ -36,6 +38,9 @@ class RopeScaling:
       that turn between `beta_slow` and `beta_fast` times in `original_max_seq_len` positions (the band
       widened to whole dimensions with `truncate`); cos and sin are multiplied by `attention_factor`,
       by default `0.1 * ln(factor) + 1`, or the ratio of that with `mscale` and with `mscale_all_dim`.
+    - "proportional" (Gemma 4's full layers): only the first `rotated_fraction` of each head's feature pairs
+      turn (transformers' `partial_rotary_factor`), at the frequencies of the whole head's width; the
+      others keep frequency zero; every frequency is divided by `factor`.
     A field the kind does not read keeps its default.
     """
 
@@ -50,6 +55,7 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    rotated_fraction: float = 1.0
 
     def __post_init__(self):
         if self.kind not in SCALINGS:
@@ -64,6 +70,9 @@ class RopeScaling:
         if self.kind in ("llama3", "yarn") and (self.original_max_seq_len or 0) < 1:
             raise ValueError(f"rope_type {self.kind!r} has original_max_seq_len {self.original_max_seq_len}: give "
                              "the context length the model was pretrained at")
+        if not 0 < self.rotated_fraction <= 1:
+            raise ValueError(f"rope_type {self.kind!r} has rotated_fraction {self.rotated_fraction}; it is the share "
+                             "of each head that turns, in (0, 1]")
         if self.kind == "llama3":
             low, high = self.low_freq_factor, self.high_freq_factor
             if low is None or high is None or not 0 < low < high:
@@ -86,6 +95,10 @@ def rotary_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeS
         return inv_freq_F, 1.0
     if s.kind == "linear":
         return inv_freq_F / f32(s.factor), 1.0
+    if s.kind == "proportional":
+        rotated = int(s.rotated_fraction * head_dim // 2)
+        inv_freq_F = np.where(np.arange(head_dim // 2) < rotated, inv_freq_F, f32(0))
+        return (inv_freq_F / f32(s.factor)).astype(f32), 1.0
     if s.kind == "llama3":
         # torch divides a scalar by a tensor as reciprocal-then-multiply; so does this.
         wavelen_F = (f32(1) / inv_freq_F) * f32(2 * math.pi)

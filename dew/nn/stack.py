@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from dew.nn.layer import DecoderLayer, LayerKnobs, LayerSpec
+from dew.nn.layer import CONSTANTS, DecoderLayer, LayerKnobs, LayerSpec
 from dew.nn.linear import QUANT_COLLECTION
 from dew.nn.moe import BIAS_COLLECTION
+from dew.nn.rotary import rotary_angles
 
 REMAT_POLICIES = {
     "none": None,  # keep every activation for the backward pass
@@ -127,6 +128,20 @@ def _order(name: str):
     return (1, int(name.removeprefix("layers_")), "") if name.startswith("layers_") else (0, 0, name)
 
 
+def rotary_tables(specs: Sequence[LayerSpec], positions_BS) -> tuple[dict, dict]:
+    """One cos/sin table per distinct rotary setting of `specs`' mixers, at integer `positions_BS`:
+    `(tables, rotary)` as `apply_layers` and `LayerContext.rotary` read them (each setting's index among
+    those of its width; per width the stacked tables, float32 `[R, B, S, width]`)."""
+    ropes = list(dict.fromkeys(spec.mixer.rope() for spec in specs))
+    tables, rotary = {}, {}
+    for width in dict.fromkeys(rope[0] for rope in ropes):
+        same = [rope for rope in ropes if rope[0] == width]
+        tables.update({rope: index for index, rope in enumerate(same)})
+        pairs = [rotary_angles(positions_BS, *rope) for rope in same]
+        rotary[width] = (jnp.stack([cos for cos, _ in pairs]), jnp.stack([sin for _, sin in pairs]))
+    return tables, rotary
+
+
 def _knobs(specs: Sequence[LayerSpec], tables: Mapping, start: int, stop: int, replay_LBSK) -> LayerKnobs:
     windows = [spec.mixer.window for spec in specs[start:stop]]
     return LayerKnobs(
@@ -162,8 +177,9 @@ def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, 
         cache = None if cache_runs is None else cache_runs[run]
         if scan:
             # Every collection a layer holds is stacked by layer: params, a router's balancing bias, int8
-            # weights' scales.
-            scanned = nn.scan(layer_class, variable_axes={"params": 0, BIAS_COLLECTION: 0, QUANT_COLLECTION: 0},
+            # weights' scales, frozen output scalars.
+            scanned = nn.scan(layer_class, variable_axes={"params": 0, BIAS_COLLECTION: 0, QUANT_COLLECTION: 0,
+                                                          CONSTANTS: 0},
                               split_rngs={"params": True, "dropout": True},
                               in_axes=(0, nn.broadcast), length=stop - start,
                               metadata_params={nn.PARTITION_NAME: "layers"})

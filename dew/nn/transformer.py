@@ -34,8 +34,8 @@ from dew.nn.moe import Mixture, Routes, SparseSpec
 from dew.nn.mtp import mtp_states
 from dew.nn.norms import NORM_STYLES, RMSNorm
 from dew.nn.quantize import EMBED_SCALE
-from dew.nn.rotary import RopeScaling, rotary_angles
-from dew.nn.stack import REMAT_POLICIES, apply_layers, runs, stack_variables, unstack_variables
+from dew.nn.rotary import RopeScaling
+from dew.nn.stack import REMAT_POLICIES, apply_layers, rotary_tables, runs, stack_variables, unstack_variables
 
 # The knobs of grouped-query attention that latent attention does not have, and their neutral values.
 _NOT_LATENT = {"causal": True, "sliding_window": None, "layer_types": None, "qk_norm": False, "query_scale": None,
@@ -457,14 +457,7 @@ class CausalTransformer(nn.Module):
 
         x_BSE = embedded(tokens)
 
-        # One cos/sin table per distinct rotary setting, stacked by rotated width; layers pick theirs.
-        ropes = list(dict.fromkeys(spec.mixer.rope() for spec in specs))
-        tables, rotary = {}, {}
-        for width in dict.fromkeys(rope[0] for rope in ropes):
-            same = [rope for rope in ropes if rope[0] == width]
-            tables.update({rope: index for index, rope in enumerate(same)})
-            pairs = [rotary_angles(positions, *rope) for rope in same]
-            rotary[width] = (jnp.stack([cos for cos, _ in pairs]), jnp.stack([sin for _, sin in pairs]))
+        tables, rotary = rotary_tables(specs, positions)
         replay_LBSK = None
         if routes is not None:
             replay_LBSK, context_cache["covered_BS"] = self._replay(routes, B, S)

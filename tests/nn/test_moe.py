@@ -15,7 +15,7 @@ from flax import linen as nn
 
 from dew import models
 from dew.nn import grouped
-from dew.nn.moe import Mixture, Routes, SparseMLP, SparseSpec, drop_overflow
+from dew.nn.moe import Mixture, Router, Routes, SparseMLP, SparseSpec, drop_overflow
 from tests.compile_flags import devices_environment
 from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound
 
@@ -159,6 +159,54 @@ def test_block_matches_transformers(family):
     else:
         y_off, _ = SparseMLP(SparseSpec(dataclasses.replace(mixture, **off), FEATURES)).apply(variables, x_BSD)
     assert float(np.max(np.abs(np.asarray(y_off) - ref_y))) > 100 * output_bound
+
+
+def test_gemma4_router_matches_transformers():
+    """Gemma 4's router (`router_norm`, `expert_scale`): the input normed without a scale, times the learned
+    `scale` and `width ** -0.5`, projected by `proj`; the top-k renormalised, times `per_expert_scale`."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRouter
+
+    mixture = Mixture(EXPERTS, TOP_K, router_norm=True, expert_scale=True)
+    x_ND = jax.random.normal(jax.random.key(8), (48, WIDTH))
+    router = Router(mixture)
+    variables = nn.meta.unbox(router.init(jax.random.key(9), x_ND))
+    rng = np.random.default_rng(10)
+    params = {"proj": {"kernel": jnp.asarray(rng.normal(size=(WIDTH, EXPERTS)), jnp.float32)},
+              "scale": jnp.asarray(1 + 0.1 * rng.normal(size=WIDTH), jnp.float32),
+              "per_expert_scale": jnp.asarray(1 + 0.3 * rng.normal(size=EXPERTS), jnp.float32)}
+    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(variables["params"])
+    experts, weights, _, _ = router.apply({"params": params}, x_ND)
+
+    reference = Gemma4TextRouter(transformers.Gemma4TextConfig(hidden_size=WIDTH, num_experts=EXPERTS,
+                                                               top_k_experts=TOP_K, num_hidden_layers=1)).eval()
+    state = {"proj.weight": torch.from_numpy(np.array(params["proj"]["kernel"]).T.copy()),
+             "scale": torch.from_numpy(np.array(params["scale"])),
+             "per_expert_scale": torch.from_numpy(np.array(params["per_expert_scale"]))}
+    missing, unexpected = reference.load_state_dict(state, strict=True)
+    assert not missing and not unexpected
+    with torch.no_grad():
+        _, their_weights, their_experts = reference(torch.from_numpy(np.array(x_ND)))
+    ours_e, ours_w = _sorted_by_expert(np.asarray(experts), np.asarray(weights))
+    theirs_e, theirs_w = _sorted_by_expert(their_experts.numpy(), their_weights.numpy())
+    np.testing.assert_array_equal(ours_e, theirs_e)
+    # The routed input carries the norm's WIDTH + 3 roundings, its rsqrt from two libraries and the two
+    # scale products, relative to its size; the logits add a WIDTH-term dot, in units of the sum of
+    # |routed_i w_i|. A weight moves by at most half the logit error (a softmax renormalised over the
+    # top-k) times the largest per-expert scale, plus its own roundings (exp from two libraries in the
+    # scores and in the normaliser, a sum, a division, the per-expert product). Bound 1.4e-5; observed 2.4e-7.
+    routed = np.asarray(x_ND) / np.sqrt(np.mean(np.square(np.asarray(x_ND)), -1, keepdims=True))
+    routed = np.abs(routed * np.asarray(params["scale"]) * WIDTH**-0.5)
+    logit_size = float(np.max(routed @ np.abs(np.asarray(params["proj"]["kernel"]))))
+    logit_error = ulp_bound(math.sqrt(6 * (2 * WIDTH + 6)) + LIBRARY_ULPS, logit_size)
+    per_expert = float(np.max(np.abs(np.asarray(params["per_expert_scale"]))))
+    weight_bound = per_expert * 0.5 * logit_error + ulp_bound(2 * LIBRARY_ULPS + 4, np.abs(theirs_w))
+    assert_within(ours_w, theirs_w, weight_bound, "gemma 4 router weights")
+
+    # Without the per-expert scale the weights move by far more than the bound.
+    _, plain = Router(dataclasses.replace(mixture, expert_scale=False)).apply(
+        {"params": {"proj": params["proj"], "scale": params["scale"]}}, x_ND)[:2]
+    assert float(np.max(np.abs(_sorted_by_expert(np.asarray(experts), np.asarray(plain))[1] - theirs_w))) > (
+        100 * float(np.max(weight_bound)))
 
 
 @pytest.mark.parametrize("sizes", [(10, 0, 27, 9), (0, 0, 0, 46), (1, 2, 3, 4)])

@@ -33,8 +33,11 @@ CASES = {
                                          mscale_all_dim=1.0)),
     "yarn-untruncated": (16, 100.0, RopeScaling("yarn", 4.0, 64, truncate=False)),
     "yarn-tiny": (16, 100.0, RopeScaling("yarn", 4.0, 64)),
+    "proportional-gemma-4": (512, 1e6, RopeScaling("proportional", rotated_fraction=0.25)),
+    "proportional-tiny": (16, 1e6, RopeScaling("proportional", 2.0, rotated_fraction=0.25)),
 }
-_TRANSFORMERS_NAMES = {"kind": "rope_type", "original_max_seq_len": "original_max_position_embeddings"}
+_TRANSFORMERS_NAMES = {"kind": "rope_type", "original_max_seq_len": "original_max_position_embeddings",
+                       "rotated_fraction": "partial_rotary_factor"}
 
 
 def _frequency_rtol(scaling: RopeScaling) -> float:
@@ -103,6 +106,8 @@ def test_tables_match_transformers_rotary_embedding(case):
      "0 < low_freq_factor < high_freq_factor"),
     (dict(kind="yarn", factor=4.0), "original_max_seq_len None: give the context length"),
     (dict(kind="linear", factor=0.0), "factor 0.0; it must be positive"),
+    (dict(kind="proportional", rotated_fraction=1.5), "rotated_fraction 1.5; it is the share of each head"),
+    (dict(kind="linear", factor=2.0, rotated_fraction=0.5), "rope_type 'linear' does not read \\['rotated_fraction'\\]"),
 ])
 def test_bad_scalings_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -22,7 +22,8 @@ import numpy as np
 
 from dew.interop.families.converter import Converter
 from dew.interop.hf_decoders import _BASE_FIELDS, _DROPPED_ON_LOAD, _LEGACY_FIELDS, _METADATA_FIELDS
-from dew.nn.diffusion_gemma import CONSTANTS, FULL, SLIDING, DiffusionGemmaConfig, Rotary
+from dew.nn.diffusion_gemma import CONSTANTS, FULL, SLIDING, DiffusionGemmaConfig
+from dew.nn.rotary import RopeScaling
 
 MODEL_TYPE = "diffusion_gemma"
 _SHARED = "model.decoder"
@@ -106,7 +107,7 @@ def model_config(source: Mapping[str, Any], where: str = "config.json", *, max_s
     head_dim, kv_heads = fields.get("head_dim"), fields.get("num_key_value_heads")
     head_dims, kv = _per_layer(fields, layer_types, head_dim, kv_heads)
     rope = fields.get("rope_parameters") or _DEFAULT_ROPE
-    rotary = tuple((kind, _rotary(fields, rope, kind)) for kind in sorted(set(layer_types)))
+    rotary = tuple((kind, *_rotary(fields, rope, kind)) for kind in sorted(set(layer_types)))
     dropout = fields.get("attention_dropout")
     if dropout:
         fields.refuse("attention_dropout", dropout, "Dew trains DiffusionGemma without attention dropout; set it to 0")
@@ -143,7 +144,8 @@ def _per_layer(fields: _Fields, layer_types, head_dim, kv_heads) -> tuple[tuple[
     return tuple(head_dims), tuple(kv)
 
 
-def _rotary(fields: _Fields, rope: Mapping[str, Any], kind: str) -> Rotary:
+def _rotary(fields: _Fields, rope: Mapping[str, Any], kind: str) -> tuple[float, RopeScaling]:
+    """One layer type's rotary base and scaling ("default", or Gemma 4's "proportional")."""
     if kind not in rope:
         fields.refuse("rope_parameters", rope, f"give the {kind} layers' rotary setting")
     setting = dict(rope[kind])
@@ -164,7 +166,12 @@ def _rotary(fields: _Fields, rope: Mapping[str, Any], kind: str) -> Rotary:
                       "built; use 'proportional'")
     if setting:
         fields.refuse("rope_parameters", rope, f"{kind} keys {sorted(setting)} are not read for rope_type {rope_type!r}")
-    return Rotary(theta=float(theta), fraction=float(fraction), factor=float(factor))
+    if rope_type == "default":
+        return float(theta), RopeScaling()
+    try:
+        return float(theta), RopeScaling("proportional", float(factor), rotated_fraction=float(fraction))
+    except ValueError as error:
+        fields.refuse("rope_parameters", rope, str(error))
 
 
 # ---- tensors ------------------------------------------------------------------------------------
