@@ -144,7 +144,7 @@ class Pretrained:
 def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", max_seq_len: int | None = None,
                     attention_impl: str | None = None, gguf_file: str | None = None, mesh: MeshSpec | None = None,
                     layout: Layout | None = None, scan_layers: int | None = None, remat: str | None = None,
-                    fallback: str | None = None, quantize: str | None = None) -> Pretrained:
+                    fallback: str | None = None, quantize: str | None = None, kernels: str | None = None) -> Pretrained:
     """Load a transformers decoder checkpoint, or one GGUF file, as a native Dew model.
 
     `source` is a local directory (config.json and model.safetensors, or shards with
@@ -158,7 +158,7 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     float32 for GGUF). `max_seq_len` overrides the config's max_position_embeddings;
     `attention_impl` names the attention kernel ("xla", the one Dew has). `scan_layers` and `remat`
     (`DecoderConfig`'s; they change how the model compiles, not what it computes) default to
-    `DecoderConfig`'s.
+    `DecoderConfig`'s; so does `kernels`, the kernel policy of the model's products (`dew.kernels.policy`).
 
     With `mesh` or `layout` (the other defaults to `MeshSpec()` or `Layout()`), every parameter is a
     `jax.Array` split over `mesh.build()` the way `Layout.shardings` splits it for the `Trainer`:
@@ -215,9 +215,14 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
                 or scan_layers is not None or remat is not None or quantize is not None):
             raise NotImplementedError("DiffusionGemma loads from safetensors onto one device; gguf_file, a mesh of "
                                       "several devices, scan_layers, remat and quantize are not built for it yet")
-        return _load_block_diffusion(snapshot, reader, config, where, dtype, param_dtype, max_seq_len)
+        bundle = _load_block_diffusion(snapshot, reader, config, where, dtype, param_dtype, max_seq_len)
+        if kernels is None:
+            return bundle
+        return dataclasses.replace(bundle, model=DiffusionGemma(dataclasses.replace(bundle.model.config,
+                                                                                     kernels=kernels)))
     kwargs = family.decoder_kwargs(config, where=where)
-    for name, value in (("max_seq_len", max_seq_len), ("scan_layers", scan_layers), ("remat", remat)):
+    for name, value in (("max_seq_len", max_seq_len), ("scan_layers", scan_layers), ("remat", remat),
+                        ("kernels", kernels)):
         if value is not None:
             kwargs[name] = value
     generation_path = snapshot.directory / GENERATION_CONFIG

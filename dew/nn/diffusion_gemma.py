@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import struct
 
+from dew.kernels import policy as kernel_policy
 from dew.nn.attention import AttentionSpec
 from dew.nn.head import cap_logits, vocab_logits
 from dew.nn.layer import CONSTANTS, LayerContext, LayerSpec
@@ -49,7 +50,8 @@ class DiffusionGemmaConfig:
     """The text model's shape (see the module). `layer_types` holds FULL or SLIDING per layer;
     `head_dims` and `kv_heads` each layer's head width and key/value heads; `rotary` gives each layer
     type its base and `RopeScaling`, as `(layer_type, theta, scaling)` (a tuple, so the config hashes).
-    `canvas_length` is the denoiser's block; `max_seq_len` bounds prompt plus canvases."""
+    `canvas_length` is the denoiser's block; `max_seq_len` bounds prompt plus canvases. `kernels` is the
+    kernel policy of its products (`dew.kernels.policy`, as `DecoderConfig.kernels`)."""
 
     vocab_size: int
     emb_features: int
@@ -71,8 +73,10 @@ class DiffusionGemmaConfig:
     trainable_scalars: bool = False
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    kernels: str = "auto"
 
     def __post_init__(self):
+        kernel_policy.check(self.kernels)
         layers = len(self.layer_types)
         for name in ("head_dims", "kv_heads"):
             if len(getattr(self, name)) != layers:
@@ -162,9 +166,10 @@ class DiffusionGemma(nn.Module):
     def _layers(self, x_BSE, specs, tables, context, cache_runs):
         """The shared layers (`layers_N`) over `x_BSE`: the output states and the cache runs."""
         c = self.config
-        x_BSE, cache_runs, _, _, _ = apply_layers(self, specs, x_BSE, context, cache_runs, scan_from=UNROLLED,
-                                                  remat="none", keep=(), tables=tables, dtype=c.dtype,
-                                                  param_dtype=c.param_dtype)
+        with kernel_policy.using(c.kernels):
+            x_BSE, cache_runs, _, _, _ = apply_layers(self, specs, x_BSE, context, cache_runs, scan_from=UNROLLED,
+                                                      remat="none", keep=(), tables=tables, dtype=c.dtype,
+                                                      param_dtype=c.param_dtype)
         return x_BSE, cache_runs
 
     def _embed(self, tokens):

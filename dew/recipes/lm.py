@@ -171,7 +171,7 @@ class Diverged(FloatingPointError):
 
 
 # What --model.config may still set when --pretrained decides the architecture.
-_PRETRAINED_OVERRIDES = ("max_seq_len", "dtype", "attention_impl", "scan_layers", "remat")
+_PRETRAINED_OVERRIDES = ("max_seq_len", "dtype", "attention_impl", "scan_layers", "remat", "kernels")
 
 
 def _model(config: LMRunConfig, meta: dict[str, Any], entry: RecipeObjective):
