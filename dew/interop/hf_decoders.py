@@ -81,11 +81,13 @@ FIELD_KINDS = {
 # its reference model's size (Llama 2 7B's hidden_size 4096), which a checkpoint's weights need not have, so
 # leaving the field out is refused; a default of None (head_dim from hidden_size, as many key/value heads
 # as heads) or 0 (no dense layers first) is a rule of the architecture and is read as transformers reads it.
+# (`num_nextn_predict_layers` is not one: DeepSeek's converter counts the depths the weights hold, and
+# transformers' DeepSeek-V3.2 config has no such field to write.)
 SHAPE_FIELDS = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
     "num_local_experts", "n_routed_experts", "n_shared_experts", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "num_nextn_predict_layers", "index_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "index_head_dim",
     "index_n_heads", "d_model", "n_heads", "n_layers", "embedding_size",
 })
 

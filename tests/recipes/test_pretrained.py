@@ -50,5 +50,5 @@ def test_a_run_starts_from_the_checkpoint(token_dir, tmp_path, checkpoint):
 def test_the_checkpoint_decides_the_architecture(token_dir, tmp_path, checkpoint, capsys):
     assert lm.main(_args(token_dir, tmp_path / "run", checkpoint, {"num_layers": 3})) == 2
     error = capsys.readouterr().err
-    assert "may set only ['max_seq_len', 'dtype', 'attention_impl', 'scan_layers', 'remat'], not ['num_layers']" in error
+    assert "may set only ['max_seq_len', 'dtype', 'attention_impl', 'scan_layers', 'remat', 'kernels'], not ['num_layers']" in error
     assert not (tmp_path / "run").exists()
