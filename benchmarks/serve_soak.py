@@ -321,7 +321,7 @@ def main() -> int:
         process, url = start_server(scratch / "model", template, args.slots, args.capacity, scratch / "serve.log")
         print(f"dew serve started in {time.perf_counter() - started:.0f} s")
         try:
-            target = Target.of(url, max_body_bytes=4 * 2**20)  # dew serve's default --max-body-bytes
+            target = Target.of(url, max_body_bytes=2**20)  # dew serve's default --max-body-bytes
             watch = HealthWatch(url)
             watch.start()
             rng = random.Random(args.seed)

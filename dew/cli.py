@@ -135,7 +135,7 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
 def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], host: str = "127.0.0.1",
           port: int = 8000, slots: int = 8, capacity: int | None = None, queue: int = 256, prefill_rows: int = 4,
           name: str | None = None, chat_template: str | None = None, special_tokens_in_messages: bool = False,
-          max_body_bytes: int = 4 * 2**20, read_timeout: float = 30.0, keep_alive_timeout: float = 5.0,
+          max_body_bytes: int = 2**20, read_timeout: float = 30.0, keep_alive_timeout: float = 5.0,
           max_connections: int = 512, live: bool = False, quantize: Literal["int8"] | None = None) -> None:
     """Serve a model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health)
     with continuous batching, until interrupted. Needs the serve extra (pip install 'dew-ml[serve]').
@@ -160,7 +160,8 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
         special_tokens_in_messages: Encode special-token text inside a chat message (such as <|im_start|>)
             as the special token, as transformers and vLLM do. By default it is plain text, so a client
             cannot forge the template's turn boundaries.
-        max_body_bytes: The largest request body; a larger one is answered 413 before it is read.
+        max_body_bytes: The largest request body in bytes (1 MiB holds some 250,000 tokens of English text);
+            a larger one is answered 413 before it is read.
         read_timeout: Seconds a client has to send a request's head, and again its body (then 408 and
             the connection is closed).
         keep_alive_timeout: Seconds an idle connection stays open between requests.

@@ -23,13 +23,14 @@ again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 try:
-    import anyio
     import uvicorn
     from fastapi import FastAPI
     from fastapi import Request as HTTPRequest
@@ -49,9 +50,10 @@ from dew.serve.text import TextStream
 logger = logging.getLogger("dew.serve")
 
 PREPARE_THREADS = 2
-"""Requests parsed, rendered and tokenized at once, each on a worker thread. The tokenizer lets go of
-Python's lock, the JSON reader and the template do not: more threads would hold more bodies in memory
-and take the lock from the event loop and the engine's thread, for no faster answers."""
+"""Requests parsed, rendered and tokenized at once, on threads that live as long as the server. The
+tokenizer lets go of Python's lock, the JSON reader and the template do not: more threads would hold
+more bodies in memory and take the lock from the event loop and the engine's thread, for no faster
+answers. Threads made afresh would each get memory of their own from the allocator, kept after they end."""
 
 
 class EngineFailed(RuntimeError):
@@ -60,10 +62,16 @@ class EngineFailed(RuntimeError):
 
 def create_app(served: Served, limits: Limits):
     """The FastAPI application answering for `served` (whose engine must be started) within `limits`."""
-    app = FastAPI(title="dew serve", docs_url=None, redoc_url=None, openapi_url=None)
+    preparing = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="dew-serve-prepare")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        preparing.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="dew serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     vocab = served.task.model.config.vocab_size
     engine = served.engine
-    preparing = anyio.CapacityLimiter(PREPARE_THREADS)
 
     @app.exception_handler(APIError)
     async def api_error(request, error: APIError):
@@ -92,13 +100,13 @@ def create_app(served: Served, limits: Limits):
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         raw = await _read_body(request, limits)
-        job = await anyio.to_thread.run_sync(prepare_completion, raw, limiter=preparing)
+        job = await asyncio.get_running_loop().run_in_executor(preparing, prepare_completion, raw)
         return await answer(job, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
         raw = await _read_body(request, limits)
-        job = await anyio.to_thread.run_sync(prepare_chat, raw, limiter=preparing)
+        job = await asyncio.get_running_loop().run_in_executor(preparing, prepare_chat, raw)
         return await answer(job, request)
 
     def prepare_completion(raw: bytes) -> Job:
