@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from dew.cli import main
-from tests.serve.conftest import command, free_port, post_raw, running
+from tests.serve.conftest import command, post_raw, running
 
 
 def _refusal(capsys, argv: list[str], status: int) -> str:
@@ -52,6 +52,7 @@ def test_a_port_in_use_is_refused_with_status_1(tmp_path, capsys):
     assert f"127.0.0.1:{port} is in use by another process: stop it, or choose another --port" in err
 
 
+@pytest.mark.slow  # a process of its own (imports and all)
 def test_a_port_in_use_stops_the_process_before_it_says_listening(tmp_path):
     """The real process: it once logged "listening" and exited with status 3, which dew --help does not list."""
     with socket.socket() as holder:
@@ -65,6 +66,7 @@ def test_a_port_in_use_stops_the_process_before_it_says_listening(tmp_path):
                                                     "or choose another --port")
 
 
+@pytest.mark.slow  # the tiny checkpoint, made and loaded
 @pytest.mark.parametrize("template, words", [
     (b"{{ messages[0]['content'] }\n", "line 1: the chat template is not valid Jinja (unexpected '}')"),
     (b"hello\n\n{% include 'other.jinja' %}\n", "line 3: the chat template reads another template (include)"),
@@ -83,6 +85,7 @@ def test_a_broken_chat_template_is_refused_naming_the_file_and_line(tiny_chat, t
     assert f"error: {path}" in err and words in err
 
 
+@pytest.mark.slow  # the tiny checkpoint, made and loaded
 def test_a_template_that_refuses_a_conversation_itself_is_taken(tiny_chat, tmp_path, capsys, monkeypatch):
     """raise_exception is the template's own refusal of some conversations (Llama 2's of a lone system
     message), not a broken template: the check lets it through, and loading goes on to the engine."""
