@@ -96,7 +96,9 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
     from dew.inference import MaskedGeneration
     from dew.runs import pipeline
     from dew.inference.text import printable
+    from dew.sampling.sampling import check_seed
 
+    check_seed(seed, "--seed")  # before loading anything
     task = pipeline(source, ema=not live, quantize=quantize)
     if task.tokenizer is None:
         raise ValueError(f"{source} has no tokenizer to encode the prompt with")
@@ -139,22 +141,38 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
 
 def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], host: str = "127.0.0.1",
           port: int = 8000, slots: int = 8, capacity: int | None = None, queue: int = 256, prefill_rows: int = 4,
-          name: str | None = None, chat_template: str | None = None, live: bool = False,
-          quantize: Literal["int8"] | None = None) -> None:
+          name: str | None = None, chat_template: str | None = None, special_tokens_in_messages: bool = False,
+          max_body_bytes: int = 2**20, read_timeout: float = 30.0, keep_alive_timeout: float = 5.0,
+          max_connections: int = 512, live: bool = False, quantize: Literal["int8"] | None = None) -> None:
     """Serve a model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health)
     with continuous batching, until interrupted. Needs the serve extra (pip install 'dew-ml[serve]').
+
+    The address is taken and the chat template checked before the model compiles: a port in use
+    exits with status 1, a bad address or template with status 2. Should the engine fail while
+    serving (a bug, logged with its traceback), the server stops with status 1, for a supervisor
+    to start it again.
 
     Args:
         source: A run directory, one of its checkpoints (RUN/checkpoints/STEP), a Hugging Face
             checkpoint directory or Hub id in the local cache, or a GGUF file.
-        host: The address to listen on (127.0.0.1: this machine only).
-        port: The port to listen on.
+        host: The address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).
+        port: The port to listen on, 1 to 65535 (0: any free port, logged).
         slots: Requests generated at once (rows of the KV cache); more wait in the queue.
         capacity: Positions per request, prompt plus new tokens (default: the model's max_seq_len, at most 1024).
-        queue: Requests that may wait for a slot; past that a request is answered 503.
+        queue: Requests that may wait for a slot; past that a request is answered 503 (and one that could
+            never fit, more rows than slots plus queue, 400).
         prefill_rows: The most new prompts prefilled together.
         name: The model id clients send (default: SOURCE as given).
         chat_template: A Jinja chat template file, used instead of the checkpoint's.
+        special_tokens_in_messages: Encode special-token text inside a chat message (such as <|im_start|>)
+            as the special token, as transformers and vLLM do. By default it is plain text, so a client
+            cannot forge the template's turn boundaries.
+        max_body_bytes: The largest request body in bytes (1 MiB holds some 250,000 tokens of English text);
+            a larger one is answered 413 before it is read.
+        read_timeout: Seconds a client has to send a request's head, and again its body (then 408 and
+            the connection is closed).
+        keep_alive_timeout: Seconds an idle connection stays open between requests.
+        max_connections: Connections open at once; past that a new one is answered 503 and closed.
         live: Use a run's live weights instead of its moving average.
         quantize: int8 holds the weights as 8-bit integers (a quarter of float32's bytes), for faster
             decoding on a CPU.
@@ -166,23 +184,33 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
     if missing:
         raise ImportError(f"dew serve needs {', '.join(missing)}: pip install 'dew-ml[serve]'")
     from dew.serve.app import run
+    from dew.serve.network import Limits, bind
     from dew.serve.service import Served
 
+    limits = Limits(max_body_bytes, read_timeout, keep_alive_timeout, max_connections)
     log = logging.getLogger("dew.serve")  # lines in uvicorn's format, whatever the root logger holds
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
-    log.addHandler(handler)
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
-    served = Served.load(source, slots=slots, capacity=capacity, queue=queue, prefill_rows=prefill_rows, name=name,
-                         chat_template_file=chat_template, live=live, quantize=quantize)
+    listener = bind(host, port)  # before loading: a taken port or a bad address is refused at once
+    try:
+        served = Served.load(source, slots=slots, capacity=capacity, queue=queue, prefill_rows=prefill_rows,
+                             name=name, chat_template_file=chat_template, live=live, quantize=quantize,
+                             special_tokens_in_messages=special_tokens_in_messages)
+    except BaseException:
+        listener.close()
+        raise
     engine = served.engine
+    address = listener.getsockname()
     log.info(
         "serving %s as model %r: %d slots of %d positions (prompt widths %s), queue %d, chat template %s; "
         "listening on http://%s:%d", source, served.name, engine.slots, engine.capacity,
-        ", ".join(map(str, engine.widths)), engine.queue_limit, served.chat.source if served.chat else "none", host,
-        port)
-    run(served, host=host, port=port)
+        ", ".join(map(str, engine.widths)), engine.queue_limit, served.chat.source if served.chat else "none",
+        f"[{address[0]}]" if ":" in address[0] else address[0], address[1])
+    run(served, listener, limits)
 
 
 def export(run: Positional[Annotated[str, tyro.conf.arg(metavar="RUN")]],

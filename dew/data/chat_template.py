@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,33 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra) -> str:
         return render_chat(self.template, messages, add_generation_prompt, **{**self.special_tokens, **extra})
+
+    def check(self) -> None:
+        """Refuse (ValueError naming `source` and the template's line) a template that cannot render a
+        conversation: not valid Jinja, reading another template (`include`, `extends`, `import`: a
+        chat template renders alone), or failing on one user message other than by its own
+        `raise_exception` (a template may refuse a conversation; it may not break on every one)."""
+        jinja2 = _jinja2()
+        try:
+            tree = _environment().parse(self.template)
+            _environment().from_string(self.template)  # compiling finds unknown filters and tests
+        except jinja2.exceptions.TemplateSyntaxError as error:
+            raise ValueError(f"{self.source}, line {error.lineno}: the chat template is not valid Jinja "
+                             f"({error.message}): fix the template") from None
+        for node in tree.find_all((jinja2.nodes.Include, jinja2.nodes.Extends, jinja2.nodes.Import,
+                                   jinja2.nodes.FromImport)):
+            raise ValueError(f"{self.source}, line {node.lineno}: the chat template reads another template "
+                             f"({type(node).__name__.lower()}), and a chat template renders alone: put that "
+                             "text in the template itself")
+        try:
+            _compiled(self.template).render(messages=[{"role": "user", "content": "Hello"}],
+                                            add_generation_prompt=True, **self.special_tokens)
+        except _TemplateRefusal:
+            pass
+        except Exception as error:  # noqa: BLE001 - any failure of the template's own code is reported
+            raise ValueError(f"{self.source}, line {_template_line(error)}: the chat template fails on a "
+                             f"conversation of one user message ({type(error).__name__}: {error}): fix the "
+                             "template") from None
 
 
 def render_chat(template: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
@@ -88,8 +116,27 @@ def _jinja2():
     return jinja2
 
 
+def _template_line(error: BaseException) -> int | None:
+    """The template line an error was raised at (Jinja maps its frames to `<template>` lines)."""
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == "<template>"]
+    return lines[-1] if lines else None
+
+
+class _TemplateRefusal(Exception):
+    """What a template's `raise_exception(message)` raises: the template refusing a conversation."""
+
+
 @functools.lru_cache(maxsize=16)
 def _compiled(template: str):
+    jinja2 = _jinja2()
+    try:
+        return _environment().from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as error:
+        raise ValueError(f"the chat template is not valid Jinja (line {error.lineno}: {error.message})") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _environment():
     jinja2 = _jinja2()
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -108,8 +155,11 @@ def _compiled(template: str):
         def _body(self, caller):
             return caller()
 
+    class Refusal(_TemplateRefusal, jinja2.exceptions.TemplateError):
+        pass
+
     def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+        raise Refusal(message)
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # Jinja's own tojson escapes HTML characters, which no chat format expects.
@@ -120,7 +170,4 @@ def _compiled(template: str):
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
-    try:
-        return environment.from_string(template)
-    except jinja2.exceptions.TemplateSyntaxError as error:
-        raise ValueError(f"the chat template is not valid Jinja (line {error.lineno}: {error.message})") from None
+    return environment

@@ -76,6 +76,19 @@ class Sampling:
         return draw(SamplingParams.of([self] * logits_BV.shape[0]), keys_B, logits_BV, seen_BV)
 
 
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""The seeds `jax.random.key` takes: a signed 64-bit integer."""
+
+
+def check_seed(seed: int, name: str = "seed") -> int:
+    """`seed` when `jax.random.key(seed)` takes it; else a ValueError naming `name`, the value and the range."""
+    low, high = SEED_RANGE
+    if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
+        raise ValueError(f"{name} is {seed!r}; a seed is an integer from -2**63 to 2**63 - 1 "
+                         f"({low} to {high}), the 64-bit range of a JAX key: use a smaller one")
+    return seed
+
+
 def _bucket(count: int) -> int:
     """The next power of two: how many candidates `lax.top_k` computes for a largest `top_k` of `count`."""
     return 1 << max(count - 1, 0).bit_length()

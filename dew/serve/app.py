@@ -8,41 +8,74 @@
 A streamed answer is `data: {chunk}` events (a chat's first delta carries the role, each choice's
 last its `finish_reason`, and with `stream_options.include_usage` a last chunk with empty `choices`
 carries the usage), then `data: [DONE]`. A client that goes away frees its slots.
+
+No request can stop the server. A body past `Limits.max_body_bytes` is answered 413 as soon as that
+is known (before it is read, when its Content-Length says so), and one that does not arrive within
+`Limits.read_timeout` 408. Parsing, rendering and tokenizing run off the event loop,
+`PREPARE_THREADS` requests at a time, so `/health` and the streams in flight go on meanwhile. A
+request is refused (400, naming the limit) as soon as it is known that it can never be served: more
+rows than the slots and queue hold, or a prompt past the capacity (token ids before any text is
+encoded, each text prompt as soon as it is). Should the engine's thread fail anyway, `run` stops
+serving and raises `EngineFailed`, so the process exits with status 1 and a supervisor can start it
+again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import socket
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 try:
+    import uvicorn
     from fastapi import FastAPI
     from fastapi import Request as HTTPRequest
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
 except ImportError:
     raise ImportError("dew serve needs FastAPI and uvicorn: pip install 'dew-ml[serve]'") from None
 
 from dew.serve import protocol
 from dew.serve.engine import QueueFull, Request, TooLong
+from dew.serve.network import Limits
 from dew.serve.protocol import APIError, Job
 from dew.serve.service import Served
 from dew.serve.text import TextStream
 
 logger = logging.getLogger("dew.serve")
 
+PREPARE_THREADS = 2
+"""Requests parsed, rendered and tokenized at once, on threads that live as long as the server. The
+tokenizer lets go of Python's lock, the JSON reader and the template do not: more threads would hold
+more bodies in memory and take the lock from the event loop and the engine's thread, for no faster
+answers. Threads made afresh would each get memory of their own from the allocator, kept after they end."""
 
-def create_app(served: Served):
-    """The FastAPI application answering for `served` (whose engine must be started)."""
-    app = FastAPI(title="dew serve", docs_url=None, redoc_url=None, openapi_url=None)
-    tokenizer = served.task.tokenizer
+
+class EngineFailed(RuntimeError):
+    """The engine's thread failed (a bug; its traceback is in the log), so the server stopped."""
+
+
+def create_app(served: Served, limits: Limits):
+    """The FastAPI application answering for `served` (whose engine must be started) within `limits`."""
+    preparing = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="dew-serve-prepare")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        preparing.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="dew serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     vocab = served.task.model.config.vocab_size
+    engine = served.engine
 
     @app.exception_handler(APIError)
     async def api_error(request, error: APIError):
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, error: HTTPException):
@@ -50,44 +83,81 @@ def create_app(served: Served):
 
     @app.exception_handler(Exception)
     async def fault(request, error: Exception):  # a bug: logged with its traceback by the server, answered in shape
-        body = APIError(500, f"internal error: {type(error).__name__}: {error}", kind="server_error").body()
-        return JSONResponse(body, status_code=500)
+        message = f"internal error: {type(error).__name__}: {error}".encode("utf-8", "backslashreplace").decode()
+        return JSONResponse(APIError(500, message, kind="server_error").body(), status_code=500)
 
     @app.get("/health")
     async def health():
-        load = served.engine.load()
+        load = engine.load()
         return JSONResponse({"status": "ok" if load["running"] else "stopped", **load},
                             status_code=200 if load["running"] else 503)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": served.created,
-                                            "owned_by": "dew", "max_model_len": served.engine.capacity}]}
+                                            "owned_by": "dew", "max_model_len": engine.capacity}]}
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
-        body = protocol.parse_json(await request.body())
-        protocol.check_model(body, served.name)
-        prompts = protocol.completion_prompts(body.get("prompt"), tokenizer.encode, vocab)
-        job = protocol.read_job("completion", body, prompts, served.task.sampling)
+        raw = await _read_body(request, limits)
+        job = await asyncio.get_running_loop().run_in_executor(preparing, prepare_completion, raw)
         return await answer(job, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
-        body = protocol.parse_json(await request.body())
+        raw = await _read_body(request, limits)
+        job = await asyncio.get_running_loop().run_in_executor(preparing, prepare_chat, raw)
+        return await answer(job, request)
+
+    def prepare_completion(raw: bytes) -> Job:
+        body = protocol.parse_json(raw)
+        protocol.check_model(body, served.name)
+        job = protocol.read_job("completion", body, served.task.sampling)
+        prompts = protocol.completion_prompts(body.get("prompt"), vocab)
+        check_rows(len(prompts), job.n)
+        order = sorted(range(len(prompts)), key=lambda i: isinstance(prompts[i], str))  # token ids first: no encoding
+        for index in order:
+            if isinstance(prompts[index], str):
+                prompts[index] = served.prompts.text(prompts[index])
+                protocol.check_ids(index, prompts[index], vocab)
+            check_fits(prompts[index], job, f"prompt {index}: " if len(prompts) > 1 else "")
+        job.prompts = prompts
+        return job
+
+    def prepare_chat(raw: bytes) -> Job:
+        body = protocol.parse_json(raw)
         protocol.check_model(body, served.name)
         messages = protocol.chat_messages(body.get("messages"))
         if served.chat is None:
             raise APIError(400, f"{served.name} has no chat template (its tokenizer files and metadata name none): "
                            "use /v1/completions, or start dew serve with --chat-template FILE", param="messages")
+        job = protocol.read_job("chat", body, served.task.sampling)
+        check_rows(1, job.n)
         try:
-            prompt = tokenizer.encode(served.chat.render(messages))
+            prompt = served.prompts.chat(served.chat, messages)
         except ValueError as error:
             raise APIError(400, str(error), param="messages") from None
-        job = protocol.read_job("chat", body, [prompt], served.task.sampling)
-        if job.max_tokens is None:  # as much as the context leaves (at least one, so a full prompt is refused)
-            job.max_tokens = max(served.engine.capacity - len(prompt), 1)
-        return await answer(job, request)
+        protocol.check_ids(0, prompt, vocab)
+        check_fits(prompt, job, "")
+        if job.max_tokens is None:  # as much as the context leaves
+            job.max_tokens = engine.capacity - len(prompt)
+        job.prompts = [prompt]
+        return job
+
+    def check_rows(prompts: int, n: int) -> None:
+        if prompts * n > engine.max_rows:
+            raise APIError(400, f"{prompts} prompt{'s' if prompts > 1 else ''} times n={n} ask for {prompts * n} "
+                           f"continuations at once, and this server takes at most {engine.max_rows} ({engine.slots} "
+                           f"generating, dew serve --slots, and {engine.queue_limit} waiting, --queue): ask for at "
+                           f"most {engine.max_rows} a request", param="n" if prompts == 1 else "prompt")
+
+    def check_fits(prompt: list[int], job: Job, where: str) -> None:
+        try:  # a chat that names no budget takes what the context leaves, at least one token
+            engine.check(len(prompt), job.max_tokens or 1, job.sampling)
+        except TooLong as error:
+            raise APIError(400, where + str(error), param="max_tokens", code="context_length_exceeded") from None
+        except ValueError as error:
+            raise APIError(400, where + str(error)) from None
 
     async def answer(job: Job, request: HTTPRequest):
         loop = asyncio.get_running_loop()
@@ -98,7 +168,7 @@ def create_app(served: Served):
                             _Choice(i * job.n + j, TextStream(decode, prompt, job.stop), emit), i, j)
                     for i, prompt in enumerate(job.prompts) for j in range(job.n)]
         try:
-            served.engine.submit(requests)
+            engine.submit(requests)
         except TooLong as error:
             raise APIError(400, str(error), param="max_tokens", code="context_length_exceeded") from None
         except ValueError as error:
@@ -114,6 +184,38 @@ def create_app(served: Served):
         return JSONResponse(await _whole(job, served, requests, events, prompt_tokens, request))
 
     return app
+
+
+async def _read_body(request: HTTPRequest, limits: Limits) -> bytes:
+    """The whole body, refused (413) as soon as it is known to pass `limits.max_body_bytes` (by its
+    Content-Length, before reading) and (408) when it does not arrive within `limits.read_timeout`
+    seconds. Starlette's own body limit answers in plain text, not in OpenAI's error shape."""
+    limit = limits.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"of {declared} bytes", limit)
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(limits.read_timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(f"of more than {limit} bytes", limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        # the rest of the body may still come: the connection cannot carry another request
+        raise APIError(408, f"the request body did not arrive within {limits.read_timeout:g} s (dew serve "
+                       "--read-timeout): send it whole at once", code="request_timeout",
+                       headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise APIError(400, "the client closed the connection before its whole body came") from None
+    return b"".join(chunks)
+
+
+def _too_large(size: str, limit: int) -> APIError:
+    return APIError(413, f"the request body {size} is beyond this server's limit of {limit} bytes (dew serve "
+                    "--max-body-bytes): send a shorter request, or start the server with a higher limit",
+                    code="request_too_large")
 
 
 class _Choice:
@@ -195,12 +297,25 @@ def _cancel_unfinished(served: Served, requests) -> None:
             served.engine.cancel(request)
 
 
-def run(served: Served, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve until interrupted (SIGINT or SIGTERM), then stop the engine."""
-    import uvicorn
+def run(served: Served, listener: socket.socket, limits: Limits, log_level: str = "info") -> None:
+    """Serve on `listener` (`dew.serve.network.bind`) within `limits` until interrupted (SIGINT or
+    SIGTERM), then stop the engine. Should the engine's thread fail, stop serving and raise `EngineFailed`."""
+    config = uvicorn.Config(create_app(served, limits), log_level=log_level, http=limits.protocol(),
+                            timeout_keep_alive=limits.keep_alive_timeout,
+                            # past max_connections a connection is refused as it opens (network.Guarded); each
+                            # open one may run a request
+                            limit_concurrency=limits.max_connections + 1)
+    server = uvicorn.Server(config)
 
-    served.engine.start()
+    def stop(error: BaseException) -> None:  # on the engine's thread; uvicorn's loop reads the flag every 0.1 s
+        server.should_exit = True
+
+    served.engine.start(on_failure=stop)
     try:
-        uvicorn.run(create_app(served), host=host, port=port, log_level=log_level)
+        server.run(sockets=[listener])
     finally:
         served.engine.close()
+        listener.close()
+    if served.engine.failure is not None:
+        raise EngineFailed("the serving engine's thread failed (its traceback is logged above), so no request could "
+                           "be answered: dew serve stopped, for its supervisor to start it again")

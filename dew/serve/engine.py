@@ -7,7 +7,10 @@ t's tokens, so the host's work (handing tokens to their requests, decoding text,
 strings) overlaps the device's. A row that ends (EOS, its budget, a stop string its consumer found,
 a cancelled request) frees its slot at once; one ended by the host is released in the next step.
 
-Each request hands its tokens to a `Consumer`, on the engine's thread.
+Each request hands its tokens to a `Consumer`, on the engine's thread. A request the engine cannot
+serve is refused by `submit`, on the caller's thread, so no request reaches the engine's thread that
+could fail it; should that thread fail anyway, it ends every request as "cancelled", keeps the error in
+`failure` and calls the `on_failure` given to `start`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import dataclasses
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import jax
@@ -25,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dew.sampling.generate import PROMPT_BUCKET
-from dew.sampling.sampling import Sampling, SamplingParams, _bucket
+from dew.sampling.sampling import Sampling, SamplingParams, _bucket, check_seed
 from dew.serve.slots import Admission, compile_admit, compile_step, empty_slots, plain_sampling
 
 logger = logging.getLogger("dew.serve")
@@ -110,14 +113,19 @@ class Engine:
         self._lock = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._on_failure: Callable[[BaseException], None] | None = None
+        self.failure: BaseException | None = None
         self.steps = 0
 
     # -- the host's view, thread-safe ----------------------------------------------------------------
 
     def submit(self, requests: Sequence[Request]) -> None:
-        """Queue `requests` together (all or none: `QueueFull` when they do not fit the bound)."""
+        """Queue `requests` together (all or none: `QueueFull` when they do not fit the bound now,
+        ValueError when they never would, or one of them cannot be served)."""
+        self.check_rows(len(requests))
         for request in requests:
             self.check(len(request.prompt), request.max_tokens, request.sampling)
+            check_seed(request.seed)
         with self._lock:
             if self._closing:
                 raise RuntimeError("the engine is closed")
@@ -149,6 +157,17 @@ class Engine:
             raise ValueError(f"top_k is {sampling.top_k}; this server keeps at most the {self.top_k_limit} most "
                              "likely tokens: ask for fewer, or none")
 
+    @property
+    def max_rows(self) -> int:
+        """The most requests one `submit` can ever take: every slot free and the queue empty."""
+        return self.slots + self.queue_limit
+
+    def check_rows(self, rows: int) -> None:
+        """Refuse (ValueError) `rows` requests submitted together that could never all be taken."""
+        if rows > self.max_rows:
+            raise ValueError(f"{rows} requests submitted together can never all be taken: the engine runs "
+                             f"{self.slots} at once and queues {self.queue_limit} more, {self.max_rows} in all")
+
     def load(self) -> dict:
         """Whether the engine's thread runs, and how busy it is: occupied slots, waiting requests, steps run."""
         with self._lock:
@@ -169,7 +188,9 @@ class Engine:
         for seed in (0, 2**40):  # the host's key derivation, for small and large seeds
             _seed_key(seed)
 
-    def start(self) -> None:
+    def start(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
+        """Start the engine's thread; should it fail, `on_failure(error)` is called on it, last."""
+        self._on_failure = on_failure
         self._thread = threading.Thread(target=self._run, name="dew-serve-engine", daemon=True)
         self._thread.start()
 
@@ -186,17 +207,18 @@ class Engine:
     def _run(self) -> None:
         try:
             self._loop()
-        except BaseException:
+        except BaseException as error:  # noqa: BLE001 - logged here, and handed to on_failure below
             logger.exception("the serving engine stopped")
-            raise
-        finally:
-            with self._lock:
-                self._closing = True
-                left = [*self._waiting, *(owner for owner in self._owners if owner is not None)]
-                self._waiting.clear()
-                self._owners = [None] * self.slots
-            for request in left:
-                self._end(request, "cancelled")
+            self.failure = error
+        with self._lock:
+            self._closing = True
+            left = [*self._waiting, *(owner for owner in self._owners if owner is not None)]
+            self._waiting.clear()
+            self._owners = [None] * self.slots
+        for request in left:
+            self._end(request, "cancelled")
+        if self.failure is not None and self._on_failure is not None:
+            self._on_failure(self.failure)
 
     def _loop(self) -> None:
         pending = None  # the dispatched step whose tokens are not read yet, and its rows' owners

@@ -2,7 +2,9 @@
 and error objects.
 
 A body is checked field by field on the host, and a bad field answers 400 in OpenAI's error shape
-(`{"error": {"message", "type", "param", "code"}}`) naming the value, the limit and the fix. A field
+(`{"error": {"message", "type", "param", "code"}}`) naming the value, the limit and the fix; so does
+a body that is not JSON, nests deeper than `MAX_DEPTH`, or holds a lone surrogate (`"\\ud800"`, which
+is no character and which no tokenizer takes). A field
 Dew does not apply (logprobs, tools, penalties other than its repetition penalty) is refused by name
 rather than ignored. Besides OpenAI's fields, `top_k`, `min_p` and `repetition_penalty` are read
 (vLLM's extensions), and fields a request leaves out take the served checkpoint's own defaults.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import secrets
 import time
 import uuid
@@ -20,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dew.sampling import Sampling
+from dew.sampling.sampling import check_seed
 
 # Read but with nothing to apply: an end-user id for abuse monitoring.
 _INFORMATIONAL = {"user"}
@@ -34,15 +38,21 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "best_of"} | _INFORMATIONAL | set(_NEUT
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _INFORMATIONAL | set(_NEUTRAL)
 DEFAULT_COMPLETION_TOKENS = 16
 """`max_tokens` of a completion that names none (OpenAI's default); a chat fills the context."""
+MAX_DEPTH = 64
+"""How deeply a request body's JSON may nest (an OpenAI request is a few levels deep)."""
+MAX_STOPS = 16
+"""Stop strings a request may give (OpenAI takes 4): each is looked for at every token, on the engine's thread."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
-    """An answer in OpenAI's error shape with HTTP `status`."""
+    """An answer in OpenAI's error shape with HTTP `status` (and `headers`, such as Connection: close)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -50,11 +60,11 @@ class APIError(Exception):
 
 @dataclasses.dataclass
 class Job:
-    """One request as the engine takes it: `prompts` (token ids; a chat has one), `n` continuations
-    of each, their budget, sampling policy, seed and stop strings, and how to answer."""
+    """One request as the engine takes it: `prompts` (token ids; a chat has one, and they are filled in
+    after the other fields are read), `n` continuations of each, their budget, sampling policy, seed
+    and stop strings, and how to answer."""
 
     kind: str  # "completion" or "chat"
-    prompts: list[list[int]]
     max_tokens: int | None
     sampling: Sampling
     seed: int
@@ -62,6 +72,7 @@ class Job:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    prompts: list[list[int]] = dataclasses.field(default_factory=list)
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -70,22 +81,56 @@ def parse_json(raw: bytes) -> dict:
     """The request body as a JSON object, or a 400 that says what is wrong with it."""
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as error:
         raise APIError(400, f"the request body is not valid JSON ({error}): send a JSON object") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body is a JSON {type(body).__name__}; send a JSON object")
+    _check_tree(body)
     return body
+
+
+def _too_deep() -> APIError:
+    return APIError(400, f"the request body's JSON nests deeper than the {MAX_DEPTH} levels this server reads: "
+                    "send an OpenAI request object (a few levels deep)")
+
+
+def _check_tree(body: dict) -> None:
+    """Refuse JSON nested past `MAX_DEPTH`, and any string (or key) holding a lone surrogate. Walked
+    with a stack, not recursion, so no nesting can exhaust Python's."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _too_deep()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{_printable(key)}" if path else \
+                _printable(key)
+            for text in (key, item):
+                if isinstance(text, str) and not text.isascii() and (found := _SURROGATE.search(text)):
+                    raise APIError(400, f"{where} holds a lone surrogate U+{ord(found.group()):04X} at character "
+                                   f"{found.start()}, which is no Unicode character: send text as UTF-8, with "
+                                   "surrogates only in pairs (\\ud83d\\ude00)", param=where.split(".")[0].split("[")[0])
+            if isinstance(item, (dict, list)):
+                stack.append((item, where, depth + 1))
+
+
+def _printable(text: str) -> str:
+    """`text` with any lone surrogate written as an escape, so the message itself encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def check_model(body: Mapping[str, Any], served: str) -> None:
     model = body.get("model", served)
     if model != served:
-        raise APIError(404, f"the model {model!r} does not exist: this server serves {served!r} (GET /v1/models)",
-                       param="model", code="model_not_found")
+        raise APIError(404, f"the model {_brief(model)} does not exist: this server serves {served!r} "
+                       "(GET /v1/models)", param="model", code="model_not_found")
 
 
-def read_job(kind: str, body: Mapping[str, Any], prompts: list[list[int]], defaults: Sampling) -> Job:
-    """Everything but the prompt (which the caller encodes), checked, with `defaults` for what is left out."""
+def read_job(kind: str, body: Mapping[str, Any], defaults: Sampling) -> Job:
+    """Everything but the prompts (which the caller encodes), checked, with `defaults` for what is left out."""
     allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
     unknown = sorted(set(body) - allowed - {"prompt", "messages"})
     if unknown:
@@ -95,12 +140,12 @@ def read_job(kind: str, body: Mapping[str, Any], prompts: list[list[int]], defau
         value = body.get(name)
         # same type as well as equal: a completion's logprobs=0 asks for something, unlike logprobs=false
         if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
-            raise APIError(400, f"{name}={body[name]!r} is not supported by dew serve; leave it out", param=name)
+            raise APIError(400, f"{name}={_brief(body[name])} is not supported by dew serve; leave it out", param=name)
     n = _integer(body, "n", 1, low=1)
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
-        raise APIError(400, f"best_of={best_of!r} is not supported (it would rank by log-probability); leave it out "
-                       "or equal to n", param="best_of")
+        raise APIError(400, f"best_of={_brief(best_of)} is not supported (it would rank by log-probability); leave "
+                       "it out or equal to n", param="best_of")
     max_tokens = _integer(body, "max_tokens", None, low=1)
     if kind == "chat":
         max_tokens = _integer(body, "max_completion_tokens", max_tokens, low=1)
@@ -108,19 +153,25 @@ def read_job(kind: str, body: Mapping[str, Any], prompts: list[list[int]], defau
         max_tokens = DEFAULT_COMPLETION_TOKENS
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
-        raise APIError(400, f"stream is {stream!r}; it is true or false", param="stream")
+        raise APIError(400, f"stream is {_brief(stream)}; it is true or false", param="stream")
     options = body.get("stream_options")
     if options is not None and not stream:
         raise APIError(400, "stream_options is only read with stream: true", param="stream_options")
     options = options or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise APIError(400, f"stream_options is {options!r}; it holds only include_usage", param="stream_options")
+        raise APIError(400, f"stream_options is {_brief(options)}; it holds only include_usage", param="stream_options")
     seed = body.get("seed")
     if seed is None:
         seed = secrets.randbits(63)
-    elif isinstance(seed, bool) or not isinstance(seed, int):
-        raise APIError(400, f"seed is {seed!r}; it is an integer", param="seed")
-    return Job(kind, prompts, max_tokens, _sampling(body, defaults), seed, n, _stop(body.get("stop")), stream,
+    try:
+        check_seed(seed)
+    except ValueError as error:
+        raise APIError(400, str(error), param="seed") from None
+    try:
+        sampling = _sampling(body, defaults)
+    except ValueError as error:  # a value Sampling refuses that the checks above let through
+        raise APIError(400, str(error)) from None
+    return Job(kind, max_tokens, sampling, seed, n, _stop(body.get("stop")), stream,
                bool(options.get("include_usage")))
 
 
@@ -159,7 +210,7 @@ def _number(body: Mapping[str, Any], name: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise APIError(400, f"{name} is {value!r}; it is a finite number", param=name)
+        raise APIError(400, f"{name} is {_brief(value)}; it is a finite number", param=name)
     return value
 
 
@@ -168,7 +219,7 @@ def _integer(body: Mapping[str, Any], name: str, default, *, low: int):
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise APIError(400, f"{name} is {value!r}; it is an integer", param=name)
+        raise APIError(400, f"{name} is {_brief(value)}; it is an integer", param=name)
     if value < low:
         raise APIError(400, f"{name} is {value}; it is at least {low}", param=name)
     return value
@@ -179,13 +230,15 @@ def _stop(stop) -> tuple[str, ...]:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise APIError(400, f"stop is {stop!r}; it is a string or a list of strings", param="stop")
+        raise APIError(400, f"stop is {_brief(stop)}; it is a string or a list of strings", param="stop")
+    if len(stops) > MAX_STOPS:
+        raise APIError(400, f"stop holds {len(stops)} strings; this server takes at most {MAX_STOPS}", param="stop")
     return tuple(s for s in stops if s)
 
 
-def completion_prompts(prompt, encode, vocab_size: int) -> list[list[int]]:
+def completion_prompts(prompt, vocab_size: int) -> list[str | list[int]]:
     """A completion's `prompt` (a string, a list of strings, a list of token ids, or a list of such
-    lists) as token-id lists."""
+    lists) as a list of prompts, each a string (for the caller to encode) or checked token ids."""
     if isinstance(prompt, str):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
@@ -193,47 +246,54 @@ def completion_prompts(prompt, encode, vocab_size: int) -> list[list[int]]:
     elif isinstance(prompt, list) and prompt:
         prompts = prompt
     else:
-        raise APIError(400, f"prompt is {prompt!r}; it is a string, a list of strings, a list of token ids, or a "
+        raise APIError(400, f"prompt is {_brief(prompt)}; it is a string, a list of strings, a list of token ids, or a "
                        "list of such lists", param="prompt")
-    rows = []
     for index, item in enumerate(prompts):
         if isinstance(item, str):
-            row = encode(item)
-        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-            row = item
-        else:
-            raise APIError(400, f"prompt {index} is {item!r}; each prompt is a string or a list of token ids",
+            continue
+        if not isinstance(item, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            raise APIError(400, f"prompt {index} is {_brief(item)}; each prompt is a string or a list of token ids",
                            param="prompt")
-        bad = [t for t in row if not 0 <= t < vocab_size]
-        if bad:
-            raise APIError(400, f"prompt {index} holds token id {bad[0]}, outside the vocabulary of {vocab_size}",
-                           param="prompt")
-        if not row:
-            raise APIError(400, f"prompt {index} is empty; give at least one token", param="prompt")
-        rows.append(row)
-    return rows
+        check_ids(index, item, vocab_size)
+    return prompts
+
+
+def check_ids(index: int, row: Sequence[int], vocab_size: int) -> None:
+    """Refuse prompt `index` when it is empty or holds an id outside the vocabulary."""
+    bad = next((t for t in row if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"prompt {index} holds token id {bad}, outside the vocabulary of {vocab_size}",
+                       param="prompt")
+    if not row:
+        raise APIError(400, f"prompt {index} is empty; give at least one token", param="prompt")
+
+
+def _brief(value, limit: int = 200) -> str:
+    """`repr(value)`, cut to `limit` characters: an error message never echoes a whole prompt."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def chat_messages(messages) -> list[dict]:
     """Chat `messages` for the template: each a role and its text (text parts joined)."""
     if not isinstance(messages, list) or not messages:
-        raise APIError(400, f"messages is {messages!r}; it is a non-empty list of {{role, content}} objects",
+        raise APIError(400, f"messages is {_brief(messages)}; it is a non-empty list of {{role, content}} objects",
                        param="messages")
     out = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise APIError(400, f"message {index} is {message!r}; each message has a role and content",
+            raise APIError(400, f"message {index} is {_brief(message)}; each message has a role and content",
                            param="messages")
         content = message.get("content")
         if isinstance(content, list):
-            kinds = sorted({part.get("type") for part in content if isinstance(part, dict)} - {"text"})
+            kinds = sorted({str(part.get("type")) for part in content if isinstance(part, dict)} - {"text"})
             if kinds or not all(isinstance(part, dict) and isinstance(part.get("text"), str) for part in content):
-                raise APIError(400, f"message {index} holds content parts of types {kinds or content!r}; this model "
-                               "reads text only", param="messages")
+                raise APIError(400, f"message {index} holds content parts of types {kinds or _brief(content)}; this "
+                               "model reads text only", param="messages")
             content = "".join(part["text"] for part in content)
         elif content is not None and not isinstance(content, str):
-            raise APIError(400, f"message {index} has content {content!r}; it is a string or a list of text parts",
-                           param="messages")
+            raise APIError(400, f"message {index} has content {_brief(content)}; it is a string or a list of text "
+                           "parts", param="messages")
         out.append({**message, "content": content or ""})
     return out
 

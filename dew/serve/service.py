@@ -1,5 +1,5 @@
-"""`Served`: a checkpoint ready to answer requests: its generation task, chat template, text decoder
-and warmed-up `Engine`."""
+"""`Served`: a checkpoint ready to answer requests: its generation task, checked chat template, prompt
+encoder, text decoder and warmed-up `Engine`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from pathlib import Path
 from dew.data.chat_template import ChatTemplate, chat_template
 from dew.data.tokenizers import HFTokenizer
 from dew.inference import TextGeneration
+from dew.runs import pipeline
 from dew.serve.engine import TOP_K_LIMIT, Engine
+from dew.serve.prompts import PromptEncoder
 
 logger = logging.getLogger("dew.serve")
 
@@ -23,20 +25,23 @@ DEFAULT_CAPACITY = 1024
 @dataclasses.dataclass
 class Served:
     """The model `name` answers to, its task (model, weights, tokenizer, default sampling), its chat
-    template (None: chat completions are refused), and the engine generating for it."""
+    template (None: chat completions are refused), the encoder of its prompts, and the engine
+    generating for it."""
 
     name: str
     task: TextGeneration
     chat: ChatTemplate | None
+    prompts: PromptEncoder
     engine: Engine
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @classmethod
     def load(cls, source: str, *, slots: int = 8, capacity: int | None = None, queue: int = 256,
              prefill_rows: int = 4, name: str | None = None, chat_template_file: str | None = None,
-             live: bool = False, quantize: str | None = None) -> "Served":
-        """Load `source` (whatever `dew.pipeline` reads), find its chat template, and start a warmed-up engine."""
-        from dew.runs import pipeline
+             live: bool = False, quantize: str | None = None, special_tokens_in_messages: bool = False) -> "Served":
+        """Load `source` (whatever `dew.pipeline` reads), find and check its chat template (before any
+        compiling, so a broken one is refused at once), and warm up an engine. With
+        `special_tokens_in_messages`, special-token text in a chat message is the token (see `PromptEncoder`)."""
 
         task = pipeline(source, ema=not live, quantize=quantize)
         if not isinstance(task, TextGeneration):
@@ -50,6 +55,10 @@ class Served:
         if capacity > config.max_seq_len:
             raise ValueError(f"--capacity {capacity} is beyond the model's max_seq_len {config.max_seq_len}: "
                              f"serve at most {config.max_seq_len} positions per request")
+        chat = _find_chat_template(source, task, chat_template_file)
+        if chat is not None:
+            chat.check()
+        prompts = PromptEncoder(task.tokenizer, special_in_messages=special_tokens_in_messages)
         engine = Engine(task.model, task.params, slots=slots, capacity=capacity, queue_limit=queue,
                         prefill_rows=prefill_rows, eos_token_ids=task.sampling.eos_token_ids,
                         pad_id=task.sampling.pad_id,
@@ -58,7 +67,7 @@ class Served:
         engine.warm_up()
         logger.info("compiled %d prompt widths x %d prefill batch sizes and the step in %.1f s", len(engine.widths),
                     len(engine.prefill_rows), time.perf_counter() - started)
-        return cls(name or str(source), task, _find_chat_template(source, task, chat_template_file), engine)
+        return cls(name or str(source), task, chat, prompts, engine)
 
     def decode(self) -> Callable[[Sequence[int]], str]:
         """Token ids to text, special tokens left out (an EOS never reaches it)."""
@@ -79,7 +88,17 @@ def _find_chat_template(source: str, task: TextGeneration, override: str | None)
         special = dict(found.special_tokens) if found is not None else {}
     if override is not None:
         path = Path(override)
-        return ChatTemplate(path.read_text(encoding="utf-8"), special, str(path))
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path} is not UTF-8 text (byte {raw[error.start]:#04x} at offset {error.start}): "
+                             "--chat-template takes a Jinja template file") from None
+        nul = text.find("\x00")
+        if nul >= 0:
+            raise ValueError(f"{path} holds a NUL byte at offset {nul}, so it is not a text file: --chat-template "
+                             "takes a Jinja template file")
+        return ChatTemplate(text, special, str(path))
     path = Path(source)
     if path.suffix == ".gguf" and path.is_file():
         from dew.interop.gguf_files import GGUFCheckpoint

@@ -157,8 +157,20 @@ def test_refusals_and_the_queue_bound(engine):
         engine.submit([Request([1] * 40, 9, Sampling(), seed=0, consumer=Collect())])
     with pytest.raises(ValueError, match="top_k is 65; this server keeps at most the 64"):
         engine.submit([Request([1], 2, Sampling(top_k=65), seed=0, consumer=Collect())])
-    # all or nothing: 4 free slots and 16 places in the queue take 20 rows, not 21
+    with pytest.raises(ValueError, match=f"seed is {2**63}; a seed is an integer from -2\\*\\*63 to 2\\*\\*63 - 1"):
+        engine.submit([Request([1], 2, Sampling(), seed=2**63, consumer=Collect())])
+    # 4 slots and 16 places in the queue never take 21 rows at once
     too_many = [Request([1], 2, Sampling(), seed=0, consumer=Collect()) for _ in range(SLOTS + 16 + 1)]
-    with pytest.raises(QueueFull, match="the queue holds 16"):
+    with pytest.raises(ValueError, match="21 requests submitted together can never all be taken"):
         engine.submit(too_many)
     assert engine.load()["waiting"] == 0
+    # all or nothing: with every slot and place taken, one more row waits for none of them
+    long = [Request([1], CAPACITY - 1, Sampling(), seed=0, consumer=Collect()) for _ in range(SLOTS + 16)]
+    with engine._lock:  # holds the engine's thread off, so that no row ends (EOS) between the two submits
+        engine.submit(long)
+        with pytest.raises(QueueFull, match="the queue holds 16"):
+            engine.submit([Request([1], 2, Sampling(), seed=0, consumer=Collect())])
+    for request in long:
+        engine.cancel(request)
+    assert all(request.consumer.done.wait(30) for request in long)
+    assert engine.load()["busy"] == engine.load()["waiting"] == 0 and engine.load()["running"]

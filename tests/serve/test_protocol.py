@@ -1,26 +1,27 @@
-"""Request bodies read field by field: defaults from the checkpoint, refusals in OpenAI's error shape."""
+"""Request bodies read field by field: defaults from the checkpoint, refusals in OpenAI's error shape,
+bodies that are not JSON, nest too deeply or hold a lone surrogate refused."""
 
 from __future__ import annotations
 
 import pytest
 
 from dew.sampling import Sampling
-from dew.serve.protocol import APIError, chat_messages, completion_prompts, parse_json, read_job
+from dew.serve.protocol import MAX_DEPTH, MAX_STOPS, APIError, chat_messages, completion_prompts, parse_json, read_job
 
 DEFAULTS = Sampling(temperature=0.7, top_k=40, eos_token_ids=(2,), pad_id=2)
 
 
 def test_fields_left_out_take_the_checkpoints_defaults():
-    job = read_job("completion", {"prompt": "a"}, [[1]], DEFAULTS)
+    job = read_job("completion", {"prompt": "a"}, DEFAULTS)
     assert job.sampling == DEFAULTS and job.max_tokens == 16 and job.n == 1 and not job.stream
     job = read_job("completion", {"temperature": 0, "top_p": 0.9, "top_k": -1, "seed": 5, "stop": "x", "n": 2},
-                   [[1]], DEFAULTS)
+                   DEFAULTS)
     assert job.sampling == Sampling(temperature=0.0, top_k=None, top_p=0.9, eos_token_ids=(2,), pad_id=2)
     assert (job.seed, job.stop, job.n) == (5, ("x",), 2)
     chat = read_job("chat", {"max_completion_tokens": 9, "stream": True, "stream_options": {"include_usage": True}},
-                    [[1]], DEFAULTS)
+                    DEFAULTS)
     assert (chat.max_tokens, chat.stream, chat.include_usage) == (9, True, True)
-    assert read_job("chat", {}, [[1]], DEFAULTS).max_tokens is None  # the server fills the context
+    assert read_job("chat", {}, DEFAULTS).max_tokens is None  # the server fills the context
 
 
 @pytest.mark.parametrize("body, param, words", [
@@ -34,29 +35,64 @@ def test_fields_left_out_take_the_checkpoints_defaults():
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"best_of": 3}, "best_of", "best_of=3 is not supported"),
     ({"temprature": 1}, "temprature", "unrecognised request field(s) ['temprature']"),
-    ({"seed": "7"}, "seed", "seed is '7'; it is an integer"),
+    ({"seed": "7"}, "seed", "seed is '7'; a seed is an integer from -2**63 to 2**63 - 1"),
+    ({"seed": 2**63}, "seed", f"seed is {2**63}; a seed is an integer from -2**63 to 2**63 - 1"),
+    ({"seed": -(2**63) - 1}, "seed", "the 64-bit range of a JAX key"),
+    ({"stop": ["x"] * (MAX_STOPS + 1)}, "stop", f"stop holds {MAX_STOPS + 1} strings; this server takes at most"),
 ])
 def test_bad_fields_are_refused_by_name(body, param, words):
     with pytest.raises(APIError) as caught:
-        read_job("completion", body, [[1]], DEFAULTS)
+        read_job("completion", body, DEFAULTS)
     assert caught.value.status == 400 and caught.value.param == param and words in caught.value.message
     assert caught.value.body()["error"]["type"] == "invalid_request_error"
 
 
+def test_seeds_at_the_ends_of_the_64_bit_range_are_taken():
+    assert read_job("completion", {"seed": 2**63 - 1}, DEFAULTS).seed == 2**63 - 1
+    assert read_job("completion", {"seed": -(2**63)}, DEFAULTS).seed == -(2**63)
+
+
 def test_prompts_and_messages():
-    encode = lambda text: [ord(c) for c in text]  # noqa: E731
-    assert completion_prompts("ab", encode, 256) == [[97, 98]]
-    assert completion_prompts(["a", [5, 6]], encode, 256) == [[97], [5, 6]]
-    assert completion_prompts([1, 2], encode, 256) == [[1, 2]]
+    assert completion_prompts("ab", 256) == ["ab"]
+    assert completion_prompts(["a", [5, 6]], 256) == ["a", [5, 6]]
+    assert completion_prompts([1, 2], 256) == [[1, 2]]
     with pytest.raises(APIError, match="token id 300, outside the vocabulary of 256"):
-        completion_prompts([[300]], encode, 256)
+        completion_prompts([[300]], 256)
     with pytest.raises(APIError, match="prompt 0 is empty"):
-        completion_prompts([""], encode, 256)
+        completion_prompts([[]], 256)
+    with pytest.raises(APIError, match=r"prompt 1 is \[1, 'a'\]; each prompt is a string or a list of token ids"):
+        completion_prompts(["a", [1, "a"]], 256)
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert chat_messages(parts) == [{"role": "user", "content": "ab"}]
     with pytest.raises(APIError, match="reads text only"):
         chat_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(APIError, match="reads text only"):  # a type that is no string is named, not a TypeError
+        chat_messages([{"role": "user", "content": [{"type": {"a": 1}, "text": "x"}]}])
     with pytest.raises(APIError, match="not valid JSON"):
         parse_json(b"{")
     with pytest.raises(APIError, match="a JSON list; send a JSON object"):
         parse_json(b"[]")
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 100_000])
+def test_json_nested_too_deeply_is_refused_by_name(depth):
+    raw = b'{"prompt": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+    with pytest.raises(APIError) as caught:
+        parse_json(raw)
+    assert caught.value.status == 400 and f"nests deeper than the {MAX_DEPTH} levels" in caught.value.message
+    assert parse_json(b'{"prompt": ' + b"[" * (MAX_DEPTH - 1) + b"]" * (MAX_DEPTH - 1) + b"}")  # the limit itself
+
+
+@pytest.mark.parametrize("raw, where, param", [
+    (b'{"prompt": "ab\\ud800c"}', "prompt holds a lone surrogate U+D800 at character 2", "prompt"),
+    (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content holds a lone surrogate U+DFFF",
+     "messages"),
+    (b'{"stop": ["x", "\\ud83d"]}', "stop[1] holds a lone surrogate U+D83D", "stop"),
+    (b'{"\\ud800": 1}', "\\ud800 holds a lone surrogate", "\\ud800"),
+])
+def test_a_lone_surrogate_anywhere_is_refused_by_name(raw, where, param):
+    with pytest.raises(APIError) as caught:
+        parse_json(raw)
+    assert caught.value.status == 400 and where in caught.value.message and caught.value.param == param
+    caught.value.message.encode("utf-8")  # the answer itself is valid UTF-8
+    assert parse_json(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001F600"}  # a pair is a character
