@@ -1,0 +1,176 @@
+"""Every code block of README.md and docs/*.md that is marked runnable runs, as a reader would run it.
+
+A block is marked by an HTML comment on the line just before its opening fence (the rendered page
+does not show it):
+- `<!-- runnable -->`: an `sh` block runs with bash (`set -e`: every command must succeed), a `python`
+  block with this interpreter.
+- `<!-- runnable: server -->`: an `sh` block of one `dew serve ...` command. The test starts it on a free
+  127.0.0.1 port (`--port` appended), waits until /health answers, runs the document's later blocks
+  with `127.0.0.1:8000` replaced by that port, and ends the server when they are done.
+
+A document's blocks run in order, in a temporary working directory of their own, prepared with what
+they expect: `data/kjv-bpe`, token files of a slice of the shipped corpus, written with a `kjv-bpe`
+tokenizer (`tools/train_tokenizer.py`, 512 ids) found through `$DEW_TOKENIZERS`. The `dew` on the blocks'
+PATH is this checkout's, with flags appended that shrink a run (`SHRINK`): a `dew train` becomes a few
+steps of a tiny model, a `dew serve` two slots. A later flag wins, so each block runs as written. Blocks
+that need a network, a GPU, another runtime (vLLM, Ollama, llama.cpp) or minutes of training stay
+unmarked: documented, not run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import lzma
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dew.data.tokenize import tokenize_text
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARK = re.compile(r"^<!-- runnable(?:: (?P<kind>server))? -->\n```(?P<language>\w*)\n(?P<code>.*?)^```$",
+                  re.MULTILINE | re.DOTALL)
+TINY = {"emb_features": 32, "num_layers": 2, "num_heads": 2, "max_seq_len": 64}
+# Appended to the blocks' `dew` commands: a later flag overrides the block's own.
+SHRINK = {
+    "train": ["--trainer.steps", "4", "--trainer.batch", "4", "--trainer.accumulation", "1", "--data.seq-len", "32",
+              "--model.config", json.dumps(TINY), "--optim.warmup-steps", "0", "--trainer.eval-every", "None",
+              "--sample-tokens", "0"],
+    "serve": ["--slots", "2", "--prefill-rows", "1"],
+}
+BLOCK_TIMEOUT, SERVER_START = 240, 240  # seconds
+
+
+def marked_blocks(document: Path) -> list[tuple[str | None, str, str]]:
+    """(kind, language, code) of each marked block of `document`, in order; a mark that is not on the
+    line before a fence is an error."""
+    text = document.read_text(encoding="utf-8")
+    blocks = [(m["kind"], m["language"], m["code"]) for m in MARK.finditer(text)]
+    assert text.count("<!-- runnable") == len(blocks), f"{document.name}: a runnable mark is not right above a fence"
+    return blocks
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    """A directory holding the tokenizer store (`tokenizers/kjv-bpe`), the token files (`data/kjv-bpe`)
+    and the `dew` the blocks run (`bin/dew`)."""
+    root = tmp_path_factory.mktemp("docs")
+    with lzma.open(ROOT / "data" / "kjv.txt.xz", "rt", encoding="utf-8") as stream:
+        head = stream.read(60_000)
+    lines = head[: head.rindex("\n") + 1].splitlines()
+    (root / "verses.txt").write_text("".join(line.split(" ", 1)[1] + "\n" for line in lines), encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("train_tokenizer_tool", ROOT / "tools" / "train_tokenizer.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.main(["--input", str(root / "verses.txt"), "--vocab-size", "512", "--out", str(root / "tokenizers" / "kjv-bpe")])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DEW_TOKENIZERS", str(root / "tokenizers"))
+        tokenize_text(str(root / "verses.txt"), str(root / "data" / "kjv-bpe"), "kjv-bpe", val_fraction=0.05, workers=1)
+
+    (root / "bin").mkdir()
+    cases = "\n".join(f"  {command}) exec {shlex.quote(sys.executable)} -m dew.cli \"$@\" {shlex.join(flags)} ;;"
+                      for command, flags in SHRINK.items())
+    dew = root / "bin" / "dew"
+    dew.write_text(f"#!/bin/bash\ncase \"$1\" in\n{cases}\n  *) exec {shlex.quote(sys.executable)} -m dew.cli \"$@\" ;;\n"
+                   "esac\n")
+    dew.chmod(0o755)
+    return root
+
+
+def environment(prepared: Path) -> dict[str, str]:
+    """This process's environment with the shrinking `dew` first on PATH, this checkout importable, the
+    test's tokenizer store, and the Hugging Face libraries kept offline."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PATH": f"{prepared / 'bin'}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": path,
+            "DEW_TOKENIZERS": str(prepared / "tokenizers"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "JAX_PLATFORMS": "cpu"}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(command: str, cwd: Path, env: dict[str, str], log: Path):
+    """The block's `dew serve` command on a free loopback port, waited for and always ended; yields the port."""
+    arguments = shlex.split(command)
+    assert arguments[:2] == ["dew", "serve"], f"a server block holds one `dew serve` command, not {command!r}"
+    port = free_port()
+    with open(log, "w") as output:
+        process = subprocess.Popen([shutil.which("dew", path=env["PATH"]), *arguments[1:], "--port", str(port)],
+                                   cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + SERVER_START
+        while True:
+            assert process.poll() is None, f"{command} exited with {process.returncode}:\n{log.read_text()[-3000:]}"
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            assert time.monotonic() < deadline, f"{command} did not answer /health in {SERVER_START} s"
+            time.sleep(0.5)
+        yield port
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def run_block(language: str, code: str, cwd: Path, env: dict[str, str]) -> None:
+    """Run one block, failing with the block and what it printed unless it exits with 0."""
+    if language == "sh":
+        command, stdin = ["bash", "-e", "-c", code], None
+    elif language == "python":
+        command, stdin = [sys.executable, "-"], code
+    else:
+        raise AssertionError(f"a runnable block is sh or python, not {language!r}:\n{code}")
+    done = subprocess.run(command, input=stdin, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=BLOCK_TIMEOUT)
+    assert done.returncode == 0, f"exit {done.returncode} from\n{code}\n--- output:\n{(done.stdout + done.stderr)[-4000:]}"
+
+
+@pytest.mark.slow  # each block is a process that imports jax; a server compiles its shapes at start
+@pytest.mark.parametrize("document", [d for d in DOCUMENTS if marked_blocks(d)], ids=lambda d: d.name)
+def test_the_marked_blocks_run(document, prepared, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "data").mkdir()
+    (work / "data" / "kjv-bpe").symlink_to(prepared / "data" / "kjv-bpe")
+    env = environment(prepared)
+    with contextlib.ExitStack() as servers:
+        port = None
+        for number, (kind, language, code) in enumerate(marked_blocks(document)):
+            if kind == "server":
+                lines = [line for line in code.splitlines() if line.strip() and not line.startswith("#")]
+                assert language == "sh" and len(lines) == 1, f"a server block is one sh command:\n{code}"
+                port = servers.enter_context(serving(lines[0], work, env, tmp_path / f"server-{number}.log"))
+                continue
+            if port is not None:
+                code = code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+            run_block(language, code, work, env)
+
+
+def test_the_readme_runs_a_train_generate_export_and_serve_path():
+    blocks = marked_blocks(ROOT / "README.md")
+    code = "\n".join(code for _, _, code in blocks)
+    assert any(kind == "server" for kind, _, _ in blocks)
+    for step in ("dew train", "dew.pipeline(", "dew export", "AutoModelForCausalLM.from_pretrained(",
+                 "client.completions.create("):
+        assert step in code, f"no runnable README block does {step}"
