@@ -55,9 +55,9 @@ $(GPT2_CORPUS): $(GPT2) $(VERSES) tools/tokenize_text.py
 quickstart-gpt2: $(GPT2_CORPUS)
 	$(BIN)/python examples/quickstart.py --data $(dir $(GPT2_CORPUS)) --tokenizer gpt2
 
-# Two worker processes: most of the suite's time is XLA compiling on one thread (8 min against 13 on
-# 2 cores, measured 2026-11-30). A file's tests stay in one worker, so its module fixtures (trained
-# runs, checkpoints, servers) are built once, not once a worker: 19 min 52 s against 21 min 35 s cold.
+# Two worker processes: most of the suite's time is XLA compiling, on one thread. A file's tests stay in
+# one worker, so its module fixtures (trained runs, checkpoints, servers) are built once, not once a
+# worker (docs/performance.md, "The test suite's compile time").
 test: $(STAMP) $(GPT2)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 

@@ -1,6 +1,6 @@
 """GRPO on a verifiable toy task: a small decoder learns single-digit sums from rewards alone, on the CPU.
 
-    python examples/grpo_arithmetic.py              # about a minute on a 2-core CPU
+    python examples/grpo_arithmetic.py
     python examples/grpo_arithmetic.py --temperature 0.7 --top-k 5
 
 The vocabulary is the task's own: the digits 0-9, "+", "=" and an end token. A prompt is "a+b=" with a

@@ -4,8 +4,8 @@ James Bible on the CPU, then continue a prompt greedily and by sampling.
     make quickstart            # trains the BPE and tokenizes the corpus first, then runs this file
     python examples/quickstart.py --data data/kjv-bpe --tokenizer kjv-bpe
 
-The code below is the guide's "Train a decoder on TinyStories" sized for about three minutes on a
-2-core CPU. The tokenizer is a 4,096-id byte-level BPE trained on the corpus
+The code below is the guide's "Train a decoder on TinyStories" sized for a 2-core CPU (docs/performance.md,
+"Quick start", times it). The tokenizer is a 4,096-id byte-level BPE trained on the corpus
 (tools/train_tokenizer.py), not GPT-2's 50,257 ids, whose output head would cost several times the
 rest of a step this narrow; `make quickstart-gpt2` runs this same file on GPT-2's tokenizer, the
 guide's. The other choices, with their measurements in docs/performance.md: width 128 learns as much
@@ -33,9 +33,9 @@ from dew.sampling import Sampling, generate
 
 # A small model's argmax falls into a loop ("I will not be a man, and I will not be a man, ...").
 # A repetition penalty (transformers' rule: the logits of tokens already in the row are divided by
-# it) keeps the greedy line deterministic while steering it off the words it has used; 1.1 still
-# looped, 1.2-1.5 read as prose. At temperature 0.8 this model still coins words ("disrn"); 0.7
-# seldom does.
+# it) keeps the greedy line deterministic while steering it off the words it has used. Sampling stays
+# below temperature 0.8, where this model coins words. docs/performance.md, "Quick start", has the
+# values tried.
 GREEDY = Sampling(temperature=0.0, repetition_penalty=1.3)
 SAMPLED = Sampling(temperature=0.7, top_p=0.95)
 

@@ -8,12 +8,9 @@ and dequantized to float32; its tokenizer and chat template come out of the file
 conversations of examples/data/sft_chat.jsonl answer short questions, every answer opening with
 "Dew here!": a habit the base model does not have, so whether it was learned shows in a greedy
 answer to questions the file does not hold. Only the assistant's tokens are trained on
-(`loss_role=Role.ASSISTANT`); the system and user turns and each turn's opening are context.
-
-One run with the defaults on a 2-core AMD EPYC shared with other jobs: 25 packed rows (781
-assistant tokens), 16 steps in 331 s with compilation, the assistant-token cross entropy from 3.41
-at step 1 to 0.07 at step 16 (the file seen about two and a half times: memorised, as a demo is),
-and 5 of the 5 held-out answers opening with "Dew here!" after, none before.
+(`loss_role=Role.ASSISTANT`); the system and user turns and each turn's opening are context. The
+defaults see the file a few times over, so the habit is memorised, as a demo's is
+(docs/performance.md, "Examples", has a run).
 """
 
 from __future__ import annotations

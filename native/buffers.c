@@ -1,17 +1,16 @@
 /* Big aligned buffers kept for the next request instead of unmapped: a library a process loads with
- * LD_PRELOAD (dew.hugepages starts `dew train`, the quick start and the train-step benchmark again
- * with it), not a Python module.
+ * LD_PRELOAD, not a Python module. Nothing in Dew preloads it: `dew launch` preloads jemalloc or
+ * tcmalloc, which keep freed blocks the same way (dew.kernels.process).
  *
  * XLA's CPU runtime asks posix_memalign for a compiled step's temporaries, one block of tens to
  * hundreds of MiB per execution, and frees it when the step ends. glibc maps any block above its
  * largest mmap threshold (32 MiB) afresh and unmaps it on free, so every step faults the whole block
- * in again and the kernel clears every page of it: 15-18% of the quick start's step on an Intel Xeon.
- * Here a freed block of at least kSmallest bytes stays mapped, up to 1/kIdleShare of physical memory
- * in all, and the next request of about its size takes it back, its pages already present: the quick
- * start's step 6% faster on a Zen 4 EPYC, the benchmark shape's 2% (docs/performance.md). Every
- * other request, and every free of a pointer that is not one of these blocks, goes to the C library
- * as before. Like glibc's, the blocks are not cleared between uses (posix_memalign promises no
- * contents); calloc and malloc are not intercepted. */
+ * in again and the kernel clears every page of it. Here a freed block of at least kSmallest bytes
+ * stays mapped, up to 1/kIdleShare of physical memory in all, and the next request of about its size
+ * takes it back, its pages already present (docs/performance.md measures both). Every other request,
+ * and every free of a pointer that is not one of these blocks, goes to the C library as before. Like
+ * glibc's, the blocks are not cleared between uses (posix_memalign promises no contents); calloc and
+ * malloc are not intercepted. */
 
 #define _GNU_SOURCE
 #include <dlfcn.h>

@@ -1,6 +1,6 @@
 // XLA FFI handlers for 2-D matrix products (and batches of them) run by a tuned BLAS-style library.
 //
-// The library is not linked: Python loads it (dew.nn.fast_matmul) and hands this module the addresses
+// The library is not linked: Python loads it (dew.kernels.loader) and hands this module the addresses
 // of its row-major `gemm` entry points, whose signature is oneDNN's C API:
 //   status gemm(char transa, char transb, int64 M, int64 N, int64 K, float alpha,
 //               const T *A, int64 lda, const T *B, int64 ldb, float beta, float *C, int64 ldc)
@@ -116,18 +116,14 @@ int (*g_omp_get_max_threads)() = nullptr;
 constexpr int64_t kMinChunkRows = 64;  // fewer rows a piece and the gemm's packing of b costs more than it saves
 constexpr int64_t kMinChunkCols = 64;  // the same for columns and the packing of a
 // A lone weight gradient (`a` transposed) at least this many times wider than tall splits its columns
-// rather than its rows: each row piece packs all of b again, and a wide b (the loss head's weight
-// gradient, 128 x 512 x 4096) made row pieces 117 GFLOP/s a thread against 132 for column pieces on
-// an AVX-512 Xeon (cold operands, two pieces; 92 against 127 with four), 256 x 512 x 1024 117
-// against 126 with four. Not other products: the loss head's forward, 512 x 128 x 4096, was as fast
-// either way alone and took 3.6 ms a call in the quick start's step by columns, 3.2 by rows (while
-// its weight gradient went from 2.8 to 2.4 ms).
+// rather than its rows: each row piece packs all of b again, which a wide b (the loss head's weight
+// gradient) makes slower than column pieces. Other products stay in rows, which are no slower alone and
+// faster inside a step (docs/performance.md).
 constexpr int64_t kColumnsAspect = 4;
 // A lone product splits into this many pieces a thread: XLA's other thread is often partway through
 // another thunk when a call starts, and with one piece each the caller then runs both halves while the
 // helper arrives to find nothing left (or the caller spins on the helper's whole half). Two a thread
-// let a late helper still take a share. Benchmark step (AVX2 EPYC, 512-row products): +5% by the
-// median of six pairs of processes taken in turn.
+// let a late helper still take a share (docs/performance.md).
 constexpr int64_t kPiecesPerThread = 2;
 
 // Operands `[..., rows, cols]` with the same leading (batch) dimensions; `transpose_*` says the stored
@@ -190,7 +186,7 @@ ffi::Error Gemm(ffi::ThreadPool pool, Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b,
   int64_t helpers = std::min(threads, p.total) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([pieces] { pieces->Run(); });
   p.Run();
-  // Every piece is claimed; wait for those other threads are finishing.
+  // Every piece is claimed; wait for the pieces other threads are still finishing.
   for (int spins = 0; p.done.load(std::memory_order_acquire) < p.total; ++spins) {
     if (spins > 1024) std::this_thread::yield();
   }

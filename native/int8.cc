@@ -164,8 +164,8 @@ __attribute__((target("avx512f"))) inline float Sum512(__m512 v) { return _mm512
 
 // [F, D] layout: 4 output columns (4 contiguous q rows) against up to 3 rows of x, 16 terms a step. Each
 // group's sums fold into `total` times the group's scales: R * 4 of each, with the 4 widened q vectors
-// and x, within the 32 registers. (Multiplying the widened q by its scale instead, 4 rows at a time,
-// measured 20-50% slower.)
+// and x, within the 32 registers: folding each group's sums once takes fewer multiplies than scaling
+// every widened q vector by its scale, and runs faster (docs/performance.md).
 // `Whole`: every group is whole 16-term steps (SmolLM2's groups of 64), so no step needs a mask.
 template <int R, bool Whole>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void DotsAvx512(const Product& p, int64_t r0, int64_t c) {
@@ -355,8 +355,8 @@ RowsBody PickRows() {
 // is read whole, in order, so the memory streams it; the sums wait in `sums` between blocks.
 constexpr int64_t kBlockRows = 16;
 // For more than kSplitRowsMaxN rows of x, blocks of up to this many rows (within one group), so that a
-// group of 64 takes its scales once: 7-10% faster at 8 rows, and 20-40% slower at 1 row, where streaming
-// short blocks matters more.
+// group of 64 takes its scales once. Fewer rows, where streaming q bounds the product, keep the short
+// blocks of kBlockRows, which run faster there (docs/performance.md).
 constexpr int64_t kGroupBlockRows = 64;
 // At least this many weight bytes a piece: a piece's fixed cost is a few hundred nanoseconds.
 constexpr int64_t kPieceBytes = 32 << 10;
@@ -509,7 +509,7 @@ ffi::Error Int8Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   int64_t helpers = std::min<int64_t>(threads, pieces->total) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([pieces] { pieces->Run(); });
   pieces->Run();
-  // Every piece is claimed; wait for those other threads are finishing (microseconds).
+  // Every piece is claimed; wait for the pieces other threads are still finishing (microseconds).
   for (int spins = 0; pieces->done.load(std::memory_order_acquire) < pieces->total; ++spins) {
 #ifdef DEW_X86
     _mm_pause();

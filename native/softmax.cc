@@ -34,9 +34,8 @@ namespace {
 // Sums and maxima over a row are kept in kLanes partial results, two `Vec`s of kWidth lanes (GCC's
 // vector extension: a register each in the AVX2 and AVX-512 clones below, two SSE ones in the
 // default), so every loop is vector code and every CPU adds in the same order, without letting the
-// compiler reorder float arithmetic on its own. Written as scalar loops, GCC left the forward's
-// loops scalar (2.3 ns a score on an AVX2 EPYC, 2.8x XLA's own passes), and as one 16-float vector
-// type its AVX2 clone spilled to the stack.
+// compiler reorder float arithmetic on its own: GCC leaves scalar loops of this kind scalar, and spills
+// a single 16-float vector type to the stack in the AVX2 clone (docs/performance.md).
 constexpr int kLanes = 16;
 constexpr int kWidth = 8;
 typedef float Vec __attribute__((vector_size(4 * kWidth)));
@@ -56,10 +55,8 @@ typedef int32_t Ints __attribute__((vector_size(4 * kWidth)));
 [[gnu::always_inline]] inline Vec Splat(float x) { return Vec{} + x; }
 
 // All ones in the lanes whose mask byte is set (a C++ bool is 0 or 1). Each lane shifts its byte out
-// of the 32-bit word holding it, a handful of vector instructions in the AVX2 and AVX-512 clones. GCC
-// 12 compiled `__builtin_convertvector` of the 8 bytes to 30 scalar instructions a vector: with it the
-// attention kernel's forward and backward at the benchmark's micro-batch took 2.02 ms, 1.74 with this
-// (Zen 4).
+// of the 32-bit word holding it, a handful of vector instructions in the AVX2 and AVX-512 clones:
+// `__builtin_convertvector` of the 8 bytes compiles to scalar code (docs/performance.md).
 typedef uint32_t Words __attribute__((vector_size(4 * kWidth)));
 [[gnu::always_inline]] inline Ints LoadMask(const bool* mask) {
   static_assert(kWidth == 8, "two 32-bit words of mask bytes a vector");

@@ -1,13 +1,13 @@
 """8-bit weights for generation: every linear kernel, the embedding and the output head held as int8.
 
 Decoding one token reads every weight once and does little arithmetic with it, so on a CPU its speed
-is the speed of streaming the weights from memory: float32 SmolLM2-135M moves 513 MiB a token. Held
-as int8 with one float32 scale per output channel and group of `GROUP` consecutive inputs (symmetric,
-`scale = max|w| / 127` over the group), the same weights are 27% of the bytes. Groups rather than one
-scale per channel keep an outlier weight from coarsening its whole column: on SmolLM2-135M, greedy
-decoding of the Paris prompt equals float32's for 32 of 32 tokens with groups of 64 (19 with one
-scale per channel), and held-out perplexity moves by +0.39% (+0.56% per channel). The products
-(`dew.kernels.int8`) widen the int8 values in registers and scale each group's partial sum.
+is the speed of streaming the weights from memory. Held as int8 with one float32 scale per output
+channel and group of `GROUP` consecutive inputs (symmetric, `scale = max|w| / 127` over the group),
+the weights take a byte each and the scales 4 bytes per group, about a quarter of float32's bytes.
+Groups rather than one scale per channel keep an outlier weight from coarsening its whole column, so
+greedy decoding and perplexity stay closer to float32's (docs/performance.md, "int8 in Dew's own
+kernel"). The products (`dew.kernels.int8`) widen the int8 values in registers and scale each group's
+partial sum.
 
 `quantize_int8(model, variables)` returns the variables with int8 kernels and a `quant` collection of
 scales beside them, at the same module paths, with the kernel's shape but its input axis holding the
@@ -37,12 +37,9 @@ from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, Linear
 
 EMBED_SCALE = "embed_tokens_scale"
 _INT8_MAX = 127
-# Inputs per scale, at most: SmolLM2's widths (576, 1536) split into groups of exactly 64, whole cache
-# lines and whole vector steps for the kernel; the scales add 4 bytes per 64 weights (6%). Measured on
-# SmolLM2-135M (benchmarks/generate.py --int8, 1,024 held-out tokens): greedy agreement on the Paris
-# prompt 32 of 32 tokens at 64 and at 192 (19 with one scale per channel), perplexity +0.39% at 64,
-# +0.49% at 192, +0.56% per channel; decode speed at 64 within 5% of per channel's, less than the
-# loaded 2-core machine's noise.
+# Inputs per scale, at most: common widths (SmolLM2's 576 and 1536) split into groups of exactly 64,
+# whole cache lines and whole vector steps for the kernel; the scales add 4 bytes per 64 weights. Larger
+# groups, and one scale per channel, move perplexity further from float32's (docs/performance.md).
 GROUP = 64
 
 

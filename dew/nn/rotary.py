@@ -182,7 +182,7 @@ def apply_rotary(x_BSHD: jax.Array, cos_BSD: jax.Array, sin_BSD: jax.Array) -> j
     The backward pass rotates the cotangent back (the same tables, `sin` negated: the rotation's
     transpose is its inverse) in one elementwise pass. Differentiated as written, the slices, pads
     and sums of `rotate_half`'s transpose fused with the attention's head transpose into a loop
-    XLA's CPU backend ran slowly: 5% of a bfloat16 train step.
+    XLA's CPU backend runs slowly in bfloat16 (docs/performance.md).
     """
     return _rotate(x_BSHD, cos_BSD, sin_BSD)
 

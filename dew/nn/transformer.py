@@ -109,9 +109,8 @@ class DecoderConfig:
       use `sliding_window`, `local_rope_theta` (default `rope_theta`) and `local_rope_scaling`
       (default `rope_scaling`). Without it, every layer uses `sliding_window`.
     - `scan_layers`: the fewest like layers in a row that run as one `nn.scan` (one compiled body, so
-      compile time stays flat in depth); shorter runs are unrolled, which runs the train step about
-      a fifth faster on CPU at small widths (docs/performance.md). 0 unrolls every layer, 1 scans
-      every run.
+      compile time stays flat in depth); shorter runs are unrolled, which runs the train step faster
+      on CPU at small widths (docs/performance.md). 0 unrolls every layer, 1 scans every run.
     - `remat`: what a scanned layer keeps for the backward pass: "none" (everything), "full"
       (nothing: recompute the layer), "dots" (matmul outputs), "dots_no_batch".
     - `attention_dropout`: the dropout rate a checkpoint was trained with on the attention

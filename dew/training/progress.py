@@ -10,8 +10,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 # Off a terminal, a long validation pass prints a line this often (seconds), so logs show it is alive.
 PASS_LINE_SECONDS = 30.0
-# The bar redraws this often: each step moves it anyway, and rich's default 10 Hz takes about 1% of
-# a core, which a 2-core machine's train step would otherwise have.
+# The bar redraws this often: each step moves it anyway, and rich's default 10 Hz redraws take CPU time
+# that a small machine's train step would otherwise have.
 REFRESH_PER_SECOND = 2
 
 
