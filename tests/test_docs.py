@@ -9,8 +9,9 @@ does not show it):
   with `127.0.0.1:8000` replaced by that port, and ends the server when they are done.
 
 A document's blocks run in order, in a temporary working directory of their own, prepared with what
-they expect: `data/kjv-bpe`, token files of a slice of the shipped corpus, written with a `kjv-bpe`
-tokenizer (`tools/train_tokenizer.py`, 512 ids) found through `$DEW_TOKENIZERS`. The `dew` on the blocks'
+they expect: token files of a slice of the shipped corpus in `data/kjv-bpe`, written with a `kjv-bpe`
+tokenizer (`tools/train_tokenizer.py`, 512 ids) found through `$DEW_TOKENIZERS`, and in `data/kjv-byte`,
+byte-level. The `dew` on the blocks'
 PATH is this checkout's, with flags appended that shrink a run (`SHRINK`): a `dew train` becomes a few
 steps of a tiny model, a `dew serve` two slots. A later flag wins, so each block runs as written. Blocks
 that need a network, a GPU, another runtime (vLLM, Ollama, llama.cpp) or minutes of training stay
@@ -58,33 +59,42 @@ def marked_blocks(document: Path) -> list[tuple[str | None, str, str]]:
     line before a fence is an error."""
     text = document.read_text(encoding="utf-8")
     blocks = [(m["kind"], m["language"], m["code"]) for m in MARK.finditer(text)]
-    assert text.count("<!-- runnable") == len(blocks), f"{document.name}: a runnable mark is not right above a fence"
+    marks = len(re.findall(r"^<!-- runnable", text, re.MULTILINE))
+    assert marks == len(blocks), f"{document.name}: a runnable mark is not on the line right above a fence"
     return blocks
+
+
+def tool(name: str):
+    """tools/NAME.py as a module."""
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
-    """A directory holding the tokenizer store (`tokenizers/kjv-bpe`), the token files (`data/kjv-bpe`)
-    and the `dew` the blocks run (`bin/dew`)."""
+    """A directory holding the tokenizer store (`tokenizers/kjv-bpe`), the token files (`data/kjv-bpe`,
+    `data/kjv-byte`) and the `dew` the blocks run (`bin/dew`)."""
     root = tmp_path_factory.mktemp("docs")
     with lzma.open(ROOT / "data" / "kjv.txt.xz", "rt", encoding="utf-8") as stream:
         head = stream.read(60_000)
-    lines = head[: head.rindex("\n") + 1].splitlines()
-    (root / "verses.txt").write_text("".join(line.split(" ", 1)[1] + "\n" for line in lines), encoding="utf-8")
-    spec = importlib.util.spec_from_file_location("train_tokenizer_tool", ROOT / "tools" / "train_tokenizer.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    tool.main(["--input", str(root / "verses.txt"), "--vocab-size", "512", "--out", str(root / "tokenizers" / "kjv-bpe")])
+    verses = tool("kjv_verses").verses(head[: head.rindex("\n")])
+    (root / "verses.txt").write_text("".join(f"{verse}\n" for verse in verses), encoding="utf-8")
+    tool("train_tokenizer").main(["--input", str(root / "verses.txt"), "--vocab-size", "512",
+                                  "--out", str(root / "tokenizers" / "kjv-bpe")])
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DEW_TOKENIZERS", str(root / "tokenizers"))
-        tokenize_text(str(root / "verses.txt"), str(root / "data" / "kjv-bpe"), "kjv-bpe", val_fraction=0.05, workers=1)
+        for directory, tokenizer in (("kjv-bpe", "kjv-bpe"), ("kjv-byte", "byte")):
+            tokenize_text(str(root / "verses.txt"), str(root / "data" / directory), tokenizer, val_fraction=0.05,
+                          workers=1)
 
     (root / "bin").mkdir()
-    cases = "\n".join(f"  {command}) exec {shlex.quote(sys.executable)} -m dew.cli \"$@\" {shlex.join(flags)} ;;"
-                      for command, flags in SHRINK.items())
+    python = shlex.quote(sys.executable)
+    cases = [f'  {command}) exec {python} -m dew.cli "$@" {shlex.join(flags)} ;;' for command, flags in SHRINK.items()]
     dew = root / "bin" / "dew"
-    dew.write_text(f"#!/bin/bash\ncase \"$1\" in\n{cases}\n  *) exec {shlex.quote(sys.executable)} -m dew.cli \"$@\" ;;\n"
-                   "esac\n")
+    otherwise = f'  *) exec {python} -m dew.cli "$@" ;;'
+    dew.write_text("\n".join(["#!/bin/bash", 'case "$1" in', *cases, otherwise, "esac", ""]))
     dew.chmod(0o755)
     return root
 
@@ -143,7 +153,8 @@ def run_block(language: str, code: str, cwd: Path, env: dict[str, str]) -> None:
         raise AssertionError(f"a runnable block is sh or python, not {language!r}:\n{code}")
     done = subprocess.run(command, input=stdin, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=BLOCK_TIMEOUT)
-    assert done.returncode == 0, f"exit {done.returncode} from\n{code}\n--- output:\n{(done.stdout + done.stderr)[-4000:]}"
+    output = (done.stdout + done.stderr)[-4000:]
+    assert done.returncode == 0, f"exit {done.returncode} from\n{code}\n--- output:\n{output}"
 
 
 @pytest.mark.slow  # each block is a process that imports jax; a server compiles its shapes at start
@@ -152,7 +163,8 @@ def test_the_marked_blocks_run(document, prepared, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     (work / "data").mkdir()
-    (work / "data" / "kjv-bpe").symlink_to(prepared / "data" / "kjv-bpe")
+    for files in (prepared / "data").iterdir():
+        (work / "data" / files.name).symlink_to(files)
     env = environment(prepared)
     with contextlib.ExitStack() as servers:
         port = None
