@@ -9,13 +9,12 @@ does not show it):
   with `127.0.0.1:8000` replaced by that port, and ends the server when they are done.
 
 A document's blocks run in order, in a temporary working directory of their own, prepared with what
-they expect: token files of a slice of the shipped corpus in `data/kjv-bpe`, written with a `kjv-bpe`
-tokenizer (`tools/train_tokenizer.py`, 512 ids) found through `$DEW_TOKENIZERS`, and in `data/kjv-byte`,
-byte-level. The `dew` on the blocks'
-PATH is this checkout's, with flags appended that shrink a run (`SHRINK`): a `dew train` becomes a few
-steps of a tiny model, a `dew serve` two slots. A later flag wins, so each block runs as written. Blocks
-that need a network, a GPU, another runtime (vLLM, Ollama, llama.cpp) or minutes of training stay
-unmarked: documented, not run.
+they expect: token files of a slice of the shipped corpus in `data/kjv-bpe` (written with a `kjv-bpe`
+tokenizer of 512 ids, made by `tools/train_tokenizer.py` and found through `$DEW_TOKENIZERS`) and in
+`data/kjv-byte` (byte-level). The `dew` on the blocks' PATH is this checkout's, with flags appended that
+shrink a run (`SHRINK`): a `dew train` becomes a few steps of a tiny model, a `dew serve` two slots. A
+later flag wins, so each block runs as written. Blocks that need a network, a GPU, another runtime
+(vLLM, Ollama, llama.cpp) or minutes of training stay unmarked: documented, not run.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ def marked_blocks(document: Path) -> list[tuple[str | None, str, str]]:
     line before a fence is an error."""
     text = document.read_text(encoding="utf-8")
     blocks = [(m["kind"], m["language"], m["code"]) for m in MARK.finditer(text)]
-    marks = len(re.findall(r"^<!-- runnable", text, re.MULTILINE))
+    marks = len(re.findall(r"^[ \t]*<!-- runnable", text, re.MULTILINE))
     assert marks == len(blocks), f"{document.name}: a runnable mark is not on the line right above a fence"
     return blocks
 
