@@ -12,8 +12,8 @@ A document's blocks run in order, in a temporary working directory of their own,
 they expect: token files of a slice of the shipped corpus in `data/kjv-bpe` (written with a `kjv-bpe`
 tokenizer of 512 ids, made by `tools/train_tokenizer.py` and found through `$DEW_TOKENIZERS`) and in
 `data/kjv-byte` (byte-level). The `dew` on the blocks' PATH is this checkout's, with flags appended that
-shrink a run (`SHRINK`): a `dew train` becomes a few steps of a tiny model, a `dew serve` two slots. A
-later flag wins, so each block runs as written. Blocks that need a network, a GPU, another runtime
+shrink a run (`SHRINK`): a `dew train` becomes a few steps of small batches of short rows, a `dew serve`
+two slots of 64 positions. A later flag wins, so each block runs as written. Blocks that need a network, a GPU, another runtime
 (vLLM, Ollama, llama.cpp) or minutes of training stay unmarked: documented, not run.
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import lzma
 import os
 import re
@@ -42,13 +41,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARK = re.compile(r"^<!-- runnable(?:: (?P<kind>server))? -->\n```(?P<language>\w*)\n(?P<code>.*?)^```$",
                   re.MULTILINE | re.DOTALL)
-TINY = {"emb_features": 32, "num_layers": 2, "num_heads": 2, "max_seq_len": 64}
-# Appended to the blocks' `dew` commands: a later flag overrides the block's own.
+# Appended to the blocks' `dew` commands: a later flag overrides the block's own. The model stays the
+# block's, so its checks (a preview that must fit max_seq_len, say) run as a reader's would.
 SHRINK = {
     "train": ["--trainer.steps", "4", "--trainer.batch", "4", "--trainer.accumulation", "1", "--data.seq-len", "32",
-              "--model.config", json.dumps(TINY), "--optim.warmup-steps", "0", "--trainer.eval-every", "None",
-              "--sample-tokens", "0"],
-    "serve": ["--slots", "2", "--prefill-rows", "1"],
+              "--optim.warmup-steps", "0", "--trainer.eval-every", "None"],
+    "serve": ["--slots", "2", "--prefill-rows", "1", "--capacity", "64"],
 }
 BLOCK_TIMEOUT, SERVER_START = 240, 240  # seconds
 
