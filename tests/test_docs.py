@@ -4,17 +4,19 @@ A block is marked by an HTML comment on the line just before its opening fence (
 does not show it):
 - `<!-- runnable -->`: an `sh` block runs with bash (`set -e`: every command must succeed), a `python`
   block with this interpreter.
-- `<!-- runnable: server -->`: an `sh` block of one `dew serve ...` command. The test starts it on a free
-  127.0.0.1 port (`--port` appended), waits until /health answers, runs the document's later blocks
-  with `127.0.0.1:8000` replaced by that port, and ends the server when they are done.
+- `<!-- runnable: server -->`: an `sh` block of one `dew serve SOURCE [FLAGS]` command. The test starts it
+  on a free 127.0.0.1 port with tests/serve's `running`, waits until /health answers, runs the
+  document's later blocks with `127.0.0.1:8000` replaced by that port, and ends the server when they
+  are done.
 
 A document's blocks run in order, in a temporary working directory of their own, prepared with what
 they expect: token files of a slice of the shipped corpus in `data/kjv-bpe` (written with a `kjv-bpe`
 tokenizer of 512 ids, made by `tools/train_tokenizer.py` and found through `$DEW_TOKENIZERS`) and in
 `data/kjv-byte` (byte-level). The `dew` on the blocks' PATH is this checkout's, with flags appended that
 shrink a run (`SHRINK`): a `dew train` becomes a few steps of small batches of short rows, a `dew serve`
-two slots of 64 positions. A later flag wins, so each block runs as written. Blocks that need a network, a GPU, another runtime
-(vLLM, Ollama, llama.cpp) or minutes of training stay unmarked: documented, not run.
+two slots of 64 positions. A later flag wins, so each block runs as written. Blocks that need a
+network, a GPU, another runtime (vLLM, Ollama, llama.cpp) or minutes of training stay unmarked:
+documented, not run.
 """
 
 from __future__ import annotations
@@ -25,17 +27,14 @@ import lzma
 import os
 import re
 import shlex
-import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from dew.data.tokenize import tokenize_text
+from tests.serve.conftest import running
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -48,7 +47,7 @@ SHRINK = {
               "--optim.warmup-steps", "0", "--trainer.eval-every", "None"],
     "serve": ["--slots", "2", "--prefill-rows", "1", "--capacity", "64"],
 }
-BLOCK_TIMEOUT, SERVER_START = 240, 240  # seconds
+BLOCK_TIMEOUT = 240  # seconds
 
 
 def marked_blocks(document: Path) -> list[tuple[str | None, str, str]]:
@@ -105,39 +104,14 @@ def environment(prepared: Path) -> dict[str, str]:
             "JAX_PLATFORMS": "cpu"}
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(command: str, cwd: Path, env: dict[str, str], log: Path):
-    """The block's `dew serve` command on a free loopback port, waited for and always ended; yields the port."""
-    arguments = shlex.split(command)
-    assert arguments[:2] == ["dew", "serve"], f"a server block holds one `dew serve` command, not {command!r}"
-    port = free_port()
-    with open(log, "w") as output:
-        process = subprocess.Popen([shutil.which("dew", path=env["PATH"]), *arguments[1:], "--port", str(port)],
-                                   cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + SERVER_START
-        while True:
-            assert process.poll() is None, f"{command} exited with {process.returncode}:\n{log.read_text()[-3000:]}"
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            assert time.monotonic() < deadline, f"{command} did not answer /health in {SERVER_START} s"
-            time.sleep(0.5)
-        yield port
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+def serve(block_command: str, work: Path, log: Path):
+    """`running` (tests/serve's `dew serve` on a free loopback port, always ended) for a server block's
+    `dew serve SOURCE FLAGS`, SOURCE taken from the document's working directory and still the model id."""
+    arguments = shlex.split(block_command)
+    assert arguments[:2] == ["dew", "serve"] and len(arguments) > 2 and not arguments[2].startswith("-"), (
+        f"a server block holds one `dew serve SOURCE [FLAGS]` command, not {block_command!r}")
+    name = [] if "--name" in arguments else ["--name", arguments[2]]
+    return running(work / arguments[2], *arguments[3:], *name, *SHRINK["serve"], log=log)
 
 
 def run_block(language: str, code: str, cwd: Path, env: dict[str, str]) -> None:
@@ -169,7 +143,7 @@ def test_the_marked_blocks_run(document, prepared, tmp_path):
             if kind == "server":
                 lines = [line for line in code.splitlines() if line.strip() and not line.startswith("#")]
                 assert language == "sh" and len(lines) == 1, f"a server block is one sh command:\n{code}"
-                port = servers.enter_context(serving(lines[0], work, env, tmp_path / f"server-{number}.log"))
+                port = servers.enter_context(serve(lines[0], work, tmp_path / f"server-{number}.log")).port
                 continue
             if port is not None:
                 code = code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
