@@ -14,8 +14,9 @@ each of which must be refused with its status: a seed past 64 bits, a lone surro
 past the context, half a body limit of text (tokenized, then refused as past the context), and a
 body past the limit (413). A thread asks /health every 0.2 s throughout.
 
-The server's resident memory (VmRSS) is read after every 100 requests (printed in MiB). The run fails (exit status 1) when a good request is not answered (200, a finish reason; a cancelled one:
-its first chunk), a bad one is not refused with its status, /health fails once, or the memory after
+The server's resident memory (VmRSS) is read after every 100 requests (printed in MiB). The run fails
+(exit status 1) when a good request is not answered (200, a finish reason; a cancelled one: its first
+chunk), a bad one is not refused with its status, /health fails once, or the memory after
 the last request is more than 10% above that after the first 100.
 """
 
