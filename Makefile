@@ -15,7 +15,7 @@ GPT2_CORPUS := data/kjv-gpt2/meta.json
 
 .PHONY: install quickstart quickstart-gpt2 test test-quick gpt2-tokenizer benchmark clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard native/*.cc) $(wildcard native/*.c) $(wildcard native/*.h)
+$(STAMP): pyproject.toml setup.py $(wildcard native/*.cc) $(wildcard native/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'

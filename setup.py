@@ -1,9 +1,8 @@
 """Dew's compiled kernels: every `native/<name>.cc` becomes the extension module `dew._native_<name>`,
-XLA FFI handlers the compiled steps call through `jax.ffi`; `native/buffers.c` becomes
-`dew._native_buffers`, a library `dew.hugepages` preloads (never imported).
+XLA FFI handlers the compiled steps call through `jax.ffi` (`dew.kernels`).
 
 The extensions are optional: where one cannot build (no C++ compiler, no Python headers) the install
-goes on without it and Dew runs XLA's own products (`dew.nn.fast_matmul` says why it is off)."""
+goes on without it and Dew runs XLA's own products (`dew.kernels.matmul.status()` says why it is off)."""
 
 from pathlib import Path
 
@@ -20,16 +19,13 @@ def _ffi_include() -> list[str]:
 
 def _extensions() -> list[Extension]:
     native = Path(__file__).parent / "native"
-    preloaded = [Extension("dew._native_buffers", ["native/buffers.c"], language="c", optional=True,
-                           extra_compile_args=["-O2", "-fvisibility=hidden"], libraries=["dl", "pthread"])]
     include = _ffi_include()
     if not include:
-        return preloaded
-    kernels = [Extension(f"dew._native_{source.stem}", [str(source.relative_to(native.parent))],
-                         include_dirs=include, language="c++", optional=True, depends=["native/module.h"],
-                         extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden"])
-               for source in sorted(native.glob("*.cc"))]
-    return preloaded + kernels
+        return []
+    return [Extension(f"dew._native_{source.stem}", [str(source.relative_to(native.parent))],
+                      include_dirs=include, language="c++", optional=True, depends=["native/module.h"],
+                      extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden"])
+            for source in sorted(native.glob("*.cc"))]
 
 
 setup(ext_modules=_extensions())

@@ -1,7 +1,8 @@
 """The train step under the allocators a user can preload, side by side: glibc as it is, glibc with its
 transparent-huge-page tunable, jemalloc and tcmalloc (Debian's libjemalloc2 and libtcmalloc-minimal4).
 
-    python -m benchmarks.allocators [--shape quickstart] [--dtype float32] [--steps 8] [--rounds 6]
+    python -m benchmarks.allocators [--shape quickstart] [--dtype float32] [--accumulation 4] [--steps 8]
+                                    [--rounds 6]
 
 XLA's CPU runtime takes each execution's temporaries as one block of tens of MiB; glibc maps such a block
 afresh and unmaps it on free, so each step faults it in and the kernel clears it again. Each allocator runs
@@ -26,14 +27,14 @@ from benchmarks.common import machine
 ALLOCATORS = ("glibc", "glibc-thp", "jemalloc", "tcmalloc")
 
 
-def child(shape: str, dtype: str, steps: int) -> None:
+def child(shape: str, dtype: str, accumulation: int, steps: int) -> None:
     """Run in the launched process: compile the step, then answer each round on stdin with its timings."""
     import jax.numpy as jnp
 
     from benchmarks.train_step import SHAPES, dew_runner
 
     layers, sizes = SHAPES[shape]
-    run, _, _ = dew_runner(sizes["vocab"], sizes["seq"], sizes["batch"], jnp.dtype(dtype), shape=layers)
+    run, _, _ = dew_runner(sizes["vocab"], sizes["seq"], sizes["batch"], jnp.dtype(dtype), accumulation, shape=layers)
     for _ in range(2):
         run()
     print(json.dumps({"ready": True}), flush=True)
@@ -52,13 +53,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="quickstart")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--accumulation", type=int, default=4, help="micro-batches a step (the quick start's 4)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--allocators", default=",".join(ALLOCATORS))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.shape, args.dtype, args.steps)
+        child(args.shape, args.dtype, args.accumulation, args.steps)
         return 0
     dew = os.path.join(os.path.dirname(sys.executable), "dew")
     processes = {}
@@ -66,11 +68,12 @@ def main() -> int:
         command = [dew, "launch", "--allocator", allocator.removesuffix("-thp"),
                    *(["--huge-pages"] if allocator.endswith("-thp") else []), "--", sys.executable, "-m",
                    "benchmarks.allocators", "--child", "--shape", args.shape, "--dtype", args.dtype,
-                   "--steps", str(args.steps)]
+                   "--accumulation", str(args.accumulation), "--steps", str(args.steps)]
         processes[allocator] = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert json.loads(processes[allocator].stdout.readline())["ready"]
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f} at the start")
-    print(f"shape {args.shape}, {args.dtype}, {args.rounds} rounds of {args.steps} steps, allocators in turn")
+    print(f"shape {args.shape}, {args.dtype}, {args.accumulation} micro-batches, {args.rounds} rounds of {args.steps} "
+          "steps, allocators in turn")
     results = {name: [] for name in processes}
     for _ in range(args.rounds):
         for name, process in processes.items():

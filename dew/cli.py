@@ -94,8 +94,9 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
     import dataclasses
 
     from dew.inference import MaskedGeneration
-    from dew.runs import pipeline
+    from dew.inference.block import BlockGeneration
     from dew.inference.text import printable
+    from dew.runs import pipeline
     from dew.sampling.sampling import check_seed
 
     check_seed(seed, "--seed")  # before loading anything
@@ -105,12 +106,18 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
     overrides = {name: value for name, value in
                  (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p),
                   ("repetition_penalty", repetition_penalty)) if value is not None}
-    if isinstance(task, MaskedGeneration):  # it unmasks every position at once: nothing to stream, no policy
+    if isinstance(task, (MaskedGeneration, BlockGeneration)):  # whole spans at once: nothing to stream, no policy
         if overrides:
             flag = "--" + next(iter(overrides)).replace("_", "-")
-            raise ValueError(f"{flag} sets autoregressive sampling, and {source} is a masked-diffusion model, "
-                             "which unmasks with MDLM's sampler: drop the sampling flags")
-        for index, text in enumerate(task([task.encode(prompt)[0]], max_new_tokens, seed=seed, n=n).text):
+            how = ("a masked-diffusion model, which unmasks with MDLM's sampler" if isinstance(task, MaskedGeneration)
+                   else "a DiffusionGemma model, which refines canvases with its generation_config's BlockProcess")
+            raise ValueError(f"{flag} sets autoregressive sampling, and {source} is {how}: drop the sampling flags")
+        ids = task.encode(prompt)[0] if isinstance(task, MaskedGeneration) else task.prompts(prompt)[0]
+        if isinstance(task, MaskedGeneration):
+            generated = task([ids], max_new_tokens, seed=seed, n=n)
+        else:  # each row its own noise: n rows of the prompt are n draws
+            generated = task([ids] * n, max_new_tokens, seed=seed)
+        for index, text in enumerate(generated.text):
             print(printable(text) if n == 1 else f"[{index}] {printable(text)}")
         return
     task = task.with_sampling(dataclasses.replace(task.sampling, **overrides))

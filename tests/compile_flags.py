@@ -1,22 +1,20 @@
 """The XLA flags the suite compiles under, and the environment of a subprocess that emulates CPU devices.
 
-Most of the suite's time was XLA compiling, not running: tiny models, each test tracing its own
-functions, and eager ops compiling one program each (a file such as tests/nn/test_moe.py compiles
-1,244 programs, 1,085 of them under 50 ms). Two flags cut the compile without touching what the
-tests check:
+Most of the suite's time is XLA compiling, not running: tiny models, each test tracing its own
+functions, and eager ops compiling one program each. Two flags cut the compile without touching what
+the tests check:
 
 - `--xla_backend_optimization_level=0`: LLVM's optimization level for the generated loops. XLA's CPU
   backend keeps IEEE float semantics at every level (no fast-math reassociation unless asked), so
   the arithmetic is the same; only the machine code is slower, which tiny models never notice.
-- `--xla_cpu_use_fusion_emitters=false`: XLA's older elemental emitter for fused loops, 9 ms a
-  trivial compile against 21. Its exp, log and tanh may differ from the newer emitters' by an ulp or
+- `--xla_cpu_use_fusion_emitters=false`: XLA's older elemental emitter for fused loops, which
+  compiles a small program faster. Its exp, log and tanh may differ from the newer emitters' by an ulp or
   so; every oracle tolerance in the suite is reasoned from float32 rounding over a computation, not
   from one implementation's last bit, and every exact-equality test compares two Dew runs compiled
   under the same flags.
 
-Measured on a 2-core Zen 4 EPYC, cold compilation cache, `pytest -n 2 --dist loadfile`: the whole
-suite 19 min 52 s with XLA's defaults, 9 min 53 s with these (both green). Users' programs compile
-with XLA's defaults; to run the suite that way, name the flags in `XLA_FLAGS` yourself (a flag
+docs/performance.md has the suite's time with and without them. Users' programs compile with XLA's
+defaults; to run the suite that way, name the flags in `XLA_FLAGS` yourself (a flag
 already named there is left as given), e.g.
 `XLA_FLAGS="--xla_backend_optimization_level=3 --xla_cpu_use_fusion_emitters=true" make test`.
 """

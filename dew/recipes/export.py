@@ -17,6 +17,7 @@ from pathlib import Path
 from dew.data.tokenizers import ByteTokenizer, HFTokenizer
 from dew.interop import save_pretrained
 from dew.interop.hub import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES
+from dew.inference import MaskedGeneration
 from dew.interop.safetensors_files import INDEX, SINGLE, read_index
 from dew.runs.pipeline import pipeline, run_of
 from dew.runs.run_dir import CHECKPOINTS, RUN_JSON
@@ -39,6 +40,11 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Tr
                                 "dew export writes a trained run; a loaded checkpoint saves with Pretrained.save")
     _check_target(source, out, force)
     task = pipeline(run, ema=ema, step=step)
+    if isinstance(task, MaskedGeneration):
+        raise ValueError(f"{run} is a masked-diffusion run (a bidirectional decoder unmasking id "
+                         f"{task.process.mask_id}), and dew export writes token-by-token decoders: no transformers "
+                         "family computes this model without its own masking recipe; generate from the run with dew "
+                         "generate or dew.pipeline")
     with tempfile.TemporaryDirectory(prefix="dew-export-tokenizer-") as staging:
         tokenizer_dir = tokenizer_files(task.tokenizer, Path(staging), task.model.config.max_seq_len)
         return save_pretrained(task.model, task.params, out, tokenizer_dir=tokenizer_dir, generation=task.sampling,

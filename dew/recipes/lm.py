@@ -255,12 +255,13 @@ def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
 
 def _tokenizer_files(name: str) -> dict[str, Path]:
     """The files a run keeps a copy of so that it needs nothing outside its directory: the tokenizer's
-    tokenizer.json and, beside it, the tokenizer_config.json that names its EOS token (none for bytes)."""
+    tokenizer.json and, beside it, the tokenizer_config.json that names its EOS token and the
+    chat_template.jinja transformers writes a chat template to (none for bytes)."""
     path = tokenizer_file(name)
     if path is None:
         return {}
-    config = path.parent / "tokenizer_config.json"
-    return {TOKENIZER: path, **({config.name: config} if config.is_file() else {})}
+    beside = (path.parent / "tokenizer_config.json", path.parent / "chat_template.jinja")
+    return {TOKENIZER: path, **{file.name: file for file in beside if file.is_file()}}
 
 
 def _check_batches(settings, devices: int) -> None:

@@ -3,8 +3,8 @@
     RUN/run.json                 the resolved config, package versions and tokenizer (written when the
                                  run starts; again only when --trainer.allow-changes changes a setting)
     RUN/run.lock                 held (flock) by the one process training the run, with its pid
-    RUN/tokenizer.json           the run's own copy of its tokenizer (and tokenizer_config.json), so
-                                 generation needs nothing outside the directory
+    RUN/tokenizer.json           the run's own copy of its tokenizer (and tokenizer_config.json and
+                                 chat_template.jinja), so generation needs nothing outside the directory
     RUN/status.json              running, finished, interrupted, diverged or failed; the process and its host
     RUN/checkpoints/STEP/        Orbax checkpoints, the newest trainer.keep of them
     RUN/metrics.jsonl            one line per logged step and per evaluation

@@ -46,7 +46,7 @@ class Served:
         task = pipeline(source, ema=not live, quantize=quantize)
         if not isinstance(task, TextGeneration):
             raise ValueError(f"{source} holds a {type(task).__name__} model, and dew serve decodes causal language "
-                             "models token by token: generate from it with dew.pipeline in Python")
+                             "models token by token: generate from it with dew generate, or dew.pipeline in Python")
         if task.tokenizer is None:
             raise ValueError(f"{source} has no tokenizer, and the server reads and writes text: put the model's "
                              "tokenizer.json beside its weights")

@@ -86,6 +86,17 @@ def test_bad_input_refused(bundle):
     assert generated.refinements.tolist() == [0, 0]
 
 
+def test_dew_generate_refines_canvases_from_a_diffusion_gemma_checkpoint(capsys):
+    from dew.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", str(FIXTURE), "--prompt", "t5 t7 t9", "--max-new-tokens", "4", "--n", "2"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert [line[:4] for line in printed] == ["[0] ", "[1] "] and all("t5 t7 t9" in line for line in printed)
+    assert main(["generate", str(FIXTURE), "--prompt", "t5", "--top-k", "3"]) == 2
+    assert "--top-k sets autoregressive sampling, and" in capsys.readouterr().err
+
+
 def test_pipeline_gives_block_generation():
     from dew.runs import pipeline
 

@@ -88,6 +88,17 @@ def test_dew_generate_unmasks_from_a_masked_run(masked_run, capsys):
     assert "--temperature sets autoregressive sampling" in capsys.readouterr().err
 
 
+def test_dew_export_refuses_a_masked_run_in_one_line(masked_run, tmp_path, capsys):
+    from dew.cli import main
+
+    capsys.readouterr()
+    assert main(["export", str(masked_run), str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"error: {masked_run} is a masked-diffusion run (a bidirectional decoder unmasking id ")
+    assert "dew export writes token-by-token decoders" in error and "\n" not in error
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def small_ids(tmp_path_factory):
     """Token files of ids below 100, which the tiny LLaDA and Dream checkpoints (mask ids 120, 126) read."""

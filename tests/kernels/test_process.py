@@ -108,7 +108,7 @@ def test_dew_train_runs_as_the_process_it_was_started_as(token_dir, tmp_path):  
     assert len(seen) >= 3  # it ran long enough to be looked at several times
     for environ, maps in seen:
         assert b"GLIBC_TUNABLES" not in environ and b"LD_PRELOAD" not in environ
-        assert "_native_buffers" not in maps and "jemalloc" not in maps and "tcmalloc" not in maps
+        assert "jemalloc" not in maps and "tcmalloc" not in maps
 
 
 IMPORTS = textwrap.dedent("""

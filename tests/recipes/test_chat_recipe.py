@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,9 @@ def test_a_chat_run_trains_on_the_assistants_targets(chat_files, tmp_path):
     assert record["settings"]["loss_role"] == "assistant" and record["settings"]["data"]["type"] == "ChatData"
     assert record["data"]["assistant_tokens"] > 0 and record["data"]["template"].endswith("chat_template.jinja")
     assert run.status()["state"] == "finished"
+    # The run keeps the template beside its tokenizer, so serving and exporting it need nothing outside it.
+    template = Path(chat_files[0]) / "chat_template.jinja"
+    assert (tmp_path / "run" / "chat_template.jinja").read_text() == template.read_text()
     assert [m["step"] for m in run.metrics() if "train/ce" in m] == [1, 2]
 
 
