@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
@@ -25,6 +24,7 @@ import numpy as np
 
 from dew.data.chat import Role, encode_chat, template_of
 from dew.data.dataset import Batch, Dataset, Partition
+from dew.data.records import read_records
 from dew.data.tokenizers import load_tokenizer, tokenizer_name
 from dew.data.windows import _IN_THREAD, _rows, _val_rows, check_val_batch
 
@@ -35,24 +35,12 @@ SEGMENTS, POSITIONS, ROLES = f"{TEXT}_segment_ids", f"{TEXT}_positions", f"{TEXT
 def read_conversations(path: str | Path) -> list[tuple[int, list]]:
     """(line number, messages) of each non-blank line of a JSONL file, refused by line when a line is not
     a JSON object with a "messages" list."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"chat file {path} does not exist: give a JSONL file of "
-                                '{"messages": [{"role": ..., "content": ...}, ...]} lines')
     conversations = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as error:
-                raise ValueError(f"{path}, line {number} is not JSON ({error})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
-                raise ValueError(f"{path}, line {number}: each line is an object with a \"messages\" list")
-            conversations.append((number, record["messages"]))
-    if not conversations:
-        raise ValueError(f"chat file {path} holds no conversation")
+    for number, record in read_records(path, "chat"):
+        if not isinstance(record.get("messages"), list):
+            raise ValueError(f"{path}, line {number}: each line is an object with a \"messages\" list, "
+                             '{"messages": [{"role": ..., "content": ...}, ...]}')
+        conversations.append((number, record["messages"]))
     return conversations
 
 
