@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from dew.files import write_atomically
+from dew.files import read_json, write_atomically
 
 SPLITS = ("train", "val")
 META = "meta.json"
@@ -100,14 +100,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
             f"and meta.json, written by `dew tokenize --input TEXT --out {path} --tokenizer NAME` "
             f"(or tools/tokenize_text.py)"
         )
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as error:
-        problem = f"is not UTF-8 text ({error.reason} at byte {error.start})"
-    except json.JSONDecodeError as error:
-        problem = f"is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})"
-    else:
-        problem = None if isinstance(meta, dict) else f"holds {json.dumps(meta)[:40]}, not an object of fields"
+    meta, problem = read_json(meta_path, object_only=True)
     if problem is not None:
         raise ValueError(f"{meta_path} {problem}: it was cut short or damaged; rewrite the token files with {_WRITER}")
     missing = [field for field in _META_FIELDS if field not in meta]

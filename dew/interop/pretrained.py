@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from dew.data.text_processor import TextProcessor
 from dew.data.tokenizers import HFTokenizer
+from dew.files import read_json
 from dew.inference.block import from_checkpoint as block_task
 from dew.inference.masked import from_checkpoint as masked_task
 from dew.inference.text import TextGeneration
@@ -61,7 +62,6 @@ _GENERATION_KINDS = {"do_sample": "bool?", "temperature": "number?", "top_k": "c
 # (GenerationConfig.validate names the others, as Dew does).
 _SAMPLING_ONLY = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None}
 # JSON's names for what a file holds instead of an object.
-_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
 @dataclasses.dataclass
@@ -354,16 +354,9 @@ def _check_generation(generation: Mapping[str, Any], where: str) -> None:
 
 def _read_json(path: Path) -> dict:
     """A config file's object of fields, refusing one that is not UTF-8 JSON or does not hold an object."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as error:
-        problem = f"is not UTF-8 text ({error.reason} at byte {error.start})"
-    except json.JSONDecodeError as error:
-        problem = f"is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})"
-    else:
-        if isinstance(value, dict):
-            return value
-        problem = f"holds a JSON {_JSON_KINDS.get(type(value), type(value).__name__)}, not an object of fields"
+    value, problem = read_json(path, object_only=True)
+    if problem is None:
+        return value
     raise ValueError(f"{path} {problem}: it is damaged or not a transformers config; fetch or export it again")
 
 

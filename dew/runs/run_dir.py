@@ -37,7 +37,7 @@ from typing import Any
 
 from dew.data import load_tokenizer
 from dew.data.tokenizers import BYTE, HFTokenizer
-from dew.files import write_atomically
+from dew.files import read_json, write_atomically
 from dew.run_config import RESUMABLE_CHANGES
 from dew.runs.lock import LOCK, RunLock
 from dew.training.checkpoints import saved_steps
@@ -143,12 +143,9 @@ def _write_json(path: Path, record: dict[str, Any]) -> None:
 
 def _read_json(path: Path, what: str) -> Any:
     """A JSON file's value, or RunRecordError naming the file, the problem and the fix."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as error:
-        problem = f"is not UTF-8 text ({error.reason} at byte {error.start})"
-    except json.JSONDecodeError as error:
-        problem = f"is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})"
+    value, problem = read_json(path)
+    if problem is None:
+        return value
     raise RunRecordError(f"{path} {problem}: it was edited or cut short; {what}")
 
 

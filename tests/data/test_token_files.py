@@ -105,7 +105,7 @@ def test_unknown_or_wrong_dtype(tmp_path):
 
 @pytest.mark.parametrize("meta, says", [
     (lambda text: text[: len(text) // 2], r"is not valid JSON \(.* at line \d+, column \d+\): it was cut short"),
-    (lambda text: "[1, 2]", r"holds \[1, 2\], not an object of fields"),
+    (lambda text: "[1, 2]", r"holds a JSON array, not an object of fields"),
     (lambda text: text.replace('"vocab_size": 300', '"vocab_size": "300"'),
      r"gives vocab_size '300', which is not a positive integer"),
     (lambda text: text.replace('"train_tokens": 1', '"train_tokens": -1'),
