@@ -60,6 +60,9 @@ MAY_CHANGE = ("trainer.run_dir", "trainer.log_every", "trainer.eval_every", "tra
 # The parts of run.json that decide what the run trains. The model is compared as built (defaults
 # filled in), not as --model.config spelled it.
 COMPARED = ("recipe", "settings", "model", "data")
+# Model fields added since runs were first recorded, with the value that computes what a run recorded
+# without them did: a run.json that lacks one reads as that value, not as a difference.
+ADDED_FIELDS = {"model.config.kernels": "auto"}
 _SPELLED = "settings.model.config."
 # Settings that name files: recorded and compared as absolute paths (a hub name that is not a local
 # path stays as is). A data source has only some of them (data:chat's template and val_path).
@@ -105,6 +108,8 @@ def resolve_path_setting(value: Any) -> Any:
 
 def _compared(record: dict[str, Any]) -> dict[str, Any]:
     flat = flatten({key: record.get(key) for key in COMPARED})
+    for name, value in ADDED_FIELDS.items():
+        flat.setdefault(name, value)
     for name in PATH_SETTINGS:
         if f"settings.{name}" in flat:
             flat[f"settings.{name}"] = resolve_path_setting(flat[f"settings.{name}"])

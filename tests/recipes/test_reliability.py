@@ -16,7 +16,7 @@ import pytest
 from dew.run_config import OptimConfig, TrainerConfig
 from dew.recipes.lm import main, parse, prepare
 from dew.runs.run_dir import RunDirectory
-from tests.recipes.conftest import recipe_args, terminate_at
+from tests.recipes.conftest import TINY_MODEL, recipe_args, terminate_at
 
 
 def test_a_second_process_on_a_held_run_directory_is_refused_naming_the_holder(token_dir, tmp_path, capsys):
@@ -138,6 +138,23 @@ def test_a_rerun_on_replaced_token_files_is_refused_unless_allowed_and_the_chang
     assert main(argv) == 0
     assert "recorded no fingerprint of the data (the run started before runs kept one)" in capsys.readouterr().out
     assert RunDirectory(run_dir).record()["data"]["fingerprint"] == new
+
+
+def test_a_run_recorded_before_a_model_field_existed_resumes(token_dir, tmp_path, monkeypatch):
+    """A field DecoderConfig gained since the run started (here `kernels`) reads as its default, which
+    computes what the run did: the same command resumes, and a new value of it is still a difference."""
+    run_dir = tmp_path / "run"
+    argv = recipe_args(token_dir, run_dir, steps=4)
+    terminate_at(monkeypatch, 2)
+    assert main(argv) == 128 + signal.SIGTERM  # checkpoint 2 of 4
+    monkeypatch.undo()
+    record = json.loads((run_dir / "run.json").read_text())
+    del record["model"]["config"]["kernels"]
+    (run_dir / "run.json").write_text(json.dumps(record))
+    xla = json.dumps({**TINY_MODEL, "kernels": "xla"})
+    assert main([*argv, "--model.config", xla]) == 2
+    assert main(argv) == 0
+    assert RunDirectory(run_dir).checkpoint_steps()[-1] == 4
 
 
 def _word_tokenizer(directory, words: list[str]):
