@@ -1,9 +1,9 @@
 """The tensor rules engine: a family's checkpoint tensors as Dew parameters, and back.
 
 A family lists `Rule`s. A rule ties Dew leaves (slash paths into the parameter tree, where `layers/`
-stands for any layer scope: a lone layer `layers_N`, or a scanned run `layers_{a}to{b}` whose leaves
-are stacked on a leading axis) to checkpoint tensors (names with `{layer}` and other placeholders),
-through five kinds of step:
+stands for any layer scope, at the top or nested (a tower's `encoder/layers/`): a lone layer `layers_N`,
+or a scanned run `layers_{a}to{b}` whose leaves are stacked on a leading axis) to checkpoint tensors
+(names with `{layer}` and other placeholders), through five kinds of step:
 
 - rename: the Dew path and the tensor name;
 - transpose: the Dew leaf holds the tensor's axes in the order `transpose` gives (`(1, 0)`: a
@@ -211,14 +211,15 @@ def _links(rule: Rule, index: int, items: list[tuple[int, ...]]) -> tuple[Link, 
 
 
 def _scope(path: tuple[str, ...]):
-    """(scope, stacked axes, fixed placeholders, rule key) of a leaf path."""
-    head = path[0]
-    run, lone = _RUN.fullmatch(head), _LONE.fullmatch(head)
-    if run:
-        layers = tuple(range(int(run[1]), int(run[2]) + 1))
-        return head, (("layer", layers),), {}, "/".join((LAYERS, *path[1:]))
-    if lone:
-        return head, (), {"layer": int(lone[1])}, "/".join((LAYERS, *path[1:]))
+    """(scope, stacked axes, fixed placeholders, rule key) of a leaf path. Its first layer scope, at any
+    depth (a decoder's `layers_N`, a vision tower's `encoder/layers_N`), is `layers` in the rule key."""
+    for depth, name in enumerate(path):
+        run, lone = _RUN.fullmatch(name), _LONE.fullmatch(name)
+        if run or lone:
+            scope, key = "/".join(path[:depth + 1]), "/".join((*path[:depth], LAYERS, *path[depth + 1:]))
+            if run:
+                return scope, (("layer", tuple(range(int(run[1]), int(run[2]) + 1))),), {}, key
+            return scope, (), {"layer": int(lone[1])}, key
     return "", (), {}, "/".join(path)
 
 

@@ -90,6 +90,25 @@ def test_stack_over_layers_and_over_experts():
     np.testing.assert_array_equal(lone[1], stored["model.layers.3.mlp.experts.1.up.weight"].T)
 
 
+def test_layer_scopes_nested_below_the_top():
+    """`layers/` inside a subtree (a vision tower's `encoder/layers_N` under a model's `tower/`) binds
+    `{layer}` as a top-level scope does, runs and lone layers alike, beside the decoder's own layers."""
+    rules = (Rule("tower/encoder/layers/fc/kernel", "vision.encoder.layers.{layer}.fc.weight", transpose=(1, 0)),
+             Rule("layers/fc/kernel", "model.layers.{layer}.fc.weight", transpose=(1, 0)),
+             Rule("tower/post/scale", "vision.post.weight"))
+    encoder = {"layers_0to1": {"fc": {"kernel": (2, 3, 4)}}, "layers_2": {"fc": {"kernel": (3, 4)}}}
+    shapes = {"tower": {"encoder": encoder, "post": {"scale": (3,)}},
+              "layers_0": {"fc": {"kernel": (3, 5)}}}
+    params, stored = _round_trip(rules, shapes)
+    assert sorted(stored) == ["model.layers.0.fc.weight", "vision.encoder.layers.0.fc.weight",
+                              "vision.encoder.layers.1.fc.weight", "vision.encoder.layers.2.fc.weight",
+                              "vision.post.weight"]
+    encoder = params["tower"]["encoder"]
+    for scope, index, layer in (("layers_0to1", (1,), 1), ("layers_2", (), 2)):
+        np.testing.assert_array_equal(encoder[scope]["fc"]["kernel"][index],
+                                      stored[f"vision.encoder.layers.{layer}.fc.weight"].T)
+
+
 def test_split_one_tensor_into_several_leaves():
     """A fused query/key/value projection (one `[q + k + v, in]` tensor) as three Dew kernels."""
     names = ("layers/attn/q/kernel", "layers/attn/k/kernel", "layers/attn/v/kernel")
