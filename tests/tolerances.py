@@ -101,3 +101,24 @@ def transformers_decoder_ulps(config, seq_len: int) -> float:
     return decoder_ulps(layers=config.num_hidden_layers, width=config.hidden_size, mlp_width=config.intermediate_size,
                         heads=heads, head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                         seq_len=seq_len, frequency_ulps=frequency)
+
+
+def vision_tower_ulps(*, layers: int, width: int, mlp_width: int, heads: int, patches: int, patch_inputs: int) -> float:
+    """Ulps of the outputs' size by which Dew's and transformers' fp32 evaluations of a pre-norm vision
+    transformer (SigLIP) may differ.
+
+    The patch embedding (`patch_inputs` terms, a bias, a position vector) opens the chain and a LayerNorm
+    closes it; each layer rounds in two LayerNorms (a `width`-term mean, a `width`-term variance, an rsqrt,
+    a subtraction, two products and a bias), the query/key/value projections (`width` terms and a bias),
+    the scores (`width / heads` terms and the scale), a softmax over every patch (a `patches`-term sum, a
+    division), the weighted values (`patches` terms), the output projection, fc1 (`width` terms and a
+    bias each), the activation (3), fc2 (`mlp_width` terms and a bias) and two residual adds. As in
+    `decoder_ulps`, the rounding errors walk randomly (six standard deviations), and the libraries'
+    transcendentals (per layer two rsqrts, the exp and the activation's tanh or erf, and the last norm's
+    rsqrt) add up in full.
+    """
+    norm = 2 * width + 4
+    per_layer = (2 * norm + (width + 1) + (width // heads + 1) + (patches + 1) + patches + 2 * (width + 1) + 3
+                 + (mlp_width + 1) + 2)
+    roundings = (patch_inputs + 2) + layers * per_layer + norm
+    return math.sqrt(6 * roundings) + LIBRARY_ULPS * (4 * layers + 1)

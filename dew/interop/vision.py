@@ -1,0 +1,111 @@
+"""Checkpoint tensors of vision towers and projectors (`dew.nn.vision`) as Dew parameters, and back.
+
+`tower_rules` and `projector_rules` give the `dew.interop.tensors.Rule`s of one module, its Dew paths
+relative to the module (`embeddings/patch_embedding/kernel`), or under `dew_prefix` (`"tower/"`) for
+a model that holds it as a submodule; its tensor names under the checkpoint's `prefix`. A Gemma 3
+checkpoint holds its tower and projector under one of the prefixes `TOWER_PREFIXES` and
+`PROJECTOR_PREFIXES` list (transformers 5 reads them all; `tower_prefix` and `projector_prefix` find
+the one a checkpoint uses); the first of each is the one Dew writes, which every transformers version
+reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Sequence
+
+from dew.interop.tensors import Rule
+from dew.nn.vision import GemmaProjectorConfig, SiglipConfig, projector_class, tower_class
+
+_KERNEL = (1, 0)  # transformers stores a projection [out, in], Dew keeps it [in, out]
+_CONV = (2, 3, 1, 0)  # torch's Conv2d weight [out, in, kh, kw], Dew's (flax's) HWIO kernel [kh, kw, in, out]
+_NORM = (("scale", "weight"), ("bias", "bias"))  # a LayerNorm's Dew leaves and transformers' tensors
+
+TOWER_PREFIXES = {"siglip": (
+    "vision_tower.vision_model.",  # the Hub's Gemma 3 files (transformers 4)
+    "model.vision_tower.vision_model.",  # transformers 4.5x's module names
+    "vision_tower.",  # what transformers 5 writes
+    "model.vision_tower.",  # transformers 5's module names
+)}
+PROJECTOR_PREFIXES = {"gemma": ("multi_modal_projector.", "model.multi_modal_projector.")}
+# The tensor whose presence under a prefix says a checkpoint holds that module there.
+_ANCHORS = {"siglip": "embeddings.patch_embedding.weight", "gemma": "mm_input_projection_weight"}
+# What a tower's checkpoint may hold that the tower never reads: SigLIP's pooling head, which Gemma 3 does
+# not run (saved where `vision_use_head` was true), and the position ids buffer older files kept.
+_UNREAD = {"siglip": ("head.", "embeddings.position_ids")}
+
+
+def _siglip_rules(config: SiglipConfig, prefix: str) -> tuple[Rule, ...]:
+    layer = f"{prefix}encoder.layers.{{layer}}"
+    linears = [("self_attn", proj) for proj in ("q_proj", "k_proj", "v_proj", "out_proj")] + [("mlp", "fc1"),
+                                                                                             ("mlp", "fc2")]
+    return (
+        Rule("embeddings/patch_embedding/kernel", f"{prefix}embeddings.patch_embedding.weight", transpose=_CONV),
+        Rule("embeddings/patch_embedding/bias", f"{prefix}embeddings.patch_embedding.bias"),
+        Rule("embeddings/position_embedding/embedding", f"{prefix}embeddings.position_embedding.weight"),
+        *(Rule(f"encoder/layers/{norm}/{ours}", f"{layer}.{norm}.{theirs}")
+          for norm in ("layer_norm1", "layer_norm2") for ours, theirs in _NORM),
+        *(Rule(f"encoder/layers/{block}/{proj}/kernel", f"{layer}.{block}.{proj}.weight", transpose=_KERNEL)
+          for block, proj in linears),
+        *(Rule(f"encoder/layers/{block}/{proj}/bias", f"{layer}.{block}.{proj}.bias") for block, proj in linears),
+        *(Rule(f"post_layernorm/{ours}", f"{prefix}post_layernorm.{theirs}") for ours, theirs in _NORM),
+    )
+
+
+def _gemma_rules(config: GemmaProjectorConfig, prefix: str) -> tuple[Rule, ...]:
+    return (Rule("mm_input_projection_weight", f"{prefix}mm_input_projection_weight"),
+            Rule("mm_soft_emb_norm/scale", f"{prefix}mm_soft_emb_norm.weight"))
+
+
+_TOWER_RULES = {"siglip": _siglip_rules}
+_PROJECTOR_RULES = {"gemma": _gemma_rules}
+
+
+def tower_rules(kind: str, config, prefix: str, dew_prefix: str = "") -> tuple[Rule, ...]:
+    """The rules between tower `kind`'s tensors under `prefix` (`"vision_tower.vision_model."`) and its
+    parameters under `dew_prefix` (`""`: the tower's own tree; `"tower/"`: a model's)."""
+    return _rules(_TOWER_RULES, tower_class(kind), kind, config, prefix, dew_prefix)
+
+
+def projector_rules(kind: str, config, prefix: str, dew_prefix: str = "") -> tuple[Rule, ...]:
+    """The rules between projector `kind`'s tensors under `prefix` (`"multi_modal_projector."`) and its
+    parameters under `dew_prefix`."""
+    return _rules(_PROJECTOR_RULES, projector_class(kind), kind, config, prefix, dew_prefix)
+
+
+def _rules(table, config_class, kind, config, prefix, dew_prefix) -> tuple[Rule, ...]:
+    if not isinstance(config, config_class):
+        raise TypeError(f"rules of {kind!r} are made from a {config_class.__name__}, not a {type(config).__name__}")
+    if dew_prefix and not dew_prefix.endswith("/"):
+        raise ValueError(f"dew_prefix {dew_prefix!r} must name a scope and end with '/', as 'tower/' does")
+    rules = table[kind](config, prefix)
+    return tuple(dataclasses.replace(rule, dew=tuple(dew_prefix + path for path in rule.dew)) for rule in rules)
+
+
+def tower_prefix(kind: str, names: Collection[str], where: str) -> str:
+    """The prefix under which the checkpoint tensors `names` hold tower `kind` (`where` names the
+    checkpoint in errors)."""
+    tower_class(kind)
+    return _prefix(TOWER_PREFIXES[kind], _ANCHORS[kind], names, f"vision tower ({kind})", where)
+
+
+def projector_prefix(kind: str, names: Collection[str], where: str) -> str:
+    """The prefix under which the checkpoint tensors `names` hold projector `kind`."""
+    projector_class(kind)
+    return _prefix(PROJECTOR_PREFIXES[kind], _ANCHORS[kind], names, f"projector ({kind})", where)
+
+
+def _prefix(prefixes: Sequence[str], anchor: str, names: Collection[str], what: str, where: str) -> str:
+    found = [prefix for prefix in prefixes if prefix + anchor in names]
+    if len(found) != 1:
+        held = "none of them" if not found else f"each of {found}"
+        raise ValueError(f"{where} holds a {what} under {held}: Dew looks for {anchor!r} under one of the "
+                         f"prefixes {list(prefixes)}; a checkpoint from transformers holds exactly one")
+    return found[0]
+
+
+def tower_ignorable(kind: str, name: str, prefix: str) -> bool:
+    """Whether checkpoint tensor `name` belongs to tower `kind` under `prefix` but is never read (SigLIP's
+    pooling head, its position ids buffer): a loader skips it, an export writes none."""
+    tower_class(kind)
+    return any(name.startswith(prefix + unread) for unread in _UNREAD[kind])

@@ -1,0 +1,52 @@
+"""Vision towers and projectors by name, each a frozen config read from a transformers record.
+
+A tower config (`TOWERS`) reads its `vision_config` record (`from_hf`), writes it back (`to_hf`), says
+what images it takes (`geometry()`) and builds a module `[N, C, H, W] -> [N, P, width]` (`build`); a
+projector config (`PROJECTORS`) reads the multimodal model's record and builds a module from the tower's
+`[N, P, width]` to soft tokens `[N, tokens, text width]`. Their checkpoint tensor rules live in
+`dew.interop.vision`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dew.nn.vision.base import TowerGeometry
+from dew.nn.vision.projectors import GemmaProjector, GemmaProjectorConfig
+from dew.nn.vision.siglip import SiglipConfig, SiglipTower
+
+TOWERS: dict[str, type] = {"siglip": SiglipConfig}
+PROJECTORS: dict[str, type] = {"gemma": GemmaProjectorConfig}
+
+
+def _entry(table: Mapping[str, type], kind: str, what: str) -> type:
+    if kind not in table:
+        raise ValueError(f"Dew has no vision {what} {kind!r}: the {what}s it builds are {sorted(table)}")
+    return table[kind]
+
+
+def tower_class(kind: str) -> type:
+    """The config class of tower `kind`, refusing a kind `TOWERS` lacks by name."""
+    return _entry(TOWERS, kind, "tower")
+
+
+def projector_class(kind: str) -> type:
+    """The config class of projector `kind`, refusing a kind `PROJECTORS` lacks by name."""
+    return _entry(PROJECTORS, kind, "projector")
+
+
+def tower_config(kind: str, record: Mapping[str, Any], where: str):
+    """Tower `kind`'s config from its `vision_config` record (`where` names the record in errors)."""
+    return tower_class(kind).from_hf(record, where)
+
+
+def projector_config(kind: str, record: Mapping[str, Any], where: str):
+    """Projector `kind`'s config from the multimodal model's whole config record."""
+    return projector_class(kind).from_hf(record, where)
+
+
+__all__ = [
+    "PROJECTORS", "TOWERS", "GemmaProjector", "GemmaProjectorConfig", "SiglipConfig", "SiglipTower", "TowerGeometry",
+    "projector_class", "projector_config", "tower_class", "tower_config",
+]

@@ -1,0 +1,33 @@
+"""What every tower and projector config shares: the images a tower takes (`TowerGeometry`, for the processor
+that prepares them and the projector after it) and the check of their sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def require_positive_ints(config, fields: tuple[str, ...]) -> None:
+    """Refuse a config whose `fields` are not each a positive integer (a bool is not one), naming the field."""
+    for field in fields:
+        value = getattr(config, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{field} is {value!r}; it must be a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerGeometry:
+    """Square images of `image_size` pixels a side and `channels` channels, cut into square patches of
+    `patch_size` pixels a side (a remainder under one patch is dropped, as a VALID convolution does)."""
+
+    image_size: int
+    patch_size: int
+    channels: int
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def patches(self) -> int:
+        """The tower's output positions per image, `P = patches_per_side ** 2`."""
+        return self.patches_per_side**2
