@@ -90,6 +90,10 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
         live: Use a run's live weights instead of its moving average.
         quantize: int8 holds the weights as 8-bit integers (a quarter of float32's bytes), for faster
             decoding on a CPU.
+        max_images: The most images one chat request may hold (a model that reads images; past it, 400).
+        max_image_pixels: The most pixels (width times height) of one image.
+        max_image_bytes: The most encoded bytes of one image.
+        fetch_images: Fetch images sent as http(s) URLs (by default only inline data: URLs are read).
     """
     import dataclasses
 
@@ -150,7 +154,9 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
           port: int = 8000, slots: int = 8, capacity: int | None = None, queue: int = 256, prefill_rows: int = 4,
           name: str | None = None, chat_template: str | None = None, special_tokens_in_messages: bool = False,
           max_body_bytes: int = 2**20, read_timeout: float = 30.0, keep_alive_timeout: float = 5.0,
-          max_connections: int = 512, live: bool = False, quantize: Literal["int8"] | None = None) -> None:
+          max_connections: int = 512, live: bool = False, quantize: Literal["int8"] | None = None,
+          max_images: int = 4, max_image_pixels: int = 4096 * 4096, max_image_bytes: int = 16 * 2**20,
+          fetch_images: bool = False) -> None:
     """Serve a model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health)
     with continuous batching, until interrupted. Needs the serve extra (pip install 'dew-ml[serve]').
 
@@ -183,6 +189,10 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
         live: Use a run's live weights instead of its moving average.
         quantize: int8 holds the weights as 8-bit integers (a quarter of float32's bytes), for faster
             decoding on a CPU.
+        max_images: The most images one chat request may hold (a model that reads images; past it, 400).
+        max_image_pixels: The most pixels (width times height) of one image.
+        max_image_bytes: The most encoded bytes of one image.
+        fetch_images: Fetch images sent as http(s) URLs (by default only inline data: URLs are read).
     """
     import importlib.util
     import logging
@@ -191,10 +201,12 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
     if missing:
         raise ImportError(f"dew serve needs {', '.join(missing)}: pip install 'dew-ml[serve]'")
     from dew.serve.app import run
+    from dew.serve.images import ImageLimits
     from dew.serve.network import Limits, bind
     from dew.serve.service import Served
 
     limits = Limits(max_body_bytes, read_timeout, keep_alive_timeout, max_connections)
+    images = ImageLimits(max_images, max_image_pixels, max_image_bytes, fetch_images)
     log = logging.getLogger("dew.serve")  # lines in uvicorn's format, whatever the root logger holds
     if not log.handlers:
         handler = logging.StreamHandler()
@@ -206,7 +218,7 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
     try:
         served = Served.load(source, slots=slots, capacity=capacity, queue=queue, prefill_rows=prefill_rows,
                              name=name, chat_template_file=chat_template, live=live, quantize=quantize,
-                             special_tokens_in_messages=special_tokens_in_messages)
+                             special_tokens_in_messages=special_tokens_in_messages, images=images)
     except BaseException:
         listener.close()
         raise

@@ -19,6 +19,11 @@ from flax import struct
 
 TEXT_FIELDS = ("attention_mask", "positions", "segment_ids")
 """The token fields a text decoder reads."""
+MEDIA_FIELDS = ("image_indices", "image_groups")
+"""The token fields a multimodal model reads besides the text ones: the soft feature behind each slot and
+the image it belongs to (-1 for text)."""
+MEDIA_CONDITIONING = ("pixel_values",)
+"""The conditioning a multimodal model reads: each row's images `[B, images, ...]`."""
 
 
 @struct.dataclass

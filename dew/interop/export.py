@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from dew.interop import tensors
 from dew.interop.families import Converter, family_for
-from dew.interop.hub import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES
+from dew.interop.hub import CONFIG, GENERATION_CONFIG, PROCESSOR_FILES, TOKENIZER_FILES
 from dew.interop.safetensors_files import write_atomically, write_checkpoint
 from dew.nn.linear import QUANT_COLLECTION
 from dew.nn.transformer import CausalTransformer
@@ -74,18 +74,20 @@ def generation_config(sampling: Sampling, max_new_tokens: int | None = None) -> 
 
 def write_export(directory: str | Path, model: CausalTransformer, converter: Converter, variables,
                  config: Mapping[str, Any], generation_file: Mapping[str, Any] | None, tokenizer_dir: Path | None,
-                 max_shard_size: int | str) -> Path:
-    """Write `variables` through `converter`'s tensor rules, with `config` (its `dtype` set to the
-    parameters'), `generation_file` (None: none written) and the tokenizer files of `tokenizer_dir`."""
+                 max_shard_size: int | str, rules=None) -> Path:
+    """Write `variables` through `converter`'s tensor rules (or `rules`, a layout the source used), with
+    `config` (its `dtype` set to the parameters'), `generation_file` (None: none written) and the
+    tokenizer and processor files of `tokenizer_dir`."""
     directory = Path(directory)
     params = checked_params(model, variables)
-    plan = tensors.plan(converter.tensor_rules(model.config), params, converter.model_type)
+    rules = converter.tensor_rules(model.config) if rules is None else rules
+    plan = tensors.plan(rules, params, converter.model_type)
     exported = tensors.export_tensors(plan, params)
     dtypes = {leaf.dtype.name for leaf in plan.leaves}
     config = {key: value for key, value in config.items() if key != "torch_dtype"}
     config["dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
     copied = [] if tokenizer_dir is None or tokenizer_dir.resolve() == directory.resolve() else [
-        name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
+        name for name in (*TOKENIZER_FILES, *PROCESSOR_FILES) if (tokenizer_dir / name).is_file()]
 
     def write_configs():
         write_atomically(directory / CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -96,7 +98,7 @@ def write_export(directory: str | Path, model: CausalTransformer, converter: Con
             write_atomically(directory / name, (tokenizer_dir / name).read_bytes())
 
     write_checkpoint(directory, exported, max_shard_size, before_switch=write_configs,
-                     staged_names=(CONFIG, GENERATION_CONFIG, *TOKENIZER_FILES))
+                     staged_names=(CONFIG, GENERATION_CONFIG, *TOKENIZER_FILES, *PROCESSOR_FILES))
     return directory
 
 

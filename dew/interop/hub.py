@@ -38,6 +38,8 @@ CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# A multimodal checkpoint's processor files beside the tokenizer's (image processor settings, placeholders).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 CONVERSION_BOT = "SFconvertbot"
 HUB_PREFIX = "hf://"
 # What a request that never reached the Hub raises (huggingface_hub retries these for a minute).
@@ -278,7 +280,7 @@ def _no_weights_message(where, names: list[str]) -> str:
 def _hub(hub: _Hub, revision: str | None, *, look_for_conversion: bool = True) -> Snapshot:
     config = _hub_config(hub, revision)
     commit = config.parent.name  # the cache keeps each file under snapshots/<commit>/
-    for name in (GENERATION_CONFIG, *TOKENIZER_FILES):
+    for name in (GENERATION_CONFIG, *TOKENIZER_FILES, *PROCESSOR_FILES):
         hub.fetch(name, commit)
     safetensors = _hub_weights(hub, commit, INDEX, SINGLE)
     if safetensors is not None:

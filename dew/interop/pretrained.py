@@ -9,6 +9,7 @@ layers and rows), and once at save (each tensor built when its shard is written)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import warnings
@@ -37,7 +38,9 @@ from dew.interop.hub import (
 )
 from dew.interop.progress import byte_progress
 from dew.interop.safetensors_files import SafetensorsReader, write_atomically, write_checkpoint
+from dew.interop.processors import Processor, load_reference
 from dew.nn.diffusion_gemma import DiffusionGemma, scalars_as
+from dew.nn.multimodal import MultimodalConfig, MultimodalTransformer
 from dew.nn.quantize import quantize_int8
 from dew.nn.transformer import CausalTransformer, DecoderConfig
 from dew.sampling import Sampling
@@ -89,7 +92,7 @@ class Pretrained:
         family (LLaDA, Dream) native MDLM over its mask id (`MaskedGeneration`, which takes no
         autoregressive `sampling`); for DiffusionGemma a `BlockGeneration`."""
         family = family_of(self.config)
-        if not family.writes_decoders:  # DiffusionGemma: block generation
+        if isinstance(self.model, DiffusionGemma):
             if sampling is not None:
                 raise ValueError(f"sampling={sampling!r}: {family.model_type} generates by block diffusion, which "
                                  "takes no autoregressive sampling policy; pass process=BlockProcess(...) to the "
@@ -114,8 +117,11 @@ class Pretrained:
 
     @property
     def processor(self):
-        """The checkpoint's text processor (`dew.data.text_processor.TextProcessor`: strings to `ModelInputs`),
-        None without a tokenizer."""
+        """The checkpoint's processor, strings (and, for a multimodal model, images) to `ModelInputs`: the
+        checkpoint's own (`dew.interop.processors.Processor`) for a multimodal model, else the text
+        processor (`dew.data.text_processor.TextProcessor`); None without a tokenizer."""
+        if isinstance(self.model, MultimodalTransformer):
+            return _multimodal_processor(self.directory, self.model.config)
         return None if self.tokenizer is None else TextProcessor(self.tokenizer, self.generation.pad_id)
 
     def save(self, directory: str | Path, variables=None, max_shard_size: int | str = "5GB") -> Path:
@@ -130,8 +136,13 @@ class Pretrained:
         if isinstance(self.model, DiffusionGemma):
             return _save_block_diffusion(self, Path(directory), self.variables if variables is None else variables,
                                          max_shard_size)
-        return write_export(directory, self.model, family_of(self.config), self.variables if variables is None
-                            else variables, self.config, self._generation_file(), self.directory, max_shard_size)
+        family = family_of(self.config)
+        config, rules = self.config, None
+        if isinstance(self.model, MultimodalTransformer):  # written back in the source's tensor layout
+            config = family.written(self.model.config, self.config)
+            rules = family.tensor_rules(self.model.config, _source_names(self.directory))
+        return write_export(directory, self.model, family, self.variables if variables is None else variables,
+                            config, self._generation_file(), self.directory, max_shard_size, rules=rules)
 
     def _generation_file(self) -> dict:
         if self.generation_config is not None:
@@ -220,20 +231,26 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
             return bundle
         return dataclasses.replace(bundle, model=DiffusionGemma(dataclasses.replace(bundle.model.config,
                                                                                      kernels=kernels)))
-    kwargs = family.decoder_kwargs(config, where=where)
-    for name, value in (("max_seq_len", max_seq_len), ("scan_layers", scan_layers), ("remat", remat),
-                        ("kernels", kernels)):
-        if value is not None:
-            kwargs[name] = value
+    overrides = {name: value for name, value in (("max_seq_len", max_seq_len), ("scan_layers", scan_layers),
+                                                 ("remat", remat), ("kernels", kernels)) if value is not None}
+    multimodal = getattr(family, "multimodal", False)
+    if multimodal and (gguf_file is not None or quantize is not None):
+        raise NotImplementedError(f"a {family.model_type} checkpoint loads from safetensors with float weights; "
+                                  "gguf_file and quantize are not built for multimodal models yet")
+    kwargs = {} if multimodal else {**family.decoder_kwargs(config, where=where), **overrides}
     generation_path = snapshot.directory / GENERATION_CONFIG
     generation_config = _read_json(generation_path) if generation_path.is_file() else None
     sampling, budget = generation_defaults(generation_config, config, where=str(generation_path),
                                            token_by_token=not hasattr(family, "process"))
     with reader:
-        kwargs = family.fit_to_weights(kwargs, reader.names())
         if param_dtype == "auto":
             param_dtype = hf_decoders.param_dtype_name(config) or _first_float_dtype(reader)
-        model = CausalTransformer(DecoderConfig(**kwargs, dtype=dtype, param_dtype=param_dtype))
+        if multimodal:
+            model = MultimodalTransformer(family.model_config(config, where, **overrides, dtype=dtype,
+                                                              param_dtype=param_dtype))
+        else:
+            kwargs = family.fit_to_weights(kwargs, reader.names())
+            model = CausalTransformer(DecoderConfig(**kwargs, dtype=dtype, param_dtype=param_dtype))
         if gguf_file is not None:
             rules, ignorable = family.gguf_rules(model.config), lambda name: False
         else:
@@ -247,6 +264,22 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         variables = quantize_int8(model, variables)
     return Pretrained(model, variables, tokenizer, config, sampling, budget, snapshot.revision, directory,
                       generation_config)
+
+
+@functools.lru_cache(maxsize=8)
+def _multimodal_processor(directory: Path, config: MultimodalConfig) -> Processor:
+    """The processor of the multimodal checkpoint in `directory` (built once per directory and model)."""
+    return Processor(load_reference(directory), config.image_token_id, config.tokens_per_image, config.vocab_size)
+
+
+def _source_names(directory: Path):
+    """The tensor names of the checkpoint in `directory` (the layout a save writes back), None without one."""
+    try:
+        snapshot = resolve(directory)
+    except (OSError, ValueError):
+        return None
+    with SafetensorsReader(snapshot.weights, snapshot.index) as reader:
+        return reader.names()
 
 
 def _save_block_diffusion(bundle: Pretrained, directory: Path, variables, max_shard_size) -> Path:

@@ -1,7 +1,8 @@
 """Grouped-query self-attention with causal, segment and sliding-window masks, and a KV cache.
 
 One mask rule serves training and decoding: a query may read a key when the key's slot is not after
-the query's (causal models), both carry the same segment id (documents in a packed row never see each
+the query's (causal models) or both belong to the same image (an image's soft tokens see each other in
+both directions, Gemma 3), both carry the same segment id (documents in a packed row never see each
 other; padding, segment 0, reads only padding so no row is empty), and, with a sliding window, the
 key lies fewer than `window` slots behind the query.
 """
@@ -32,12 +33,21 @@ def attention_mask(
     *,
     causal: bool,
     window: jax.Array | int | None,
+    q_groups_BS: jax.Array | None = None,
+    k_groups_BT: jax.Array | None = None,
 ) -> jax.Array:
-    """Boolean `[B, S, T]`: which key slot each query slot may read (`window` may be traced)."""
+    """Boolean `[B, S, T]`: which key slot each query slot may read (`window` may be traced).
+
+    `q_groups_BS` and `k_groups_BT` (both or neither) number the image each slot belongs to, -1 for
+    text: a query reads every key of its own image, later ones included."""
     q, k = q_slots_BS[:, :, None], k_slots_BT[:, None, :]
     allowed = q_segments_BS[:, :, None] == k_segments_BT[:, None, :]
     if causal:
-        allowed &= k <= q
+        ordered = k <= q
+        if q_groups_BS is not None:
+            q_group = q_groups_BS[:, :, None]
+            ordered |= (q_group >= 0) & (q_group == k_groups_BT[:, None, :])
+        allowed &= ordered
     if window is not None:
         allowed &= q - k < window
     return allowed
@@ -177,9 +187,11 @@ class Attention(nn.Module):
         q_BSHD = apply_rotary(q_BSHD, *rotary)
         k_BSKD = apply_rotary(k_BSKD, *rotary)
 
+        k_groups = context.groups_BS
         if cache is None:
             k_slots, k_segments = context.slots_BS, context.segments_BS
         else:
+            k_groups = context.key_groups_BT
             if not context.read_only_cache:
                 cache = cache.write(knobs.local, context.write_slots_BS, k_BSKD, v_BSKD)
             k_segments = context.filled_BT
@@ -190,12 +202,14 @@ class Attention(nn.Module):
                 k_slots = jnp.concatenate([k_slots, context.slots_BS], axis=1)
                 k_segments = jnp.concatenate([k_segments, context.segments_BS], axis=1)
         mask_BST = attention_mask(context.slots_BS, k_slots, context.segments_BS, k_segments, causal=s.causal,
-                                  window=knobs.window)
+                                  window=knobs.window, q_groups_BS=context.groups_BS, k_groups_BT=k_groups)
+        # An image's tokens read its later tokens too, so no block of queries may skip the keys after it.
+        ordered = s.causal and context.groups_BS is None
         if cache is None and s.softcap is None and fast_softmax.attention_usable(q_BSHD, k_BSKD, v_BSKD):
             # Training's pass (and any without a cache), float32: scores, softmax and weighted values in one
             # kernel, keys and values as the projections laid them out.
             scale = D**-0.5 if s.query_scale is None else s.query_scale
-            out_BSHD = fast_softmax.attention(q_BSHD, k_BSKD, v_BSKD, mask_BST, scale, s.causal, FUSED_BLOCK)
+            out_BSHD = fast_softmax.attention(q_BSHD, k_BSKD, v_BSKD, mask_BST, scale, ordered, FUSED_BLOCK)
         else:
             if cache is None:
                 keys, values = k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3)
@@ -209,7 +223,7 @@ class Attention(nn.Module):
             # row's real tokens fill slots from 0 in order, and a padding query's slot is at most its index),
             # so a causal pass can skip each query block's later keys: the mask holds them out anyway. (A
             # padding query that may read nothing averages the keys it scores; nothing reads its output.)
-            blocks = s.causal and (cache is None or context.fresh_cache)
+            blocks = ordered and (cache is None or context.fresh_cache)
             out_BSHD = attend(q_BSHD, keys, values, mask_BST, causal_blocks=blocks, scale=s.query_scale,
                               softcap=s.softcap)
         return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache, None

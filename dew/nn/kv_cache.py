@@ -49,6 +49,10 @@ class Cache:
     attention, `dew.nn.mla.LatentCache` for latent attention: each mixer owns its layout and says its
     `capacity`), `lengths` the filled slots of each row, int32 `[B]`.
 
+    `groups` (int32 `[B, T]`, or None for a model that takes no images) numbers the image behind each
+    slot (-1 for text), ids unique within a row, so a later call's image tokens still read their own
+    image's cached keys in both directions and nothing else's.
+
     `fresh` (static) promises that no row holds a token yet, as in a cache just made by `init_cache`:
     a prefill into it lets causal attention skip, for each block of queries, the key slots past the
     block (every row's token `i` lands in slot `i` or before). The cache a call returns is never fresh.
@@ -57,6 +61,7 @@ class Cache:
     runs: tuple
     lengths: jax.Array
     fresh: bool = struct.field(pytree_node=False, default=False)
+    groups: jax.Array | None = None
 
     @property
     def rows(self) -> int:

@@ -107,6 +107,8 @@ class LayerContext:
     fresh_cache: bool = struct.field(pytree_node=False, default=False)
     key_slots_BT: jax.Array | None = None
     read_only_cache: bool = struct.field(pytree_node=False, default=False)
+    groups_BS: jax.Array | None = None
+    key_groups_BT: jax.Array | None = None
 
 
 class DecoderLayer(nn.Module):

@@ -40,12 +40,15 @@ class LoRA:
     `"self_attn/o_proj"` the attention's output projection only. `dropout` is the rate at which the
     adapters' input is dropped in training: it applies where the model runs with a `dropout` rng
     (`rngs={"dropout": key}`, which a training loss passes), never in evaluation or generation.
+    `within`, when given, keeps the adapters inside one module of the model (`"language_model"`: a
+    multimodal model's decoder, not its vision tower, whose attention has projections of the same names).
     """
 
     rank: int = 8
     alpha: float = 16.0
     targets: tuple[str, ...] = DEFAULT_TARGETS
     dropout: float = 0.0
+    within: str | None = None
 
     def __post_init__(self):
         if isinstance(self.targets, str):
@@ -73,12 +76,24 @@ class LoRA:
 
     def matches(self, path: Sequence[str]) -> bool:
         """Whether a linear at module `path` (`("layers_0to3", "self_attn", "q_proj")`) is a target."""
+        if self.within is not None and tuple(path[:len(self._scope)]) != self._scope:
+            return False
         return any(_ends_with(path, target) for target in self.targets)
+
+    @property
+    def _scope(self) -> tuple[str, ...]:
+        return tuple(self.within.strip("/").split("/"))
 
     def adapt(self, model) -> "LoRAModel":
         """`model` with these adapters on its targeted linears; a target that matches no linear of the
         model is refused, naming the linears there are."""
         found = linears(model)
+        if self.within is not None:
+            inside = [path for path in found if tuple(path[:len(self._scope)]) == self._scope]
+            if not inside:
+                raise ValueError(f"LoRA within={self.within!r} names no module holding a linear of this model; its "
+                                 f"top modules with linears are {sorted({path[0] for path in found})}")
+            found = inside
         unmatched = [target for target in self.targets if not any(_ends_with(path, target) for path in found)]
         if unmatched:
             names = sorted({"/".join(path[1:]) if path[0].startswith("layers_") else "/".join(path) for path in found})

@@ -315,25 +315,9 @@ class ModelOutput:
         return self.head.logits(self.hidden)
 
 
-class CausalTransformer(nn.Module):
-    """A decoder-only transformer over int32 token ids `[B, S]` (or a `ModelInputs` holding them).
-
-    `__call__` returns float32 logits `[B, S, vocab]`, or with `head=False` a `ModelOutput` (hidden
-    states, the head, what layers report). `segment_ids` (1-based documents, 0 for padding) keep
-    packed documents apart and `positions` restart the rotary angles per document;
-    `attention_mask` (`[B, S]`, true for real tokens) marks padding, which reads and is read by no
-    real token. `layers` lists layer numbers whose output states to keep in `aux` (`layers_N`).
-    `routes` (`dew.nn.moe.Routes`, `[B, S, L, K]` over the sparse layers) replays recorded experts.
-    `depths` runs the multi-token-prediction depths (`DecoderConfig.mtp_depths`) and reports their
-    states in `aux["depths"]`; `indexer` reports each latent layer's lightning indexer in
-    `aux["indexer"]` (`dew.nn.mla.IndexerRecord`, `[L, B, S, ...]`).
-
-    With `cache` (from `init_cache`) each row's real tokens are written after the tokens it already
-    holds (padding takes no slot) and read by every later token; the call returns `(output, cache)`.
-    Positions then default to each row's filled length plus the real tokens before each slot.
-    """
-
-    config: DecoderConfig
+class ModelVariables:
+    """What a model class adds to Flax's `init` and `apply`: variables in the model's own form, with
+    logical axis names on request. The class defines `stack_variables` (any accepted form to its own)."""
 
     @nn.nowrap
     def init(self, rngs, *args, boxed: bool = False, **kwargs):
@@ -353,6 +337,33 @@ class CausalTransformer(nn.Module):
     def apply(self, variables, *args, **kwargs):
         """Apply to the model's own (stacked) variables, or to per-layer ones (stacked on the way in)."""
         return super().apply(self.stack_variables(variables), *args, **kwargs)
+
+
+class CausalTransformer(ModelVariables, nn.Module):
+    """A decoder-only transformer over int32 token ids `[B, S]` (or a `ModelInputs` holding them).
+
+    `__call__` returns float32 logits `[B, S, vocab]`, or with `head=False` a `ModelOutput` (hidden
+    states, the head, what layers report). `segment_ids` (1-based documents, 0 for padding) keep
+    packed documents apart and `positions` restart the rotary angles per document;
+    `attention_mask` (`[B, S]`, true for real tokens) marks padding, which reads and is read by no
+    real token. `layers` lists layer numbers whose output states to keep in `aux` (`layers_N`).
+    `routes` (`dew.nn.moe.Routes`, `[B, S, L, K]` over the sparse layers) replays recorded experts.
+    `depths` runs the multi-token-prediction depths (`DecoderConfig.mtp_depths`) and reports their
+    states in `aux["depths"]`; `indexer` reports each latent layer's lightning indexer in
+    `aux["indexer"]` (`dew.nn.mla.IndexerRecord`, `[L, B, S, ...]`).
+
+    With `cache` (from `init_cache`) each row's real tokens are written after the tokens it already
+    holds (padding takes no slot) and read by every later token; the call returns `(output, cache)`.
+    Positions then default to each row's filled length plus the real tokens before each slot.
+
+    A multimodal model (`dew.nn.multimodal`) hands its encoded media in: `features` `[B, F, E]` in
+    the compute dtype replace the embeddings (after any embedding scale) of the slots whose
+    `feature_indices` `[B, S]` are at least 0 (the feature each reads; -1 for text), and
+    `image_groups` `[B, S]` number the image behind each slot (-1 for text), whose tokens read each
+    other in both directions; a cache with `groups` remembers them for later calls.
+    """
+
+    config: DecoderConfig
 
     @nn.nowrap
     def stack_variables(self, variables):
@@ -395,6 +406,9 @@ class CausalTransformer(nn.Module):
         routes: Routes | None = None,
         depths: bool = False,
         indexer: bool = False,
+        features: jax.Array | None = None,
+        feature_indices: jax.Array | None = None,
+        image_groups: jax.Array | None = None,
         **media,
     ):
         if isinstance(tokens, ModelInputs):
@@ -426,7 +440,7 @@ class CausalTransformer(nn.Module):
         segments_BS = real_BS if segment_ids is None else segment_ids.astype(jnp.int32) * real_BS
         if cache is None:
             slots_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-            context_cache = {}
+            context_cache = {} if image_groups is None else {"groups_BS": image_groups.astype(jnp.int32)}
             if positions is None:
                 positions = slots_BS if attention_mask is None else jnp.maximum(jnp.cumsum(real_BS, 1) - 1, 0)
         else:
@@ -440,6 +454,12 @@ class CausalTransformer(nn.Module):
             context_cache = dict(write_slots_BS=write_slots_BS, filled_BT=filled_BT, fresh_cache=cache.fresh)
             if positions is None:
                 positions = slots_BS
+            if cache.groups is not None:
+                cache, context_cache["groups_BS"], context_cache["key_groups_BT"] = _remember_groups(
+                    cache, image_groups, write_slots_BS)
+            elif image_groups is not None:
+                raise ValueError("image_groups with a cache that keeps no image groups: make the cache with the "
+                                 "multimodal model's init_cache")
 
         embed = nn.Embed(c.vocab_size, c.emb_features, dtype=c.dtype, param_dtype=c.param_dtype,
                          embedding_init=named(nn.initializers.normal(0.02), ("vocab", "embed")), name="embed_tokens")
@@ -454,7 +474,14 @@ class CausalTransformer(nn.Module):
                 x_BSE = x_BSE * jnp.asarray(c.emb_features**0.5, c.dtype)
             return x_BSE
 
-        x_BSE = embedded(tokens)
+        if feature_indices is None:
+            x_BSE = embedded(tokens)
+        else:
+            # a placeholder id may lie outside the vocabulary; its embedding is replaced anyway
+            media_BS = feature_indices >= 0
+            x_BSE = embedded(jnp.where(media_BS, 0, tokens))
+            picked_BSE = jnp.take_along_axis(features, jnp.maximum(feature_indices, 0)[:, :, None], axis=1)
+            x_BSE = jnp.where(media_BS[:, :, None], picked_BSE.astype(c.dtype), x_BSE)
 
         tables, rotary = rotary_tables(specs, positions)
         replay_LBSK = None
@@ -488,7 +515,7 @@ class CausalTransformer(nn.Module):
         output = output_head.logits(hidden_BSE) if head else ModelOutput(hidden_BSE, output_head, aux)
         if cache is None:
             return output
-        return output, Cache(runs=cache_runs, lengths=lengths_B)
+        return output, Cache(runs=cache_runs, lengths=lengths_B, groups=cache.groups)
 
 
     @nn.nowrap
@@ -504,6 +531,20 @@ class CausalTransformer(nn.Module):
         replay_LBSK = jnp.moveaxis(routes.experts.astype(jnp.int32), 2, 0)[jnp.asarray(position)]
         covered = None if routes.covered is None else routes.covered.astype(bool)
         return replay_LBSK, covered
+
+
+def _remember_groups(cache: Cache, image_groups, write_slots_BS):
+    """(the cache with this call's image groups written at its slots, the call's groups `[B, S]`, every
+    cached slot's `[B, T]`). A row's groups are offset by its filled length, so they never meet the
+    ids of an image an earlier call wrote (each image takes at least one slot)."""
+    B, S = write_slots_BS.shape
+    if image_groups is None:
+        groups_BS = jnp.full((B, S), -1, jnp.int32)
+    else:
+        groups_BS = jnp.where(image_groups >= 0, image_groups.astype(jnp.int32) + cache.lengths[:, None], -1)
+    rows_B1 = jnp.arange(B)[:, None]
+    written_BT = cache.groups.at[rows_B1, write_slots_BS].set(groups_BS, mode="drop")
+    return cache.replace(groups=written_BT), groups_BS, written_BT
 
 
 class _Kernel(nn.Module):

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dew.data.inputs import ModelInputs, text_fields
+from dew.data.inputs import MEDIA_FIELDS, ModelInputs, text_fields
+from dew.nn.multimodal import MultimodalTransformer
 from dew.sampling.sampling import Sampling, SamplingParams, draw
 
 PROMPT_BUCKET = 16
@@ -137,11 +138,12 @@ def _check_memory(model, params, prompts: int, n: int, capacity: int, max_new_to
     )
 
 
-def prefill(model, params, tokens_BP: jax.Array, valid_BP: jax.Array, cache):
+def prefill(model, params, tokens_BP: jax.Array, valid_BP: jax.Array, cache, media=None):
     """Write each row's real prompt tokens into `cache` after the ones it holds; returns the float32
     logits of each row's last real token `[B, V]` and the cache. `valid_BP` marks real tokens
-    (padding may sit on either side)."""
-    output, cache = model.apply(params, tokens_BP, attention_mask=valid_BP, cache=cache, head=False)
+    (padding may sit on either side); `media` holds a multimodal model's image fields and pixels
+    (`dew.data.inputs.MEDIA_FIELDS`, `pixel_values`), laid out like the tokens."""
+    output, cache = model.apply(params, tokens_BP, attention_mask=valid_BP, cache=cache, head=False, **(media or {}))
     P = tokens_BP.shape[1]
     last_B = P - 1 - jnp.argmax(valid_BP[:, ::-1] > 0, axis=1)
     hidden_BE = jnp.take_along_axis(output.hidden, last_B[:, None, None], axis=1)[:, 0]
@@ -167,11 +169,11 @@ class DecodeState:
     seen_BV: jax.Array | None
 
 
-def start(model, params, tokens_BP, valid_BP, capacity: int, penalty: bool) -> DecodeState:
-    """Prefill a fresh cache of `capacity` slots per row."""
+def start(model, params, tokens_BP, valid_BP, capacity: int, penalty: bool, media=None) -> DecodeState:
+    """Prefill a fresh cache of `capacity` slots per row (with a multimodal model's `media`, as `prefill`)."""
     B = tokens_BP.shape[0]
     fresh = model.init_cache(B, capacity).replace(fresh=True)  # attention's prefill may skip later key blocks
-    logits_BV, cache = prefill(model, params, tokens_BP, valid_BP, fresh)
+    logits_BV, cache = prefill(model, params, tokens_BP, valid_BP, fresh, media)
     seen_BV = None
     if penalty:
         seen_BV = jnp.zeros(logits_BV.shape, bool).at[jnp.arange(B)[:, None], tokens_BP].max(valid_BP > 0)
@@ -209,7 +211,7 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
     """Continue each prompt by `max_new_tokens` tokens, `n` times each, in one compiled call.
 
     `prompts` are lists of token ids, or a `ModelInputs` whose `attention_mask` marks each row's
-    real tokens. Rows (prompts times `n`) that would not fit beside the weights in the memory
+    real tokens (for a multimodal model, with its images: they are encoded once, at prefill). Rows (prompts times `n`) that would not fit beside the weights in the memory
     generation runs in (`row_bytes`, `memory`) are refused before any is allocated.
 
     `on_token(tokens, live)`, when given, is called on the host after every decode step with that
@@ -217,8 +219,12 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
     loop over the compiled step, so output streams as it is produced.
     """
     config = model.config
+    media_rows = None
     if isinstance(prompts, ModelInputs):
-        text_fields(prompts.kwargs(), "generate")  # text decoders: media are refused by name
+        if isinstance(model, MultimodalTransformer):
+            media_rows = _media_rows(prompts)
+        else:
+            text_fields(prompts.kwargs(), "generate")  # text decoders: media are refused by name
         prompts = prompts.valid_rows()
     rows = _check_prompts(prompts, config.vocab_size)
     if max_new_tokens < 1:
@@ -242,6 +248,7 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
         row = rows[prompt_index]
         tokens[r, width - len(row):] = row
         valid[r, width - len(row):] = 1
+    media = None if media_rows is None else _media_of(media_rows, prompt_ids, width)
     row_keys = jax.vmap(lambda p, c: jax.random.fold_in(jax.random.fold_in(key, p), c))(
         jnp.asarray(prompt_ids), jnp.asarray(continuation_ids)
     )
@@ -249,10 +256,11 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
     capacity = width + max_new_tokens
     if on_token is None:
         run = _compiled(model, max_new_tokens, sampling.eos_token_ids, sampling.pad_id)
-        new_BN, log_probs_BN, done_B, count_B = jax.device_get(run(params, tokens, valid, row_keys, sampling_params))
+        new_BN, log_probs_BN, done_B, count_B = jax.device_get(run(params, tokens, valid, row_keys, sampling_params,
+                                                                   media))
     else:
         new_BN, log_probs_BN, done_B, count_B = _streamed(model, params, tokens, valid, row_keys, sampling_params,
-                                                          capacity, max_new_tokens, sampling, on_token)
+                                                          capacity, max_new_tokens, sampling, on_token, media)
 
     prompt_lengths = valid.sum(axis=1)
     out = np.full((len(rows) * n, longest + max_new_tokens), sampling.pad_id, np.int32)
@@ -264,15 +272,38 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
                       log_probs=log_probs_BN, decode=decode)
 
 
+def _media_rows(inputs: ModelInputs) -> dict:
+    """A multimodal prompt's image fields, each row's real slots only, and its conditioning, on the host."""
+    mask = inputs.token_fields.get("attention_mask")
+    valid = np.ones(inputs.shape, bool) if mask is None else np.asarray(mask).astype(bool)
+    fields = {name: [np.asarray(values)[row][valid[row]] for row in range(valid.shape[0])]
+              for name, values in inputs.token_fields.items() if name in MEDIA_FIELDS}
+    return {"fields": fields, "conditioning": {name: np.asarray(value) for name, value in inputs.conditioning.items()}}
+
+
+def _media_of(media_rows: dict, prompt_ids: np.ndarray, width: int) -> dict:
+    """The image fields laid out as `generate` lays out the prompts (each row right-aligned in `width`
+    slots, -1 before it) and the conditioning of each row's prompt."""
+    media = {}
+    for name, rows in media_rows["fields"].items():
+        laid = np.full((len(prompt_ids), width), -1, np.int32)
+        for r, prompt in enumerate(prompt_ids):
+            if len(rows[prompt]):
+                laid[r, width - len(rows[prompt]):] = rows[prompt]
+        media[name] = laid
+    media.update({name: value[prompt_ids] for name, value in media_rows["conditioning"].items()})
+    return media
+
+
 @functools.lru_cache(maxsize=32)
 def _compiled(model, max_new_tokens: int, eos: tuple[int, ...], pad_id: int):
     """Prefill and `max_new_tokens` decode steps as one compiled call (sampling values are arguments)."""
 
     @jax.jit
-    def run(params, tokens_BP, valid_BP, keys_B, sampling: SamplingParams):
+    def run(params, tokens_BP, valid_BP, keys_B, sampling: SamplingParams, media):
         params = model.stack_variables(params)  # once, not at every decode step
         state = start(model, params, tokens_BP, valid_BP, tokens_BP.shape[1] + max_new_tokens,
-                      sampling.use_penalty)
+                      sampling.use_penalty, media)
 
         def step(state, t):
             return advance(model, params, state, keys_B, t, sampling, eos, pad_id)
@@ -287,17 +318,18 @@ def _compiled(model, max_new_tokens: int, eos: tuple[int, ...], pad_id: int):
 def _pieces(model, capacity: int, eos: tuple[int, ...], pad_id: int):
     """The compiled prefill and decode step a streamed generation loops over on the host."""
     stack = jax.jit(model.stack_variables)
-    first = jax.jit(lambda params, tokens, valid, penalty: start(model, params, tokens, valid, capacity, penalty),
-                    static_argnums=3)
+    first = jax.jit(lambda params, tokens, valid, penalty, media: start(model, params, tokens, valid, capacity,
+                                                                         penalty, media), static_argnums=3)
     step = jax.jit(lambda params, state, keys, t, sampling: advance(model, params, state, keys, t, sampling, eos,
                                                                    pad_id))
     return stack, first, step
 
 
-def _streamed(model, params, tokens, valid, keys_B, sampling_params, capacity, max_new_tokens, sampling, on_token):
+def _streamed(model, params, tokens, valid, keys_B, sampling_params, capacity, max_new_tokens, sampling, on_token,
+              media=None):
     stack, first, step = _pieces(model, capacity, sampling.eos_token_ids, sampling.pad_id)
     params = stack(params)
-    state = first(params, tokens, valid, sampling_params.use_penalty)
+    state = first(params, tokens, valid, sampling_params.use_penalty, media)
     new, log_probs = [], []
     for t in range(max_new_tokens):
         state, (token_B, log_prob_B, live_B) = step(params, state, keys_B, jnp.int32(t), sampling_params)

@@ -30,6 +30,8 @@ import socket
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 try:
     import uvicorn
     from fastapi import FastAPI
@@ -40,8 +42,10 @@ try:
 except ImportError:
     raise ImportError("dew serve needs FastAPI and uvicorn: pip install 'dew-ml[serve]'") from None
 
+from dew.data.inputs import MEDIA_FIELDS
 from dew.serve import protocol
 from dew.serve.engine import QueueFull, Request, TooLong
+from dew.serve.images import decode_image
 from dew.serve.network import Limits
 from dew.serve.protocol import APIError, Job
 from dew.serve.service import Served
@@ -127,14 +131,24 @@ def create_app(served: Served, limits: Limits):
     def prepare_chat(raw: bytes) -> Job:
         body = protocol.parse_json(raw)
         protocol.check_model(body, served.name)
-        messages = protocol.chat_messages(body.get("messages"))
+        messages, urls = protocol.chat_messages(body.get("messages"), images=served.processor is not None)
+        if len(urls) > served.images.max_images:
+            raise APIError(400, f"the messages hold {len(urls)} images, past this server's --max-images "
+                           f"{served.images.max_images}: send at most {served.images.max_images} a request",
+                           param="messages")
         if served.chat is None:
             raise APIError(400, f"{served.name} has no chat template (its tokenizer files and metadata name none): "
                            "use /v1/completions, or start dew serve with --chat-template FILE", param="messages")
         job = protocol.read_job("chat", body, served.task.sampling)
         check_rows(1, job.n)
+        pictures = [decode_image(url, index, served.images) for index, url in enumerate(urls)]
         try:
             prompt = served.prompts.chat(served.chat, messages)
+            if pictures:  # each image placeholder the template wrote expands to the image's soft tokens
+                inputs = served.processor.from_ids(prompt, pictures)
+                prompt = [int(i) for i in inputs.tokens[0]]
+                job.media = {name: np.asarray(inputs.token_fields[name][0]) for name in MEDIA_FIELDS}
+                job.media["pixel_values"] = np.asarray(inputs.conditioning["pixel_values"][0])
         except ValueError as error:
             raise APIError(400, str(error), param="messages") from None
         protocol.check_ids(0, prompt, vocab)
@@ -165,7 +179,7 @@ def create_app(served: Served, limits: Limits):
         emit = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)  # noqa: E731 (engine thread)
         decode = served.decode()
         requests = [Request(prompt, job.max_tokens, job.sampling, job.seed,
-                            _Choice(i * job.n + j, TextStream(decode, prompt, job.stop), emit), i, j)
+                            _Choice(i * job.n + j, TextStream(decode, prompt, job.stop), emit), i, j, media=job.media)
                     for i, prompt in enumerate(job.prompts) for j in range(job.n)]
         try:
             engine.submit(requests)

@@ -60,7 +60,9 @@ class Consumer(Protocol):
 class Request:
     """One continuation: `prompt` token ids, at most `max_tokens` new ones, drawn with `sampling`
     (its EOS and pad ids are the engine's) and the key of `generate(..., key=jax.random.key(seed))`
-    row `prompt_index * n + continuation`."""
+    row `prompt_index * n + continuation`. `media`, for a multimodal model, holds the prompt's image
+    fields (`image_indices`, `image_groups`, each as long as the prompt) and its images
+    (`pixel_values [images, C, H, W]`); None for text."""
 
     prompt: Sequence[int]
     max_tokens: int
@@ -71,6 +73,11 @@ class Request:
     continuation: int = 0
     drawn: int = 0
     ended: bool = False
+    media: dict | None = None
+
+    @property
+    def images(self) -> int:
+        return 0 if self.media is None else len(self.media["pixel_values"])
 
 
 class Engine:
@@ -265,20 +272,22 @@ class Engine:
         return taken
 
     def _place(self, admitted: list[tuple[int, Request]]) -> None:
-        """Prefill the admitted requests, grouped by prompt width, in batches of the ladder's sizes."""
-        by_width: dict[int, list[tuple[int, Request]]] = collections.defaultdict(list)
+        """Prefill the admitted requests, grouped by prompt width and image count (a count not seen before
+        compiles its admission once), in batches of the ladder's sizes."""
+        by_width: dict[tuple[int, int], list[tuple[int, Request]]] = collections.defaultdict(list)
         for slot, request in admitted:
-            by_width[next(w for w in self.widths if w >= len(request.prompt))].append((slot, request))
-        for width, group in by_width.items():
+            width = next(w for w in self.widths if w >= len(request.prompt))
+            by_width[width, request.images].append((slot, request))
+        for (width, images), group in by_width.items():
             while group:
                 rows = next((r for r in self.prefill_rows if r >= len(group)), self.prefill_rows[-1])
                 batch, group = group[:rows], group[rows:]
                 slots = np.full(rows, self.slots, np.int32)
                 slots[: len(batch)] = [slot for slot, _ in batch]
                 requests = [request for _, request in batch] + [None] * (rows - len(batch))
-                self._state = self._admit(self.params, self._state, self._admission(requests, width, slots))
+                self._state = self._admit(self.params, self._state, self._admission(requests, width, slots, images))
 
-    def _admission(self, requests: list[Request | None], width: int, slots: np.ndarray) -> Admission:
+    def _admission(self, requests: list[Request | None], width: int, slots: np.ndarray, images: int = 0) -> Admission:
         rows = len(requests)
         tokens, valid = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32)
         seed_keys = np.zeros((rows, 2), np.uint32)
@@ -294,7 +303,8 @@ class Engine:
             prompt_index[r], continuation[r], budget[r] = request.prompt_index, request.continuation, request.max_tokens
             policies.append(request.sampling)
         sampling = plain_sampling(SamplingParams.of(policies))  # only the values travel; the flags stay fixed
-        return Admission(tokens, valid, slots, seed_keys, prompt_index, continuation, sampling, budget)
+        media = None if not images else _media(requests, width, images)
+        return Admission(tokens, valid, slots, seed_keys, prompt_index, continuation, sampling, budget, media)
 
     def _hand_out(self, output, owners: list[Request | None]) -> None:
         """Give each live row's token to the request that owned the row when the step was dispatched."""
@@ -331,6 +341,22 @@ class Engine:
             request.consumer.finish(reason, request.drawn)
         except Exception:  # noqa: BLE001 - one consumer's fault must not stop the others
             logger.exception("a request's consumer failed")
+
+
+def _media(requests: list[Request | None], width: int, images: int) -> dict:
+    """The image fields and images of rows left-padded to `width` slots, each with `images` images."""
+    rows = len(requests)
+    shape = next(r.media["pixel_values"].shape[1:] for r in requests if r is not None)
+    media = {"image_indices": np.full((rows, width), -1, np.int32), "image_groups": np.full((rows, width), -1, np.int32),
+             "pixel_values": np.zeros((rows, images, *shape), np.float32)}
+    for r, request in enumerate(requests):
+        if request is None:
+            continue
+        length = len(request.prompt)
+        for name in ("image_indices", "image_groups"):
+            media[name][r, width - length:] = request.media[name]
+        media["pixel_values"][r] = request.media["pixel_values"]
+    return media
 
 
 def _ladder(first: int, last: int) -> tuple[int, ...]:

@@ -61,8 +61,8 @@ class APIError(Exception):
 @dataclasses.dataclass
 class Job:
     """One request as the engine takes it: `prompts` (token ids; a chat has one, and they are filled in
-    after the other fields are read), `n` continuations of each, their budget, sampling policy, seed
-    and stop strings, and how to answer."""
+    after the other fields are read, with its images in `media`), `n` continuations of each, their
+    budget, sampling policy, seed and stop strings, and how to answer."""
 
     kind: str  # "completion" or "chat"
     max_tokens: int | None
@@ -73,6 +73,7 @@ class Job:
     stream: bool
     include_usage: bool
     prompts: list[list[int]] = dataclasses.field(default_factory=list)
+    media: dict | None = None  # a chat's images for a multimodal model (`dew.serve.engine.Request.media`)
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -274,28 +275,41 @@ def _brief(value, limit: int = 200) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def chat_messages(messages) -> list[dict]:
-    """Chat `messages` for the template: each a role and its text (text parts joined)."""
+def chat_messages(messages, images: bool = False) -> tuple[list[dict], list]:
+    """Chat `messages` for the template, each a role and its text (text parts joined), and the image
+    parts' `image_url` values in reading order. With `images` (a model that reads them), a message
+    holding an image keeps its parts as the template reads them, `{"type": "image"}` where each image
+    stands; otherwise an image part is refused by name."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, f"messages is {_brief(messages)}; it is a non-empty list of {{role, content}} objects",
                        param="messages")
-    out = []
+    out, found = [], []
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise APIError(400, f"message {index} is {_brief(message)}; each message has a role and content",
                            param="messages")
         content = message.get("content")
         if isinstance(content, list):
-            kinds = sorted({str(part.get("type")) for part in content if isinstance(part, dict)} - {"text"})
-            if kinds or not all(isinstance(part, dict) and isinstance(part.get("text"), str) for part in content):
+            allowed = {"text", "image_url"} if images else {"text"}
+            kinds = sorted({str(part.get("type")) for part in content if isinstance(part, dict)} - allowed)
+            well_formed = all(isinstance(part, dict) and (isinstance(part.get("text"), str) if part.get("type") == "text"
+                                                          else isinstance(part.get("image_url"), dict))
+                              for part in content)
+            if kinds or not well_formed:
+                reads = "text and image_url" if images else "text only"
                 raise APIError(400, f"message {index} holds content parts of types {kinds or _brief(content)}; this "
-                               "model reads text only", param="messages")
-            content = "".join(part["text"] for part in content)
+                               f"model reads {reads}", param="messages")
+            pictured = [part["image_url"].get("url") for part in content if part.get("type") == "image_url"]
+            found.extend(pictured)
+            if pictured:
+                content = [{"type": "image"} if part["type"] == "image_url" else part for part in content]
+            else:
+                content = "".join(part["text"] for part in content)
         elif content is not None and not isinstance(content, str):
-            raise APIError(400, f"message {index} has content {_brief(content)}; it is a string or a list of text "
+            raise APIError(400, f"message {index} has content {_brief(content)}; it is a string or a list of content "
                            "parts", param="messages")
         out.append({**message, "content": content or ""})
-    return out
+    return out, found
 
 
 # -- answers ----------------------------------------------------------------------------------------

@@ -13,7 +13,10 @@ from dew.data.chat_template import ChatTemplate, chat_template
 from dew.data.tokenizers import HFTokenizer
 from dew.inference import TextGeneration
 from dew.runs import pipeline
+from dew.interop.processors import Processor, load_reference
+from dew.nn.multimodal import MultimodalTransformer
 from dew.serve.engine import TOP_K_LIMIT, Engine
+from dew.serve.images import ImageLimits
 from dew.serve.prompts import PromptEncoder
 
 logger = logging.getLogger("dew.serve")
@@ -34,11 +37,14 @@ class Served:
     prompts: PromptEncoder
     engine: Engine
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    processor: Processor | None = None  # a multimodal checkpoint's, which lays out the images of a chat
+    images: ImageLimits = ImageLimits()
 
     @classmethod
     def load(cls, source: str, *, slots: int = 8, capacity: int | None = None, queue: int = 256,
              prefill_rows: int = 4, name: str | None = None, chat_template_file: str | None = None,
-             live: bool = False, quantize: str | None = None, special_tokens_in_messages: bool = False) -> "Served":
+             live: bool = False, quantize: str | None = None, special_tokens_in_messages: bool = False,
+             images: ImageLimits = ImageLimits()) -> "Served":
         """Load `source` (whatever `dew.pipeline` reads), find and check its chat template (before any
         compiling, so a broken one is refused at once), and warm up an engine. With
         `special_tokens_in_messages`, special-token text in a chat message is the token (see `PromptEncoder`)."""
@@ -67,7 +73,12 @@ class Served:
         engine.warm_up()
         logger.info("compiled %d prompt widths x %d prefill batch sizes and the step in %.1f s", len(engine.widths),
                     len(engine.prefill_rows), time.perf_counter() - started)
-        return cls(name or str(source), task, chat, prompts, engine)
+        processor = None
+        if isinstance(task.model, MultimodalTransformer):
+            config = task.model.config
+            processor = Processor(load_reference(task.tokenizer.path.parent), config.image_token_id,
+                                  config.tokens_per_image, config.vocab_size)
+        return cls(name or str(source), task, chat, prompts, engine, processor=processor, images=images)
 
     def decode(self) -> Callable[[Sequence[int]], str]:
         """Token ids to text, special tokens left out (an EOS never reaches it)."""

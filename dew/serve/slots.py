@@ -115,7 +115,8 @@ class Admission:
     """Host arrays for `admit`: `rows` prompts left-padded to `width` (int32 `tokens`, `valid`), the
     slot each goes to (`slots`; the engine's slot count marks a padding row, which is dropped), the
     key data of `jax.random.key(seed)` (uint32 `[rows, 2]`), prompt and continuation indices, the
-    sampling values and budgets."""
+    sampling values and budgets; `media`, a multimodal model's image fields `[rows, width]` and images
+    `[rows, images, C, H, W]` (None for text)."""
 
     tokens: np.ndarray
     valid: np.ndarray
@@ -125,6 +126,7 @@ class Admission:
     continuation: np.ndarray
     sampling: SamplingParams
     budget: np.ndarray
+    media: dict | None = None
 
 
 def compile_admit(model):
@@ -133,15 +135,17 @@ def compile_admit(model):
     slot and reset the slot's count, key, sampling values and budget. `slots` is donated."""
 
     def admit(params, slots: Slots, tokens_RW, valid_RW, slot_R, seed_keys_R, prompt_R, continuation_R,
-              sampling_R: SamplingParams, budget_R):
+              sampling_R: SamplingParams, budget_R, media):
         W = tokens_RW.shape[1]
-        new = start(model, params, tokens_RW, valid_RW, W, penalty=True)
+        new = start(model, params, tokens_RW, valid_RW, W, penalty=True, media=media)
         put = lambda big, rows: big.at[slot_R].set(rows.astype(big.dtype), mode="drop")
         # Cache arrays are [layers, rows, kv_heads, capacity, head_dim]: the prompt fills slots 0..W-1.
         put_cache = lambda big, rows: big.at[:, slot_R, :, :W].set(rows.astype(big.dtype), mode="drop")
         cache = slots.decode.cache
         cache = cache.replace(runs=jax.tree_util.tree_map(put_cache, cache.runs, new.cache.runs),
                               lengths=put(cache.lengths, new.cache.lengths))
+        if cache.groups is not None:  # which slots hold an image's tokens, for a multimodal model
+            cache = cache.replace(groups=cache.groups.at[slot_R, :W].set(new.cache.groups, mode="drop"))
         decode = DecodeState(cache, put(slots.decode.logits_BV, new.logits_BV), put(slots.decode.done_B, new.done_B),
                              put(slots.decode.count_B, new.count_B), put(slots.decode.seen_BV, new.seen_BV))
         keys = jax.vmap(lambda k, p, c: jax.random.fold_in(jax.random.fold_in(k, p), c))(
@@ -157,7 +161,7 @@ def compile_admit(model):
     def run(params, slots: Slots, admission: Admission) -> Slots:
         a = admission
         return jitted(params, slots, a.tokens, a.valid, a.slots, a.seed_keys, a.prompt_index, a.continuation,
-                      a.sampling, a.budget)
+                      a.sampling, a.budget, a.media)
 
     run.jitted = jitted
     return run

@@ -63,7 +63,7 @@ def test_prompts_and_messages():
     with pytest.raises(APIError, match=r"prompt 1 is \[1, 'a'\]; each prompt is a string or a list of token ids"):
         completion_prompts(["a", [1, "a"]], 256)
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    assert chat_messages(parts) == [{"role": "user", "content": "ab"}]
+    assert chat_messages(parts) == ([{"role": "user", "content": "ab"}], [])
     with pytest.raises(APIError, match="reads text only"):
         chat_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     with pytest.raises(APIError, match="reads text only"):  # a type that is no string is named, not a TypeError

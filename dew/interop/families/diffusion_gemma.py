@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np

@@ -491,6 +491,9 @@ class LMObjective(PolicyScoring):
             routed_BS &= real_BT[:, :-1]
         if rows.segment_ids is not None:  # no target across a document boundary
             weights_BS *= (rows.segment_ids[:, 1:] == rows.segment_ids[:, :-1]).astype(jnp.float32)
+        image_BS = rows.media_targets()
+        if image_BS is not None:  # an image's soft tokens are inputs, never targets
+            weights_BS *= (~image_BS).astype(jnp.float32)
         if self.loss_role is not None:
             if rows.roles is None:
                 raise ValueError(f"LMObjective(loss_role={self.loss_role.name}) keeps the targets of one role, and no "
@@ -506,6 +509,7 @@ class LMObjective(PolicyScoring):
         weights_BS, routed_BS = self._masks(rows)
         fields = dict(segment_ids=rows.segment_ids, positions=rows.positions, attention_mask=rows.attention_mask)
         kwargs = {name: values[:, :-1] for name, values in fields.items() if values is not None}
+        kwargs.update(rows.media_inputs())
         if routes is not None:
             kwargs["routes"] = routes
         if depths:

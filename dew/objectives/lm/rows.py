@@ -6,33 +6,50 @@ from __future__ import annotations
 import jax
 from flax import struct
 
-from dew.data.inputs import ModelInputs, text_fields
+from dew.data.inputs import MEDIA_CONDITIONING, MEDIA_FIELDS, TEXT_FIELDS, ModelInputs
 
 
 @struct.dataclass
 class _Rows:
-    """A batch's token rows `[B, S + 1]` and their per-token fields, each `[B, S + 1]` or None."""
+    """A batch's token rows `[B, S + 1]` and their per-token fields, each `[B, S + 1]` or None; `media`,
+    a multimodal batch's image fields (`[B, S + 1]`, `dew.data.inputs.MEDIA_FIELDS`) and its
+    conditioning (`pixel_values`), empty for text."""
 
     tokens: jax.Array
     segment_ids: jax.Array | None = None
     positions: jax.Array | None = None
     roles: jax.Array | None = None
     attention_mask: jax.Array | None = None
+    media: dict = struct.field(default_factory=dict)
+
+    def media_inputs(self) -> dict:
+        """The media keywords of the model's call over the inputs `[:, :-1]` (conditioning whole)."""
+        return {name: value[:, :-1] if name in MEDIA_FIELDS else value for name, value in self.media.items()}
+
+    def media_targets(self):
+        """Which targets `[B, S]` are an image's soft tokens (None without images): they carry no loss."""
+        indices = self.media.get("image_indices")
+        return None if indices is None else indices[:, 1:] >= 0
 
 
 def _rows_of(text, roles=None, segment_ids=None, positions=None) -> _Rows:
     """Token rows from an array (with the given fields) or a `ModelInputs` (its own token fields)."""
     if not isinstance(text, ModelInputs):
         return _Rows(text, segment_ids, positions, roles)
-    if text.conditioning:
-        raise ValueError(f"LMObjective scores text, and the inputs carry media {sorted(text.conditioning)}")
-    fields = text_fields(text.token_fields, "LMObjective")
+    unknown = sorted(set(text.token_fields) - set(TEXT_FIELDS + MEDIA_FIELDS))
+    unknown += sorted(set(text.conditioning) - set(MEDIA_CONDITIONING))
+    if unknown:
+        raise ValueError(f"LMObjective has no place for {unknown}: it reads the token fields {list(TEXT_FIELDS)}, "
+                         f"a multimodal model's {list(MEDIA_FIELDS)} and the conditioning {list(MEDIA_CONDITIONING)}")
+    fields = dict(text.token_fields)
+    media = {name: value for name, value in {**fields, **text.conditioning}.items()
+             if name in MEDIA_FIELDS + MEDIA_CONDITIONING}
     given = {"segment_ids": segment_ids, "positions": positions}
     doubled = sorted(name for name, value in given.items() if value is not None and name in fields)
     if doubled:
         raise ValueError(f"{doubled} are given twice, as arguments and in the ModelInputs: give them once")
     return _Rows(text.tokens, fields.get("segment_ids", segment_ids), fields.get("positions", positions), roles,
-                 fields.get("attention_mask"))
+                 fields.get("attention_mask"), media)
 
 
 def _real(rows: _Rows) -> jax.Array | None:

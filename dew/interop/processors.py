@@ -1,0 +1,194 @@
+"""`Processor`: a multimodal checkpoint's own processor, its outputs laid out row by row as `ModelInputs`.
+
+The checkpoint's processor (transformers' class for it, built from the checkpoint's files; never
+downloaded) resizes and normalizes images and expands each image placeholder into its soft tokens.
+`Processor` runs it one row at a time, pads the rows on the host (the tokenizer's side and pad id),
+and writes what the model reads:
+
+- `tokens [B, S]`; `attention_mask` only when some slot is padding (an all-true mask would keep
+  attention from running fused); `positions`, each real token's index among its row's real tokens;
+- `image_indices [B, S]`: the soft feature a slot reads, `image * tokens_per_image + k` for the k-th
+  soft token of the row's image, -1 for text; `image_groups [B, S]`: the image behind each slot, -1 for text;
+- conditioning `pixel_values [B, images, C, H, W]`, zero-padded to the row with the most images.
+
+It checks on the host what the compiled model never checks: token ids inside the vocabulary, each
+row's placeholder runs against its images and `tokens_per_image`, and the images' shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dew.data.inputs import ModelInputs
+
+# What a transformers processor returns that Dew lays out; anything else is refused by name.
+_KNOWN_OUTPUTS = {"input_ids", "attention_mask", "pixel_values", "token_type_ids", "mm_token_type_ids"}
+
+
+def load_reference(directory: Path):
+    """The checkpoint's own transformers processor, built from its files (offline, PIL image backend)."""
+    try:
+        from transformers import AutoProcessor
+    except ImportError as error:  # transformers is an optional extra
+        raise ImportError(f"the processor of {directory} is transformers' own class, and transformers is not "
+                          f"installed ({error}): pip install 'dew-ml[vision]'") from None
+    return AutoProcessor.from_pretrained(str(directory), local_files_only=True, backend="pil")
+
+
+@dataclasses.dataclass(frozen=True)
+class Processor:
+    """Text and images to `ModelInputs` (see the module): `processor(texts, images=[[...], ...])`.
+
+    `reference` is the checkpoint's transformers processor; `image_token_id` the id of the soft-token
+    placeholders it writes, `tokens_per_image` how many an image fills, and `vocab_size` the model's.
+    """
+
+    reference: Any
+    image_token_id: int
+    tokens_per_image: int
+    vocab_size: int
+
+    @property
+    def tokenizer(self):
+        return self.reference.tokenizer
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return 0 if pad is None else int(pad)
+
+    def __call__(self, text: str | Sequence[str], *, images: Sequence[Sequence[Any]] | None = None) -> ModelInputs:
+        texts = [text] if isinstance(text, str) else list(text)
+        if not texts or not all(isinstance(row, str) for row in texts):
+            raise TypeError("Processor takes a string or a non-empty list of strings")
+        if images is not None:
+            images = [list(row) for row in images]
+            if len(images) != len(texts):
+                raise ValueError(f"images has {len(images)} row(s) for {len(texts)} text(s): give one list of images "
+                                 "per text, [] for a row without any")
+        rows = [self._row(index, row, None if images is None else images[index]) for index, row in enumerate(texts)]
+        return self._laid_out(rows)
+
+    def _row(self, index: int, text: str, images: list | None) -> dict:
+        """One row through the reference processor: its ids and its images `[n, C, H, W]`."""
+        placeholder = self._placeholder()
+        asked = text.count(placeholder)
+        given = len(images or ())
+        if asked != given:
+            raise ValueError(f"row {index} has {asked} image placeholder(s) {placeholder!r} and {given} image(s): "
+                             "give one image per placeholder, in reading order")
+        if images:
+            outputs = self.reference(text=[text], images=[images], padding=False)
+        else:
+            outputs = self.reference(text=[text], padding=False)
+        unknown = sorted(set(outputs) - _KNOWN_OUTPUTS)
+        if unknown:
+            raise ValueError(f"the checkpoint's processor returned {unknown}, which Dew does not lay out for this "
+                             f"model (it reads {sorted(_KNOWN_OUTPUTS)})")
+        ids = self._checked(index, np.asarray(outputs["input_ids"][0], np.int64))
+        pixels = None
+        if images:
+            pixels = np.stack([np.asarray(image, np.float32) for image in outputs["pixel_values"]])
+        return {"ids": ids, "pixels": pixels}
+
+    def _laid_out(self, rows: list[dict]) -> ModelInputs:
+        B, S = len(rows), max(len(row["ids"]) for row in rows)
+        left = getattr(self.tokenizer, "padding_side", "left") == "left"
+        tokens = np.full((B, S), self.pad_id, np.int32)
+        valid = np.zeros((B, S), bool)
+        indices = np.full((B, S), -1, np.int32)
+        groups = np.full((B, S), -1, np.int32)
+        for b, row in enumerate(rows):
+            n = len(row["ids"])
+            where = slice(S - n, S) if left else slice(0, n)
+            tokens[b, where], valid[b, where] = row["ids"], True
+            indices[b, where], groups[b, where] = self._image_slots(b, row)
+        fields = {"positions": np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)}
+        if not valid.all():
+            fields["attention_mask"] = valid
+        most = max(0 if row["pixels"] is None else len(row["pixels"]) for row in rows)
+        if not most:
+            return ModelInputs.of(tokens, **fields)
+        shapes = {row["pixels"].shape[1:] for row in rows if row["pixels"] is not None}
+        if len(shapes) != 1:
+            raise ValueError(f"the processor gave images of shapes {sorted(shapes)}; one batch holds one image shape")
+        pixels = np.zeros((B, most, *shapes.pop()), np.float32)
+        for b, row in enumerate(rows):
+            if row["pixels"] is not None:
+                pixels[b, :len(row["pixels"])] = row["pixels"]
+        inputs = ModelInputs.of(tokens, image_indices=indices, image_groups=groups, **fields)
+        return inputs.replace(conditioning={"pixel_values": pixels})
+
+    def _image_slots(self, b: int, row: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(image_indices, image_groups) of one row's ids: each run of placeholders is one image."""
+        ids = row["ids"]
+        is_image = ids == self.image_token_id
+        starts = np.flatnonzero(is_image & ~np.concatenate([[False], is_image[:-1]]))
+        ends = np.flatnonzero(is_image & ~np.concatenate([is_image[1:], [False]])) + 1
+        images = 0 if row["pixels"] is None else len(row["pixels"])
+        if len(starts) != images:
+            raise ValueError(f"row {b} holds {len(starts)} run(s) of image tokens (id {self.image_token_id}) for "
+                             f"{images} image(s): the processor's expansion and the model's image_token_id disagree")
+        indices, groups = np.full(len(ids), -1, np.int32), np.full(len(ids), -1, np.int32)
+        for image, (start, end) in enumerate(zip(starts, ends)):
+            if end - start != self.tokens_per_image:
+                raise ValueError(f"row {b}'s image {image} fills {end - start} slot(s); the model reads "
+                                 f"{self.tokens_per_image} soft tokens an image (mm_tokens_per_image)")
+            indices[start:end] = image * self.tokens_per_image + np.arange(end - start)
+            groups[start:end] = image
+        return indices, groups
+
+    def from_ids(self, ids: Sequence[int], images: Sequence[Any] = ()) -> ModelInputs:
+        """One row of token ids in which each image placeholder id (the id of the processor's placeholder
+        text, `<start_of_image>` for Gemma 3) stands for the next image, as `ModelInputs`: each
+        placeholder expanded to the ids of the processor's image sequence, the images through the
+        checkpoint's image processor. The server's chat prompts come this way, encoded as text prompts
+        are (special-token text in a message stays text)."""
+        placeholder = self.tokenizer.convert_tokens_to_ids(self._placeholder())
+        expansion = self.tokenizer(self.reference.full_image_sequence, add_special_tokens=False)["input_ids"]
+        ids = [int(i) for i in ids]
+        places = [at for at, i in enumerate(ids) if i == placeholder]
+        if len(places) != len(images):
+            raise ValueError(f"the prompt has {len(places)} image placeholder(s) {self._placeholder()!r} and "
+                             f"{len(images)} image(s): give one image per placeholder, in reading order")
+        expanded = []
+        for at, i in enumerate(ids):
+            expanded.extend(expansion if i == placeholder else [i])
+        pixels = None
+        if images:
+            pixels = np.asarray(self.reference.image_processor(list(images), return_tensors="np")["pixel_values"],
+                                np.float32)
+        return self._laid_out([{"ids": self._checked(0, np.asarray(expanded, np.int64)), "pixels": pixels}])
+
+    def _checked(self, index: int, ids: np.ndarray) -> np.ndarray:
+        """A row's ids, refused when empty or outside the model's vocabulary (naming the row and column)."""
+        if ids.size == 0:
+            raise ValueError(f"text {index} encodes to no tokens; every row needs at least one")
+        bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
+        if bad.size:
+            raise ValueError(f"row {index} holds token id {int(ids[bad[0]])} at column {int(bad[0])}, outside the "
+                             f"model's vocab_size {self.vocab_size}: the processor's tokenizer belongs to another model")
+        return ids
+
+    def _placeholder(self) -> str:
+        return getattr(self.reference, "image_token", None) or self.reference.boi_token
+
+    def chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, **template_options) -> str:
+        """The conversation as the checkpoint's chat template writes it (images as their placeholders)."""
+        return self.reference.apply_chat_template(list(messages), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **template_options)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write the processor's files (its config, the tokenizer's) into `directory`."""
+        self.reference.save_pretrained(str(directory))
+
+
+__all__ = ["Processor", "load_reference"]

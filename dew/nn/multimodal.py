@@ -1,0 +1,130 @@
+"""`MultimodalTransformer`: the text decoder with a vision tower and projector in front of it.
+
+Its variables are `language_model` (a `CausalTransformer`'s, in its own form), `tower` and
+`projector` (registered by name in `dew.nn.vision`). A call encodes `pixel_values` `[B, images, C, H, W]`
+(the processor's layout, padded to the row with the most images), projects each image to its soft
+tokens, and the decoder takes those in place of the placeholder embeddings `image_indices` point at,
+with an image's tokens reading each other in both directions (`image_groups`). Media are encoded at
+prefill only: a decode step passes no `pixel_values` and reads the cache, which remembers each slot's
+image. Without media the call is the text decoder's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from flax import linen as nn
+
+from dew.data.inputs import MEDIA_CONDITIONING, MEDIA_FIELDS, TEXT_FIELDS, ModelInputs
+from dew.nn.kv_cache import Cache
+from dew.nn.transformer import CausalTransformer, DecoderConfig, ModelVariables
+
+LANGUAGE_MODEL = "language_model"
+
+
+@dataclasses.dataclass(frozen=True)
+class MultimodalConfig:
+    """A decoder `text` with a vision tower and projector: `tower` and `projector` are their configs
+    (`dew.nn.vision`), registered as `tower_kind` and `projector_kind`; `image_token_id` is the id of
+    an image's soft-token placeholders and `tokens_per_image` how many each image fills. The text
+    knobs (`vocab_size`, `max_seq_len`, `dtype`, ...) read through from `text`."""
+
+    text: DecoderConfig
+    tower_kind: str
+    tower: Any
+    projector_kind: str
+    projector: Any
+    image_token_id: int
+    tokens_per_image: int
+
+    def __getattr__(self, name: str):
+        # only reached for names the dataclass lacks: the decoder's knobs
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.text, name)
+
+    def replace_text(self, **changes) -> "MultimodalConfig":
+        """This config with the decoder's fields `changes` replaced (dtypes, kernels, max_seq_len, ...)."""
+        return dataclasses.replace(self, text=dataclasses.replace(self.text, **changes))
+
+
+class MultimodalTransformer(ModelVariables, nn.Module):
+    """Images in, text out: see the module. Call with token ids `[B, S]` (or a `ModelInputs`) and
+    the token fields and conditioning of `dew.data.inputs` (`image_indices`, `image_groups`,
+    `pixel_values`) beside the decoder's own (`attention_mask`, `positions`, `cache`, `head`, ...)."""
+
+    config: MultimodalConfig
+
+    def setup(self):
+        c = self.config
+        self.language_model = CausalTransformer(c.text)
+        self.tower = c.tower.build(c.text.dtype, c.text.param_dtype)
+        self.projector = c.projector.build(c.text.dtype, c.text.param_dtype)
+
+    def __call__(self, tokens, *, image_indices=None, image_groups=None, pixel_values=None, **kwargs):
+        if isinstance(tokens, ModelInputs):
+            return self(tokens.tokens, **tokens.kwargs(), **kwargs)
+        unknown = sorted(set(kwargs) - set(TEXT_FIELDS) - _DECODER_KEYWORDS)
+        if unknown:
+            raise ValueError(f"MultimodalTransformer has no place for {unknown}: it reads the token fields "
+                             f"{list(TEXT_FIELDS + MEDIA_FIELDS)} and the conditioning {list(MEDIA_CONDITIONING)}")
+        if pixel_values is None and self.is_initializing():  # the media's parameters, from the smallest input
+            shape = self.config.tower.geometry()
+            self.encode(jnp.zeros((1, 1, shape.channels, shape.image_size, shape.image_size), self.config.text.dtype))
+        if pixel_values is not None:
+            if image_indices is None or image_groups is None:
+                raise ValueError("pixel_values need image_indices and image_groups beside them (the processor "
+                                 "writes all three): which slot reads which soft token, and which image it is")
+            kwargs.update(features=self.encode(pixel_values), feature_indices=image_indices, image_groups=image_groups)
+        return self.language_model(tokens, **kwargs)
+
+    def encode(self, pixel_values):
+        """Each row's images as soft tokens `[B, images * tokens_per_image, E]` in the compute dtype."""
+        B, images = pixel_values.shape[:2]
+        flat = pixel_values.reshape(B * images, *pixel_values.shape[2:]).astype(self.config.text.dtype)
+        soft_NTE = self.projector(self.tower(flat))
+        return soft_NTE.reshape(B, images * soft_NTE.shape[1], soft_NTE.shape[2]).astype(self.config.text.dtype)
+
+    # ---- the decoder's helpers, over the language model's part of the tree ------------------
+
+    @nn.nowrap
+    def _decoder(self) -> CausalTransformer:
+        return CausalTransformer(self.config.text)
+
+    @nn.nowrap
+    def stack_variables(self, variables):
+        """The decoder's part of `variables` in its own form (`CausalTransformer.stack_variables`)."""
+        return _on_language_model(variables, self._decoder().stack_variables)
+
+    @nn.nowrap
+    def unstack_variables(self, variables):
+        """The decoder's part of `variables` per layer (`layers_N`), for exports."""
+        return _on_language_model(variables, self._decoder().unstack_variables)
+
+    @nn.nowrap
+    def init_cache(self, rows: int, capacity: int) -> Cache:
+        """The decoder's empty cache, which also remembers the image behind each slot."""
+        cache = self._decoder().init_cache(rows, capacity)
+        return cache.replace(groups=jnp.full((rows, capacity), -1, jnp.int32))
+
+
+# The decoder's keywords a multimodal call passes through.
+_DECODER_KEYWORDS = {"cache", "head", "layers", "routes", "depths", "indexer"}
+
+
+def _on_language_model(variables, convert):
+    """`variables` with `convert` applied to each collection's `language_model` subtree together."""
+    if not isinstance(variables, dict):
+        return variables
+    inner = {name: tree[LANGUAGE_MODEL] for name, tree in variables.items()
+             if isinstance(tree, dict) and LANGUAGE_MODEL in tree}
+    if not inner:
+        return variables
+    converted = convert(inner)
+    return {name: ({**tree, LANGUAGE_MODEL: converted[name]} if name in converted else tree)
+            for name, tree in variables.items()}
+
+
+__all__ = ["LANGUAGE_MODEL", "MultimodalConfig", "MultimodalTransformer"]
