@@ -239,7 +239,8 @@ def _dt_bias_init(low: float = 1e-3, high: float = 0.1, floor: float = 1e-4):
 
 
 class _Conv(nn.Module):
-    """The depthwise convolution's `kernel` `[K, C]` (torch keeps `[C, 1, K]`) and `bias` `[C]` (or None)."""
+    """The depthwise convolution's `kernel` `[C, 1, K]` (torch's layout, as checkpoints keep it) and `bias`
+    `[C]` (or None); returns the kernel as `[K, C]`."""
 
     taps: int
     channels: int
@@ -250,12 +251,13 @@ class _Conv(nn.Module):
     def __call__(self):
         bound = 1.0 / math.sqrt(self.taps)  # torch's default for a depthwise convolution (fan-in K)
         uniform = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
-        kernel = self.param("kernel", named(uniform, (None, "mlp")), (self.taps, self.channels), self.param_dtype)
+        kernel = self.param("kernel", named(uniform, ("mlp", None, None)), (self.channels, 1, self.taps),
+                            self.param_dtype)
         bias = None
         if self.use_bias:
             bias = self.param("bias", named(nn.initializers.zeros_init(), ("mlp",)), (self.channels,),
                               self.param_dtype)
-        return kernel, bias
+        return kernel[:, 0, :].T, bias
 
 
 class _Scale(nn.Module):

@@ -111,10 +111,10 @@ def hf_layer(config):
 
 
 def dew_params(layer) -> dict:
-    """The layer's weights as the Dew mixer's parameters ([in, out] kernels, [K, C] convolution)."""
+    """The layer's weights as the Dew mixer's parameters ([in, out] kernels; the convolution as torch's)."""
     w = {name: p.detach().numpy() for name, p in layer.named_parameters()}
     params = {"in_proj": {"kernel": w["in_proj.weight"].T}, "out_proj": {"kernel": w["out_proj.weight"].T},
-              "conv1d": {"kernel": w["conv1d.weight"][:, 0, :].T, "bias": w["conv1d.bias"]},
+              "conv1d": {"kernel": w["conv1d.weight"], "bias": w["conv1d.bias"]},
               "A_log": w["A_log"], "dt_bias": w["dt_bias"], "D": w["D"], "norm": {"scale": w["norm.weight"]}}
     return jax.tree_util.tree_map(jnp.asarray, {"params": params})
 
@@ -194,7 +194,7 @@ def dew_params_grads(grads) -> dict:
     """Dew's parameter gradients under transformers' names and layouts."""
     g = jax.tree_util.tree_map(np.asarray, grads)
     return {"in_proj.weight": g["in_proj"]["kernel"].T, "out_proj.weight": g["out_proj"]["kernel"].T,
-            "conv1d.weight": g["conv1d"]["kernel"].T[:, None, :], "conv1d.bias": g["conv1d"]["bias"],
+            "conv1d.weight": g["conv1d"]["kernel"], "conv1d.bias": g["conv1d"]["bias"],
             "A_log": g["A_log"], "dt_bias": g["dt_bias"], "D": g["D"], "norm.weight": g["norm"]["scale"]}
 
 
