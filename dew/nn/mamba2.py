@@ -119,6 +119,11 @@ class Mamba2Cache:
                    ssm=jnp.zeros((layers, rows, shape.num_heads, shape.head_dim, shape.state_size), F32),
                    capacity=capacity)
 
+    def put_rows(self, rows_R: jax.Array, new: "Mamba2Cache") -> "Mamba2Cache":
+        """This cache with rows `rows_R` replaced by the rows of `new` (a row index past the last is dropped)."""
+        put = lambda big, rows: big.at[:, rows_R].set(rows.astype(big.dtype), mode="drop")
+        return self.replace(conv=put(self.conv, new.conv), ssm=put(self.ssm, new.ssm))
+
 
 def _segsum(a_BcHL: jax.Array) -> jax.Array:
     """`out[..., i, j] = a[j+1] + ... + a[i]` for `j <= i` (0 elsewhere), `[..., L, L]`: each sum taken

@@ -11,9 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 from dew.nn.layer import LayerContext, LayerKnobs
 from dew.nn.mamba2 import Mamba2, Mamba2Cache, Mamba2Mixer, document_starts, ssd
+from dew.nn.transformer import LINEAR, CausalTransformer, DecoderConfig
+from dew.sampling import Sampling, generate
+from dew.sharding import with_names
+from dew.training.mesh import Layout, MeshSpec
 from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound
 
 WIDTH = 32
@@ -282,8 +287,6 @@ def test_packed_documents_do_not_see_each_other(pair):
 
 # ---- a whole decoder of Mamba2 layers --------------------------------------------------------------
 
-from dew.nn.transformer import LINEAR, CausalTransformer, DecoderConfig  # noqa: E402
-from dew.sampling import Sampling, generate  # noqa: E402
 
 RECURRENT = Mamba2(num_heads=4, head_dim=8, state_size=8, n_groups=2, conv_kernel=4, chunk_size=4)
 
@@ -320,3 +323,16 @@ def test_greedy_cached_generation_of_a_mixed_batch_equals_the_uncached_argmax(de
             padded[0, :len(sequence)] = sequence
             sequence.append(int(jnp.argmax(forward(jnp.asarray(padded))[0, len(sequence) - 1])))
         assert list(generation.tokens[row, :generation.lengths[row]]) == sequence
+
+
+def test_the_mixers_parameters_carry_logical_axis_names(decoder):
+    """So `Layout` places them like any other parameter (the stacked layer axis first)."""
+    model, variables = decoder
+    names = model.logical_names()["params"]["layers_0to2"]["self_attn"]
+    assert names["in_proj"]["kernel"] == PartitionSpec("layers", "embed", "mlp")
+    assert names["out_proj"]["kernel"] == PartitionSpec("layers", "mlp", "embed")
+    assert names["conv1d"]["kernel"] == PartitionSpec("layers", "mlp", None, None)
+    assert names["A_log"] == PartitionSpec("layers", "heads")
+    assert names["norm"]["scale"] == PartitionSpec("layers", "norm")
+    shardings = Layout().shardings(MeshSpec().build(), with_names(variables["params"], model.logical_names()["params"]))
+    assert jax.tree_util.tree_structure(shardings) == jax.tree_util.tree_structure(variables["params"])
