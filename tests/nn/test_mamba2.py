@@ -301,6 +301,16 @@ def decoder():
     return model, jax.tree_util.tree_map(lambda x: x * 3.0, variables)
 
 
+@pytest.fixture(scope="module")
+def hybrid():
+    """Mamba2 layers around an attention layer, every layer with an MLP: one decoder, two kinds of cache."""
+    config = DecoderConfig(vocab_size=64, emb_features=WIDTH, num_layers=3, num_heads=4, mlp_features=48,
+                           max_seq_len=64, layer_types=(LINEAR, "full_attention", LINEAR), recurrent=RECURRENT)
+    model = CausalTransformer(config)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    return model, jax.tree_util.tree_map(lambda x: x * 3.0, variables)
+
+
 def test_a_mamba2_decoder_has_no_feed_forward_and_scans_its_layers(decoder):
     model, variables = decoder
     run = variables["params"]["layers_0to2"]
@@ -310,9 +320,11 @@ def test_a_mamba2_decoder_has_no_feed_forward_and_scans_its_layers(decoder):
     assert cache.capacity == 16 and cache.runs[0].ssm.shape == (3, 2, 4, 8, 8)
 
 
-def test_greedy_cached_generation_of_a_mixed_batch_equals_the_uncached_argmax(decoder):
-    """Prompts of 3, 9 and 2 tokens left-padded together, then 10 steps through the state."""
-    model, variables = decoder
+@pytest.mark.parametrize("stack", ["decoder", "hybrid"])
+def test_greedy_cached_generation_of_a_mixed_batch_equals_the_uncached_argmax(stack, request):
+    """Prompts of 3, 9 and 2 tokens left-padded together, then 10 steps through the state (and, in the
+    hybrid stack, the attention layer's cache beside it)."""
+    model, variables = request.getfixturevalue(stack)
     prompts = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3, 5, 8], [2, 7]]
     generation = generate(model, variables, prompts, 10, key=jax.random.key(1), sampling=Sampling(temperature=0.0))
     forward = jax.jit(lambda tokens: model.apply(variables, tokens))
