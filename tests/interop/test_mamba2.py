@@ -121,6 +121,7 @@ def test_save_reloads_in_transformers_with_equal_logits(checkpoint, bundle, tmp_
     assert family_of(json.loads((directory / "config.json").read_text())) is FAMILIES["mamba2"]
 
 
+@pytest.mark.slow
 def test_a_dew_mamba2_model_saves_as_the_port(tmp_path):
     """A model built in Dew (its own max_seq_len) writes a config transformers reads back as it."""
     config = DecoderConfig(vocab_size=VOCAB, emb_features=32, num_layers=2, mlp_features=0, max_seq_len=64,

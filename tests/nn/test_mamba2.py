@@ -5,6 +5,7 @@ starts from zeros."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -16,6 +17,7 @@ from jax.sharding import PartitionSpec
 from dew.nn.layer import LayerContext, LayerKnobs
 from dew.nn.mamba2 import Mamba2, Mamba2Cache, Mamba2Mixer, document_starts, ssd
 from dew.nn.transformer import LINEAR, CausalTransformer, DecoderConfig
+from dew.run_config import to_json
 from dew.sampling import Sampling, generate
 from dew.sharding import with_names
 from dew.training.mesh import Layout, MeshSpec
@@ -320,7 +322,7 @@ def test_a_mamba2_decoder_has_no_feed_forward_and_scans_its_layers(decoder):
     assert cache.capacity == 16 and cache.runs[0].ssm.shape == (3, 2, 4, 8, 8)
 
 
-@pytest.mark.parametrize("stack", ["decoder", "hybrid"])
+@pytest.mark.parametrize("stack", ["decoder", pytest.param("hybrid", marks=pytest.mark.slow)])
 def test_greedy_cached_generation_of_a_mixed_batch_equals_the_uncached_argmax(stack, request):
     """Prompts of 3, 9 and 2 tokens left-padded together, then 10 steps through the state (and, in the
     hybrid stack, the attention layer's cache beside it)."""
@@ -348,3 +350,21 @@ def test_the_mixers_parameters_carry_logical_axis_names(decoder):
     assert names["norm"]["scale"] == PartitionSpec("layers", "norm")
     shardings = Layout().shardings(MeshSpec().build(), with_names(variables["params"], model.logical_names()["params"]))
     assert jax.tree_util.tree_structure(shardings) == jax.tree_util.tree_structure(variables["params"])
+
+
+def test_a_recurrent_config_reads_back_from_run_json():
+    """run.json records the shape as a dict (its open time-step bound as null); it reads back as it was."""
+    config = DecoderConfig(vocab_size=64, emb_features=WIDTH, num_layers=2, mlp_features=0,
+                           layer_types=(LINEAR,) * 2, recurrent=RECURRENT)
+    back = DecoderConfig(**json.loads(json.dumps(to_json(config))))
+    assert back == config and back.layer_specs == config.layer_specs
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(layer_types=(LINEAR, LINEAR)), r"recurrent is None and layer_types names 2 'linear_attention' layers"),
+    (dict(recurrent=RECURRENT), r"recurrent is the mixer of the linear_attention layers: give layer_types"),
+    (dict(mlp_features=-1), r"mlp_features is -1; use 0 for layers without a feed-forward"),
+])
+def test_a_recurrent_config_missing_its_half_is_refused_by_name(fields, says):
+    with pytest.raises(ValueError, match=says):
+        DecoderConfig(vocab_size=64, emb_features=WIDTH, num_layers=2, **fields)
