@@ -37,6 +37,11 @@ _KINDS = {
     "strings": (lambda value: isinstance(value, list) and all(isinstance(item, str) for item in value),
                 "a list of strings"),
     "integers": (lambda value: isinstance(value, list) and all(_integer(item) for item in value), "a list of integers"),
+    # transformers' list[float]: floats only, an infinity among them
+    "floats": (lambda value: isinstance(value, (list, tuple)) and all(isinstance(item, float) and not math.isnan(item)
+                                                            for item in value), "a list of floats"),
+    "size or string": (lambda value: isinstance(value, str) or (_integer(value) and value > 0),
+                       'a positive integer or a string ("auto")'),
     "token ids": (lambda value: _integer(value) or (isinstance(value, list) and all(_integer(item) for item in value)),
                   "a token id or a list of token ids"),
 }
@@ -48,7 +53,8 @@ FIELD_KINDS = {
                      "max_position_embeddings", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                      "n_routed_experts", "index_head_dim", "index_n_heads", "index_topk", "moe_layer_freq",
                      "sliding_window_pattern", "_sliding_window_pattern", "d_model", "n_heads", "n_layers", "mlp_ratio",
-                     "max_sequence_length", "block_group_size", "query_pre_attn_scalar"), "size"),
+                     "max_sequence_length", "block_group_size", "query_pre_attn_scalar", "num_heads", "state_size",
+                     "n_groups", "expand", "conv_kernel", "chunk_size"), "size"),
     **dict.fromkeys(("num_key_value_heads", "head_dim", "q_lora_rank", "v_head_dim", "qk_head_dim", "n_group",
                      "topk_group", "moe_intermediate_size", "n_kv_heads", "mlp_hidden_size", "embedding_size"),
                     "size?"),
@@ -60,14 +66,16 @@ FIELD_KINDS = {
     "eos_token_id": "token ids?",
     **dict.fromkeys(("rms_norm_eps", "rope_theta", "rope_local_base_freq", "partial_rotary_factor",
                      "routed_scaling_factor", "router_aux_loss_coef", "router_jitter_noise", "alibi_bias_max",
-                     "residual_dropout", "embedding_dropout", "init_std"), "number"),
+                     "residual_dropout", "embedding_dropout", "init_std", "layer_norm_epsilon", "time_step_min",
+                     "time_step_max", "time_step_floor"), "number"),
     **dict.fromkeys(("attention_dropout", "initializer_range", "attn_logit_softcapping", "final_logit_softcapping",
                      "init_cutoff_factor"), "number?"),
     **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_cache", "use_sliding_window",
                      "output_router_logits", "qkv_bias", "is_causal", "alibi", "rope", "rope_full_precision",
                      "flash_attention", "attention_layer_norm", "input_emb_norm", "layer_norm_with_affine",
                      "attention_layer_norm_with_affine", "include_qkv_bias", "include_bias", "scale_logits",
-                     "weight_tying"), "bool"),
+                     "weight_tying", "use_bias", "use_conv_bias", "residual_in_fp32", "rescale_prenorm_residual"),
+                    "bool"),
     **dict.fromkeys(("norm_topk_prob", "use_bidirectional_attention", "rope_interleave", "multi_query_attention",
                      "bias_for_layer_norm"), "bool?"),
     **dict.fromkeys(("hidden_act", "hidden_activation", "activation_type", "block_type", "layer_norm_type",
@@ -76,6 +84,8 @@ FIELD_KINDS = {
     **dict.fromkeys(("rope_parameters", "rope_scaling"), "object?"),
     **dict.fromkeys(("layer_types", "mlp_layer_types"), "strings?"),
     "mlp_only_layers": "integers?",
+    "time_step_limit": "floats",
+    "time_step_rank": "size or string",
 }
 # Fields that fix the shape of the weights. Where transformers' default for one is a number, that number is
 # its reference model's size (Llama 2 7B's hidden_size 4096), which a checkpoint's weights need not have, so
@@ -88,7 +98,7 @@ SHAPE_FIELDS = frozenset({
     "num_key_value_heads", "head_dim", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
     "num_local_experts", "n_routed_experts", "n_shared_experts", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
     "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "index_head_dim",
-    "index_n_heads", "d_model", "n_heads", "n_layers", "embedding_size",
+    "index_n_heads", "d_model", "n_heads", "n_layers", "embedding_size", "num_heads", "state_size", "n_groups",
 })
 
 
@@ -170,6 +180,7 @@ _INERT_FIELDS: dict[str, tuple] = {
     "rope_interleaved": (False,),  # SmolLM2: nanotron's rotary layout, false is transformers' own
     "use_mrope": (False,),  # Qwen2.5: multimodal rotary switched off
     "sliding_window": (None,),  # a windowless family's config naming no window
+    "rms_norm": (True,),  # the Mamba2 ports' record of mamba_ssm's RMSNorm, which the port always uses
 }
 # Qwen's window switches, which other families never read: accepted where no window is in effect
 # (use_sliding_window only when it says so too), refused where the family windows layers regardless.

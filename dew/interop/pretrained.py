@@ -30,7 +30,7 @@ from dew.inference.masked import from_checkpoint as masked_task
 from dew.inference.text import TextGeneration
 from dew.interop import gguf_files, hf_decoders, tensors
 from dew.interop.export import model_params, model_variables, split_collections, write_export
-from dew.interop.families import FAMILIES, family_of
+from dew.interop.families import FAMILIES, family_of, ported
 from dew.interop.families import diffusion_gemma as block_diffusion
 from dew.interop.gguf_files import GGUFCheckpoint
 from dew.interop.hub import (
@@ -219,6 +219,7 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         reader = SafetensorsReader(snapshot.weights, snapshot.index)
         config_path = snapshot.directory / CONFIG
         config, where, directory = _read_json(config_path), str(config_path), snapshot.directory
+        config = dict(ported(config, where))  # mamba_ssm's format: as transformers' port, which save writes
     family = family_of(config, where)
     if family.model_type == block_diffusion.MODEL_TYPE:
         # a one-device mesh places every parameter on the default device, which is where this load puts them

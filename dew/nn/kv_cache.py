@@ -42,6 +42,12 @@ class AttentionCache:
         """Layer `layer`'s keys and values, `[B, K, T, D]` each."""
         return self.keys[layer], self.values[layer]
 
+    def put_rows(self, rows_R: jax.Array, new: "AttentionCache") -> "AttentionCache":
+        """This cache with rows `rows_R` replaced by the rows of `new` (a cache of `R` rows and at most
+        this capacity, filling the first slots); a row index past the last is dropped."""
+        put = lambda big, rows: big.at[:, rows_R, :, :rows.shape[3]].set(rows.astype(big.dtype), mode="drop")
+        return AttentionCache(keys=put(self.keys, new.keys), values=put(self.values, new.values))
+
 
 @struct.dataclass
 class Cache:

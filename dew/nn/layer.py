@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import struct
 
-from dew.nn.attention import AttentionSpec
 from dew.nn.mlp import DenseSpec
 from dew.nn.moe import DenseSparseSpec, Experts, Router, SparseSpec, route
 from dew.nn.norms import NORM_STYLES, RMSNorm
@@ -31,8 +30,9 @@ CONSTANTS = "constants"
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """A layer: its `mixer` (`AttentionSpec`), its `feed_forward` (`DenseSpec`, or `SparseSpec` for a
-    mixture of experts) and its norms.
+    """A layer: its `mixer` (`AttentionSpec`, or a recurrent one such as `dew.nn.mamba2.Mamba2Spec`), its
+    `feed_forward` (`DenseSpec`, `SparseSpec` for a mixture of experts, or None for none: a Mamba2
+    block is its norm and its mixer) and its norms.
 
     `norm_placement` is "pre" (a norm before the mixer and the feed-forward; the latter is named
     `post_attention_layernorm`, as in Llama), "sandwich" (Gemma 2/3: also a norm after each
@@ -43,8 +43,8 @@ class LayerSpec:
     the buffer, or in `params` with `trainable_scalar`.
     """
 
-    mixer: AttentionSpec
-    feed_forward: DenseSpec | SparseSpec | DenseSparseSpec
+    mixer: Any
+    feed_forward: DenseSpec | SparseSpec | DenseSparseSpec | None
     norm_placement: str = "pre"
     norm_style: str = "llama"
     norm_eps: float = 1e-6
@@ -132,7 +132,7 @@ class DecoderLayer(nn.Module):
                                     name=name)
         mixer = s.mixer.module(norm_style=s.norm_style, norm_eps=s.norm_eps, dtype=self.dtype,
                                param_dtype=self.param_dtype, name="self_attn")
-        if not isinstance(s.feed_forward, DenseSparseSpec):
+        if s.feed_forward is not None and not isinstance(s.feed_forward, DenseSparseSpec):
             feed_forward = s.feed_forward.module(dtype=self.dtype, param_dtype=self.param_dtype, name="mlp")
         width = s.mixer.rope()[0]
         cos_RBSD, sin_RBSD = context.rotary[width]
@@ -143,6 +143,8 @@ class DecoderLayer(nn.Module):
         if s.norm_placement != "pre":
             mixed = norm("post_attention_layernorm")(mixed)
         x_BSE = x_BSE + mixed
+        if s.feed_forward is None:
+            return self._finish(x_BSE, cache, kept, knobs, None, mixer_report)
         ff_norm = {"pre": "post_attention_layernorm", "sandwich": "pre_feedforward_layernorm"}.get(s.norm_placement)
         fed_in = x_BSE if ff_norm is None else norm(ff_norm)(x_BSE)
         if isinstance(s.feed_forward, SparseSpec):
@@ -154,6 +156,11 @@ class DecoderLayer(nn.Module):
         if s.norm_placement != "pre":
             fed = norm("post_feedforward_layernorm")(fed)
         x_BSE = x_BSE + fed
+        return self._finish(x_BSE, cache, kept, knobs, report, mixer_report)
+
+    def _finish(self, x_BSE, cache, kept, knobs: LayerKnobs, report, mixer_report):
+        """The layer's output times its scalar (when the spec names one), kept where asked, and the carry."""
+        s = self.spec
         if s.output_scalar is not None:
             ones = lambda *_: jnp.ones((1,), self.param_dtype)
             if s.trainable_scalar:

@@ -172,6 +172,14 @@ class LatentCache:
         return LatentCache(latents=put(self.latents, latent_BSC), rope_keys=put(self.rope_keys, rope_BSR),
                            index_keys=index)
 
+    def put_rows(self, rows_R: jax.Array, new: "LatentCache") -> "LatentCache":
+        """This cache with rows `rows_R` replaced by the rows of `new` (a cache of `R` rows and at most
+        this capacity, filling the first slots); a row index past the last is dropped."""
+        put = lambda big, rows: big.at[:, rows_R, :rows.shape[2]].set(rows.astype(big.dtype), mode="drop")
+        index = None if self.index_keys is None else put(self.index_keys, new.index_keys)
+        return LatentCache(latents=put(self.latents, new.latents), rope_keys=put(self.rope_keys, new.rope_keys),
+                           index_keys=index)
+
     def read(self, layer) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """Layer `layer`'s latents `[B, T, kv_rank]`, rotary keys `[B, T, rope_dim]` and indexer keys
         `[B, T, index_head_dim]` (None without an indexer)."""

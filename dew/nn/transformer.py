@@ -28,6 +28,7 @@ from dew.nn.head import Head
 from dew.nn.kv_cache import Cache
 from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, named
 from dew.nn.layer import NORM_PLACEMENTS, LayerContext, LayerSpec
+from dew.nn.mamba2 import Mamba2, Mamba2Spec
 from dew.nn.mla import LatentAttention, MLASpec
 from dew.nn.mlp import ACTIVATIONS, DenseSpec
 from dew.nn.moe import Mixture, Routes, SparseSpec
@@ -41,7 +42,9 @@ from dew.nn.stack import REMAT_POLICIES, apply_layers, rotary_tables, runs, stac
 _NOT_LATENT = {"causal": True, "sliding_window": None, "layer_types": None, "qk_norm": False, "query_scale": None,
                "attn_softcap": None}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+# The recurrent mixers' shapes (`DecoderConfig.recurrent`) and the spec of a layer of each.
+_RECURRENT_SPECS = {Mamba2: Mamba2Spec}
 
 
 def as_dtype(value) -> jnp.dtype:
@@ -76,6 +79,7 @@ _CONVERSIONS: dict[str, Callable[[str, object], object]] = {
     "local_rope_scaling": _from_fields(RopeScaling),
     "mixture": _from_fields(Mixture),
     "latent": _from_fields(LatentAttention),
+    "recurrent": _from_fields(Mamba2),
     "layer_types": lambda name, value: None if value is None else tuple(value),
 }
 # The string knobs and the values each may take.
@@ -105,9 +109,13 @@ class DecoderConfig:
       the scores, `logit_softcap` the output logits, `c * tanh(x / c)`.
     - `rope_scaling`: how the rotary frequencies are stretched past the pretraining length (a
       `dew.nn.rotary.RopeScaling`, or its fields as a dict); the default scales nothing.
-    - `layer_types`: one "full_attention" or "sliding_attention" per layer; only sliding layers
-      use `sliding_window`, `local_rope_theta` (default `rope_theta`) and `local_rope_scaling`
-      (default `rope_scaling`). Without it, every layer uses `sliding_window`.
+    - `layer_types`: one "full_attention", "sliding_attention" or "linear_attention" per layer; only
+      sliding layers use `sliding_window`, `local_rope_theta` (default `rope_theta`) and
+      `local_rope_scaling` (default `rope_scaling`); a linear layer's mixer is the recurrent one
+      (`recurrent`). Without it, every layer is attention and uses `sliding_window`.
+    - `recurrent`: the shape of the recurrent mixers of the "linear_attention" layers
+      (`dew.nn.mamba2.Mamba2`, or its fields as a dict), as `latent` is attention's.
+    - `mlp_features`: the dense MLP's hidden units; 0 for layers without a feed-forward (Mamba2's).
     - `scan_layers`: the fewest like layers in a row that run as one `nn.scan` (one compiled body, so
       compile time stays flat in depth); shorter runs are unrolled, which runs the train step faster
       on CPU at small widths (docs/performance.md). 0 unrolls every layer, 1 scans every run.
@@ -160,6 +168,7 @@ class DecoderConfig:
     attention_dropout: float = 0.0
     mixture: Mixture | None = None
     latent: LatentAttention | None = None
+    recurrent: Mamba2 | None = None
     mtp_depths: int = 0
     scan_layers: int = 8
     remat: str = "none"
@@ -194,10 +203,12 @@ class DecoderConfig:
     def _check(self) -> None:
         """Refuse a normalized config that describes no decoder Dew computes, naming the field."""
         positive = ("vocab_size", "emb_features", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                    "mlp_features", "max_seq_len")
+                    "max_seq_len")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} is {getattr(self, name)}; it must be at least 1")
+        if self.mlp_features < 0:
+            raise ValueError(f"mlp_features is {self.mlp_features}; use 0 for layers without a feed-forward")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}: "
@@ -218,19 +229,28 @@ class DecoderConfig:
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types names {len(self.layer_types)} layers but num_layers is {self.num_layers}")
-            unknown = sorted(set(self.layer_types) - {FULL, SLIDING})
+            unknown = sorted(set(self.layer_types) - {FULL, SLIDING, LINEAR})
             if unknown:
-                raise ValueError(f"layer_types holds {unknown}; each layer is {FULL!r} or {SLIDING!r}")
+                raise ValueError(f"layer_types holds {unknown}; each layer is {FULL!r}, {SLIDING!r} or {LINEAR!r}")
+            if (LINEAR in self.layer_types) != (self.recurrent is not None):
+                raise ValueError(f"recurrent is {self.recurrent!r} and layer_types names "
+                                 f"{self.layer_types.count(LINEAR)} {LINEAR!r} layers: the recurrent mixer's shape "
+                                 "and the layers it mixes come together (give both, or neither)")
             if SLIDING in self.layer_types and self.sliding_window is None:
                 raise ValueError(f"layer_types names {SLIDING!r} layers but sliding_window is None: give the width")
         else:
             for name in ("local_rope_theta", "local_rope_scaling"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} applies to sliding layers: give layer_types too, or drop it")
+            if self.recurrent is not None:
+                raise ValueError("recurrent is the mixer of the linear_attention layers: give layer_types naming them")
         if self.mixture is not None:
             outside = [i for i in self.mixture.layers or () if i >= self.num_layers]
             if outside:
                 raise ValueError(f"mixture layers {outside} are not layers of this {self.num_layers}-layer model")
+            if not self.mlp_features and not self.mixture.expert_features:
+                raise ValueError("mlp_features is 0 (no feed-forward) with a mixture: give the experts' width "
+                                 "(mixture expert_features) or mlp_features")
             if self.mlp_bias and (self.sparse_layers or self.mtp_depths):
                 raise NotImplementedError("mlp_bias with a mixture: experts with biases are not built in Dew yet; "
                                           "set mlp_bias False")
@@ -258,7 +278,9 @@ class DecoderConfig:
         specs = []
         for index in range(self.num_layers):
             theta, scaling = self.layer_rope(index)
-            if self.latent is not None:
+            if self.layer_types is not None and self.layer_types[index] == LINEAR:
+                mixer = _RECURRENT_SPECS[type(self.recurrent)](self.recurrent)
+            elif self.latent is not None:
                 mixer = MLASpec(self.num_heads, self.latent, theta, scaling, bias=self.qkv_bias, o_bias=self.o_bias)
             else:
                 mixer = AttentionSpec(
@@ -267,7 +289,7 @@ class DecoderConfig:
                     qk_norm_scope=self.qk_norm_scope, qkv_bias=self.qkv_bias, o_bias=self.o_bias,
                     query_scale=self.query_scale, softcap=self.attn_softcap,
                 )
-            feed_forward = sparse if index in self.sparse_layers else dense
+            feed_forward = sparse if index in self.sparse_layers else dense if self.mlp_features else None
             specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps))
         return tuple(specs)
 

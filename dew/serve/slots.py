@@ -139,10 +139,9 @@ def compile_admit(model):
         W = tokens_RW.shape[1]
         new = start(model, params, tokens_RW, valid_RW, W, penalty=True, media=media)
         put = lambda big, rows: big.at[slot_R].set(rows.astype(big.dtype), mode="drop")
-        # Cache arrays are [layers, rows, kv_heads, capacity, head_dim]: the prompt fills slots 0..W-1.
-        put_cache = lambda big, rows: big.at[:, slot_R, :, :W].set(rows.astype(big.dtype), mode="drop")
+        # Each run's cache lays out its rows its own way (a recurrent state has no slots): it puts them.
         cache = slots.decode.cache
-        cache = cache.replace(runs=jax.tree_util.tree_map(put_cache, cache.runs, new.cache.runs),
+        cache = cache.replace(runs=tuple(run.put_rows(slot_R, rows) for run, rows in zip(cache.runs, new.cache.runs)),
                               lengths=put(cache.lengths, new.cache.lengths))
         if cache.groups is not None:  # which slots hold an image's tokens, for a multimodal model
             cache = cache.replace(groups=cache.groups.at[slot_R, :W].set(new.cache.groups, mode="drop"))

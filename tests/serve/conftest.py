@@ -33,8 +33,18 @@ NAME = "tiny-chat"
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum old songs".split()
 
 
-def write_checkpoint(directory):
-    """The tiny chat checkpoint in `directory`; returns its transformers tokenizer."""
+def tiny_llama(vocab_size: int, eos: int):
+    """The 2-layer Llama the session's server serves."""
+    import transformers
+
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, eos_token_id=eos, bos_token_id=None, pad_token_id=eos))
+
+
+def write_checkpoint(directory, build=tiny_llama):
+    """The tiny chat checkpoint in `directory`, its model made by `build(vocab_size, eos_id)` (a
+    transformers model); returns its transformers tokenizer."""
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -50,12 +60,8 @@ def write_checkpoint(directory):
                                                 chat_template=CHATML)
     fast.save_pretrained(directory)
     eos = tokenizer.token_to_id("<|im_end|>")
-    config = transformers.LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=48,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=128, eos_token_id=eos, bos_token_id=None,
-                                      pad_token_id=eos)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = build(tokenizer.get_vocab_size(), eos).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" not in name:

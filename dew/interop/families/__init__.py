@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dew.interop.families import (
-    deepseek, diffusion_gemma, dream, gemma, gemma3, llada, llama, mixtral, olmo, qwen, qwen_moe,
+    deepseek, diffusion_gemma, dream, gemma, gemma3, llada, llama, mamba2, mixtral, olmo, qwen, qwen_moe,
 )
 from dew.interop.families.converter import Converter, GGUFNames
 from dew.interop.hf_decoders import refuse_quantized
@@ -36,7 +36,7 @@ from dew.nn.transformer import DecoderConfig
 _BUILT_IN = (llama.LLAMA, qwen.QWEN2, qwen.QWEN3, llama.MISTRAL, llama.MINISTRAL, gemma.GEMMA, gemma.GEMMA2,
              gemma.GEMMA3_TEXT, olmo.OLMO2, olmo.OLMO3, llada.LLADA, dream.DREAM, mixtral.MIXTRAL,
              qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, diffusion_gemma.DIFFUSION_GEMMA, deepseek.DEEPSEEK_V3,
-             deepseek.DEEPSEEK_V2, deepseek.DEEPSEEK_V32, gemma3.GEMMA3)
+             deepseek.DEEPSEEK_V2, deepseek.DEEPSEEK_V32, mamba2.MAMBA2, gemma3.GEMMA3)
 FAMILIES: dict[str, Converter] = {}
 
 
@@ -59,10 +59,18 @@ def family_of(source: Mapping[str, Any], where: str = "config.json") -> Converte
     if model_type in FAMILIES:
         return FAMILIES[model_type]
     if model_type is None:
-        raise ValueError(f"{where} has no model_type: Dew loads transformers decoders whose config names one of "
-                         f"{sorted(FAMILIES)}")
+        native = (" (mamba_ssm's own format: load_pretrained reads it as transformers' Mamba2 port)"
+                  if mamba2.is_mamba_ssm(source) else "")
+        raise ValueError(f"{where} has no model_type{native}: Dew loads transformers decoders whose config names one "
+                         f"of {sorted(FAMILIES)}")
     raise ValueError(f"{where} names model_type {model_type!r}, which is not a Dew family: native families are "
                      f"{sorted(FAMILIES)} (loading other types through a verified mapping is not built yet)")
+
+
+def ported(source: Mapping[str, Any], where: str = "config.json") -> Mapping[str, Any]:
+    """The config.json of the transformers port that reads a checkpoint in a format with none of its own
+    (mamba_ssm's, `mamba2.port_config`); any other config as it is."""
+    return mamba2.port_config(source, where) if mamba2.is_mamba_ssm(source) else source
 
 
 def decoder_kwargs(source: Mapping[str, Any], where: str = "config.json") -> dict[str, Any]:
@@ -100,5 +108,5 @@ def gguf_architectures() -> list[str]:
     return [converter.gguf.architecture for converter in FAMILIES.values() if converter.gguf is not None]
 
 
-__all__ = ["FAMILIES", "Converter", "GGUFNames", "decoder_kwargs", "family_for", "family_of", "gguf_architectures",
+__all__ = ["FAMILIES", "Converter", "GGUFNames", "decoder_kwargs", "ported", "family_for", "family_of", "gguf_architectures",
            "gguf_family", "register"]

@@ -297,6 +297,8 @@ def _differences(ours: DecoderConfig, theirs: DecoderConfig) -> list[str]:
             continue
         for part in ("mixer", "feed_forward", None):
             a, b = (getattr(mine, part), getattr(its, part)) if part else (mine, its)
+            if a is None and b is None:  # neither layer has a feed-forward
+                continue
             if type(a) is not type(b):
                 found.append(f"layer {index} {part} {type(a).__name__} (it computes {type(b).__name__})")
                 continue
