@@ -12,7 +12,8 @@ from dew.data.inputs import ModelInputs
 class TextProcessor:
     """Encode strings with `tokenizer` (no special tokens added: write them in the text, as a chat template
     does) into `ModelInputs`: int32 `tokens` `[rows, longest]` padded with `pad_id` before each shorter
-    row's first token, and a boolean `attention_mask` marking the real ones."""
+    row's first token, and, when some row is padded, a boolean `attention_mask` marking the real ones (a
+    batch with nothing to pad has none, so attention runs with causality as a flag)."""
 
     def __init__(self, tokenizer, pad_id: int = 0):
         self.tokenizer, self.pad_id = tokenizer, int(pad_id)
@@ -30,7 +31,7 @@ class TextProcessor:
         mask = np.zeros((len(encoded), longest), bool)
         for row, ids in enumerate(encoded):
             tokens[row, longest - len(ids):], mask[row, longest - len(ids):] = ids, True
-        return ModelInputs.of(tokens, attention_mask=mask)
+        return ModelInputs.of(tokens, attention_mask=None if mask.all() else mask)
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids))
