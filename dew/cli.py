@@ -27,16 +27,20 @@ import tyro
 from tyro.conf import Positional
 
 def tokenize(input: str, out: str, tokenizer: str, val_fraction: float = 0.01, workers: int | None = None,
-             eos_between_files: bool = False, force: bool = False) -> None:
-    """Tokenize text into train.bin, val.bin and meta.json, the token files a run trains on.
+             eos_between_files: bool = False, field: str = "text", force: bool = False) -> None:
+    """Tokenize text or records into train.bin, val.bin and meta.json, the token files a run trains on.
 
     Args:
-        input: A text file (.xz and .gz are decompressed) or a directory of *.txt, *.txt.xz, *.txt.gz files.
+        input: A text file (.txt; .xz and .gz are decompressed), a JSON Lines file (.jsonl, .jsonl.gz,
+            .jsonl.xz), a Parquet file, a Hugging Face datasets directory (Dataset.save_to_disk's), or a
+            directory of such files.
         out: The directory for train.bin, val.bin and meta.json.
         tokenizer: "byte", a Hugging Face tokenizer name, or a tokenizer.json path.
         val_fraction: The share of the tokens, from the start, held out as val.bin.
         workers: Tokenizing processes (None: every core).
-        eos_between_files: Put the tokenizer's EOS id between consecutive input files.
+        eos_between_files: Put the tokenizer's EOS id between consecutive text files (records always have
+            it between them).
+        field: The string field of each record that holds its text (JSON Lines, Parquet, datasets).
         force: Replace the token files already in OUT (without it they are refused).
     """
     from dew.data.tokenize import existing_token_files, tokenize_text
@@ -44,7 +48,7 @@ def tokenize(input: str, out: str, tokenizer: str, val_fraction: float = 0.01, w
     started = time.perf_counter()
     replaced = existing_token_files(out) if force and out else None
     meta = tokenize_text(input, out, tokenizer, val_fraction, workers, eos_between_files=eos_between_files,
-                         force=force)
+                         field=field, force=force)
     tokens = meta["train_tokens"] + meta["val_tokens"]
     seconds = time.perf_counter() - started
     print(f"{out}: {tokens:,} tokens ({meta['val_tokens']:,} val, {meta['dtype']}, {meta['tokenizer']}) "
@@ -331,7 +335,8 @@ def _function(function: Callable[..., None]) -> Callable[[Sequence[str]], int]:
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "train": ("train a language model from flags: --objective lm, masked_diffusion, block_diffusion, dpo, grpo",
               _train),
-    "tokenize": ("tokenize text into train.bin, val.bin and meta.json", _function(tokenize)),
+    "tokenize": ("tokenize text, JSON Lines, Parquet or datasets into train.bin, val.bin and meta.json",
+                 _function(tokenize)),
     "generate": ("continue a prompt from a run, a checkpoint or a GGUF file, streaming the text",
                  _function(generate)),
     "export": ("write a trained run as a transformers checkpoint (for transformers, vLLM, Ollama)",
