@@ -226,23 +226,35 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
 
 def export(run: Positional[Annotated[str, tyro.conf.arg(metavar="RUN")]],
            out: Positional[Annotated[str, tyro.conf.arg(metavar="OUT")]], live: bool = False,
-           step: int | None = None, force: bool = False) -> None:
+           step: int | None = None, force: bool = False, format: Literal["safetensors", "gguf"] = "safetensors",
+           outtype: Literal["f32", "f16", "q8_0"] = "f16") -> None:
     """Write a trained run as a transformers checkpoint (config.json of the family that computes it,
-    safetensors, tokenizer files, generation_config.json), which transformers, vLLM and dew serve load.
+    safetensors, tokenizer files, generation_config.json), which transformers, vLLM and dew serve load;
+    or, with --format gguf, as one GGUF file (llama.cpp's names, the tokenizer and its chat template) for
+    llama.cpp and Ollama.
 
     Args:
         run: A run directory (holding run.json), or one of its checkpoints (RUN/checkpoints/STEP).
-        out: The directory to write: a new or empty one, outside the run directory.
+        out: The directory to write: a new or empty one, outside the run directory; with --format gguf, the
+            file to write (e.g. exported/kjv.gguf).
         live: Export the live weights instead of the moving average.
         step: The checkpoint to export (default: the newest that reads).
         force: Write into an OUT that holds files: an earlier export there is replaced atomically, other
-            files are kept.
+            files are kept (a GGUF OUT is replaced).
+        format: safetensors (a transformers checkpoint) or gguf (one file).
+        outtype: The GGUF file's matrices: f32, f16, or q8_0 (llama.cpp's 8-bit blocks; rows that are not
+            whole blocks of 32 as f16). Norms and biases are always f32.
     """
     import json
     from pathlib import Path
 
     from dew.recipes.export import export_run, replaced_by_export
 
+    if format == "gguf":
+        written = export_run(run, out, ema=not live, step=step, force=force, format="gguf", outtype=outtype)
+        print(f"wrote {written} ({outtype}): `llama-cli -m {written}` and Ollama (a Modelfile's FROM {written}) "
+              f"load it; so do `dew generate {written}` and `dew serve {written}`")
+        return
     replaced = replaced_by_export(out) if force and out else []
     directory = export_run(run, out, ema=not live, step=step, force=force)
     family = json.loads((Path(directory) / "config.json").read_text())["model_type"]
@@ -339,7 +351,7 @@ COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
                  _function(tokenize)),
     "generate": ("continue a prompt from a run, a checkpoint or a GGUF file, streaming the text",
                  _function(generate)),
-    "export": ("write a trained run as a transformers checkpoint (for transformers, vLLM, Ollama)",
+    "export": ("write a trained run as a transformers checkpoint or a GGUF file (vLLM, llama.cpp, Ollama)",
                _function(export)),
     "serve": ("serve a model over OpenAI's HTTP API with continuous batching", _function(serve)),
     "plot": ("plot runs' loss and perplexity against steps and tokens into a PNG", _function(plot)),
