@@ -27,16 +27,20 @@ import tyro
 from tyro.conf import Positional
 
 def tokenize(input: str, out: str, tokenizer: str, val_fraction: float = 0.01, workers: int | None = None,
-             eos_between_files: bool = False, force: bool = False) -> None:
-    """Tokenize text into train.bin, val.bin and meta.json, the token files a run trains on.
+             eos_between_files: bool = False, field: str = "text", force: bool = False) -> None:
+    """Tokenize text or records into train.bin, val.bin and meta.json, the token files a run trains on.
 
     Args:
-        input: A text file (.xz and .gz are decompressed) or a directory of *.txt, *.txt.xz, *.txt.gz files.
+        input: A text file (.txt; .xz and .gz are decompressed), a JSON Lines file (.jsonl, .jsonl.gz,
+            .jsonl.xz), a Parquet file, a Hugging Face datasets directory (Dataset.save_to_disk's), or a
+            directory of such files.
         out: The directory for train.bin, val.bin and meta.json.
         tokenizer: "byte", a Hugging Face tokenizer name, or a tokenizer.json path.
         val_fraction: The share of the tokens, from the start, held out as val.bin.
         workers: Tokenizing processes (None: every core).
-        eos_between_files: Put the tokenizer's EOS id between consecutive input files.
+        eos_between_files: Put the tokenizer's EOS id between consecutive text files (records always have
+            it between them).
+        field: The string field of each record that holds its text (JSON Lines, Parquet, datasets).
         force: Replace the token files already in OUT (without it they are refused).
     """
     from dew.data.tokenize import existing_token_files, tokenize_text
@@ -44,7 +48,7 @@ def tokenize(input: str, out: str, tokenizer: str, val_fraction: float = 0.01, w
     started = time.perf_counter()
     replaced = existing_token_files(out) if force and out else None
     meta = tokenize_text(input, out, tokenizer, val_fraction, workers, eos_between_files=eos_between_files,
-                         force=force)
+                         field=field, force=force)
     tokens = meta["train_tokens"] + meta["val_tokens"]
     seconds = time.perf_counter() - started
     print(f"{out}: {tokens:,} tokens ({meta['val_tokens']:,} val, {meta['dtype']}, {meta['tokenizer']}) "
@@ -234,23 +238,35 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
 
 def export(run: Positional[Annotated[str, tyro.conf.arg(metavar="RUN")]],
            out: Positional[Annotated[str, tyro.conf.arg(metavar="OUT")]], live: bool = False,
-           step: int | None = None, force: bool = False) -> None:
+           step: int | None = None, force: bool = False, format: Literal["safetensors", "gguf"] = "safetensors",
+           outtype: Literal["f32", "f16", "q8_0"] = "f16") -> None:
     """Write a trained run as a transformers checkpoint (config.json of the family that computes it,
-    safetensors, tokenizer files, generation_config.json), which transformers, vLLM and dew serve load.
+    safetensors, tokenizer files, generation_config.json), which transformers, vLLM and dew serve load;
+    or, with --format gguf, as one GGUF file (llama.cpp's names, the tokenizer and its chat template) for
+    llama.cpp and Ollama.
 
     Args:
         run: A run directory (holding run.json), or one of its checkpoints (RUN/checkpoints/STEP).
-        out: The directory to write: a new or empty one, outside the run directory.
+        out: The directory to write: a new or empty one, outside the run directory; with --format gguf, the
+            file to write (e.g. exported/kjv.gguf).
         live: Export the live weights instead of the moving average.
         step: The checkpoint to export (default: the newest that reads).
         force: Write into an OUT that holds files: an earlier export there is replaced atomically, other
-            files are kept.
+            files are kept (a GGUF OUT is replaced).
+        format: safetensors (a transformers checkpoint) or gguf (one file).
+        outtype: The GGUF file's matrices: f32, f16, or q8_0 (llama.cpp's 8-bit blocks; rows that are not
+            whole blocks of 32 as f16). Norms and biases are always f32.
     """
     import json
     from pathlib import Path
 
     from dew.recipes.export import export_run, replaced_by_export
 
+    if format == "gguf":
+        written = export_run(run, out, ema=not live, step=step, force=force, format="gguf", outtype=outtype)
+        print(f"wrote {written} ({outtype}): `llama-cli -m {written}` and Ollama (a Modelfile's FROM {written}) "
+              f"load it; so do `dew generate {written}` and `dew serve {written}`")
+        return
     replaced = replaced_by_export(out) if force and out else []
     directory = export_run(run, out, ema=not live, step=step, force=force)
     family = json.loads((Path(directory) / "config.json").read_text())["model_type"]
@@ -343,10 +359,11 @@ def _function(function: Callable[..., None]) -> Callable[[Sequence[str]], int]:
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "train": ("train a language model from flags: --objective lm, masked_diffusion, block_diffusion, dpo, grpo",
               _train),
-    "tokenize": ("tokenize text into train.bin, val.bin and meta.json", _function(tokenize)),
+    "tokenize": ("tokenize text, JSON Lines, Parquet or datasets into train.bin, val.bin and meta.json",
+                 _function(tokenize)),
     "generate": ("continue a prompt from a run, a checkpoint or a GGUF file, streaming the text",
                  _function(generate)),
-    "export": ("write a trained run as a transformers checkpoint (for transformers, vLLM, Ollama)",
+    "export": ("write a trained run as a transformers checkpoint or a GGUF file (vLLM, llama.cpp, Ollama)",
                _function(export)),
     "serve": ("serve a model over OpenAI's HTTP API with continuous batching", _function(serve)),
     "plot": ("plot runs' loss and perplexity against steps and tokens into a PNG", _function(plot)),

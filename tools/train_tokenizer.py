@@ -2,7 +2,8 @@
 
     python tools/train_tokenizer.py --input data/kjv-verses.txt --vocab-size 4096 --out data/tokenizers/kjv-bpe
 
-`--input` is a text file (.xz and .gz are decompressed) or a directory of them, read as
+`--input` is a text file (.xz and .gz are decompressed), a record file (JSON Lines, Parquet, a datasets
+directory; `--field` names the text) or a directory of them, read as
 tools/tokenize_text.py reads it. The tokenizer splits text as GPT-2 does (its pre-tokenizer
 pattern, no prefix space) and starts from all 256 byte values, so every string encodes; its
 vocabulary is `--vocab-size` ids: `<|endoftext|>` (id 0, the EOS token HFTokenizer looks for),
@@ -22,15 +23,22 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dew.data.tokenize import input_files, open_binary
+from dew.data.record_files import is_record_file, open_binary, texts
+from dew.data.tokenize import DEFAULT_FIELD, input_files
 
 ENDOFTEXT = "<|endoftext|>"
 BYTES = 256
 
 
-def corpus_lines(input: str | os.PathLike) -> Iterator[str]:
-    """Every line of every input file, newline kept, in tools/tokenize_text.py's file order."""
+def corpus_lines(input: str | os.PathLike, field: str = DEFAULT_FIELD) -> Iterator[str]:
+    """Every line of every input file, newline kept, in tools/tokenize_text.py's file order; a record file's
+    records (JSON Lines, Parquet, datasets) give the lines of their `field`."""
     for path in input_files(input):
+        if is_record_file(path):
+            for batch in texts(path, field):
+                for text in batch:
+                    yield from text.splitlines(keepends=True)
+            continue
         with open_binary(path) as stream:
             yield from stream.read().decode("utf-8").splitlines(keepends=True)
 
@@ -64,12 +72,14 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", required=True, help="a text file (.xz, .gz too) or a directory of them")
+    parser.add_argument("--input", required=True, help="a text file (.xz, .gz too), a JSON Lines or Parquet file, a "
+                        "datasets directory, or a directory of such files")
+    parser.add_argument("--field", default=DEFAULT_FIELD, help="the string field of each record that holds its text")
     parser.add_argument("--vocab-size", type=int, default=4096, help="ids in the vocabulary, EOS included")
     parser.add_argument("--out", type=Path, required=True, help="directory for tokenizer.json")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    tokenizer = train_bpe(corpus_lines(args.input), args.vocab_size)
+    tokenizer = train_bpe(corpus_lines(args.input, args.field), args.vocab_size)
     if tokenizer.get_vocab_size() != args.vocab_size:
         raise RuntimeError(
             f"training gave {tokenizer.get_vocab_size()} ids, not {args.vocab_size}: the corpus has too "

@@ -1,6 +1,8 @@
-"""`ChatData`: conversations from a JSONL file as training rows with a role per token.
+"""`ChatData`: conversations from a JSON Lines file, a Parquet file or a `datasets` directory as training rows
+with a role per token.
 
-Each line of the file is one conversation, `{"messages": [{"role": "user", "content": "..."}, ...]}`.
+Each record is one conversation, `{"messages": [{"role": "user", "content": "..."}, ...]}` (a line of a JSON
+Lines file; a `messages` column of lists of structs in Parquet or `datasets`).
 Every conversation is rendered with the checkpoint's chat template and tokenized once, at `load`
 (`dew.data.chat.encode_chat`), then laid into rows of `seq_len + 1` tokens: first-fit in file order
 when `pack` is set, several conversations to a row, else one to a row. Grain reads the rows in a
@@ -32,15 +34,15 @@ TEXT = "text"
 SEGMENTS, POSITIONS, ROLES = f"{TEXT}_segment_ids", f"{TEXT}_positions", f"{TEXT}_roles"
 
 
-def read_conversations(path: str | Path) -> list[tuple[int, list]]:
-    """(line number, messages) of each non-blank line of a JSONL file, refused by line when a line is not
-    a JSON object with a "messages" list."""
+def read_conversations(path: str | Path) -> list[tuple[str, list]]:
+    """(where, messages) of each record of a JSON Lines file, a Parquet file or a `datasets` directory, refused
+    by record when one is not an object with a "messages" list (`where` names the file and the line or row)."""
     conversations = []
-    for number, record in read_records(path, "chat"):
+    for where, record in read_records(path, "chat"):
         if not isinstance(record.get("messages"), list):
-            raise ValueError(f"{path}, line {number}: each line is an object with a \"messages\" list, "
+            raise ValueError(f"{where}: each record is an object with a \"messages\" list, "
                              '{"messages": [{"role": ..., "content": ...}, ...]}')
-        conversations.append((number, record["messages"]))
+        conversations.append((where, record["messages"]))
     return conversations
 
 
@@ -89,7 +91,8 @@ class ChatData:
     [rows, seq_len + 1] per batch, rendered with the tokenizer's chat template (see the module)."""
 
     path: str = "data/chat.jsonl"
-    """A JSONL file, one {"messages": [{"role", "content"}, ...]} conversation a line."""
+    """A JSON Lines file, one {"messages": [{"role", "content"}, ...]} conversation a line; or a Parquet file or
+    datasets directory with a messages column."""
     seq_len: int = 256
     """Tokens each row trains on (a row holds one more, for the last target)."""
     tokenizer: str | None = None
@@ -97,7 +100,7 @@ class ChatData:
     template: str | None = None
     """A Jinja chat template file to render with instead of the tokenizer's own."""
     val_path: str | None = None
-    """A JSONL file of validation conversations, read once in file order; None: no validation."""
+    """A file of validation conversations (as `path`), read once in file order; None: no validation."""
     pack: bool = True
     """Pack several conversations into a row (first-fit, in file order); --data.no-pack puts one in each row."""
     overlong: Literal["refuse", "truncate"] = "refuse"
@@ -117,8 +120,7 @@ class ChatData:
         """Each conversation of `path` as (ids, roles), held to one row by the `overlong` rule."""
         width = self.seq_len + 1
         encoded = []
-        for number, messages in read_conversations(path):
-            where = f"{path}, line {number}"
+        for where, messages in read_conversations(path):
             ids, roles = encode_chat(messages, tokenizer, template, where)
             if len(ids) > width and self.overlong == "refuse":
                 raise ValueError(

@@ -105,8 +105,7 @@ def read_pairs(path: str | Path, tokenizer, seq_len: int, template=None, pad_id:
     or shorten the record."""
     width = seq_len + 1
     rows: dict[str, list] = {key: [] for key in (*SIDES, *(f"{side}_response" for side in SIDES))}
-    for number, record in read_records(path, "preference"):
-        where = f"{path} line {number}"
+    for where, record in read_records(path, "preference"):
         prompt, chosen, rejected = _split_record(record, where)
         for side, response in zip(SIDES, (chosen, rejected)):
             ids, prompt_length = _row(prompt, response, tokenizer, template, f"{where} {side}")

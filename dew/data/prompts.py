@@ -29,8 +29,7 @@ def read_prompts(path: str | Path, tokenizer, seq_len: int, template=None,
     (those its rewards read), is refused, naming its line."""
     width = seq_len + 1
     ids_rows, lengths, records = [], [], []
-    for number, record in read_records(path, "prompts"):
-        where = f"{path}, line {number}"
+    for where, record in read_records(path, "prompts"):
         if "prompt" not in record:
             raise ValueError(f"{where} has no 'prompt'; a prompt record is {{\"prompt\": text or messages, ...the "
                              "fields its rewards read}")

@@ -1,4 +1,5 @@
-"""JSONL records held in memory as rows: reading the lines, and the batches a run reads over the rows.
+"""Records held in memory as rows: reading them (JSON Lines, Parquet, `datasets`), and the batches a run reads
+over the rows.
 
 Preference pairs (`dew.data.preference_pairs`) and prompts (`dew.data.prompts`) are small enough to
 tokenize whole at load; their rows are numpy arrays with one leading entry per record, every key
@@ -8,7 +9,6 @@ iterator is a plain one: a resumed run replays it to the same next batch.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -16,33 +16,23 @@ from typing import Any
 import numpy as np
 
 from dew.data.dataset import Batch, Partition
+from dew.data.record_files import is_datasets_directory, records
 
 Rows = Mapping[str, np.ndarray]
 
 
-def read_records(path: str | Path, what: str) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, record) of each non-blank line of a JSONL file of `what` (named in errors), refused
-    by line when a line is not a JSON object."""
+def read_records(path: str | Path, what: str) -> list[tuple[str, dict[str, Any]]]:
+    """(where, record) of each record of a file of `what` (named in errors): JSON Lines, Parquet or a `datasets`
+    directory (`dew.data.record_files`), `where` naming the file and the line or row; refused by line when a
+    line is not a JSON object."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} file {path} does not exist: give a JSONL file, one JSON object a line")
-    records = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as error:
-                raise ValueError(f"{path}, line {number} is not JSON ({error}); a {what} file holds one JSON "
-                                 "object a line") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}, line {number} is {type(record).__name__}; a {what} file holds one JSON "
-                                 "object a line")
-            records.append((number, record))
-    if not records:
+    if not (path.is_file() or is_datasets_directory(path)):
+        raise FileNotFoundError(f"{what} file {path} does not exist: give a JSON Lines file (one JSON object a line), "
+                                "a Parquet file or a datasets directory")
+    read = list(records(path, what))
+    if not read:
         raise ValueError(f"{what} file {path} holds no record")
-    return records
+    return read
 
 
 def count_rows(rows: Rows) -> int:

@@ -1,7 +1,9 @@
 """Text to token files: the logic behind `dew tokenize` and tools/tokenize_text.py.
 
-The input is read in ~1 MiB chunks cut at line ends, tokenized by a pool of worker processes in
-order, and appended to a file as it goes, so memory stays bounded whatever the corpus size. The
+The input is text files, read in ~1 MiB chunks cut at line ends, or record files (JSON Lines, Parquet,
+`datasets` directories: `dew.data.record_files`), read ~1 MiB of documents at a time, each document one
+string field of a record, EOS between documents. A pool of worker processes tokenizes the chunks in order,
+and the ids are appended to a file as they come, so memory stays bounded whatever the corpus size. The
 first `val_fraction` of the tokens becomes val.bin and the rest train.bin. Everything is written in
 a staging directory and swapped into `--out` only when complete (see `token_files.commit_staged`),
 so a run that fails or is stopped leaves the token files already there as they were.
@@ -13,20 +15,20 @@ import collections
 import codecs
 import contextlib
 import errno
-import gzip
+import itertools
 import json
-import lzma
 import multiprocessing
 import os
 import signal
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
+from dew.data.record_files import (DECOMPRESSION_ERRORS, RECORD_SUFFIXES, Position, is_datasets_directory,
+                                   is_record_file, open_binary, stored_size, texts)
 from dew.data.token_files import (META, SPLITS, commit_staged, dtype_for_vocab, make_meta, split_path,
                                   staging_directory, write_meta)
 from dew.data.tokenizers import Tokenizer, load_tokenizer
@@ -36,45 +38,33 @@ TEXT_SUFFIXES = (".txt", ".txt.xz", ".txt.gz")
 _COPY_BYTES = 64 << 20
 # Text this many chunks long with no strict cut is cut at a loose one (see `text_chunks`).
 _LOOSE_AFTER = 16
-# What a cut-short or damaged .xz / .gz stream raises while it is read.
-_DECOMPRESSION_ERRORS = (EOFError, lzma.LZMAError, gzip.BadGzipFile, zlib.error)
+DEFAULT_FIELD = "text"
 
 
 def input_files(input: str | os.PathLike) -> list[Path]:
-    """The files to read: `input` itself, or every *.txt (also .txt.xz, .txt.gz) under it, sorted."""
+    """The sources to read: `input` itself (a file or a `datasets` directory), or every text file (*.txt,
+    .txt.xz, .txt.gz) and record file (*.jsonl, .jsonl.gz, .jsonl.xz, *.parquet) under it, sorted."""
     if os.fspath(input) == "":
         raise ValueError("input is an empty path, which would read every text file under the current directory: "
                          "name the text file or directory to tokenize (--input)")
     path = Path(input)
-    if path.is_file():
+    if path.is_file() or is_datasets_directory(path):
         return [path]
     if not path.is_dir():
         raise FileNotFoundError(f"input {path} is neither a file nor a directory")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES))
+    suffixes = TEXT_SUFFIXES + RECORD_SUFFIXES
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(suffixes))
     if not files:
-        raise FileNotFoundError(f"directory {path} holds no {' / '.join(TEXT_SUFFIXES)} files")
+        raise FileNotFoundError(f"directory {path} holds no {' / '.join(suffixes)} files, nor is it a datasets "
+                                "directory (Dataset.save_to_disk's, with state.json)")
     return files
 
 
-def open_binary(path: Path, raw: IO[bytes] | None = None) -> IO[bytes]:
-    """Open a text file for reading bytes, decompressing .xz and .gz.
-
-    With `raw` (`path` already opened "rb"), the bytes come from it, and its position tells how
-    much of the stored file has been read; the caller closes it.
-    """
-    source = path if raw is None else raw
-    if path.name.endswith(".xz"):
-        return lzma.open(source, "rb")
-    if path.name.endswith(".gz"):
-        return gzip.open(source, "rb")
-    return open(path, "rb") if raw is None else raw
-
-
 class _InputRead:
-    """How much of the input files has been read, in bytes as stored (compressed for .xz/.gz)."""
+    """How much of the input has been read, in bytes as stored (compressed for .xz/.gz)."""
 
     def __init__(self, files: list[Path]):
-        self.total = sum(path.stat().st_size for path in files)
+        self.total = sum(stored_size(path) for path in files)
         self.finished = 0  # bytes of the files read to the end
         self.current: IO[bytes] | None = None
 
@@ -106,7 +96,7 @@ def _read(stream: IO[bytes], size: int, name: str, offset: int) -> bytes:
     """Up to `size` bytes of `stream`; a damaged compressed stream is a ValueError naming `name`."""
     try:
         return stream.read(size)
-    except _DECOMPRESSION_ERRORS as error:
+    except DECOMPRESSION_ERRORS as error:
         after = f" after {offset:,} bytes of text" if offset else ""
         raise ValueError(
             f"{name} is truncated or corrupt: decompressing it failed{after} ({error}); copy or "
@@ -167,10 +157,17 @@ def _start_worker(tokenizer: Tokenizer) -> None:
     _worker_tokenizer = tokenizer
 
 
-def _encode(text: str, tokenizer: Tokenizer | None = None) -> np.ndarray:
-    """Token ids of one chunk, in the token files' dtype, checked against the vocabulary."""
+def _encode(text: str | list[str], tokenizer: Tokenizer | None = None) -> np.ndarray:
+    """Token ids of one chunk of text, or of a list of documents with EOS between them, in the token files'
+    dtype, checked against the vocabulary."""
     tokenizer = _worker_tokenizer if tokenizer is None else tokenizer
-    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    if isinstance(text, str):
+        ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    else:
+        documents = tokenizer.encode_batch(text)
+        joined = itertools.chain.from_iterable(
+            itertools.chain.from_iterable(((tokenizer.eos_id,), document) for document in documents))
+        ids = np.fromiter(joined, np.int64, count=sum(map(len, documents)) + len(documents))[1:]
     if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
         raise ValueError(
             f"tokenizer {tokenizer.name} produced id {ids.max()} (or {ids.min()}) outside its own "
@@ -179,16 +176,46 @@ def _encode(text: str, tokenizer: Tokenizer | None = None) -> np.ndarray:
     return ids.astype(dtype_for_vocab(tokenizer.vocab_size))
 
 
-def _encoded_chunks(files: list[Path], tokenizer: Tokenizer, workers: int, chunk_bytes: int,
-                    eos_between_files: bool, read: _InputRead) -> Iterator[np.ndarray]:
-    """The ids of every chunk of every file, in order; EOS between files when asked. `read`
-    follows the reading (a few chunks ahead of the ids yielded)."""
-    dtype = dtype_for_vocab(tokenizer.vocab_size)
+def document_chunks(batches: Iterator[list[str]], chunk_bytes: int,
+                    eos: np.ndarray) -> Iterator[list[str] | np.ndarray]:
+    """Documents in lists of about `chunk_bytes` characters (a longer document is a list of its own), with
+    `eos` between consecutive lists, so the lists' ids joined as `_encode` joins a list's are the corpus's."""
+    chunk: list[str] = []
+    size, first = 0, True
+    for batch in batches:
+        for document in batch:
+            chunk.append(document)
+            size += len(document)
+            if size >= chunk_bytes:
+                if not first:
+                    yield eos
+                yield chunk
+                chunk, size, first = [], 0, False
+    if chunk:
+        if not first:
+            yield eos
+        yield chunk
 
-    def pieces() -> Iterator[str | np.ndarray]:
+
+def _encoded_chunks(files: list[Path], tokenizer: Tokenizer, workers: int, chunk_bytes: int,
+                    eos_between_files: bool, read: _InputRead, field: str = DEFAULT_FIELD) -> Iterator[np.ndarray]:
+    """The ids of every chunk of every file, in order: EOS between the documents of record files, and
+    between files when asked or when either is a record file. `read` follows the reading (a few chunks ahead
+    of the ids yielded)."""
+    dtype = dtype_for_vocab(tokenizer.vocab_size)
+    eos = None if tokenizer.eos_id is None else np.array([tokenizer.eos_id], dtype=dtype)
+
+    def pieces() -> Iterator[str | list[str] | np.ndarray]:
         for index, path in enumerate(files):
-            if index and eos_between_files:
-                yield np.array([tokenizer.eos_id], dtype=dtype)
+            records = is_record_file(path)
+            if index and (eos_between_files or records or is_record_file(files[index - 1])):
+                yield eos
+            if records:
+                position = Position(stored_size(path))
+                read.current = position
+                yield from document_chunks(texts(path, field, position), chunk_bytes, eos)
+                read.finished, read.current = read.finished + position.size, None
+                continue
             with open(path, "rb") as raw, open_binary(path, raw) as stream:
                 read.current = raw
                 yield from text_chunks(stream, chunk_bytes, name=str(path))
@@ -198,15 +225,23 @@ def _encoded_chunks(files: list[Path], tokenizer: Tokenizer, workers: int, chunk
         for piece in pieces():
             yield piece if isinstance(piece, np.ndarray) else _encode(piece, tokenizer)
         return
+    # Text chunks go to the pool; a list of documents is encoded here, by `encode_batch`, which a Hugging Face
+    # tokenizer spreads over every core itself (worker processes made it slower: docs/performance.md).
     # spawn, not fork: the caller may hold threads (JAX, Grain) that a forked child would inherit
     # mid-operation. The window of 2 * workers chunks in flight keeps memory bounded, which
-    # Pool.imap does not (it reads its whole input ahead).
+    # Pool.imap does not (it reads its whole input ahead). The pool starts with the first text chunk.
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer,)) as pool:
+    with contextlib.ExitStack() as stack:
+        pool = None
         in_flight: collections.deque = collections.deque()
         for piece in pieces():
             if isinstance(piece, str):
+                if pool is None:
+                    pool = stack.enter_context(context.Pool(workers, initializer=_start_worker,
+                                                            initargs=(tokenizer,)))
                 piece = pool.apply_async(_encode, (piece,))
+            elif isinstance(piece, list):
+                piece = _encode(piece, tokenizer)
             in_flight.append(piece)
             if len(in_flight) >= 2 * workers:
                 head = in_flight.popleft()
@@ -342,14 +377,18 @@ def _write_tokens(chunks: Iterator[np.ndarray], staging: Path, out: Path, itemsi
 
 def tokenize_text(input: str | os.PathLike, out: str | os.PathLike, tokenizer: str | Tokenizer,
                   val_fraction: float = 0.01, workers: int | None = None, *,
-                  eos_between_files: bool = False, chunk_bytes: int = CHUNK_BYTES,
+                  eos_between_files: bool = False, field: str = DEFAULT_FIELD, chunk_bytes: int = CHUNK_BYTES,
                   progress: bool | None = None, force: bool = False) -> dict[str, Any]:
-    """Tokenize a text file or directory into `out`/train.bin, val.bin and meta.json.
+    """Tokenize text or record files (a file, a `datasets` directory, or a directory of them; see
+    `input_files`) into `out`/train.bin, val.bin and meta.json.
 
     `tokenizer` is "byte", a Hugging Face tokenizer name or path, or a tokenizer object.
     The first `val_fraction` of the tokens (rounded down) is the validation split. `workers`
-    processes tokenize (default: every core; 1 tokenizes in this process). With
-    `eos_between_files`, the tokenizer's EOS id separates consecutive files. Returns meta.json's
+    processes tokenize text (default: every core; 1 tokenizes in this process). Each record of a record
+    file is a document, its string `field`, and documents are tokenized here in batches of about
+    `chunk_bytes` by the tokenizer's `encode_batch` (a Hugging Face tokenizer's uses every core); the
+    tokenizer's EOS id separates documents, and with `eos_between_files` consecutive text files too.
+    Returns meta.json's
     record. Workers are spawned processes, so a script that calls this with `workers` above 1
     does so under `if __name__ == "__main__":`. A progress display on stderr (input bytes read of
     the total, tokens written) is shown with `progress=True`, or by default when stderr is a
@@ -383,13 +422,17 @@ def tokenize_text(input: str | os.PathLike, out: str | os.PathLike, tokenizer: s
             f"drop --eos-between-files or use a tokenizer with an EOS token"
         )
     files = input_files(input)
+    records = [path for path in files if is_record_file(path)]
+    if records and tokenizer.eos_id is None:
+        raise ValueError(f"{records[0]} holds records, each a document, and documents are joined by the tokenizer's "
+                         f"EOS token, which tokenizer {tokenizer.name} has none of: use a tokenizer with an EOS token")
     out = Path(out)
     with _writing(out):
         out.mkdir(parents=True, exist_ok=True)
     itemsize = dtype_for_vocab(tokenizer.vocab_size).itemsize
     read = _InputRead(files)
     with _sigterm_unwinds(), staging_directory(out) as staging, _progress(progress, read) as report:
-        chunks = _encoded_chunks(files, tokenizer, workers, chunk_bytes, eos_between_files, read)
+        chunks = _encoded_chunks(files, tokenizer, workers, chunk_bytes, eos_between_files, read, field)
         train_tokens, val_tokens = _write_tokens(chunks, staging, out, itemsize, val_fraction,
                                                  report)
         if train_tokens + val_tokens == 0:

@@ -46,6 +46,8 @@ _ROPE_SCALING_KEYS = {"factor": "factor", "original_context_length": "original_m
 _ROW_VECTORS = ("ffn_gate_inp_shexp.weight",)
 _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
            "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+# The name a GGUF file Dew writes gives each split (`dew.interop.gguf_out`).
+SPLIT_NAMES = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2"}
 
 
 def _require_gguf():

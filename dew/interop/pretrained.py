@@ -33,6 +33,7 @@ from dew.interop.export import model_params, model_variables, split_collections,
 from dew.interop.families import FAMILIES, family_of, ported
 from dew.interop.families import diffusion_gemma as block_diffusion
 from dew.interop.gguf_files import GGUFCheckpoint
+from dew.interop.gguf_out import write_gguf
 from dew.interop.hub import (
     CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, converted_directory, resolve, resolve_gguf,
 )
@@ -124,15 +125,23 @@ class Pretrained:
             return _multimodal_processor(self.directory, self.model.config)
         return None if self.tokenizer is None else TextProcessor(self.tokenizer, self.generation.pad_id)
 
-    def save(self, directory: str | Path, variables=None, max_shard_size: int | str = "5GB") -> Path:
+    def save(self, directory: str | Path, variables=None, max_shard_size: int | str = "5GB", *,
+             format: str = "safetensors", outtype: str = "f16") -> Path:
         """Write `variables` (default: the loaded ones; stacked runs or per layer) as a transformers
-        checkpoint in `directory`.
+        checkpoint in `directory`, or with `format="gguf"` as the GGUF file `directory` names.
 
         Writes safetensors under the source tensor names in the parameters' own dtype (sharded past
         `max_shard_size`, with an index), config.json (its `dtype` set to that dtype),
         generation_config.json and the tokenizer files. Over an earlier export the switch is atomic;
-        files the export does not write are left alone.
+        files the export does not write are left alone. A GGUF file (`dew.interop.gguf_out.write_gguf`)
+        holds llama.cpp's names, the tokenizer and its chat template, its matrices in `outtype` ("f32",
+        "f16" or "q8_0").
         """
+        if format not in ("safetensors", "gguf"):
+            raise ValueError(f"format {format!r} is not one Dew writes: use 'safetensors' or 'gguf'")
+        if format == "gguf":
+            return write_gguf(directory, self.model, family_of(self.config),
+                              self.variables if variables is None else variables, self.directory, outtype)
         if isinstance(self.model, DiffusionGemma):
             return _save_block_diffusion(self, Path(directory), self.variables if variables is None else variables,
                                          max_shard_size)

@@ -1,4 +1,5 @@
-"""`export_run`: a run's weights as a transformers checkpoint, for transformers, vLLM or Ollama.
+"""`export_run`: a run's weights as a transformers checkpoint, for transformers, vLLM or Ollama, or as one GGUF
+file for llama.cpp and Ollama.
 
 The run's model goes out as the plainest transformers family that computes it exactly
 (`dew.interop.export.save_pretrained`: Llama for the recipe's default knobs), with the run's
@@ -16,6 +17,8 @@ from pathlib import Path
 
 from dew.data.tokenizers import ByteTokenizer, HFTokenizer
 from dew.interop import save_pretrained
+from dew.interop.families import family_for
+from dew.interop.gguf_out import write_gguf
 from dew.interop.hub import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES
 from dew.inference import MaskedGeneration
 from dew.interop.safetensors_files import INDEX, SINGLE, read_index
@@ -26,19 +29,28 @@ CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_templa
 
 
 def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = True, step: int | None = None,
-               force: bool = False) -> Path:
+               force: bool = False, format: str = "safetensors", outtype: str = "f16") -> Path:
     """Write run directory (or checkpoint directory) `run` at `step` (default the newest) as a transformers
-    checkpoint in `out`: the averaged weights when `ema` and the run keeps them, else the live ones.
+    checkpoint in `out`, or with `format="gguf"` as the GGUF file `out` (its matrices in `outtype`: "f32",
+    "f16" or "q8_0"; `dew.interop.gguf_out`): the averaged weights when `ema` and the run keeps them, else the
+    live ones.
 
     `out` is a new or empty directory; one that holds anything is refused unless `force`, and then
     the files `replaced_by_export` names are replaced (an earlier export's, atomically) and the others
-    kept. A run directory, and the checkpoints inside one, are refused whatever `force` says.
+    kept. A GGUF `out` is a file, refused when it exists unless `force`. A run directory, and the checkpoints
+    inside one, are refused whatever `force` says.
     """
+    if format not in ("safetensors", "gguf"):
+        raise ValueError(f"format {format!r} is not one dew export writes: use safetensors (a transformers "
+                         "checkpoint) or gguf (one file for llama.cpp and Ollama)")
     source = run_of(Path(run))[0]
     if source is None:
         raise FileNotFoundError(f"{run} is not a run directory (it holds no run.json, nor is it RUN/checkpoints/STEP): "
                                 "dew export writes a trained run; a loaded checkpoint saves with Pretrained.save")
-    _check_target(source, out, force)
+    if format == "gguf":
+        _check_gguf_target(source, out, force)
+    else:
+        _check_target(source, out, force)
     task = pipeline(run, ema=ema, step=step)
     if isinstance(task, MaskedGeneration):
         raise ValueError(f"{run} is a masked-diffusion run (a bidirectional decoder unmasking id "
@@ -47,6 +59,9 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Tr
                          "generate or dew.pipeline")
     with tempfile.TemporaryDirectory(prefix="dew-export-tokenizer-") as staging:
         tokenizer_dir = tokenizer_files(task.tokenizer, Path(staging), task.model.config.max_seq_len)
+        if format == "gguf":
+            return write_gguf(out, task.model, family_for(task.model.config), task.params, tokenizer_dir, outtype,
+                              name=source.name)
         return save_pretrained(task.model, task.params, out, tokenizer_dir=tokenizer_dir, generation=task.sampling,
                                max_new_tokens=task.max_new_tokens)
 
@@ -86,6 +101,19 @@ def _check_target(run: Path, out: str | os.PathLike, force: bool) -> None:
         effect = (f"it would replace {', '.join(replaced)}" if replaced else "nothing there would be replaced")
         raise FileExistsError(f"OUT {out} is not empty (it holds {shown}): pass --force to write the export there "
                               f"({effect}; the rest stays), or choose a new or empty directory")
+
+
+def _check_gguf_target(run: Path, out: str | os.PathLike, force: bool) -> None:
+    """Refuse an empty `out`, a directory, a file inside the run, and, unless `force`, a file that exists."""
+    if os.fspath(out) == "" or Path(out).is_dir():
+        what = "a directory" if os.fspath(out) else "an empty path"
+        raise ValueError(f"OUT {str(out)!r} is {what}: a GGUF export is one file; name it, e.g. "
+                         f"{run.parent / (run.name + '.gguf')}")
+    if Path(out).resolve().is_relative_to(run.resolve()):
+        raise ValueError(f"OUT {out} is inside the run directory {run}: choose a file outside it, e.g. "
+                         f"{run.parent / (run.name + '.gguf')}")
+    if Path(out).exists() and not force:
+        raise FileExistsError(f"OUT {out} exists: pass --force to replace it (atomically), or choose another file")
 
 
 def tokenizer_files(tokenizer, staging: Path, max_length: int) -> Path:

@@ -248,7 +248,7 @@ def test_overlong_conversations_are_refused_or_truncated_as_asked(checkpoints, t
     ({"messages": [{"role": "narrator", "content": "x"}]},
      r"line 1, message 0: role 'narrator' is not a message role: use one of \['system', 'user', 'assistant', 'tool'\]"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "line 1, message 0: content is list"),
-    ({"conversation": []}, "line 1: each line is an object with a \"messages\" list"),
+    ({"conversation": []}, "line 1: each record is an object with a \"messages\" list"),
     ({"messages": [{"role": "user"}]}, "line 1, message 0: .* is not an object with 'role' and 'content'"),
 ])
 def test_bad_conversations_are_refused_by_line(checkpoints, tmp_path, line, message):

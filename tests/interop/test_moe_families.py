@@ -288,6 +288,11 @@ def test_gguf_experts_match_transformers(family, tmp_path):
     assert_within(ours, theirs, _logit_bound(model, bundle, theirs), f"{family} GGUF logits")
     exported = load_pretrained(bundle.save(tmp_path / "export"))  # a transformers checkpoint of the same model
     np.testing.assert_array_equal(np.asarray(jax.jit(exported.model.apply)(exported.variables, TOKENS)), ours)
+    # and a GGUF file of it, written by Dew (stacked experts, router and shared expert under llama.cpp's names)
+    written = bundle.save(tmp_path / "out" / "moe.f32.gguf", format="gguf", outtype="f32")
+    again = load_pretrained(written.parent, gguf_file=written.name)
+    assert again.config["model_type"] == family
+    np.testing.assert_array_equal(np.asarray(jax.jit(again.model.apply)(again.variables, TOKENS)), ours)
 
 
 # ---- training and from-scratch exports ----------------------------------------------------------------

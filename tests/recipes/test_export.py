@@ -110,3 +110,21 @@ def test_an_export_never_goes_into_the_run_and_replaces_files_only_when_forced(r
     assert main(["export", str(run), str(out), "--live", "--force"]) == 0
     assert f"; it replaces the {exported} that {out} held" in capsys.readouterr().out
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_gguf_export_of_a_run_reads_back_with_its_logits_and_tokenizer(run, tmp_path, capsys):
+    from dew.interop import load_pretrained
+
+    out = tmp_path / "kjv.gguf"
+    assert main(["export", str(run), str(out), "--format", "gguf", "--outtype", "f32"]) == 0
+    assert f"wrote {out} (f32): `llama-cli -m {out}`" in capsys.readouterr().out
+    task = dew.pipeline(run)
+    bundle = load_pretrained(tmp_path, gguf_file=out.name)
+    ids = task.tokenizer.encode(TEXT)
+    assert bundle.tokenizer.encode(TEXT) == ids and bundle.tokenizer.decode(ids) == TEXT  # bytes as ids
+    ours = np.asarray(task.model.apply(task.params, jnp.asarray([ids], jnp.int32)))
+    np.testing.assert_array_equal(np.asarray(bundle.model.apply(bundle.variables, jnp.asarray([ids]))), ours)
+    assert main(["export", str(run), str(out), "--format", "gguf"]) == 2
+    assert f"error: OUT {out} exists: pass --force" in capsys.readouterr().err
+    assert main(["export", str(run), str(tmp_path), "--format", "gguf"]) == 2
+    assert "is a directory: a GGUF export is one file" in capsys.readouterr().err

@@ -186,6 +186,17 @@ class Converter:
             return [str(error)]
         return _differences(config, back)
 
+    def read_differences(self, config: DecoderConfig, source: Mapping[str, Any], names: Collection[str],
+                         where: str) -> list[str]:
+        """What a checkpoint of this family whose config.json is `source` and whose tensors are `names` (a GGUF
+        file's, as its reader gives them) computes differently from `config`; empty when it is this model."""
+        try:
+            kwargs = self.fit_to_weights(self.decoder_kwargs(source, where=where), names)
+            back = DecoderConfig(**kwargs, **{name: getattr(config, name) for name in _RUNTIME})
+        except ValueError as error:
+            return [str(error)]
+        return _differences(config, back)
+
     def written(self, config: DecoderConfig) -> dict[str, Any]:
         """config.json for `config`, written field by field; `differences` says whether it computes
         the same model."""
