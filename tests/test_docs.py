@@ -136,6 +136,8 @@ def test_the_marked_blocks_run(document, prepared, tmp_path):
     (work / "data").mkdir()
     for files in (prepared / "data").iterdir():
         (work / "data" / files.name).symlink_to(files)
+    (work / "tests").mkdir()  # the checkout's fixtures at the paths the documents name
+    (work / "tests" / "fixtures").symlink_to(ROOT / "tests" / "fixtures", target_is_directory=True)
     env = environment(prepared)
     with contextlib.ExitStack() as servers:
         port = None
