@@ -26,6 +26,7 @@ from dew.errors import describe, exit_status, one_line_warnings, report
 from dew.interop import load_pretrained
 from dew.interop.peft import check_peft, save_peft
 from dew.nn.lora import LoRA, adapters
+from dew.nn.multimodal import MultimodalTransformer
 from dew.objectives import Objective
 from dew.objectives.lm import LMRunConfig
 from dew.recipes.objectives import RecipeObjective, recipe_objective
@@ -186,6 +187,12 @@ def _model(config: LMRunConfig, meta: dict[str, Any], entry: RecipeObjective):
             f"{list(_PRETRAINED_OVERRIDES)}, not {fixed}: drop them from --model.config"
         )
     bundle = load_pretrained(config.pretrained, **config.model.config)
+    if isinstance(bundle.model, MultimodalTransformer):
+        raise NotImplementedError(
+            f"--pretrained {config.pretrained} is a multimodal checkpoint ({bundle.config.get('model_type')}), and the "
+            "recipe's runs (token files, run.json, dew.pipeline of a run) are built for text decoders: continue "
+            "training it in Python, LMObjective over {\"text\": processor outputs} with the Trainer (README, "
+            "\"Images in, text out\")")
     source = config.pretrained if bundle.revision is None else f"{config.pretrained.split('@')[0]}@{bundle.revision}"
     entry.check_pretrained(config, bundle)
     model, variables = bundle.model, bundle.variables

@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -526,3 +527,15 @@ def test_pretrained_weights_refuse_token_files_of_another_tokenizer(token_dir, w
     assert main(recipe_args(str(tmp_path / "other-tokens"), tmp_path / "other-run", "--tokenizer",
                             str(tmp_path / "other"), *flags)) == 2
     assert "were written with another tokenizer than --pretrained" in capsys.readouterr().err
+
+
+def test_pretrained_multimodal_checkpoint_refused_by_the_recipe(token_dir, tmp_path, capsys):
+    """The recipe's runs are text decoders' (run.json, dew.pipeline of a run): a Gemma 3 checkpoint is
+    refused in one line that says where its training is built."""
+    pytest.importorskip("transformers")
+    fixture = Path(__file__).parents[1] / "fixtures" / "hf" / "gemma3-native-tiny"
+    flags = ["--pretrained", str(fixture), "--model.config", "{}", "--ema-decay", "None"]
+    assert main(recipe_args(token_dir, tmp_path / "run", *flags)) != 0
+    error = capsys.readouterr().err
+    assert "is a multimodal checkpoint (gemma3)" in error and "LMObjective" in error
+    assert not (tmp_path / "run" / "checkpoints").exists()
