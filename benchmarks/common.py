@@ -32,6 +32,21 @@ def matmul_peak(dtype, size: int = 2048) -> float:
     return 2 * size**3 / seconds
 
 
+def copy_bandwidth(megabytes: int = 512) -> float:
+    """Bytes a second the host moves copying a `megabytes` array (read and written, each counted), the best
+    of five: the rate a decode step bound by memory can at most stream its weights and cache at."""
+    import numpy as np
+
+    source = np.ones(megabytes * 2**20 // 4, np.float32)
+    target = np.empty_like(source)
+    best = 0.0
+    for _ in range(5):
+        started = time.perf_counter()
+        np.copyto(target, source)
+        best = max(best, 2 * source.nbytes / (time.perf_counter() - started))
+    return best
+
+
 def decoder_flops_per_token(layers: int, width: int, heads: int, kv_heads: int, mlp: int, vocab: int, seq: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward) of the decoder's matmuls."""
     head_dim = width // heads

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import decoder_flops_per_token, machine, matmul_peak, smollm2_directory
+from benchmarks.common import copy_bandwidth, decoder_flops_per_token, machine, matmul_peak, smollm2_directory
 from dew import models
 from dew.kernels.int8 import kernel_status
 from dew.nn.quantize import GROUP, quantize_int8
@@ -181,7 +181,9 @@ def main():
                                               c.mlp_features, c.vocab_size, args.prompt + args.new // 2) / 3
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(variables))
     peak = matmul_peak(jnp.float32)
-    print(f"machine: {machine()}, torch {torch.__version__} with {torch.get_num_threads()} threads")
+    bandwidth = copy_bandwidth()
+    print(f"machine: {machine()}, torch {torch.__version__} with {torch.get_num_threads()} threads; "
+          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (numpy, 512 MiB read and written)")
     tokenizer = shape.pop("tokenizer", None)
     print(f"model: {args.shape} {shape}; prompt {args.prompt} tokens, {args.new} new, greedy; "
           f"{weight_bytes / 2**20:,.0f} MiB of weights read per decode step")
@@ -219,9 +221,12 @@ def main():
             print(f"batch {batch}: dew int8 first token {q_first * 1e3:.0f} ms, decode {q_rate:,.1f} tokens/s: "
                   f"{q_rate / ours_rate:.2f}x dew float32, {against}")
         step_seconds = batch / ours_rate
+        # what a step must read: every weight once, and each row's keys and values at the mean context
+        cache_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * (args.prompt + args.new // 2) * 4 * batch
+        streamed = (weight_bytes + cache_bytes) / step_seconds
         print(f"batch {batch}: dew decode {ours_rate * flops_per_token / 1e9:.1f} GFLOP/s "
-              f"({ours_rate * flops_per_token / peak:.0%} of the matmul peak), weights streamed at "
-              f"{weight_bytes / step_seconds / 1e9:.1f} GB/s")
+              f"({ours_rate * flops_per_token / peak:.0%} of the matmul peak), weights and cache read at "
+              f"{streamed / 1e9:.1f} GB/s ({streamed / bandwidth:.0%} of the copy bandwidth)")
 
 
 if __name__ == "__main__":

@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks.common import decoder_flops_per_token, machine, matmul_peak, timed
+from benchmarks.common import machine, timed
 from dew import Trainer, kernels, models
 from dew.objectives.lm import LMObjective
 from dew.training.mesh import place_batch
+from dew.training.utilization import flops_per_position, peak_flops
 
 SHAPE = dict(num_layers=4, emb_features=256, num_heads=4, num_kv_heads=4, mlp_features=1024)
 # `--shape quickstart`: examples/quickstart.py's model, sequence, batch and KJV BPE vocabulary.
@@ -160,13 +161,16 @@ def main():
 
     counts = sorted({1, *(int(count) for count in args.accumulation.split(","))})
     tokens = args.batch * args.seq
-    flops = decoder_flops_per_token(shape["num_layers"], shape["emb_features"], shape["num_heads"],
-                                    shape["num_kv_heads"], shape["mlp_features"], args.vocab, args.seq) * tokens
-    peaks = {"fp32": matmul_peak(jnp.float32), "bf16": matmul_peak(jnp.bfloat16)}
+    # the trainer's own count and peak (its `mfu`): the model's training FLOPs from its shapes, the best
+    # product rate of this machine in each dtype
+    model = models.build("causal_transformer", vocab_size=args.vocab, max_seq_len=args.seq, **shape)
+    flops = flops_per_position(model, args.seq) * tokens
+    peaks = {"fp32": peak_flops(jnp.float32), "bf16": peak_flops(jnp.bfloat16)}
     print(f"machine: {machine()}, torch {torch.__version__} with {torch.get_num_threads()} threads")
     print(f"shape: {args.shape} {shape}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, AdamW")
     print(f"oneDNN products: {why}; Dew runs under kernels={', '.join(policies)} (CPU class {kernels.cpu_class()})")
-    print(f"XLA matmul peak (2048^2): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
+    print(f"peak (dew.training.utilization, the best of XLA's and the native product): fp32 "
+          f"{peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
     torch_bf16 = torch_matmul_flops(torch.bfloat16)
     print(f"torch matmul (512^2): fp32 {torch_matmul_flops(torch.float32) / 1e9:.0f} GFLOP/s, "
           f"bf16 {torch_bf16 / 1e9:.1f} GFLOP/s")
@@ -180,7 +184,7 @@ def main():
                                                        accumulation, policy=policy, shape=shape)
                 ours[policy, accumulation] = seconds
                 print(f"{precision}: dew ({policy}), {accumulation} micro-batch(es): {tokens / seconds:,.0f} tokens/s "
-                      f"({flops / seconds / 1e9:.0f} GFLOP/s, {flops / seconds / peaks[precision]:.0%} of peak, "
+                      f"({flops / seconds / 1e9:.0f} GFLOP/s, MFU {flops / seconds / peaks[precision]:.0%}, "
                       f"first step compiled in {compile_seconds:.1f} s)")
         best = min(ours.values())
         if precision == "bf16" and torch_bf16 < 20e9 and not args.torch_bf16:
@@ -233,7 +237,7 @@ def main():
         goal = 1.3 if precision == "fp32" else 1.2  # the train step's goals (docs/performance.md)
         print(f"{precision}: ratio, best against best: {torch_best / best:.2f}x; {goal}x torch would take "
               f"{goal * flops / torch_best / 1e9:.0f} GFLOP/s, {goal * flops / torch_best / peaks[precision]:.0%} "
-              f"of XLA's own {peaks[precision] / 1e9:.0f} GFLOP/s matmul peak")
+              f"of the {peaks[precision] / 1e9:.0f} GFLOP/s peak")
         if args.compile:
             compiled = torch_step(args.vocab, args.seq, args.batch, precision, args.steps, compiled=True, shape=shape)
             print(f"{precision}: torch.compile {tokens / compiled:,.0f} tokens/s | ratio {compiled / best:.2f}x")

@@ -20,6 +20,8 @@ def format_values(values: dict[str, float]) -> str:
     for name, value in values.items():
         if name.endswith("tokens_per_s"):
             parts.append(f"{name} {value:,.0f}")
+        elif name == "mfu":  # a fraction of the machine's peak, read as a percentage
+            parts.append(f"{name} {value:.1%}")
         elif name.endswith("_s"):  # durations in seconds: step_s, checkpoint_s, eval_s
             parts.append(f"{name} {value:.3f}")
         else:

@@ -25,6 +25,7 @@ from dew.training.mesh import Layout, MeshSpec, place_batch, replicated
 from dew.training.progress import Reporter, format_values
 from dew.training.state import Step, TrainState
 from dew.training.trackers import Tracker
+from dew.training.utilization import flops_per_position, peak_flops
 
 # Each stream folds its own constant into the run key, so evaluation, previews and rollouts never reuse
 # the keys training draws.
@@ -417,7 +418,9 @@ class Trainer:
         their speed: `step_s` is the wall time per step between two log lines less the time spent
         evaluating, previewing and writing checkpoints (`tokens_per_s` is the counted targets over the
         same time), and `checkpoint_s` the seconds spent writing checkpoints in that span, when any
-        were. An evaluation record carries `eval_s`, the seconds of its validation pass.
+        were; `mfu`, for a decoder Dew counts, is the model's training FLOPs over those seconds as a
+        fraction of the machine's peak in the compute dtype (`dew.training.utilization`). An
+        evaluation record carries `eval_s`, the seconds of its validation pass.
         """
         for name, value in (("steps", steps), ("log_every", log_every), ("accumulation", accumulation)):
             if value < 1:
@@ -463,6 +466,7 @@ class Trainer:
         for tracker in trackers:
             tracker.start(start)
 
+        self._step_flops = self._flops_per_step(data.batch)
         window: list = []  # host outputs of the steps since the last log line
         window_started = time.perf_counter()
         aside = {"checkpoint": 0.0, "evaluation": 0.0}  # seconds of the window spent outside the steps
@@ -525,6 +529,16 @@ class Trainer:
         unread.drain()
         return state
 
+    def _flops_per_step(self, batch: int) -> tuple[float, float] | None:
+        """(the model's training FLOPs a step of `batch` rows, the machine's peak FLOP/s in the model's
+        compute dtype), for `mfu`; None when the objective's model or row length is not one Dew counts
+        (`dew.training.utilization`)."""
+        model, seq_len = getattr(self.objective, "model", None), getattr(self.objective, "seq_len", None)
+        per_position = None if model is None or seq_len is None else flops_per_position(model, seq_len)
+        if per_position is None:
+            return None
+        return per_position * seq_len * batch, peak_flops(model.config.dtype)
+
     def _diverged(self, step: int, out, checkpoints: Checkpoints | None) -> TrainingDiverged:
         return TrainingDiverged(step, float(out["loss"]), float(out["grad_norm"]),
                                 None if checkpoints is None else checkpoints.latest(),
@@ -551,6 +565,8 @@ class Trainer:
         tokens = float(sum(float(self.objective.reduce_loss(out["stats"])[1]) for out in window))
         values["step_s"] = seconds / len(window)
         values["tokens_per_s"] = tokens / seconds if seconds > 0 else math.nan
+        if self._step_flops is not None and seconds > 0:
+            values["mfu"] = self._step_flops[0] * len(window) / seconds / self._step_flops[1]
         if checkpoint_seconds:
             values["checkpoint_s"] = checkpoint_seconds
         reporter.advance(done, values["train/loss"])

@@ -30,10 +30,11 @@ SMOLLM2 = {  # SmolLM2-135M's config.json as published (transformers 4 spellings
 
 def test_families_cover_the_issue():
     # and the masked-diffusion families whose code is remote, not transformers' (tests/diffusion/test_checkpoints.py),
-    # DiffusionGemma, which is no decoder family (tests/interop/test_diffusion_gemma.py), and DeepSeek's,
-    # whose configs carry fields of DeepSeek's own code beside transformers' (tests/interop/test_deepseek.py)
+    # DiffusionGemma, which is no decoder family (tests/interop/test_diffusion_gemma.py), DeepSeek's,
+    # whose configs carry fields of DeepSeek's own code beside transformers' (tests/interop/test_deepseek.py),
+    # and Gemma 3 with images, a multimodal model around gemma3_text (tests/interop/test_gemma3.py)
     assert set(FAMILIES) == set(_CLASSES) | {"llada", "Dream", "diffusion_gemma", "deepseek_v2", "deepseek_v3",
-                                             "deepseek_v32"}
+                                             "deepseek_v32", "gemma3"}
 
 
 @pytest.mark.parametrize("model_type", sorted(_CLASSES))
