@@ -28,9 +28,9 @@ from dew.files import read_json
 from dew.inference.block import from_checkpoint as block_task
 from dew.inference.masked import from_checkpoint as masked_task
 from dew.inference.text import TextGeneration
-from dew.interop import gguf_files, hf_decoders, tensors
+from dew.interop import gguf_files, hf_decoders, tensors, verify
 from dew.interop.export import model_params, model_variables, split_collections, write_export
-from dew.interop.families import FAMILIES, family_of, ported
+from dew.interop.families import FAMILIES, Converter, family_of, ported
 from dew.interop.families import diffusion_gemma as block_diffusion
 from dew.interop.gguf_files import GGUFCheckpoint
 from dew.interop.gguf_out import write_gguf
@@ -86,13 +86,20 @@ class Pretrained:
     revision: str | None
     directory: Path
     generation_config: dict | None
+    family: Converter | None = None  # the family that read `config`; None: config.json's own (`family_of`)
+
+    @property
+    def converter(self) -> Converter:
+        """The family converter these weights load and save through: config.json's registered family, or
+        the one a verified mapping (tier 2, `dew.interop.verify`) chose for an unregistered type."""
+        return self.family if self.family is not None else family_of(self.config)
 
     def text_generation(self, sampling: Sampling | None = None):
         """The generation task over these weights that the checkpoint's family calls for: a
         `TextGeneration` with the checkpoint's sampling unless `sampling` is given; for a masked-diffusion
         family (LLaDA, Dream) native MDLM over its mask id (`MaskedGeneration`, which takes no
         autoregressive `sampling`); for DiffusionGemma a `BlockGeneration`."""
-        family = family_of(self.config)
+        family = self.converter
         if isinstance(self.model, DiffusionGemma):
             if sampling is not None:
                 raise ValueError(f"sampling={sampling!r}: {family.model_type} generates by block diffusion, which "
@@ -140,12 +147,12 @@ class Pretrained:
         if format not in ("safetensors", "gguf"):
             raise ValueError(f"format {format!r} is not one Dew writes: use 'safetensors' or 'gguf'")
         if format == "gguf":
-            return write_gguf(directory, self.model, family_of(self.config),
+            return write_gguf(directory, self.model, self.converter,
                               self.variables if variables is None else variables, self.directory, outtype)
         if isinstance(self.model, DiffusionGemma):
             return _save_block_diffusion(self, Path(directory), self.variables if variables is None else variables,
                                          max_shard_size)
-        family = family_of(self.config)
+        family = self.converter
         config, rules = self.config, None
         if isinstance(self.model, MultimodalTransformer):  # written back in the source's tensor layout
             config = family.written(self.model.config, self.config)
@@ -209,6 +216,7 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     if attention_impl not in (None, *ATTENTION_IMPLS):
         raise ValueError(f"attention_impl {attention_impl!r} is not built; Dew's attention kernels are "
                          f"{list(ATTENTION_IMPLS)}")
+    verified: list[verify.Verified] = []  # tier 2's check, for a model_type without a family
     if gguf_file is not None:
         snapshot = resolve_gguf(source, gguf_file)
         reader = GGUFCheckpoint(snapshot.weights[0])
@@ -224,12 +232,19 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
                               f"(SentencePiece), not {kind!r}; the bundle has no tokenizer: put the model's "
                               "tokenizer.json beside the file", stacklevel=2)
     else:
-        snapshot = resolve(source)
+        def read_config(path: Path) -> None:  # before any weights are fetched
+            config = dict(ported(_read_json(path), str(path)))  # mamba_ssm's format: as transformers' port
+            if config.get("model_type") is not None and config["model_type"] not in FAMILIES:
+                verified.append(verify.verified_family(config, str(path), _load_probe))
+
+        snapshot = resolve(source, read_config)
         reader = SafetensorsReader(snapshot.weights, snapshot.index)
         config_path = snapshot.directory / CONFIG
         config, where, directory = _read_json(config_path), str(config_path), snapshot.directory
-        config = dict(ported(config, where))  # mamba_ssm's format: as transformers' port, which save writes
-    family = family_of(config, where)
+        config = dict(ported(config, where))
+    family = verified[0].family if verified else family_of(config, where)
+    if verified:
+        config = verified[0].config  # read with the type's own defaults, and saved with them
     if family.model_type == block_diffusion.MODEL_TYPE:
         # a one-device mesh places every parameter on the default device, which is where this load puts them
         if (gguf_file is not None or (device_mesh is not None and device_mesh.devices.size > 1)
@@ -273,7 +288,20 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     if quantize is not None:
         variables = quantize_int8(model, variables)
     return Pretrained(model, variables, tokenizer, config, sampling, budget, snapshot.revision, directory,
-                      generation_config)
+                      generation_config, family)
+
+
+def _load_probe(directory: Path, family: Converter) -> tuple[CausalTransformer, dict]:
+    """Tier 2's probe: the float32 checkpoint in `directory` through `family`'s mapping, as (model, variables)."""
+    config = _read_json(directory / CONFIG)
+    snapshot = resolve(directory)
+    kwargs = family.decoder_kwargs(config, str(directory / CONFIG))
+    with SafetensorsReader(snapshot.weights, snapshot.index) as reader:
+        kwargs = family.fit_to_weights(kwargs, reader.names())
+        model = CausalTransformer(DecoderConfig(**kwargs, dtype="float32", param_dtype="float32"))
+        params = _read_params(reader, model, family.model_type, family.tensor_rules(model.config, reader.names()),
+                              lambda name: family.ignorable(name, model.config), label="verifying")
+    return model, split_collections(params, model_variables(model))
 
 
 @functools.lru_cache(maxsize=8)

@@ -90,13 +90,17 @@ def torch_model(case: str, seed: int = 0, **overrides):
     config_class, model_class, options = CASES[case]
     config = getattr(transformers, config_class)(**{**SHAPE, **options, **overrides})
     torch.manual_seed(seed)
-    model = getattr(transformers, model_class)(config).eval()
+    return scatter_weights(getattr(transformers, model_class)(config).eval())
+
+
+def scatter_weights(model, std: float = 0.3):
+    """`model` with its norm scales moved by 0.1 N(0, 1) and every other tensor drawn from N(0, std)."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" in name:
                 parameter.add_(0.1 * torch.randn_like(parameter))
             else:
-                parameter.normal_(0.0, 0.3)
+                parameter.normal_(0.0, std)
     return model
 
 

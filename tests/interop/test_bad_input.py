@@ -104,8 +104,8 @@ def test_index_and_shards_disagree(checkpoint):
 def test_unknown_model_type(checkpoint):
     directory, _ = checkpoint
     config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "model_type": "falcon"}))
-    with pytest.raises(ValueError, match=r"config.json names model_type 'falcon', which is not a Dew family"):
+    (directory / "config.json").write_text(json.dumps({**config, "model_type": "no_such_type"}))
+    with pytest.raises(ValueError, match=r"config.json names model_type 'no_such_type', which is neither a Dew family"):
         load_pretrained(directory)
 
 

@@ -64,7 +64,7 @@ def family_of(source: Mapping[str, Any], where: str = "config.json") -> Converte
         raise ValueError(f"{where} has no model_type{native}: Dew loads transformers decoders whose config names one "
                          f"of {sorted(FAMILIES)}")
     raise ValueError(f"{where} names model_type {model_type!r}, which is not a Dew family: native families are "
-                     f"{sorted(FAMILIES)} (loading other types through a verified mapping is not built yet)")
+                     f"{sorted(FAMILIES)} (load_pretrained tries another type through a verified mapping, tier 2)")
 
 
 def ported(source: Mapping[str, Any], where: str = "config.json") -> Mapping[str, Any]:
