@@ -28,7 +28,7 @@ from dew.files import read_json
 from dew.inference.block import from_checkpoint as block_task
 from dew.inference.masked import from_checkpoint as masked_task
 from dew.inference.text import TextGeneration
-from dew.interop import gguf_files, hf_decoders, tensors, verify
+from dew.interop import gguf_files, hf_decoders, tensors, torchax_fallback, verify
 from dew.interop.export import model_params, model_variables, split_collections, write_export
 from dew.interop.families import FAMILIES, Converter, family_of, ported
 from dew.interop.families import diffusion_gemma as block_diffusion
@@ -99,6 +99,10 @@ class Pretrained:
         `TextGeneration` with the checkpoint's sampling unless `sampling` is given; for a masked-diffusion
         family (LLaDA, Dream) native MDLM over its mask id (`MaskedGeneration`, which takes no
         autoregressive `sampling`); for DiffusionGemma a `BlockGeneration`."""
+        if isinstance(self.model, torchax_fallback.TorchCausalLM):
+            raise TypeError(f"text_generation() is not built for a tier-3 (fallback='torchax') load of "
+                            f"{self.config.get('model_type')!r}: it has no cached generation; generate with "
+                            "transformers, or load a model type Dew has a family for")
         family = self.converter
         if isinstance(self.model, DiffusionGemma):
             if sampling is not None:
@@ -144,6 +148,9 @@ class Pretrained:
         holds llama.cpp's names, the tokenizer and its chat template, its matrices in `outtype` ("f32",
         "f16" or "q8_0").
         """
+        if isinstance(self.model, torchax_fallback.TorchCausalLM):
+            raise NotImplementedError("save() is not built for a tier-3 (fallback='torchax') load yet: its params "
+                                      "keep the torch names; write them with safetensors.numpy.save_file")
         if format not in ("safetensors", "gguf"):
             raise ValueError(f"format {format!r} is not one Dew writes: use 'safetensors' or 'gguf'")
         if format == "gguf":
@@ -192,8 +199,12 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     each device's shard reads only its own layers and rows from the memory-mapped file (a shard
     several devices share is read once), so the host never holds the whole translated model. Without
     either, parameters are uncommitted arrays on the default device, each leaf filled tensor by
-    tensor. Either way `variables` are in the model's own form (scanned runs stacked). `fallback` (the guide's generic
-    torchax tier) is not built and is refused.
+    tensor. Either way `variables` are in the model's own form (scanned runs stacked).
+
+    A `model_type` without a family loads through a verified mapping (tier 2, `dew.interop.verify`) or is
+    refused with the measured difference. `fallback="torchax"` (tier 3, `dew.interop.torchax_fallback`)
+    runs transformers' own PyTorch model through torchax instead: `model` is a `TorchCausalLM` whose
+    variables are `{"params", "buffers"}` by torch name; it trains, but does not generate or save.
 
     `quantize="int8"` holds every linear kernel, the embedding and the output head as int8 with a
     float32 scale per output channel (`dew.nn.quantize`): a quarter of float32's bytes, so decoding,
@@ -205,9 +216,9 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
                          "checkpoint's own floats")
 
     if fallback is not None:
-        raise NotImplementedError(f"fallback={fallback!r}, the generic tier that runs transformers' own model through "
-                                  "torchax, is not built in Dew yet: load a model type Dew has a family for "
-                                  f"({', '.join(sorted(FAMILIES))})")
+        return _load_fallback(source, fallback, dtype=dtype, param_dtype=param_dtype, max_seq_len=max_seq_len,
+                              attention_impl=attention_impl, gguf_file=gguf_file, mesh=mesh, layout=layout,
+                              scan_layers=scan_layers, remat=remat, quantize=quantize, kernels=kernels)
     device_mesh = None if mesh is None and layout is None else (mesh or MeshSpec()).build()
     if quantize is not None and device_mesh is not None and device_mesh.devices.size > 1:
         raise NotImplementedError(f"quantize={quantize!r} over a mesh of {device_mesh.devices.size} devices (int8 "
@@ -289,6 +300,29 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         variables = quantize_int8(model, variables)
     return Pretrained(model, variables, tokenizer, config, sampling, budget, snapshot.revision, directory,
                       generation_config, family)
+
+
+def _load_fallback(source, fallback: str, *, dtype, param_dtype, **native_only) -> Pretrained:
+    """Tier 3 (`dew.interop.torchax_fallback`): transformers' PyTorch model through torchax."""
+    if fallback != "torchax":
+        raise ValueError(f"fallback={fallback!r}: the one fallback is 'torchax' (transformers' PyTorch model run "
+                         "through torchax)")
+    given = sorted(name for name, value in native_only.items() if value is not None)
+    if given:
+        raise NotImplementedError(f"fallback='torchax' runs transformers' own model, so {given} (Dew's kernels, "
+                                  "meshes, quantization and GGUF reading) are not built for it: leave them unset")
+    snapshot = resolve(source)
+    config_path = snapshot.directory / CONFIG
+    config = _read_json(config_path)
+    model, variables = torchax_fallback.load(snapshot.directory, config, str(config_path), dtype=dtype,
+                                             param_dtype=param_dtype, source=source)
+    generation_path = snapshot.directory / GENERATION_CONFIG
+    generation_config = _read_json(generation_path) if generation_path.is_file() else None
+    sampling, budget = generation_defaults(generation_config, config, where=str(generation_path))
+    directory = snapshot.directory
+    tokenizer = HFTokenizer(directory) if (directory / "tokenizer.json").is_file() else None
+    return Pretrained(model, variables, tokenizer, config, sampling, budget, snapshot.revision, directory,
+                      generation_config)
 
 
 def _load_probe(directory: Path, family: Converter) -> tuple[CausalTransformer, dict]:

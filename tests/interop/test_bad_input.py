@@ -127,10 +127,10 @@ def test_directory_without_safetensors(checkpoint):
         load_pretrained(str(directory / "no such" / "dir"))
 
 
-def test_generic_fallback_tier_is_refused_as_not_built(checkpoint):
+def test_generic_fallback_refuses_what_only_native_loads_have(checkpoint):
     directory, _ = checkpoint
-    with pytest.raises(NotImplementedError, match=r"fallback='torchax', the generic tier .* is not built"):
-        load_pretrained(directory, fallback="torchax")
+    with pytest.raises(NotImplementedError, match=r"fallback='torchax' runs transformers' own model, so \['quantize'\]"):
+        load_pretrained(directory, fallback="torchax", quantize="int8")
 
 
 @pytest.mark.parametrize("shard", ["../outside.safetensors", "{outside}", "sub/../../outside.safetensors"])
