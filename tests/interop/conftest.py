@@ -49,6 +49,7 @@ CASES = {
                                               "rope_theta": 100.0})),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(eos_token_id=3, pad_token_id=1)),
     "olmo3-window": ("Olmo3Config", "Olmo3ForCausalLM", dict(eos_token_id=3, pad_token_id=1, sliding_window=5)),
+    "phi3-fused-window": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=5, pad_token_id=0, eos_token_id=2)),
 }
 
 
@@ -71,6 +72,21 @@ def sized(model_type: str, **fields) -> dict:
     from dew.interop.hf_decoders import reference_sizes
 
     return {"model_type": model_type, **reference_sizes(FAMILIES[model_type].fields), **fields}
+
+
+def assert_logits_match(bundle, model, tokens) -> None:
+    """A loaded `bundle`'s float32 logits of `tokens` against transformers' `model`, within the ulps
+    `transformers_decoder_ulps` counts for its config and length."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tests.tolerances import transformers_decoder_ulps, ulp_bound
+
+    ours = np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(tokens, jnp.int32)))
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(np.asarray(tokens))).logits.numpy()
+    bound = ulp_bound(transformers_decoder_ulps(model.config, tokens.shape[1]), np.abs(theirs).max())
+    np.testing.assert_allclose(ours, theirs, atol=bound, rtol=0)
 
 
 def greedy_continuations(model, bundle, prompt, tokens: int = 16) -> tuple[list[int], list[int]]:

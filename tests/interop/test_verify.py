@@ -15,8 +15,7 @@ import pytest
 
 from dew.interop import load_pretrained
 from dew.interop.verify import VerifiedMappingWarning, shrink
-from tests.interop.conftest import save_checkpoint, scatter_weights, torch, transformers
-from tests.tolerances import transformers_decoder_ulps, ulp_bound
+from tests.interop.conftest import assert_logits_match, save_checkpoint, scatter_weights, torch, transformers
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -53,12 +52,7 @@ def test_cwm_loads_through_a_verified_mapping_with_one_warning(cwm):
     assert bundle.model.config.layer_window(0) == 4 and bundle.model.config.layer_window(1) is None
     # The real load, at the checkpoint's own sizes, against transformers: 4 layers of width 64 over 12 tokens,
     # llama3's blend in the frequencies (transformers_decoder_ulps); observed 1.2e-5 on logits up to 5.7.
-    tokens = np.random.default_rng(0).integers(0, 256, (2, 12))
-    ours = np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(tokens, jnp.int32)))
-    with torch.no_grad():
-        theirs = model(torch.from_numpy(tokens)).logits.numpy()
-    bound = ulp_bound(transformers_decoder_ulps(model.config, tokens.shape[1]), np.abs(theirs).max())
-    np.testing.assert_allclose(ours, theirs, atol=bound, rtol=0)
+    assert_logits_match(bundle, model, np.random.default_rng(0).integers(0, 256, (2, 12)))
 
 
 def test_a_verified_load_saves_as_its_own_type_and_loads_again(cwm, tmp_path):
@@ -75,13 +69,15 @@ def test_a_verified_load_saves_as_its_own_type_and_loads_again(cwm, tmp_path):
                                   np.asarray(bundle.model.apply(bundle.variables, tokens)))
 
 
-# The guide's three refusals, each with what sets it apart: SmolLM3's layers without rotary positions
-# (every 4th), Granite's multipliers, Phi-3's fused projections (its names are no candidate's).
+# Refusals, each with what sets it apart: the guide's SmolLM3 (layers without rotary positions, every 4th)
+# and Granite (multipliers); Phi-3's fused projections made it a native family, so GLM-4 (a fused gate_up_proj,
+# half-rotary heads and norms after each sublayer) stands in for a type no candidate reads.
 REFUSALS = {
     "smollm3": (dict(no_rope_layer_interval=4), r"llama with windows: max \|dlogits\| \d\.\d+ against the bound"),
     "granite": (dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
                      logits_scaling=8.0), r"llama: max \|dlogits\| \d\.\d+ against the bound"),
-    "phi3": ({}, r"llama: the checkpoint lacks 20 tensor\(s\) .* such as \['model.layers.0.mlp.gate_proj.weight'"),
+    "glm4": (dict(head_dim=16), r"llama: field 'rope_parameters' = .*'partial_rotary_factor': 0.5.* Dew rotates every "
+                                r"feature of a head"),
 }
 
 
