@@ -213,6 +213,28 @@ def refuse_quantized(source: Mapping[str, Any], where: str) -> None:
                          "built in Dew; load the float checkpoint, or a GGUF file with gguf_file=")
 
 
+def _known_fields(family) -> set[str]:
+    """The config.json fields `family` reads or knows to change nothing."""
+    return ({*MASK_FIELDS, *family.getattr_fields, *family.fields} | _BASE_FIELDS | _DROPPED_ON_LOAD | _LEGACY_FIELDS
+            | _METADATA_FIELDS | family.legacy_fields | {"dtype"})
+
+
+def _foreign(family, known: set[str], name: str, value) -> bool:
+    """Whether field `name` = `value` is outside what `family` reads (`ConfigFields` refuses it)."""
+    if name in known or name in _QWEN_WINDOW_FIELDS:
+        return False
+    if name == "hidden_act" and family.activation_field != "hidden_act":
+        return False  # Gemma 2 and 3: the older spelling of hidden_activation, which is what transformers reads
+    return value not in _INERT_FIELDS.get(name, ())
+
+
+def foreign_fields(source: Mapping[str, Any], family) -> list[str]:
+    """The fields of `source` that `family` neither reads nor knows to change nothing: those its
+    `ConfigFields` refuses by name (tier 2 shows them inert before a family reads the config without them)."""
+    known = _known_fields(family)
+    return [name for name, value in source.items() if _foreign(family, known, name, value)]
+
+
 class ConfigFields:
     """A config's fields as one family (a `Converter`) reads them: declared and getattr-read ones with
     transformers' defaults; every other field is refused by name here, unless inert."""
@@ -221,28 +243,22 @@ class ConfigFields:
         self.source, self.family, self.where = source, family, where
         self.defaults = {**MASK_FIELDS, **family.getattr_fields, **family.fields}
         self.unread = set(self.defaults)
-        known = (set(self.defaults) | _BASE_FIELDS | _DROPPED_ON_LOAD | _LEGACY_FIELDS | _METADATA_FIELDS
-                 | family.legacy_fields | {"dtype"})
+        known = _known_fields(family)
         self.window_switches = {}  # Qwen's window fields in a family that does not read them
         read = known | set(_QWEN_WINDOW_FIELDS) | {"hidden_act"}  # the fields this family may read
         for name, value in source.items():
             if name in read and name in FIELD_KINDS:
                 check_field(where, name, value, FIELD_KINDS[name], f"transformers' {family.config_class}")
-            if name in known:
-                continue
-            if name in _QWEN_WINDOW_FIELDS:
+            if name in _QWEN_WINDOW_FIELDS and name not in known:
                 self.window_switches[name] = value
+            if not _foreign(family, known, name, value):
                 continue
-            if name == "hidden_act" and family.activation_field != "hidden_act":
-                continue  # Gemma 2 and 3: the older spelling of hidden_activation, which is what transformers reads
             if name == "sliding_window" and value is not None:
                 raise ValueError(
                     f"{where} names sliding_window {value} but transformers' {family.config_class} attends to "
                     f"every key: a checkpoint trained with a window is a Mistral (model_type 'mistral'); "
                     f"set sliding_window to null if the model was trained without one"
                 )
-            if value in _INERT_FIELDS.get(name, ()):
-                continue
             raise ValueError(
                 f"{where} field {name!r} = {value!r} is not a field of transformers' {family.config_class} and Dew "
                 f"cannot compute it: remove it if the model was trained without it"

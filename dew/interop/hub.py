@@ -22,7 +22,9 @@ import difflib
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
 from huggingface_hub.errors import (EntryNotFoundError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
@@ -147,14 +149,17 @@ def _nearest(path: Path) -> str:
     return f"{shown} holds no {missing[0]!r} ({f'it holds {listed}' if names else 'it is empty'})"
 
 
-def resolve(source: str | os.PathLike) -> Snapshot:
-    """The files of `source`: a local checkpoint directory, a Hub id, or `repo@revision` (see `locate`)."""
+def resolve(source: str | os.PathLike, read_config: Callable[[Path], Any] | None = None) -> Snapshot:
+    """The files of `source`: a local checkpoint directory, a Hub id, or `repo@revision` (see `locate`).
+    `read_config` is called with config.json's path before any weights are fetched (it may refuse)."""
     where = locate(source)
     if isinstance(where, Path):
         if where.is_dir():
+            if read_config is not None and (where / CONFIG).is_file():
+                read_config(where / CONFIG)
             return _local(where)
         raise ValueError(f"{where} is a file: pass the checkpoint directory that holds config.json and the weights")
-    return _hub(_Hub.reach(where.repo, where.revision), where.revision)
+    return _hub(_Hub.reach(where.repo, where.revision), where.revision, read_config=read_config)
 
 
 def resolve_gguf(source: str | os.PathLike, gguf_file: str) -> Snapshot:
@@ -277,8 +282,11 @@ def _no_weights_message(where, names: list[str]) -> str:
     return f"{where} holds neither {INDEX} nor {SINGLE}, nor {PICKLE} or {PICKLE_INDEX} (files: {names})"
 
 
-def _hub(hub: _Hub, revision: str | None, *, look_for_conversion: bool = True) -> Snapshot:
+def _hub(hub: _Hub, revision: str | None, *, look_for_conversion: bool = True,
+         read_config: Callable[[Path], Any] | None = None) -> Snapshot:
     config = _hub_config(hub, revision)
+    if read_config is not None:
+        read_config(config)
     commit = config.parent.name  # the cache keeps each file under snapshots/<commit>/
     for name in (GENERATION_CONFIG, *TOKENIZER_FILES, *PROCESSOR_FILES):
         hub.fetch(name, commit)

@@ -28,9 +28,9 @@ from dew.files import read_json
 from dew.inference.block import from_checkpoint as block_task
 from dew.inference.masked import from_checkpoint as masked_task
 from dew.inference.text import TextGeneration
-from dew.interop import gguf_files, hf_decoders, tensors
+from dew.interop import gguf_files, hf_decoders, tensors, torchax_fallback, verify
 from dew.interop.export import model_params, model_variables, split_collections, write_export
-from dew.interop.families import FAMILIES, family_of, ported
+from dew.interop.families import FAMILIES, Converter, family_of, ported
 from dew.interop.families import diffusion_gemma as block_diffusion
 from dew.interop.gguf_files import GGUFCheckpoint
 from dew.interop.gguf_out import write_gguf
@@ -86,13 +86,24 @@ class Pretrained:
     revision: str | None
     directory: Path
     generation_config: dict | None
+    family: Converter | None = None  # the family that read `config`; None: config.json's own (`family_of`)
+
+    @property
+    def converter(self) -> Converter:
+        """The family converter these weights load and save through: config.json's registered family, or
+        the one a verified mapping (tier 2, `dew.interop.verify`) chose for an unregistered type."""
+        return self.family if self.family is not None else family_of(self.config)
 
     def text_generation(self, sampling: Sampling | None = None):
         """The generation task over these weights that the checkpoint's family calls for: a
         `TextGeneration` with the checkpoint's sampling unless `sampling` is given; for a masked-diffusion
         family (LLaDA, Dream) native MDLM over its mask id (`MaskedGeneration`, which takes no
         autoregressive `sampling`); for DiffusionGemma a `BlockGeneration`."""
-        family = family_of(self.config)
+        if isinstance(self.model, torchax_fallback.TorchCausalLM):
+            raise TypeError(f"text_generation() is not built for a tier-3 (fallback='torchax') load of "
+                            f"{self.config.get('model_type')!r}: it has no cached generation; generate with "
+                            "transformers, or load a model type Dew has a family for")
+        family = self.converter
         if isinstance(self.model, DiffusionGemma):
             if sampling is not None:
                 raise ValueError(f"sampling={sampling!r}: {family.model_type} generates by block diffusion, which "
@@ -137,15 +148,18 @@ class Pretrained:
         holds llama.cpp's names, the tokenizer and its chat template, its matrices in `outtype` ("f32",
         "f16" or "q8_0").
         """
+        if isinstance(self.model, torchax_fallback.TorchCausalLM):
+            raise NotImplementedError("save() is not built for a tier-3 (fallback='torchax') load yet: its params "
+                                      "keep the torch names; write them with safetensors.numpy.save_file")
         if format not in ("safetensors", "gguf"):
             raise ValueError(f"format {format!r} is not one Dew writes: use 'safetensors' or 'gguf'")
         if format == "gguf":
-            return write_gguf(directory, self.model, family_of(self.config),
+            return write_gguf(directory, self.model, self.converter,
                               self.variables if variables is None else variables, self.directory, outtype)
         if isinstance(self.model, DiffusionGemma):
             return _save_block_diffusion(self, Path(directory), self.variables if variables is None else variables,
                                          max_shard_size)
-        family = family_of(self.config)
+        family = self.converter
         config, rules = self.config, None
         if isinstance(self.model, MultimodalTransformer):  # written back in the source's tensor layout
             config = family.written(self.model.config, self.config)
@@ -185,8 +199,12 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     each device's shard reads only its own layers and rows from the memory-mapped file (a shard
     several devices share is read once), so the host never holds the whole translated model. Without
     either, parameters are uncommitted arrays on the default device, each leaf filled tensor by
-    tensor. Either way `variables` are in the model's own form (scanned runs stacked). `fallback` (the guide's generic
-    torchax tier) is not built and is refused.
+    tensor. Either way `variables` are in the model's own form (scanned runs stacked).
+
+    A `model_type` without a family loads through a verified mapping (tier 2, `dew.interop.verify`) or is
+    refused with the measured difference. `fallback="torchax"` (tier 3, `dew.interop.torchax_fallback`)
+    runs transformers' own PyTorch model through torchax instead: `model` is a `TorchCausalLM` whose
+    variables are `{"params", "buffers"}` by torch name; it trains, but does not generate or save.
 
     `quantize="int8"` holds every linear kernel, the embedding and the output head as int8 with a
     float32 scale per output channel (`dew.nn.quantize`): a quarter of float32's bytes, so decoding,
@@ -198,9 +216,9 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
                          "checkpoint's own floats")
 
     if fallback is not None:
-        raise NotImplementedError(f"fallback={fallback!r}, the generic tier that runs transformers' own model through "
-                                  "torchax, is not built in Dew yet: load a model type Dew has a family for "
-                                  f"({', '.join(sorted(FAMILIES))})")
+        return _load_fallback(source, fallback, dtype=dtype, param_dtype=param_dtype, max_seq_len=max_seq_len,
+                              attention_impl=attention_impl, gguf_file=gguf_file, mesh=mesh, layout=layout,
+                              scan_layers=scan_layers, remat=remat, quantize=quantize, kernels=kernels)
     device_mesh = None if mesh is None and layout is None else (mesh or MeshSpec()).build()
     if quantize is not None and device_mesh is not None and device_mesh.devices.size > 1:
         raise NotImplementedError(f"quantize={quantize!r} over a mesh of {device_mesh.devices.size} devices (int8 "
@@ -209,6 +227,7 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     if attention_impl not in (None, *ATTENTION_IMPLS):
         raise ValueError(f"attention_impl {attention_impl!r} is not built; Dew's attention kernels are "
                          f"{list(ATTENTION_IMPLS)}")
+    verified: list[verify.Verified] = []  # tier 2's check, for a model_type without a family
     if gguf_file is not None:
         snapshot = resolve_gguf(source, gguf_file)
         reader = GGUFCheckpoint(snapshot.weights[0])
@@ -224,12 +243,19 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
                               f"(SentencePiece), not {kind!r}; the bundle has no tokenizer: put the model's "
                               "tokenizer.json beside the file", stacklevel=2)
     else:
-        snapshot = resolve(source)
+        def read_config(path: Path) -> None:  # before any weights are fetched
+            config = dict(ported(_read_json(path), str(path)))  # mamba_ssm's format: as transformers' port
+            if config.get("model_type") is not None and config["model_type"] not in FAMILIES:
+                verified.append(verify.verified_family(config, str(path), _load_probe))
+
+        snapshot = resolve(source, read_config)
         reader = SafetensorsReader(snapshot.weights, snapshot.index)
         config_path = snapshot.directory / CONFIG
         config, where, directory = _read_json(config_path), str(config_path), snapshot.directory
-        config = dict(ported(config, where))  # mamba_ssm's format: as transformers' port, which save writes
-    family = family_of(config, where)
+        config = dict(ported(config, where))
+    family = verified[0].family if verified else family_of(config, where)
+    if verified:
+        config = verified[0].config  # read with the type's own defaults, and saved with them
     if family.model_type == block_diffusion.MODEL_TYPE:
         # a one-device mesh places every parameter on the default device, which is where this load puts them
         if (gguf_file is not None or (device_mesh is not None and device_mesh.devices.size > 1)
@@ -273,7 +299,43 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     if quantize is not None:
         variables = quantize_int8(model, variables)
     return Pretrained(model, variables, tokenizer, config, sampling, budget, snapshot.revision, directory,
+                      generation_config, family)
+
+
+def _load_fallback(source, fallback: str, *, dtype, param_dtype, **native_only) -> Pretrained:
+    """Tier 3 (`dew.interop.torchax_fallback`): transformers' PyTorch model through torchax."""
+    if fallback != "torchax":
+        raise ValueError(f"fallback={fallback!r}: the one fallback is 'torchax' (transformers' PyTorch model run "
+                         "through torchax)")
+    given = sorted(name for name, value in native_only.items() if value is not None)
+    if given:
+        raise NotImplementedError(f"fallback='torchax' runs transformers' own model, so {given} (Dew's kernels, "
+                                  "meshes, quantization and GGUF reading) are not built for it: leave them unset")
+    snapshot = resolve(source)
+    config_path = snapshot.directory / CONFIG
+    config = _read_json(config_path)
+    model, variables = torchax_fallback.load(snapshot.directory, config, str(config_path), dtype=dtype,
+                                             param_dtype=param_dtype, source=source)
+    generation_path = snapshot.directory / GENERATION_CONFIG
+    generation_config = _read_json(generation_path) if generation_path.is_file() else None
+    sampling, budget = generation_defaults(generation_config, config, where=str(generation_path))
+    directory = snapshot.directory
+    tokenizer = HFTokenizer(directory) if (directory / "tokenizer.json").is_file() else None
+    return Pretrained(model, variables, tokenizer, config, sampling, budget, snapshot.revision, directory,
                       generation_config)
+
+
+def _load_probe(directory: Path, family: Converter) -> tuple[CausalTransformer, dict]:
+    """Tier 2's probe: the float32 checkpoint in `directory` through `family`'s mapping, as (model, variables)."""
+    config = _read_json(directory / CONFIG)
+    snapshot = resolve(directory)
+    kwargs = family.decoder_kwargs(config, str(directory / CONFIG))
+    with SafetensorsReader(snapshot.weights, snapshot.index) as reader:
+        kwargs = family.fit_to_weights(kwargs, reader.names())
+        model = CausalTransformer(DecoderConfig(**kwargs, dtype="float32", param_dtype="float32"))
+        params = _read_params(reader, model, family.model_type, family.tensor_rules(model.config, reader.names()),
+                              lambda name: family.ignorable(name, model.config), label="verifying")
+    return model, split_collections(params, model_variables(model))
 
 
 @functools.lru_cache(maxsize=8)

@@ -26,7 +26,6 @@ from dew.data.prompts import Prompts
 from dew.data.tokenizers import tokenizer_name
 from dew.diffusion.discrete import MDLM
 from dew.inference.text import printable
-from dew.interop.families import family_of
 from dew.nn.diffusion_gemma import DiffusionGemma
 from dew.nn.lora import LoRA
 from dew.objectives.diffusion import BlockDiffusionObjective, MaskedDiffusionObjective
@@ -151,7 +150,7 @@ class MaskedDiffusion(RecipeObjective, MaskedDiffusionFlags):
         return config.model.build(vocab_size=meta["vocab_size"] + 1, causal=False)
 
     def check_pretrained(self, config, bundle) -> None:
-        family = family_of(bundle.config)
+        family = bundle.converter
         if not hasattr(family, "process"):
             raise ValueError(
                 f"--pretrained {config.pretrained} is a {family.model_type} checkpoint, a causal decoder: "
@@ -169,7 +168,7 @@ class MaskedDiffusion(RecipeObjective, MaskedDiffusionFlags):
                     "(meta.json); leave vocab_size out of --model.config to take one more than the files' vocab_size"
                 )
         else:
-            process = family_of(bundle.config).process(bundle.config)
+            process = bundle.converter.process(bundle.config)
         # Previews unmask with the process's own sampler, so they carry no sampling policy.
         return MaskedDiffusionObjective(model, process, config.data.seq_len + 1, ema_decay=config.ema_decay,
                                         samples=previews(config, model.config.max_seq_len, Sampling()),

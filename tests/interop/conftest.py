@@ -49,6 +49,7 @@ CASES = {
                                               "rope_theta": 100.0})),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(eos_token_id=3, pad_token_id=1)),
     "olmo3-window": ("Olmo3Config", "Olmo3ForCausalLM", dict(eos_token_id=3, pad_token_id=1, sliding_window=5)),
+    "phi3-fused-window": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=5, pad_token_id=0, eos_token_id=2)),
 }
 
 
@@ -73,6 +74,21 @@ def sized(model_type: str, **fields) -> dict:
     return {"model_type": model_type, **reference_sizes(FAMILIES[model_type].fields), **fields}
 
 
+def assert_logits_match(bundle, model, tokens) -> None:
+    """A loaded `bundle`'s float32 logits of `tokens` against transformers' `model`, within the ulps
+    `transformers_decoder_ulps` counts for its config and length."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tests.tolerances import transformers_decoder_ulps, ulp_bound
+
+    ours = np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(tokens, jnp.int32)))
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(np.asarray(tokens))).logits.numpy()
+    bound = ulp_bound(transformers_decoder_ulps(model.config, tokens.shape[1]), np.abs(theirs).max())
+    np.testing.assert_allclose(ours, theirs, atol=bound, rtol=0)
+
+
 def greedy_continuations(model, bundle, prompt, tokens: int = 16) -> tuple[list[int], list[int]]:
     """(Dew's, transformers') greedy continuations of `prompt`, `tokens` long: the loaded `bundle`
     through its cache, the transformers `model` through `generate`, neither stopping at an EOS."""
@@ -90,13 +106,17 @@ def torch_model(case: str, seed: int = 0, **overrides):
     config_class, model_class, options = CASES[case]
     config = getattr(transformers, config_class)(**{**SHAPE, **options, **overrides})
     torch.manual_seed(seed)
-    model = getattr(transformers, model_class)(config).eval()
+    return scatter_weights(getattr(transformers, model_class)(config).eval())
+
+
+def scatter_weights(model, std: float = 0.3):
+    """`model` with its norm scales moved by 0.1 N(0, 1) and every other tensor drawn from N(0, std)."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" in name:
                 parameter.add_(0.1 * torch.randn_like(parameter))
             else:
-                parameter.normal_(0.0, 0.3)
+                parameter.normal_(0.0, std)
     return model
 
 

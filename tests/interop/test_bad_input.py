@@ -104,8 +104,8 @@ def test_index_and_shards_disagree(checkpoint):
 def test_unknown_model_type(checkpoint):
     directory, _ = checkpoint
     config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "model_type": "falcon"}))
-    with pytest.raises(ValueError, match=r"config.json names model_type 'falcon', which is not a Dew family"):
+    (directory / "config.json").write_text(json.dumps({**config, "model_type": "no_such_type"}))
+    with pytest.raises(ValueError, match=r"config.json names model_type 'no_such_type', which is neither a Dew family"):
         load_pretrained(directory)
 
 
@@ -127,10 +127,10 @@ def test_directory_without_safetensors(checkpoint):
         load_pretrained(str(directory / "no such" / "dir"))
 
 
-def test_generic_fallback_tier_is_refused_as_not_built(checkpoint):
+def test_generic_fallback_refuses_what_only_native_loads_have(checkpoint):
     directory, _ = checkpoint
-    with pytest.raises(NotImplementedError, match=r"fallback='torchax', the generic tier .* is not built"):
-        load_pretrained(directory, fallback="torchax")
+    with pytest.raises(NotImplementedError, match=r"fallback='torchax' runs transformers' own model, so \['quantize'\]"):
+        load_pretrained(directory, fallback="torchax", quantize="int8")
 
 
 @pytest.mark.parametrize("shard", ["../outside.safetensors", "{outside}", "sub/../../outside.safetensors"])

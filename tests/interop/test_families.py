@@ -16,7 +16,7 @@ from tests.tolerances import transformers_decoder_ulps, ulp_bound
 # 4.5e-6, mistral-window 3.6e-6, ministral-mixed-window 3.5e-6, qwen2-bias-window 4.8e-6, qwen3-qk-norm
 # 4.5e-6, gemma 3.9e-6, gemma2-softcap-alternating 3.3e-6, gemma3-local-global (linear on full layers)
 # 2.2e-6, olmo2 3.5e-6, olmo3-window 3.3e-6, llama-linear-rope 4.8e-6, llama-llama3-rope 6.4e-6,
-# qwen3-yarn-rope 3.5e-6. Along the greedy paths below, the top two logits are at least 6.7 times
+# qwen3-yarn-rope 3.5e-6, phi3-fused-window 7.2e-6. Along the greedy paths below, the top two logits are at least 6.7 times
 # further apart than both sides' bounds together, so the tokens cannot flip on another CPU.
 PROMPT = [5, 17, 3, 88, 41, 9]
 

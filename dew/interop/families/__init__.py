@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dew.interop.families import (
-    deepseek, diffusion_gemma, dream, gemma, gemma3, llada, llama, mamba2, mixtral, olmo, qwen, qwen_moe,
+    deepseek, diffusion_gemma, dream, gemma, gemma3, llada, llama, mamba2, mixtral, olmo, phi3, qwen, qwen_moe,
 )
 from dew.interop.families.converter import Converter, GGUFNames
 from dew.interop.hf_decoders import refuse_quantized
@@ -36,7 +36,7 @@ from dew.nn.transformer import DecoderConfig
 _BUILT_IN = (llama.LLAMA, qwen.QWEN2, qwen.QWEN3, llama.MISTRAL, llama.MINISTRAL, gemma.GEMMA, gemma.GEMMA2,
              gemma.GEMMA3_TEXT, olmo.OLMO2, olmo.OLMO3, llada.LLADA, dream.DREAM, mixtral.MIXTRAL,
              qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, diffusion_gemma.DIFFUSION_GEMMA, deepseek.DEEPSEEK_V3,
-             deepseek.DEEPSEEK_V2, deepseek.DEEPSEEK_V32, mamba2.MAMBA2, gemma3.GEMMA3)
+             deepseek.DEEPSEEK_V2, deepseek.DEEPSEEK_V32, mamba2.MAMBA2, gemma3.GEMMA3, phi3.PHI3)
 FAMILIES: dict[str, Converter] = {}
 
 
@@ -64,7 +64,7 @@ def family_of(source: Mapping[str, Any], where: str = "config.json") -> Converte
         raise ValueError(f"{where} has no model_type{native}: Dew loads transformers decoders whose config names one "
                          f"of {sorted(FAMILIES)}")
     raise ValueError(f"{where} names model_type {model_type!r}, which is not a Dew family: native families are "
-                     f"{sorted(FAMILIES)} (loading other types through a verified mapping is not built yet)")
+                     f"{sorted(FAMILIES)} (load_pretrained tries another type through a verified mapping, tier 2)")
 
 
 def ported(source: Mapping[str, Any], where: str = "config.json") -> Mapping[str, Any]:
