@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dew.diffusion.block import BlockProcess, accepted, entropy
-from dew.inference.block import BlockGeneration
+from dew.inference import BlockGeneration
 from dew.interop import load_pretrained
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "hf" / "diffusion-gemma-workflow"
@@ -30,6 +30,7 @@ def test_guide_workflow_example(bundle):
     assert bundle.processor is not None
     inputs = bundle.processor(["<bos> t5 t7 t9 t11"])
     task = bundle.block_generation()
+    assert isinstance(task, BlockGeneration)  # dew.inference exports it beside the other tasks
     generated = task(inputs, 7, key=jax.random.key(11))
     text = task.decode(generated)
     assert len(text) == 1 and len(text[0].split()) == generated.new_tokens[0] <= 7

@@ -202,6 +202,11 @@ class LMObjective(PolicyScoring):
     The loss scores the vocabulary in `head_chunks` tiles (`Head.cross_entropy`), so a pass holds
     one tile's logits at a time; None (the default) takes the fewest tiles whose float32 logits fit
     64 MiB each, and a single tile keeps its logits for the backward pass rather than making them again.
+    The API reference's default is a fixed 4, for the same end, bounded logits memory; a count chosen
+    from the batch's rows and the vocabulary meets it at every size, where 4 tiles would hold 2 GiB
+    each for 8,192 rows of a 262k vocabulary and would split a small vocabulary's one tile for nothing
+    (the quick start's step runs faster with one: docs/performance.md). `head_chunks=4` gives the
+    reference's tiling.
     """
 
     def __init__(
@@ -711,4 +716,5 @@ class LMObjective(PolicyScoring):
                               key=key, sampling=self.samples.sampling)
         if jax.process_index() != 0:
             return None
-        return [self.samples.decode(list(row)) for row in generation.host().tokens]
+        # Python ints, so the default decode (`str`) prints "[1, 2]", not "[np.int32(1), np.int32(2)]"
+        return [self.samples.decode([int(i) for i in row]) for row in generation.host().tokens]
