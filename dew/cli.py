@@ -98,6 +98,8 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
         max_image_pixels: The most pixels (width times height) of one image.
         max_image_bytes: The most encoded bytes of one image.
         fetch_images: Fetch images sent as http(s) URLs (by default only inline data: URLs are read).
+        max_logprobs: The most alternatives a request may ask for at each position (a completion's
+            logprobs, a chat's top_logprobs); past it, 400.
     """
     import dataclasses
 
@@ -160,7 +162,7 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
           max_body_bytes: int = 2**20, read_timeout: float = 30.0, keep_alive_timeout: float = 5.0,
           max_connections: int = 512, live: bool = False, quantize: Literal["int8"] | None = None,
           max_images: int = 4, max_image_pixels: int = 4096 * 4096, max_image_bytes: int = 16 * 2**20,
-          fetch_images: bool = False) -> None:
+          fetch_images: bool = False, max_logprobs: int = 20) -> None:
     """Serve a model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health)
     with continuous batching, until interrupted. Needs the serve extra (pip install 'dew-ml[serve]').
 
@@ -222,7 +224,8 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
     try:
         served = Served.load(source, slots=slots, capacity=capacity, queue=queue, prefill_rows=prefill_rows,
                              name=name, chat_template_file=chat_template, live=live, quantize=quantize,
-                             special_tokens_in_messages=special_tokens_in_messages, images=images)
+                             special_tokens_in_messages=special_tokens_in_messages, images=images,
+                             max_log_probs=max_logprobs)
     except BaseException:
         listener.close()
         raise
