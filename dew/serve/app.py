@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server over a `Served` checkpoint (FastAPI on uvicorn).
 
-    GET  /health                 200 with the engine's load (503 once the engine has stopped)
+    GET  /health                 200 with the engine's load once it is ready (503 "compiling" before, as the
+                                 engine compiles its first programs; 503 "stopped" once it has stopped)
     GET  /v1/models              the one model served
     GET  /tokenizer_info         the special tokens and chat template (vLLM's; read by lm-eval)
     POST /tokenize, /detokenize  text to token ids and back with the served tokenizer (vLLM's shapes)
@@ -95,8 +96,8 @@ def create_app(served: Served, limits: Limits):
     @app.get("/health")
     async def health():
         load = engine.load()
-        return JSONResponse({"status": "ok" if load["running"] else "stopped", **load},
-                            status_code=200 if load["running"] else 503)
+        status = "stopped" if not load["running"] else "ok" if load["ready"] else "compiling"
+        return JSONResponse({"status": status, **load}, status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/models")
     async def models():

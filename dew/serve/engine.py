@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -108,9 +108,16 @@ class Engine:
     `cancel` drops one wherever it is. Prompts are prefilled in batches of 1, 2, 4 ... up to
     `prefill_rows` rows, at widths 16, 32, 64 ... up to `capacity`; requests take the lowest free
     slots, and a step runs over the first 1, 2, 4 ... `slots` rows, the fewest that hold every
-    occupied slot. `warm_up` compiles every combination, after which no request compiles (but the
-    first that asks for its prompt's log-probabilities at a width). `eos_token_ids` end a row, `pad_id`
-    fills. `top_k_limit` bounds a request's `top_k`, `max_log_probs` the alternatives it may ask for.
+    occupied slot. `eos_token_ids` end a row, `pad_id` fills. `top_k_limit` bounds a request's
+    `top_k`, `max_log_probs` the alternatives it may ask for.
+
+    Each (rows, width) admission and each step width is a program compiled ahead of time. `start`
+    compiles the few that serve any request first (the step over every slot, one-row admissions at
+    the narrowest and the widest prompt width), sets `ready`, and compiles the rest on a thread of its
+    own meanwhile; until a program is compiled, the engine uses the nearest compiled one that holds
+    the work (a wider step, a wider prompt width, fewer rows per admission), so no request waits on a
+    compile (but the first that asks for its prompt's log-probabilities at a width, or brings a new
+    count of images). `warm_up` compiles every program at once.
     """
 
     def __init__(self, model, params, *, slots: int, capacity: int, eos_token_ids: Sequence[int] = (),
@@ -140,6 +147,16 @@ class Engine:
         self._steps = {rows: compile_step(model, self.eos, self.pad_id, rows, slots, max_log_probs)
                        for rows in self.step_rows}
         self._admit = compile_admit(model, max_log_probs)
+        self._programs: dict[tuple, Callable] = {}  # ("step", rows) or ("admit", rows, width): compiled
+        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
+        self._abstract = (jax.tree_util.tree_map(abstract, self.params), jax.tree_util.tree_map(abstract, self._state))
+        first = [("step", self.step_rows[-1]), ("admit", 1, self.widths[0]), ("admit", 1, self.widths[-1])]
+        rest = [("step", rows) for rows in self.step_rows] + [("admit", 1, width) for width in self.widths] + \
+            [("admit", rows, width) for rows in self.prefill_rows[1:] for width in self.widths]
+        self.first_programs = first
+        self.later_programs = [key for key in dict.fromkeys(rest) if key not in first]
+        self.ready = threading.Event()
+        self.compile_seconds = 0.0
         self._owners: list[Request | None] = [None] * slots
         self._release = np.zeros(slots, bool)
         self._waiting: collections.deque[Request] = collections.deque()
@@ -147,6 +164,7 @@ class Engine:
         self._lock = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._compiler: threading.Thread | None = None
         self._on_failure: Callable[[BaseException], None] | None = None
         self.failure: BaseException | None = None
         self.steps = 0
@@ -211,43 +229,81 @@ class Engine:
                              f"{self.slots} at once and queues {self.queue_limit} more, {self.max_rows} in all")
 
     def load(self) -> dict:
-        """Whether the engine's thread runs, and how busy it is: occupied slots, waiting requests, steps run."""
+        """Whether the engine's thread runs and is `ready`, the programs compiled of all, and how busy it
+        is: occupied slots, waiting requests, steps run."""
         with self._lock:
             running = not self._closing and self._thread is not None and self._thread.is_alive()
-            return {"running": running, "slots": self.slots, "busy": sum(owner is not None for owner in self._owners),
-                    "waiting": len(self._waiting), "capacity": self.capacity, "steps": self.steps}
+            return {"running": running, "ready": self.ready.is_set(), "compiled": len(self._programs),
+                    "programs": len(self.first_programs) + len(self.later_programs), "slots": self.slots,
+                    "busy": sum(owner is not None for owner in self._owners), "waiting": len(self._waiting),
+                    "capacity": self.capacity, "steps": self.steps}
 
     # -- life cycle ---------------------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """Compile every admission shape and every step width (admitting only padding rows, which change nothing)."""
-        for rows, width in itertools.product(self.prefill_rows, self.widths):
-            nowhere = np.full(rows, self.slots, np.int32)  # every row dropped
-            self._state = self._admit(self.params, self._state, self._admission([None] * rows, width, nowhere))
-        for rows in self.step_rows:
-            self._state, output = self._steps[rows](self.params, self._state, self._release)
-        jax.block_until_ready(output)
+        """Compile every program now, on this thread (then `start` compiles nothing)."""
+        for key in [*self.first_programs, *self.later_programs]:
+            self._compile(key)
+        self._first_use()
+
+    def _compile(self, key: tuple) -> None:
+        if key in self._programs:
+            return
+        started = time.perf_counter()
+        params, state = self._abstract
+        if key[0] == "step":
+            lowered = self._steps[key[1]].lower(params, state, jax.ShapeDtypeStruct((self.slots,), bool))
+        else:
+            rows, width = key[1:]
+            padding = self._admission([None] * rows, width, np.full(rows, self.slots, np.int32))
+            lowered = self._admit.jitted.lower(params, state, *padding.arguments(), prompt_scores=False)
+        self._programs[key] = lowered.compile()
+        self.compile_seconds += time.perf_counter() - started
+
+    def _first_use(self) -> None:
         for seed in (0, 2**40):  # the host's key derivation, for small and large seeds
             _seed_key(seed)
 
     def start(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
-        """Start the engine's thread; should it fail, `on_failure(error)` is called on it, last."""
+        """Start the engine's thread, which compiles the first programs, sets `ready` and serves, while
+        another thread compiles the rest; should the engine's thread fail, `on_failure(error)` is called
+        on it, last."""
         self._on_failure = on_failure
         self._thread = threading.Thread(target=self._run, name="dew-serve-engine", daemon=True)
         self._thread.start()
 
+    def _compile_later(self) -> None:
+        try:
+            for key in self.later_programs:
+                if self._closing:
+                    return
+                self._compile(key)
+            logger.info("compiled all %d programs (%.1f s of compiling)", len(self._programs), self.compile_seconds)
+        except Exception:  # noqa: BLE001 - the engine serves on with the programs it has
+            logger.exception("compiling the serving programs in the background failed; the compiled ones serve")
+
     def close(self) -> None:
-        """Stop the thread; requests still waiting or running end as "cancelled"."""
+        """Stop the threads; requests still waiting or running end as "cancelled"."""
         with self._lock:
             self._closing = True
             self._lock.notify()
         if self._thread is not None:
             self._thread.join()
+        if self._compiler is not None:  # it stops after the program it is compiling
+            self._compiler.join()
 
     # -- the engine's thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
+            for key in self.first_programs:
+                self._compile(key)
+            self._first_use()
+            self.ready.set()
+            logger.info("ready: compiled the first %d programs in %.1f s; compiling %d more meanwhile",
+                        len(self.first_programs), self.compile_seconds, len(self.later_programs))
+            self._compiler = threading.Thread(target=self._compile_later, name="dew-serve-compile", daemon=True)
+            self._compiler.start()
             self._loop()
         except BaseException as error:  # noqa: BLE001 - logged here, and handed to on_failure below
             logger.exception("the serving engine stopped")
@@ -284,10 +340,10 @@ class Engine:
             used = max((slot + 1 for slot, owner in enumerate(self._owners) if owner is not None), default=0)
             if used:
                 # the smallest compiled row count that covers every occupied slot (they fill from slot 0)
-                rows = next(r for r in self.step_rows if r >= used)
+                rows = next(r for r in self.step_rows if r >= used and ("step", r) in self._programs)
                 release = self._release.copy()
                 self._release[:rows] = False  # rows past the step keep theirs for a later, wider step
-                self._state, output = self._steps[rows](self.params, self._state, release)
+                self._state, output = self._programs["step", rows](self.params, self._state, release)
                 dispatched = (output, list(self._owners[:rows]))
                 self.steps += 1
             if pending is not None:
@@ -311,17 +367,26 @@ class Engine:
         compiles its admission once), in batches of the ladder's sizes."""
         by_width: dict[tuple[int, int, bool], list[tuple[int, Request]]] = collections.defaultdict(list)
         for slot, request in admitted:
-            width = next(w for w in self.widths if w >= len(request.prompt))
-            by_width[width, request.images, request.prompt_log_probs is not None].append((slot, request))
-        for (width, images, scored), group in by_width.items():
+            plain = request.images == 0 and request.prompt_log_probs is None
+            # a plain prompt takes the narrowest compiled width that holds it (the widest always is)
+            width = next(w for w in self.widths if w >= len(request.prompt) and (not plain or ("admit", 1, w) in
+                                                                                 self._programs))
+            by_width[width, request.images, not plain].append((slot, request))
+        for (width, images, special), group in by_width.items():
             while group:
                 rows = next((r for r in self.prefill_rows if r >= len(group)), self.prefill_rows[-1])
+                if not special:  # at most the rows of a compiled admission (one row always is)
+                    rows = max(r for r in self.prefill_rows if r <= rows and ("admit", r, width) in self._programs)
                 batch, group = group[:rows], group[rows:]
                 slots = np.full(rows, self.slots, np.int32)
                 slots[: len(batch)] = [slot for slot, _ in batch]
                 requests = [request for _, request in batch] + [None] * (rows - len(batch))
                 admission = self._admission(requests, width, slots, images)
-                if not scored:
+                if not special:
+                    self._state = self._programs["admit", rows, width](self.params, self._state,
+                                                                        *admission.arguments())
+                    continue
+                if batch[0][1].prompt_log_probs is None:  # images, at a count not compiled ahead
                     self._state = self._admit(self.params, self._state, admission)
                     continue
                 self._state, scores = self._admit(self.params, self._state, admission, prompt_scores=True)

@@ -1,5 +1,5 @@
 """`Served`: a checkpoint ready to answer requests: its generation task, checked chat template, prompt
-encoder, text decoder and warmed-up `Engine`."""
+encoder, text decoder and `Engine`."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class Served:
              live: bool = False, quantize: str | None = None, special_tokens_in_messages: bool = False,
              images: ImageLimits = ImageLimits(), max_log_probs: int = MAX_LOG_PROBS) -> "Served":
         """Load `source` (whatever `dew.pipeline` reads), find and check its chat template (before any
-        compiling, so a broken one is refused at once), and warm up an engine. With
+        compiling, so a broken one is refused at once), and make an engine (which compiles as it starts). With
         `special_tokens_in_messages`, special-token text in a chat message is the token (see `PromptEncoder`)."""
 
         task = pipeline(source, ema=not live, quantize=quantize)
@@ -69,10 +69,6 @@ class Served:
                         prefill_rows=prefill_rows, eos_token_ids=task.sampling.eos_token_ids,
                         pad_id=task.sampling.pad_id,
                         top_k_limit=max(task.sampling.top_k or 0, TOP_K_LIMIT), max_log_probs=max_log_probs)
-        started = time.perf_counter()
-        engine.warm_up()
-        logger.info("compiled %d prompt widths x %d prefill batch sizes and the step in %.1f s", len(engine.widths),
-                    len(engine.prefill_rows), time.perf_counter() - started)
         processor = None
         if isinstance(task.model, MultimodalTransformer):
             config = task.model.config

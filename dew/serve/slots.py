@@ -142,6 +142,11 @@ class Admission:
     scored: np.ndarray
     media: dict | None = None
 
+    def arguments(self) -> tuple:
+        """The arrays in the order `compile_admit`'s compiled function takes them, after params and slots."""
+        return (self.tokens, self.valid, self.slots, self.seed_keys, self.prompt_index, self.continuation,
+                self.sampling, self.budget, self.scored, self.media)
+
 
 def compile_admit(model, top: int):
     """The compiled admission `(params, slots, Admission, prompt_scores) -> slots`: prefill the new
@@ -178,9 +183,7 @@ def compile_admit(model, top: int):
     jitted = jax.jit(admit, donate_argnums=1, static_argnames="prompt_scores")
 
     def run(params, slots: Slots, admission: Admission, prompt_scores: bool = False):
-        a = admission
-        return jitted(params, slots, a.tokens, a.valid, a.slots, a.seed_keys, a.prompt_index, a.continuation,
-                      a.sampling, a.budget, a.scored, a.media, prompt_scores=prompt_scores)
+        return jitted(params, slots, *admission.arguments(), prompt_scores=prompt_scores)
 
     run.jitted = jitted
     return run
