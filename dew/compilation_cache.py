@@ -10,15 +10,18 @@ import os
 import jax
 
 
-def configure() -> None:
-    """Point JAX's cache at `$XDG_CACHE_HOME/dew/jax` (default `~/.cache/dew/jax`).
+def configure(directory: str | os.PathLike | None = None) -> None:
+    """Point JAX's cache at `directory`, or by default at `$XDG_CACHE_HOME/dew/jax` (`~/.cache/dew/jax`).
+    Call it before the process compiles anything: JAX opens its cache at the first compile.
 
-    A cache directory the user already configured (`JAX_COMPILATION_CACHE_DIR` or
-    `jax.config.update`) is left alone, and `DEW_COMPILATION_CACHE=0` turns this off.
+    Without `directory`, a cache directory the user already configured (`JAX_COMPILATION_CACHE_DIR`
+    or `jax.config.update`) is left alone, and `DEW_COMPILATION_CACHE=0` turns this off.
     """
-    if os.environ.get("DEW_COMPILATION_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
-        return
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    jax.config.update("jax_compilation_cache_dir", os.path.join(root, "dew", "jax"))
+    if directory is None:
+        if os.environ.get("DEW_COMPILATION_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
+            return
+        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        directory = os.path.join(root, "dew", "jax")
+    jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
     # Cache every executable that took half a second or more to build (the train step takes seconds).
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

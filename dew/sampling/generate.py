@@ -25,6 +25,7 @@ from flax import struct
 from dew.data.inputs import MEDIA_FIELDS, ModelInputs, text_fields
 from dew.nn.multimodal import MultimodalTransformer
 from dew.sampling.sampling import Sampling, SamplingParams, draw
+from dew.sampling.scoring import Scores, prompt_scores
 
 PROMPT_BUCKET = 16
 # The float32 rows as wide as the vocabulary one decoding row holds at once: its logits, the filtered
@@ -143,11 +144,17 @@ def prefill(model, params, tokens_BP: jax.Array, valid_BP: jax.Array, cache, med
     logits of each row's last real token `[B, V]` and the cache. `valid_BP` marks real tokens
     (padding may sit on either side); `media` holds a multimodal model's image fields and pixels
     (`dew.data.inputs.MEDIA_FIELDS`, `pixel_values`), laid out like the tokens."""
+    logits_BV, cache, _ = _prefill(model, params, tokens_BP, valid_BP, cache, media)
+    return logits_BV, cache
+
+
+def _prefill(model, params, tokens_BP, valid_BP, cache, media):
+    """`prefill`'s logits and cache, and the model's output over every position (hidden states, head)."""
     output, cache = model.apply(params, tokens_BP, attention_mask=valid_BP, cache=cache, head=False, **(media or {}))
     P = tokens_BP.shape[1]
     last_B = P - 1 - jnp.argmax(valid_BP[:, ::-1] > 0, axis=1)
     hidden_BE = jnp.take_along_axis(output.hidden, last_B[:, None, None], axis=1)[:, 0]
-    return output.head.logits(hidden_BE), cache
+    return output.head.logits(hidden_BE), cache, output
 
 
 def decode_step(model, params, tokens_B: jax.Array, live_B: jax.Array, cache):
@@ -171,13 +178,25 @@ class DecodeState:
 
 def start(model, params, tokens_BP, valid_BP, capacity: int, penalty: bool, media=None) -> DecodeState:
     """Prefill a fresh cache of `capacity` slots per row (with a multimodal model's `media`, as `prefill`)."""
+    return _start(model, params, tokens_BP, valid_BP, capacity, penalty, media)[0]
+
+
+def start_scored(model, params, tokens_BP, valid_BP, capacity: int, penalty: bool, top: int,
+                 media=None) -> tuple[DecodeState, Scores]:
+    """`start`, and each prompt position's log-probability with the `top` most likely tokens there
+    (`dew.sampling.scoring.prompt_scores`), from the same pass."""
+    state, output = _start(model, params, tokens_BP, valid_BP, capacity, penalty, media)
+    return state, prompt_scores(output.head, output.hidden, tokens_BP, top)
+
+
+def _start(model, params, tokens_BP, valid_BP, capacity, penalty, media):
     B = tokens_BP.shape[0]
     fresh = model.init_cache(B, capacity).replace(fresh=True)  # attention's prefill may skip later key blocks
-    logits_BV, cache = prefill(model, params, tokens_BP, valid_BP, fresh, media)
+    logits_BV, cache, output = _prefill(model, params, tokens_BP, valid_BP, fresh, media)
     seen_BV = None
     if penalty:
         seen_BV = jnp.zeros(logits_BV.shape, bool).at[jnp.arange(B)[:, None], tokens_BP].max(valid_BP > 0)
-    return DecodeState(cache, logits_BV, jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32), seen_BV)
+    return DecodeState(cache, logits_BV, jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32), seen_BV), output
 
 
 def advance(model, params, state: DecodeState, keys_B, step, sampling: SamplingParams, eos: tuple[int, ...],

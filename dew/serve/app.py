@@ -1,7 +1,10 @@
 """The OpenAI-compatible HTTP server over a `Served` checkpoint (FastAPI on uvicorn).
 
-    GET  /health                 200 with the engine's load (503 once the engine has stopped)
+    GET  /health                 200 with the engine's load once it is ready (503 "compiling" before, as the
+                                 engine compiles its first programs; 503 "stopped" once it has stopped)
     GET  /v1/models              the one model served
+    GET  /tokenizer_info         the special tokens and chat template (vLLM's; read by lm-eval)
+    POST /tokenize, /detokenize  text to token ids and back with the served tokenizer (vLLM's shapes)
     POST /v1/completions         text completions, `stream: true` as server-sent events
     POST /v1/chat/completions    chat completions rendered with the checkpoint's chat template
 
@@ -93,13 +96,36 @@ def create_app(served: Served, limits: Limits):
     @app.get("/health")
     async def health():
         load = engine.load()
-        return JSONResponse({"status": "ok" if load["running"] else "stopped", **load},
-                            status_code=200 if load["running"] else 503)
+        status = "stopped" if not load["running"] else "ok" if load["ready"] else "compiling"
+        return JSONResponse({"status": status, **load}, status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": served.created,
                                             "owned_by": "dew", "max_model_len": engine.capacity}]}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return served.tokenizer_info()
+
+    @app.post("/tokenize")
+    async def tokenize(request: HTTPRequest):
+        raw = await _read_body(request, limits)
+        return await asyncio.get_running_loop().run_in_executor(preparing, prepare_tokenize, raw)
+
+    @app.post("/detokenize")
+    async def detokenize(request: HTTPRequest):
+        raw = await _read_body(request, limits)
+        return await asyncio.get_running_loop().run_in_executor(preparing, prepare_detokenize, raw)
+
+    def prepare_tokenize(raw: bytes) -> dict:
+        text, special = protocol.tokenize_request(protocol.parse_json(raw), served.name)
+        ids = served.tokenize(text, special)
+        return {"count": len(ids), "max_model_len": engine.capacity, "tokens": ids}
+
+    def prepare_detokenize(raw: bytes) -> dict:
+        ids = protocol.detokenize_request(protocol.parse_json(raw), served.name, vocab)
+        return {"prompt": served.task.tokenizer.decode(ids) if ids else ""}
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
@@ -116,8 +142,9 @@ def create_app(served: Served, limits: Limits):
     def prepare_completion(raw: bytes) -> Job:
         body = protocol.parse_json(raw)
         protocol.check_model(body, served.name)
-        job = protocol.read_job("completion", body, served.task.sampling)
+        job = protocol.read_job("completion", body, served.task.sampling, engine.max_log_probs)
         prompts = protocol.completion_prompts(body.get("prompt"), vocab)
+        job.texts = [prompt if isinstance(prompt, str) else None for prompt in prompts]
         check_rows(len(prompts), job.n)
         order = sorted(range(len(prompts)), key=lambda i: isinstance(prompts[i], str))  # token ids first: no encoding
         for index in order:
@@ -139,7 +166,7 @@ def create_app(served: Served, limits: Limits):
         if served.chat is None:
             raise APIError(400, f"{served.name} has no chat template (its tokenizer files and metadata name none): "
                            "use /v1/completions, or start dew serve with --chat-template FILE", param="messages")
-        job = protocol.read_job("chat", body, served.task.sampling)
+        job = protocol.read_job("chat", body, served.task.sampling, engine.max_log_probs)
         check_rows(1, job.n)
         pictures = [decode_image(url, index, served.images) for index, url in enumerate(urls)]
         try:
@@ -178,8 +205,12 @@ def create_app(served: Served, limits: Limits):
         events: asyncio.Queue = asyncio.Queue()
         emit = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)  # noqa: E731 (engine thread)
         decode = served.decode()
-        requests = [Request(prompt, job.max_tokens, job.sampling, job.seed,
-                            _Choice(i * job.n + j, TextStream(decode, prompt, job.stop), emit), i, j, media=job.media)
+        prompt_log_probs = job.log_probs if job.echo else None
+        # an echo of max_tokens 0 draws one token, as vLLM does, and leaves it out of the answer
+        requests = [Request(prompt, job.max_tokens or 1, job.sampling, job.seed,
+                            _Choice(i * job.n + j, TextStream(decode, prompt, job.stop), emit,
+                                    prompt_log_probs is not None), i, j, media=job.media,
+                            log_probs=job.log_probs, prompt_log_probs=prompt_log_probs)
                     for i, prompt in enumerate(job.prompts) for j in range(job.n)]
         try:
             engine.submit(requests)
@@ -233,23 +264,38 @@ def _too_large(size: str, limit: int) -> APIError:
 
 
 class _Choice:
-    """A `Consumer` that turns one choice's tokens into text events for the answering coroutine."""
+    """A `Consumer` that turns one choice's tokens into text events for the answering coroutine: the
+    prompt's log-probabilities first (`prompt_scored`), then each piece of text with those of the tokens
+    drawn since the last piece, and at the end the rest."""
 
-    def __init__(self, index: int, stream: TextStream, emit):
+    def __init__(self, index: int, stream: TextStream, emit, prompt_scored: bool = False):
         self.index, self.stream, self.emit = index, stream, emit
+        self.prompt_scored = prompt_scored
+        self.entries: list = []  # drawn tokens' scores not yet sent
+
+    def scores(self, entries: list) -> None:
+        if self.prompt_scored:
+            self.prompt_scored = False
+            self.emit(("prompt", self.index, entries))
+        else:
+            self.entries.extend(entries)
 
     def token(self, token_id: int) -> bool:
         text = self.stream.push(token_id)
         if text:
-            self.emit(("text", self.index, text))
+            self.emit(("text", self.index, text, self._taken()))
         return self.stream.stopped
 
     def finish(self, reason: str, completion_tokens: int) -> None:
         if reason != "cancelled":
             tail = self.stream.close()
             if tail:
-                self.emit(("text", self.index, tail))
-        self.emit(("end", self.index, reason, completion_tokens))
+                self.emit(("text", self.index, tail, self._taken()))
+        self.emit(("end", self.index, reason, completion_tokens, self._taken()))
+
+    def _taken(self) -> list:
+        entries, self.entries = self.entries, []
+        return entries
 
 
 def _engine_stopped(status: int = 500) -> APIError:
@@ -259,6 +305,7 @@ def _engine_stopped(status: int = 500) -> APIError:
 
 async def _whole(job: Job, served: Served, requests, events: asyncio.Queue, prompt_tokens: int, request) -> dict:
     texts, reasons, completion_tokens = [""] * len(requests), [None] * len(requests), 0
+    prompt_entries, entries = [[] for _ in requests], [[] for _ in requests]
     try:
         while None in reasons:
             try:
@@ -267,22 +314,50 @@ async def _whole(job: Job, served: Served, requests, events: asyncio.Queue, prom
                 if await request.is_disconnected():
                     return {}
                 continue
-            if event[0] == "text":
+            if event[0] == "prompt":
+                prompt_entries[event[1]] = event[2]
+            elif event[0] == "text":
                 texts[event[1]] += event[2]
+                entries[event[1]] += event[3]
             else:
                 if event[2] == "cancelled":
                     raise _engine_stopped()
                 reasons[event[1]] = event[2]
                 completion_tokens += event[3]
+                entries[event[1]] += event[4]
     finally:
         _cancel_unfinished(served, requests)
-    return protocol.response(job, served.name, list(zip(texts, reasons)),
+    if job.kind == "completion" and job.max_tokens == 0:  # echo alone: the one token drawn is left out
+        texts, reasons, entries, completion_tokens = [""] * len(requests), ["length"] * len(requests), \
+            [[] for _ in requests], 0
+    scores = [None] * len(requests)
+    if job.kind == "completion" and job.echo:
+        decode = served.decode()
+        for index, row in enumerate(requests):
+            sent = job.texts[row.prompt_index]
+            texts[index] = (decode(row.prompt) if sent is None else sent) + texts[index]
+    if job.log_probs is not None:
+        spell = served.spell()
+        scores = [protocol.completion_log_probs(prompt_entries[i] + entries[i], spell) if job.kind == "completion"
+                  else protocol.chat_log_probs(entries[i], spell) for i in range(len(requests))]
+    return protocol.response(job, served.name, list(zip(texts, reasons, scores)),
                              protocol.usage(prompt_tokens, completion_tokens))
 
 
 async def _streamed(job: Job, served: Served, requests, events: asyncio.Queue, prompt_tokens: int) -> AsyncIterator[str]:
     send = lambda chunk: f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"  # noqa: E731
     left, completion_tokens = len(requests), 0
+    spell, offsets = served.spell(), [0] * len(requests)
+
+    def scored(index: int, entries: list) -> dict | None:
+        if job.log_probs is None:
+            return None
+        if job.kind == "chat":
+            return protocol.chat_log_probs(entries, spell)
+        out = protocol.completion_log_probs(entries, spell, offsets[index])
+        offsets[index] += sum(map(len, out["tokens"]))
+        return out
+
     try:
         if job.kind == "chat":
             for index in range(len(requests)):
@@ -290,14 +365,15 @@ async def _streamed(job: Job, served: Served, requests, events: asyncio.Queue, p
         while left:
             event = await events.get()
             if event[0] == "text":
-                yield send(protocol.chunk(job, served.name, event[1], text=event[2]))
+                yield send(protocol.chunk(job, served.name, event[1], text=event[2], log_probs=scored(event[1], event[3])))
                 continue
             if event[2] == "cancelled":
                 yield send(_engine_stopped().body())
                 return
             left -= 1
             completion_tokens += event[3]
-            yield send(protocol.chunk(job, served.name, event[1], finish_reason=event[2]))
+            yield send(protocol.chunk(job, served.name, event[1], finish_reason=event[2],
+                                      log_probs=scored(event[1], event[4]) if event[4] else None))
         if job.include_usage:
             yield send(protocol.chunk(job, served.name, None, usage_=protocol.usage(prompt_tokens, completion_tokens)))
         yield "data: [DONE]\n\n"

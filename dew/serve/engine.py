@@ -7,7 +7,9 @@ t's tokens, so the host's work (handing tokens to their requests, decoding text,
 strings) overlaps the device's. A row that ends (EOS, its budget, a stop string its consumer found,
 a cancelled request) frees its slot at once; one ended by the host is released in the next step.
 
-Each request hands its tokens to a `Consumer`, on the engine's thread. A request the engine cannot
+Each request hands its tokens to a `Consumer`, on the engine's thread; one that asks for
+log-probabilities also hands it each prompt position's (scored at its admission, from the same prefill)
+and each drawn token's (from the step that draws it), EOS included. A request the engine cannot
 serve is refused by `submit`, on the caller's thread, so no request reaches the engine's thread that
 could fail it; should that thread fail anyway, it ends every request as "cancelled", keeps the error in
 `failure` and calls the `on_failure` given to `start`.
@@ -17,9 +19,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -35,6 +37,8 @@ logger = logging.getLogger("dew.serve")
 
 TOP_K_LIMIT = 64
 """The largest `top_k` a request may ask for, unless the source's own default is larger."""
+MAX_LOG_PROBS = 20
+"""The most alternatives a request may ask for at each position by default (vLLM's `--max-logprobs`)."""
 
 
 class QueueFull(RuntimeError):
@@ -55,6 +59,20 @@ class Consumer(Protocol):
         """The request ended: "stop" (EOS drawn, or `token` returned True), "length" (budget reached)
         or "cancelled"; `completion_tokens` counts the tokens drawn, EOS included."""
 
+    def scores(self, entries: "list[Scored]") -> None:
+        """Log-probabilities, for a request that asks for them: first its prompt's (with `prompt_log_probs`,
+        one entry per prompt token), then one entry per drawn token, EOS included, before `token`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """One position's token, its log-probability (the model's float32 log-softmax, whatever the
+    sampling policy) and the most likely tokens there, `(id, log-probability)`, most likely first."""
+
+    token: int
+    log_prob: float | None  # None at a prompt's first position, which nothing comes before
+    top: tuple[tuple[int, float], ...]
+
 
 @dataclasses.dataclass(eq=False)
 class Request:
@@ -62,7 +80,8 @@ class Request:
     (its EOS and pad ids are the engine's) and the key of `generate(..., key=jax.random.key(seed))`
     row `prompt_index * n + continuation`. `media`, for a multimodal model, holds the prompt's image
     fields (`image_indices`, `image_groups`, each as long as the prompt) and its images
-    (`pixel_values [images, C, H, W]`); None for text."""
+    (`pixel_values [images, C, H, W]`); None for text. `log_probs` asks for each drawn token's
+    log-probability with that many alternatives, `prompt_log_probs` for each prompt position's (None: not)."""
 
     prompt: Sequence[int]
     max_tokens: int
@@ -74,6 +93,8 @@ class Request:
     drawn: int = 0
     ended: bool = False
     media: dict | None = None
+    log_probs: int | None = None
+    prompt_log_probs: int | None = None
 
     @property
     def images(self) -> int:
@@ -87,12 +108,21 @@ class Engine:
     `cancel` drops one wherever it is. Prompts are prefilled in batches of 1, 2, 4 ... up to
     `prefill_rows` rows, at widths 16, 32, 64 ... up to `capacity`; requests take the lowest free
     slots, and a step runs over the first 1, 2, 4 ... `slots` rows, the fewest that hold every
-    occupied slot. `warm_up` compiles every combination, after which no request compiles.
-    `eos_token_ids` end a row, `pad_id` fills. `top_k_limit` bounds a request's `top_k`.
+    occupied slot. `eos_token_ids` end a row, `pad_id` fills. `top_k_limit` bounds a request's
+    `top_k`, `max_log_probs` the alternatives it may ask for.
+
+    Each (rows, width) admission and each step width is a program compiled ahead of time. `start`
+    compiles the few that serve any request first (the step over every slot, one-row admissions at
+    the narrowest and the widest prompt width), sets `ready`, and compiles the rest on a thread of its
+    own meanwhile; until a program is compiled, the engine uses the nearest compiled one that holds
+    the work (a wider step, a wider prompt width, fewer rows per admission), so no request waits on a
+    compile (but the first that asks for its prompt's log-probabilities at a width, or brings a new
+    count of images). `warm_up` compiles every program at once.
     """
 
     def __init__(self, model, params, *, slots: int, capacity: int, eos_token_ids: Sequence[int] = (),
-                 pad_id: int = 0, queue_limit: int = 256, prefill_rows: int = 4, top_k_limit: int = TOP_K_LIMIT):
+                 pad_id: int = 0, queue_limit: int = 256, prefill_rows: int = 4, top_k_limit: int = TOP_K_LIMIT,
+                 max_log_probs: int = MAX_LOG_PROBS):
         config = model.config
         if slots < 1:
             raise ValueError(f"slots is {slots}; the engine needs at least one")
@@ -101,18 +131,32 @@ class Engine:
                              "it is the positions of one request, prompt and new tokens")
         if queue_limit < 0 or prefill_rows < 1:
             raise ValueError(f"queue_limit {queue_limit} and prefill_rows {prefill_rows} must be >= 0 and >= 1")
+        if not 0 <= max_log_probs <= config.vocab_size:
+            raise ValueError(f"max_log_probs {max_log_probs} must lie in [0, the vocabulary's {config.vocab_size}]")
         self.model, self.slots, self.capacity, self.queue_limit = model, slots, capacity, queue_limit
         self.eos = tuple(int(i) for i in eos_token_ids)
         self.pad_id = int(pad_id)
         self.top_k_limit = top_k_limit
+        self.max_log_probs = max_log_probs
         self.widths = _ladder(PROMPT_BUCKET, capacity)
         self.prefill_rows = _ladder(1, min(prefill_rows, slots))
         self.params = jax.jit(model.stack_variables)(params)  # once, not at every step
         self._top_k_bound = _bucket(top_k_limit)
         self._state = _placed_like(empty_slots(model, slots, capacity, self._top_k_bound), self.params)
         self.step_rows = _ladder(1, slots)
-        self._steps = {rows: compile_step(model, self.eos, self.pad_id, rows, slots) for rows in self.step_rows}
-        self._admit = compile_admit(model)
+        self._steps = {rows: compile_step(model, self.eos, self.pad_id, rows, slots, max_log_probs)
+                       for rows in self.step_rows}
+        self._admit = compile_admit(model, max_log_probs)
+        self._programs: dict[tuple, Callable] = {}  # ("step", rows) or ("admit", rows, width): compiled
+        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
+        self._abstract = (jax.tree_util.tree_map(abstract, self.params), jax.tree_util.tree_map(abstract, self._state))
+        first = [("step", self.step_rows[-1]), ("admit", 1, self.widths[0]), ("admit", 1, self.widths[-1])]
+        rest = [("step", rows) for rows in self.step_rows] + [("admit", 1, width) for width in self.widths] + \
+            [("admit", rows, width) for rows in self.prefill_rows[1:] for width in self.widths]
+        self.first_programs = first
+        self.later_programs = [key for key in dict.fromkeys(rest) if key not in first]
+        self.ready = threading.Event()
+        self.compile_seconds = 0.0
         self._owners: list[Request | None] = [None] * slots
         self._release = np.zeros(slots, bool)
         self._waiting: collections.deque[Request] = collections.deque()
@@ -120,6 +164,7 @@ class Engine:
         self._lock = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._compiler: threading.Thread | None = None
         self._on_failure: Callable[[BaseException], None] | None = None
         self.failure: BaseException | None = None
         self.steps = 0
@@ -132,6 +177,8 @@ class Engine:
         self.check_rows(len(requests))
         for request in requests:
             self.check(len(request.prompt), request.max_tokens, request.sampling)
+            self.check_log_probs(request.log_probs)
+            self.check_log_probs(request.prompt_log_probs)
             check_seed(request.seed)
         with self._lock:
             if self._closing:
@@ -164,6 +211,12 @@ class Engine:
             raise ValueError(f"top_k is {sampling.top_k}; this server keeps at most the {self.top_k_limit} most "
                              "likely tokens: ask for fewer, or none")
 
+    def check_log_probs(self, alternatives: int | None, name: str = "logprobs") -> None:
+        """Refuse (ValueError) asking for more alternatives per position than `max_log_probs`."""
+        if alternatives is not None and not 0 <= alternatives <= self.max_log_probs:
+            raise ValueError(f"{name} is {alternatives}; this server gives at most the {self.max_log_probs} most "
+                             "likely tokens at each position (dew serve --max-logprobs): ask for fewer")
+
     @property
     def max_rows(self) -> int:
         """The most requests one `submit` can ever take: every slot free and the queue empty."""
@@ -176,43 +229,81 @@ class Engine:
                              f"{self.slots} at once and queues {self.queue_limit} more, {self.max_rows} in all")
 
     def load(self) -> dict:
-        """Whether the engine's thread runs, and how busy it is: occupied slots, waiting requests, steps run."""
+        """Whether the engine's thread runs and is `ready`, the programs compiled of all, and how busy it
+        is: occupied slots, waiting requests, steps run."""
         with self._lock:
             running = not self._closing and self._thread is not None and self._thread.is_alive()
-            return {"running": running, "slots": self.slots, "busy": sum(owner is not None for owner in self._owners),
-                    "waiting": len(self._waiting), "capacity": self.capacity, "steps": self.steps}
+            return {"running": running, "ready": self.ready.is_set(), "compiled": len(self._programs),
+                    "programs": len(self.first_programs) + len(self.later_programs), "slots": self.slots,
+                    "busy": sum(owner is not None for owner in self._owners), "waiting": len(self._waiting),
+                    "capacity": self.capacity, "steps": self.steps}
 
     # -- life cycle ---------------------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """Compile every admission shape and every step width (admitting only padding rows, which change nothing)."""
-        for rows, width in itertools.product(self.prefill_rows, self.widths):
-            nowhere = np.full(rows, self.slots, np.int32)  # every row dropped
-            self._state = self._admit(self.params, self._state, self._admission([None] * rows, width, nowhere))
-        for rows in self.step_rows:
-            self._state, output = self._steps[rows](self.params, self._state, self._release)
-        jax.block_until_ready(output)
+        """Compile every program now, on this thread (then `start` compiles nothing)."""
+        for key in [*self.first_programs, *self.later_programs]:
+            self._compile(key)
+        self._first_use()
+
+    def _compile(self, key: tuple) -> None:
+        if key in self._programs:
+            return
+        started = time.perf_counter()
+        params, state = self._abstract
+        if key[0] == "step":
+            lowered = self._steps[key[1]].lower(params, state, jax.ShapeDtypeStruct((self.slots,), bool))
+        else:
+            rows, width = key[1:]
+            padding = self._admission([None] * rows, width, np.full(rows, self.slots, np.int32))
+            lowered = self._admit.jitted.lower(params, state, *padding.arguments(), prompt_scores=False)
+        self._programs[key] = lowered.compile()
+        self.compile_seconds += time.perf_counter() - started
+
+    def _first_use(self) -> None:
         for seed in (0, 2**40):  # the host's key derivation, for small and large seeds
             _seed_key(seed)
 
     def start(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
-        """Start the engine's thread; should it fail, `on_failure(error)` is called on it, last."""
+        """Start the engine's thread, which compiles the first programs, sets `ready` and serves, while
+        another thread compiles the rest; should the engine's thread fail, `on_failure(error)` is called
+        on it, last."""
         self._on_failure = on_failure
         self._thread = threading.Thread(target=self._run, name="dew-serve-engine", daemon=True)
         self._thread.start()
 
+    def _compile_later(self) -> None:
+        try:
+            for key in self.later_programs:
+                if self._closing:
+                    return
+                self._compile(key)
+            logger.info("compiled all %d programs (%.1f s of compiling)", len(self._programs), self.compile_seconds)
+        except Exception:  # noqa: BLE001 - the engine serves on with the programs it has
+            logger.exception("compiling the serving programs in the background failed; the compiled ones serve")
+
     def close(self) -> None:
-        """Stop the thread; requests still waiting or running end as "cancelled"."""
+        """Stop the threads; requests still waiting or running end as "cancelled"."""
         with self._lock:
             self._closing = True
             self._lock.notify()
         if self._thread is not None:
             self._thread.join()
+        if self._compiler is not None:  # it stops after the program it is compiling
+            self._compiler.join()
 
     # -- the engine's thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
+            for key in self.first_programs:
+                self._compile(key)
+            self._first_use()
+            self.ready.set()
+            logger.info("ready: compiled the first %d programs in %.1f s; compiling %d more meanwhile",
+                        len(self.first_programs), self.compile_seconds, len(self.later_programs))
+            self._compiler = threading.Thread(target=self._compile_later, name="dew-serve-compile", daemon=True)
+            self._compiler.start()
             self._loop()
         except BaseException as error:  # noqa: BLE001 - logged here, and handed to on_failure below
             logger.exception("the serving engine stopped")
@@ -249,10 +340,10 @@ class Engine:
             used = max((slot + 1 for slot, owner in enumerate(self._owners) if owner is not None), default=0)
             if used:
                 # the smallest compiled row count that covers every occupied slot (they fill from slot 0)
-                rows = next(r for r in self.step_rows if r >= used)
+                rows = next(r for r in self.step_rows if r >= used and ("step", r) in self._programs)
                 release = self._release.copy()
                 self._release[:rows] = False  # rows past the step keep theirs for a later, wider step
-                self._state, output = self._steps[rows](self.params, self._state, release)
+                self._state, output = self._programs["step", rows](self.params, self._state, release)
                 dispatched = (output, list(self._owners[:rows]))
                 self.steps += 1
             if pending is not None:
@@ -274,24 +365,39 @@ class Engine:
     def _place(self, admitted: list[tuple[int, Request]]) -> None:
         """Prefill the admitted requests, grouped by prompt width and image count (a count not seen before
         compiles its admission once), in batches of the ladder's sizes."""
-        by_width: dict[tuple[int, int], list[tuple[int, Request]]] = collections.defaultdict(list)
+        by_width: dict[tuple[int, int, bool], list[tuple[int, Request]]] = collections.defaultdict(list)
         for slot, request in admitted:
-            width = next(w for w in self.widths if w >= len(request.prompt))
-            by_width[width, request.images].append((slot, request))
-        for (width, images), group in by_width.items():
+            plain = request.images == 0 and request.prompt_log_probs is None
+            # a plain prompt takes the narrowest compiled width that holds it (the widest always is)
+            width = next(w for w in self.widths if w >= len(request.prompt) and (not plain or ("admit", 1, w) in
+                                                                                 self._programs))
+            by_width[width, request.images, not plain].append((slot, request))
+        for (width, images, special), group in by_width.items():
             while group:
                 rows = next((r for r in self.prefill_rows if r >= len(group)), self.prefill_rows[-1])
+                if not special:  # at most the rows of a compiled admission (one row always is)
+                    rows = max(r for r in self.prefill_rows if r <= rows and ("admit", r, width) in self._programs)
                 batch, group = group[:rows], group[rows:]
                 slots = np.full(rows, self.slots, np.int32)
                 slots[: len(batch)] = [slot for slot, _ in batch]
                 requests = [request for _, request in batch] + [None] * (rows - len(batch))
-                self._state = self._admit(self.params, self._state, self._admission(requests, width, slots, images))
+                admission = self._admission(requests, width, slots, images)
+                if not special:
+                    self._state = self._programs["admit", rows, width](self.params, self._state,
+                                                                        *admission.arguments())
+                    continue
+                if batch[0][1].prompt_log_probs is None:  # images, at a count not compiled ahead
+                    self._state = self._admit(self.params, self._state, admission)
+                    continue
+                self._state, scores = self._admit(self.params, self._state, admission, prompt_scores=True)
+                self._hand_prompt_scores([request for _, request in batch], width, jax.device_get(scores))
 
     def _admission(self, requests: list[Request | None], width: int, slots: np.ndarray, images: int = 0) -> Admission:
         rows = len(requests)
         tokens, valid = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32)
         seed_keys = np.zeros((rows, 2), np.uint32)
         prompt_index, continuation, budget = (np.zeros(rows, np.int32) for _ in range(3))
+        scored = np.zeros(rows, bool)
         policies = []
         for r, request in enumerate(requests):
             if request is None:  # a padding row: prefilled (nothing valid), then dropped
@@ -301,20 +407,40 @@ class Engine:
             tokens[r, width - length:], valid[r, width - length:] = request.prompt, 1
             seed_keys[r] = _seed_key(request.seed)
             prompt_index[r], continuation[r], budget[r] = request.prompt_index, request.continuation, request.max_tokens
+            scored[r] = request.log_probs is not None
             policies.append(request.sampling)
         sampling = plain_sampling(SamplingParams.of(policies))  # only the values travel; the flags stay fixed
         media = None if not images else _media(requests, width, images)
-        return Admission(tokens, valid, slots, seed_keys, prompt_index, continuation, sampling, budget, media)
+        return Admission(tokens, valid, slots, seed_keys, prompt_index, continuation, sampling, budget, scored, media)
+
+    def _hand_prompt_scores(self, requests: list[Request], width: int, scores) -> None:
+        """Give each request its prompt positions' scores (row r of `scores`, host arrays `[rows, width]`)."""
+        for r, request in enumerate(requests):
+            first = width - len(request.prompt)
+            entries = [Scored(request.prompt[0], None, ())] + [_scored(scores, (r, p), request.prompt_log_probs, request.prompt[p - first])
+                                for p in range(first + 1, width)]
+            self._give_scores(request, entries)
+
+    def _give_scores(self, request: Request, entries: list) -> None:
+        try:
+            request.consumer.scores(entries)
+        except Exception:  # noqa: BLE001 - one consumer's fault must not stop the others
+            logger.exception("a request's consumer failed")
 
     def _hand_out(self, output, owners: list[Request | None]) -> None:
         """Give each live row's token to the request that owned the row when the step was dispatched."""
         tokens_B, live_B, done_B = (np.asarray(x) for x in jax.device_get((output.tokens_B, output.live_B,
                                                                               output.done_B)))
+        scores = None
+        if any(request is not None and request.log_probs is not None for request in owners):
+            scores = jax.device_get(output.scores)
         for slot, request in enumerate(owners):
             if request is None or request.ended or not live_B[slot]:
                 continue
             token = int(tokens_B[slot])
             request.drawn += 1
+            if request.log_probs is not None:
+                self._give_scores(request, [_scored(scores, (slot,), request.log_probs, token)])
             if token in self.eos:
                 self._free(request)
                 self._end(request, "stop")
@@ -341,6 +467,12 @@ class Engine:
             request.consumer.finish(reason, request.drawn)
         except Exception:  # noqa: BLE001 - one consumer's fault must not stop the others
             logger.exception("a request's consumer failed")
+
+
+def _scored(scores, where: tuple[int, ...], alternatives: int, token: int) -> Scored:
+    """The `Scored` entry at index `where` of host `Scores`, with its first `alternatives` alternatives."""
+    top = zip(scores.top_ids[where][:alternatives].tolist(), scores.top_log_probs[where][:alternatives].tolist())
+    return Scored(token, float(scores.log_prob[where]), tuple(top))
 
 
 def _media(requests: list[Request | None], width: int, images: int) -> dict:

@@ -5,8 +5,11 @@ A body is checked field by field on the host, and a bad field answers 400 in Ope
 (`{"error": {"message", "type", "param", "code"}}`) naming the value, the limit and the fix; so does
 a body that is not JSON, nests deeper than `MAX_DEPTH`, or holds a lone surrogate (`"\\ud800"`, which
 is no character and which no tokenizer takes). A field
-Dew does not apply (logprobs, tools, penalties other than its repetition penalty) is refused by name
-rather than ignored. Besides OpenAI's fields, `top_k`, `min_p` and `repetition_penalty` are read
+Dew does not apply (tools, penalties other than its repetition penalty) is refused by name rather than
+ignored. Log-probabilities (a completion's `logprobs` and `echo`, a chat's `logprobs` and
+`top_logprobs`) are the model's float32 log-softmax of the logits, whatever the temperature and
+filters, as vLLM reports them by default; `-inf` is written as -9999.0, as vLLM does (JSON has no
+infinity). Besides OpenAI's fields, `top_k`, `min_p` and `repetition_penalty` are read
 (vLLM's extensions), and fields a request leaves out take the served checkpoint's own defaults.
 """
 
@@ -19,7 +22,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dew.sampling import Sampling
@@ -28,20 +31,23 @@ from dew.sampling.sampling import check_seed
 # Read but with nothing to apply: an end-user id for abuse monitoring.
 _INFORMATIONAL = {"user"}
 # Fields OpenAI defines that Dew does not apply, with the values that ask for nothing.
-_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False,),
-            "top_logprobs": (0,), "echo": (False,), "logit_bias": ({},), "suffix": ("",), "tools": ([],),
+_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "suffix": ("",),
+            "tools": ([],),
             "tool_choice": ("none",), "response_format": ({"type": "text"},),
             "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (True, False)}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options",
            "top_k", "min_p", "repetition_penalty"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "best_of"} | _INFORMATIONAL | set(_NEUTRAL)
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _INFORMATIONAL | set(_NEUTRAL)
+COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "logprobs", "echo"} | _INFORMATIONAL | set(_NEUTRAL)
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"} | _INFORMATIONAL | \
+    set(_NEUTRAL)
 DEFAULT_COMPLETION_TOKENS = 16
 """`max_tokens` of a completion that names none (OpenAI's default); a chat fills the context."""
 MAX_DEPTH = 64
 """How deeply a request body's JSON may nest (an OpenAI request is a few levels deep)."""
 MAX_STOPS = 16
 """Stop strings a request may give (OpenAI takes 4): each is looked for at every token, on the engine's thread."""
+LOWEST_LOG_PROB = -9999.0
+"""Log-probabilities are written at least this (vLLM's floor), so `-inf` becomes a JSON number."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -62,7 +68,9 @@ class APIError(Exception):
 class Job:
     """One request as the engine takes it: `prompts` (token ids; a chat has one, and they are filled in
     after the other fields are read, with its images in `media`), `n` continuations of each, their
-    budget, sampling policy, seed and stop strings, and how to answer."""
+    budget, sampling policy, seed and stop strings, and how to answer: `log_probs`, the alternatives
+    reported at each drawn position (None: no log-probabilities), and `echo`, whether a completion's
+    answer begins with its prompt (with its log-probabilities, when `log_probs` is set)."""
 
     kind: str  # "completion" or "chat"
     max_tokens: int | None
@@ -72,7 +80,10 @@ class Job:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    log_probs: int | None = None
+    echo: bool = False
     prompts: list[list[int]] = dataclasses.field(default_factory=list)
+    texts: list[str | None] = dataclasses.field(default_factory=list)  # a completion's prompts as sent in text
     media: dict | None = None  # a chat's images for a multimodal model (`dew.serve.engine.Request.media`)
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
@@ -130,8 +141,9 @@ def check_model(body: Mapping[str, Any], served: str) -> None:
                        "(GET /v1/models)", param="model", code="model_not_found")
 
 
-def read_job(kind: str, body: Mapping[str, Any], defaults: Sampling) -> Job:
-    """Everything but the prompts (which the caller encodes), checked, with `defaults` for what is left out."""
+def read_job(kind: str, body: Mapping[str, Any], defaults: Sampling, max_log_probs: int = 20) -> Job:
+    """Everything but the prompts (which the caller encodes), checked, with `defaults` for what is left
+    out; at most `max_log_probs` alternatives per position (`dew serve --max-logprobs`)."""
     allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
     unknown = sorted(set(body) - allowed - {"prompt", "messages"})
     if unknown:
@@ -147,7 +159,9 @@ def read_job(kind: str, body: Mapping[str, Any], defaults: Sampling) -> Job:
     if best_of is not None and best_of != n:
         raise APIError(400, f"best_of={_brief(best_of)} is not supported (it would rank by log-probability); leave "
                        "it out or equal to n", param="best_of")
-    max_tokens = _integer(body, "max_tokens", None, low=1)
+    log_probs, echo = _log_probs(kind, body, max_log_probs)
+    # a completion that echoes its prompt may ask for no new token: it scores the prompt
+    max_tokens = _integer(body, "max_tokens", None, low=0 if echo else 1)
     if kind == "chat":
         max_tokens = _integer(body, "max_completion_tokens", max_tokens, low=1)
     elif max_tokens is None:
@@ -172,8 +186,37 @@ def read_job(kind: str, body: Mapping[str, Any], defaults: Sampling) -> Job:
         sampling = _sampling(body, defaults)
     except ValueError as error:  # a value Sampling refuses that the checks above let through
         raise APIError(400, str(error)) from None
+    if echo and stream:
+        raise APIError(400, "echo with stream: true is not supported by dew serve: ask for the whole answer "
+                       "(stream: false), or leave echo out", param="echo")
     return Job(kind, max_tokens, sampling, seed, n, _stop(body.get("stop")), stream,
-               bool(options.get("include_usage")))
+               bool(options.get("include_usage")), log_probs, echo)
+
+
+def _log_probs(kind: str, body: Mapping[str, Any], most: int) -> tuple[int | None, bool]:
+    """(alternatives per position, or None for no log-probabilities; echo) of a completion's `logprobs`
+    and `echo`, or a chat's `logprobs` and `top_logprobs`."""
+    if kind == "completion":
+        echo = body.get("echo") or False
+        if not isinstance(echo, bool):
+            raise APIError(400, f"echo is {_brief(echo)}; it is true or false", param="echo")
+        alternatives = _integer(body, "logprobs", None, low=0)
+        name = "logprobs"
+    else:
+        echo, wanted = False, body.get("logprobs") or False
+        if not isinstance(wanted, bool):
+            raise APIError(400, f"logprobs is {_brief(wanted)}; in a chat it is true or false (top_logprobs counts "
+                           "the alternatives)", param="logprobs")
+        alternatives = _integer(body, "top_logprobs", None, low=0)
+        if alternatives and not wanted:
+            raise APIError(400, f"top_logprobs is {alternatives} without logprobs: true; send logprobs: true with it",
+                           param="top_logprobs")
+        alternatives = (alternatives or 0) if wanted else None
+        name = "top_logprobs"
+    if alternatives is not None and alternatives > most:
+        raise APIError(400, f"{name} is {alternatives}; this server gives at most the {most} most likely tokens at "
+                       f"each position (dew serve --max-logprobs): ask for at most {most}", param=name)
+    return alternatives, echo
 
 
 def _sampling(body: Mapping[str, Any], defaults: Sampling) -> Sampling:
@@ -259,6 +302,40 @@ def completion_prompts(prompt, vocab_size: int) -> list[str | list[int]]:
     return prompts
 
 
+def tokenize_request(body: Mapping[str, Any], served: str) -> tuple[str, bool]:
+    """(text, whether to add the tokenizer's special tokens) of a /tokenize body, vLLM's
+    `{"prompt": str, "add_special_tokens": true}`."""
+    _only(body, {"model", "prompt", "add_special_tokens"}, "/tokenize")
+    check_model(body, served)
+    text, special = body.get("prompt"), body.get("add_special_tokens", True)
+    if not isinstance(text, str):
+        raise APIError(400, f"prompt is {_brief(text)}; /tokenize takes a string (chat messages: render them first)",
+                       param="prompt")
+    if not isinstance(special, bool):
+        raise APIError(400, f"add_special_tokens is {_brief(special)}; it is true or false", param="add_special_tokens")
+    return text, special
+
+
+def detokenize_request(body: Mapping[str, Any], served: str, vocab_size: int) -> list[int]:
+    """The token ids of a /detokenize body, `{"tokens": [int, ...]}`, checked against the vocabulary."""
+    _only(body, {"model", "tokens"}, "/detokenize")
+    check_model(body, served)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise APIError(400, f"tokens is {_brief(ids)}; /detokenize takes a list of token ids", param="tokens")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"tokens holds token id {bad}, outside the vocabulary of {vocab_size}", param="tokens")
+    return ids
+
+
+def _only(body: Mapping[str, Any], allowed: set[str], endpoint: str) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise APIError(400, f"unrecognised request field(s) {unknown}: {endpoint} reads {sorted(allowed)}",
+                       param=unknown[0])
+
+
 def check_ids(index: int, row: Sequence[int], vocab_size: int) -> None:
     """Refuse prompt `index` when it is empty or holds an id outside the vocabulary."""
     bad = next((t for t in row if not 0 <= t < vocab_size), None)
@@ -319,31 +396,71 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response(job: Job, model: str, choices: Sequence[tuple[str, str]], usage_: dict) -> dict:
-    """The whole answer; `choices` holds (text, finish_reason) in choice order."""
+def response(job: Job, model: str, choices: Sequence[tuple[str, str, dict | None]], usage_: dict) -> dict:
+    """The whole answer; `choices` holds (text, finish_reason, log-probabilities or None) in choice order."""
     if job.kind == "completion":
         return {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created, "model": model,
-                "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                            for i, (text, reason) in enumerate(choices)], "usage": usage_}
+                "choices": [{"index": i, "text": text, "logprobs": scores, "finish_reason": reason}
+                            for i, (text, reason, scores) in enumerate(choices)], "usage": usage_}
     return {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": job.created, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": reason} for i, (text, reason) in enumerate(choices)], "usage": usage_}
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": scores,
+                         "finish_reason": reason} for i, (text, reason, scores) in enumerate(choices)], "usage": usage_}
 
 
 def chunk(job: Job, model: str, index: int | None, *, text: str | None = None, role: bool = False,
-          finish_reason: str | None = None, usage_: dict | None = None) -> dict:
-    """One streamed chunk: a choice's new text (the role with a chat's first), its finish reason, or
-    (with `index` None) the closing usage chunk, whose `choices` is empty."""
+          finish_reason: str | None = None, usage_: dict | None = None, log_probs: dict | None = None) -> dict:
+    """One streamed chunk: a choice's new text (the role with a chat's first) and the log-probabilities
+    of the tokens that made it, its finish reason, or (with `index` None) the closing usage chunk,
+    whose `choices` is empty."""
     if job.kind == "completion":
         head = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created, "model": model}
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": log_probs, "finish_reason": finish_reason}
     else:
         head = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created, "model": model}
         delta = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": log_probs, "finish_reason": finish_reason}
     out = {**head, "choices": [] if index is None else [choice]}
     if job.include_usage:
         out["usage"] = usage_
     return out
+
+
+def completion_log_probs(entries: Sequence, spell: Callable[[int], str], offset: int = 0) -> dict:
+    """A completion's `logprobs` object over `entries` (`dew.serve.engine.Scored`, in order): each
+    token's text (`spell(id)`), log-probability (null where nothing comes before it) and character
+    offset from `offset`, and at each position a map from text to log-probability of the token and
+    its alternatives (the larger value where two tokens spell alike)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for entry in entries:
+        text = spell(entry.token)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry.log_prob is None:
+            values.append(None)
+            tops.append(None)
+            continue
+        top: dict[str, float] = {}
+        for token, value in entry.top:  # most likely first: a later token that spells alike is less likely
+            top.setdefault(spell(token), _floored(value))
+        values.append(_floored(entry.log_prob))
+        top.setdefault(text, values[-1])
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_log_probs(entries: Sequence, spell: Callable[[int], str]) -> dict:
+    """A chat's `logprobs` object (`{"content": [...], "refusal": null}`) over `entries`, in OpenAI's
+    shape: each token's text, log-probability, UTF-8 bytes and its alternatives as a list."""
+    def item(token: int, value: float) -> dict:
+        text = spell(token)
+        return {"token": text, "logprob": _floored(value), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(entry.token, entry.log_prob), "top_logprobs": [item(t, v) for t, v in entry.top]}
+                        for entry in entries], "refusal": None}
+
+
+def _floored(value: float) -> float:
+    return value if value >= LOWEST_LOG_PROB else LOWEST_LOG_PROB  # NaN too

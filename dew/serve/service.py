@@ -1,5 +1,5 @@
 """`Served`: a checkpoint ready to answer requests: its generation task, checked chat template, prompt
-encoder, text decoder and warmed-up `Engine`."""
+encoder, text decoder and `Engine`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dew.inference import TextGeneration
 from dew.runs import pipeline
 from dew.interop.processors import Processor, load_reference
 from dew.nn.multimodal import MultimodalTransformer
-from dew.serve.engine import TOP_K_LIMIT, Engine
+from dew.serve.engine import MAX_LOG_PROBS, TOP_K_LIMIT, Engine
 from dew.serve.images import ImageLimits
 from dew.serve.prompts import PromptEncoder
 
@@ -44,9 +44,9 @@ class Served:
     def load(cls, source: str, *, slots: int = 8, capacity: int | None = None, queue: int = 256,
              prefill_rows: int = 4, name: str | None = None, chat_template_file: str | None = None,
              live: bool = False, quantize: str | None = None, special_tokens_in_messages: bool = False,
-             images: ImageLimits = ImageLimits()) -> "Served":
+             images: ImageLimits = ImageLimits(), max_log_probs: int = MAX_LOG_PROBS) -> "Served":
         """Load `source` (whatever `dew.pipeline` reads), find and check its chat template (before any
-        compiling, so a broken one is refused at once), and warm up an engine. With
+        compiling, so a broken one is refused at once), and make an engine (which compiles as it starts). With
         `special_tokens_in_messages`, special-token text in a chat message is the token (see `PromptEncoder`)."""
 
         task = pipeline(source, ema=not live, quantize=quantize)
@@ -68,17 +68,37 @@ class Served:
         engine = Engine(task.model, task.params, slots=slots, capacity=capacity, queue_limit=queue,
                         prefill_rows=prefill_rows, eos_token_ids=task.sampling.eos_token_ids,
                         pad_id=task.sampling.pad_id,
-                        top_k_limit=max(task.sampling.top_k or 0, TOP_K_LIMIT))
-        started = time.perf_counter()
-        engine.warm_up()
-        logger.info("compiled %d prompt widths x %d prefill batch sizes and the step in %.1f s", len(engine.widths),
-                    len(engine.prefill_rows), time.perf_counter() - started)
+                        top_k_limit=max(task.sampling.top_k or 0, TOP_K_LIMIT), max_log_probs=max_log_probs)
         processor = None
         if isinstance(task.model, MultimodalTransformer):
             config = task.model.config
             processor = Processor(load_reference(task.tokenizer.path.parent), config.image_token_id,
                                   config.tokens_per_image, config.vocab_size)
         return cls(name or str(source), task, chat, prompts, engine, processor=processor, images=images)
+
+    def tokenize(self, text: str, special_tokens: bool) -> list[int]:
+        """`text`'s ids as a completion prompt's (`special_tokens`: with those the tokenizer adds, a BOS)."""
+        tokenizer = self.task.tokenizer
+        if special_tokens and isinstance(tokenizer, HFTokenizer):
+            return tokenizer.tokenizer.encode_batch_fast([text], add_special_tokens=True)[0].ids
+        return self.prompts.text(text)
+
+    def tokenizer_info(self) -> dict:
+        """The special tokens' text (None where there is none) and the chat template, as vLLM's
+        /tokenizer_info reports them (what a harness reads to use the server's tokenizer)."""
+        special = dict(self.chat.special_tokens) if self.chat is not None else {}
+        eos = self.task.sampling.eos_token_ids
+        return {"eos_token": self.spell()(eos[0]) if eos else special.get("eos_token"),
+                "bos_token": special.get("bos_token"), "pad_token": special.get("pad_token"),
+                "chat_template": self.chat.template if self.chat is not None else None,
+                "model_max_length": self.engine.capacity}
+
+    def spell(self) -> Callable[[int], str]:
+        """One token id's text, special tokens included (a log-probability's token, EOS among them)."""
+        tokenizer = self.task.tokenizer
+        if isinstance(tokenizer, HFTokenizer):
+            return lambda token: tokenizer.tokenizer.decode([int(token)], skip_special_tokens=False)
+        return lambda token: tokenizer.decode([int(token)])
 
     def decode(self) -> Callable[[Sequence[int]], str]:
         """Token ids to text, special tokens left out (an EOS never reaches it)."""

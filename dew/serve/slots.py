@@ -1,13 +1,17 @@
 """The serving engine's device side: a fixed set of slots (rows of one KV cache) and the two compiled
 functions that change them, `step` (every occupied slot draws one token and feeds it back) and
 `admit` (prefill a few new prompts into a small cache of their own, then copy those rows into free
-slots).
+slots; for prompts whose log-probabilities are asked for, a second compiled form also scores every
+prompt position from the same pass).
 
 Shapes never depend on the requests: `step` compiles once per row count of the engine's ladder (it
 runs over the first rows, those in use), `admit` once per (prefill rows, prompt width) pair, so a
 warmed-up engine serves any mix of requests without compiling. A row draws exactly what a one-row `generate` draws: its key is
 `fold_in(fold_in(key(seed), prompt_index), continuation)`, its step `t` folds in `t` (the row's own
-count), and its sampling values are its own.
+count), and its sampling values are its own. A row that asks for log-probabilities gets, from the
+step that draws each token, the model's float32 log-softmax of the logits it drew from (never the
+tempered or filtered distribution) and the `top` most likely tokens; while no live row asks, the step
+computes none of it.
 """
 
 from __future__ import annotations
@@ -19,30 +23,34 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dew.sampling.generate import DecodeState, advance, start
+from dew.sampling.generate import DecodeState, advance, start, start_scored
 from dew.sampling.sampling import Sampling, SamplingParams, draw
+from dew.sampling.scoring import Scores, empty_scores, score
 
 
 @struct.dataclass
 class Slots:
     """Every slot's decoding state: `decode` (cache `[slots, capacity]`, next-token logits, done,
-    emitted count, seen tokens), each slot's key, sampling values and budget (`max_tokens`).
-    A free slot is `done`, so it writes nothing and draws nothing."""
+    emitted count, seen tokens), each slot's key, sampling values, budget (`max_tokens`) and whether
+    it reports log-probabilities (`scored_B`). A free slot is `done`, so it writes nothing and draws nothing."""
 
     decode: DecodeState
     keys_B: jax.Array
     sampling: SamplingParams
     budget_B: jax.Array
+    scored_B: jax.Array
 
 
 @struct.dataclass
 class StepOutput:
     """One step's draws, int32 `tokens_B` (pad for rows that did not draw), which rows drew
-    (`live_B`), and which rows are done after it (`done_B`: EOS drawn, budget reached, or released)."""
+    (`live_B`), which rows are done after it (`done_B`: EOS drawn, budget reached, or released), and
+    the drawn tokens' `scores` (zeros unless a live row reports log-probabilities)."""
 
     tokens_B: jax.Array
     live_B: jax.Array
     done_B: jax.Array
+    scores: Scores
 
 
 def filtered_sampling(sampling: SamplingParams, top_k_bound: int) -> SamplingParams:
@@ -68,13 +76,14 @@ def empty_slots(model, slots: int, capacity: int, top_k_bound: int) -> Slots:
     neutral = SamplingParams.of([Sampling()] * slots)
     sampling = filtered_sampling(jax.tree_util.tree_map(jnp.asarray, neutral), top_k_bound)
     keys = jax.random.wrap_key_data(jnp.zeros((slots, 2), jnp.uint32))
-    return Slots(decode, keys, sampling, jnp.zeros((slots,), jnp.int32))
+    return Slots(decode, keys, sampling, jnp.zeros((slots,), jnp.int32), jnp.zeros((slots,), bool))
 
 
-def compile_step(model, eos: tuple[int, ...], pad_id: int, rows: int, slots: int):
+def compile_step(model, eos: tuple[int, ...], pad_id: int, rows: int, slots: int, top: int):
     """The compiled step over the first `rows` of `slots` slots, `(params, slots, release_B) -> (slots,
     StepOutput over those rows)`: rows marked in `release_B` stop first (the host ended them), then
     every live row draws and feeds back one token; a row that draws EOS or reaches its budget is done.
+    The drawn tokens are scored, with the `top` most likely, while some live row reports log-probabilities.
     The state is donated (updated in place); with `rows` below `slots` the first rows are cut out,
     stepped and written back, so a lightly loaded engine computes only the rows it uses."""
 
@@ -86,6 +95,8 @@ def compile_step(model, eos: tuple[int, ...], pad_id: int, rows: int, slots: int
         live_B = ~decode.done_B
         # Filters sort or rank the vocabulary; skip them (one branch runs) while no live row asks for one.
         use = _uses_filters(part.sampling, live_B)
+        scoring = jnp.any(part.scored_B & live_B)
+        drawn_from_BV = decode.logits_BV
 
         def choose(sampling, keys_B, logits_BV, seen_BV):
             return jax.lax.cond(use, lambda: draw(sampling, keys_B, logits_BV, seen_BV),
@@ -93,12 +104,13 @@ def compile_step(model, eos: tuple[int, ...], pad_id: int, rows: int, slots: int
 
         decode, (tokens_B, _, live_B) = advance(model, params, decode, part.keys_B, decode.count_B, part.sampling,
                                                 eos, pad_id, choose=choose)
+        scores = jax.lax.cond(scoring, lambda: score(drawn_from_BV, tokens_B, top), lambda: empty_scores(rows, top))
         decode = decode.replace(done_B=decode.done_B | (decode.count_B >= part.budget_B))
         part = part.replace(decode=decode)
         if rows < slots:
             part = jax.tree_util.tree_map(lambda whole, x, axis: jax.lax.dynamic_update_slice_in_dim(whole, x, 0, axis),
                                           state, part, _row_axes(state))
-        return part, StepOutput(tokens_B, live_B, decode.done_B)
+        return part, StepOutput(tokens_B, live_B, decode.done_B, scores)
 
     return jax.jit(step, donate_argnums=1)
 
@@ -115,8 +127,9 @@ class Admission:
     """Host arrays for `admit`: `rows` prompts left-padded to `width` (int32 `tokens`, `valid`), the
     slot each goes to (`slots`; the engine's slot count marks a padding row, which is dropped), the
     key data of `jax.random.key(seed)` (uint32 `[rows, 2]`), prompt and continuation indices, the
-    sampling values and budgets; `media`, a multimodal model's image fields `[rows, width]` and images
-    `[rows, images, C, H, W]` (None for text)."""
+    sampling values and budgets, whether each reports its drawn tokens' log-probabilities (`scored`);
+    `media`, a multimodal model's image fields `[rows, width]` and images `[rows, images, C, H, W]`
+    (None for text)."""
 
     tokens: np.ndarray
     valid: np.ndarray
@@ -126,18 +139,29 @@ class Admission:
     continuation: np.ndarray
     sampling: SamplingParams
     budget: np.ndarray
+    scored: np.ndarray
     media: dict | None = None
 
+    def arguments(self) -> tuple:
+        """The arrays in the order `compile_admit`'s compiled function takes them, after params and slots."""
+        return (self.tokens, self.valid, self.slots, self.seed_keys, self.prompt_index, self.continuation,
+                self.sampling, self.budget, self.scored, self.media)
 
-def compile_admit(model):
-    """The compiled admission `(params, slots, Admission arrays) -> slots`: prefill the new prompts
-    into a cache as wide as their bucket, then copy each row (cache, logits, seen tokens) into its
-    slot and reset the slot's count, key, sampling values and budget. `slots` is donated."""
+
+def compile_admit(model, top: int):
+    """The compiled admission `(params, slots, Admission, prompt_scores) -> slots`: prefill the new
+    prompts into a cache as wide as their bucket, then copy each row (cache, logits, seen tokens) into
+    its slot and reset the slot's count, key, sampling values, budget and scoring flag. `slots` is
+    donated. With `prompt_scores` it returns `(slots, Scores [rows, width])` too: each prompt
+    position's log-probability with the `top` most likely tokens (a form compiled of its own)."""
 
     def admit(params, slots: Slots, tokens_RW, valid_RW, slot_R, seed_keys_R, prompt_R, continuation_R,
-              sampling_R: SamplingParams, budget_R, media):
+              sampling_R: SamplingParams, budget_R, scored_R, media, prompt_scores):
         W = tokens_RW.shape[1]
-        new = start(model, params, tokens_RW, valid_RW, W, penalty=True, media=media)
+        if prompt_scores:
+            new, scores = start_scored(model, params, tokens_RW, valid_RW, W, penalty=True, top=top, media=media)
+        else:
+            new = start(model, params, tokens_RW, valid_RW, W, penalty=True, media=media)
         put = lambda big, rows: big.at[slot_R].set(rows.astype(big.dtype), mode="drop")
         # Each run's cache lays out its rows its own way (a recurrent state has no slots): it puts them.
         cache = slots.decode.cache
@@ -153,14 +177,13 @@ def compile_admit(model):
         sampling = slots.sampling.replace(**{name: put(getattr(slots.sampling, name), getattr(sampling_R, name))
                                              for name in ("temperature", "top_k", "top_p", "min_p",
                                                           "repetition_penalty")})
-        return Slots(decode, keys_B, sampling, put(slots.budget_B, budget_R))
+        admitted = Slots(decode, keys_B, sampling, put(slots.budget_B, budget_R), put(slots.scored_B, scored_R))
+        return (admitted, scores) if prompt_scores else admitted
 
-    jitted = jax.jit(admit, donate_argnums=1)
+    jitted = jax.jit(admit, donate_argnums=1, static_argnames="prompt_scores")
 
-    def run(params, slots: Slots, admission: Admission) -> Slots:
-        a = admission
-        return jitted(params, slots, a.tokens, a.valid, a.slots, a.seed_keys, a.prompt_index, a.continuation,
-                      a.sampling, a.budget, a.media)
+    def run(params, slots: Slots, admission: Admission, prompt_scores: bool = False):
+        return jitted(params, slots, *admission.arguments(), prompt_scores=prompt_scores)
 
     run.jitted = jitted
     return run

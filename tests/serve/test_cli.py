@@ -3,14 +3,17 @@ address, then the chat template); and a server whose engine fails exits non-zero
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import socket
 import subprocess
+import time
 
 import pytest
 
 from dew.cli import main
-from tests.serve.conftest import command, post_raw, running
+from tests.serve.conftest import command, get, post_raw, running
 
 
 def _refusal(capsys, argv: list[str], status: int) -> str:
@@ -123,3 +126,46 @@ def test_a_server_whose_engine_fails_exits_with_status_1(tiny_chat, tmp_path):
     log = served.text()
     assert "RuntimeError: a fault put in by the test" in log and "EngineFailed: the serving engine's thread failed" \
         in log
+
+
+# Each program compiles a second slower, so that /health is seen saying "compiling"; every compile is
+# kept in the persistent cache, however short (the tiny model's take well under dew's 0.5 s floor).
+SLOW_COMPILES = """
+import time, jax
+import dew.compilation_cache as cache
+from dew.serve.engine import Engine
+compile = Engine._compile
+Engine._compile = lambda self, key: (time.sleep(1.0), compile(self, key))[1]
+configure = cache.configure
+cache.configure = lambda directory=None: (configure(directory),
+                                          jax.config.update("jax_persistent_cache_min_compile_time_secs", 0))
+"""
+
+
+@pytest.mark.slow  # a process of its own
+def test_the_port_opens_before_compiling_and_health_says_when_it_is_ready(tiny_chat, tmp_path):
+    """/health answers 503 "compiling" while the first programs compile; a request sent then waits and
+    is answered once ready; the rest compile in the background, into the --compilation-cache directory."""
+    directory, _ = tiny_chat
+    cache = tmp_path / "cache"
+    with running(directory, "--slots", "2", "--capacity", "32", "--compilation-cache", str(cache),
+                 log=tmp_path / "serve.log", prelude=SLOW_COMPILES, ready=False) as served:
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline, served.text()[-3000:]
+            with contextlib.suppress(OSError):
+                status, health = get(f"{served.url}/health")
+                break
+            time.sleep(0.05)
+        assert (status, health["status"], health["ready"]) == (503, "compiling", False), health
+        body = json.dumps({"prompt": "the quick", "max_tokens": 3, "temperature": 0}).encode()
+        status, answer = post_raw(f"{served.url}/v1/completions", body)  # sent while compiling
+        assert status == 200 and answer["usage"]["completion_tokens"] >= 1
+        status, health = get(f"{served.url}/health")
+        assert (status, health["status"]) == (200, "ok")
+        while health["compiled"] < health["programs"]:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.2)
+            health = get(f"{served.url}/health")[1]
+    assert "ready: compiled the first 3 programs" in served.text()
+    assert len(list(cache.iterdir())) >= health["programs"]  # kept for the next start

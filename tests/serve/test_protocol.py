@@ -31,7 +31,12 @@ def test_fields_left_out_take_the_checkpoints_defaults():
     ({"max_tokens": 2.5}, "max_tokens", "is an integer"),
     ({"stop": 3}, "stop", "a string or a list of strings"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only read with stream: true"),
-    ({"logprobs": 0}, "logprobs", "logprobs=0 is not supported"),
+    ({"logprobs": 21}, "logprobs", "logprobs is 21; this server gives at most the 20 most likely tokens at each "
+                                   "position (dew serve --max-logprobs): ask for at most 20"),
+    ({"logprobs": -1}, "logprobs", "logprobs is -1; it is at least 0"),
+    ({"echo": 1}, "echo", "echo is 1; it is true or false"),
+    ({"echo": True, "stream": True}, "echo", "echo with stream: true is not supported"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens is 0; it is at least 1"),
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"best_of": 3}, "best_of", "best_of=3 is not supported"),
     ({"temprature": 1}, "temprature", "unrecognised request field(s) ['temprature']"),
@@ -45,6 +50,29 @@ def test_bad_fields_are_refused_by_name(body, param, words):
         read_job("completion", body, DEFAULTS)
     assert caught.value.status == 400 and caught.value.param == param and words in caught.value.message
     assert caught.value.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"top_logprobs": 3}, "top_logprobs", "top_logprobs is 3 without logprobs: true"),
+    ({"logprobs": 2}, "logprobs", "logprobs is 2; in a chat it is true or false"),
+    ({"logprobs": True, "top_logprobs": 25}, "top_logprobs", "top_logprobs is 25; this server gives at most the 20"),
+    ({"echo": True}, "echo", "unrecognised request field(s) ['echo']"),
+])
+def test_bad_chat_log_probability_fields_are_refused_by_name(body, param, words):
+    with pytest.raises(APIError) as caught:
+        read_job("chat", body, DEFAULTS)
+    assert caught.value.status == 400 and caught.value.param == param and words in caught.value.message
+
+
+def test_log_probability_fields():
+    job = read_job("completion", {"logprobs": 1, "echo": True, "max_tokens": 0}, DEFAULTS)
+    assert (job.log_probs, job.echo, job.max_tokens) == (1, True, 0)
+    assert read_job("completion", {"logprobs": 0}, DEFAULTS).log_probs == 0
+    assert read_job("completion", {}, DEFAULTS).log_probs is None
+    assert read_job("chat", {"logprobs": True}, DEFAULTS).log_probs == 0
+    assert read_job("chat", {"logprobs": True, "top_logprobs": 5}, DEFAULTS).log_probs == 5
+    assert read_job("chat", {"logprobs": False, "top_logprobs": 0}, DEFAULTS).log_probs is None
+    assert read_job("completion", {"logprobs": 3}, DEFAULTS, max_log_probs=3).log_probs == 3
 
 
 def test_seeds_at_the_ends_of_the_64_bit_range_are_taken():

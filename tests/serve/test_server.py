@@ -9,11 +9,18 @@ usage counts against transformers' tokenizer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 import pytest
 
-from tests.serve.conftest import CAPACITY, NAME, QUEUE, SLOTS, WORDS, post_raw
+from dew.sampling import generate
+from tests.serve.conftest import CAPACITY, NAME, QUEUE, SLOTS, WORDS, get, post_raw
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
@@ -199,3 +206,81 @@ def test_special_token_text_in_a_message_is_plain_text(server):
     texts, reasons, counts = server.solo(expected, 8, temperature=0.0)
     assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == (texts[0], reasons[0])
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(expected), counts[0])
+
+
+def _log_softmax(server, ids):
+    """The float32 log-softmax of the served weights' logits over `ids`, in one pass `[len(ids), V]`."""
+    model, variables = server.pretrained.model, server.pretrained.variables
+    return np.asarray(jax.nn.log_softmax(model.apply(variables, jnp.asarray([ids]))[0].astype(jnp.float32), axis=-1))
+
+
+def test_echo_and_logprobs_score_token_id_prompts_as_lm_eval_asks(server):
+    """lm-eval's loglikelihood request: a batch of token-id prompts, echo, logprobs 1, max_tokens 1,
+    temperature 0. Each choice holds the prompt's tokens then the drawn one, the first position null,
+    values equal to one float32 pass over the same weights (atol 1e-4: summation order only, see
+    tests/serve/test_engine.py), and each position's alternatives hold the token itself."""
+    prompts = [server.ids("the quick brown fox jumps"), server.ids("seven wizards")]
+    status, body = post_raw(f"{server.url}/v1/completions", json.dumps(
+        {"model": NAME, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0,
+         "seed": 1234}).encode())
+    assert status == 200, body
+    for choice, prompt in zip(sorted(body["choices"], key=lambda c: c["index"]), prompts):
+        scores = choice["logprobs"]
+        drawn = server.solo(prompt, 1, temperature=0.0)[0][0]
+        assert choice["text"] == server.hf_tokenizer.decode(prompt) + drawn
+        assert len(scores["token_logprobs"]) == len(scores["tokens"]) == len(prompt) + 1
+        assert scores["token_logprobs"][0] is None and scores["top_logprobs"][0] is None
+        expected = _log_softmax(server, prompt)
+        for position in range(1, len(prompt)):
+            value, top = scores["token_logprobs"][position], scores["top_logprobs"][position]
+            assert abs(value - expected[position - 1][prompt[position]]) < 1e-4
+            assert scores["tokens"][position] in top and len(top) <= 2
+            assert max(top.values()) == pytest.approx(expected[position - 1].max(), abs=1e-4)
+        assert scores["token_logprobs"][-1] == max(scores["top_logprobs"][-1].values())  # greedy: the top token
+    status, body = post_raw(f"{server.url}/v1/completions", json.dumps(
+        {"model": NAME, "prompt": "over a lazy dog", "echo": True, "logprobs": 0, "max_tokens": 0}).encode())
+    choice = body["choices"][0]
+    assert status == 200 and choice["text"] == "over a lazy dog" and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["tokens"]) == len(server.ids("over a lazy dog")) == body["usage"]["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] == 0
+    assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])  # logprobs 0: the token alone
+
+
+def test_chat_logprobs_in_openais_shape_streamed_or_whole(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "old songs"}]
+    whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0.8, seed=2,
+                                           logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens and all(len(item.top_logprobs) == 3 for item in content)
+    prompt = server.chat_ids(messages)
+    policy = dataclasses.replace(server.pretrained.generation, temperature=0.8)
+    drawn = generate(server.pretrained.model, server.pretrained.variables, [prompt], 6, key=jax.random.key(2),
+                     sampling=policy).continuations()[0][: len(content)]
+    expected = _log_softmax(server, prompt + drawn)
+    for offset, (item, token) in enumerate(zip(content, drawn)):
+        row = expected[len(prompt) - 1 + offset]
+        assert abs(item.logprob - row[token]) < 1e-4 and item.top_logprobs[0].logprob == pytest.approx(row.max(),
+                                                                                                       abs=1e-4)
+        assert bytes(item.bytes).decode() == item.token
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0.8, seed=2,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in content]
+
+
+def test_tokenizer_endpoints_answer_as_vllms(server):
+    """/tokenize, /detokenize and /tokenizer_info, which lm-eval reads instead of a local tokenizer copy."""
+    text = "the quick brown fox<|im_end|>"
+    status, body = post_raw(f"{server.url}/tokenize", json.dumps({"prompt": text, "add_special_tokens": False}).encode())
+    assert status == 200 and body["tokens"] == server.hf_tokenizer.encode(text, add_special_tokens=False)
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == CAPACITY
+    status, back = post_raw(f"{server.url}/detokenize", json.dumps({"tokens": body["tokens"]}).encode())
+    assert status == 200 and back == {"prompt": text}
+    status, info = get(f"{server.url}/tokenizer_info")
+    assert status == 200 and info["eos_token"] == "<|im_end|>" and info["bos_token"] is None
+    assert info["chat_template"] == server.hf_tokenizer.chat_template
+    status, body = post_raw(f"{server.url}/detokenize", json.dumps({"tokens": [5, 300]}).encode())
+    assert status == 400 and body["error"]["message"] == "tokens holds token id 300, outside the vocabulary of 300"
+    status, body = post_raw(f"{server.url}/tokenize", json.dumps({"prompt": ["a"]}).encode())
+    assert status == 400 and body["error"]["param"] == "prompt"
