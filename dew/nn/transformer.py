@@ -28,13 +28,15 @@ from dew.nn.head import Head
 from dew.nn.kv_cache import Cache
 from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, named
 from dew.nn.layer import NORM_PLACEMENTS, LayerContext, LayerSpec
-from dew.nn.mamba2 import Mamba2, Mamba2Spec
+from dew.nn.gated_deltanet import GatedDeltaNet
+from dew.nn.mamba2 import Mamba2
 from dew.nn.mla import LatentAttention, MLASpec
 from dew.nn.mlp import ACTIVATIONS, DenseSpec
 from dew.nn.moe import Mixture, Routes, SparseSpec
 from dew.nn.mtp import mtp_states
 from dew.nn.norms import NORM_STYLES, RMSNorm
 from dew.nn.quantize import EMBED_SCALE
+from dew.nn.recurrent import RecurrentSpec
 from dew.nn.rotary import RopeScaling
 from dew.nn.stack import REMAT_POLICIES, apply_layers, rotary_tables, runs, stack_variables, unstack_variables
 
@@ -43,8 +45,8 @@ _NOT_LATENT = {"causal": True, "sliding_window": None, "layer_types": None, "qk_
                "attn_softcap": None}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
-# The recurrent mixers' shapes (`DecoderConfig.recurrent`) and the spec of a layer of each.
-_RECURRENT_SPECS = {Mamba2: Mamba2Spec}
+# The recurrent mixers' shapes (`DecoderConfig.recurrent`).
+_RECURRENT = (Mamba2, GatedDeltaNet)
 
 
 def as_dtype(value) -> jnp.dtype:
@@ -71,6 +73,19 @@ def _from_fields(kind: type) -> Callable[[str, object], object]:
     return convert
 
 
+def _recurrent(name: str, value):
+    """A recurrent mixer's shape read back from JSON (a dict of its fields) as the one shape class whose
+    fields it names; any other value as given."""
+    if not isinstance(value, Mapping):
+        return value
+    kinds = [kind for kind in _RECURRENT if set(value) <= {field.name for field in dataclasses.fields(kind)}]
+    if len(kinds) != 1:
+        known = {kind.__name__: [field.name for field in dataclasses.fields(kind)] for kind in _RECURRENT}
+        raise TypeError(f"{name} names fields {sorted(value)}, which {'no' if not kinds else 'more than one'} "
+                        f"recurrent mixer has: give every field of one of {known}")
+    return kinds[0](**value)
+
+
 # Each field a caller may give in a convenient form, and how it becomes the stored one (in this order).
 _CONVERSIONS: dict[str, Callable[[str, object], object]] = {
     "dtype": lambda name, value: as_dtype(value),
@@ -79,7 +94,7 @@ _CONVERSIONS: dict[str, Callable[[str, object], object]] = {
     "local_rope_scaling": _from_fields(RopeScaling),
     "mixture": _from_fields(Mixture),
     "latent": _from_fields(LatentAttention),
-    "recurrent": _from_fields(Mamba2),
+    "recurrent": _recurrent,
     "layer_types": lambda name, value: None if value is None else tuple(value),
 }
 # The string knobs and the values each may take.
@@ -114,7 +129,8 @@ class DecoderConfig:
       `local_rope_scaling` (default `rope_scaling`); a linear layer's mixer is the recurrent one
       (`recurrent`). Without it, every layer is attention and uses `sliding_window`.
     - `recurrent`: the shape of the recurrent mixers of the "linear_attention" layers
-      (`dew.nn.mamba2.Mamba2`, or its fields as a dict), as `latent` is attention's.
+      (`dew.nn.mamba2.Mamba2` or `dew.nn.gated_deltanet.GatedDeltaNet`, or its fields as a dict), as
+      `latent` is attention's.
     - `mlp_features`: the dense MLP's hidden units; 0 for layers without a feed-forward (Mamba2's).
     - `scan_layers`: the fewest like layers in a row that run as one `nn.scan` (one compiled body, so
       compile time stays flat in depth); shorter runs are unrolled, which runs the train step faster
@@ -168,7 +184,7 @@ class DecoderConfig:
     attention_dropout: float = 0.0
     mixture: Mixture | None = None
     latent: LatentAttention | None = None
-    recurrent: Mamba2 | None = None
+    recurrent: Mamba2 | GatedDeltaNet | None = None
     mtp_depths: int = 0
     scan_layers: int = 8
     remat: str = "none"
@@ -279,7 +295,7 @@ class DecoderConfig:
         for index in range(self.num_layers):
             theta, scaling = self.layer_rope(index)
             if self.layer_types is not None and self.layer_types[index] == LINEAR:
-                mixer = _RECURRENT_SPECS[type(self.recurrent)](self.recurrent)
+                mixer = RecurrentSpec(self.recurrent)
             elif self.latent is not None:
                 mixer = MLASpec(self.num_heads, self.latent, theta, scaling, bias=self.qkv_bias, o_bias=self.o_bias)
             else:
