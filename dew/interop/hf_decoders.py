@@ -54,12 +54,15 @@ FIELD_KINDS = {
                      "n_routed_experts", "index_head_dim", "index_n_heads", "index_topk", "moe_layer_freq",
                      "sliding_window_pattern", "_sliding_window_pattern", "d_model", "n_heads", "n_layers", "mlp_ratio",
                      "max_sequence_length", "block_group_size", "query_pre_attn_scalar", "num_heads", "state_size",
-                     "n_groups", "expand", "conv_kernel", "chunk_size"), "size"),
+                     "n_groups", "expand", "conv_kernel", "chunk_size", "linear_num_key_heads",
+                     "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"),
+                    "size"),
     **dict.fromkeys(("num_key_value_heads", "head_dim", "q_lora_rank", "v_head_dim", "qk_head_dim", "n_group",
                      "topk_group", "moe_intermediate_size", "n_kv_heads", "mlp_hidden_size", "embedding_size"),
                     "size?"),
     **dict.fromkeys(("max_window_layers", "n_shared_experts", "num_local_experts", "num_nextn_predict_layers",
-                     "shared_expert_intermediate_size", "num_experts", "decoder_sparse_step"), "count"),
+                     "shared_expert_intermediate_size", "num_experts", "decoder_sparse_step",
+                     "full_attention_interval"), "count"),
     # counts whose 0 the families refuse or read themselves (Qwen's switched-off window is 0)
     **dict.fromkeys(("sliding_window", "first_k_dense_replace", "num_experts_per_tok"), "count?"),
     **dict.fromkeys(("pretraining_tp", "bos_token_id", "pad_token_id", "mask_token_id"), "integer?"),
@@ -99,6 +102,8 @@ SHAPE_FIELDS = frozenset({
     "num_local_experts", "n_routed_experts", "n_shared_experts", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
     "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "index_head_dim",
     "index_n_heads", "d_model", "n_heads", "n_layers", "embedding_size", "num_heads", "state_size", "n_groups",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim",
 })
 
 
@@ -322,9 +327,11 @@ def read_rotary(fields: ConfigFields, max_seq_len: int) -> dict[str, tuple[float
         rope = dict(scaling or parameters)
         rope.setdefault("rope_theta", source.get("rope_theta", family.rope_thetas[0]))
         by_type = {FULL: rope, SLIDING: rope}
-    partial = source.get("partial_rotary_factor", 1.0)
+    # the older spelling, outside rope_parameters, which transformers moves in (Qwen3-Next's classes default it)
+    partial = source.get("partial_rotary_factor", getattr(family, "partial_rotary", None) or 1.0)
     if partial != 1.0:
-        fields.refuse("partial_rotary_factor", partial, "Dew rotates every feature of a head")
+        for rope in by_type.values():
+            rope.setdefault("partial_rotary_factor", partial)
     return {layer_type: _rope(fields, rope, max_seq_len) for layer_type, rope in by_type.items()}
 
 
@@ -332,8 +339,8 @@ def _rope(fields: ConfigFields, rope: Mapping[str, Any], max_seq_len: int) -> tu
     """One layer type's rotary base and `RopeScaling`, with the defaults transformers fills in."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     given = {key: value for key, value in rope.items() if key not in ("rope_type", "type", "rope_theta")}
-    if given.pop("partial_rotary_factor", 1.0) != 1.0:
-        fields.refuse("rope_parameters", rope, "Dew rotates every feature of a head (partial_rotary_factor 1)")
+    if given.get("partial_rotary_factor", 1.0) == 1.0:  # every feature turns, whatever the kind reads
+        given.pop("partial_rotary_factor", None)
     if kind not in SCALINGS:
         fields.refuse("rope_parameters", rope, f"rope_type {kind!r} is not built; Dew builds {', '.join(SCALINGS)}")
     unknown = sorted(set(given) - set(_ROPE_PARAMETERS[kind]))
@@ -370,6 +377,8 @@ def rope_parameters(theta: float, scaling: RopeScaling) -> dict[str, Any]:
     written = {"rope_type": scaling.kind, "rope_theta": float(theta)}
     for field in SCALINGS[scaling.kind]:
         value = getattr(scaling, field)
+        if field == "rotated_fraction" and scaling.kind == "default" and value == 1.0:
+            continue  # every feature turns: what transformers does without the key
         if value is not None and not (field == "truncate" and value):
             written[fields[field]] = value
     return written

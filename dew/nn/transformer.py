@@ -37,12 +37,12 @@ from dew.nn.mtp import mtp_states
 from dew.nn.norms import NORM_STYLES, RMSNorm
 from dew.nn.quantize import EMBED_SCALE
 from dew.nn.recurrent import RecurrentSpec
-from dew.nn.rotary import RopeScaling
+from dew.nn.rotary import RopeScaling, rotated_width
 from dew.nn.stack import REMAT_POLICIES, apply_layers, rotary_tables, runs, stack_variables, unstack_variables
 
 # The knobs of grouped-query attention that latent attention does not have, and their neutral values.
 _NOT_LATENT = {"causal": True, "sliding_window": None, "layer_types": None, "qk_norm": False, "query_scale": None,
-               "attn_softcap": None}
+               "attn_softcap": None, "attn_output_gate": False}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 # The recurrent mixers' shapes (`DecoderConfig.recurrent`).
@@ -123,7 +123,10 @@ class DecoderConfig:
     - `query_scale`: the attention scores' factor (default `head_dim ** -0.5`); `attn_softcap` caps
       the scores, `logit_softcap` the output logits, `c * tanh(x / c)`.
     - `rope_scaling`: how the rotary frequencies are stretched past the pretraining length (a
-      `dew.nn.rotary.RopeScaling`, or its fields as a dict); the default scales nothing.
+      `dew.nn.rotary.RopeScaling`, or its fields as a dict); the default scales nothing (and, with a
+      `rotated_fraction`, turns only the first features of each head: Qwen3-Next's partial rotary).
+    - `attn_output_gate`: attention's `q_proj` also gives a gate per head, and the attention's output
+      is multiplied by its sigmoid before `o_proj` (Qwen3-Next, Qwen 3.5).
     - `layer_types`: one "full_attention", "sliding_attention" or "linear_attention" per layer; only
       sliding layers use `sliding_window`, `local_rope_theta` (default `rope_theta`) and
       `local_rope_scaling` (default `rope_scaling`); a linear layer's mixer is the recurrent one
@@ -177,6 +180,7 @@ class DecoderConfig:
     activation: str = "silu"
     query_scale: float | None = None
     attn_softcap: float | None = None
+    attn_output_gate: bool = False
     layer_types: tuple[str, ...] | None = None
     local_rope_theta: float | None = None
     rope_scaling: RopeScaling = RopeScaling()
@@ -232,6 +236,11 @@ class DecoderConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} is odd; rotary positions rotate pairs of features")
+        rotated = rotated_width(self.head_dim, self.rope_scaling)
+        if rotated < 2 or rotated % 2:
+            raise ValueError(f"rope_scaling rotated_fraction {self.rope_scaling.rotated_fraction} turns {rotated} of "
+                             f"head_dim {self.head_dim} features; rotary positions rotate pairs: choose a fraction "
+                             "that turns an even number, at least 2")
         if self.scan_layers < 0:
             raise ValueError(f"scan_layers is {self.scan_layers}; it is the fewest like layers scanned together, "
                              "0 to unroll every layer")
@@ -303,7 +312,7 @@ class DecoderConfig:
                     self.num_heads, self.num_kv_heads, self.head_dim, causal=self.causal,
                     window=self.layer_window(index), rope_theta=theta, rope_scaling=scaling, qk_norm=self.qk_norm,
                     qk_norm_scope=self.qk_norm_scope, qkv_bias=self.qkv_bias, o_bias=self.o_bias,
-                    query_scale=self.query_scale, softcap=self.attn_softcap,
+                    query_scale=self.query_scale, softcap=self.attn_softcap, output_gate=self.attn_output_gate,
                 )
             feed_forward = sparse if index in self.sparse_layers else dense if self.mlp_features else None
             specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps))

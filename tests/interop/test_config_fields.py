@@ -21,7 +21,7 @@ from dew.interop.hf_decoders import FIELD_KINDS, expected, reference_sizes
 from tests.interop.conftest import SHAPE, save_checkpoint, sized, torch, torch_model, transformers
 
 # The transformers module that holds each family's modeling code.
-_MODULES = {"gemma3_text": "gemma3"}
+_MODULES = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5"}
 _GETATTR = re.compile(r"getattr\((?:self\.)?config,\s*\"(\w+)\"")
 # Families whose modeling code reads every config field by attribute (the pattern finds nothing there).
 _NO_GETATTR = {"mamba2"}
@@ -35,8 +35,9 @@ _NO_GETATTR = {"mamba2"}
 RELATIVE_TOLERANCE = 64 * np.finfo(np.float32).eps
 # The families transformers has modeling code for (LLaDA and Dream ship theirs as remote code: tests/diffusion).
 # DiffusionGemma is not a decoder family: tests/interop/test_diffusion_gemma.py reads its fields.
-TRANSFORMERS_FAMILIES = sorted(name for name, family in FAMILIES.items()
-                               if hasattr(transformers, family.config_class) and name != "diffusion_gemma")
+TRANSFORMERS_FAMILIES = sorted(name for name, family in FAMILIES.items()  # Gemma 3's multimodal family has no class
+                               if hasattr(transformers, getattr(family, "config_class", ""))
+                               and name != "diffusion_gemma")
 TOKENS = np.random.default_rng(5).integers(0, SHAPE["vocab_size"], (2, 12))
 DEFAULT_HEAD_DIM = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]  # 8
 
@@ -187,8 +188,9 @@ def _transformers_accepts(config_class, name: str, value) -> bool:
 
 
 def test_every_field_a_family_reads_has_a_kind():
-    # DiffusionGemma reads its fields itself (tests/interop/test_diffusion_gemma.py)
-    read = {name for model_type, family in FAMILIES.items() if model_type != "diffusion_gemma"
+    # DiffusionGemma and Gemma 3's multimodal model read their fields themselves (tests/interop/test_diffusion_gemma.py,
+    # tests/interop/test_gemma3.py)
+    read = {name for model_type, family in FAMILIES.items() if model_type not in ("diffusion_gemma", "gemma3")
             for name in (*family.fields, *family.getattr_fields)}
     assert read - set(FIELD_KINDS) == set()
 

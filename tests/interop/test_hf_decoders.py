@@ -14,7 +14,8 @@ from tests.interop.conftest import sized, transformers
 _CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "ministral": "MinistralConfig", "qwen2": "Qwen2Config",
             "qwen3": "Qwen3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
             "gemma3_text": "Gemma3TextConfig", "olmo2": "Olmo2Config", "olmo3": "Olmo3Config", "mixtral": "MixtralConfig",
-            "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "mamba2": "Mamba2Config"}
+            "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "mamba2": "Mamba2Config",
+            "qwen3_next": "Qwen3NextConfig", "qwen3_5_text": "Qwen3_5TextConfig"}
 
 SMOLLM2 = {  # SmolLM2-135M's config.json as published (transformers 4 spellings and nanotron leftovers)
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
@@ -31,9 +32,10 @@ SMOLLM2 = {  # SmolLM2-135M's config.json as published (transformers 4 spellings
 def test_families_cover_the_issue():
     # and the masked-diffusion families whose code is remote, not transformers' (tests/diffusion/test_checkpoints.py),
     # DiffusionGemma, which is no decoder family (tests/interop/test_diffusion_gemma.py), and DeepSeek's,
-    # whose configs carry fields of DeepSeek's own code beside transformers' (tests/interop/test_deepseek.py)
+    # whose configs carry fields of DeepSeek's own code beside transformers' (tests/interop/test_deepseek.py),
+    # and Gemma 3's multimodal model (tests/interop/test_gemma3.py)
     assert set(FAMILIES) == set(_CLASSES) | {"llada", "Dream", "diffusion_gemma", "deepseek_v2", "deepseek_v3",
-                                             "deepseek_v32"}
+                                             "deepseek_v32", "gemma3"}
 
 
 @pytest.mark.parametrize("model_type", sorted(_CLASSES))
