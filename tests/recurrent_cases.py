@@ -13,6 +13,7 @@ import numpy as np
 
 from dew.nn.layer import LayerContext, LayerKnobs
 from dew.nn.recurrent import RecurrentCache
+from dew.sampling import Sampling, generate
 from tests.tolerances import assert_within
 
 KNOBS = LayerKnobs(window=None, rope=jnp.int32(0), index=jnp.int32(0), local=jnp.int32(0))
@@ -136,3 +137,18 @@ def check_gradients_match_torch(torch, layer, params, mixer, width: int, hf_grad
     assert set(ours) == set(expected)
     for name, value in expected.items():
         assert_within(ours[name], value, bound(float(np.abs(value).max())), f"gradient of {name}")
+
+
+def check_greedy_mixed_batch(model, variables) -> None:
+    """Prompts of 3, 9 and 2 tokens left-padded together, then 10 greedy steps through the model's cache:
+    each row's tokens are the uncached argmax of its own sequence, step by step."""
+    prompts = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3, 5, 8], [2, 7]]
+    generation = generate(model, variables, prompts, 10, key=jax.random.key(1), sampling=Sampling(temperature=0.0))
+    forward = jax.jit(lambda tokens: model.apply(variables, tokens))
+    for row, prompt in enumerate(prompts):
+        sequence = list(prompt)
+        for _ in range(10):
+            padded = np.zeros((1, 24), np.int32)  # causal: trailing tokens change nothing before them
+            padded[0, :len(sequence)] = sequence
+            sequence.append(int(jnp.argmax(forward(jnp.asarray(padded))[0, len(sequence) - 1])))
+        assert list(generation.tokens[row, :generation.lengths[row]]) == sequence

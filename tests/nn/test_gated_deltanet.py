@@ -5,6 +5,7 @@ decode steps continue it, a reset row starts from zeros, packed documents do not
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
@@ -16,10 +17,11 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from dew.nn.gated_deltanet import GatedDeltaNet, GatedDeltaNetMixer, gated_delta_rule
+from dew.nn.rotary import RopeScaling
 from dew.nn.transformer import LINEAR, CausalTransformer, DecoderConfig
 from dew.run_config import to_json
 from tests.recurrent_cases import (
-    KNOBS, check_a_reset_row_starts_from_zeros, check_gradients_match_torch,
+    KNOBS, check_a_reset_row_starts_from_zeros, check_gradients_match_torch, check_greedy_mixed_batch,
     check_packed_documents_do_not_see_each_other, check_padded_prefill_then_decode, context, order_one,
 )
 from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound
@@ -221,3 +223,16 @@ def test_a_hybrid_config_reads_back_from_run_json_and_names_its_axes():
     assert names["norm"]["scale"] == PartitionSpec("layers", "norm")
     with pytest.raises(TypeError, match=r"recurrent names fields \['chunk_size', 'conv_kernel'\], which more than one"):
         DecoderConfig(**{**to_json(config), "recurrent": {"conv_kernel": 4, "chunk_size": 8}})
+
+
+@pytest.mark.slow
+def test_greedy_cached_generation_of_a_hybrid_mixed_batch_equals_the_uncached_argmax():
+    """Gated DeltaNet layers around a gated, partially rotated attention layer (Qwen3-Next's), every layer
+    with an MLP: one decoder, two kinds of cache; weights tripled so the argmax depends on the context."""
+    config = DecoderConfig(vocab_size=64, emb_features=WIDTH, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+                           mlp_features=48, layer_types=(LINEAR, "full_attention", LINEAR),
+                           recurrent=dataclasses.replace(SHAPE, chunk_size=4), norm_style="gemma", qk_norm=True,
+                           attn_output_gate=True, rope_scaling=RopeScaling(rotated_fraction=0.25))
+    model = CausalTransformer(config)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    check_greedy_mixed_batch(model, jax.tree_util.tree_map(lambda x: x * 3.0, variables))

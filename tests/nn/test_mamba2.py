@@ -18,11 +18,10 @@ from dew.nn.mamba2 import Mamba2, Mamba2Mixer, ssd
 from dew.nn.recurrent import document_starts
 from dew.nn.transformer import LINEAR, CausalTransformer, DecoderConfig
 from dew.run_config import to_json
-from dew.sampling import Sampling, generate
 from dew.sharding import with_names
 from dew.training.mesh import Layout, MeshSpec
 from tests.recurrent_cases import (
-    KNOBS, check_a_reset_row_starts_from_zeros, check_gradients_match_torch,
+    KNOBS, check_a_reset_row_starts_from_zeros, check_gradients_match_torch, check_greedy_mixed_batch,
     check_packed_documents_do_not_see_each_other, check_padded_prefill_then_decode, context, order_one,
 )
 from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound
@@ -224,17 +223,7 @@ def test_a_mamba2_decoder_has_no_feed_forward_and_scans_its_layers(decoder):
 def test_greedy_cached_generation_of_a_mixed_batch_equals_the_uncached_argmax(stack, request):
     """Prompts of 3, 9 and 2 tokens left-padded together, then 10 steps through the state (and, in the
     hybrid stack, the attention layer's cache beside it)."""
-    model, variables = request.getfixturevalue(stack)
-    prompts = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3, 5, 8], [2, 7]]
-    generation = generate(model, variables, prompts, 10, key=jax.random.key(1), sampling=Sampling(temperature=0.0))
-    forward = jax.jit(lambda tokens: model.apply(variables, tokens))
-    for row, prompt in enumerate(prompts):
-        sequence = list(prompt)
-        for _ in range(10):
-            padded = np.zeros((1, 24), np.int32)  # the scan is causal: trailing tokens change nothing before them
-            padded[0, :len(sequence)] = sequence
-            sequence.append(int(jnp.argmax(forward(jnp.asarray(padded))[0, len(sequence) - 1])))
-        assert list(generation.tokens[row, :generation.lengths[row]]) == sequence
+    check_greedy_mixed_batch(*request.getfixturevalue(stack))
 
 
 def test_the_mixers_parameters_carry_logical_axis_names(decoder):
