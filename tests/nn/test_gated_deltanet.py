@@ -182,7 +182,8 @@ def test_layer_gradients_match_torch(pair):
     through transformers' torch path (observed: 2.2e-6 relative to each gradient's largest entry;
     the backward pass rounds about as often as the forward, so twice the forward's bound)."""
     layer, params, mixer = pair
-    check_gradients_match_torch(torch, layer, params, mixer, WIDTH, lambda grads: dew_grads(grads, layer), lambda scale: 2 * layer_bound(13, scale))
+    check_gradients_match_torch(torch, layer, params, mixer, WIDTH, lambda grads: dew_grads(grads, layer),
+                                lambda scale: 2 * layer_bound(13, scale))
 
 
 # ---- the recurrent cache ---------------------------------------------------------------------------

@@ -154,7 +154,8 @@ def test_layer_gradients_match_torch(pair):
     through transformers' torch path (observed: 8.1e-7 relative to each gradient's largest entry;
     the backward pass rounds about as often as the forward, so twice the forward's bound)."""
     config, layer, params, mixer = pair
-    check_gradients_match_torch(torch, layer, params, mixer, WIDTH, dew_params_grads, lambda scale: 2 * layer_bound(config, 13, scale))
+    check_gradients_match_torch(torch, layer, params, mixer, WIDTH, dew_params_grads,
+                                lambda scale: 2 * layer_bound(config, 13, scale))
 
 
 def dew_params_grads(grads) -> dict:
@@ -171,17 +172,19 @@ def dew_params_grads(grads) -> dict:
 def test_padded_prefill_then_decode_equals_each_row_alone(pair):
     """The same computation in other chunks: one library's bound."""
     config, _, params, mixer = pair
-    check_padded_prefill_then_decode(mixer, params, mixer.shape, WIDTH, lambda n, m: layer_bound(config, n, m, libraries=1))
+    check_padded_prefill_then_decode(mixer, params, mixer.shape, WIDTH,
+                                     lambda n, m: layer_bound(config, n, m, libraries=1))
 
 
 def test_a_reset_row_starts_from_zeros(pair):
-    config, _, params, mixer = pair
+    _, _, params, mixer = pair
     check_a_reset_row_starts_from_zeros(mixer, params, mixer.shape, WIDTH)
 
 
 def test_packed_documents_do_not_see_each_other(pair):
     config, _, params, mixer = pair
-    check_packed_documents_do_not_see_each_other(mixer, params, WIDTH, lambda n, m: layer_bound(config, n, m, libraries=1))
+    check_packed_documents_do_not_see_each_other(mixer, params, WIDTH,
+                                                 lambda n, m: layer_bound(config, n, m, libraries=1))
 
 
 # ---- a whole decoder of Mamba2 layers --------------------------------------------------------------
