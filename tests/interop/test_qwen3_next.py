@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dew.interop import load_pretrained
-from dew.interop.families import FAMILIES, family_for, family_of
+from dew.interop.families import FAMILIES, decoder_kwargs, family_for, family_of
 from dew.nn.gated_deltanet import GatedDeltaNet
 from tests.interop.conftest import check_training_resumes_bit_exactly, greedy_continuations, save_checkpoint, torch, transformers
 from tests.tolerances import LIBRARY_ULPS, assert_within, transformers_decoder_ulps, ulp_bound
@@ -125,3 +125,28 @@ def test_save_reloads_in_transformers_with_equal_logits(checkpoint, bundle, tmp_
 def test_training_a_loaded_model_resumes_bit_exactly(bundle, tmp_path):
     """Two steps, a checkpoint, two more, equal four straight, bit for bit; the weights move."""
     check_training_resumes_bit_exactly(bundle, tmp_path)
+
+
+def test_the_older_spellings_read_as_transformers_reads_them():
+    """Qwen3-Next's first config.json spelled the rotary and the layer pattern at the top level
+    (`rope_theta`, `partial_rotary_factor`, `full_attention_interval`) and named Qwen's window switch; it
+    reads as transformers' own serialisation of the config it makes from it."""
+    old = {"model_type": "qwen3_next", **SHAPE, **FAMILY_CASES["qwen3_next"][2], "num_hidden_layers": 6,
+           "rope_theta": 10_000_000, "partial_rotary_factor": 0.5, "full_attention_interval": 3,
+           "use_sliding_window": False}
+    new = transformers.Qwen3NextConfig(**{k: v for k, v in old.items() if k != "model_type"}).to_dict()
+    assert new["layer_types"] == ["linear_attention", "linear_attention", "full_attention"] * 2
+    assert new["rope_parameters"]["partial_rotary_factor"] == 0.5
+    assert decoder_kwargs(old) == decoder_kwargs(new)
+    assert decoder_kwargs(old)["rope_scaling"].rotated_fraction == 0.5
+
+
+@pytest.mark.parametrize("edit, says", [
+    (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+     r"'layer_types' = .* one 'linear_attention' or 'full_attention' per layer \(4 layers\)"),
+    (dict(linear_num_value_heads=3), r"'linear_num_value_heads' = 3 .* not a multiple of key_heads 2"),
+    (dict(hidden_act="gelu"), r"'hidden_act' = 'gelu' .* the linear layers' convolution Dew computes is silu"),
+])
+def test_a_hybrid_config_dew_does_not_compute_is_refused_by_name(edit, says):
+    with pytest.raises(ValueError, match=says):
+        decoder_kwargs({"model_type": "qwen3_5_text", **SHAPE, **edit})
