@@ -14,7 +14,9 @@ import pytest
 from dew.interop import load_pretrained
 from dew.interop.families import FAMILIES, decoder_kwargs, family_for, family_of
 from dew.nn.gated_deltanet import GatedDeltaNet
-from tests.interop.conftest import check_training_resumes_bit_exactly, greedy_continuations, save_checkpoint, torch, transformers
+from tests.interop.conftest import (
+    check_training_resumes_bit_exactly, greedy_continuations, save_checkpoint, torch, transformers,
+)
 from tests.tolerances import LIBRARY_ULPS, assert_within, transformers_decoder_ulps, ulp_bound
 
 VOCAB = 64  # the training stream draws ids below 64
