@@ -23,6 +23,20 @@ def timed(run, repeats: int, warmup: int = 2) -> float:
     return statistics.median(samples)
 
 
+def timed_wall_and_cpu(run, repeats: int, warmup: int = 2) -> tuple[float, float]:
+    """Median (wall, process CPU) seconds of `run()`: on a shared machine the CPU time says how much work
+    a side did whatever else was running."""
+    for _ in range(warmup):
+        run()
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        run()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return statistics.median(walls), statistics.median(cpus)
+
+
 def matmul_peak(dtype, size: int = 2048) -> float:
     """FLOP/s of one `size`-square XLA matmul in `dtype` (float32 accumulation)."""
     a = jnp.ones((size, size), dtype)

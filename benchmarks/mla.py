@@ -9,13 +9,11 @@ work each side did whatever else was running.
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import machine
+from benchmarks.common import machine, timed_wall_and_cpu as timed
 from dew.nn.mla import LatentAttention
 from dew.nn.transformer import CausalTransformer, DecoderConfig
 from dew.objectives.lm import LMObjective
@@ -26,18 +24,6 @@ SHAPE = dict(vocab_size=2048, emb_features=256, num_layers=4, num_heads=8, mlp_f
 LATENT = dict(kv_rank=128, q_rank=192, nope_dim=32, rope_dim=16, value_dim=32)
 MIXTURE = dict(experts=8, top_k=2, expert_features=128, layers=(1, 2, 3), score_function="sigmoid", groups=2,
                groups_per_token=1, bias=True, shared_features=128, scaling=2.5)
-
-
-def timed(run, repeats: int) -> tuple[float, float]:
-    """Median (wall, process CPU) seconds of `run()`, after two warm-up calls."""
-    run(), run()
-    walls, cpus = [], []
-    for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
-        run()
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
-    return float(np.median(walls)), float(np.median(cpus))
 
 
 def model(absorb: str = "decode") -> CausalTransformer:

@@ -26,3 +26,10 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def tiny_variables(tiny_model):
     return tiny_model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), head=False)
+
+
+@pytest.fixture
+def x64():
+    """float64 inside the test (the reference checks of the recurrent mixers' chunked forms)."""
+    with jax.enable_x64(True):
+        yield

@@ -50,16 +50,19 @@ _KINDS = {
 # to null. tests/interop/test_config_fields.py holds these against transformers' own annotations.
 FIELD_KINDS = {
     **dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "max_position_embeddings", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "max_position_embeddings", "original_max_position_embeddings", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                      "n_routed_experts", "index_head_dim", "index_n_heads", "index_topk", "moe_layer_freq",
                      "sliding_window_pattern", "_sliding_window_pattern", "d_model", "n_heads", "n_layers", "mlp_ratio",
                      "max_sequence_length", "block_group_size", "query_pre_attn_scalar", "num_heads", "state_size",
-                     "n_groups", "expand", "conv_kernel", "chunk_size"), "size"),
+                     "n_groups", "expand", "conv_kernel", "chunk_size", "linear_num_key_heads",
+                     "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"),
+                    "size"),
     **dict.fromkeys(("num_key_value_heads", "head_dim", "q_lora_rank", "v_head_dim", "qk_head_dim", "n_group",
                      "topk_group", "moe_intermediate_size", "n_kv_heads", "mlp_hidden_size", "embedding_size"),
                     "size?"),
     **dict.fromkeys(("max_window_layers", "n_shared_experts", "num_local_experts", "num_nextn_predict_layers",
-                     "shared_expert_intermediate_size", "num_experts", "decoder_sparse_step"), "count"),
+                     "shared_expert_intermediate_size", "num_experts", "decoder_sparse_step",
+                     "full_attention_interval"), "count"),
     # counts whose 0 the families refuse or read themselves (Qwen's switched-off window is 0)
     **dict.fromkeys(("sliding_window", "first_k_dense_replace", "num_experts_per_tok"), "count?"),
     **dict.fromkeys(("pretraining_tp", "bos_token_id", "pad_token_id", "mask_token_id"), "integer?"),
@@ -69,7 +72,7 @@ FIELD_KINDS = {
                      "residual_dropout", "embedding_dropout", "init_std", "layer_norm_epsilon", "time_step_min",
                      "time_step_max", "time_step_floor"), "number"),
     **dict.fromkeys(("attention_dropout", "initializer_range", "attn_logit_softcapping", "final_logit_softcapping",
-                     "init_cutoff_factor"), "number?"),
+                     "init_cutoff_factor", "resid_pdrop", "embd_pdrop"), "number?"),
     **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_cache", "use_sliding_window",
                      "output_router_logits", "qkv_bias", "is_causal", "alibi", "rope", "rope_full_precision",
                      "flash_attention", "attention_layer_norm", "input_emb_norm", "layer_norm_with_affine",
@@ -99,6 +102,8 @@ SHAPE_FIELDS = frozenset({
     "num_local_experts", "n_routed_experts", "n_shared_experts", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
     "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "index_head_dim",
     "index_n_heads", "d_model", "n_heads", "n_layers", "embedding_size", "num_heads", "state_size", "n_groups",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim",
 })
 
 
@@ -338,9 +343,11 @@ def read_rotary(fields: ConfigFields, max_seq_len: int) -> dict[str, tuple[float
         rope = dict(scaling or parameters)
         rope.setdefault("rope_theta", source.get("rope_theta", family.rope_thetas[0]))
         by_type = {FULL: rope, SLIDING: rope}
-    partial = source.get("partial_rotary_factor", 1.0)
+    # the older spelling, outside rope_parameters, which transformers moves in (Qwen3-Next's classes default it)
+    partial = source.get("partial_rotary_factor", getattr(family, "partial_rotary", None) or 1.0)
     if partial != 1.0:
-        fields.refuse("partial_rotary_factor", partial, "Dew rotates every feature of a head")
+        for rope in by_type.values():
+            rope.setdefault("partial_rotary_factor", partial)
     return {layer_type: _rope(fields, rope, max_seq_len) for layer_type, rope in by_type.items()}
 
 
@@ -348,8 +355,8 @@ def _rope(fields: ConfigFields, rope: Mapping[str, Any], max_seq_len: int) -> tu
     """One layer type's rotary base and `RopeScaling`, with the defaults transformers fills in."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     given = {key: value for key, value in rope.items() if key not in ("rope_type", "type", "rope_theta")}
-    if given.pop("partial_rotary_factor", 1.0) != 1.0:
-        fields.refuse("rope_parameters", rope, "Dew rotates every feature of a head (partial_rotary_factor 1)")
+    if given.get("partial_rotary_factor", 1.0) == 1.0:  # every feature turns, whatever the kind reads
+        given.pop("partial_rotary_factor", None)
     if kind not in SCALINGS:
         fields.refuse("rope_parameters", rope, f"rope_type {kind!r} is not built; Dew builds {', '.join(SCALINGS)}")
     unknown = sorted(set(given) - set(_ROPE_PARAMETERS[kind]))
@@ -386,6 +393,8 @@ def rope_parameters(theta: float, scaling: RopeScaling) -> dict[str, Any]:
     written = {"rope_type": scaling.kind, "rope_theta": float(theta)}
     for field in SCALINGS[scaling.kind]:
         value = getattr(scaling, field)
+        if field == "rotated_fraction" and scaling.kind == "default" and value == 1.0:
+            continue  # every feature turns: what transformers does without the key
         if value is not None and not (field == "truncate" and value):
             written[fields[field]] = value
     return written

@@ -12,7 +12,9 @@ or a scanned run `layers_{a}to{b}` whose leaves are stacked on a leading axis) t
   `{layer}` the run's layer axis (a lone layer binds it without an axis), and the names in `stack`
   the axes after it (`("expert",)`: `mlp.experts.{expert}.*` as one `[E, ...]` leaf);
 - split and fuse: one tensor cut along `axis` into several Dew leaves, or several tensors joined
-  along `axis` into one leaf (`sizes`: each tensor's extent);
+  along `axis` into one leaf (`sizes`: each tensor's extent; a tensor named more than once holds
+  those parts in turn); with `groups`, each tensor holds its parts interleaved in that many equal
+  groups (Qwen3-Next's projections, per key head: group g holds the g-th share of every part);
 - permute: rows interleaved per head, as llama.cpp stores a llama model's queries and keys
   (`permute`: the number of heads).
 
@@ -51,7 +53,10 @@ class Rule:
 
     One side names one entry; when the other names several, the one is cut along `axis` of the Dew
     leaf's item (its axes after the stacked ones): a split (several Dew leaves, sized by their own
-    shapes) or a fuse (several tensors, sized by `sizes`, in order).
+    shapes) or a fuse (several tensors, sized by `sizes`, in order). In a fuse, a tensor named several
+    times holds those parts one after another, and with `groups` every tensor holds its parts
+    interleaved: `groups` blocks, block g the g-th `1 / groups` of each of its parts in order (the Dew
+    leaf holds each part whole).
     """
 
     dew: str | tuple[str, ...]
@@ -61,6 +66,7 @@ class Rule:
     axis: int | None = None
     sizes: tuple[int, ...] | None = None
     permute: int | None = None
+    groups: int = 1
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -205,9 +211,18 @@ def _links(rule: Rule, index: int, items: list[tuple[int, ...]]) -> tuple[Link, 
     if sum(rule.sizes) != items[0][axis]:
         raise ValueError(f"rule {rule.dew} <-> {rule.tensor}: sizes {rule.sizes} do not add up to the leaf's "
                          f"{items[0][axis]} along axis {axis}")
+    G = rule.groups
+    if any(size % G for size in rule.sizes):
+        raise ValueError(f"rule {rule.dew} <-> {rule.tensor}: sizes {rule.sizes} do not split into {G} groups")
     starts = np.cumsum((0, *rule.sizes[:-1]))
-    return tuple(Link(name, **base, axis=axis, dew_start=int(start), size=size, extent=size)
-                 for name, start, size in zip(rule.tensor, starts, rule.sizes))
+    links = []
+    for part, (name, start, size) in enumerate(zip(rule.tensor, starts, rule.sizes)):
+        own = [i for i, other in enumerate(rule.tensor) if other == name]  # the tensor's parts, in order
+        block = sum(rule.sizes[i] for i in own) // G
+        before = sum(rule.sizes[i] for i in own if i < part) // G
+        links += [Link(name, **base, axis=axis, dew_start=int(start) + g * (size // G),
+                       tensor_start=g * block + before, size=size // G, extent=block * G) for g in range(G)]
+    return tuple(links)
 
 
 def _scope(path: tuple[str, ...]):

@@ -21,7 +21,7 @@ from dew.kernels.softmax import MASKED
 from dew.nn.kv_cache import AttentionCache
 from dew.nn.linear import Linear
 from dew.nn.norms import RMSNorm, normalize
-from dew.nn.rotary import RopeScaling, apply_rotary
+from dew.nn.rotary import RopeScaling, apply_partial_rotary, rotated_width
 
 
 
@@ -115,7 +115,10 @@ class AttentionSpec:
     (`"projection"`, OLMo 2); `qkv_bias`/`o_bias` add biases; `query_scale` replaces
     `head_dim ** -0.5`; `softcap` caps the scores (Gemma 2). Gemma 4: `value_norm` divides each value
     head by its rms (no scale), and `keys_as_values` reads the values from the key projection (before
-    its norm and rotation), so the layer has no `v_proj`. `window` and the rotary setting may
+    its norm and rotation), so the layer has no `v_proj`. Qwen3-Next: `output_gate` doubles `q_proj`
+    (per head, the query's features then a gate's) and multiplies the attention's output by
+    `sigmoid(gate)` before `o_proj`; a default rotary with a `rotated_fraction` turns only the first
+    features of each head (`dew.nn.rotary.rotated_width`). `window` and the rotary setting may
     differ between the layers of one scanned run; everything else shapes the parameters or the
     program and may not.
     """
@@ -135,14 +138,18 @@ class AttentionSpec:
     softcap: float | None = None
     value_norm: bool = False
     keys_as_values: bool = False
+    output_gate: bool = False
 
     def rope(self) -> tuple[int, float, RopeScaling]:
         """The rotary table this mixer reads: (rotated features, base, scaling)."""
-        return self.head_dim, self.rope_theta, self.rope_scaling
+        return rotated_width(self.head_dim, self.rope_scaling), self.rope_theta, self.rope_scaling
 
     def scan_key(self) -> "AttentionSpec":
-        """This spec with the per-layer values erased: layers with equal keys scan together."""
-        return dataclasses.replace(self, window=None, rope_theta=0.0, rope_scaling=RopeScaling())
+        """This spec with the per-layer values erased (the rotated width kept, which shapes the program):
+        layers with equal keys scan together."""
+        partial = self.rope_scaling.rotated_fraction if self.rope_scaling.kind == "default" else 1.0
+        return dataclasses.replace(self, window=None, rope_theta=0.0,
+                                   rope_scaling=RopeScaling(rotated_fraction=partial))
 
     def empty_cache(self, layers: int, rows: int, capacity: int, dtype) -> AttentionCache:
         return AttentionCache.empty(layers, rows, capacity, self.num_kv_heads, self.head_dim, dtype)
@@ -171,7 +178,10 @@ class Attention(nn.Module):
         H, K, D = s.num_heads, s.num_kv_heads, s.head_dim
         dense = lambda features, bias, names, name: Linear(features, use_bias=bias, dtype=self.dtype,
                                                            param_dtype=self.param_dtype, names=names, name=name)
-        q_BSF = dense(H * D, s.qkv_bias, ("embed", "heads"), "q_proj")(x_BSE)
+        q_BSF = dense(H * D * (2 if s.output_gate else 1), s.qkv_bias, ("embed", "heads"), "q_proj")(x_BSE)
+        if s.output_gate:
+            q_BSHF, gate_BSHD = jnp.split(q_BSF.reshape(B, S, H, 2 * D), 2, axis=-1)
+            q_BSF = q_BSHF.reshape(B, S, H * D)
         k_BSF = dense(K * D, s.qkv_bias, ("embed", "kv"), "k_proj")(x_BSE)
         v_BSF = k_BSF if s.keys_as_values else dense(K * D, s.qkv_bias, ("embed", "kv"), "v_proj")(x_BSE)
         v_BSKD = v_BSF.reshape(B, S, K, D)
@@ -184,8 +194,8 @@ class Attention(nn.Module):
         q_BSHD, k_BSKD = q_BSF.reshape(B, S, H, D), k_BSF.reshape(B, S, K, D)
         if s.qk_norm and s.qk_norm_scope == "head":
             q_BSHD, k_BSKD = norm("q_norm")(q_BSHD), norm("k_norm")(k_BSKD)
-        q_BSHD = apply_rotary(q_BSHD, *rotary)
-        k_BSKD = apply_rotary(k_BSKD, *rotary)
+        q_BSHD = apply_partial_rotary(q_BSHD, *rotary)
+        k_BSKD = apply_partial_rotary(k_BSKD, *rotary)
 
         k_groups = context.groups_BS
         if cache is None:
@@ -226,4 +236,6 @@ class Attention(nn.Module):
             blocks = ordered and (cache is None or context.fresh_cache)
             out_BSHD = attend(q_BSHD, keys, values, mask_BST, causal_blocks=blocks, scale=s.query_scale,
                               softcap=s.softcap)
+        if s.output_gate:
+            out_BSHD = (out_BSHD.astype(jnp.float32) * jax.nn.sigmoid(gate_BSHD.astype(jnp.float32))).astype(self.dtype)
         return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache, None

@@ -30,7 +30,7 @@ CONSTANTS = "constants"
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """A layer: its `mixer` (`AttentionSpec`, or a recurrent one such as `dew.nn.mamba2.Mamba2Spec`), its
+    """A layer: its `mixer` (`AttentionSpec`, or a recurrent one such as `dew.nn.recurrent.RecurrentSpec`), its
     `feed_forward` (`DenseSpec`, `SparseSpec` for a mixture of experts, or None for none: a Mamba2
     block is its norm and its mixer) and its norms.
 

@@ -30,10 +30,9 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from flax import struct
 
 from dew.nn.linear import Linear, named
-from dew.nn.rotary import RopeScaling
+from dew.nn.recurrent import ConvKernel, NormScale, RecurrentCache, causal_conv, document_starts, initial_state
 
 F32 = jnp.float32
 
@@ -79,50 +78,13 @@ class Mamba2:
         """Channels of the convolution: `x`, `B` and `C`."""
         return self.inner + 2 * self.n_groups * self.state_size
 
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        """A row's state: `[heads, head_dim, state]`."""
+        return self.num_heads, self.head_dim, self.state_size
 
-@dataclasses.dataclass(frozen=True)
-class Mamba2Spec:
-    """A layer's Mamba2 mixer (the layer-spec seam, as `AttentionSpec`): nothing differs between layers."""
-
-    shape: Mamba2
-    window: None = None  # a recurrent mixer never slides (read by the stack's per-layer knobs)
-
-    def rope(self) -> tuple[int, float, RopeScaling]:
-        """No rotary table: a width of 0."""
-        return 0, 0.0, RopeScaling()
-
-    def scan_key(self) -> "Mamba2Spec":
-        return self
-
-    def empty_cache(self, layers: int, rows: int, capacity: int, dtype) -> "Mamba2Cache":
-        return Mamba2Cache.empty(layers, rows, capacity, self.shape, dtype)
-
-    def module(self, *, norm_style: str, norm_eps: float, dtype, param_dtype, name: str) -> "Mamba2Mixer":
-        return Mamba2Mixer(self.shape, norm_eps, dtype, param_dtype, name=name)
-
-
-@struct.dataclass
-class Mamba2Cache:
-    """A run of Mamba2 layers' state, fixed in size whatever the sequence: each row's last
-    `conv_kernel - 1` convolution inputs, `conv` `[L, B, K - 1, conv_dim]` in the compute dtype, and
-    the scan's state, `ssm` float32 `[L, B, heads, head_dim, state]`. `capacity` is the token slots
-    the model's cache was made for (what `Cache.capacity` reports); the state does not grow with them.
-    A row whose `Cache.lengths` is 0 holds nothing: its state is read as zeros (`Cache.reset`)."""
-
-    conv: jax.Array
-    ssm: jax.Array
-    capacity: int = struct.field(pytree_node=False)
-
-    @classmethod
-    def empty(cls, layers: int, rows: int, capacity: int, shape: Mamba2, dtype) -> "Mamba2Cache":
-        return cls(conv=jnp.zeros((layers, rows, shape.conv_kernel - 1, shape.conv_dim), dtype),
-                   ssm=jnp.zeros((layers, rows, shape.num_heads, shape.head_dim, shape.state_size), F32),
-                   capacity=capacity)
-
-    def put_rows(self, rows_R: jax.Array, new: "Mamba2Cache") -> "Mamba2Cache":
-        """This cache with rows `rows_R` replaced by the rows of `new` (a row index past the last is dropped)."""
-        put = lambda big, rows: big.at[:, rows_R].set(rows.astype(big.dtype), mode="drop")
-        return self.replace(conv=put(self.conv, new.conv), ssm=put(self.ssm, new.ssm))
+    def mixer(self, *, norm_eps: float, dtype, param_dtype, name: str) -> "Mamba2Mixer":
+        return Mamba2Mixer(self, norm_eps, dtype, param_dtype, name=name)
 
 
 def _segsum(a_BcHL: jax.Array) -> jax.Array:
@@ -186,46 +148,6 @@ def ssd(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, starts_BS, state_BHPN, chunk: int):
     return y_BcLGRP.reshape(Bn, c * L, H, P)[:, :S], final.reshape(Bn, H, P, N)
 
 
-def causal_conv(xBC_BSC, real_BS, segments_BS, state_BKC, kernel_KC, bias_C):
-    """The depthwise causal convolution over each row's real tokens in order, continuing from
-    `state_BKC` (the last `K - 1` real inputs before this call): `(outputs [B, S, C]` (padding's are
-    zeros), `the new state [B, K - 1, C])`. A tap reads only inputs of its token's own document (the
-    state counts as the first real token's); padding is skipped, wherever it sits."""
-    Bn, S, C = xBC_BSC.shape
-    K = kernel_KC.shape[0]
-    rows_B1 = jnp.arange(Bn)[:, None]
-    # Each real token's place among its row's inputs: after the state, in order; padding goes nowhere.
-    rank_BS = jnp.cumsum(real_BS, axis=1) - 1
-    place_BS = jnp.where(real_BS, K - 1 + rank_BS, S + K - 1)
-    inputs_BTC = jnp.concatenate([state_BKC.astype(xBC_BSC.dtype), jnp.zeros_like(xBC_BSC)], axis=1)
-    inputs_BTC = inputs_BTC.at[rows_B1, place_BS].set(xBC_BSC, mode="drop")
-    first_B = jnp.take_along_axis(segments_BS, jnp.argmax(real_BS, axis=1)[:, None], axis=1)
-    documents_BT = jnp.concatenate([jnp.broadcast_to(first_B, (Bn, K - 1)), jnp.zeros_like(segments_BS)], axis=1)
-    documents_BT = documents_BT.at[rows_B1, place_BS].set(segments_BS, mode="drop")
-    own_BS = documents_BT[:, K - 1:]
-    out_BSC = jnp.zeros((Bn, S, C), F32) if bias_C is None else jnp.broadcast_to(bias_C.astype(F32), (Bn, S, C))
-    for k in range(K):
-        same_BS = documents_BT[:, k:k + S] == own_BS
-        out_BSC = out_BSC + jnp.where(same_BS[..., None], inputs_BTC[:, k:k + S].astype(F32), 0.0) * kernel_KC[k]
-    out_BSC = jnp.take_along_axis(out_BSC, jnp.maximum(rank_BS, 0)[..., None], axis=1)
-    out_BSC = jnp.where(real_BS[..., None], out_BSC, 0.0)
-    count_B1 = jnp.sum(real_BS, axis=1, keepdims=True)
-    state_BKC = jnp.take_along_axis(inputs_BTC, (count_B1 + jnp.arange(K - 1))[..., None], axis=1)
-    return out_BSC, state_BKC
-
-
-def document_starts(real_BS, segments_BS):
-    """The real tokens whose segment differs from the row's previous real token's (the first real
-    token of a call continues what the cache holds)."""
-    S = real_BS.shape[1]
-    last_real_BS = jax.lax.cummax(jnp.where(real_BS, jnp.arange(S), -1), axis=1)
-    before_BS = jnp.concatenate([jnp.full_like(last_real_BS[:, :1], -1), last_real_BS[:, :-1]], axis=1)
-    first_B1 = jnp.take_along_axis(segments_BS, jnp.argmax(real_BS, axis=1)[:, None], axis=1)
-    previous_BS = jnp.where(before_BS >= 0, jnp.take_along_axis(segments_BS, jnp.maximum(before_BS, 0), axis=1),
-                            first_B1)
-    return real_BS & (segments_BS != previous_BS)
-
-
 def gated_rms_norm(y_BSI, z_BSI, weight_I, groups: int, eps: float):
     """`weight * rms_normalized(y * silu(z))`, normalized per group of `I / groups` features, float32."""
     gated = y_BSI.astype(F32) * jax.nn.silu(z_BSI.astype(F32))
@@ -243,39 +165,6 @@ def _dt_bias_init(low: float = 1e-3, high: float = 0.1, floor: float = 1e-4):
     return init
 
 
-class _Conv(nn.Module):
-    """The depthwise convolution's `kernel` `[C, 1, K]` (torch's layout, as checkpoints keep it) and `bias`
-    `[C]` (or None); returns the kernel as `[K, C]`."""
-
-    taps: int
-    channels: int
-    use_bias: bool
-    param_dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self):
-        bound = 1.0 / math.sqrt(self.taps)  # torch's default for a depthwise convolution (fan-in K)
-        uniform = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
-        kernel = self.param("kernel", named(uniform, ("mlp", None, None)), (self.channels, 1, self.taps),
-                            self.param_dtype)
-        bias = None
-        if self.use_bias:
-            bias = self.param("bias", named(nn.initializers.zeros_init(), ("mlp",)), (self.channels,),
-                              self.param_dtype)
-        return kernel[:, 0, :].T, bias
-
-
-class _Scale(nn.Module):
-    """The gated norm's `scale` `[I]` (transformers' `norm.weight`), initially one."""
-
-    features: int
-    param_dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self):
-        return self.param("scale", named(nn.initializers.ones_init(), ("norm",)), (self.features,), self.param_dtype)
-
-
 class Mamba2Mixer(nn.Module):
     """One layer's Mamba2 mixer (see the module); `__call__` has attention's signature."""
 
@@ -285,7 +174,7 @@ class Mamba2Mixer(nn.Module):
     param_dtype: jnp.dtype = F32
 
     @nn.compact
-    def __call__(self, x_BSE, rotary, context, knobs, cache: Mamba2Cache | None = None):
+    def __call__(self, x_BSE, rotary, context, knobs, cache: RecurrentCache | None = None):
         s = self.shape
         Bn, S, E = x_BSE.shape
         H, P, G, N, K = s.num_heads, s.head_dim, s.n_groups, s.state_size, s.conv_kernel
@@ -298,15 +187,9 @@ class Mamba2Mixer(nn.Module):
 
         segments_BS = context.segments_BS
         real_BS = segments_BS > 0
-        conv_BKC = jnp.zeros((Bn, K - 1, C), self.dtype)
-        state_BHPN = jnp.zeros((Bn, H, P, N), F32)
-        if cache is not None and not context.fresh_cache:
-            # A row that held no token before this call (a reset one) starts from zeros.
-            held_B = jnp.sum(context.filled_BT, axis=1) - jnp.sum(real_BS, axis=1)
-            conv_BKC = jnp.where(held_B[:, None, None] > 0, cache.conv[knobs.local], 0).astype(self.dtype)
-            state_BHPN = jnp.where(held_B[:, None, None, None] > 0, cache.ssm[knobs.local], 0.0)
+        conv_BKC, state_BHPN = initial_state(s, Bn, cache, context, knobs.local, self.dtype)
 
-        kernel_KC, bias_C = _Conv(K, C, s.use_conv_bias, self.param_dtype, name="conv1d")()
+        kernel_KC, bias_C = ConvKernel(K, C, s.use_conv_bias, self.param_dtype, name="conv1d")()
         conv_BSC, conv_BKC = causal_conv(xBC_BSC, real_BS, segments_BS, conv_BKC, kernel_KC, bias_C)
         xBC_BSC = jax.nn.silu(conv_BSC)
         x_BSI, B_BSN, C_BSN = jnp.split(xBC_BSC, [I, I + G * N], axis=-1)
@@ -322,10 +205,9 @@ class Mamba2Mixer(nn.Module):
         y_BSHP, state_BHPN = ssd(x_BSHP, dt_BSH, A_H, B_BSN.reshape(Bn, S, G, N), C_BSN.reshape(Bn, S, G, N),
                                  document_starts(real_BS, segments_BS), state_BHPN, s.chunk_size)
         y_BSHP = y_BSHP + x_BSHP * D_H.astype(F32)[:, None]
-        weight_I = _Scale(I, self.param_dtype, name="norm")()
+        weight_I = NormScale(I, self.param_dtype, name="norm")()
         normed_BSI = gated_rms_norm(y_BSHP.reshape(Bn, S, I), z_BSI, weight_I, G, self.norm_eps)
         out_BSE = linear(E, ("mlp", "embed"), "out_proj")(normed_BSI.astype(self.dtype))
         if cache is not None and not context.read_only_cache:
-            cache = cache.replace(conv=cache.conv.at[knobs.local].set(conv_BKC.astype(cache.conv.dtype)),
-                                  ssm=cache.ssm.at[knobs.local].set(state_BHPN))
+            cache = cache.written(knobs.local, conv_BKC, state_BHPN)
         return out_BSE, cache, None

@@ -16,7 +16,7 @@ from dew.kernels.policy import cpu_tuned
 
 # Each kind of scaling and the `RopeScaling` fields it reads.
 SCALINGS = {
-    "default": (),
+    "default": ("rotated_fraction",),
     "linear": ("factor",),
     "llama3": ("factor", "original_max_seq_len", "low_freq_factor", "high_freq_factor"),
     "yarn": ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
@@ -30,7 +30,10 @@ class RopeScaling:
     """How a rotary embedding stretches its frequencies past the length it was trained at.
 
     `kind` is transformers' `rope_type`, and the fields its parameters:
-    - "default": no scaling.
+    - "default": no scaling; with `rotated_fraction` below 1, only the first `rotated_fraction` of each
+      head's features turn, as a rotary of that width (its frequencies from that width, rotate-half
+      within it; transformers' `partial_rotary_factor` with the default rope type, Qwen3-Next's), the
+      rest passed through.
     - "linear": every frequency divided by `factor`.
     - "llama3" (Llama 3.1/3.2): frequencies whose wavelength is above `original_max_seq_len / low_freq_factor`
       divided by `factor`, those below `original_max_seq_len / high_freq_factor` kept, a smooth blend between.
@@ -78,6 +81,12 @@ class RopeScaling:
             if low is None or high is None or not 0 < low < high:
                 raise ValueError(f"rope_type 'llama3' has low_freq_factor {low} and high_freq_factor {high}: both are "
                                  "needed, with 0 < low_freq_factor < high_freq_factor (Llama 3.1 uses 1 and 4)")
+
+
+def rotated_width(head_dim: int, scaling: RopeScaling) -> int:
+    """The features of a head a rotary table of `scaling` turns, the first ones: all of them but under the
+    default kind with a `rotated_fraction` (transformers' `int(head_dim * partial_rotary_factor)`)."""
+    return int(head_dim * scaling.rotated_fraction) if scaling.kind == "default" else head_dim
 
 
 def rotary_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()) -> tuple[np.ndarray, float]:
@@ -173,6 +182,14 @@ def _rotate(x_BSHD: jax.Array, cos_BSD: jax.Array, sin_BSD: jax.Array) -> jax.Ar
     x32 = x_BSHD.astype(jnp.float32)
     cos, sin = cos_BSD[:, :, None, :], sin_BSD[:, :, None, :]
     return (x32 * cos + _rotate_half(x32) * sin).astype(x_BSHD.dtype)
+
+
+def apply_partial_rotary(x_BSHD: jax.Array, cos_BSW: jax.Array, sin_BSW: jax.Array) -> jax.Array:
+    """`apply_rotary` on the first `W` features of each head (the tables' width), the others as they are."""
+    width = cos_BSW.shape[-1]
+    if width == x_BSHD.shape[-1]:
+        return apply_rotary(x_BSHD, cos_BSW, sin_BSW)
+    return jnp.concatenate([apply_rotary(x_BSHD[..., :width], cos_BSW, sin_BSW), x_BSHD[..., width:]], axis=-1)
 
 
 @jax.custom_vjp

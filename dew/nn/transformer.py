@@ -28,23 +28,25 @@ from dew.nn.head import Head
 from dew.nn.kv_cache import Cache
 from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, named
 from dew.nn.layer import NORM_PLACEMENTS, LayerContext, LayerSpec
-from dew.nn.mamba2 import Mamba2, Mamba2Spec
+from dew.nn.gated_deltanet import GatedDeltaNet
+from dew.nn.mamba2 import Mamba2
 from dew.nn.mla import LatentAttention, MLASpec
 from dew.nn.mlp import ACTIVATIONS, DenseSpec
 from dew.nn.moe import Mixture, Routes, SparseSpec
 from dew.nn.mtp import mtp_states
 from dew.nn.norms import NORM_STYLES, RMSNorm
 from dew.nn.quantize import EMBED_SCALE
-from dew.nn.rotary import RopeScaling
+from dew.nn.recurrent import RecurrentSpec
+from dew.nn.rotary import RopeScaling, rotated_width
 from dew.nn.stack import REMAT_POLICIES, apply_layers, rotary_tables, runs, stack_variables, unstack_variables
 
 # The knobs of grouped-query attention that latent attention does not have, and their neutral values.
 _NOT_LATENT = {"causal": True, "sliding_window": None, "layer_types": None, "qk_norm": False, "query_scale": None,
-               "attn_softcap": None}
+               "attn_softcap": None, "attn_output_gate": False}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
-# The recurrent mixers' shapes (`DecoderConfig.recurrent`) and the spec of a layer of each.
-_RECURRENT_SPECS = {Mamba2: Mamba2Spec}
+# The recurrent mixers' shapes (`DecoderConfig.recurrent`).
+_RECURRENT = (Mamba2, GatedDeltaNet)
 
 
 def as_dtype(value) -> jnp.dtype:
@@ -71,6 +73,19 @@ def _from_fields(kind: type) -> Callable[[str, object], object]:
     return convert
 
 
+def _recurrent(name: str, value):
+    """A recurrent mixer's shape read back from JSON (a dict of its fields) as the one shape class whose
+    fields it names; any other value as given."""
+    if not isinstance(value, Mapping):
+        return value
+    kinds = [kind for kind in _RECURRENT if set(value) <= {field.name for field in dataclasses.fields(kind)}]
+    if len(kinds) != 1:
+        known = {kind.__name__: [field.name for field in dataclasses.fields(kind)] for kind in _RECURRENT}
+        raise TypeError(f"{name} names fields {sorted(value)}, which {'no' if not kinds else 'more than one'} "
+                        f"recurrent mixer has: give every field of one of {known}")
+    return kinds[0](**value)
+
+
 # Each field a caller may give in a convenient form, and how it becomes the stored one (in this order).
 _CONVERSIONS: dict[str, Callable[[str, object], object]] = {
     "dtype": lambda name, value: as_dtype(value),
@@ -79,7 +94,7 @@ _CONVERSIONS: dict[str, Callable[[str, object], object]] = {
     "local_rope_scaling": _from_fields(RopeScaling),
     "mixture": _from_fields(Mixture),
     "latent": _from_fields(LatentAttention),
-    "recurrent": _from_fields(Mamba2),
+    "recurrent": _recurrent,
     "layer_types": lambda name, value: None if value is None else tuple(value),
 }
 # The string knobs and the values each may take.
@@ -108,13 +123,17 @@ class DecoderConfig:
     - `query_scale`: the attention scores' factor (default `head_dim ** -0.5`); `attn_softcap` caps
       the scores, `logit_softcap` the output logits, `c * tanh(x / c)`.
     - `rope_scaling`: how the rotary frequencies are stretched past the pretraining length (a
-      `dew.nn.rotary.RopeScaling`, or its fields as a dict); the default scales nothing.
+      `dew.nn.rotary.RopeScaling`, or its fields as a dict); the default scales nothing (and, with a
+      `rotated_fraction`, turns only the first features of each head: Qwen3-Next's partial rotary).
+    - `attn_output_gate`: attention's `q_proj` also gives a gate per head, and the attention's output
+      is multiplied by its sigmoid before `o_proj` (Qwen3-Next, Qwen 3.5).
     - `layer_types`: one "full_attention", "sliding_attention" or "linear_attention" per layer; only
       sliding layers use `sliding_window`, `local_rope_theta` (default `rope_theta`) and
       `local_rope_scaling` (default `rope_scaling`); a linear layer's mixer is the recurrent one
       (`recurrent`). Without it, every layer is attention and uses `sliding_window`.
     - `recurrent`: the shape of the recurrent mixers of the "linear_attention" layers
-      (`dew.nn.mamba2.Mamba2`, or its fields as a dict), as `latent` is attention's.
+      (`dew.nn.mamba2.Mamba2` or `dew.nn.gated_deltanet.GatedDeltaNet`, or its fields as a dict), as
+      `latent` is attention's.
     - `mlp_features`: the dense MLP's hidden units; 0 for layers without a feed-forward (Mamba2's).
     - `scan_layers`: the fewest like layers in a row that run as one `nn.scan` (one compiled body, so
       compile time stays flat in depth); shorter runs are unrolled, which runs the train step faster
@@ -161,6 +180,7 @@ class DecoderConfig:
     activation: str = "silu"
     query_scale: float | None = None
     attn_softcap: float | None = None
+    attn_output_gate: bool = False
     layer_types: tuple[str, ...] | None = None
     local_rope_theta: float | None = None
     rope_scaling: RopeScaling = RopeScaling()
@@ -168,7 +188,7 @@ class DecoderConfig:
     attention_dropout: float = 0.0
     mixture: Mixture | None = None
     latent: LatentAttention | None = None
-    recurrent: Mamba2 | None = None
+    recurrent: Mamba2 | GatedDeltaNet | None = None
     mtp_depths: int = 0
     scan_layers: int = 8
     remat: str = "none"
@@ -216,6 +236,11 @@ class DecoderConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} is odd; rotary positions rotate pairs of features")
+        rotated = rotated_width(self.head_dim, self.rope_scaling)
+        if rotated < 2 or rotated % 2:
+            raise ValueError(f"rope_scaling rotated_fraction {self.rope_scaling.rotated_fraction} turns {rotated} of "
+                             f"head_dim {self.head_dim} features; rotary positions rotate pairs: choose a fraction "
+                             "that turns an even number, at least 2")
         if self.scan_layers < 0:
             raise ValueError(f"scan_layers is {self.scan_layers}; it is the fewest like layers scanned together, "
                              "0 to unroll every layer")
@@ -279,7 +304,7 @@ class DecoderConfig:
         for index in range(self.num_layers):
             theta, scaling = self.layer_rope(index)
             if self.layer_types is not None and self.layer_types[index] == LINEAR:
-                mixer = _RECURRENT_SPECS[type(self.recurrent)](self.recurrent)
+                mixer = RecurrentSpec(self.recurrent)
             elif self.latent is not None:
                 mixer = MLASpec(self.num_heads, self.latent, theta, scaling, bias=self.qkv_bias, o_bias=self.o_bias)
             else:
@@ -287,7 +312,7 @@ class DecoderConfig:
                     self.num_heads, self.num_kv_heads, self.head_dim, causal=self.causal,
                     window=self.layer_window(index), rope_theta=theta, rope_scaling=scaling, qk_norm=self.qk_norm,
                     qk_norm_scope=self.qk_norm_scope, qkv_bias=self.qkv_bias, o_bias=self.o_bias,
-                    query_scale=self.query_scale, softcap=self.attn_softcap,
+                    query_scale=self.query_scale, softcap=self.attn_softcap, output_gate=self.attn_output_gate,
                 )
             feed_forward = sparse if index in self.sparse_layers else dense if self.mlp_features else None
             specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps))

@@ -5,7 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
+import numpy as np
+import optax
 import pytest
+
+from dew import Trainer
+from dew.objectives.lm import LMObjective
+from tests.training.test_trainer import SEQ, _stream
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -156,3 +163,26 @@ def deep_llama_checkpoint(tmp_path_factory):
     model.generation_config.eos_token_id = 2
     directory = save_checkpoint(model, tmp_path_factory.mktemp("deep-llama"), tokenizer=True)
     return directory, model
+
+
+def _leaves(tree) -> dict[str, np.ndarray]:
+    return {jax.tree_util.keystr(path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(tree))}
+
+
+def check_training_resumes_bit_exactly(bundle, checkpoint_dir) -> None:
+    """A loaded model trained two steps, checkpointed, then two more, equals four straight, bit for bit
+    (parameters and optimizer state), and its weights moved."""
+    objective = LMObjective(bundle.model, SEQ, pretrained=bundle.variables)
+    fit = lambda steps, **where: Trainer(objective, optax.adamw(1e-3), key=jax.random.key(2)).fit(
+        _stream(2), steps=steps, verbose=False, **where)
+    straight = fit(4)
+    fit(2, checkpoint_dir=str(checkpoint_dir))
+    resumed = fit(4, checkpoint_dir=str(checkpoint_dir))
+    for tree in ("params", "opt_state"):
+        ours, theirs = _leaves(getattr(resumed, tree)), _leaves(getattr(straight, tree))
+        assert ours.keys() == theirs.keys()
+        for path in ours:
+            np.testing.assert_array_equal(ours[path], theirs[path], err_msg=f"{tree} {path}")
+    assert not np.array_equal(_leaves(straight.params)["['params']['norm']['scale']"],
+                              np.asarray(bundle.variables["params"]["norm"]["scale"]))

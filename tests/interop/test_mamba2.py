@@ -10,21 +10,17 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-from dew import Trainer
 from dew.interop import load_pretrained
 from dew.interop.export import save_pretrained
 from dew.interop.families import FAMILIES, family_for, family_of
 from dew.interop.families.mamba2 import port_config
 from dew.nn.mamba2 import Mamba2
 from dew.nn.transformer import LINEAR, CausalTransformer, DecoderConfig
-from dew.objectives.lm import LMObjective
 from dew.sampling import Sampling
-from tests.interop.conftest import save_checkpoint, torch, transformers
+from tests.interop.conftest import check_training_resumes_bit_exactly, save_checkpoint, torch, transformers
 from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound
-from tests.training.test_trainer import SEQ, _stream
 
 VOCAB = 64  # the training stream draws ids below 64
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, num_heads=8, head_dim=8, expand=2, state_size=8, conv_kernel=4,
@@ -138,27 +134,10 @@ def test_a_dew_mamba2_model_saves_as_the_port(tmp_path):
                   "logits")
 
 
-def _leaves(tree) -> dict[str, np.ndarray]:
-    return {jax.tree_util.keystr(path): np.asarray(leaf)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(tree))}
-
-
 @pytest.mark.slow
 def test_training_a_loaded_model_resumes_bit_exactly(bundle, tmp_path):
     """Two steps, a checkpoint, two more, equal four straight, bit for bit; the loss falls."""
-    objective = LMObjective(bundle.model, SEQ, pretrained=bundle.variables)
-    straight = Trainer(objective, optax.adamw(1e-3), key=jax.random.key(2)).fit(_stream(2), steps=4, verbose=False)
-    Trainer(objective, optax.adamw(1e-3), key=jax.random.key(2)).fit(_stream(2), steps=2,
-                                                                     checkpoint_dir=str(tmp_path), verbose=False)
-    resumed = Trainer(objective, optax.adamw(1e-3), key=jax.random.key(2)).fit(
-        _stream(2), steps=4, checkpoint_dir=str(tmp_path), verbose=False)
-    for tree in ("params", "opt_state"):
-        ours, theirs = _leaves(getattr(resumed, tree)), _leaves(getattr(straight, tree))
-        assert ours.keys() == theirs.keys()
-        for path in ours:
-            np.testing.assert_array_equal(ours[path], theirs[path], err_msg=f"{tree} {path}")
-    assert not np.array_equal(_leaves(straight.params)["['params']['norm']['scale']"],
-                              np.asarray(bundle.variables["params"]["norm"]["scale"]))
+    check_training_resumes_bit_exactly(bundle, tmp_path)
 
 
 # ---- mamba_ssm's own format --------------------------------------------------------------------------

@@ -134,6 +134,23 @@ def test_fuse_several_tensors_into_one_leaf():
     np.testing.assert_array_equal(fused[:, 6:], stored["model.layers.4.mlp.up.weight"].T)
 
 
+def test_fuse_tensors_whose_parts_are_interleaved_in_groups():
+    """Qwen3-Next's projections: `qkvz` holds, per key head (2 groups), its query (2 rows), key (2) and value
+    (4) rows, `ba` per key head its b (1) and a (1); Dew's kernel holds each part whole, in order."""
+    qkvz, ba = "model.layers.{layer}.qkvz.weight", "model.layers.{layer}.ba.weight"
+    rules = (Rule("layers/attn/in_proj/kernel", (qkvz,) * 3 + (ba,) * 2, transpose=(1, 0), axis=1,
+                  sizes=(4, 4, 8, 2, 2), groups=2),)
+    params, stored = _round_trip(rules, {"layers_0": {"attn": {"in_proj": {"kernel": (3, 20)}}}})
+    fused = params["layers_0"]["attn"]["in_proj"]["kernel"].T
+    groups = stored["model.layers.0.qkvz.weight"].reshape(2, 8, 3)
+    np.testing.assert_array_equal(fused[:4], groups[:, :2].reshape(4, 3))  # queries, group 0's then group 1's
+    np.testing.assert_array_equal(fused[4:8], groups[:, 2:4].reshape(4, 3))
+    np.testing.assert_array_equal(fused[8:16], groups[:, 4:].reshape(8, 3))
+    pairs = stored["model.layers.0.ba.weight"].reshape(2, 2, 3)
+    np.testing.assert_array_equal(fused[16:18], pairs[:, 0])
+    np.testing.assert_array_equal(fused[18:], pairs[:, 1])
+
+
 def _llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's query/key row order (convert_hf_to_gguf.py): each head's two halves interleaved."""
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)

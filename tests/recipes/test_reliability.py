@@ -142,7 +142,7 @@ def test_a_rerun_on_replaced_token_files_is_refused_unless_allowed_and_the_chang
 
 
 def test_a_run_recorded_before_a_model_field_existed_resumes(token_dir, tmp_path, monkeypatch):
-    """Fields DecoderConfig gained since the run started (here `kernels` and `recurrent`) read as their
+    """Fields DecoderConfig gained since the run started (here `kernels`, `recurrent`, `attn_output_gate`) read as their
     defaults, which compute what the run did: the same command resumes, and a new value of one is still a
     difference."""
     run_dir = tmp_path / "run"
@@ -151,7 +151,7 @@ def test_a_run_recorded_before_a_model_field_existed_resumes(token_dir, tmp_path
     assert main(argv) == 128 + signal.SIGTERM  # checkpoint 2 of 4
     monkeypatch.undo()
     record = json.loads((run_dir / "run.json").read_text())
-    for name in ("kernels", "recurrent"):
+    for name in ("kernels", "recurrent", "attn_output_gate"):
         del record["model"]["config"][name]
     (run_dir / "run.json").write_text(json.dumps(record))
     xla = json.dumps({**TINY_MODEL, "kernels": "xla"})

@@ -1,4 +1,5 @@
-"""Serving a recurrent model: a tiny Mamba2 checkpoint through the engine in process (rows reset and
+"""Serving a recurrent model: a tiny Mamba2 checkpoint and a tiny hybrid one (Qwen3-Next: Gated DeltaNet
+layers and an attention layer, two kinds of cache in one) through the engine in process (rows reset and
 refilled while others decode, each request's tokens what a one-row `generate` draws) and through a real
 `dew serve` process (the same text as `generate`)."""
 
@@ -29,16 +30,24 @@ def tiny_mamba2(vocab_size: int, eos: int):
         chunk_size=8, num_hidden_layers=2, eos_token_id=eos, bos_token_id=None, pad_token_id=eos))
 
 
-@pytest.fixture(scope="module")
-def mamba2_chat(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny-mamba2")
-    return directory, write_checkpoint(directory, tiny_mamba2)
+def tiny_qwen3_next(vocab_size: int, eos: int):
+    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, eos_token_id=eos, bos_token_id=None, pad_token_id=eos))
 
 
-def test_engine_rows_reset_and_refill_with_each_requests_own_state(mamba2_chat):
+@pytest.fixture(scope="module", params=["mamba2", "qwen3_next"])
+def recurrent_chat(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    return directory, write_checkpoint(directory, {"mamba2": tiny_mamba2, "qwen3_next": tiny_qwen3_next}[request.param])
+
+
+def test_engine_rows_reset_and_refill_with_each_requests_own_state(recurrent_chat):
     """Ten greedy and sampled requests through four slots: every slot serves several requests in turn, its
     state reset by each admission while the other slots decode."""
-    directory, _ = mamba2_chat
+    directory, _ = recurrent_chat
     bundle = load_pretrained(directory)
     model, variables = bundle.model, bundle.variables
     eos = bundle.generation.eos_token_ids
@@ -67,8 +76,8 @@ def test_engine_rows_reset_and_refill_with_each_requests_own_state(mamba2_chat):
         assert request.consumer.tokens == expected, index
 
 
-def test_dew_serve_answers_a_mamba2_checkpoint_with_generates_text(mamba2_chat, tmp_path):
-    directory, hf_tokenizer = mamba2_chat
+def test_dew_serve_answers_a_recurrent_checkpoint_with_generates_text(recurrent_chat, tmp_path):
+    directory, hf_tokenizer = recurrent_chat
     bundle = load_pretrained(directory)
     with running(directory, "--slots", "2", "--capacity", "48", "--name", "tiny-mamba2",
                  log=tmp_path / "serve.log") as served:

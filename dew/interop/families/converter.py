@@ -58,7 +58,9 @@ class Converter:
     sliding layers take the older theta from `sliding_theta_field` (None: the family default).
     `getattr_fields` are the fields the modeling code reads with getattr although `config_class` does
     not declare them, each with the default getattr falls back to. `architecture` is the causal-LM
-    class config.json's `architectures` names.
+    class config.json's `architectures` names. A family with `partial_rotary` turns only the first
+    `partial_rotary_factor` of each head's features under the default rotary, `partial_rotary` when the
+    config names none (None: every feature turns, and a config naming less is refused).
     """
 
     # whether `family_for` may pick this family for a `DecoderConfig` (False: it loads its own model kind)
@@ -79,6 +81,7 @@ class Converter:
     legacy_fields: frozenset[str] = frozenset()
     getattr_fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     gguf: GGUFNames | None = None
+    partial_rotary: float | None = None
 
     def reads(self, name: str) -> bool:
         """Whether transformers reads `name` from this family's config (declared or through getattr)."""
@@ -123,6 +126,12 @@ class Converter:
         layer_types = self._read_window(fields, kwargs)
         fields.check_window_switches(kwargs.get("sliding_window"))
         ropes = read_rotary(fields, kwargs["max_seq_len"])
+        for _, scaling in ropes.values():
+            if scaling.kind == "default" and scaling.rotated_fraction != 1.0 and self.partial_rotary is None:
+                name = "partial_rotary_factor" if "partial_rotary_factor" in fields.source else "rope_parameters"
+                fields.refuse(name, fields.source.get(name), f"transformers' {self.config_class} rotates every feature "
+                              f"of a head (partial_rotary_factor {scaling.rotated_fraction} is read by Qwen3-Next's "
+                              "attention, not this family's): remove it")
         kwargs["rope_theta"], kwargs["rope_scaling"] = ropes[FULL]
         if ropes[SLIDING] != ropes[FULL] and SLIDING in (layer_types or ()):
             if "layer_types" not in kwargs:
