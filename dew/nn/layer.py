@@ -4,8 +4,8 @@ A new mixer (latent attention, say) or feed-forward block (a mixture of experts,
 spec class in its own module with a `module(...)` builder; `DecoderLayer` builds whatever its spec
 names. The layer's call signature is the scan body's, `(carry, knobs, context) -> (carry, report)`,
 so a run of layers whose specs agree up to their per-layer values (`LayerSpec.scan_key`) runs as one
-`nn.scan`, and what each layer reports, `(feed-forward's, mixer's)` (a sparse layer's `RouterRecord`,
-a latent mixer's `IndexerRecord` when asked; None otherwise), comes out of a scanned run stacked by
+`nn.scan`, and what each layer reports, `(feed-forward's, mixer's)` (a sparse layer's `RouterRecord`;
+what an attention mixer is asked for, a dict such as `{"qk_max": ..., "indexer": ...}`; None otherwise), comes out of a scanned run stacked by
 layer.
 """
 
@@ -89,7 +89,8 @@ class LayerContext:
     `write_slots_BS` says where each token is stored (the capacity for padding, which is dropped)
     and `filled_BT` marks, per row, the slots that hold a token once this call's tokens are written.
     `covered_BS` marks the tokens whose replayed experts (`LayerKnobs.replay`) apply (None: all).
-    `report_indexer` asks latent mixers with an indexer for their `dew.nn.mla.IndexerRecord`.
+    `report_indexer` asks latent mixers with an indexer for their `dew.nn.mla.IndexerRecord`, and
+    `report_qk` every softmax-attention mixer for its largest logit per row and head (`qk_max`).
     `fresh_cache` says the cache held no token before this call (`dew.nn.kv_cache.Cache.fresh`).
     `key_slots_BT` gives each cached key the slot the mask rule reads (None: its index in the cache;
     `dew.nn.diffusion_gemma` gives positions). With `read_only_cache` the cache is a prefix this call
@@ -104,6 +105,7 @@ class LayerContext:
     filled_BT: jax.Array | None = None
     covered_BS: jax.Array | None = None
     report_indexer: bool = struct.field(pytree_node=False, default=False)
+    report_qk: bool = struct.field(pytree_node=False, default=False)
     fresh_cache: bool = struct.field(pytree_node=False, default=False)
     key_slots_BT: jax.Array | None = None
     read_only_cache: bool = struct.field(pytree_node=False, default=False)

@@ -294,6 +294,12 @@ class DecoderConfig:
         return tuple(specs)
 
     @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers whose mixer is softmax attention (grouped-query or latent), in order: those that
+        report `qk_max`; a recurrent layer has no attention logits."""
+        return tuple(i for i, spec in enumerate(self.layer_specs) if isinstance(spec.mixer, (AttentionSpec, MLASpec)))
+
+    @property
     def mtp_spec(self) -> LayerSpec:
         """The block of every multi-token-prediction depth: the last layer's, with the mixture of
         experts when the model has one (DeepSeek's depths are sparse whatever `first_k_dense_replace`)."""
@@ -326,7 +332,8 @@ class ModelOutput:
     compute dtype, the output `head` (`Head`: capped float32 logits for any states), and `aux`, what
     layers report (`layers_N`: the output states of layer N when asked for with `layers=`;
     `routing`: with a mixture, a `dew.nn.moe.RouterRecord` whose leaves lead with the sparse
-    layers, `[L, B, S, ...]`, in the order of `DecoderConfig.sparse_layers`)."""
+    layers, `[L, B, S, ...]`, in the order of `DecoderConfig.sparse_layers`; `qk_max`, float32
+    `[L, B, H]` over `DecoderConfig.attention_layers`, when asked for with `qk_stats`)."""
 
     hidden: jax.Array
     head: Head
@@ -372,7 +379,10 @@ class CausalTransformer(ModelVariables, nn.Module):
     `routes` (`dew.nn.moe.Routes`, `[B, S, L, K]` over the sparse layers) replays recorded experts.
     `depths` runs the multi-token-prediction depths (`DecoderConfig.mtp_depths`) and reports their
     states in `aux["depths"]`; `indexer` reports each latent layer's lightning indexer in
-    `aux["indexer"]` (`dew.nn.mla.IndexerRecord`, `[L, B, S, ...]`).
+    `aux["indexer"]` (`dew.nn.mla.IndexerRecord`, `[L, B, S, ...]`); `qk_stats` reports each
+    attention layer's largest pre-softmax logit per row and head in `aux["qk_max"]`, float32
+    `[L, B, H]` over `DecoderConfig.attention_layers` (`scale * q . k` before any softcap, over the
+    real query/key pairs the mask allows; -inf for a row without a real token).
 
     With `cache` (from `init_cache`) each row's real tokens are written after the tokens it already
     holds (padding takes no slot) and read by every later token; the call returns `(output, cache)`.
@@ -428,6 +438,7 @@ class CausalTransformer(ModelVariables, nn.Module):
         routes: Routes | None = None,
         depths: bool = False,
         indexer: bool = False,
+        qk_stats: bool = False,
         features: jax.Array | None = None,
         feature_indices: jax.Array | None = None,
         image_groups: jax.Array | None = None,
@@ -436,7 +447,7 @@ class CausalTransformer(ModelVariables, nn.Module):
         if isinstance(tokens, ModelInputs):
             fields = text_fields(tokens.kwargs(), "CausalTransformer")
             return self(tokens.tokens, cache=cache, head=head, layers=layers, routes=routes, depths=depths,
-                        indexer=indexer, **fields)
+                        indexer=indexer, qk_stats=qk_stats, **fields)
         if media:
             text_fields(media, "CausalTransformer")
         c = self.config
@@ -455,6 +466,12 @@ class CausalTransformer(ModelVariables, nn.Module):
         if indexer and cache is not None:
             raise ValueError("indexer=True scores a whole sequence against its dense attention, not a cached "
                              "decode step: leave indexer unset when passing cache")
+        if qk_stats and not c.attention_layers:
+            raise ValueError("qk_stats=True reports the attention logits, and every layer of this model is recurrent: "
+                             "leave qk_stats unset")
+        if qk_stats and cache is not None:
+            raise ValueError("qk_stats=True reports a whole sequence's attention logits, not a cached decode step: "
+                             "leave qk_stats unset when passing cache")
         if depths and cache is not None:
             raise ValueError("depths=True scores a whole sequence; the multi-token-prediction modules do not decode "
                              "through a cache: leave depths unset when passing cache")
@@ -510,9 +527,9 @@ class CausalTransformer(ModelVariables, nn.Module):
         if routes is not None:
             replay_LBSK, context_cache["covered_BS"] = self._replay(routes, B, S)
         context = LayerContext(rotary=rotary, slots_BS=slots_BS, segments_BS=segments_BS, report_indexer=indexer,
-                               **context_cache)
+                               report_qk=qk_stats, **context_cache)
 
-        x_BSE, cache_runs, kept, routing, indexed = apply_layers(
+        x_BSE, cache_runs, kept, routing, mixed = apply_layers(
             self, specs, x_BSE, context, None if cache is None else cache.runs, scan_from=c.scan_layers, remat=c.remat,
             keep=keep, tables=tables, dtype=c.dtype, param_dtype=c.param_dtype, replay_LBSK=replay_LBSK,
         )
@@ -529,7 +546,9 @@ class CausalTransformer(ModelVariables, nn.Module):
         if routing is not None:
             aux["routing"] = routing
         if indexer:
-            aux["indexer"] = indexed
+            aux["indexer"] = mixed["indexer"]
+        if qk_stats:
+            aux["qk_max"] = mixed["qk_max"]
         if c.mtp_depths and (depths or self.is_initializing()):
             bare = LayerContext(rotary={}, slots_BS=slots_BS, segments_BS=segments_BS)
             aux["depths"] = mtp_states(self, c.mtp_spec, c.mtp_depths, c.num_layers, hidden_BSE, tokens, positions,
