@@ -134,8 +134,9 @@ class AttentionSpec:
     (`"projection"`, OLMo 2); `qkv_bias`/`o_bias` add biases; `query_scale` replaces
     `head_dim ** -0.5`; `softcap` caps the scores (Gemma 2). Gemma 4: `value_norm` divides each value
     head by its rms (no scale), and `keys_as_values` reads the values from the key projection (before
-    its norm and rotation), so the layer has no `v_proj`. `window` and the rotary setting may
-    differ between the layers of one scanned run; everything else shapes the parameters or the
+    its norm and rotation), so the layer has no `v_proj`. `rotary` False leaves queries and keys
+    where they are (SmolLM3's NoPE layers: no rotary positions). `window` and the rotary setting
+    may differ between the layers of one scanned run; everything else shapes the parameters or the
     program and may not.
     """
 
@@ -154,14 +155,18 @@ class AttentionSpec:
     softcap: float | None = None
     value_norm: bool = False
     keys_as_values: bool = False
+    rotary: bool = True
 
-    def rope(self) -> tuple[int, float, RopeScaling]:
-        """The rotary table this mixer reads: (rotated features, base, scaling)."""
+    def rope(self) -> tuple[int, float | None, RopeScaling]:
+        """The rotary table this mixer reads: (rotated features, base, scaling); base None for the
+        identity table of a layer without rotary positions."""
+        if not self.rotary:
+            return self.head_dim, None, RopeScaling()
         return self.head_dim, self.rope_theta, self.rope_scaling
 
     def scan_key(self) -> "AttentionSpec":
         """This spec with the per-layer values erased: layers with equal keys scan together."""
-        return dataclasses.replace(self, window=None, rope_theta=0.0, rope_scaling=RopeScaling())
+        return dataclasses.replace(self, window=None, rope_theta=0.0, rope_scaling=RopeScaling(), rotary=True)
 
     def empty_cache(self, layers: int, rows: int, capacity: int, dtype) -> AttentionCache:
         return AttentionCache.empty(layers, rows, capacity, self.num_kv_heads, self.head_dim, dtype)

@@ -40,7 +40,8 @@ class LayerSpec:
     after each sublayer, before the residual add). `norm_style` is the RMSNorm rounding
     (`dew.nn.norms`). `output_scalar` names a per-layer scalar `[1]` (initially 1) the layer's output is
     multiplied by (Gemma 4's `layer_scalar`), kept in the `constants` collection as transformers keeps
-    the buffer, or in `params` with `trainable_scalar`.
+    the buffer, or in `params` with `trainable_scalar`. `residual_scale` multiplies each sublayer's
+    output before the residual add (Granite's `residual_multiplier`).
     """
 
     mixer: Any
@@ -50,6 +51,7 @@ class LayerSpec:
     norm_eps: float = 1e-6
     output_scalar: str | None = None
     trainable_scalar: bool = False
+    residual_scale: float = 1.0
 
     def __post_init__(self):
         if self.norm_placement not in NORM_PLACEMENTS:
@@ -144,7 +146,7 @@ class DecoderLayer(nn.Module):
         mixed, cache, mixer_report = mixer(mixer_in, rotary, context, knobs, cache)
         if s.norm_placement != "pre":
             mixed = norm("post_attention_layernorm")(mixed)
-        x_BSE = x_BSE + mixed
+        x_BSE = x_BSE + self._scaled(mixed)
         if s.feed_forward is None:
             return self._finish(x_BSE, cache, kept, knobs, None, mixer_report)
         ff_norm = {"pre": "post_attention_layernorm", "sandwich": "pre_feedforward_layernorm"}.get(s.norm_placement)
@@ -157,8 +159,13 @@ class DecoderLayer(nn.Module):
             fed, report = feed_forward(fed_in), None
         if s.norm_placement != "pre":
             fed = norm("post_feedforward_layernorm")(fed)
-        x_BSE = x_BSE + fed
+        x_BSE = x_BSE + self._scaled(fed)
         return self._finish(x_BSE, cache, kept, knobs, report, mixer_report)
+
+    def _scaled(self, sublayer_BSE):
+        """A sublayer's output times the spec's `residual_scale`, in its own dtype, as transformers rounds it."""
+        scale = self.spec.residual_scale
+        return sublayer_BSE if scale == 1.0 else sublayer_BSE * jnp.asarray(scale, sublayer_BSE.dtype)
 
     def _finish(self, x_BSE, cache, kept, knobs: LayerKnobs, report, mixer_report):
         """The layer's output times its scalar (when the spec names one), kept where asked, and the carry."""

@@ -40,7 +40,7 @@ from dew.nn.stack import REMAT_POLICIES, apply_layers, rotary_tables, runs, stac
 
 # The knobs of grouped-query attention that latent attention does not have, and their neutral values.
 _NOT_LATENT = {"causal": True, "sliding_window": None, "layer_types": None, "qk_norm": False, "query_scale": None,
-               "attn_softcap": None}
+               "attn_softcap": None, "layer_rotary": None}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 # The recurrent mixers' shapes (`DecoderConfig.recurrent`) and the spec of a layer of each.
@@ -81,6 +81,7 @@ _CONVERSIONS: dict[str, Callable[[str, object], object]] = {
     "latent": _from_fields(LatentAttention),
     "recurrent": _from_fields(Mamba2),
     "layer_types": lambda name, value: None if value is None else tuple(value),
+    "layer_rotary": lambda name, value: None if value is None else tuple(bool(rotates) for rotates in value),
 }
 # The string knobs and the values each may take.
 _CHOICES = {"norm_style": NORM_STYLES, "norm_placement": NORM_PLACEMENTS, "qk_norm_scope": ("head", "projection"),
@@ -103,7 +104,13 @@ class DecoderConfig:
       sublayer, `pre_feedforward_layernorm` before the MLP) or "post" (OLMo 2: norms only after each
       sublayer, before the residual add).
     - `qk_norm_scope`: with `qk_norm`, normalise per head ("head") or the whole projection ("projection").
-    - `scale_embeddings`: multiply the embeddings by `sqrt(emb_features)` rounded to `dtype` (Gemma).
+    - `scale_embeddings`: multiply the embeddings by `sqrt(emb_features)` rounded to `dtype` (Gemma);
+      `embedding_scale` multiplies them by itself in `dtype` (Granite's `embedding_multiplier`).
+    - `residual_scale`: each sublayer's output times it before the residual add (Granite's
+      `residual_multiplier`; `LayerSpec.residual_scale`).
+    - `logit_divisor`: the output logits divided by it, after any cap (Granite's `logits_scaling`).
+    - `layer_rotary`: whether each layer rotates its queries and keys (None: every layer does); a
+      False layer reads no positions (SmolLM3's NoPE layers; `AttentionSpec.rotary`).
     - `activation`: the MLP gate's "silu", "gelu_tanh" or "gelu".
     - `query_scale`: the attention scores' factor (default `head_dim ** -0.5`); `attn_softcap` caps
       the scores, `logit_softcap` the output logits, `c * tanh(x / c)`.
@@ -162,6 +169,10 @@ class DecoderConfig:
     query_scale: float | None = None
     attn_softcap: float | None = None
     layer_types: tuple[str, ...] | None = None
+    layer_rotary: tuple[bool, ...] | None = None
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    logit_divisor: float = 1.0
     local_rope_theta: float | None = None
     rope_scaling: RopeScaling = RopeScaling()
     local_rope_scaling: RopeScaling | None = None
@@ -221,6 +232,11 @@ class DecoderConfig:
                              "0 to unroll every layer")
         if not 0.0 <= self.attention_dropout < 1.0:
             raise ValueError(f"attention_dropout is {self.attention_dropout}; it is a rate in [0, 1)")
+        for name in ("embedding_scale", "residual_scale", "logit_divisor"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} is {getattr(self, name)}; it must be positive (1.0 changes nothing)")
+        if self.layer_rotary is not None and len(self.layer_rotary) != self.num_layers:
+            raise ValueError(f"layer_rotary names {len(self.layer_rotary)} layers but num_layers is {self.num_layers}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window is {self.sliding_window}; use None for full attention or a width >= 1")
         for name, allowed in _CHOICES.items():
@@ -288,9 +304,11 @@ class DecoderConfig:
                     window=self.layer_window(index), rope_theta=theta, rope_scaling=scaling, qk_norm=self.qk_norm,
                     qk_norm_scope=self.qk_norm_scope, qkv_bias=self.qkv_bias, o_bias=self.o_bias,
                     query_scale=self.query_scale, softcap=self.attn_softcap,
+                    rotary=self.layer_rotary is None or self.layer_rotary[index],
                 )
             feed_forward = sparse if index in self.sparse_layers else dense if self.mlp_features else None
-            specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps))
+            specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps,
+                                   residual_scale=self.residual_scale))
         return tuple(specs)
 
     @property
@@ -511,6 +529,8 @@ class CausalTransformer(ModelVariables, nn.Module):
                 x_BSE = embed(ids_BS).astype(c.dtype)
             if c.scale_embeddings:
                 x_BSE = x_BSE * jnp.asarray(c.emb_features**0.5, c.dtype)
+            if c.embedding_scale != 1.0:
+                x_BSE = x_BSE * jnp.asarray(c.embedding_scale, c.dtype)
             return x_BSE
 
         if feature_indices is None:
@@ -537,11 +557,11 @@ class CausalTransformer(ModelVariables, nn.Module):
         if c.tie_embeddings:
             scale_V = self.get_variable(QUANT_COLLECTION, EMBED_SCALE)  # None unless the weights are int8
             output_head = Head(_compute(embed.embedding, c.dtype), transposed=True, softcap=c.logit_softcap,
-                               scale=scale_V, kernels=c.kernels)
+                               scale=scale_V, kernels=c.kernels, logit_divisor=c.logit_divisor)
         else:
             kernel, scale_V = _Kernel(c.vocab_size, c.param_dtype, name="lm_head")(c.emb_features)
             output_head = Head(_compute(kernel, c.dtype), transposed=False, softcap=c.logit_softcap, scale=scale_V,
-                               kernels=c.kernels)
+                               kernels=c.kernels, logit_divisor=c.logit_divisor)
         aux = {f"layers_{i}": states for i, states in zip(keep, kept)}
         if routing is not None:
             aux["routing"] = routing

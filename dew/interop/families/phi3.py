@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dew.interop.families.converter import Converter
 from dew.interop.families.llama import DECODER_RULES
-from dew.interop.hf_decoders import ConfigFields
+from dew.interop.hf_decoders import HEAD_DIM_READ, ConfigFields
 from dew.interop.tensors import Rule
 
 _KERNEL = (1, 0)  # [out, in] in the checkpoint, [in, out] in Dew
@@ -46,4 +46,5 @@ class Phi3Converter(Converter):
                 "original_max_position_embeddings": config.max_seq_len}
 
 
-PHI3 = Phi3Converter("phi3", "Phi3Config", "Phi3ForCausalLM", _PHI3_FIELDS, PHI3_RULES, window="all")
+PHI3 = Phi3Converter("phi3", "Phi3Config", "Phi3ForCausalLM", _PHI3_FIELDS, PHI3_RULES, window="all",
+                     getattr_fields=HEAD_DIM_READ)
