@@ -105,6 +105,25 @@ def attend(q_BSHD, k_BKTD, v_BKTD, mask_BST, *, causal_blocks: bool = False, sca
     return out_BKGSD.transpose(0, 3, 1, 2, 4).reshape(B, S, H, v_BKTD.shape[-1]).astype(q_BSHD.dtype)
 
 
+def score_max(q_BSHD, k_BKTD, allowed_BST, scale: float, block: int = BLOCK) -> jax.Array:
+    """float32 `[B, H]`: each row's and head's largest attention logit, `scale * q . k` before any
+    softcap, over the query/key pairs `allowed_BST` marks (-inf for a row with none). Queries and keys
+    are detached (a statistic to watch, not a loss), and scored `block` queries at a time, so a pass
+    holds `[B, H, block, T]` scores: the extra pass `qk_stats` asks for when attention runs fused."""
+    B, S, H, D = q_BSHD.shape
+    K = k_BKTD.shape[1]
+    q_BKGSD = jax.lax.stop_gradient(q_BSHD).astype(jnp.float32).reshape(B, S, K, H // K, D).transpose(0, 2, 3, 1, 4)
+    k_BKTD = jax.lax.stop_gradient(k_BKTD).astype(jnp.float32)
+    largest_BKG = jnp.full((B, K, H // K), -jnp.inf, jnp.float32)
+    for start in range(0, S, block):
+        stop = min(start + block, S)
+        scores_BKGST = jnp.einsum("bkgsd,bktd->bkgst", q_BKGSD[:, :, :, start:stop], k_BKTD,
+                                  preferred_element_type=jnp.float32) * scale
+        scores_BKGST = jnp.where(allowed_BST[:, None, None, start:stop], scores_BKGST, -jnp.inf)
+        largest_BKG = jnp.maximum(largest_BKG, jnp.max(scores_BKGST, axis=(3, 4)))
+    return largest_BKG.reshape(B, H)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     """Grouped-query self-attention: full, sliding-window (`window`) or bidirectional (`causal=False`).
@@ -118,7 +137,8 @@ class AttentionSpec:
     its norm and rotation), so the layer has no `v_proj`. Qwen3-Next: `output_gate` doubles `q_proj`
     (per head, the query's features then a gate's) and multiplies the attention's output by
     `sigmoid(gate)` before `o_proj`; a default rotary with a `rotated_fraction` turns only the first
-    features of each head (`dew.nn.rotary.rotated_width`). `window` and the rotary setting may
+    features of each head (`dew.nn.rotary.rotated_width`). `rotary` False leaves queries and keys
+    where they are (SmolLM3's NoPE layers: no rotary positions). `window` and the rotary setting may
     differ between the layers of one scanned run; everything else shapes the parameters or the
     program and may not.
     """
@@ -139,9 +159,13 @@ class AttentionSpec:
     value_norm: bool = False
     keys_as_values: bool = False
     output_gate: bool = False
+    rotary: bool = True
 
-    def rope(self) -> tuple[int, float, RopeScaling]:
-        """The rotary table this mixer reads: (rotated features, base, scaling)."""
+    def rope(self) -> tuple[int, float | None, RopeScaling]:
+        """The rotary table this mixer reads: (rotated features, base, scaling); base None for the
+        identity table of a layer without rotary positions (as wide as its rotating neighbours')."""
+        if not self.rotary:
+            return rotated_width(self.head_dim, self.rope_scaling), None, RopeScaling()
         return rotated_width(self.head_dim, self.rope_scaling), self.rope_theta, self.rope_scaling
 
     def scan_key(self) -> "AttentionSpec":
@@ -149,7 +173,7 @@ class AttentionSpec:
         layers with equal keys scan together."""
         partial = self.rope_scaling.rotated_fraction if self.rope_scaling.kind == "default" else 1.0
         return dataclasses.replace(self, window=None, rope_theta=0.0,
-                                   rope_scaling=RopeScaling(rotated_fraction=partial))
+                                   rope_scaling=RopeScaling(rotated_fraction=partial), rotary=True)
 
     def empty_cache(self, layers: int, rows: int, capacity: int, dtype) -> AttentionCache:
         return AttentionCache.empty(layers, rows, capacity, self.num_kv_heads, self.head_dim, dtype)
@@ -169,10 +193,11 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x_BSE: jax.Array, rotary: tuple[jax.Array, jax.Array], context, knobs,
-                 cache: AttentionCache | None = None) -> tuple[jax.Array, AttentionCache | None, None]:
+                 cache: AttentionCache | None = None) -> tuple[jax.Array, AttentionCache | None, dict | None]:
         """`context` is the stack's `LayerContext` (slots, segments, the cache's filled slots) and
         `knobs` this layer's `LayerKnobs` (its window and its index in the cache). The third result
-        is what the mixer reports (nothing, for this one; `dew.nn.mla` reports its indexer)."""
+        is what the mixer reports: with `context.report_qk`, `{"qk_max": [B, H]}` (`score_max` over
+        the real query/key pairs the mask allows), else None."""
         s = self.spec
         B, S, E = x_BSE.shape
         H, K, D = s.num_heads, s.num_kv_heads, s.head_dim
@@ -213,6 +238,12 @@ class Attention(nn.Module):
                 k_segments = jnp.concatenate([k_segments, context.segments_BS], axis=1)
         mask_BST = attention_mask(context.slots_BS, k_slots, context.segments_BS, k_segments, causal=s.causal,
                                   window=knobs.window, q_groups_BS=context.groups_BS, k_groups_BT=k_groups)
+        report = None
+        if context.report_qk:  # whole sequences only: the decoder refuses it with a cache
+            # a real query's allowed keys share its segment, so are real too; padding reads only padding
+            real_BST = mask_BST & (context.segments_BS > 0)[:, :, None]
+            scale = D**-0.5 if s.query_scale is None else s.query_scale
+            report = {"qk_max": score_max(q_BSHD, k_BSKD.transpose(0, 2, 1, 3), real_BST, scale)}
         # An image's tokens read its later tokens too, so no block of queries may skip the keys after it.
         ordered = s.causal and context.groups_BS is None
         if cache is None and s.softcap is None and fast_softmax.attention_usable(q_BSHD, k_BSKD, v_BSKD):
@@ -238,4 +269,4 @@ class Attention(nn.Module):
                               softcap=s.softcap)
         if s.output_gate:
             out_BSHD = (out_BSHD.astype(jnp.float32) * jax.nn.sigmoid(gate_BSHD.astype(jnp.float32))).astype(self.dtype)
-        return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache, None
+        return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache, report

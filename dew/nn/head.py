@@ -79,7 +79,8 @@ def cap_logits(logits: jax.Array, softcap: float | None) -> jax.Array:
 @struct.dataclass
 class Head:
     """The output projection: `weight` in the compute dtype, `[E, V]`, or `[V, E]` when `transposed`
-    (a tied embedding), the logit `softcap`, and the model's kernel policy `kernels`. Gradients flow into
+    (a tied embedding), the logit `softcap`, the `logit_divisor` the capped logits are divided by
+    (Granite's `logits_scaling`), and the model's kernel policy `kernels`. Gradients flow into
     the parameter it was read from.
 
     With int8 weights (`dew.nn.quantize`) `weight` stays int8 and `scale` holds its float32 scales per
@@ -92,6 +93,7 @@ class Head:
     softcap: float | None = struct.field(pytree_node=False, default=None)
     scale: jax.Array | None = None
     kernels: str = struct.field(pytree_node=False, default="auto")
+    logit_divisor: float = struct.field(pytree_node=False, default=1.0)
 
     @property
     def vocab_size(self) -> int:
@@ -106,18 +108,22 @@ class Head:
         else:
             with using(self.kernels):
                 logits_NV = _int8_vocab_logits(hidden_NE, self.weight, self.scale, self.transposed)
-        return cap_logits(logits_NV, self.softcap).reshape(*lead, self.vocab_size)
+        capped_NV = cap_logits(logits_NV, self.softcap)
+        if self.logit_divisor != 1.0:
+            capped_NV = capped_NV / self.logit_divisor
+        return capped_NV.reshape(*lead, self.vocab_size)
 
     def cross_entropy(self, hidden_NE: jax.Array, targets_N: jax.Array, chunks: int | None = None,
                       accuracy: bool = True, temperature: float = 1.0):
         """Per-target `(ce, lse, correct)`, float32 `[N]` each, of hidden states `[N, E]` in the compute dtype
         against int32 targets `[N]`, over the vocabulary in tiles (`chunked_cross_entropy`; `correct` None
-        without `accuracy`). Float weights only: an int8 head is for generation."""
+        without `accuracy`). Float weights only: an int8 head is for generation. The logit divisor
+        divides the capped logits as `temperature` does, so the two multiply."""
         if self.scale is not None:
             raise ValueError("cross_entropy reads float head weights, and this head is int8 (quantized for "
                              "generation): score the float weights")
         return chunked_cross_entropy(hidden_NE, self.weight, targets_N, self.transposed, chunks, self.softcap,
-                                     accuracy, temperature, self.kernels)
+                                     accuracy, temperature * self.logit_divisor, self.kernels)
 
     def without_column(self, column: int) -> "Head":
         """This head without vocabulary entry `column` (a column no target may be, such as a mask id)."""

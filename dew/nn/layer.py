@@ -4,8 +4,8 @@ A new mixer (latent attention, say) or feed-forward block (a mixture of experts,
 spec class in its own module with a `module(...)` builder; `DecoderLayer` builds whatever its spec
 names. The layer's call signature is the scan body's, `(carry, knobs, context) -> (carry, report)`,
 so a run of layers whose specs agree up to their per-layer values (`LayerSpec.scan_key`) runs as one
-`nn.scan`, and what each layer reports, `(feed-forward's, mixer's)` (a sparse layer's `RouterRecord`,
-a latent mixer's `IndexerRecord` when asked; None otherwise), comes out of a scanned run stacked by
+`nn.scan`, and what each layer reports, `(feed-forward's, mixer's)` (a sparse layer's `RouterRecord`;
+what an attention mixer is asked for, a dict such as `{"qk_max": ..., "indexer": ...}`; None otherwise), comes out of a scanned run stacked by
 layer.
 """
 
@@ -40,7 +40,8 @@ class LayerSpec:
     after each sublayer, before the residual add). `norm_style` is the RMSNorm rounding
     (`dew.nn.norms`). `output_scalar` names a per-layer scalar `[1]` (initially 1) the layer's output is
     multiplied by (Gemma 4's `layer_scalar`), kept in the `constants` collection as transformers keeps
-    the buffer, or in `params` with `trainable_scalar`.
+    the buffer, or in `params` with `trainable_scalar`. `residual_scale` multiplies each sublayer's
+    output before the residual add (Granite's `residual_multiplier`).
     """
 
     mixer: Any
@@ -50,6 +51,7 @@ class LayerSpec:
     norm_eps: float = 1e-6
     output_scalar: str | None = None
     trainable_scalar: bool = False
+    residual_scale: float = 1.0
 
     def __post_init__(self):
         if self.norm_placement not in NORM_PLACEMENTS:
@@ -89,7 +91,8 @@ class LayerContext:
     `write_slots_BS` says where each token is stored (the capacity for padding, which is dropped)
     and `filled_BT` marks, per row, the slots that hold a token once this call's tokens are written.
     `covered_BS` marks the tokens whose replayed experts (`LayerKnobs.replay`) apply (None: all).
-    `report_indexer` asks latent mixers with an indexer for their `dew.nn.mla.IndexerRecord`.
+    `report_indexer` asks latent mixers with an indexer for their `dew.nn.mla.IndexerRecord`, and
+    `report_qk` every softmax-attention mixer for its largest logit per row and head (`qk_max`).
     `fresh_cache` says the cache held no token before this call (`dew.nn.kv_cache.Cache.fresh`).
     `key_slots_BT` gives each cached key the slot the mask rule reads (None: its index in the cache;
     `dew.nn.diffusion_gemma` gives positions). With `read_only_cache` the cache is a prefix this call
@@ -104,6 +107,7 @@ class LayerContext:
     filled_BT: jax.Array | None = None
     covered_BS: jax.Array | None = None
     report_indexer: bool = struct.field(pytree_node=False, default=False)
+    report_qk: bool = struct.field(pytree_node=False, default=False)
     fresh_cache: bool = struct.field(pytree_node=False, default=False)
     key_slots_BT: jax.Array | None = None
     read_only_cache: bool = struct.field(pytree_node=False, default=False)
@@ -142,7 +146,7 @@ class DecoderLayer(nn.Module):
         mixed, cache, mixer_report = mixer(mixer_in, rotary, context, knobs, cache)
         if s.norm_placement != "pre":
             mixed = norm("post_attention_layernorm")(mixed)
-        x_BSE = x_BSE + mixed
+        x_BSE = x_BSE + self._scaled(mixed)
         if s.feed_forward is None:
             return self._finish(x_BSE, cache, kept, knobs, None, mixer_report)
         ff_norm = {"pre": "post_attention_layernorm", "sandwich": "pre_feedforward_layernorm"}.get(s.norm_placement)
@@ -155,8 +159,13 @@ class DecoderLayer(nn.Module):
             fed, report = feed_forward(fed_in), None
         if s.norm_placement != "pre":
             fed = norm("post_feedforward_layernorm")(fed)
-        x_BSE = x_BSE + fed
+        x_BSE = x_BSE + self._scaled(fed)
         return self._finish(x_BSE, cache, kept, knobs, report, mixer_report)
+
+    def _scaled(self, sublayer_BSE):
+        """A sublayer's output times the spec's `residual_scale`, in its own dtype, as transformers rounds it."""
+        scale = self.spec.residual_scale
+        return sublayer_BSE if scale == 1.0 else sublayer_BSE * jnp.asarray(scale, sublayer_BSE.dtype)
 
     def _finish(self, x_BSE, cache, kept, knobs: LayerKnobs, report, mixer_report):
         """The layer's output times its scalar (when the spec names one), kept where asked, and the carry."""

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import struct
 
-from dew.nn.attention import attend, attention_mask
+from dew.nn.attention import attend, attention_mask, score_max
 from dew.nn.linear import Linear, matmul, named
 from dew.nn.norms import RMSNorm
 from dew.nn.rotary import RopeScaling, apply_rotary
@@ -258,10 +258,12 @@ class MLA(nn.Module):
 
     @nn.compact
     def __call__(self, x_BSE: jax.Array, rotary: tuple[jax.Array, jax.Array], context, knobs,
-                 cache: LatentCache | None = None) -> tuple[jax.Array, LatentCache | None, IndexerRecord | None]:
+                 cache: LatentCache | None = None) -> tuple[jax.Array, LatentCache | None, dict | None]:
         """`context` is the stack's `LayerContext` and `knobs` this layer's `LayerKnobs`, as for
-        `dew.nn.attention.Attention`; with an indexer and `context.report_indexer`, the third result
-        is its `IndexerRecord` (else None)."""
+        `dew.nn.attention.Attention`. The third result is what the context asks for (None when
+        nothing): with an indexer and `context.report_indexer`, its `IndexerRecord` as `indexer`;
+        with `context.report_qk`, `qk_max` `[B, H]`, each head's largest logit over the pairs it
+        reads (the selected keys, with `index_topk`)."""
         s, lat = self.spec, self.spec.latent
         B, S, E = x_BSE.shape
         H, N, R, V, C = s.num_heads, lat.nope_dim, lat.rope_dim, lat.value_dim, lat.kv_rank
@@ -295,7 +297,7 @@ class MLA(nn.Module):
             k_segments = context.filled_BT
             k_slots = jnp.broadcast_to(jnp.arange(latent_BTC.shape[1], dtype=jnp.int32), k_segments.shape)
         mask_BST = attention_mask(context.slots_BS, k_slots, context.segments_BS, k_segments, causal=True, window=None)
-        record = None
+        report = {}
         if indexer is not None:
             scores_BST = index_scores(index_q_BSHD, index_k_BTD, index_w_BSH, mask_BST)
             if lat.index_topk is not None:
@@ -303,8 +305,11 @@ class MLA(nn.Module):
             if context.report_indexer:
                 probs_BHST = dense_probabilities(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, mask_BST,
                                                  s.scale, N)
-                record = IndexerRecord(scores=scores_BST, selected=mask_BST,
-                                       kl=indexer_kl(probs_BHST, scores_BST, mask_BST))
+                report["indexer"] = IndexerRecord(scores=scores_BST, selected=mask_BST,
+                                                  kl=indexer_kl(probs_BHST, scores_BST, mask_BST))
+        if context.report_qk:  # whole sequences only: the decoder refuses it with a cache
+            report["qk_max"] = latent_score_max(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF,
+                                                mask_BST & (context.segments_BS > 0)[:, :, None], s.scale, N)
         absorbed = lat.absorb == "always" or (lat.absorb == "decode" and cache is not None and S == 1)
         if absorbed:
             out_BSHV = absorbed_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, mask_BST, s.scale,
@@ -312,7 +317,8 @@ class MLA(nn.Module):
         else:
             out_BSHV = expanded_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, mask_BST, s.scale,
                                           N, causal_blocks=cache is None)
-        return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHV.reshape(B, S, H * V)), cache, record
+        out_BSE = dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHV.reshape(B, S, H * V))
+        return out_BSE, cache, report or None
 
 
 class Indexer(nn.Module):
@@ -366,6 +372,21 @@ def top_keys(scores_BST: jax.Array, topk: int) -> jax.Array:
     return jnp.zeros(scores_BST.shape, bool).at[rows_B11, queries_1S1, best_BSK].set(True)
 
 
+def latent_score_max(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, allowed_BST, scale: float,
+                     nope: int) -> jax.Array:
+    """float32 `[B, H]`: each row's and head's largest attention logit over the pairs `allowed_BST`
+    marks (`dew.nn.attention.score_max`), scored in the absorbed form: the query's no-rotary part
+    carried into the latent space meets the latent and the rotary key, one shared key head of
+    `kv_rank + rope_dim` features."""
+    C = latent_BTC.shape[-1]
+    H = q_nope_BSHN.shape[2]
+    w_key_CHN = jax.lax.stop_gradient(kv_b_CF).reshape(C, H, -1)[..., :nope].astype(F32)
+    q_latent_BSHC = jnp.einsum("bshn,chn->bshc", jax.lax.stop_gradient(q_nope_BSHN).astype(F32), w_key_CHN)
+    q_BSHD = jnp.concatenate([q_latent_BSHC, q_rope_BSHR.astype(F32)], axis=-1)
+    keys_B1TD = jnp.concatenate([latent_BTC, rope_BTR], axis=-1)[:, None].astype(F32)
+    return score_max(q_BSHD, keys_B1TD, allowed_BST, scale)
+
+
 def expanded_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, mask_BST, scale: float, nope: int,
                        causal_blocks: bool = False) -> jax.Array:
     """Attention over keys and values expanded from the latents: `[B, S, H, value_dim]`."""
@@ -398,5 +419,5 @@ def absorbed_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, 
 
 
 __all__ = ["ABSORB", "KL_EPS", "Indexer", "IndexerRecord", "LatentAttention", "LatentCache", "MLA", "MLASpec",
-           "absorbed_attention", "dense_probabilities", "expanded_attention", "index_scores", "indexer_kl", "rotate",
+           "absorbed_attention", "dense_probabilities", "expanded_attention", "index_scores", "indexer_kl", "latent_score_max", "rotate",
            "top_keys", "yarn_query_scale"]

@@ -111,7 +111,7 @@ class MultimodalTransformer(ModelVariables, nn.Module):
 
 
 # The decoder's keywords a multimodal call passes through.
-_DECODER_KEYWORDS = {"cache", "head", "layers", "routes", "depths", "indexer"}
+_DECODER_KEYWORDS = {"cache", "head", "layers", "routes", "depths", "indexer", "qk_stats"}
 
 
 def _on_language_model(variables, convert):

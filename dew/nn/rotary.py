@@ -153,15 +153,19 @@ def _yarn_frequencies(head_dim: int, theta: float, s: RopeScaling, powers_F: np.
     return inv_freq_F.astype(f32), float(attention_factor)
 
 
-def rotary_angles(positions_BS: jax.Array, head_dim: int, theta: float,
+def rotary_angles(positions_BS: jax.Array, head_dim: int, theta: float | None,
                   scaling: RopeScaling = RopeScaling()) -> tuple[jax.Array, jax.Array]:
-    """cos and sin tables, float32 `[B, S, head_dim]`, for integer positions `[B, S]`.
+    """cos and sin tables, float32 `[B, S, head_dim]`, for integer positions `[B, S]`; `theta` None
+    gives the identity (cos 1, sin 0: a layer without rotary positions, SmolLM3's NoPE layers).
 
     Each frequency's cos and sin are computed once, on `[B, S, head_dim // 2]`, and the halves
     repeated; on the CPU (unless the kernel policy is `xla`) the tables are then held as arrays (an
     optimization barrier): left as expressions, XLA's CPU backend fuses them into every consumer, so each
     layer's query and key rotations, forward and backward, evaluate libm's scalar `sincosf` again. The
     values are the same either way (the same angles, the same functions)."""
+    if theta is None:
+        return jnp.ones((*positions_BS.shape, head_dim), jnp.float32), jnp.zeros((*positions_BS.shape, head_dim),
+                                                                                  jnp.float32)
     inv_freq_F, attention_factor = rotary_frequencies(head_dim, theta, scaling)
     freqs_BSF = positions_BS.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F)
     cos_BSF, sin_BSF = jnp.cos(freqs_BSF), jnp.sin(freqs_BSF)

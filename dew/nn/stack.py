@@ -158,7 +158,7 @@ def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, 
                  remat: str, keep: tuple[int, ...], tables: Mapping, dtype, param_dtype, replay_LBSK=None):
     """Run every layer inside `parent`'s compact scope; returns `(x_BSE, cache runs, kept states,
     routing, mixer reports)`: what the feed-forward blocks report (a `RouterRecord` per sparse layer)
-    and what the mixers report (an `IndexerRecord` per indexed layer, when the context asks), each
+    and what the mixers report (a dict of what the context asks for: `qk_max`, `indexer`), each
     stacked on a leading axis over the reporting layers in order (None when none reports).
 
     `tables` maps each layer's `mixer.rope()` key to its index among the tables of its width;

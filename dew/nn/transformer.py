@@ -42,7 +42,7 @@ from dew.nn.stack import REMAT_POLICIES, apply_layers, rotary_tables, runs, stac
 
 # The knobs of grouped-query attention that latent attention does not have, and their neutral values.
 _NOT_LATENT = {"causal": True, "sliding_window": None, "layer_types": None, "qk_norm": False, "query_scale": None,
-               "attn_softcap": None, "attn_output_gate": False}
+               "attn_softcap": None, "attn_output_gate": False, "layer_rotary": None}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 # The recurrent mixers' shapes (`DecoderConfig.recurrent`).
@@ -96,6 +96,7 @@ _CONVERSIONS: dict[str, Callable[[str, object], object]] = {
     "latent": _from_fields(LatentAttention),
     "recurrent": _recurrent,
     "layer_types": lambda name, value: None if value is None else tuple(value),
+    "layer_rotary": lambda name, value: None if value is None else tuple(bool(rotates) for rotates in value),
 }
 # The string knobs and the values each may take.
 _CHOICES = {"norm_style": NORM_STYLES, "norm_placement": NORM_PLACEMENTS, "qk_norm_scope": ("head", "projection"),
@@ -118,7 +119,13 @@ class DecoderConfig:
       sublayer, `pre_feedforward_layernorm` before the MLP) or "post" (OLMo 2: norms only after each
       sublayer, before the residual add).
     - `qk_norm_scope`: with `qk_norm`, normalise per head ("head") or the whole projection ("projection").
-    - `scale_embeddings`: multiply the embeddings by `sqrt(emb_features)` rounded to `dtype` (Gemma).
+    - `scale_embeddings`: multiply the embeddings by `sqrt(emb_features)` rounded to `dtype` (Gemma);
+      `embedding_scale` multiplies them by itself in `dtype` (Granite's `embedding_multiplier`).
+    - `residual_scale`: each sublayer's output times it before the residual add (Granite's
+      `residual_multiplier`; `LayerSpec.residual_scale`).
+    - `logit_divisor`: the output logits divided by it, after any cap (Granite's `logits_scaling`).
+    - `layer_rotary`: whether each layer rotates its queries and keys (None: every layer does); a
+      False layer reads no positions (SmolLM3's NoPE layers; `AttentionSpec.rotary`).
     - `activation`: the MLP gate's "silu", "gelu_tanh" or "gelu".
     - `query_scale`: the attention scores' factor (default `head_dim ** -0.5`); `attn_softcap` caps
       the scores, `logit_softcap` the output logits, `c * tanh(x / c)`.
@@ -182,6 +189,10 @@ class DecoderConfig:
     attn_softcap: float | None = None
     attn_output_gate: bool = False
     layer_types: tuple[str, ...] | None = None
+    layer_rotary: tuple[bool, ...] | None = None
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    logit_divisor: float = 1.0
     local_rope_theta: float | None = None
     rope_scaling: RopeScaling = RopeScaling()
     local_rope_scaling: RopeScaling | None = None
@@ -246,6 +257,11 @@ class DecoderConfig:
                              "0 to unroll every layer")
         if not 0.0 <= self.attention_dropout < 1.0:
             raise ValueError(f"attention_dropout is {self.attention_dropout}; it is a rate in [0, 1)")
+        for name in ("embedding_scale", "residual_scale", "logit_divisor"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} is {getattr(self, name)}; it must be positive (1.0 changes nothing)")
+        if self.layer_rotary is not None and len(self.layer_rotary) != self.num_layers:
+            raise ValueError(f"layer_rotary names {len(self.layer_rotary)} layers but num_layers is {self.num_layers}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window is {self.sliding_window}; use None for full attention or a width >= 1")
         for name, allowed in _CHOICES.items():
@@ -313,10 +329,18 @@ class DecoderConfig:
                     window=self.layer_window(index), rope_theta=theta, rope_scaling=scaling, qk_norm=self.qk_norm,
                     qk_norm_scope=self.qk_norm_scope, qkv_bias=self.qkv_bias, o_bias=self.o_bias,
                     query_scale=self.query_scale, softcap=self.attn_softcap, output_gate=self.attn_output_gate,
+                    rotary=self.layer_rotary is None or self.layer_rotary[index],
                 )
             feed_forward = sparse if index in self.sparse_layers else dense if self.mlp_features else None
-            specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps))
+            specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps,
+                                   residual_scale=self.residual_scale))
         return tuple(specs)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers whose mixer is softmax attention (grouped-query or latent), in order: those that
+        report `qk_max`; a recurrent layer has no attention logits."""
+        return tuple(i for i, spec in enumerate(self.layer_specs) if isinstance(spec.mixer, (AttentionSpec, MLASpec)))
 
     @property
     def mtp_spec(self) -> LayerSpec:
@@ -351,7 +375,8 @@ class ModelOutput:
     compute dtype, the output `head` (`Head`: capped float32 logits for any states), and `aux`, what
     layers report (`layers_N`: the output states of layer N when asked for with `layers=`;
     `routing`: with a mixture, a `dew.nn.moe.RouterRecord` whose leaves lead with the sparse
-    layers, `[L, B, S, ...]`, in the order of `DecoderConfig.sparse_layers`)."""
+    layers, `[L, B, S, ...]`, in the order of `DecoderConfig.sparse_layers`; `qk_max`, float32
+    `[L, B, H]` over `DecoderConfig.attention_layers`, when asked for with `qk_stats`)."""
 
     hidden: jax.Array
     head: Head
@@ -397,7 +422,10 @@ class CausalTransformer(ModelVariables, nn.Module):
     `routes` (`dew.nn.moe.Routes`, `[B, S, L, K]` over the sparse layers) replays recorded experts.
     `depths` runs the multi-token-prediction depths (`DecoderConfig.mtp_depths`) and reports their
     states in `aux["depths"]`; `indexer` reports each latent layer's lightning indexer in
-    `aux["indexer"]` (`dew.nn.mla.IndexerRecord`, `[L, B, S, ...]`).
+    `aux["indexer"]` (`dew.nn.mla.IndexerRecord`, `[L, B, S, ...]`); `qk_stats` reports each
+    attention layer's largest pre-softmax logit per row and head in `aux["qk_max"]`, float32
+    `[L, B, H]` over `DecoderConfig.attention_layers` (`scale * q . k` before any softcap, over the
+    real query/key pairs the mask allows; -inf for a row without a real token).
 
     With `cache` (from `init_cache`) each row's real tokens are written after the tokens it already
     holds (padding takes no slot) and read by every later token; the call returns `(output, cache)`.
@@ -453,6 +481,7 @@ class CausalTransformer(ModelVariables, nn.Module):
         routes: Routes | None = None,
         depths: bool = False,
         indexer: bool = False,
+        qk_stats: bool = False,
         features: jax.Array | None = None,
         feature_indices: jax.Array | None = None,
         image_groups: jax.Array | None = None,
@@ -461,7 +490,7 @@ class CausalTransformer(ModelVariables, nn.Module):
         if isinstance(tokens, ModelInputs):
             fields = text_fields(tokens.kwargs(), "CausalTransformer")
             return self(tokens.tokens, cache=cache, head=head, layers=layers, routes=routes, depths=depths,
-                        indexer=indexer, **fields)
+                        indexer=indexer, qk_stats=qk_stats, **fields)
         if media:
             text_fields(media, "CausalTransformer")
         c = self.config
@@ -480,6 +509,12 @@ class CausalTransformer(ModelVariables, nn.Module):
         if indexer and cache is not None:
             raise ValueError("indexer=True scores a whole sequence against its dense attention, not a cached "
                              "decode step: leave indexer unset when passing cache")
+        if qk_stats and not c.attention_layers:
+            raise ValueError("qk_stats=True reports the attention logits, and every layer of this model is recurrent: "
+                             "leave qk_stats unset")
+        if qk_stats and cache is not None:
+            raise ValueError("qk_stats=True reports a whole sequence's attention logits, not a cached decode step: "
+                             "leave qk_stats unset when passing cache")
         if depths and cache is not None:
             raise ValueError("depths=True scores a whole sequence; the multi-token-prediction modules do not decode "
                              "through a cache: leave depths unset when passing cache")
@@ -519,6 +554,8 @@ class CausalTransformer(ModelVariables, nn.Module):
                 x_BSE = embed(ids_BS).astype(c.dtype)
             if c.scale_embeddings:
                 x_BSE = x_BSE * jnp.asarray(c.emb_features**0.5, c.dtype)
+            if c.embedding_scale != 1.0:
+                x_BSE = x_BSE * jnp.asarray(c.embedding_scale, c.dtype)
             return x_BSE
 
         if feature_indices is None:
@@ -535,9 +572,9 @@ class CausalTransformer(ModelVariables, nn.Module):
         if routes is not None:
             replay_LBSK, context_cache["covered_BS"] = self._replay(routes, B, S)
         context = LayerContext(rotary=rotary, slots_BS=slots_BS, segments_BS=segments_BS, report_indexer=indexer,
-                               **context_cache)
+                               report_qk=qk_stats, **context_cache)
 
-        x_BSE, cache_runs, kept, routing, indexed = apply_layers(
+        x_BSE, cache_runs, kept, routing, mixed = apply_layers(
             self, specs, x_BSE, context, None if cache is None else cache.runs, scan_from=c.scan_layers, remat=c.remat,
             keep=keep, tables=tables, dtype=c.dtype, param_dtype=c.param_dtype, replay_LBSK=replay_LBSK,
         )
@@ -545,16 +582,18 @@ class CausalTransformer(ModelVariables, nn.Module):
         if c.tie_embeddings:
             scale_V = self.get_variable(QUANT_COLLECTION, EMBED_SCALE)  # None unless the weights are int8
             output_head = Head(_compute(embed.embedding, c.dtype), transposed=True, softcap=c.logit_softcap,
-                               scale=scale_V, kernels=c.kernels)
+                               scale=scale_V, kernels=c.kernels, logit_divisor=c.logit_divisor)
         else:
             kernel, scale_V = _Kernel(c.vocab_size, c.param_dtype, name="lm_head")(c.emb_features)
             output_head = Head(_compute(kernel, c.dtype), transposed=False, softcap=c.logit_softcap, scale=scale_V,
-                               kernels=c.kernels)
+                               kernels=c.kernels, logit_divisor=c.logit_divisor)
         aux = {f"layers_{i}": states for i, states in zip(keep, kept)}
         if routing is not None:
             aux["routing"] = routing
         if indexer:
-            aux["indexer"] = indexed
+            aux["indexer"] = mixed["indexer"]
+        if qk_stats:
+            aux["qk_max"] = mixed["qk_max"]
         if c.mtp_depths and (depths or self.is_initializing()):
             bare = LayerContext(rotary={}, slots_BS=slots_BS, segments_BS=segments_BS)
             aux["depths"] = mtp_states(self, c.mtp_spec, c.mtp_depths, c.num_layers, hidden_BSE, tokens, positions,

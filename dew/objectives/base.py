@@ -1,5 +1,5 @@
-"""What every objective shares with the trainer: `Step` (the trainer's, `dew.training.state`), `Mean`, and
-the `Objective` protocol.
+"""What every objective shares with the trainer: `Step` (the trainer's, `dew.training.state`), `Mean`,
+`Maximum` (`dew.training.statistics`), and the `Objective` protocol.
 
 The trainer knows nothing of language: it asks the objective for a loss whose statistics are sums
 (so micro-batches add up exactly and divide once), compiles it with the optimizer and the EMA, and
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dew.training.state import Step
+from dew.training.statistics import Maximum
 
 Variables = Mapping[str, Any]
 """A Flax variables tree, `{"params": {...}, ...}`."""
@@ -62,7 +63,8 @@ class Objective(Protocol):
     - `init(key, variables)` makes fresh variables, or checks `variables` (`held_variables()`, a
       checkpoint to continue) against the model and returns them in the model's own form.
     - `loss(params, batch, step)` returns `(statistics, effects)`. Statistics are a pytree of sums
-      (`Mean`s of named terms) that add across micro-batches; `reduce_loss(statistics)` gives the
+      (`Mean`s of named terms) that add across micro-batches (a `Maximum`, such as the largest
+      attention logit, keeps the largest instead: `dew.training.statistics`); `reduce_loss(statistics)` gives the
       loss's numerator and denominator, which the trainer divides once after summing a window's
       micro-batches, logs through, and checks for finiteness. Effects are what a loss asks to change
       outside the gradient (a router's balancing bias, say): pytrees that add across micro-batches,

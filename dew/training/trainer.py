@@ -24,6 +24,7 @@ from dew.sharding import BATCH_AXES, logical_names, with_names
 from dew.training.mesh import Layout, MeshSpec, place_batch, replicated
 from dew.training.progress import Reporter, format_values
 from dew.training.state import Step, TrainState
+from dew.training.statistics import add_statistics, empty_statistics, host_sum
 from dew.training.trackers import Tracker
 from dew.training.utilization import flops_per_position, peak_flops
 
@@ -50,14 +51,6 @@ def _first_path(params, prefix: str = "params") -> str:
     """The path of the first leaf of a parameter tree, as a `trainable` filter sees it."""
     name, value = next(iter(params.items()))
     return _first_path(value, f"{prefix}/{name}") if hasattr(value, "items") else f"{prefix}/{name}"
-
-
-def _host_sum(trees: list) -> Any:
-    """Add statistics pytrees on the host in float64."""
-    total = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), trees[0])
-    for tree in trees[1:]:
-        total = jax.tree_util.tree_map(lambda a, b: a + np.asarray(b, np.float64), total, tree)
-    return total
 
 
 class TrainingDiverged(FloatingPointError):
@@ -255,15 +248,17 @@ class Trainer:
                     totals = jax.lax.stop_gradient(totals)
                 (_, (stats_shape, effects_shape)) = jax.eval_shape(lambda: grad_fn(trained, first, 0, totals)[0])
 
-                # Gradients, statistics and effects all add over the window; effects are applied once,
-                # after the update, so every micro-batch sees the same variables.
+                # Gradients, statistics and effects all add over the window (a statistic's `Maximum` keeps
+                # the largest); effects are applied once, after the update, so every micro-batch sees the
+                # same variables.
                 def body(carry, inputs):
                     (_, (stats, effects)), grads = grad_fn(trained, *inputs, totals)
-                    return jax.tree_util.tree_map(jnp.add, carry, (grads, stats, effects)), None
+                    grads_carry, stats_carry, effects_carry = carry
+                    return (jax.tree_util.tree_map(jnp.add, grads_carry, grads), add_statistics(stats_carry, stats),
+                            jax.tree_util.tree_map(jnp.add, effects_carry, effects)), None
 
-                (grads, stats, effects), _ = jax.lax.scan(
-                    body, zeros((trained, stats_shape, effects_shape)), (micro, jnp.arange(accumulation))
-                )
+                start = (zeros(trained), empty_statistics(stats_shape), zeros(effects_shape))
+                (grads, stats, effects), _ = jax.lax.scan(body, start, (micro, jnp.arange(accumulation)))
             if windowed:
                 loss, counted = objective.window_loss(stats, objective.totals_of(stats) if totals is None else totals)
             else:
@@ -377,7 +372,7 @@ class Trainer:
                 reporter.pass_end()
         if not stats_list:
             raise ValueError("the validation split produced no batch")
-        values = {f"val/{name}": value for name, value in self.objective.summarize(_host_sum(stats_list)).items()}
+        values = {f"val/{name}": value for name, value in self.objective.summarize(host_sum(stats_list)).items()}
         for metric in metrics:
             accumulated = metric.initial()
             for stats in stats_list:
@@ -559,7 +554,7 @@ class Trainer:
         """Log the window's statistics; `seconds` is its time in steps, `checkpoint_seconds` in saving."""
         if not window:
             return
-        stats = _host_sum([out["stats"] for out in window])
+        stats = host_sum([out["stats"] for out in window])
         values = {f"train/{k}": v for k, v in self.objective.summarize(stats).items()}
         values["train/grad_norm"] = float(np.mean([out["grad_norm"] for out in window]))
         tokens = float(sum(float(self.objective.reduce_loss(out["stats"])[1]) for out in window))

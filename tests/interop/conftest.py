@@ -57,6 +57,13 @@ CASES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(eos_token_id=3, pad_token_id=1)),
     "olmo3-window": ("Olmo3Config", "Olmo3ForCausalLM", dict(eos_token_id=3, pad_token_id=1, sliding_window=5)),
     "phi3-fused-window": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=5, pad_token_id=0, eos_token_id=2)),
+    # SmolLM3's second layer reads no positions and, with the window switch, slides (its default pattern)
+    "smollm3-nope-window": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                            dict(no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=5, rope_theta=500.0,
+                                 tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "granite-multipliers": ("GraniteConfig", "GraniteForCausalLM",
+                            dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                                 logits_scaling=2.0)),
 }
 
 

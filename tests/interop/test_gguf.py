@@ -107,10 +107,12 @@ Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 
 def permuted(name: str, array: np.ndarray, config, arch: str) -> np.ndarray:
-    """A transformers tensor in llama.cpp's row order: a llama's queries and keys interleaved per head."""
-    if arch == "llama" and ".q_proj." in name:
+    """A transformers tensor in llama.cpp's row order: queries and keys interleaved per head for the
+    architectures llama.cpp converts as Llama's (llama, granite, smollm3)."""
+    llama_rows = arch in ("llama", "granite", "smollm3")
+    if llama_rows and ".q_proj." in name:
         return _permute(array, config.num_attention_heads)
-    if arch == "llama" and ".k_proj." in name:
+    if llama_rows and ".k_proj." in name:
         return _permute(array, config.num_key_value_heads)
     return array
 

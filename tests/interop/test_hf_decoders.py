@@ -15,7 +15,8 @@ _CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "ministral": "Mi
             "qwen3": "Qwen3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
             "gemma3_text": "Gemma3TextConfig", "olmo2": "Olmo2Config", "olmo3": "Olmo3Config", "mixtral": "MixtralConfig",
             "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "mamba2": "Mamba2Config",
-            "qwen3_next": "Qwen3NextConfig", "qwen3_5_text": "Qwen3_5TextConfig", "phi3": "Phi3Config"}
+            "qwen3_next": "Qwen3NextConfig", "qwen3_5_text": "Qwen3_5TextConfig", "phi3": "Phi3Config",
+            "smollm3": "SmolLM3Config", "granite": "GraniteConfig"}
 
 SMOLLM2 = {  # SmolLM2-135M's config.json as published (transformers 4 spellings and nanotron leftovers)
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,

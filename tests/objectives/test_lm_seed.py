@@ -14,6 +14,7 @@ import pytest
 
 from dew import Trainer
 from dew.data.dataset import Dataset
+from dew.data.inputs import ModelInputs
 from dew.objectives.base import Mean, Step
 from dew.objectives.lm import LMObjective, Samples
 from dew.sampling import Sampling
@@ -64,13 +65,46 @@ def test_seq_aux_without_a_balance_loss_is_refused(tiny_model):
         LMObjective(tiny_model, SEQ, seq_aux=False)
 
 
-@pytest.mark.parametrize("keyword, value, capability", [
-    ("qk_stats", True, "attention logit statistics"),
-])
-def test_token_scores_refuses_each_unbuilt_report_by_name(tiny_model, tiny_variables, keyword, value, capability):
-    objective = LMObjective(tiny_model, SEQ)
-    with pytest.raises(NotImplementedError, match=rf"token_scores\({keyword}=.*{re.escape(capability)}.*not built"):
-        objective.token_scores(tiny_variables, jnp.asarray(_tokens()), **{keyword: value})
+def test_qk_stats_are_the_models_maxima_in_scores_statistics_and_the_log(tiny_model, tiny_variables):
+    """token_scores keeps each row's maxima (tests/nn/test_qk_stats.py checks them against q and k); the
+    statistics keep the batch's largest, a window of micro-batches and a log window of steps the
+    largest of theirs, and the log names the largest and each layer's."""
+    rows = _tokens(3, rows=4)
+    inputs = ModelInputs(jnp.asarray(rows), {"attention_mask": jnp.asarray(np.arange(SEQ + 1) >= [[0], [2], [0], [5]])})
+    objective = LMObjective(tiny_model, SEQ, ema_decay=None, qk_stats=True)
+    scores = objective.token_scores(tiny_variables, inputs, qk_stats=True)
+    aux = tiny_model.apply(tiny_variables, inputs.tokens[:, :-1], head=False, qk_stats=True,
+                           attention_mask=inputs.token_fields["attention_mask"][:, :-1]).aux
+    np.testing.assert_array_equal(scores.qk_max, aux["qk_max"])
+    assert scores.qk_max.shape == (2, 4, 4)  # [attention layers, rows, heads]
+    assert objective.token_scores(tiny_variables, inputs).qk_max is None
+    stats = objective.loss(tiny_variables, {"text": inputs}, STEP)[0]
+    np.testing.assert_array_equal(stats.qk_max.value, np.max(scores.qk_max, axis=1))
+    # two steps of two micro-batches, one log line: the largest of all four halves
+    data = Dataset(train=lambda partition: iter([{"text": rows}, {"text": _tokens(4, rows=4)}]), val=None,
+                   records=8, batch=4)
+    trainer = Trainer(objective, optax.sgd(0.0), key=jax.random.key(0))
+    state = trainer.fit(data, steps=2, log_every=2, accumulation=2, verbose=False)  # a rate of 0 moves nothing
+    logged = trainer.history[-1]
+    each = [LMObjective(tiny_model, SEQ).token_scores(state.params, jnp.asarray(batch), qk_stats=True).qk_max
+            for batch in (rows, _tokens(4, rows=4))]
+    largest_L = np.max(np.concatenate(each, axis=1), axis=(1, 2))
+    assert logged["train/qk_max"] == pytest.approx(float(largest_L.max()), rel=1e-6)
+    assert [logged[f"train/qk_max/layers_{i}"] for i in (0, 1)] == pytest.approx(largest_L.tolist(), rel=1e-6)
+    plain = Trainer(LMObjective(tiny_model, SEQ), optax.sgd(0.0), key=jax.random.key(0))
+    plain.fit(data, steps=1, log_every=1, verbose=False)
+    assert "train/qk_max" not in plain.history[-1]
+
+
+def test_qk_stats_are_refused_for_a_model_without_attention():
+    from dew.nn.mamba2 import Mamba2
+    from dew.nn.transformer import CausalTransformer, DecoderConfig
+
+    model = CausalTransformer(DecoderConfig(vocab_size=64, emb_features=32, num_layers=2, mlp_features=0,
+                                            layer_types=("linear_attention",) * 2,
+                                            recurrent=Mamba2(num_heads=2, head_dim=16, state_size=8)))
+    with pytest.raises(ValueError, match=r"LMObjective\(qk_stats=True\).*no attention layer.*leave qk_stats unset"):
+        LMObjective(model, SEQ, qk_stats=True)
 
 
 @pytest.mark.parametrize("keyword, missing", [("depths", "mtp_depths 0"), ("indexer", "lightning indexer")])

@@ -26,7 +26,7 @@ from dew.nn.transformer import FULL, SLIDING, DecoderConfig
 _RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat", "kernels")
 # The DecoderConfig fields outside the layer specs that change what the model computes.
 _GLOBAL = ("vocab_size", "emb_features", "num_layers", "max_seq_len", "tie_embeddings", "logit_softcap", "norm_eps",
-           "norm_style", "scale_embeddings", "attention_dropout", "mtp_depths")
+           "norm_style", "scale_embeddings", "attention_dropout", "mtp_depths", "embedding_scale", "logit_divisor")
 
 
 @dataclasses.dataclass(frozen=True)

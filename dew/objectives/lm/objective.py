@@ -17,7 +17,7 @@ from dew.inference import TextGeneration
 from dew.nn.head import Head
 from dew.nn.mla import IndexerRecord
 from dew.nn.moe import RouterRecord, Routes
-from dew.objectives.base import Aux, Mean, PathFilter, Prediction, Step, Variables, path_filter
+from dew.objectives.base import Aux, Maximum, Mean, PathFilter, Prediction, Step, Variables, path_filter
 from dew.objectives.checks import check_decoder_objective, init_or_check
 from dew.objectives.lm.indexer import IndexerTraining, kl_total
 from dew.objectives.lm.rows import _real, _Rows, _rows_of
@@ -63,8 +63,10 @@ def prompt_batch(prompt) -> jax.Array:
 @struct.dataclass
 class LMStatistics:
     """Sums over counted targets: the cross entropy, the argmax hits (None without `token_accuracy`),
-    the loss's other named `terms` (`z_loss`, ...), each a sum over the same counted targets, and for
-    a mixture of experts the `router` sums over routed positions (`RouterStatistics`; None without).
+    the loss's other named `terms` (`z_loss`, ...), each a sum over the same counted targets, for
+    a mixture of experts the `router` sums over routed positions (`RouterStatistics`; None without),
+    and with `qk_stats` each attention layer's and head's largest pre-softmax logit over the batch,
+    `qk_max`, a float32 `Maximum` `[L, H]` over `DecoderConfig.attention_layers` (None without).
 
     `loss` is the main term, the token-mass part of the loss, as one `Mean` over the counted
     targets: what `reduce_loss` returns. The router terms carry their own normalisation (rows,
@@ -75,6 +77,7 @@ class LMStatistics:
     token_accuracy: Mean | None
     terms: dict = struct.field(default_factory=dict)
     router: RouterStatistics | None = None
+    qk_max: Maximum | None = None
 
     @property
     def loss(self) -> Mean:
@@ -103,7 +106,9 @@ class Scores:
     position p, the token d + 2 ahead (the main target of position p + d + 1), weighted as that main
     target when p to p + d + 1 lie in one document, else 0. With `indexer=True`, `indexer` holds the
     lightning indexers' `IndexerRecord`s, `[L, B, S, ...]` over the indexed layers (in the warm-up,
-    whose loss scores no token, `losses`, `correct` and `lse` are None)."""
+    whose loss scores no token, `losses`, `correct` and `lse` are None). With `qk_stats=True`,
+    `qk_max` holds each attention layer's largest pre-softmax logit per row and head, float32
+    `[L, B, H]` over `DecoderConfig.attention_layers` (see `CausalTransformer`)."""
 
     losses: jax.Array
     weights: jax.Array
@@ -114,6 +119,7 @@ class Scores:
     layers: dict | None = None
     depths: "Scores | None" = None
     indexer: IndexerRecord | None = None
+    qk_max: jax.Array | None = None
 
 
 @struct.dataclass
@@ -129,29 +135,10 @@ class _Forward:
     layers: dict
     depths_DBSE: jax.Array | None = None
     indexer: IndexerRecord | None = None
+    qk_max_LBH: jax.Array | None = None
 
 
-_LATER = {
-    "qk_stats": "attention logit statistics",
-}
-_NEUTRAL = {"qk_stats": False}
 _ROUTER_NEUTRAL = {"balance_rate": None, "aux_loss_alpha": None, "router_z_loss": 0.0}
-
-# What `token_scores` can be asked to report beside the losses, the capability each needs, and the
-# value that asks for nothing.
-_SCORED_LATER = {
-    "qk_stats": ("attention logit statistics", False),
-}
-
-
-def _refuse_unbuilt_scoring(requested: dict[str, Any]) -> None:
-    for name, value in requested.items():
-        capability, neutral = _SCORED_LATER[name]
-        if value != neutral:
-            raise NotImplementedError(
-                f"token_scores({name}={_brief(value)}): {capability} is not built in Dew yet; leave {name} unset"
-            )
-
 
 def _training_rngs(step: Step) -> dict:
     """The rngs a training pass runs the model with: the step's key as `dropout`."""
@@ -199,6 +186,11 @@ class LMObjective(PolicyScoring):
     `text_roles` (`dew.data.ChatData`). With `loss_role` (a `Role`, or its name) only the targets
     of that role count: in the loss, the accuracy and an accumulation window's token mass.
 
+    With `qk_stats` every step reports each attention layer's and head's largest pre-softmax logit
+    (`LMStatistics.qk_max`), logged as `qk_max` (the largest of all) and `qk_max/layers_N` (layer N's
+    largest over its heads): the growth MuonClip clips, watched at the cost of one more pass over
+    the scores (the fused kernel never keeps them).
+
     The loss scores the vocabulary in `head_chunks` tiles (`Head.cross_entropy`), so a pass holds
     one tile's logits at a time; None (the default) takes the fewest tiles whose float32 logits fit
     64 MiB each, and a single tile keeps its logits for the backward pass rather than making them again.
@@ -231,12 +223,10 @@ class LMObjective(PolicyScoring):
         trainable: PathFilter | str | None = None,
         token_accuracy: bool = True,
     ):
-        given = dict(qk_stats=qk_stats)
-        for name, value in given.items():
-            if value != _NEUTRAL[name]:
-                raise NotImplementedError(
-                    f"LMObjective({name}={value!r}): {_LATER[name]} is not built in Dew yet; leave {name} unset"
-                )
+        if qk_stats and not getattr(model.config, "attention_layers", ()):
+            raise ValueError("LMObjective(qk_stats=True) reports the attention logits, and this model has no "
+                             "attention layer: leave qk_stats unset")
+        self.qk_stats = bool(qk_stats)
         if not seq_aux and aux_loss_alpha is None:
             raise ValueError(
                 "LMObjective(seq_aux=False) shapes the expert balance loss, and aux_loss_alpha is unset, so there is "
@@ -380,10 +370,12 @@ class LMObjective(PolicyScoring):
         (`Scores.layers["layers_N"]`, `[B, seq_len, E]`), as a feature distillation reads them.
         `depths` adds the multi-token-prediction depths' `Scores` (`Scores.depths`), `indexer` the
         lightning indexers' scores, selections and KL (`Scores.indexer`); a model without them is
-        refused by name. `qk_stats` asks for attention statistics, which are not built yet: refused
-        by name when set.
+        refused by name. `qk_stats` adds each attention layer's largest pre-softmax logit per row and
+        head (`Scores.qk_max`, `[L, B, H]`).
         """
-        _refuse_unbuilt_scoring(dict(qk_stats=qk_stats))
+        if qk_stats and not getattr(self.model.config, "attention_layers", ()):
+            raise ValueError("token_scores(qk_stats=True) reports the attention logits, and this model has no "
+                             "attention layer: leave qk_stats unset")
         latent = getattr(self.model.config, "latent", None)
         if indexer and (latent is None or not latent.index_heads):
             raise ValueError("token_scores(indexer=True) reports the lightning indexer, and this model has none: leave "
@@ -401,17 +393,18 @@ class LMObjective(PolicyScoring):
                              "or leave roles unset")
         rows = _rows_of(tokens, roles, segment_ids, positions)
         replay = None if routes is None else self._routes(routes, rows.tokens.shape)
-        scores, forward = self._score(params, rows, rngs, replay, layers, depths, indexer)
+        scores, forward = self._score(params, rows, rngs, replay, layers, depths, indexer, qk_stats)
         if not routing:
             return scores
         # [L, B, S, ...] -> [B, S, L, ...], the layout routes are given in
         return scores.replace(routing=jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 2), forward.routing))
 
     def _score(self, params, rows: _Rows, rngs, routes: Routes | None = None, layers: Sequence[int] = (),
-               depths: bool = False, indexer: bool = False):
-        """(the per-target `Scores` without routing, with the depths' when `depths` and the indexers'
-        records when `indexer`; the `_Forward` behind them). The indexer's warm-up scores no token."""
-        forward = self._forward(params, rows, rngs, routes, layers, depths, indexer)
+               depths: bool = False, indexer: bool = False, qk_stats: bool = False):
+        """(the per-target `Scores` without routing, with the depths' when `depths`, the indexers'
+        records when `indexer` and the attention maxima when `qk_stats`; the `_Forward` behind them).
+        The indexer's warm-up scores no token."""
+        forward = self._forward(params, rows, rngs, routes, layers, depths, indexer, qk_stats)
         B, S = forward.weights_BS.shape
         if self.indexer is not None and self.indexer.warmup:
             scores = Scores(losses=None, weights=forward.weights_BS, correct=None, lse=None)
@@ -422,13 +415,15 @@ class LMObjective(PolicyScoring):
             scores = scores.replace(indexer=forward.indexer)
         if depths:
             scores = scores.replace(depths=self._depth_scores(forward, rows))
+        if qk_stats:
+            scores = scores.replace(qk_max=forward.qk_max_LBH)
         return scores, forward
 
     def _scored(self, params, rows: _Rows, rngs=None, layers: Sequence[int] = ()):
         """`_score` with what this objective's loss reads: the depths with `mtp_weight`, the indexers with
-        `indexer`."""
+        `indexer`, the attention maxima with `qk_stats`."""
         return self._score(params, rows, rngs, layers=layers, depths=self.mtp_weight is not None,
-                           indexer=self.indexer is not None)
+                           indexer=self.indexer is not None, qk_stats=self.qk_stats)
 
     def _head_losses(self, hidden_NE, head: Head, targets_N):
         """Per-target `(ce, lse, correct)` `[N]` through `head` (`correct` None without accuracy): the
@@ -507,7 +502,7 @@ class LMObjective(PolicyScoring):
         return weights_BS, routed_BS
 
     def _forward(self, params, rows: _Rows, rngs, routes: Routes | None = None, layers: Sequence[int] = (),
-                 depths: bool = False, indexer: bool = False) -> _Forward:
+                 depths: bool = False, indexer: bool = False, qk_stats: bool = False) -> _Forward:
         """The model over the inputs (without its head): what the loss and the router terms read."""
         inputs_BS, targets_BS = rows.tokens[:, :-1], rows.tokens[:, 1:]
         B, S = inputs_BS.shape
@@ -521,21 +516,26 @@ class LMObjective(PolicyScoring):
             kwargs["depths"] = True
         if indexer:
             kwargs["indexer"] = True
+        if qk_stats:
+            kwargs["qk_stats"] = True
         layers = tuple(int(i) for i in layers)
         output = self.model.apply(params, inputs_BS, head=False, rngs=rngs, layers=layers, **kwargs)
         return _Forward(hidden_NE=output.hidden.reshape(B * S, -1), head=output.head,
                         targets_N=targets_BS.reshape(-1).astype(jnp.int32), weights_BS=weights_BS,
                         routing=output.aux.get("routing"), routed_BS=routed_BS,
                         layers={f"layers_{i}": output.aux[f"layers_{i}"] for i in layers},
-                        depths_DBSE=output.aux.get("depths"), indexer=output.aux.get("indexer"))
+                        depths_DBSE=output.aux.get("depths"), indexer=output.aux.get("indexer"),
+                        qk_max_LBH=output.aux.get("qk_max"))
 
     def _statistics(self, scores: Scores, forward: _Forward) -> LMStatistics:
+        # the largest over the batch's rows: what a step, a log window and a pass keep the largest of
+        qk_max = None if forward.qk_max_LBH is None else Maximum(jnp.max(forward.qk_max_LBH, axis=1))
         if self.indexer is not None and self.indexer.warmup:
             # the KL alone, per counted query (every real input token: the warm-up scores no target)
             queries = jnp.sum(forward.routed_BS.astype(jnp.float32))
             kl = Mean(self.indexer.weight * kl_total(forward.indexer.kl, forward.routed_BS), queries)
             return LMStatistics(ce=Mean(jnp.zeros((), jnp.float32), queries), token_accuracy=None,
-                                terms={"indexer_kl": kl})
+                                terms={"indexer_kl": kl}, qk_max=qk_max)
         w = scores.weights
         count = jnp.sum(w)
         ce = Mean(jnp.sum(scores.losses * w), count)
@@ -552,7 +552,7 @@ class LMObjective(PolicyScoring):
             terms["indexer_kl"] = Mean(self.indexer.weight * kl_total(forward.indexer.kl, forward.routed_BS), count)
         accuracy = Mean(jnp.sum(scores.correct * w), count) if self.token_accuracy else None
         router = None if self.router is None else self.router.statistics(forward.routing, forward.routed_BS)
-        return LMStatistics(ce=ce, token_accuracy=accuracy, terms=terms, router=router)
+        return LMStatistics(ce=ce, token_accuracy=accuracy, terms=terms, router=router, qk_max=qk_max)
 
     def _batch_rows(self, batch) -> _Rows:
         """A batch's token rows and fields: `text` (ids, or a `ModelInputs`), `text_segment_ids`,
@@ -655,12 +655,14 @@ class LMObjective(PolicyScoring):
     def summarize(self, stats: LMStatistics) -> dict[str, float]:
         """The loss (main term plus router terms), cross entropy, perplexity, token accuracy, the named
         terms, and for a mixture each router term and each sparse layer's most and least loaded expert
-        (`moe/layers_N/max_load`, `min_load`: slots over an even share)."""
+        (`moe/layers_N/max_load`, `min_load`: slots over an even share); with `qk_stats` the largest
+        pre-softmax attention logit, `qk_max`, and each attention layer's, `qk_max/layers_N`."""
         targets = max(float(stats.ce.count), 1.0)
         ce = float(stats.ce.total) / targets
         loss = float(stats.loss.total) / targets
+        qk = self._qk_values(stats)
         if self.indexer is not None and self.indexer.warmup:  # no cross entropy: the KL per query alone
-            return {"loss": loss, "indexer_kl": float(stats.terms["indexer_kl"].total) / targets}
+            return {"loss": loss, "indexer_kl": float(stats.terms["indexer_kl"].total) / targets, **qk}
         router_terms = {}
         if stats.router is not None and self.router is not None:
             extra, router_terms = self.router.loss(stats.router, self.router.totals(stats.router))
@@ -673,6 +675,17 @@ class LMObjective(PolicyScoring):
         values.update({name: float(value) for name, value in router_terms.items()})
         if stats.router is not None and self.router is not None:
             values.update(self.router.loads(stats.router))
+        values.update(qk)
+        return values
+
+    def _qk_values(self, stats: LMStatistics) -> dict[str, float]:
+        """`qk_max` and `qk_max/layers_N` of statistics that carry the attention maxima (else none)."""
+        if stats.qk_max is None:
+            return {}
+        largest_LH = np.asarray(stats.qk_max.value, np.float64)
+        values = {"qk_max": float(largest_LH.max())}
+        for layer, largest_H in zip(self.model.config.attention_layers, largest_LH):
+            values[f"qk_max/layers_{layer}"] = float(largest_H.max())
         return values
 
     # -- generation ------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def _logits_of(states_BXE, head: Head, ids_BX, temperature: float):
     columns_BXE = _head_columns(head, ids_BX)
     logits = jnp.einsum("bxe,bxe->bx", states_BXE.astype(head.weight.dtype), columns_BXE,
                         preferred_element_type=jnp.float32)
-    return cap_logits(logits, head.softcap) / temperature
+    return cap_logits(logits, head.softcap) / (temperature * head.logit_divisor)
 
 
 def support_log_probs(states_BSE, head: Head, tokens_BT, support, temperature: float = 1.0):
