@@ -23,7 +23,7 @@ from dew.data.inputs import ModelInputs, text_fields
 from dew.kernels import policy as kernel_policy
 from dew.kernels.int8 import dequantize
 
-from dew.nn.attention import AttentionSpec
+from dew.nn.attention import AttentionSpec, NoPE
 from dew.nn.head import Head
 from dew.nn.kv_cache import Cache
 from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, named
@@ -43,6 +43,7 @@ _NOT_LATENT = {"causal": True, "sliding_window": None, "layer_types": None, "qk_
                "attn_softcap": None}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+CHUNKED = "chunked_attention"
 # The recurrent mixers' shapes (`DecoderConfig.recurrent`) and the spec of a layer of each.
 _RECURRENT_SPECS = {Mamba2: Mamba2Spec}
 
@@ -80,10 +81,12 @@ _CONVERSIONS: dict[str, Callable[[str, object], object]] = {
     "mixture": _from_fields(Mixture),
     "latent": _from_fields(LatentAttention),
     "recurrent": _from_fields(Mamba2),
+    "nope": _from_fields(NoPE),
     "layer_types": lambda name, value: None if value is None else tuple(value),
 }
 # The string knobs and the values each may take.
-_CHOICES = {"norm_style": NORM_STYLES, "norm_placement": NORM_PLACEMENTS, "qk_norm_scope": ("head", "projection"),
+_CHOICES = {"norm_style": NORM_STYLES, "norm_placement": NORM_PLACEMENTS,
+            "qk_norm_scope": ("head", "projection", "l2"),
             "activation": tuple(ACTIVATIONS), "remat": tuple(REMAT_POLICIES), "kernels": kernel_policy.POLICIES}
 
 
@@ -102,17 +105,21 @@ class DecoderConfig:
       `post_attention_layernorm`, as in Llama), "sandwich" (Gemma 2/3: also a norm after each
       sublayer, `pre_feedforward_layernorm` before the MLP) or "post" (OLMo 2: norms only after each
       sublayer, before the residual add).
-    - `qk_norm_scope`: with `qk_norm`, normalise per head ("head") or the whole projection ("projection").
+    - `qk_norm_scope`: with `qk_norm`, normalise per head ("head") or the whole projection ("projection"),
+      or divide each head by its rms, without a scale, after the rotation ("l2", Llama 4's).
     - `scale_embeddings`: multiply the embeddings by `sqrt(emb_features)` rounded to `dtype` (Gemma).
     - `activation`: the MLP gate's "silu", "gelu_tanh" or "gelu".
     - `query_scale`: the attention scores' factor (default `head_dim ** -0.5`); `attn_softcap` caps
       the scores, `logit_softcap` the output logits, `c * tanh(x / c)`.
     - `rope_scaling`: how the rotary frequencies are stretched past the pretraining length (a
       `dew.nn.rotary.RopeScaling`, or its fields as a dict); the default scales nothing.
-    - `layer_types`: one "full_attention", "sliding_attention" or "linear_attention" per layer; only
-      sliding layers use `sliding_window`, `local_rope_theta` (default `rope_theta`) and
-      `local_rope_scaling` (default `rope_scaling`); a linear layer's mixer is the recurrent one
-      (`recurrent`). Without it, every layer is attention and uses `sliding_window`.
+    - `layer_types`: one "full_attention", "sliding_attention", "chunked_attention" or "linear_attention"
+      per layer; only sliding layers use `sliding_window`, `local_rope_theta` (default `rope_theta`) and
+      `local_rope_scaling` (default `rope_scaling`); a chunked layer's query reads only the keys in its
+      own chunk of `attention_chunk_size` positions (Llama 4's local layers); a linear layer's mixer is
+      the recurrent one (`recurrent`). Without it, every layer is attention and uses `sliding_window`.
+    - `nope`: the layers without rotary positions and their query temperature (`dew.nn.attention.NoPE`,
+      or its fields as a dict; Llama 4's global layers).
     - `recurrent`: the shape of the recurrent mixers of the "linear_attention" layers
       (`dew.nn.mamba2.Mamba2`, or its fields as a dict), as `latent` is attention's.
     - `mlp_features`: the dense MLP's hidden units; 0 for layers without a feed-forward (Mamba2's).
@@ -149,6 +156,7 @@ class DecoderConfig:
     tie_embeddings: bool = False
     causal: bool = True
     sliding_window: int | None = None
+    attention_chunk_size: int | None = None
     logit_softcap: float | None = None
     norm_eps: float = 1e-6
     qkv_bias: bool = False
@@ -169,6 +177,7 @@ class DecoderConfig:
     mixture: Mixture | None = None
     latent: LatentAttention | None = None
     recurrent: Mamba2 | None = None
+    nope: NoPE | None = None
     mtp_depths: int = 0
     scan_layers: int = 8
     remat: str = "none"
@@ -229,16 +238,24 @@ class DecoderConfig:
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types names {len(self.layer_types)} layers but num_layers is {self.num_layers}")
-            unknown = sorted(set(self.layer_types) - {FULL, SLIDING, LINEAR})
+            unknown = sorted(set(self.layer_types) - {FULL, SLIDING, CHUNKED, LINEAR})
             if unknown:
-                raise ValueError(f"layer_types holds {unknown}; each layer is {FULL!r}, {SLIDING!r} or {LINEAR!r}")
+                raise ValueError(f"layer_types holds {unknown}; each layer is {FULL!r}, {SLIDING!r}, {CHUNKED!r} or "
+                                 f"{LINEAR!r}")
             if (LINEAR in self.layer_types) != (self.recurrent is not None):
                 raise ValueError(f"recurrent is {self.recurrent!r} and layer_types names "
                                  f"{self.layer_types.count(LINEAR)} {LINEAR!r} layers: the recurrent mixer's shape "
                                  "and the layers it mixes come together (give both, or neither)")
             if SLIDING in self.layer_types and self.sliding_window is None:
                 raise ValueError(f"layer_types names {SLIDING!r} layers but sliding_window is None: give the width")
+            if (CHUNKED in self.layer_types) != (self.attention_chunk_size is not None):
+                raise ValueError(f"attention_chunk_size is {self.attention_chunk_size!r} and layer_types names "
+                                 f"{self.layer_types.count(CHUNKED)} {CHUNKED!r} layers: the chunk and the layers "
+                                 "that read it come together (give both, or neither)")
         else:
+            if self.attention_chunk_size is not None:
+                raise ValueError(f"attention_chunk_size {self.attention_chunk_size} applies to chunked layers: give "
+                                 f"layer_types naming them ({CHUNKED!r}), or drop it")
             for name in ("local_rope_theta", "local_rope_scaling"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} applies to sliding layers: give layer_types too, or drop it")
@@ -254,6 +271,15 @@ class DecoderConfig:
             if self.mlp_bias and (self.sparse_layers or self.mtp_depths):
                 raise NotImplementedError("mlp_bias with a mixture: experts with biases are not built in Dew yet; "
                                           "set mlp_bias False")
+        if self.attention_chunk_size is not None and self.attention_chunk_size < 1:
+            raise ValueError(f"attention_chunk_size is {self.attention_chunk_size}; it is a number of positions >= 1")
+        if self.nope is not None:
+            outside = [i for i in self.nope.layers if i >= self.num_layers]
+            if outside:
+                raise ValueError(f"nope layers {outside} are not layers of this {self.num_layers}-layer model")
+            if self.latent is not None:
+                raise NotImplementedError("nope with latent attention: layers without rotary positions are built for "
+                                          "grouped-query attention only; drop nope")
         if self.mtp_depths < 0:
             raise ValueError(f"mtp_depths is {self.mtp_depths}; it counts multi-token-prediction modules, 0 for none")
         if self.latent is not None:
@@ -283,11 +309,13 @@ class DecoderConfig:
             elif self.latent is not None:
                 mixer = MLASpec(self.num_heads, self.latent, theta, scaling, bias=self.qkv_bias, o_bias=self.o_bias)
             else:
+                nope = self.nope is not None and index in self.nope.layers
                 mixer = AttentionSpec(
                     self.num_heads, self.num_kv_heads, self.head_dim, causal=self.causal,
-                    window=self.layer_window(index), rope_theta=theta, rope_scaling=scaling, qk_norm=self.qk_norm,
-                    qk_norm_scope=self.qk_norm_scope, qkv_bias=self.qkv_bias, o_bias=self.o_bias,
-                    query_scale=self.query_scale, softcap=self.attn_softcap,
+                    window=self.layer_window(index), rope_theta=theta, rope_scaling=scaling,
+                    qk_norm=self.qk_norm and not nope, qk_norm_scope=self.qk_norm_scope, qkv_bias=self.qkv_bias,
+                    o_bias=self.o_bias, query_scale=self.query_scale, softcap=self.attn_softcap, rotary=not nope,
+                    chunk=self.layer_chunk(index), temperature=self.nope.temperature() if nope else None,
                 )
             feed_forward = sparse if index in self.sparse_layers else dense if self.mlp_features else None
             specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps))
@@ -307,6 +335,12 @@ class DecoderConfig:
         """The sliding window of layer `index`, None for full attention."""
         if self.layer_types is None or self.layer_types[index] == SLIDING:
             return self.sliding_window
+        return None
+
+    def layer_chunk(self, index: int) -> int | None:
+        """The chunk of positions layer `index` attends within, None when it is not a chunked layer."""
+        if self.layer_types is not None and self.layer_types[index] == CHUNKED:
+            return self.attention_chunk_size
         return None
 
     def layer_rope_theta(self, index: int) -> float:
@@ -510,7 +544,7 @@ class CausalTransformer(ModelVariables, nn.Module):
         if routes is not None:
             replay_LBSK, context_cache["covered_BS"] = self._replay(routes, B, S)
         context = LayerContext(rotary=rotary, slots_BS=slots_BS, segments_BS=segments_BS, report_indexer=indexer,
-                               **context_cache)
+                               positions_BS=jnp.asarray(positions, jnp.int32), **context_cache)
 
         x_BSE, cache_runs, kept, routing, indexed = apply_layers(
             self, specs, x_BSE, context, None if cache is None else cache.runs, scan_from=c.scan_layers, remat=c.remat,
