@@ -7,12 +7,18 @@ and writes what the model reads:
 
 - `tokens [B, S]`; `attention_mask` only when some slot is padding (an all-true mask would keep
   attention from running fused); `positions`, each real token's index among its row's real tokens;
-- `image_indices [B, S]`: the soft feature a slot reads, `image * tokens_per_image + k` for the k-th
-  soft token of the row's image, -1 for text; `image_groups [B, S]`: the image behind each slot, -1 for text;
-- conditioning `pixel_values [B, images, C, H, W]`, zero-padded to the row with the most images.
+- `image_indices [B, S]`: the soft feature a slot reads, `entry * tokens_per_image + k` for the k-th
+  soft token of the row's pixel entry, -1 for text; `image_groups [B, S]`: the image behind each slot,
+  -1 for text;
+- conditioning `pixel_values [B, entries, C, H, W]`, zero-padded to the row with the most entries.
+
+A pixel entry is an image (Gemma 3), or one tile of an image (Llama 4, whose processor gives each image
+as its local tiles and a global tile, `[tiles, C, H, W]`); each fills one run of placeholders. Pixels the
+processor normalized in bfloat16 (Llama 4's, as its original implementation does) are widened to
+float32, which is exact.
 
 It checks on the host what the compiled model never checks: token ids inside the vocabulary, each
-row's placeholder runs against its images and `tokens_per_image`, and the images' shapes.
+row's placeholder runs against its pixel entries and `tokens_per_image`, and the images' shapes.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import numpy as np
 from dew.data.inputs import ModelInputs
 
 # What a transformers processor returns that Dew lays out; anything else is refused by name.
-_KNOWN_OUTPUTS = {"input_ids", "attention_mask", "pixel_values", "token_type_ids", "mm_token_type_ids"}
+_KNOWN_OUTPUTS = {"input_ids", "attention_mask", "pixel_values", "token_type_ids", "mm_token_type_ids",
+                  "aspect_ratios"}
 
 
 def load_reference(directory: Path):
@@ -45,7 +52,8 @@ class Processor:
     """Text and images to `ModelInputs` (see the module): `processor(texts, images=[[...], ...])`.
 
     `reference` is the checkpoint's transformers processor; `image_token_id` the id of the soft-token
-    placeholders it writes, `tokens_per_image` how many an image fills, and `vocab_size` the model's.
+    placeholders it writes, `tokens_per_image` how many a pixel entry (an image or a tile) fills, and
+    `vocab_size` the model's.
     """
 
     reference: Any
@@ -91,10 +99,11 @@ class Processor:
             raise ValueError(f"the checkpoint's processor returned {unknown}, which Dew does not lay out for this "
                              f"model (it reads {sorted(_KNOWN_OUTPUTS)})")
         ids = self._checked(index, np.asarray(outputs["input_ids"][0], np.int64))
-        pixels = None
-        if images:
-            pixels = np.stack([np.asarray(image, np.float32) for image in outputs["pixel_values"]])
-        return {"ids": ids, "pixels": pixels}
+        if not images:
+            return {"ids": ids, "pixels": None, "owners": None}
+        entries = [_entries(image) for image in outputs["pixel_values"]]
+        owners = np.repeat(np.arange(len(entries), dtype=np.int32), [len(entry) for entry in entries])
+        return {"ids": ids, "pixels": np.concatenate(entries), "owners": owners}
 
     def _laid_out(self, rows: list[dict]) -> ModelInputs:
         B, S = len(rows), max(len(row["ids"]) for row in rows)
@@ -125,22 +134,24 @@ class Processor:
         return inputs.replace(conditioning={"pixel_values": pixels})
 
     def _image_slots(self, b: int, row: dict) -> tuple[np.ndarray, np.ndarray]:
-        """(image_indices, image_groups) of one row's ids: each run of placeholders is one image."""
+        """(image_indices, image_groups) of one row's ids: each run of placeholders is one pixel entry."""
         ids = row["ids"]
         is_image = ids == self.image_token_id
         starts = np.flatnonzero(is_image & ~np.concatenate([[False], is_image[:-1]]))
         ends = np.flatnonzero(is_image & ~np.concatenate([is_image[1:], [False]])) + 1
-        images = 0 if row["pixels"] is None else len(row["pixels"])
-        if len(starts) != images:
+        entries = 0 if row["pixels"] is None else len(row["pixels"])
+        if len(starts) != entries:
             raise ValueError(f"row {b} holds {len(starts)} run(s) of image tokens (id {self.image_token_id}) for "
-                             f"{images} image(s): the processor's expansion and the model's image_token_id disagree")
+                             f"{entries} pixel entries (images, or tiles of them): the processor's expansion and the "
+                             "model's image_token_id disagree")
         indices, groups = np.full(len(ids), -1, np.int32), np.full(len(ids), -1, np.int32)
-        for image, (start, end) in enumerate(zip(starts, ends)):
+        for entry, (start, end) in enumerate(zip(starts, ends)):
             if end - start != self.tokens_per_image:
-                raise ValueError(f"row {b}'s image {image} fills {end - start} slot(s); the model reads "
-                                 f"{self.tokens_per_image} soft tokens an image (mm_tokens_per_image)")
-            indices[start:end] = image * self.tokens_per_image + np.arange(end - start)
-            groups[start:end] = image
+                raise ValueError(f"row {b}'s pixel entry {entry} (of image {row['owners'][entry]}) fills "
+                                 f"{end - start} slot(s); the model reads {self.tokens_per_image} soft tokens an "
+                                 "image or tile")
+            indices[start:end] = entry * self.tokens_per_image + np.arange(end - start)
+            groups[start:end] = row["owners"][entry]
         return indices, groups
 
     def from_ids(self, ids: Sequence[int], images: Sequence[Any] = ()) -> ModelInputs:
@@ -149,6 +160,10 @@ class Processor:
         placeholder expanded to the ids of the processor's image sequence, the images through the
         checkpoint's image processor. The server's chat prompts come this way, encoded as text prompts
         are (special-token text in a message stays text)."""
+        if not hasattr(self.reference, "full_image_sequence"):
+            raise NotImplementedError(f"prompts of token ids with images are built for processors that expand every "
+                                      f"image alike (Gemma 3's); {type(self.reference).__name__} expands each image "
+                                      "by its own tiles: pass the prompt as text through the processor")
         placeholder = self.tokenizer.convert_tokens_to_ids(self._placeholder())
         expansion = self.tokenizer(self.reference.full_image_sequence, add_special_tokens=False)["input_ids"]
         ids = [int(i) for i in ids]
@@ -159,11 +174,13 @@ class Processor:
         expanded = []
         for at, i in enumerate(ids):
             expanded.extend(expansion if i == placeholder else [i])
-        pixels = None
+        pixels = owners = None
         if images:
             pixels = np.asarray(self.reference.image_processor(list(images), return_tensors="np")["pixel_values"],
                                 np.float32)
-        return self._laid_out([{"ids": self._checked(0, np.asarray(expanded, np.int64)), "pixels": pixels}])
+            owners = np.arange(len(pixels), dtype=np.int32)
+        return self._laid_out([{"ids": self._checked(0, np.asarray(expanded, np.int64)), "pixels": pixels,
+                                "owners": owners}])
 
     def _checked(self, index: int, ids: np.ndarray) -> np.ndarray:
         """A row's ids, refused when empty or outside the model's vocabulary (naming the row and column)."""
@@ -189,6 +206,16 @@ class Processor:
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the processor's files (its config, the tokenizer's) into `directory`."""
         self.reference.save_pretrained(str(directory))
+
+
+def _entries(image) -> np.ndarray:
+    """One image's pixels from the processor as float32 entries `[n, C, H, W]`: an image `[C, H, W]` is one,
+    a stack of tiles `[tiles, C, H, W]` is one a tile. A torch tensor is widened in torch (numpy has no
+    bfloat16, in which Llama 4's processor normalizes), exactly."""
+    if hasattr(image, "detach"):
+        image = image.detach().float().numpy()
+    pixels = np.asarray(image, np.float32)
+    return pixels[None] if pixels.ndim == 3 else pixels
 
 
 __all__ = ["Processor", "load_reference"]

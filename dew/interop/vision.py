@@ -15,7 +15,8 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 from dew.interop.tensors import Rule
-from dew.nn.vision import GemmaProjectorConfig, SiglipConfig, projector_class, tower_class
+from dew.nn.vision import (GemmaProjectorConfig, Llama4ProjectorConfig, Llama4VisionConfig, SiglipConfig,
+                           projector_class, tower_class)
 
 _KERNEL = (1, 0)  # transformers stores a projection [out, in], Dew keeps it [in, out]
 _CONV = (2, 3, 1, 0)  # torch's Conv2d weight [out, in, kh, kw], Dew's (flax's) HWIO kernel [kh, kw, in, out]
@@ -26,13 +27,15 @@ TOWER_PREFIXES = {"siglip": (
     "model.vision_tower.vision_model.",  # transformers 4.5x's module names
     "vision_tower.",  # what transformers 5 writes
     "model.vision_tower.",  # transformers 5's module names
-)}
-PROJECTOR_PREFIXES = {"gemma": ("multi_modal_projector.", "model.multi_modal_projector.")}
+), "llama4": ("vision_model.", "model.vision_model.")}
+PROJECTOR_PREFIXES = {"gemma": ("multi_modal_projector.", "model.multi_modal_projector."),
+                      "llama4": ("multi_modal_projector.", "model.multi_modal_projector.")}
 # The tensor whose presence under a prefix says a checkpoint holds that module there.
-_ANCHORS = {"siglip": "embeddings.patch_embedding.weight", "gemma": "mm_input_projection_weight"}
+_TOWER_ANCHORS = {"siglip": "embeddings.patch_embedding.weight", "llama4": "patch_embedding.linear.weight"}
+_PROJECTOR_ANCHORS = {"gemma": "mm_input_projection_weight", "llama4": "linear_1.weight"}
 # What a tower's checkpoint may hold that the tower never reads: SigLIP's pooling head, which Gemma 3 does
 # not run (saved where `vision_use_head` was true), and the position ids buffer older files kept.
-_UNREAD = {"siglip": ("head.", "embeddings.position_ids")}
+_UNREAD = {"siglip": ("head.", "embeddings.position_ids"), "llama4": ()}
 
 
 def _siglip_rules(config: SiglipConfig, prefix: str) -> tuple[Rule, ...]:
@@ -57,8 +60,31 @@ def _gemma_rules(config: GemmaProjectorConfig, prefix: str) -> tuple[Rule, ...]:
             Rule("mm_soft_emb_norm/scale", f"{prefix}mm_soft_emb_norm.weight"))
 
 
-_TOWER_RULES = {"siglip": _siglip_rules}
-_PROJECTOR_RULES = {"gemma": _gemma_rules}
+def _llama4_tower_rules(config: Llama4VisionConfig, prefix: str) -> tuple[Rule, ...]:
+    layer = f"{prefix}model.layers.{{layer}}"
+    biased = [("self_attn", proj) for proj in ("q_proj", "k_proj", "v_proj", "o_proj")] + [("mlp", "fc1"),
+                                                                                          ("mlp", "fc2")]
+    return (
+        Rule("patch_embedding/linear/kernel", f"{prefix}patch_embedding.linear.weight", transpose=_KERNEL),
+        Rule("class_embedding", f"{prefix}class_embedding"),
+        Rule("positional_embedding_vlm", f"{prefix}positional_embedding_vlm"),
+        *(Rule(f"{norm}/{ours}", f"{prefix}{norm}.{theirs}") for norm in ("layernorm_pre", "layernorm_post")
+          for ours, theirs in _NORM),
+        *(Rule(f"model/layers/{norm}/{ours}", f"{layer}.{norm}.{theirs}")
+          for norm in ("input_layernorm", "post_attention_layernorm") for ours, theirs in _NORM),
+        *(Rule(f"model/layers/{block}/{proj}/{leaf}", f"{layer}.{block}.{proj}.{tensor}", transpose=transpose)
+          for block, proj in biased for leaf, tensor, transpose in (("kernel", "weight", _KERNEL), ("bias", "bias", None))),
+        *(Rule(f"vision_adapter/mlp/{fc}/kernel", f"{prefix}vision_adapter.mlp.{fc}.weight", transpose=_KERNEL)
+          for fc in ("fc1", "fc2")),
+    )
+
+
+def _llama4_projector_rules(config: Llama4ProjectorConfig, prefix: str) -> tuple[Rule, ...]:
+    return (Rule("linear_1/kernel", f"{prefix}linear_1.weight", transpose=_KERNEL),)
+
+
+_TOWER_RULES = {"siglip": _siglip_rules, "llama4": _llama4_tower_rules}
+_PROJECTOR_RULES = {"gemma": _gemma_rules, "llama4": _llama4_projector_rules}
 
 
 def tower_rules(kind: str, config, prefix: str, dew_prefix: str = "") -> tuple[Rule, ...]:
@@ -86,13 +112,13 @@ def tower_prefix(kind: str, names: Collection[str], where: str) -> str:
     """The prefix under which the checkpoint tensors `names` hold tower `kind` (`where` names the
     checkpoint in errors)."""
     tower_class(kind)
-    return _prefix(TOWER_PREFIXES[kind], _ANCHORS[kind], names, f"vision tower ({kind})", where)
+    return _prefix(TOWER_PREFIXES[kind], _TOWER_ANCHORS[kind], names, f"vision tower ({kind})", where)
 
 
 def projector_prefix(kind: str, names: Collection[str], where: str) -> str:
     """The prefix under which the checkpoint tensors `names` hold projector `kind`."""
     projector_class(kind)
-    return _prefix(PROJECTOR_PREFIXES[kind], _ANCHORS[kind], names, f"projector ({kind})", where)
+    return _prefix(PROJECTOR_PREFIXES[kind], _PROJECTOR_ANCHORS[kind], names, f"projector ({kind})", where)
 
 
 def _prefix(prefixes: Sequence[str], anchor: str, names: Collection[str], what: str, where: str) -> str:

@@ -4,7 +4,8 @@ One mask rule serves training and decoding: a query may read a key when the key'
 the query's (causal models) or both belong to the same image (an image's soft tokens see each other in
 both directions, Gemma 3), both carry the same segment id (documents in a packed row never see each
 other; padding, segment 0, reads only padding so no row is empty), and, with a sliding window, the
-key lies fewer than `window` slots behind the query.
+key lies fewer than `window` slots behind the query, and, with chunks (Llama 4's local layers), both
+positions fall in the same chunk of `chunk` positions.
 """
 
 from __future__ import annotations
@@ -35,11 +36,16 @@ def attention_mask(
     window: jax.Array | int | None,
     q_groups_BS: jax.Array | None = None,
     k_groups_BT: jax.Array | None = None,
+    chunk: int | None = None,
+    q_positions_BS: jax.Array | None = None,
+    k_positions_BT: jax.Array | None = None,
 ) -> jax.Array:
     """Boolean `[B, S, T]`: which key slot each query slot may read (`window` may be traced).
 
     `q_groups_BS` and `k_groups_BT` (both or neither) number the image each slot belongs to, -1 for
-    text: a query reads every key of its own image, later ones included."""
+    text: a query reads every key of its own image, later ones included. With `chunk`, a query reads
+    only keys whose position (`q_positions_BS`, `k_positions_BT`) lies in its own chunk,
+    `position // chunk`."""
     q, k = q_slots_BS[:, :, None], k_slots_BT[:, None, :]
     allowed = q_segments_BS[:, :, None] == k_segments_BT[:, None, :]
     if causal:
@@ -50,6 +56,8 @@ def attention_mask(
         allowed &= ordered
     if window is not None:
         allowed &= q - k < window
+    if chunk is not None:
+        allowed &= (q_positions_BS[:, :, None] // chunk) == (k_positions_BT[:, None, :] // chunk)
     return allowed
 
 
@@ -125,20 +133,53 @@ def score_max(q_BSHD, k_BKTD, allowed_BST, scale: float, block: int = BLOCK) -> 
 
 
 @dataclasses.dataclass(frozen=True)
+class NoPE:
+    """Layers without rotary positions (Llama 4's global layers, `no_rope_layers`): `layers` rotate nothing
+    and normalise no queries or keys (Llama 4 norms only its rotated layers'). With `floor_scale`, their
+    queries are multiplied by `1 + attn_scale * log1p(floor((position + 1) / floor_scale))`, a temperature
+    rising with the position (transformers' `attn_temperature_tuning`)."""
+
+    layers: tuple[int, ...]
+    floor_scale: float | None = None
+    attn_scale: float = 0.1
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+        if len(set(self.layers)) != len(self.layers) or any(i < 0 for i in self.layers):
+            raise ValueError(f"nope layers is {self.layers}: list distinct layer numbers >= 0")
+        if self.floor_scale is not None and not self.floor_scale > 0:
+            raise ValueError(f"nope floor_scale is {self.floor_scale}; it is a number of positions above 0, or None "
+                             "for no temperature")
+
+    def temperature(self) -> tuple[float, float] | None:
+        """`(floor_scale, attn_scale)` of the layers' query temperature, None without one."""
+        return None if self.floor_scale is None else (float(self.floor_scale), float(self.attn_scale))
+
+
+def query_temperature(positions_BS: jax.Array, floor_scale: float, attn_scale: float) -> jax.Array:
+    """float32 `[B, S]`: `log1p(floor((position + 1) / floor_scale)) * attn_scale + 1`, in transformers' order."""
+    steps_BS = jnp.floor((positions_BS.astype(jnp.float32) + 1.0) / jnp.float32(floor_scale))
+    return jnp.log1p(steps_BS) * jnp.float32(attn_scale) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     """Grouped-query self-attention: full, sliding-window (`window`) or bidirectional (`causal=False`).
 
     `num_heads` query heads share `num_kv_heads` key/value heads of `head_dim` features; rotary
     angles use `rope_theta` and `rope_scaling`. `qk_norm` normalises queries and keys before the
     rotation, per head (`qk_norm_scope="head"`, Qwen 3, Gemma 3) or over the whole projection
-    (`"projection"`, OLMo 2); `qkv_bias`/`o_bias` add biases; `query_scale` replaces
+    (`"projection"`, OLMo 2), or per head without a scale after the rotation (`"l2"`, Llama 4);
+    `qkv_bias`/`o_bias` add biases; `query_scale` replaces
     `head_dim ** -0.5`; `softcap` caps the scores (Gemma 2). Gemma 4: `value_norm` divides each value
     head by its rms (no scale), and `keys_as_values` reads the values from the key projection (before
     its norm and rotation), so the layer has no `v_proj`. Qwen3-Next: `output_gate` doubles `q_proj`
     (per head, the query's features then a gate's) and multiplies the attention's output by
     `sigmoid(gate)` before `o_proj`; a default rotary with a `rotated_fraction` turns only the first
-    features of each head (`dew.nn.rotary.rotated_width`). `rotary` False leaves queries and keys
-    where they are (SmolLM3's NoPE layers: no rotary positions). `window` and the rotary setting may
+    features of each head (`dew.nn.rotary.rotated_width`). Without `rotary` the layer rotates nothing
+    (NoPE: Llama 4's global layers, SmolLM3's `no_rope_layers`); Llama 4: `chunk` lets a query read only
+    keys in its own chunk of positions, and `temperature` `(floor_scale, attn_scale)` scales queries by
+    `query_temperature` of their positions. `window` and the rotary setting may
     differ between the layers of one scanned run; everything else shapes the parameters or the
     program and may not.
     """
@@ -160,6 +201,8 @@ class AttentionSpec:
     keys_as_values: bool = False
     output_gate: bool = False
     rotary: bool = True
+    chunk: int | None = None
+    temperature: tuple[float, float] | None = None
 
     def rope(self) -> tuple[int, float | None, RopeScaling]:
         """The rotary table this mixer reads: (rotated features, base, scaling); base None for the
@@ -219,12 +262,19 @@ class Attention(nn.Module):
         q_BSHD, k_BSKD = q_BSF.reshape(B, S, H, D), k_BSF.reshape(B, S, K, D)
         if s.qk_norm and s.qk_norm_scope == "head":
             q_BSHD, k_BSKD = norm("q_norm")(q_BSHD), norm("k_norm")(k_BSKD)
-        q_BSHD = apply_partial_rotary(q_BSHD, *rotary)
-        k_BSKD = apply_partial_rotary(k_BSKD, *rotary)
+        if s.rotary:
+            q_BSHD = apply_partial_rotary(q_BSHD, *rotary)
+            k_BSKD = apply_partial_rotary(k_BSKD, *rotary)
+        if s.qk_norm and s.qk_norm_scope == "l2":
+            q_BSHD, k_BSKD = normalize(q_BSHD, self.norm_eps), normalize(k_BSKD, self.norm_eps)
+        if s.temperature is not None:
+            scale_BS = query_temperature(context.positions_BS, *s.temperature)
+            q_BSHD = (q_BSHD.astype(jnp.float32) * scale_BS[:, :, None, None]).astype(q_BSHD.dtype)
 
         k_groups = context.groups_BS
         if cache is None:
             k_slots, k_segments = context.slots_BS, context.segments_BS
+            k_positions = context.positions_BS
         else:
             k_groups = context.key_groups_BT
             if not context.read_only_cache:
@@ -233,11 +283,17 @@ class Attention(nn.Module):
             k_slots = context.key_slots_BT
             if k_slots is None:
                 k_slots = jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32), k_segments.shape)
+            # a cached key's position is its slot: a row's real tokens fill the cache from slot 0, each at
+            # its default position (only the chunk mask reads them)
+            k_positions = k_slots
             if context.read_only_cache:  # this call's own keys follow the cached ones
                 k_slots = jnp.concatenate([k_slots, context.slots_BS], axis=1)
                 k_segments = jnp.concatenate([k_segments, context.segments_BS], axis=1)
+                if s.chunk is not None:
+                    k_positions = jnp.concatenate([k_positions, context.positions_BS], axis=1)
         mask_BST = attention_mask(context.slots_BS, k_slots, context.segments_BS, k_segments, causal=s.causal,
-                                  window=knobs.window, q_groups_BS=context.groups_BS, k_groups_BT=k_groups)
+                                  window=knobs.window, q_groups_BS=context.groups_BS, k_groups_BT=k_groups,
+                                  chunk=s.chunk, q_positions_BS=context.positions_BS, k_positions_BT=k_positions)
         report = None
         if context.report_qk:  # whole sequences only: the decoder refuses it with a cache
             # a real query's allowed keys share its segment, so are real too; padding reads only padding

@@ -94,7 +94,8 @@ class LayerContext:
     `report_indexer` asks latent mixers with an indexer for their `dew.nn.mla.IndexerRecord`, and
     `report_qk` every softmax-attention mixer for its largest logit per row and head (`qk_max`).
     `fresh_cache` says the cache held no token before this call (`dew.nn.kv_cache.Cache.fresh`).
-    `key_slots_BT` gives each cached key the slot the mask rule reads (None: its index in the cache;
+    `positions_BS` are the queries' positions (the rotary angles'; chunked attention and query
+    temperature read them too; None where no layer reads them). `key_slots_BT` gives each cached key the slot the mask rule reads (None: its index in the cache;
     `dew.nn.diffusion_gemma` gives positions). With `read_only_cache` the cache is a prefix this call
     reads and does not write: attention reads the cached keys (`filled_BT`, `key_slots_BT`), then the
     call's own (`segments_BS`, `slots_BS`), and the cache comes back as it was.
@@ -113,6 +114,7 @@ class LayerContext:
     read_only_cache: bool = struct.field(pytree_node=False, default=False)
     groups_BS: jax.Array | None = None
     key_groups_BT: jax.Array | None = None
+    positions_BS: jax.Array | None = None
 
 
 class DecoderLayer(nn.Module):

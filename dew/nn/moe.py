@@ -70,6 +70,9 @@ class Mixture:
     - `shared_features`: the hidden width of a dense gated MLP every token also runs through (0: none);
       `shared_gate` scales it by `sigmoid(x . w)` (Qwen2-MoE).
     - `capacity_factor`: None routes every slot (dropless); a factor caps each expert's slots per row.
+    - `weighted_inputs`: each routed expert reads its token times the expert's weight, and the experts'
+      outputs are summed unweighted (Llama 4's experts, which are not linear, so this differs from
+      weighting their outputs).
     - `router_norm`: the router reads `x / rms(x)` times a learned `scale` `[D]` and `D ** -0.5`, and
       projects it through `proj` in the compute dtype (Gemma 4's router); `expert_scale`: a learned
       `per_expert_scale` `[E]` multiplies each chosen expert's weight (Gemma 4's).
@@ -92,6 +95,7 @@ class Mixture:
     capacity_factor: float | None = None
     router_norm: bool = False
     expert_scale: bool = False
+    weighted_inputs: bool = False
 
     def __post_init__(self):
         if self.layers is not None:
@@ -272,15 +276,21 @@ def drop_overflow(experts_BQ: jax.Array, experts: int, capacity: int) -> jax.Arr
     return jnp.where(queue_BQ < capacity, experts_BQ, experts)
 
 
-def dispatch(x_ND, slots_NK, weights_NK, w_gate_EDF, w_up_EDF, w_down_EFD, activation: str) -> jax.Array:
+def dispatch(x_ND, slots_NK, weights_NK, w_gate_EDF, w_up_EDF, w_down_EFD, activation: str,
+             weighted_inputs: bool = False) -> jax.Array:
     """float32 `[N, D]`: each token's selected experts' outputs weighted in float32, a slot of id `E`
-    (dropped) contributing nothing. The slots are sorted by expert for one grouped matmul."""
+    (dropped) contributing nothing. The slots are sorted by expert for one grouped matmul. With
+    `weighted_inputs` each slot's input is weighted instead (in `x`'s dtype) and the outputs are summed."""
     N, K = slots_NK.shape
     E = w_gate_EDF.shape[0]
     slots_M = slots_NK.reshape(-1)
     order_M = jnp.argsort(slots_M, stable=True)
     sizes_E = jnp.bincount(slots_M, length=E).astype(jnp.int32)  # the dropped id E is not counted
-    y_MD = expert_mlp(x_ND[order_M // K], sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, activation)
+    x_MD = x_ND[order_M // K]
+    if weighted_inputs:
+        x_MD = x_MD * weights_NK.reshape(-1)[order_M][:, None].astype(x_MD.dtype)
+        weights_NK = jnp.ones_like(weights_NK)
+    y_MD = expert_mlp(x_MD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, activation)
     inverse_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(order_M.shape[0], dtype=order_M.dtype))
     y_NKD = y_MD[inverse_M].reshape(N, K, -1)
     kept_NK = slots_NK < E
@@ -368,7 +378,8 @@ def route(router: Router, experts: Experts, spec: SparseSpec, route_ND, x_ND, ro
     capacity = m.capacity(S)
     if capacity is not None:
         slots_NK = drop_overflow(experts_NK.reshape(B, S * m.top_k), m.experts, capacity).reshape(B * S, m.top_k)
-    y_ND = dispatch(x_ND.astype(dtype), slots_NK, weights_NK, gate_EDF, up_EDF, down_EFD, spec.activation)
+    y_ND = dispatch(x_ND.astype(dtype), slots_NK, weights_NK, gate_EDF, up_EDF, down_EFD, spec.activation,
+                    m.weighted_inputs)
     record = RouterRecord(experts=experts_NK.reshape(B, S, m.top_k), weights=weights_NK.reshape(B, S, m.top_k),
                           scores=scores_NE.reshape(B, S, m.experts), log_z=log_z_N.reshape(B, S))
     return y_ND, record

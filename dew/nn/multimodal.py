@@ -4,7 +4,9 @@ Its variables are `language_model` (a `CausalTransformer`'s, in its own form), `
 `projector` (registered by name in `dew.nn.vision`). A call encodes `pixel_values` `[B, images, C, H, W]`
 (the processor's layout, padded to the row with the most images), projects each image to its soft
 tokens, and the decoder takes those in place of the placeholder embeddings `image_indices` point at,
-with an image's tokens reading each other in both directions (`image_groups`). Media are encoded at
+with an image's tokens reading each other in both directions (`image_groups`) where the model was trained
+so (Gemma 3; Llama 4's read causally). A tiled model (Llama 4) takes each tile as one of the "images" of
+this layout: `pixel_values [B, tiles, C, H, W]`, `tokens_per_image` soft tokens a tile. Media are encoded at
 prefill only: a decode step passes no `pixel_values` and reads the cache, which remembers each slot's
 image. Without media the call is the text decoder's.
 """
@@ -28,8 +30,10 @@ LANGUAGE_MODEL = "language_model"
 class MultimodalConfig:
     """A decoder `text` with a vision tower and projector: `tower` and `projector` are their configs
     (`dew.nn.vision`), registered as `tower_kind` and `projector_kind`; `image_token_id` is the id of
-    an image's soft-token placeholders and `tokens_per_image` how many each image fills. The text
-    knobs (`vocab_size`, `max_seq_len`, `dtype`, ...) read through from `text`."""
+    an image's soft-token placeholders and `tokens_per_image` how many each image (or tile) fills. With
+    `bidirectional_images` an image's soft tokens read each other in both directions (Gemma 3); without,
+    they read causally as text does (Llama 4). The text knobs (`vocab_size`, `max_seq_len`, `dtype`, ...)
+    read through from `text`."""
 
     text: DecoderConfig
     tower_kind: str
@@ -38,6 +42,7 @@ class MultimodalConfig:
     projector: Any
     image_token_id: int
     tokens_per_image: int
+    bidirectional_images: bool = True
 
     def __getattr__(self, name: str):
         # only reached for names the dataclass lacks: the decoder's knobs
@@ -77,7 +82,9 @@ class MultimodalTransformer(ModelVariables, nn.Module):
             if image_indices is None or image_groups is None:
                 raise ValueError("pixel_values need image_indices and image_groups beside them (the processor "
                                  "writes all three): which slot reads which soft token, and which image it is")
-            kwargs.update(features=self.encode(pixel_values), feature_indices=image_indices, image_groups=image_groups)
+            kwargs.update(features=self.encode(pixel_values), feature_indices=image_indices)
+            if self.config.bidirectional_images:
+                kwargs["image_groups"] = image_groups
         return self.language_model(tokens, **kwargs)
 
     def encode(self, pixel_values):
@@ -105,8 +112,11 @@ class MultimodalTransformer(ModelVariables, nn.Module):
 
     @nn.nowrap
     def init_cache(self, rows: int, capacity: int) -> Cache:
-        """The decoder's empty cache, which also remembers the image behind each slot."""
+        """The decoder's empty cache, which also remembers the image behind each slot where images read
+        themselves in both directions."""
         cache = self._decoder().init_cache(rows, capacity)
+        if not self.config.bidirectional_images:
+            return cache
         return cache.replace(groups=jnp.full((rows, capacity), -1, jnp.int32))
 
 

@@ -23,7 +23,7 @@ from dew.data.inputs import ModelInputs, text_fields
 from dew.kernels import policy as kernel_policy
 from dew.kernels.int8 import dequantize
 
-from dew.nn.attention import AttentionSpec
+from dew.nn.attention import AttentionSpec, NoPE
 from dew.nn.head import Head
 from dew.nn.kv_cache import Cache
 from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, named
@@ -42,11 +42,12 @@ from dew.nn.stack import REMAT_POLICIES, apply_layers, rotary_tables, runs, stac
 
 # The knobs of grouped-query attention that latent attention does not have, and their neutral values.
 _NOT_LATENT = {"causal": True, "sliding_window": None, "layer_types": None, "qk_norm": False, "query_scale": None,
-               "attn_softcap": None, "attn_output_gate": False, "layer_rotary": None}
+               "attn_softcap": None, "attn_output_gate": False}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 # The recurrent mixers' shapes (`DecoderConfig.recurrent`).
 _RECURRENT = (Mamba2, GatedDeltaNet)
+CHUNKED = "chunked_attention"
 
 
 def as_dtype(value) -> jnp.dtype:
@@ -95,11 +96,12 @@ _CONVERSIONS: dict[str, Callable[[str, object], object]] = {
     "mixture": _from_fields(Mixture),
     "latent": _from_fields(LatentAttention),
     "recurrent": _recurrent,
+    "nope": _from_fields(NoPE),
     "layer_types": lambda name, value: None if value is None else tuple(value),
-    "layer_rotary": lambda name, value: None if value is None else tuple(bool(rotates) for rotates in value),
 }
 # The string knobs and the values each may take.
-_CHOICES = {"norm_style": NORM_STYLES, "norm_placement": NORM_PLACEMENTS, "qk_norm_scope": ("head", "projection"),
+_CHOICES = {"norm_style": NORM_STYLES, "norm_placement": NORM_PLACEMENTS,
+            "qk_norm_scope": ("head", "projection", "l2"),
             "activation": tuple(ACTIVATIONS), "remat": tuple(REMAT_POLICIES), "kernels": kernel_policy.POLICIES}
 
 
@@ -118,14 +120,13 @@ class DecoderConfig:
       `post_attention_layernorm`, as in Llama), "sandwich" (Gemma 2/3: also a norm after each
       sublayer, `pre_feedforward_layernorm` before the MLP) or "post" (OLMo 2: norms only after each
       sublayer, before the residual add).
-    - `qk_norm_scope`: with `qk_norm`, normalise per head ("head") or the whole projection ("projection").
+    - `qk_norm_scope`: with `qk_norm`, normalise per head ("head") or the whole projection ("projection"),
+      or divide each head by its rms, without a scale, after the rotation ("l2", Llama 4's).
     - `scale_embeddings`: multiply the embeddings by `sqrt(emb_features)` rounded to `dtype` (Gemma);
       `embedding_scale` multiplies them by itself in `dtype` (Granite's `embedding_multiplier`).
     - `residual_scale`: each sublayer's output times it before the residual add (Granite's
       `residual_multiplier`; `LayerSpec.residual_scale`).
     - `logit_divisor`: the output logits divided by it, after any cap (Granite's `logits_scaling`).
-    - `layer_rotary`: whether each layer rotates its queries and keys (None: every layer does); a
-      False layer reads no positions (SmolLM3's NoPE layers; `AttentionSpec.rotary`).
     - `activation`: the MLP gate's "silu", "gelu_tanh" or "gelu".
     - `query_scale`: the attention scores' factor (default `head_dim ** -0.5`); `attn_softcap` caps
       the scores, `logit_softcap` the output logits, `c * tanh(x / c)`.
@@ -134,10 +135,13 @@ class DecoderConfig:
       `rotated_fraction`, turns only the first features of each head: Qwen3-Next's partial rotary).
     - `attn_output_gate`: attention's `q_proj` also gives a gate per head, and the attention's output
       is multiplied by its sigmoid before `o_proj` (Qwen3-Next, Qwen 3.5).
-    - `layer_types`: one "full_attention", "sliding_attention" or "linear_attention" per layer; only
-      sliding layers use `sliding_window`, `local_rope_theta` (default `rope_theta`) and
-      `local_rope_scaling` (default `rope_scaling`); a linear layer's mixer is the recurrent one
-      (`recurrent`). Without it, every layer is attention and uses `sliding_window`.
+    - `layer_types`: one "full_attention", "sliding_attention", "chunked_attention" or "linear_attention"
+      per layer; only sliding layers use `sliding_window`, `local_rope_theta` (default `rope_theta`) and
+      `local_rope_scaling` (default `rope_scaling`); a chunked layer's query reads only the keys in its
+      own chunk of `attention_chunk_size` positions (Llama 4's local layers); a linear layer's mixer is
+      the recurrent one (`recurrent`). Without it, every layer is attention and uses `sliding_window`.
+    - `nope`: the layers without rotary positions and, for Llama 4's global layers, their query
+      temperature (`dew.nn.attention.NoPE`, or its fields as a dict; SmolLM3's `no_rope_layers` too).
     - `recurrent`: the shape of the recurrent mixers of the "linear_attention" layers
       (`dew.nn.mamba2.Mamba2` or `dew.nn.gated_deltanet.GatedDeltaNet`, or its fields as a dict), as
       `latent` is attention's.
@@ -175,6 +179,7 @@ class DecoderConfig:
     tie_embeddings: bool = False
     causal: bool = True
     sliding_window: int | None = None
+    attention_chunk_size: int | None = None
     logit_softcap: float | None = None
     norm_eps: float = 1e-6
     qkv_bias: bool = False
@@ -189,7 +194,6 @@ class DecoderConfig:
     attn_softcap: float | None = None
     attn_output_gate: bool = False
     layer_types: tuple[str, ...] | None = None
-    layer_rotary: tuple[bool, ...] | None = None
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     logit_divisor: float = 1.0
@@ -200,6 +204,7 @@ class DecoderConfig:
     mixture: Mixture | None = None
     latent: LatentAttention | None = None
     recurrent: Mamba2 | GatedDeltaNet | None = None
+    nope: NoPE | None = None
     mtp_depths: int = 0
     scan_layers: int = 8
     remat: str = "none"
@@ -260,8 +265,6 @@ class DecoderConfig:
         for name in ("embedding_scale", "residual_scale", "logit_divisor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} is {getattr(self, name)}; it must be positive (1.0 changes nothing)")
-        if self.layer_rotary is not None and len(self.layer_rotary) != self.num_layers:
-            raise ValueError(f"layer_rotary names {len(self.layer_rotary)} layers but num_layers is {self.num_layers}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window is {self.sliding_window}; use None for full attention or a width >= 1")
         for name, allowed in _CHOICES.items():
@@ -270,16 +273,24 @@ class DecoderConfig:
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types names {len(self.layer_types)} layers but num_layers is {self.num_layers}")
-            unknown = sorted(set(self.layer_types) - {FULL, SLIDING, LINEAR})
+            unknown = sorted(set(self.layer_types) - {FULL, SLIDING, CHUNKED, LINEAR})
             if unknown:
-                raise ValueError(f"layer_types holds {unknown}; each layer is {FULL!r}, {SLIDING!r} or {LINEAR!r}")
+                raise ValueError(f"layer_types holds {unknown}; each layer is {FULL!r}, {SLIDING!r}, {CHUNKED!r} or "
+                                 f"{LINEAR!r}")
             if (LINEAR in self.layer_types) != (self.recurrent is not None):
                 raise ValueError(f"recurrent is {self.recurrent!r} and layer_types names "
                                  f"{self.layer_types.count(LINEAR)} {LINEAR!r} layers: the recurrent mixer's shape "
                                  "and the layers it mixes come together (give both, or neither)")
             if SLIDING in self.layer_types and self.sliding_window is None:
                 raise ValueError(f"layer_types names {SLIDING!r} layers but sliding_window is None: give the width")
+            if (CHUNKED in self.layer_types) != (self.attention_chunk_size is not None):
+                raise ValueError(f"attention_chunk_size is {self.attention_chunk_size!r} and layer_types names "
+                                 f"{self.layer_types.count(CHUNKED)} {CHUNKED!r} layers: the chunk and the layers "
+                                 "that read it come together (give both, or neither)")
         else:
+            if self.attention_chunk_size is not None:
+                raise ValueError(f"attention_chunk_size {self.attention_chunk_size} applies to chunked layers: give "
+                                 f"layer_types naming them ({CHUNKED!r}), or drop it")
             for name in ("local_rope_theta", "local_rope_scaling"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} applies to sliding layers: give layer_types too, or drop it")
@@ -295,6 +306,15 @@ class DecoderConfig:
             if self.mlp_bias and (self.sparse_layers or self.mtp_depths):
                 raise NotImplementedError("mlp_bias with a mixture: experts with biases are not built in Dew yet; "
                                           "set mlp_bias False")
+        if self.attention_chunk_size is not None and self.attention_chunk_size < 1:
+            raise ValueError(f"attention_chunk_size is {self.attention_chunk_size}; it is a number of positions >= 1")
+        if self.nope is not None:
+            outside = [i for i in self.nope.layers if i >= self.num_layers]
+            if outside:
+                raise ValueError(f"nope layers {outside} are not layers of this {self.num_layers}-layer model")
+            if self.latent is not None:
+                raise NotImplementedError("nope with latent attention: layers without rotary positions are built for "
+                                          "grouped-query attention only; drop nope")
         if self.mtp_depths < 0:
             raise ValueError(f"mtp_depths is {self.mtp_depths}; it counts multi-token-prediction modules, 0 for none")
         if self.latent is not None:
@@ -324,12 +344,14 @@ class DecoderConfig:
             elif self.latent is not None:
                 mixer = MLASpec(self.num_heads, self.latent, theta, scaling, bias=self.qkv_bias, o_bias=self.o_bias)
             else:
+                nope = self.nope is not None and index in self.nope.layers
                 mixer = AttentionSpec(
                     self.num_heads, self.num_kv_heads, self.head_dim, causal=self.causal,
-                    window=self.layer_window(index), rope_theta=theta, rope_scaling=scaling, qk_norm=self.qk_norm,
-                    qk_norm_scope=self.qk_norm_scope, qkv_bias=self.qkv_bias, o_bias=self.o_bias,
-                    query_scale=self.query_scale, softcap=self.attn_softcap, output_gate=self.attn_output_gate,
-                    rotary=self.layer_rotary is None or self.layer_rotary[index],
+                    window=self.layer_window(index), rope_theta=theta, rope_scaling=scaling,
+                    qk_norm=self.qk_norm and not nope, qk_norm_scope=self.qk_norm_scope, qkv_bias=self.qkv_bias,
+                    o_bias=self.o_bias, query_scale=self.query_scale, softcap=self.attn_softcap,
+                    output_gate=self.attn_output_gate, rotary=not nope,
+                    chunk=self.layer_chunk(index), temperature=self.nope.temperature() if nope else None,
                 )
             feed_forward = sparse if index in self.sparse_layers else dense if self.mlp_features else None
             specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps,
@@ -356,6 +378,12 @@ class DecoderConfig:
         """The sliding window of layer `index`, None for full attention."""
         if self.layer_types is None or self.layer_types[index] == SLIDING:
             return self.sliding_window
+        return None
+
+    def layer_chunk(self, index: int) -> int | None:
+        """The chunk of positions layer `index` attends within, None when it is not a chunked layer."""
+        if self.layer_types is not None and self.layer_types[index] == CHUNKED:
+            return self.attention_chunk_size
         return None
 
     def layer_rope_theta(self, index: int) -> float:
@@ -572,7 +600,8 @@ class CausalTransformer(ModelVariables, nn.Module):
         if routes is not None:
             replay_LBSK, context_cache["covered_BS"] = self._replay(routes, B, S)
         context = LayerContext(rotary=rotary, slots_BS=slots_BS, segments_BS=segments_BS, report_indexer=indexer,
-                               report_qk=qk_stats, **context_cache)
+                               report_qk=qk_stats, positions_BS=jnp.asarray(positions, jnp.int32),
+                               **context_cache)
 
         x_BSE, cache_runs, kept, routing, mixed = apply_layers(
             self, specs, x_BSE, context, None if cache is None else cache.runs, scan_from=c.scan_layers, remat=c.remat,

@@ -62,7 +62,10 @@ MAY_CHANGE = ("trainer.run_dir", "trainer.log_every", "trainer.eval_every", "tra
 COMPARED = ("recipe", "settings", "model", "data")
 # Model fields added since runs were first recorded, with the value that computes what a run recorded
 # without them did: a run.json that lacks one reads as that value, not as a difference.
-ADDED_FIELDS = {"model.config.kernels": "auto", "model.config.recurrent": None, "model.config.attn_output_gate": False}
+ADDED_FIELDS = {"model.config.kernels": "auto", "model.config.recurrent": None, "model.config.attn_output_gate": False,
+                "model.config.embedding_scale": 1.0, "model.config.residual_scale": 1.0,
+                "model.config.logit_divisor": 1.0, "model.config.attention_chunk_size": None,
+                "model.config.nope": None}
 _SPELLED = "settings.model.config."
 # Settings that name files: recorded and compared as absolute paths (a hub name that is not a local
 # path stays as is). A data source has only some of them (data:chat's template and val_path).

@@ -20,7 +20,7 @@ from tests.interop.conftest import assert_logits_match, save_checkpoint, torch_m
 def test_a_smollm3_load_saves_a_checkpoint_transformers_loads_with_equal_logits(tmp_path):
     model = torch_model("smollm3-nope-window")
     bundle = load_pretrained(save_checkpoint(model, tmp_path / "source"))
-    assert bundle.model.config.layer_rotary == (True, False)
+    assert bundle.model.config.nope.layers == (1,)
     out = bundle.save(tmp_path / "export")
     written = json.loads((out / "config.json").read_text())
     assert written["no_rope_layers"] == [1, 0] and written["use_sliding_window"] is True
@@ -38,7 +38,7 @@ def test_the_interval_sets_the_nope_layers_when_the_list_is_absent(tmp_path):
     config.pop("no_rope_layers")
     (directory / "config.json").write_text(json.dumps(config))
     bundle = load_pretrained(directory)
-    assert bundle.model.config.layer_rotary == (True, False, True, False)
+    assert bundle.model.config.nope.layers == (1, 3)
     assert_logits_match(bundle, model, np.random.default_rng(4).integers(0, 97, (2, 12)))
 
 
@@ -54,7 +54,7 @@ def test_a_smollm3_gguf_reads_as_the_same_model(tmp_path):
     (tmp_path / "gguf").mkdir()
     path = gguf_test.write_gguf(model, tmp_path / "gguf" / "tiny.f32.gguf", tensors=tensors)
     bundle = load_pretrained(path.parent, gguf_file=path.name)
-    assert bundle.model.config.layer_rotary == (True, True, True, False)
+    assert bundle.model.config.nope.layers == (3,)
     tokens = jnp.asarray(gguf_test.TOKENS_IN, jnp.int32)
     np.testing.assert_array_equal(np.asarray(bundle.model.apply(bundle.variables, tokens)),
                                   np.asarray(source.model.apply(source.variables, tokens)))

@@ -20,9 +20,10 @@ from dew.interop import vision
 from dew.interop.families.converter import Converter
 from dew.interop.families.gemma import GEMMA3_TEXT
 from dew.interop.families.llama import DECODER_RULES
+from dew.interop.families.multimodal import Layout, layout_of
 from dew.interop.hf_decoders import ConfigFields
 from dew.interop.tensors import Rule
-from dew.nn.multimodal import LANGUAGE_MODEL, MultimodalConfig
+from dew.nn.multimodal import MultimodalConfig
 from dew.nn.transformer import DecoderConfig
 from dew.nn.vision import projector_config, tower_config
 
@@ -33,17 +34,6 @@ _FIELDS = {"text_config": None, "vision_config": None, "mm_tokens_per_image": 25
            "eoi_token_index": 256_000, "image_token_index": 262_144, "initializer_range": 0.02,
            "tie_word_embeddings": True}
 _TOP = Converter(MODEL_TYPE, "Gemma3Config", "Gemma3ForConditionalGeneration", _FIELDS, ())
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where a checkpoint keeps each part: the decoder's `model.` prefix (`language`), its head's name,
-    and the tower's and projector's prefixes."""
-
-    language: str
-    head: str
-    tower: str
-    projector: str
 
 
 HUB = Layout("language_model.model.", "language_model.lm_head.weight", "vision_tower.vision_model.",
@@ -93,29 +83,11 @@ class Gemma3Family:
 
     def layout(self, names: Collection[str] | None) -> Layout:
         """The tensor layout a checkpoint holding `names` uses (the published one for None)."""
-        if names is None:
-            return HUB
-        names = set(names)
-        for layout in _LAYOUTS:
-            if f"{layout.language}embed_tokens.weight" in names and any(n.startswith(layout.tower) for n in names):
-                return layout
-        raise ValueError(f"the checkpoint's tensors ({sorted(names)[:3]} ...) are not in a Gemma 3 layout Dew knows: "
-                         f"it reads {[layout.language + 'embed_tokens.weight' for layout in _LAYOUTS[:2]]} beside "
-                         "the vision tower's and projector's tensors")
+        return layout_of(_LAYOUTS, names, "Gemma 3")
 
     def tensor_rules(self, config: MultimodalConfig, names: Collection[str] | None = None) -> tuple[Rule, ...]:
         """The rules between the checkpoint's tensors and the model's variables, in the layout `names` use."""
-        layout = self.layout(names)
-
-        def decoder(name: str) -> str:
-            return layout.head if name == "lm_head.weight" else layout.language + name.removeprefix("model.")
-
-        rules = [dataclasses.replace(rule, dew=tuple(f"{LANGUAGE_MODEL}/{path}" for path in rule.dew),
-                                     tensor=tuple(decoder(name) for name in rule.tensor)) for rule in DECODER_RULES]
-        rules += vision.tower_rules(config.tower_kind, config.tower, layout.tower, dew_prefix="tower/")
-        rules += vision.projector_rules(config.projector_kind, config.projector, layout.projector,
-                                        dew_prefix="projector/")
-        return tuple(rules)
+        return self.layout(names).rules(config, DECODER_RULES)
 
     def ignorable(self, name: str, config: MultimodalConfig) -> bool:
         """Tensors transformers drops too: a tied head's copy, and the tower's pooling head, which Gemma 3

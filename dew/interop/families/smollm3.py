@@ -1,6 +1,6 @@
 """SmolLM3: the Llama block with some layers that read no rotary positions (NoPE): `no_rope_layers`
 holds a 1 for each layer that rotates and a 0 for each that does not (by default every
-`no_rope_layer_interval`-th layer is NoPE), read into `DecoderConfig.layer_rotary`. A sliding window
+`no_rope_layer_interval`-th layer is NoPE), read into `DecoderConfig.nope` (no query temperature). A sliding window
 applies to the layers `layer_types` names sliding, and only with `use_sliding_window`."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from dew.interop.families.converter import Converter, GGUFNames
 from dew.interop.families.llama import DECODER_RULES, LLAMA_CPP_METADATA, LLAMA_CPP_NAMES
 from dew.interop.hf_decoders import HEAD_DIM_READ, ConfigFields
+from dew.nn.attention import NoPE
 from dew.nn.transformer import FULL, SLIDING
 
 _SMOLLM3_FIELDS = {
@@ -46,7 +47,8 @@ class SmolLM3Converter(Converter):
         if flags is None and not (isinstance(interval, int) and interval >= 1):
             fields.refuse("no_rope_layer_interval", interval, "give a whole number of layers >= 1 (SmolLM3 uses 4)")
         rotates = _rotates(fields.source, layers)
-        kwargs["layer_rotary"] = None if all(rotates) else tuple(rotates)
+        if not all(rotates):
+            kwargs["nope"] = NoPE(tuple(i for i, rotating in enumerate(rotates) if not rotating))
         if "layer_types" in kwargs and not fields.get("use_sliding_window"):
             fields.refuse("use_sliding_window", False, "layer_types names sliding layers, whose mask transformers "
                           "builds while its attention kernels read no window without use_sliding_window: set it "
@@ -54,7 +56,8 @@ class SmolLM3Converter(Converter):
         fields.get("use_sliding_window")
 
     def written(self, config) -> dict:
-        rotates = config.layer_rotary or (True,) * config.num_layers
+        still = () if config.nope is None else config.nope.layers
+        rotates = [i not in still for i in range(config.num_layers)]
         return {**super().written(config), "no_rope_layers": [int(flag) for flag in rotates],
                 "use_sliding_window": config.sliding_window is not None and SLIDING in (config.layer_types or ())}
 

@@ -13,11 +13,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from dew.nn.vision.base import TowerGeometry
-from dew.nn.vision.projectors import GemmaProjector, GemmaProjectorConfig
+from dew.nn.vision.llama4 import Llama4Tower, Llama4VisionConfig
+from dew.nn.vision.projectors import GemmaProjector, GemmaProjectorConfig, Llama4Projector, Llama4ProjectorConfig
 from dew.nn.vision.siglip import SiglipConfig, SiglipTower
 
-TOWERS: dict[str, type] = {"siglip": SiglipConfig}
-PROJECTORS: dict[str, type] = {"gemma": GemmaProjectorConfig}
+TOWERS: dict[str, type] = {"siglip": SiglipConfig, "llama4": Llama4VisionConfig}
+PROJECTORS: dict[str, type] = {"gemma": GemmaProjectorConfig, "llama4": Llama4ProjectorConfig}
 
 
 def _entry(table: Mapping[str, type], kind: str, what: str) -> type:
@@ -47,6 +48,7 @@ def projector_config(kind: str, record: Mapping[str, Any], where: str):
 
 
 __all__ = [
-    "PROJECTORS", "TOWERS", "GemmaProjector", "GemmaProjectorConfig", "SiglipConfig", "SiglipTower", "TowerGeometry",
+    "PROJECTORS", "TOWERS", "GemmaProjector", "GemmaProjectorConfig", "Llama4Projector", "Llama4ProjectorConfig",
+    "Llama4Tower", "Llama4VisionConfig", "SiglipConfig", "SiglipTower", "TowerGeometry",
     "projector_class", "projector_config", "tower_class", "tower_config",
 ]

@@ -31,3 +31,11 @@ class TowerGeometry:
     def patches(self) -> int:
         """The tower's output positions per image, `P = patches_per_side ** 2`."""
         return self.patches_per_side**2
+
+    def check(self, pixel_values, tower: str, unit: str, fix: str) -> None:
+        """Refuse pixels other than `[N, channels, image_size, image_size]`, naming the `tower`, what one of the
+        N is (`unit`: images, tiles) and the `fix`."""
+        expected = (self.channels, self.image_size, self.image_size)
+        if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
+            raise ValueError(f"pixel_values have shape {tuple(pixel_values.shape)}; this {tower} tower reads "
+                             f"[{unit}, {', '.join(map(str, expected))}]: {fix} and put channels first")

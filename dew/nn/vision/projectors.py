@@ -1,5 +1,8 @@
 """Projectors from a vision tower's patch states to a language model's embedding width.
 
+`Llama4Projector` is transformers' `Llama4MultiModalProjector`: one bias-free linear `linear_1` from the
+tower's `vision_output_dim` to the text width (the pixel shuffle and adapter MLP belong to the tower).
+
 `GemmaProjector` is transformers' `Gemma3MultiModalProjector` (`gemma3/modeling_gemma3.py`): the
 `side x side` patch grid average-pooled to `t x t` soft tokens, a Gemma RMSNorm (`(1 + weight)`) over
 the vision width, and `x @ mm_input_projection_weight`, a `[vision_hidden, text_hidden]` matrix kept in
@@ -18,9 +21,10 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from dew.kernels.matmul import dot
-from dew.nn.linear import named
+from dew.nn.linear import Linear, named
 from dew.nn.norms import RMSNorm
 from dew.nn.vision.base import require_positive_ints
+from dew.nn.vision.llama4 import Llama4VisionConfig
 from dew.nn.vision.siglip import SiglipConfig
 
 TEXT_HIDDEN = 2304  # transformers' Gemma3TextConfig hidden_size, where a record has no text_config width
@@ -112,3 +116,53 @@ class GemmaProjector(nn.Module):
                             (C, c.text_hidden), self.param_dtype)
         out = dot(normed_NTC.reshape(N * t * t, C), weight.astype(self.dtype), out_dtype=self.dtype)
         return out.reshape(N, t * t, c.text_hidden)
+
+
+LLAMA4_TEXT_HIDDEN = 5120  # transformers' Llama4TextConfig hidden_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama4ProjectorConfig:
+    """Llama 4's projector: the tower's `vision_output_dim` states to `text_hidden` (the text config's width)."""
+
+    vision_output_dim: int
+    text_hidden: int
+
+    def __post_init__(self):
+        require_positive_ints(self, ("vision_output_dim", "text_hidden"))
+
+    @classmethod
+    def from_hf(cls, record: Mapping[str, Any], where: str) -> "Llama4ProjectorConfig":
+        """The projector a Llama 4 config record (config.json, `model_type` "llama4") describes: its
+        `vision_config` (read as a Llama 4 tower's) and `text_config.hidden_size`, transformers' defaults where
+        absent."""
+        vision = Llama4VisionConfig.from_hf(record.get("vision_config") or {}, f"{where} vision_config")
+        text_hidden = (record.get("text_config") or {}).get("hidden_size", LLAMA4_TEXT_HIDDEN)
+        try:
+            return cls(vision.vision_output_dim, text_hidden)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        """The projector's own fields of a Llama 4 config record: none (its widths are the tower's and text's)."""
+        return {}
+
+    def build(self, dtype=jnp.float32, param_dtype=jnp.float32) -> "Llama4Projector":
+        return Llama4Projector(self, dtype, param_dtype)
+
+
+class Llama4Projector(nn.Module):
+    """`[N, T, vision_output_dim]` to soft tokens `[N, T, text_hidden]` in `dtype`."""
+
+    config: Llama4ProjectorConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_NTC: jax.Array) -> jax.Array:
+        c = self.config
+        if x_NTC.shape[-1] != c.vision_output_dim:
+            raise ValueError(f"the projector reads states of width {c.vision_output_dim} (vision_output_dim) but was "
+                             f"given {tuple(x_NTC.shape)}: build it from the tower's own config")
+        return Linear(c.text_hidden, dtype=self.dtype, param_dtype=self.param_dtype, names=("embed", None),
+                      name="linear_1")(x_NTC.astype(self.dtype))

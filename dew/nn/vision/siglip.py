@@ -215,11 +215,8 @@ class SiglipTower(_TowerPart):
     @nn.compact
     def __call__(self, pixel_values: jax.Array) -> jax.Array:
         c = self.config
-        expected = (c.num_channels, c.image_size, c.image_size)
-        if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
-            raise ValueError(f"pixel_values have shape {tuple(pixel_values.shape)}; this SigLIP tower reads "
-                             f"[images, {', '.join(map(str, expected))}]: resize the images to {c.image_size} "
-                             "pixels a side (the processor's size) and put channels first")
+        c.geometry().check(pixel_values, "SigLIP", "images",
+                           f"resize the images to {c.image_size} pixels a side (the processor's size)")
         x_NPE = SiglipEmbeddings(c, self.dtype, self.param_dtype, name="embeddings")(pixel_values)
         x_NPE = SiglipEncoder(c, self.dtype, self.param_dtype, name="encoder")(x_NPE)
         return _layer_norm(c, self.param_dtype, "post_layernorm")(x_NPE).astype(self.dtype)

@@ -1,0 +1,52 @@
+"""What the multimodal families share (Gemma 3, Llama 4): where a checkpoint keeps its decoder, tower and
+projector (`Layout`), finding the layout a checkpoint's tensor names use, and the rules of the whole
+model in one layout, the decoder's under `language_model/`, the tower's under `tower/`, the projector's
+under `projector/`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Sequence
+
+from dew.interop import vision
+from dew.interop.tensors import Rule
+from dew.nn.multimodal import LANGUAGE_MODEL, MultimodalConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a checkpoint keeps each part: the decoder's `model.` prefix (`language`), its head's name,
+    and the tower's and projector's prefixes."""
+
+    language: str
+    head: str
+    tower: str
+    projector: str
+
+    def rules(self, config: MultimodalConfig, decoder_rules: Sequence[Rule]) -> tuple[Rule, ...]:
+        """The rules between a checkpoint in this layout and the model's variables, from the text family's
+        `decoder_rules` (over `model.*` and `lm_head.weight`) and the tower's and projector's own."""
+
+        def decoder(name: str) -> str:
+            return self.head if name == "lm_head.weight" else self.language + name.removeprefix("model.")
+
+        rules = [dataclasses.replace(rule, dew=tuple(f"{LANGUAGE_MODEL}/{path}" for path in rule.dew),
+                                     tensor=tuple(decoder(name) for name in rule.tensor)) for rule in decoder_rules]
+        rules += vision.tower_rules(config.tower_kind, config.tower, self.tower, dew_prefix="tower/")
+        rules += vision.projector_rules(config.projector_kind, config.projector, self.projector,
+                                        dew_prefix="projector/")
+        return tuple(rules)
+
+
+def layout_of(layouts: Sequence[Layout], names: Collection[str] | None, family: str) -> Layout:
+    """The first of `layouts` whose decoder embedding and tower a checkpoint holding tensors `names` holds
+    (the first of them for None: the layout a save writes from scratch); `family` names it in errors."""
+    if names is None:
+        return layouts[0]
+    names = set(names)
+    for layout in layouts:
+        if f"{layout.language}embed_tokens.weight" in names and any(n.startswith(layout.tower) for n in names):
+            return layout
+    raise ValueError(f"the checkpoint's tensors ({sorted(names)[:3]} ...) are not in a {family} layout Dew knows: "
+                     f"it reads {sorted({layout.language + 'embed_tokens.weight' for layout in layouts})} beside the "
+                     "vision tower's and projector's tensors")
