@@ -1,11 +1,13 @@
 """GGUF files (llama.cpp): metadata as a transformers config, tensors dequantized to float32, the tokenizer.
 
 The architectures a family converter names GGUF tables for load (llama, Mixtral as llama.cpp's llama
-with experts, qwen2, qwen3, qwen2moe and qwen3moe, their experts stacked per projection); the file's
-metadata becomes a config.json-style dict through the family's metadata table, read by the same
-family code as a safetensors checkpoint, and each tensor is dequantized from the memory-mapped file
-when the loader asks for it (only the rows asked for), under its GGUF name; the family's rules
-(`Converter.gguf_rules`) rename it and put llama's query and key rows back in transformers' order.
+with experts, qwen2, qwen3, qwen2moe and qwen3moe, their experts stacked per projection, and mamba2);
+the file's metadata becomes a config.json-style dict through the family's metadata table (and
+`Converter.gguf_config` for fields llama.cpp keeps as others), read by the same family code as a
+safetensors checkpoint, and each tensor is dequantized from the memory-mapped file when the loader
+asks for it (only the rows asked for), under its GGUF name; the family's rules (`Converter.gguf_rules`)
+rename it, put llama's query and key rows back in transformers' order, and reshape and map the values
+of the tensors llama.cpp stores otherwise (Mamba2's `A = -exp(A_log)`).
 The tokenizer is rebuilt from the vocabulary in the metadata the way transformers builds it:
 byte-level BPE ("gpt2") or SentencePiece BPE ("llama"). Before gguf's reader sees a file, every
 count and length in its header is checked against the file's size (`check_header`).
@@ -25,6 +27,7 @@ from dew.interop.families import FAMILIES, gguf_architectures, gguf_family
 from dew.interop.hf_decoders import expected
 
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp token types
+_EMBEDDING = "token_embd.weight"  # llama.cpp's name of the token embedding, in every architecture
 _SPACE = "\u2581"  # SentencePiece's spelling of a space
 # Per-token arrays, read with `field` when the tokenizer is built rather than kept in `metadata`.
 _VOCABULARY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.merges",
@@ -247,17 +250,23 @@ class GGUFCheckpoint:
                 raise ValueError(f"{self.path} gives the model's {field} as metadata key {gguf.architecture}.{key}, a "
                                  f"positive integer, and {found}: the file is damaged or was not written by "
                                  "llama.cpp's converter; download it again")
-        heads = config["num_attention_heads"]
-        config.setdefault("num_key_value_heads", heads)
-        config.setdefault("rope_theta", 10000.0)
         if config.get("vocab_size") is None:
-            config["vocab_size"] = self.shape(gguf.names["model.embed_tokens.weight"])[0]
+            config["vocab_size"] = self.shape(_EMBEDDING)[0]
         config.update(gguf.fixed)
         config.update(
             model_type=self.family.model_type, tie_word_embeddings=gguf.names["lm_head.weight"] not in self._tensors,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
         )
+        if gguf.attends:
+            self._attention(config, get)
+        return self.family.gguf_config(config, str(self.path))
+
+    def _attention(self, config: dict, get) -> None:
+        """Put an attending family's head counts, head width and rotary settings into `config`."""
+        heads = config["num_attention_heads"]
+        config.setdefault("num_key_value_heads", heads)
+        config.setdefault("rope_theta", 10000.0)
         head_dim = get("attention.key_length", config["hidden_size"] // heads)
         if self.family.reads("head_dim"):
             config["head_dim"] = head_dim
@@ -267,7 +276,6 @@ class GGUFCheckpoint:
         scaling = get("rope.scaling.type")
         if scaling not in (None, "none"):
             config["rope_scaling"] = self._rope_scaling(scaling)
-        return config
 
     def _rope_scaling(self, kind: str) -> dict:
         """transformers' rope_parameters for llama.cpp's `rope.scaling.*` metadata."""

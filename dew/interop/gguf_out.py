@@ -2,7 +2,7 @@
 and `Pretrained.save(..., format="gguf")` call.
 
 The model goes out under the family's llama.cpp names (`Converter.gguf`: llama, Mixtral as llama with experts,
-qwen2, qwen3, qwen2moe, qwen3moe), through the same tensor rules Dew reads GGUF with (`Converter.gguf_rules`,
+qwen2, qwen3, qwen2moe, qwen3moe, mamba2), through the same tensor rules Dew reads GGUF with (`Converter.gguf_rules`,
 which put a llama's query and key rows in llama.cpp's per-head interleave), each tensor built when it is
 written. The metadata is the family's table read backwards, with the tokenizer's vocabulary, merges or scores,
 special tokens and chat template (`gguf.SpecialVocab` reads the last three from the tokenizer's files). The
@@ -12,7 +12,8 @@ refused naming what differs, and nothing is left behind.
 
 `outtype` "f32" writes every tensor as float32; "f16" writes matrices as float16; "q8_0" writes matrices whose
 rows are whole blocks of 32 as Q8_0 (`gguf.quants`, bit-exact with ggml's), the others as float16. Vectors
-(norms, biases) and a mixture's router stay float32 in all three, as llama.cpp's converter keeps them.
+(norms, biases), a mixture's router and Mamba2's convolution, `A` and `D` stay float32 in all three, as llama.cpp's
+converter keeps them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from dew.nn.transformer import CausalTransformer
 OUTTYPES = ("f32", "f16", "q8_0")
 _FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7}  # gguf.LlamaFileType: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6  # gguf.TokenType
-_KEEP_F32 = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+# Tensors llama.cpp's converter keeps in float32 whatever the output type (convert_hf_to_gguf.py): norms, routers,
+# Mamba2's convolution, and every tensor whose name does not end in ".weight" (biases, Mamba2's ssm_a and ssm_d).
+_KEEP_F32 = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 _ROW_VECTORS = ("ffn_gate_inp_shexp.weight",)  # a [1, D] row llama.cpp reads as a vector of D
 _SPACE = "\u2581"
 
@@ -109,7 +112,7 @@ def write_gguf(path: str | Path, model: CausalTransformer, converter: Converter,
 def _tensor_type(gguf, name: str, shape: tuple[int, ...], outtype: str):
     """The ggml type a tensor is written in (see the module)."""
     types = gguf.GGMLQuantizationType
-    if outtype == "f32" or len(shape) <= 1 or name.endswith(_KEEP_F32):
+    if outtype == "f32" or len(shape) <= 1 or name.endswith(_KEEP_F32) or not name.endswith(".weight"):
         return types.F32
     if outtype == "q8_0" and shape[-1] % gguf.GGML_QUANT_SIZES[types.Q8_0][0] == 0:
         return types.Q8_0
@@ -146,7 +149,7 @@ def _write_metadata(writer, gguf, model: CausalTransformer, converter: Converter
     writer.add_name(name)
     writer.add_file_type(_FILE_TYPES[outtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    fields = {**converter.written(config), "rope_theta": config.rope_theta}
+    fields = converter.gguf_fields(config)
     for key, field in names.metadata.items():
         value = fields.get(field)
         if value is None or isinstance(value, bool):
@@ -155,6 +158,16 @@ def _write_metadata(writer, gguf, model: CausalTransformer, converter: Converter
             writer.add_uint32(f"{arch}.{key}", value)
         else:
             writer.add_float32(f"{arch}.{key}", float(value))
+    for key, value in names.constants.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    if names.attends:
+        _write_rotary(writer, gguf, config)
+    _write_tokenizer(writer, gguf, tokenizer_dir, config.vocab_size)
+
+
+def _write_rotary(writer, gguf, config) -> None:
+    """An attending model's head width and rotary scaling, as llama.cpp's keys."""
+    arch = writer.arch
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_rope_dimension_count(config.head_dim)
@@ -167,7 +180,6 @@ def _write_metadata(writer, gguf, model: CausalTransformer, converter: Converter
         if scaling.kind == "yarn":
             writer.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", scaling.beta_fast)
             writer.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", scaling.beta_slow)
-    _write_tokenizer(writer, gguf, tokenizer_dir, config.vocab_size)
 
 
 def _write_tokenizer(writer, gguf, directory: Path, vocab_size: int) -> None:

@@ -3,7 +3,7 @@
 A family lists `Rule`s. A rule ties Dew leaves (slash paths into the parameter tree, where `layers/`
 stands for any layer scope, at the top or nested (a tower's `encoder/layers/`): a lone layer `layers_N`,
 or a scanned run `layers_{a}to{b}` whose leaves are stacked on a leading axis) to checkpoint tensors
-(names with `{layer}` and other placeholders), through five kinds of step:
+(names with `{layer}` and other placeholders), through seven kinds of step:
 
 - rename: the Dew path and the tensor name;
 - transpose: the Dew leaf holds the tensor's axes in the order `transpose` gives (`(1, 0)`: a
@@ -16,7 +16,11 @@ or a scanned run `layers_{a}to{b}` whose leaves are stacked on a leading axis) t
   those parts in turn); with `groups`, each tensor holds its parts interleaved in that many equal
   groups (Qwen3-Next's projections, per key head: group g holds the g-th share of every part);
 - permute: rows interleaved per head, as llama.cpp stores a llama model's queries and keys
-  (`permute`: the number of heads).
+  (`permute`: the number of heads);
+- reshape: the tensor holds the leaf's item in another shape, row-major (`reshape`: the tensor's
+  shape; llama.cpp's Mamba2 convolution `[C, K]` for transformers' `[C, 1, K]`); it moves whole;
+- map values: the tensor holds a function of the leaf's values, elementwise (`values`, a `ValueMap`:
+  llama.cpp stores Mamba2's `A = -exp(A_log)` where the model keeps `A_log`).
 
 `plan` resolves rules against a tree of arrays or shapes, in either form, into one `LeafPlan` per
 leaf and every tensor's shape. `read_region` builds any region of a leaf from a reader (`names`,
@@ -48,6 +52,37 @@ _LONE = re.compile(r"layers_(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
+class ValueMap:
+    """Stored values as an elementwise function of a Dew leaf's: `write` (leaf to stored) and its inverse
+    `read`, numpy functions of float64 arrays, so each direction rounds once, to the stored dtype on the
+    way out and to the leaf's on the way in; a round trip is exact only where that rounding loses nothing
+    (the caller's map says where). `read` takes the stored values `domain` describes (`accepts` tests
+    them); a file holding others is refused. `name` says the map in the checkpoint's own terms."""
+
+    name: str
+    read: Callable[[np.ndarray], np.ndarray]
+    write: Callable[[np.ndarray], np.ndarray]
+    accepts: Callable[[np.ndarray], np.ndarray]
+    domain: str
+
+    def to_dew(self, stored: np.ndarray, tensor: str) -> np.ndarray:
+        """The leaf's values (float64) for a tensor's `stored` values, refusing values outside the domain."""
+        stored = np.asarray(stored, np.float64)
+        outside = ~self.accepts(stored)
+        if outside.any():
+            first = int(np.argmax(outside.reshape(-1)))
+            raise ValueError(f"tensor {tensor!r} holds {float(stored.reshape(-1)[first])} at position {first:,} "
+                             f"({int(outside.sum()):,} of its {stored.size:,} values are not {self.domain}): it stores "
+                             f"{self.name}, so every value must be {self.domain}; the file is damaged or was not "
+                             "written that way")
+        return self.read(stored)
+
+    def to_stored(self, values: np.ndarray, dtype) -> np.ndarray:
+        """The tensor's values, in `dtype`, for a leaf's `values`."""
+        return np.asarray(self.write(np.asarray(values, np.float64)), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
 class Rule:
     """Dew leaves `dew` and checkpoint tensors `tensor` that hold the same numbers (see the module).
 
@@ -56,7 +91,8 @@ class Rule:
     shapes) or a fuse (several tensors, sized by `sizes`, in order). In a fuse, a tensor named several
     times holds those parts one after another, and with `groups` every tensor holds its parts
     interleaved: `groups` blocks, block g the g-th `1 / groups` of each of its parts in order (the Dew
-    leaf holds each part whole).
+    leaf holds each part whole). With `reshape` (the tensor's shape) or `values` (a `ValueMap`) the rule
+    ties one tensor to one leaf and moves it whole.
     """
 
     dew: str | tuple[str, ...]
@@ -67,6 +103,8 @@ class Rule:
     sizes: tuple[int, ...] | None = None
     permute: int | None = None
     groups: int = 1
+    reshape: tuple[int, ...] | None = None
+    values: ValueMap | None = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -78,6 +116,12 @@ class Rule:
             raise ValueError(f"rule {self.dew} <-> {self.tensor} splits or fuses: give the axis it cuts")
         if len(self.tensor) > 1 and (self.sizes is None or len(self.sizes) != len(self.tensor)):
             raise ValueError(f"rule {self.dew} <-> {self.tensor} fuses {len(self.tensor)} tensors: give one size each")
+        if self.reshape is not None:
+            set_("reshape", tuple(self.reshape))
+        if (self.reshape is not None or self.values is not None) and (
+                len(self.dew) > 1 or len(self.tensor) > 1 or self.transpose is not None or self.permute is not None):
+            raise ValueError(f"rule {self.dew} <-> {self.tensor} reshapes or maps values, which moves one tensor "
+                             "whole: it cannot also split, fuse, transpose or permute; write one rule per tensor")
 
     def renamed(self, names: Mapping[str, str], permute: Mapping[str, int] | None = None) -> "Rule":
         """This rule over other tensor names (a GGUF file's), with rows permuted per head where
@@ -94,7 +138,8 @@ class Rule:
 class Link:
     """Where one tensor sits in a Dew leaf's item: along `axis` (None: the whole item), the item's
     `[dew_start, dew_start + size)` is the tensor's `[tensor_start, tensor_start + size)` of
-    `extent`, once the tensor's axes are put in `transpose` order and its rows un-permuted."""
+    `extent`, once the tensor's axes are put in `transpose` order and its rows un-permuted; or, with
+    `reshape` (the tensor's shape), the whole item is the whole tensor reshaped; `values` maps values."""
 
     name: str
     transpose: tuple[int, ...] | None
@@ -104,8 +149,12 @@ class Link:
     tensor_start: int = 0
     size: int = 0
     extent: int = 0
+    reshape: tuple[int, ...] | None = None
+    values: ValueMap | None = None
 
     def tensor_shape(self, item_shape: Sequence[int]) -> tuple[int, ...]:
+        if self.reshape is not None:
+            return self.reshape
         shape = list(item_shape)
         if self.axis is not None:
             shape[self.axis] = self.extent
@@ -113,7 +162,9 @@ class Link:
 
     def regions(self, item_bounds: Sequence[tuple[int, int]]):
         """The part of the item region `item_bounds` this tensor holds, in item coordinates, and the
-        same part in the tensor's own axes; None when they do not meet."""
+        same part in the tensor's own axes; None when they do not meet. A reshaped tensor is read whole."""
+        if self.reshape is not None:
+            return list(item_bounds), [(0, n) for n in self.reshape]
         dew = list(item_bounds)
         if self.axis is not None:
             low, high = dew[self.axis]
@@ -202,7 +253,10 @@ def _links(rule: Rule, index: int, items: list[tuple[int, ...]]) -> tuple[Link, 
     """The links of the rule's `index`-th Dew leaf, given every member leaf's item shape."""
     base = dict(transpose=rule.transpose, permute=rule.permute)
     if len(rule.dew) == 1 and len(rule.tensor) == 1:
-        return (Link(rule.tensor[0], **base),)
+        if rule.reshape is not None and np.prod(rule.reshape) != np.prod(items[0]):
+            raise ValueError(f"rule {rule.dew} <-> {rule.tensor}: the tensor's shape {rule.reshape} does not hold the "
+                             f"leaf's {tuple(items[0])} ({int(np.prod(items[0]))} values): give a shape of as many")
+        return (Link(rule.tensor[0], **base, reshape=rule.reshape, values=rule.values),)
     axis = rule.axis
     if len(rule.dew) > 1:  # split: the one tensor holds every leaf, in order
         sizes = [item[axis] for item in items]
@@ -261,8 +315,12 @@ def read_region(reader, leaf: LeafPlan, index: tuple[slice, ...] | None, dtype,
             array = _read(reader, name, tensor, link.permute)
             check_finite(array, name, reader.location.get(name))
             advance(array.nbytes)
+            if link.values is not None:
+                array = link.values.to_dew(array, name)
             if link.transpose is not None:
                 array = array.transpose(link.transpose)
+            if link.reshape is not None:
+                array = array.reshape(leaf.item_shape)[tuple(slice(low, high) for low, high in dew)]
             target[tuple(slice(low - start, high - start) for (low, high), (start, _) in zip(dew, item_bounds))] = array
             del array  # one tensor part on the host at a time, beside the region
     return region
@@ -346,6 +404,8 @@ def _builder(shape, dtype, pieces) -> Callable[[], np.ndarray]:
             part = item if link.axis is None else np.take(item, range(link.dew_start, link.dew_start + link.size),
                                                            axis=link.axis)
             part = part if link.transpose is None else part.transpose(np.argsort(link.transpose))
+            part = part if link.values is None else link.values.to_stored(part, dtype)
+            part = part if link.reshape is None else part.reshape(link.reshape)
             if len(pieces) == 1 and link.axis is None and link.permute is None:
                 return part  # a view: the writer makes it contiguous as it writes
             if tensor is None:

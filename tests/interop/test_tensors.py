@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from dew.interop import tensors
-from dew.interop.tensors import Rule
+from dew.interop.tensors import Rule, ValueMap
+from tests.tolerances import assert_within
 
 F32 = np.float32
 
@@ -184,10 +185,60 @@ def test_regions_read_only_their_layers_and_rows():
     assert reader.asked == [("blk.3.attn_k.weight", (slice(0, 4), slice(0, 5)))]
 
 
+# A map llama.cpp uses (Mamba2's A = -exp(A_log)), here as a generic one: float64 inside, one rounding each way.
+NEGATIVE_EXP = ValueMap("a = -exp(x)", read=lambda a: np.log(-a), write=lambda x: -np.exp(x), accepts=lambda a: a < 0,
+                        domain="negative")
+
+
+def test_reshape_and_value_map_round_trip():
+    """A `[C, 1, K]` leaf stored as `[C, K]`, a `[H]` leaf stored as `[H, 1]` through a value map. Reshapes move
+    values bit for bit; the map rounds once each way: float32 x -> a = -exp(x) -> log(-a) comes back exactly for
+    |x| >= 1 (a's rounding moves log(-a) by less than 2^-24, under half an ulp of x) and within 2^-24 + half an
+    ulp of x below that; a -> x -> a within half an ulp of x's relative change, |x| 2^-24, plus a's rounding."""
+    rules = (Rule("layers/conv/kernel", "blk.{layer}.conv.weight", reshape=(6, 4)),
+             Rule("layers/a_log", "blk.{layer}.a", reshape=(5, 1), values=NEGATIVE_EXP))
+    plan = tensors.plan(rules, _shapes({"layers_0to1": {"conv": {"kernel": (2, 6, 1, 4)}, "a_log": (2, 5)}}))
+    assert plan.tensors == {"blk.0.a": (5, 1), "blk.0.conv.weight": (6, 4), "blk.1.a": (5, 1),
+                            "blk.1.conv.weight": (6, 4)}
+    rng = np.random.default_rng(3)
+    stored = {name: (-np.exp(rng.uniform(-3, 3, shape)) if name.endswith(".a") else rng.normal(size=shape))
+              .astype(F32) for name, shape in plan.tensors.items()}
+    conv, a_log = sorted(plan.leaves, key=lambda leaf: leaf.path[1] != "conv")
+    read = {leaf.path[1]: tensors.read_region(ArrayReader(stored), leaf, None, F32) for leaf in plan.leaves}
+    np.testing.assert_array_equal(read["conv"][1], stored["blk.1.conv.weight"][:, None, :])
+    x = np.log(-stored["blk.1.a"][:, 0].astype(np.float64))
+    np.testing.assert_array_equal(read["a_log"][1], x.astype(F32))  # one rounding, from float64
+    index = (slice(1, 2), slice(2, 5), slice(None), slice(1, 3))  # a region of a reshaped leaf: cut from the whole
+    np.testing.assert_array_equal(tensors.read_region(ArrayReader(stored), conv, index, F32), read["conv"][index])
+
+    params = _nest({leaf.path: value for leaf, value in zip((conv, a_log), (read["conv"], read["a_log"]))})
+    exported = {name: np.asarray(build()) for name, _, build in tensors.export_tensors(plan, params)}
+    for name in stored:
+        if name.endswith("conv.weight"):
+            np.testing.assert_array_equal(exported[name], stored[name])
+            continue
+        x = read["a_log"][int(name[4])].astype(np.float64)
+        assert_within(exported[name][:, 0], stored[name][:, 0],
+                      np.abs(stored[name][:, 0]) * (np.spacing(np.abs(x.astype(F32))) / 2 + 2.0**-24), name)
+        back = np.log(-exported[name][:, 0].astype(np.float64)).astype(F32)  # x -> a -> x
+        assert_within(back, read["a_log"][int(name[4])], 2.0**-24 + np.spacing(np.abs(x.astype(F32))) / 2, name)
+        exact = np.abs(x) >= 1
+        np.testing.assert_array_equal(back[exact], read["a_log"][int(name[4])][exact])
+
+
+def test_a_value_outside_the_maps_domain_is_refused_by_name():
+    plan = tensors.plan((Rule("a_log", "blk.0.ssm_a", values=NEGATIVE_EXP),), _shapes({"a_log": (3,)}))
+    stored = {"blk.0.ssm_a": np.array([-1.0, 0.5, -2.0], F32)}
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.ssm_a' holds 0.5 at position 1 \(1 of its 3 values are not "
+                                         r"negative\): it stores a = -exp\(x\), so every value must be negative"):
+        tensors.read_region(ArrayReader(stored), plan.leaves[0], None, F32)
+
+
 @pytest.mark.parametrize("rule, message", [
     (Rule("layers/other/kernel", "x.weight"), r"has no tensor rule for the Dew parameter layers_0/attn/q/kernel"),
     (Rule(("layers/attn/q/kernel", "layers/attn/k/kernel"), "qkv.weight", axis=1), r"needs \['layers/attn/k/kernel'\]"),
     (Rule("layers/attn/q/kernel", ("a.weight", "b.weight"), axis=1, sizes=(2, 2)), r"sizes \(2, 2\) do not add up"),
+    (Rule("layers/attn/q/kernel", "q.weight", reshape=(4, 8)), r"shape \(4, 8\) does not hold the leaf's \(5, 6\)"),
 ])
 def test_rules_that_do_not_fit_the_tree_are_refused(rule, message):
     with pytest.raises(ValueError, match=message):
@@ -199,3 +250,5 @@ def test_a_rule_names_its_split_axis_and_fused_sizes():
         Rule(("a", "b"), "ab.weight")
     with pytest.raises(ValueError, match="give one size each"):
         Rule("ab", ("a.weight", "b.weight"), axis=0)
+    with pytest.raises(ValueError, match="moves one tensor whole: it cannot also split, fuse, transpose or permute"):
+        Rule("a", "a.weight", reshape=(2, 3), transpose=(1, 0))

@@ -1,5 +1,5 @@
 """`Converter`: one transformers decoder family, both ways: config.json to `DecoderConfig` and back,
-and its tensor rules for safetensors in and out and for GGUF in.
+and its tensor rules for safetensors and GGUF, in and out.
 
 A family module builds a `Converter` from tables: the fields its transformers config class declares
 (with transformers' defaults), the Dew knobs the family fixes, how it reads a sliding window and
@@ -34,15 +34,23 @@ class GGUFNames:
     """How llama.cpp writes a family: its `architecture` name (`general.architecture`), the GGUF name of
     each checkpoint tensor name template (`names`), the config.json field each metadata key gives
     (`metadata`, keys after the `{architecture}.` prefix), and whether it stores the query and key rows
-    interleaved per head for its rotary layout (`permuted`, llama's), and the config.json fields
-    llama.cpp's graph fixes for the architecture rather than reading them from the file (`fixed`).
-    `dew.interop.gguf_files` reads the file through these."""
+    interleaved per head for its rotary layout (`permuted`, llama's), the config.json fields
+    llama.cpp's graph fixes for the architecture rather than reading them from the file (`fixed`), and
+    the metadata keys llama.cpp's converter writes with one value whatever the model, which tell a reader
+    nothing (`constants`: Mamba2's `attention.head_count` 0). `dew.interop.gguf_files` reads the file
+    through these; `dew.interop.gguf_out` writes it."""
 
     architecture: str
     names: Mapping[str, str]
     metadata: Mapping[str, str]
     permuted: bool = False
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    constants: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def attends(self) -> bool:
+        """Whether the family's layers attend, so llama.cpp's head counts, key lengths and rotary keys apply."""
+        return "attention.head_count" in self.metadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +270,15 @@ class Converter:
         """Tensors a checkpoint may hold that transformers drops too: rotary buffers, a tied head's copy."""
         return name.endswith("rotary_emb.inv_freq") or (config.tie_embeddings and name == "lm_head.weight")
 
+    def gguf_fields(self, config: DecoderConfig) -> dict[str, Any]:
+        """The values `GGUFNames.metadata` writes for `config`, by field: its config.json's and its rotary base."""
+        return {**self.written(config), "rope_theta": config.rope_theta}
+
+    def gguf_config(self, fields: dict[str, Any], where: str) -> dict[str, Any]:
+        """config.json's fields from those a GGUF file's `GGUFNames.metadata` gives (`gguf_fields` read
+        back); the same fields for a family whose metadata names each one."""
+        return fields
+
     def gguf_rules(self, config: DecoderConfig) -> tuple[Rule, ...]:
         """The tensor rules over llama.cpp's names, with its query and key rows un-permuted."""
         if self.gguf is None:
@@ -323,8 +340,19 @@ def _differences(ours: DecoderConfig, theirs: DecoderConfig) -> list[str]:
                 found.append(f"layer {index} {part} {type(a).__name__} (it computes {type(b).__name__})")
                 continue
             for field in dataclasses.fields(a):
-                if field.name not in ("mixer", "feed_forward") and getattr(a, field.name) != getattr(b, field.name):
-                    found.append(f"layer {index} {field.name} {getattr(a, field.name)!r} "
-                                 f"(it computes {getattr(b, field.name)!r})")
+                if field.name not in ("mixer", "feed_forward"):
+                    found += _field_differences(f"layer {index} {field.name}", getattr(a, field.name),
+                                                getattr(b, field.name))
         break
     return found
+
+
+def _field_differences(name: str, ours, theirs) -> list[str]:
+    """`name` and both values where they differ; within a dataclass of one type (a recurrent mixer's shape),
+    each field that differs."""
+    if ours == theirs:
+        return []
+    if dataclasses.is_dataclass(ours) and type(ours) is type(theirs):
+        return [difference for field in dataclasses.fields(ours) for difference in
+                _field_differences(f"{name}.{field.name}", getattr(ours, field.name), getattr(theirs, field.name))]
+    return [f"{name} {ours!r} (it computes {theirs!r})"]

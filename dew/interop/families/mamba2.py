@@ -7,6 +7,10 @@ and no feed-forward (`mlp_features` 0): `backbone.layers.N.norm` is the layer's 
 residual stream in float32 with `residual_in_fp32` whatever the compute dtype; Dew keeps it in the
 compute dtype, which is the same model in float32.
 
+llama.cpp's `mamba2` GGUF files read and write through `LLAMA_CPP` (see the comment above it): its tensor names,
+the convolution, `A`, `D` and the gated norm's scale stored in other shapes, `A = -exp(A_log)` in place of
+`A_log`, and the metadata its converter writes.
+
 A mamba_ssm config.json has no model_type: `d_model`, `n_layer`, `vocab_size`, `ssm_cfg` (the
 `Mamba2` layer's arguments) and the vocabulary padding (`pad_vocab_size_multiple`), and its tensors
 name the embedding `backbone.embedding`. `port_config` writes the port's config.json for it, the
@@ -22,9 +26,11 @@ import math
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from dew.interop.families.converter import Converter
+import numpy as np
+
+from dew.interop.families.converter import Converter, GGUFNames
 from dew.interop.hf_decoders import ConfigFields
-from dew.interop.tensors import Rule
+from dew.interop.tensors import Rule, ValueMap
 from dew.nn.mamba2 import Mamba2
 from dew.nn.transformer import LINEAR, DecoderConfig
 
@@ -64,6 +70,37 @@ def _rules(embedding: str) -> tuple[Rule, ...]:
 
 PORT_RULES = _rules("backbone.embeddings.weight")
 MAMBA_SSM_RULES = _rules("backbone.embedding.weight")  # mamba_ssm's name, which transformers' load hook renames
+
+
+# How llama.cpp writes a transformers Mamba2 (facts from llama.cpp: conversion/mamba.py's Mamba2Model, which was
+# convert_hf_to_gguf.py's, and src/models/mamba2.cpp's tensor shapes, ggml's {columns, rows} read here as [rows,
+# columns]): `dt_bias` is renamed `dt_proj.bias` and so ssm_dt.bias [H]; A_log is stored as A = -exp(A_log) and,
+# like D, as [H, 1], both without a ".weight" suffix; the convolution [C, 1, K] squeezed to [C, K]; the gated norm's
+# scale [I] as [n_groups, I / n_groups], which llama.cpp normalizes group by group, as Dew does. The metadata: the
+# width, the layers, ssm.conv_kernel, ssm.inner_size (I), ssm.state_size, ssm.time_step_rank (the heads: I over
+# head_dim), ssm.group_count and the norms' epsilon; context_length 2^20, feed_forward_length 0 and
+# attention.head_count 0 whatever the model. llama.cpp's graph has no bias on in_proj or out_proj, always a bias on
+# the convolution, and no clamp of the time step; a missing `output.weight` ties the head to the embedding. Its
+# converter pads the vocabulary list (not the embedding) to a multiple of 16, the transformers port's own padding.
+_NEGATIVE_EXP = ValueMap(
+    "A = -exp(A_log)", read=lambda a: np.log(-a), write=lambda a_log: -np.exp(a_log), accepts=lambda a: a < 0,
+    domain="negative",
+)  # A_log -> A -> A_log is exact for |A_log| >= 1, else within 2^-24 + half an ulp of A_log (A's float32 rounding)
+_LLAMA_CPP_BLOCK = {"norm.weight": "attn_norm.weight", "mixer.in_proj.weight": "ssm_in.weight",
+                    "mixer.conv1d.weight": "ssm_conv1d.weight", "mixer.conv1d.bias": "ssm_conv1d.bias",
+                    "mixer.dt_bias": "ssm_dt.bias", "mixer.A_log": "ssm_a", "mixer.D": "ssm_d",
+                    "mixer.norm.weight": "ssm_norm.weight", "mixer.out_proj.weight": "ssm_out.weight"}
+LLAMA_CPP = GGUFNames(
+    "mamba2",
+    {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight",
+     "lm_head.weight": "output.weight",
+     **{f"{_LAYER}.{ours}": f"blk.{{layer}}.{theirs}" for ours, theirs in _LLAMA_CPP_BLOCK.items()}},
+    {"embedding_length": "hidden_size", "block_count": "num_hidden_layers", "ssm.conv_kernel": "conv_kernel",
+     "ssm.inner_size": "inner_size", "ssm.state_size": "state_size", "ssm.time_step_rank": "num_heads",
+     "ssm.group_count": "n_groups", "attention.layer_norm_rms_epsilon": "layer_norm_epsilon"},
+    fixed={"use_bias": False, "use_conv_bias": True, "time_step_limit": [0.0, math.inf], "hidden_act": "silu"},
+    constants={"context_length": CONTEXT, "feed_forward_length": 0, "attention.head_count": 0},
+)
 
 
 class Mamba2Converter(Converter):
@@ -124,6 +161,38 @@ class Mamba2Converter(Converter):
     def ignorable(self, name: str, config: DecoderConfig) -> bool:
         return config.tie_embeddings and name == "lm_head.weight"
 
+    def read_differences(self, config: DecoderConfig, source: Mapping[str, Any], names: Collection[str],
+                         where: str) -> list[str]:
+        # A GGUF file names no chunk size: chunking orders the scan's sums, the model is the same.
+        if isinstance(config.recurrent, Mamba2) and "chunk_size" not in source:
+            source = {**source, "chunk_size": config.recurrent.chunk_size}
+        return super().read_differences(_with_context(config), source, names, where)
+
+    def gguf_fields(self, config: DecoderConfig) -> dict[str, Any]:
+        return {**self.written(config), "inner_size": config.recurrent.inner}
+
+    def gguf_config(self, fields: dict[str, Any], where: str) -> dict[str, Any]:
+        fields = dict(fields)
+        inner, heads, hidden = fields.pop("inner_size", None), fields.get("num_heads"), fields.get("hidden_size")
+        whole = lambda n: isinstance(n, int) and not isinstance(n, bool) and n > 0
+        if not (whole(inner) and whole(heads) and whole(hidden) and inner % heads == 0 and inner % hidden == 0):
+            raise ValueError(f"{where} gives mamba2.ssm.inner_size {inner!r}, ssm.time_step_rank (the heads) {heads!r} "
+                             f"and embedding_length {hidden!r}: transformers' Mamba2, which Dew computes, needs the "
+                             "inner size a whole multiple of both (num_heads * head_dim = hidden_size * expand); the "
+                             "file is damaged or holds another architecture under the mamba2 name")
+        return {**fields, "head_dim": inner // heads, "expand": inner // hidden}
+
+    def gguf_rules(self, config: DecoderConfig) -> tuple[Rule, ...]:
+        r = config.recurrent
+        if r.use_bias:
+            raise ValueError("this Mamba2 has biases on in_proj and out_proj (use_bias), which llama.cpp's mamba2 "
+                             "graph does not add: export it as a transformers checkpoint (the default format)")
+        steps = {"layers/self_attn/conv1d/kernel": dict(reshape=(r.conv_dim, r.conv_kernel)),
+                 "layers/self_attn/A_log": dict(reshape=(r.num_heads, 1), values=_NEGATIVE_EXP),
+                 "layers/self_attn/D": dict(reshape=(r.num_heads, 1)),
+                 "layers/self_attn/norm/scale": dict(reshape=(r.n_groups, r.inner // r.n_groups))}
+        return tuple(dataclasses.replace(rule, **steps.get(rule.dew[0], {})) for rule in super().gguf_rules(config))
+
 
 # How transformers writes an infinite float in config.json (strict JSON has none): an object tagging it.
 _INFINITY = {"__float__": "Infinity"}
@@ -151,7 +220,7 @@ def _limit(fields: ConfigFields) -> tuple[float, float]:
     return float(limit[0]), float(limit[1])
 
 
-MAMBA2 = Mamba2Converter("mamba2", "Mamba2Config", "Mamba2ForCausalLM", MAMBA2_FIELDS, PORT_RULES)
+MAMBA2 = Mamba2Converter("mamba2", "Mamba2Config", "Mamba2ForCausalLM", MAMBA2_FIELDS, PORT_RULES, gguf=LLAMA_CPP)
 
 # ---- mamba_ssm's own format --------------------------------------------------------------------------
 
