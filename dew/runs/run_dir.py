@@ -65,7 +65,7 @@ COMPARED = ("recipe", "settings", "model", "data")
 ADDED_FIELDS = {"model.config.kernels": "auto", "model.config.recurrent": None, "model.config.attn_output_gate": False,
                 "model.config.embedding_scale": 1.0, "model.config.residual_scale": 1.0,
                 "model.config.logit_divisor": 1.0, "model.config.attention_chunk_size": None,
-                "model.config.nope": None}
+                "model.config.nope": None, "settings.lora.within": None}
 _SPELLED = "settings.model.config."
 # Settings that name files: recorded and compared as absolute paths (a hub name that is not a local
 # path stays as is). A data source has only some of them (data:chat's template and val_path).

@@ -25,19 +25,25 @@ import numpy as np
 
 from dew.kernels.matmul import dot
 from dew.kernels.policy import using
+from dew.nn.multimodal import LANGUAGE_MODEL, MultimodalTransformer
+from dew.nn.transformer import CausalTransformer
 
 _PROBE = 1024  # the probe's square products: large enough to reach the products' rate, a second at most
 
 
 def flops_per_position(model, seq_len: int) -> float | None:
     """Training FLOPs (forward and backward) per position of a `[B, seq_len]` batch (see the module);
-    None for a model whose shape Dew does not count (one without per-layer specs)."""
-    config = getattr(model, "config", None)
-    specs = getattr(config, "layer_specs", None)
-    if specs is None:
+    None for a model Dew does not count this way (a decoder, a LoRA decoder and a multimodal model's
+    text side are counted; a multimodal model's tower is not)."""
+    decoder = getattr(model, "model", model)  # a LoRA model counts its decoder's products
+    if not isinstance(decoder, (CausalTransformer, MultimodalTransformer)):
         return None
+    config = model.config
+    specs = config.layer_specs
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
     names = model.logical_names()["params"]
+    if isinstance(decoder, MultimodalTransformer):
+        shapes, names = shapes[LANGUAGE_MODEL], names[LANGUAGE_MODEL]
     mixture = getattr(config, "mixture", None)
     weights = 0.0
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731

@@ -77,7 +77,8 @@ def test_a_lora_run_trains_the_adapters_alone_resumes_exactly_and_exports_them(t
     for path, leaf in _leaves(task.params).items():
         np.testing.assert_array_equal(leaf, merged[path], err_msg=path)
     assert RunDirectory(stopped).record()["settings"]["lora"] == {"rank": 4, "alpha": 8.0,
-                                                                  "targets": ["q_proj", "v_proj"], "dropout": 0.0}
+                                                                  "targets": ["q_proj", "v_proj"], "dropout": 0.0,
+                                                                  "within": None}
     assert np.shape(task([[1, 2, 3]], max_new_tokens=2).host().tokens) == (1, 3 + 2)
 
 
