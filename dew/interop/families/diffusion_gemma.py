@@ -6,7 +6,8 @@ refused by name below), a Gemma 4 `vision_config`, the image token ids and `canv
 checkpoint stores the shared text stack once, under `model.decoder.*` (transformers ties the encoder's
 weights and the head to it), the encoder's own `layer_scalar` buffers under
 `model.encoder.language_model.layers.N`, and the vision tower under `model.encoder.vision_tower` and
-`model.encoder.embed_vision`. Media inputs are not built in Dew yet: the vision tensors are carried
+`model.encoder.embed_vision`. DiffusionGemma's media inputs are not built in Dew yet (its tower is Gemma
+4's, not yet on the multimodal contract of `dew.nn.multimodal`): the vision tensors are carried
 unchanged (`Pretrained.variables["media"]`, by checkpoint name) so that a save writes a complete checkpoint.
 """
 
@@ -91,7 +92,7 @@ def model_config(source: Mapping[str, Any], where: str = "config.json", *, max_s
     bidirectional = fields.get("use_bidirectional_attention")
     if bidirectional not in (None, "vision"):
         fields.refuse("use_bidirectional_attention", bidirectional, "Dew's encoder is causal over text (None or "
-                      "'vision', which differ only over image tokens, and media are not built yet)")
+                      "'vision', which differ only over image tokens, and DiffusionGemma's media are not built yet)")
     experts, top_k, expert_features = (fields.get(n) for n in ("num_experts", "top_k_experts", "moe_intermediate_size"))
     if not experts or not top_k or not expert_features:
         fields.refuse("num_experts", experts, "every DiffusionGemma layer runs a mixture of experts: give num_experts, "
