@@ -16,7 +16,7 @@ _CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "ministral": "Mi
             "gemma3_text": "Gemma3TextConfig", "olmo2": "Olmo2Config", "olmo3": "Olmo3Config", "mixtral": "MixtralConfig",
             "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "mamba2": "Mamba2Config",
             "qwen3_next": "Qwen3NextConfig", "qwen3_5_text": "Qwen3_5TextConfig", "phi3": "Phi3Config",
-            "smollm3": "SmolLM3Config", "granite": "GraniteConfig"}
+            "smollm3": "SmolLM3Config", "granite": "GraniteConfig", "llama4_text": "Llama4TextConfig"}
 
 SMOLLM2 = {  # SmolLM2-135M's config.json as published (transformers 4 spellings and nanotron leftovers)
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
@@ -34,9 +34,10 @@ def test_families_cover_the_issue():
     # and the masked-diffusion families whose code is remote, not transformers' (tests/diffusion/test_checkpoints.py),
     # DiffusionGemma, which is no decoder family (tests/interop/test_diffusion_gemma.py), DeepSeek's,
     # whose configs carry fields of DeepSeek's own code beside transformers' (tests/interop/test_deepseek.py),
-    # and Gemma 3 with images, a multimodal model around gemma3_text (tests/interop/test_gemma3.py)
+    # and the multimodal models around a text family: Gemma 3 and Llama 4 with images (tests/interop/test_gemma3.py,
+    # tests/interop/test_llama4.py)
     assert set(FAMILIES) == set(_CLASSES) | {"llada", "Dream", "diffusion_gemma", "deepseek_v2", "deepseek_v3",
-                                             "deepseek_v32", "gemma3"}
+                                             "deepseek_v32", "gemma3", "llama4"}
 
 
 @pytest.mark.parametrize("model_type", sorted(_CLASSES))

@@ -78,8 +78,8 @@ REFUSALS = {
     "ernie4_5": (dict(), r"llama with windows: max \|dlogits\| \d+\.\d+ against the bound"),
     "cohere": (dict(), r"llama with windows: the checkpoint lacks \d+ tensor\(s\) .* such as "
                        r"\['model\.layers\.0\.post_attention_layernorm\.weight'"),
-    "glm4": (dict(head_dim=16), r"llama: field 'rope_parameters' = .*'partial_rotary_factor': 0.5.* Dew rotates every "
-                                r"feature of a head"),
+    "glm4": (dict(head_dim=16), r"llama: field 'rope_parameters' = .*'partial_rotary_factor': 0.5.* LlamaConfig rotates "
+                                r"every feature of a head"),
 }
 
 
