@@ -38,19 +38,27 @@ _PROJECTOR_ANCHORS = {"gemma": "mm_input_projection_weight", "llama4": "linear_1
 _UNREAD = {"siglip": ("head.", "embeddings.position_ids"), "llama4": ()}
 
 
+def _encoder_layer(dew_layer: str, tensor_layer: str, norms, linears) -> tuple[Rule, ...]:
+    """An encoder layer's LayerNorms (scale and bias) and biased linears (`[out, in]` kernels), under the Dew
+    scope `dew_layer` and the checkpoint prefix `tensor_layer` (both with the layer placeholder)."""
+    return (
+        *(Rule(f"{dew_layer}/{norm}/{ours}", f"{tensor_layer}.{norm}.{theirs}") for norm in norms
+          for ours, theirs in _NORM),
+        *(Rule(f"{dew_layer}/{block}/{proj}/{leaf}", f"{tensor_layer}.{block}.{proj}.{tensor}", transpose=transpose)
+          for block, proj in linears
+          for leaf, tensor, transpose in (("kernel", "weight", _KERNEL), ("bias", "bias", None))),
+    )
+
+
 def _siglip_rules(config: SiglipConfig, prefix: str) -> tuple[Rule, ...]:
-    layer = f"{prefix}encoder.layers.{{layer}}"
     linears = [("self_attn", proj) for proj in ("q_proj", "k_proj", "v_proj", "out_proj")] + [("mlp", "fc1"),
                                                                                              ("mlp", "fc2")]
     return (
         Rule("embeddings/patch_embedding/kernel", f"{prefix}embeddings.patch_embedding.weight", transpose=_CONV),
         Rule("embeddings/patch_embedding/bias", f"{prefix}embeddings.patch_embedding.bias"),
         Rule("embeddings/position_embedding/embedding", f"{prefix}embeddings.position_embedding.weight"),
-        *(Rule(f"encoder/layers/{norm}/{ours}", f"{layer}.{norm}.{theirs}")
-          for norm in ("layer_norm1", "layer_norm2") for ours, theirs in _NORM),
-        *(Rule(f"encoder/layers/{block}/{proj}/kernel", f"{layer}.{block}.{proj}.weight", transpose=_KERNEL)
-          for block, proj in linears),
-        *(Rule(f"encoder/layers/{block}/{proj}/bias", f"{layer}.{block}.{proj}.bias") for block, proj in linears),
+        *_encoder_layer("encoder/layers", f"{prefix}encoder.layers.{{layer}}", ("layer_norm1", "layer_norm2"),
+                        linears),
         *(Rule(f"post_layernorm/{ours}", f"{prefix}post_layernorm.{theirs}") for ours, theirs in _NORM),
     )
 
@@ -70,10 +78,7 @@ def _llama4_tower_rules(config: Llama4VisionConfig, prefix: str) -> tuple[Rule, 
         Rule("positional_embedding_vlm", f"{prefix}positional_embedding_vlm"),
         *(Rule(f"{norm}/{ours}", f"{prefix}{norm}.{theirs}") for norm in ("layernorm_pre", "layernorm_post")
           for ours, theirs in _NORM),
-        *(Rule(f"model/layers/{norm}/{ours}", f"{layer}.{norm}.{theirs}")
-          for norm in ("input_layernorm", "post_attention_layernorm") for ours, theirs in _NORM),
-        *(Rule(f"model/layers/{block}/{proj}/{leaf}", f"{layer}.{block}.{proj}.{tensor}", transpose=transpose)
-          for block, proj in biased for leaf, tensor, transpose in (("kernel", "weight", _KERNEL), ("bias", "bias", None))),
+        *_encoder_layer("model/layers", layer, ("input_layernorm", "post_attention_layernorm"), biased),
         *(Rule(f"vision_adapter/mlp/{fc}/kernel", f"{prefix}vision_adapter.mlp.{fc}.weight", transpose=_KERNEL)
           for fc in ("fc1", "fc2")),
     )
