@@ -44,7 +44,14 @@ def load_reference(directory: Path):
     except ImportError as error:  # transformers is an optional extra
         raise ImportError(f"the processor of {directory} is transformers' own class, and transformers is not "
                           f"installed ({error}): pip install 'dew-ml[vision]'") from None
-    return AutoProcessor.from_pretrained(str(directory), local_files_only=True, backend="pil")
+    try:
+        return AutoProcessor.from_pretrained(str(directory), local_files_only=True, backend="pil")
+    except ValueError as error:  # Llama 4's image processor, for one, exists only as a torchvision class
+        if "torchvision" not in str(error):
+            raise
+        raise ImportError(f"the image processor of {directory} is a torchvision class in transformers, and "
+                          "torchvision does not import here: install the torchvision build that matches your "
+                          "torch (for a CPU torch, from PyTorch's CPU wheel index)") from error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,31 +163,36 @@ class Processor:
 
     def from_ids(self, ids: Sequence[int], images: Sequence[Any] = ()) -> ModelInputs:
         """One row of token ids in which each image placeholder id (the id of the processor's placeholder
-        text, `<start_of_image>` for Gemma 3) stands for the next image, as `ModelInputs`: each
-        placeholder expanded to the ids of the processor's image sequence, the images through the
-        checkpoint's image processor. The server's chat prompts come this way, encoded as text prompts
-        are (special-token text in a message stays text)."""
-        if not hasattr(self.reference, "full_image_sequence"):
-            raise NotImplementedError(f"prompts of token ids with images are built for processors that expand every "
-                                      f"image alike (Gemma 3's); {type(self.reference).__name__} expands each image "
-                                      "by its own tiles: pass the prompt as text through the processor")
+        text: `<start_of_image>` for Gemma 3, `<|image|>` for Llama 4) stands for the next image, as
+        `ModelInputs`: each placeholder expanded to the ids the checkpoint's processor writes for that
+        image (for Llama 4 they depend on the image's tiles), with its pixels. The server's chat prompts
+        come this way, encoded as text prompts are (special-token text in a message stays text)."""
         placeholder = self.tokenizer.convert_tokens_to_ids(self._placeholder())
-        expansion = self.tokenizer(self.reference.full_image_sequence, add_special_tokens=False)["input_ids"]
         ids = [int(i) for i in ids]
         places = [at for at, i in enumerate(ids) if i == placeholder]
         if len(places) != len(images):
             raise ValueError(f"the prompt has {len(places)} image placeholder(s) {self._placeholder()!r} and "
                              f"{len(images)} image(s): give one image per placeholder, in reading order")
-        expanded = []
-        for at, i in enumerate(ids):
-            expanded.extend(expansion if i == placeholder else [i])
+        pieces = [self._expansion(image) for image in images]
+        expanded, at = [], 0
+        for i in ids:
+            if i == placeholder:
+                expanded.extend(pieces[at][0])
+                at += 1
+            else:
+                expanded.append(i)
         pixels = owners = None
-        if images:
-            pixels = np.asarray(self.reference.image_processor(list(images), return_tensors="np")["pixel_values"],
-                                np.float32)
-            owners = np.arange(len(pixels), dtype=np.int32)
+        if pieces:
+            pixels = np.concatenate([entries for _, entries in pieces])
+            owners = np.repeat(np.arange(len(pieces), dtype=np.int32), [len(entries) for _, entries in pieces])
         return self._laid_out([{"ids": self._checked(0, np.asarray(expanded, np.int64)), "pixels": pixels,
                                 "owners": owners}])
+
+    def _expansion(self, image) -> tuple[list[int], np.ndarray]:
+        """The ids the reference processor writes for one placeholder holding `image`, and its pixel entries."""
+        outputs = self.reference(text=[self._placeholder()], images=[[image]], padding=False,
+                                 add_special_tokens=False)
+        return [int(i) for i in outputs["input_ids"][0]], _entries(outputs["pixel_values"][0])
 
     def _checked(self, index: int, ids: np.ndarray) -> np.ndarray:
         """A row's ids, refused when empty or outside the model's vocabulary (naming the row and column)."""

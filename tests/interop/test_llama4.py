@@ -11,6 +11,7 @@ multiples of the tile into tiles and a global tile, normalized in bfloat16 as tr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -25,9 +26,11 @@ from dew.interop import load_pretrained
 from dew.interop.processors import Processor
 from dew.objectives.lm import LMObjective
 from dew.sampling import Sampling
+from dew.serve import Engine, Request
 from dew.training import Layout, MeshSpec, Trainer
 from tests.interop.test_llama4_text import llama4_ulps
 from tests.nn.test_vision_llama4 import _bound as tower_bound
+from tests.serve.test_engine import Collect
 from tests.tolerances import assert_within, ulp_bound
 
 torch = pytest.importorskip("torch")
@@ -134,8 +137,14 @@ def test_processor_lays_out_tiles_as_transformers_expands_them(processor, hf_pro
     assert not inputs.conditioning["pixel_values"][0, 3].any()  # the shorter row's padding tile
     with pytest.raises(ValueError, match=r"row 0 has 1 image placeholder\(s\) '<\|image\|>' and 2 image"):
         processor(PROMPTS[:1], images=[images[1]])
-    with pytest.raises(NotImplementedError, match="expands each image by its own tiles"):
-        processor.from_ids([2, 6], [images[0][0]])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed here")
+def test_a_missing_torchvision_is_named(bundle):
+    """transformers' Llama 4 image processor is a torchvision class; without torchvision the checkpoint's
+    processor is refused naming what to install."""
+    with pytest.raises(ImportError, match="torchvision build that matches your torch"):
+        bundle.processor
 
 
 @pytest.mark.parametrize("with_images", [True, False], ids=["images", "text"])
@@ -153,15 +162,51 @@ def test_logits_match_transformers(bundle, processor, hf_processor, reference, i
                       f"row {row}")
 
 
-def test_cached_greedy_continuation_matches_generate(bundle, processor, hf_processor, reference, images):
+@pytest.fixture(scope="module")
+def greedy(bundle, processor, images):
+    """text_generation's greedy continuations of PROMPTS with their images, 6 tokens a row."""
     inputs = processor(PROMPTS, images=images)
-    result = bundle.text_generation(sampling=Sampling(temperature=0))(inputs, 6, seed=1)
+    return bundle.text_generation(sampling=Sampling(temperature=0))(inputs, 6, seed=1).continuations()
+
+
+def test_cached_greedy_continuation_matches_generate(processor, hf_processor, reference, images, greedy):
     for row, prompt in enumerate(PROMPTS):
         theirs = _their_row(hf_processor, prompt, images[row])
         with torch.no_grad():
             generated = reference.generate(**theirs, do_sample=False, max_new_tokens=6, min_new_tokens=6,
                                            eos_token_id=None, pad_token_id=0)
-        assert result.continuations()[row] == generated[0, theirs["input_ids"].shape[1]:].tolist()
+        assert greedy[row] == generated[0, theirs["input_ids"].shape[1]:].tolist()
+
+
+def test_prompt_ids_with_placeholders_are_served_as_text_generation_answers(bundle, processor, images, greedy):
+    """A chat prompt comes to the server as token ids, one `<|image|>` an image: `from_ids` expands each to
+    that image's tiles and separators as the processor expands the text, and the serving engine, with
+    rows of 3 and 4 tiles in flight together, draws what text_generation draws."""
+    requests = []
+    for row, (prompt, row_images) in enumerate(zip(PROMPTS, images)):
+        ours = processor.from_ids(processor.tokenizer(prompt)["input_ids"], row_images)
+        theirs = processor([prompt], images=[row_images])
+        np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+        for name in ("positions", "image_indices", "image_groups"):
+            np.testing.assert_array_equal(ours.token_fields[name], theirs.token_fields[name], err_msg=name)
+        np.testing.assert_array_equal(ours.conditioning["pixel_values"], theirs.conditioning["pixel_values"])
+        media = {name: np.asarray(ours.token_fields[name][0]) for name in ("image_indices", "image_groups")}
+        media["pixel_values"] = np.asarray(ours.conditioning["pixel_values"][0])
+        requests.append(Request([int(i) for i in ours.tokens[0]], 6, Sampling(temperature=0), 1, Collect(), row,
+                                media=media))
+    with pytest.raises(ValueError, match=r"the prompt has 1 image placeholder\(s\) '<\|image\|>' and 2 image"):
+        processor.from_ids(processor.tokenizer(PROMPTS[0])["input_ids"], images[1])
+    engine = Engine(bundle.model, bundle.variables, slots=2, capacity=64, prefill_rows=1)
+    engine.start()
+    try:
+        engine.submit(requests)
+        for request in requests:
+            assert request.consumer.done.wait(120), "the engine did not finish the request"
+    finally:
+        engine.close()
+    # text_generation fed both rows together, left-padded; the engine one row at a time (the seed draws
+    # nothing at temperature 0)
+    assert [request.consumer.tokens for request in requests] == greedy
 
 
 def _targets(inputs):
