@@ -8,6 +8,9 @@ from tests.compile_flags import suite_flags
 
 # Before JAX starts its backend (the first computation reads XLA_FLAGS); subprocesses inherit them.
 os.environ["XLA_FLAGS"] = suite_flags(os.environ.get("XLA_FLAGS", ""))
+# No test reaches the network: huggingface_hub reads only its cache (a test of a download mocks it and
+# turns this off); subprocesses inherit it.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

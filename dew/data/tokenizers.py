@@ -1,10 +1,11 @@
 """Tokenizers: text to token ids and back, on the host.
 
 `ByteTokenizer` treats UTF-8 bytes as ids (vocabulary 256). `HFTokenizer` wraps a Hugging Face
-`tokenizers.Tokenizer` read from a local `tokenizer.json`; it never downloads. Neither adds
-special tokens, so the ids of a corpus's chunks, cut where the tokenizer ends a piece anyway,
-concatenate to the ids of the whole corpus (what `tokenize_text` relies on). `tokenizer_file`
-finds the tokenizer.json a name or path means, the same from any working directory.
+`tokenizers.Tokenizer` read from a `tokenizer.json`: a local one, or a Hub repository's, which
+huggingface_hub downloads into its cache once. Neither adds special tokens, so the ids of a corpus's
+chunks, cut where the tokenizer ends a piece anyway, concatenate to the ids of the whole corpus (what
+`tokenize_text` relies on). `tokenizer_file` finds the tokenizer.json a name or path means, the same
+from any working directory.
 """
 
 from __future__ import annotations
@@ -16,11 +17,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+import huggingface_hub
 import tokenizers
-from huggingface_hub import try_to_load_from_cache
-from huggingface_hub.errors import HFValidationError
+from huggingface_hub import constants, try_to_load_from_cache
+from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HFValidationError, LocalEntryNotFoundError,
+                                    RepositoryNotFoundError, RevisionNotFoundError)
+from huggingface_hub.utils import validate_repo_id
 
 BYTE = "byte"
+TOKENIZER_JSON = "tokenizer.json"
+# Files a Hub tokenizer brings beside its tokenizer.json when the repository has them: the EOS token's
+# name, and the chat template transformers writes apart.
+_HUB_COMPANIONS = ("tokenizer_config.json", "chat_template.jinja")
 
 # The Dew checkout this package runs from when it is installed editable (its pyproject.toml is
 # there); `make gpt2-tokenizer` writes its data/tokenizers/gpt2/.
@@ -104,28 +112,71 @@ def tokenizer_name(name_or_path: str | os.PathLike) -> str:
     return name
 
 
-def _missing_message(name: str) -> str:
+def _missing_message(name: str, hub: str) -> str:
     store = tokenizer_store()
     return (
         f"no tokenizer.json for {name!r}: Dew looked for (1) a file or directory {name!r} in the "
         f"working directory {os.getcwd()}, (2) {store / name / 'tokenizer.json'} in the Dew "
         f"tokenizer store ($DEW_TOKENIZERS, else the checkout's data/tokenizers, else "
-        f"~/.cache/dew/tokenizers), (3) the Hugging Face cache, offline (Dew never downloads it). "
-        f"For GPT-2 run `make gpt2-tokenizer` in the Dew checkout (it writes "
-        f"data/tokenizers/gpt2/tokenizer.json) or `python tools/fetch_gpt2_tokenizer.py --out "
-        f"{store / 'gpt2'}`; for another model copy its tokenizer.json into {store / 'NAME'}/ "
-        f"or pass the path of the directory holding it"
+        f"~/.cache/dew/tokenizers), (3) the Hugging Face cache, (4) the Hub: {hub}. "
+        f"Pass the path of a directory holding the tokenizer.json, or copy it into {store / 'NAME'}/; "
+        f"for GPT-2 offline, `make gpt2-tokenizer` in the Dew checkout writes data/tokenizers/gpt2/tokenizer.json"
     )
 
 
+def _hub_repository(text: str) -> tuple[str, str | None] | None:
+    """`(repo, revision)` of a name that reads as a Hub repository id (`name`, `owner/name`, either with
+    `@revision`); None for anything else."""
+    repo, _, revision = text.partition("@")
+    try:
+        validate_repo_id(repo)
+    except HFValidationError:
+        return None
+    return repo, revision or None
+
+
+def _download(name: str, repo: str, revision: str | None) -> Path:
+    """The Hub repository's tokenizer.json (and its companions, when it has them) through huggingface_hub's
+    cache; refused with where Dew looked when the Hub is off (HF_HUB_OFFLINE), lacks it, or is unreachable."""
+    if constants.HF_HUB_OFFLINE:
+        raise FileNotFoundError(_missing_message(name, "not asked, since HF_HUB_OFFLINE is set (unset it to "
+                                                       "download the tokenizer once)"))
+    named = f"{repo}{'@' + revision if revision else ''}"
+    try:
+        path = Path(huggingface_hub.hf_hub_download(repo, TOKENIZER_JSON, revision=revision))
+    except GatedRepoError:
+        raise FileNotFoundError(_missing_message(name, f"{named} is gated: accept its terms on the Hub and log in "
+                                                       "(hf auth login)")) from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(_missing_message(name, f"it has no repository {repo} (or it is private)")) from None
+    except RevisionNotFoundError:
+        raise FileNotFoundError(_missing_message(name, f"{repo} has no revision {revision}")) from None
+    except LocalEntryNotFoundError as error:  # the Hub did not answer, and the cache lacks the file
+        raise ConnectionError(f"the Hugging Face Hub ({constants.ENDPOINT}) could not be reached for {named}'s "
+                              f"{TOKENIZER_JSON} ({error}), and it is not in the cache {constants.HF_HUB_CACHE}: check "
+                              "the network (or HF_ENDPOINT), or pass a local tokenizer directory") from None
+    except EntryNotFoundError:
+        raise FileNotFoundError(_missing_message(name, f"{named} holds no {TOKENIZER_JSON} (a slow tokenizer's "
+                                                       "vocab.json/merges.txt alone is not enough)")) from None
+    commit = path.parent.name  # the cache keeps each file under snapshots/<commit>/: the companions match it
+    for companion in _HUB_COMPANIONS:
+        try:
+            huggingface_hub.hf_hub_download(repo, companion, revision=commit)
+        except EntryNotFoundError:
+            pass
+    return Path(os.path.abspath(path))
+
+
 def tokenizer_file(name_or_path: str | os.PathLike) -> Path | None:
-    """The absolute path of the tokenizer.json `name_or_path` means, found offline; None for "byte".
+    """The absolute path of the tokenizer.json `name_or_path` means; None for "byte".
 
     Looked up in this order: an existing tokenizer.json file or a directory holding one (a
     relative path is made absolute at once, from the working directory); then
-    <tokenizer_store()>/<name>/tokenizer.json; then the Hugging Face cache, local files only.
-    A name found nowhere, or a path that does not exist, is a FileNotFoundError saying where Dew
-    looked and how to get the file.
+    <tokenizer_store()>/<name>/tokenizer.json; then the Hugging Face cache; then, for a Hub
+    repository id (`name`, `owner/name`, either with `@revision`), the Hub, through huggingface_hub
+    (with `HF_HUB_OFFLINE` set, never). A name found nowhere, or a path that does not exist, is a
+    FileNotFoundError saying where Dew looked and how to get the file; a Hub that does not answer,
+    a ConnectionError.
     """
     text = os.fspath(name_or_path)
     if text == BYTE:
@@ -134,8 +185,8 @@ def tokenizer_file(name_or_path: str | os.PathLike) -> Path | None:
     if path.is_file():
         return path
     if path.is_dir():
-        if (path / "tokenizer.json").is_file():
-            return path / "tokenizer.json"
+        if (path / TOKENIZER_JSON).is_file():
+            return path / TOKENIZER_JSON
         raise FileNotFoundError(
             f"directory {path} holds no tokenizer.json: Dew reads a Hugging Face tokenizer from its "
             f"tokenizer.json (a slow tokenizer's vocab.json/merges.txt alone is not enough)"
@@ -145,16 +196,17 @@ def tokenizer_file(name_or_path: str | os.PathLike) -> Path | None:
             f"tokenizer path {text} does not exist (from the working directory {os.getcwd()}, it "
             f"is {path}): pass the tokenizer.json, or the directory holding it"
         )
-    stored = tokenizer_store() / text / "tokenizer.json"
+    stored = tokenizer_store() / text / TOKENIZER_JSON
     if stored.is_file():
         return stored
-    try:
-        cached = try_to_load_from_cache(repo_id=text, filename="tokenizer.json")
-    except HFValidationError:  # not a hub repository id, so it cannot be in the cache
-        cached = None
+    hub = _hub_repository(text)
+    if hub is None:
+        raise FileNotFoundError(_missing_message(text, "not asked, since the name is not a Hub repository id"))
+    repo, revision = hub
+    cached = try_to_load_from_cache(repo_id=repo, filename=TOKENIZER_JSON, revision=revision)
     if isinstance(cached, str):
         return Path(os.path.abspath(cached))
-    raise FileNotFoundError(_missing_message(text))
+    return _download(text, repo, revision)
 
 
 def same_tokenizer(first: str | os.PathLike, second: str | os.PathLike) -> bool:
@@ -164,7 +216,7 @@ def same_tokenizer(first: str | os.PathLike, second: str | os.PathLike) -> bool:
         return True
     try:
         files = tokenizer_file(first), tokenizer_file(second)
-    except FileNotFoundError:
+    except OSError:  # not found anywhere, or the Hub did not answer
         return False
     return None not in files and filecmp.cmp(*files, shallow=False)
 
@@ -205,13 +257,14 @@ def _eos_id(tokenizer: tokenizers.Tokenizer, directory: Path) -> int | None:
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizers.Tokenizer` read from a local tokenizer.json.
+    """A Hugging Face `tokenizers.Tokenizer` read from a tokenizer.json.
 
     `name_or_path` is a tokenizer.json file, a directory holding one, or a name ("gpt2",
-    "org/model"), found the same from any working directory (`tokenizer_file`): first as an
-    existing path, then as <store>/<name>/tokenizer.json in the Dew tokenizer store
-    (`$DEW_TOKENIZERS`, else the checkout's data/tokenizers, else ~/.cache/dew/tokenizers), then
-    in the Hugging Face cache with local files only. `name` is what meta.json records
+    "org/model", "org/model@revision"), found the same from any working directory
+    (`tokenizer_file`): first as an existing path, then as <store>/<name>/tokenizer.json in the Dew
+    tokenizer store (`$DEW_TOKENIZERS`, else the checkout's data/tokenizers, else
+    ~/.cache/dew/tokenizers), then in the Hugging Face cache, then downloaded from the Hub into that
+    cache (not with `HF_HUB_OFFLINE` set). `name` is what meta.json records
     (`tokenizer_name`) and `path` the absolute tokenizer.json read. `vocab_size` counts added
     tokens; `eos_id` is the EOS token named by tokenizer_config.json or, failing that,
     `<|endoftext|>` / `</s>` / `<eos>` / `<|end_of_text|>` when the vocabulary has one, else None.

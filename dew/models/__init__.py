@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from flax import linen as nn
 
+from dew.nn.diffusion_gemma import DiffusionGemma, DiffusionGemmaConfig
 from dew.nn.transformer import CausalTransformer, DecoderConfig
 
 _REGISTRY: dict[str, Callable[..., nn.Module]] = {}
@@ -43,3 +44,10 @@ def causal_transformer(**kwargs) -> CausalTransformer:
         fields = sorted(DecoderConfig.__dataclass_fields__)
         raise TypeError(f"causal_transformer: {error}; its keywords are {fields}") from None
     return CausalTransformer(config)
+
+
+@register("diffusion_gemma")
+def diffusion_gemma(**kwargs) -> DiffusionGemma:
+    """`DiffusionGemma` from its config's fields, as given or as a run's record holds them
+    (`DiffusionGemmaConfig.from_json`)."""
+    return DiffusionGemma(DiffusionGemmaConfig.from_json(kwargs))

@@ -37,7 +37,7 @@ from dew.nn.moe import DenseSparseSpec, Mixture, SparseSpec
 from dew.nn.norms import RMSNorm, normalize
 from dew.nn.rotary import RopeScaling
 from dew.nn.stack import apply_layers, rotary_tables, runs
-from dew.nn.transformer import FULL, SLIDING
+from dew.nn.transformer import FULL, SLIDING, as_dtype
 
 F32 = jnp.float32
 ENCODER_SCALAR, DECODER_SCALAR = "encoder_layer_scalar", "decoder_layer_scalar"
@@ -91,6 +91,24 @@ class DiffusionGemmaConfig:
         if missing:
             raise ValueError(f"rotary gives no setting for the {missing} layers: give one per layer type")
         self.layer_specs(encoder=True)  # the shared specs check the rest (activation, top_k)
+
+    @classmethod
+    def from_json(cls, fields) -> "DiffusionGemmaConfig":
+        """The config from its fields as JSON holds them (a run's record): lists as tuples, each rotary
+        scaling's dict as a `RopeScaling`, dtype names as dtypes; an unknown field is refused by name."""
+        known = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(set(fields) - set(known))
+        if unknown:
+            raise TypeError(f"DiffusionGemmaConfig has no fields {unknown}; its fields are {known}")
+        values = dict(fields)
+        for name in ("layer_types", "head_dims", "kv_heads"):
+            values[name] = tuple(values[name])
+        values["rotary"] = tuple((layer_type, float(theta), RopeScaling(**scaling) if isinstance(scaling, dict)
+                                  else scaling) for layer_type, theta, scaling in values["rotary"])
+        for name in ("dtype", "param_dtype"):
+            if name in values:
+                values[name] = as_dtype(values[name])
+        return cls(**values)
 
     @property
     def num_layers(self) -> int:

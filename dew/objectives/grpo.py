@@ -21,19 +21,15 @@ support is read at the rollout from the snapshot's logits through the sampler's 
 term compares the policy and the reference under that same distribution, so at the first step it is
 an exact zero. A repetition penalty depends on the row's history and is refused.
 
-A rollout's batch holds right-padded `[R, seq_len + 1]` rows under `text` (prompt then completion),
-`completion` (1 on each sampled token), `sampled_log_probs` (the sampler's log-likelihood at each
-sampled token, float32), `advantages` and `rewards` (float32 `[R]`; the rewards are logged as
-`reward`, the mean over completions); with filters also `support_ids` and
-`support_columns`, int32 `[R, C]`: entry `c` of row `r` keeps id `support_ids[r, c]` for the token in
-column `support_columns[r, c]` of `text` (-1: unused; `C` is padded to a power of two, so rollouts
-reuse compiled steps). `examples/grpo_arithmetic.py` alternates rollouts and updates by hand;
-`Trainer.fit` does it through `on_policy_batch`, one rollout of each batch of prompts per step.
+A rollout's batch is `SampledRollout`'s (`text`, `completion`, `sampled_log_probs`, `policy_log_probs`,
+and with filters `support_ids` and `support_columns`), to which `rollout` adds `advantages` and
+`rewards` (float32 `[R]`; the rewards are logged as `reward`, the mean over completions).
+`examples/grpo_arithmetic.py` alternates rollouts and updates by hand; `Trainer.fit` does it through
+`on_policy_batch`, one rollout of each batch of prompts per step.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -43,10 +39,9 @@ from flax import struct
 
 from dew.objectives.base import Mean, MeanLossNoEffects, PathFilter, ScoredByLM, Step, Variables, path_filter
 from dew.objectives.checks import check_decoder_objective
-from dew.objectives.lm import LMObjective, Samples
+from dew.objectives.lm import LMObjective, SampledRollout, Samples
 from dew.objectives.lm.scoring import check_support
 from dew.sampling import Sampling
-from dew.sampling.sampling import SamplingParams, filter_logits
 
 ADVANTAGE_EPS = 1e-4
 
@@ -110,8 +105,6 @@ class GRPOObjective(ScoredByLM, MeanLossNoEffects):
         if group_size < 2:
             raise ValueError(f"group_size is {group_size}; GRPO normalises rewards within a group of at least 2 "
                              "completions per prompt (8 or 16 are common)")
-        if max_new_tokens < 1 or max_new_tokens > seq_len:
-            raise ValueError(f"max_new_tokens is {max_new_tokens}; it must lie in [1, seq_len {seq_len}]")
         if not 0 < clip < 1:
             raise ValueError(f"clip is {clip}; PPO's epsilon lies in (0, 1) (0.2 is common)")
         if kl_weight < 0:
@@ -132,40 +125,25 @@ class GRPOObjective(ScoredByLM, MeanLossNoEffects):
         self.trainable = path_filter(trainable)
         self.scorer = LMObjective(model, seq_len, ema_decay=None, pretrained=pretrained, head_chunks=head_chunks,
                                   token_accuracy=False, samples=samples)
+        self.sampler = SampledRollout(self.scorer, sampling, group_size, max_new_tokens)
 
     # -- rollouts (host) -------------------------------------------------------------------------
     def rollout(self, params: Variables, prompts: Sequence[Sequence[int]], key,
                 records: Sequence | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """Draw `group_size` completions of each prompt from `params` (one snapshot of the policy),
-        score them (with each prompt's entry of `records`, when given), and lay them out as a batch
-        (see the module); returns `(batch, rewards [R])`, rows grouped by prompt."""
+        """Draw `group_size` completions of each prompt from `params` (one snapshot of the policy, through
+        `sampler`, a `SampledRollout`), score them (with each prompt's entry of `records`, when given),
+        and add their rewards and advantages to the rollout's batch; returns `(batch, rewards [R])`,
+        rows grouped by prompt."""
         if records is not None and len(records) != len(prompts):
             raise ValueError(f"{len(records)} records for {len(prompts)} prompts: give one record per prompt")
-        width = self.seq_len + 1
-        longest = max(len(prompt) for prompt in prompts)
-        if longest + self.max_new_tokens > width:
-            raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens {self.max_new_tokens} is beyond "
-                             f"seq_len + 1 = {width}: raise seq_len, or shorten the prompts")
-        drawn = self.scorer.policy(params, self.sampling)([list(p) for p in prompts], self.max_new_tokens, key=key,
-                                                          n=self.group_size)
-        completions = drawn.continuations()
-        rows = len(completions)
-        batch = {"text": np.full((rows, width), self.sampling.pad_id, np.int32),
-                 "completion": np.zeros((rows, width), np.int32),
-                 "sampled_log_probs": np.zeros((rows, width), np.float32)}
-        rewards = np.zeros(rows, np.float32)
-        for row, completion in enumerate(completions):
+        batch = self.sampler(params, prompts, key)
+        rewards = np.zeros(len(batch["text"]), np.float32)
+        for row, (text, completion) in enumerate(zip(batch["text"], batch["completion"])):
             prompt = list(prompts[row // self.group_size])
-            ids = prompt + completion
-            batch["text"][row, :len(ids)] = ids
-            batch["completion"][row, len(prompt):len(ids)] = 1
-            batch["sampled_log_probs"][row, len(prompt):len(ids)] = drawn.log_probs[row, :len(completion)]
             context = () if records is None else (records[row // self.group_size],)
-            rewards[row] = float(self.reward(prompt, completion, *context))
+            rewards[row] = float(self.reward(prompt, text[completion > 0].tolist(), *context))
         batch["advantages"] = group_advantages(rewards, self.group_size)
         batch["rewards"] = rewards
-        if self.filtered:
-            batch["support_ids"], batch["support_columns"] = self._supports(params, batch)
         return batch, rewards
 
     def on_policy_batch(self, params: Variables, prompts: Mapping[str, np.ndarray], key) -> dict[str, np.ndarray]:
@@ -184,44 +162,7 @@ class GRPOObjective(ScoredByLM, MeanLossNoEffects):
     @property
     def filtered(self) -> bool:
         """Whether the sampler keeps only some ids (top-k, top-p, min-p), so a rollout records supports."""
-        return any(value is not None for value in (self.sampling.top_k, self.sampling.top_p, self.sampling.min_p))
-
-    def _supports(self, params, batch) -> tuple[np.ndarray, np.ndarray]:
-        """The ids the sampler kept for each sampled token, as the ragged `(support_ids,
-        support_columns)` pair (see the module), read from the snapshot's logits: `[R, S, vocab]`
-        float32 at once, the memory a rollout's supports cost."""
-        kept_RSV = np.asarray(self._kept(params, jnp.asarray(batch["text"])))
-        sampled_RS = batch["completion"][:, 1:] > 0
-        targets_RS = batch["text"][:, 1:]
-        rows = []
-        for row in range(len(kept_RSV)):
-            ids, columns = [], []
-            for slot in np.flatnonzero(sampled_RS[row]):
-                kept = kept_RSV[row, slot].copy()
-                kept[targets_RS[row, slot]] = True  # the drawn token was kept, whatever a tie decided here
-                found = np.flatnonzero(kept)
-                ids.append(found)
-                columns.append(np.full(len(found), slot + 1))
-            rows.append((np.concatenate(ids or [np.zeros(0, np.int64)]), np.concatenate(columns or [np.zeros(0, np.int64)])))
-        width = 1 << max(0, int(np.ceil(np.log2(max(1, *(len(ids) for ids, _ in rows))))))
-        support_ids = np.zeros((len(rows), width), np.int32)
-        support_columns = np.full((len(rows), width), -1, np.int32)
-        for row, (ids, columns) in enumerate(rows):
-            support_ids[row, :len(ids)], support_columns[row, :len(ids)] = ids, columns
-        return support_ids, support_columns
-
-    @functools.cached_property
-    def _kept(self):
-        """`(params, tokens [R, S + 1]) -> [R, S, vocab]` bool: the ids the sampler keeps after each slot,
-        its filter over the capped logits (compiled once)."""
-        def kept(params, tokens):
-            scores = self.scorer.token_scores(params, tokens)
-            logits_RSV = self.scorer.head_logits(params, scores.states)
-            R, S, V = logits_RSV.shape
-            filtered = filter_logits(SamplingParams.of([self.sampling] * (R * S)), logits_RSV.reshape(R * S, V))
-            return (filtered > -jnp.inf).reshape(R, S, V)
-
-        return jax.jit(kept)
+        return self.sampler.filtered
 
     def check_batch(self, batch: Mapping) -> None:
         """Refuse a batch that is not a rollout's layout (see the module)."""

@@ -20,7 +20,7 @@ from dew.interop import save_pretrained
 from dew.interop.families import family_for
 from dew.interop.gguf_out import write_gguf
 from dew.interop.hub import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES
-from dew.inference import MaskedGeneration
+from dew.inference import BlockGeneration, MaskedGeneration
 from dew.interop.safetensors_files import INDEX, SINGLE, read_index
 from dew.runs.pipeline import pipeline, run_of
 from dew.runs.run_dir import CHECKPOINTS, RUN_JSON
@@ -57,6 +57,11 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = Tr
                          f"{task.process.mask_id}), and dew export writes token-by-token decoders: no transformers "
                          "family computes this model without its own masking recipe; generate from the run with dew "
                          "generate or dew.pipeline")
+    if isinstance(task, BlockGeneration):
+        raise ValueError(f"{run} is a block-diffusion run (DiffusionGemma), and dew export writes token-by-token "
+                         "decoders: save it in Python with dataclasses.replace(bundle, model=objective.model).save("
+                         "directory, variables=state.params), or generate from the run with dew generate or "
+                         "dew.pipeline")
     with tempfile.TemporaryDirectory(prefix="dew-export-tokenizer-") as staging:
         tokenizer_dir = tokenizer_files(task.tokenizer, Path(staging), task.model.config.max_seq_len)
         if format == "gguf":

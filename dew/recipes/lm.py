@@ -25,6 +25,7 @@ from dew.data.tokenizers import tokenizer_file
 from dew.errors import describe, exit_status, one_line_warnings, report
 from dew.interop import load_pretrained
 from dew.interop.peft import check_peft, save_peft
+from dew.nn.diffusion_gemma import DiffusionGemma
 from dew.nn.lora import LoRA, adapters
 from dew.nn.multimodal import MultimodalTransformer
 from dew.objectives import Objective
@@ -45,9 +46,10 @@ ADAPTER = "adapter"
 _ADAPTER_STREAM = 3
 
 
-def _record(config: LMRunConfig, objective, meta: dict[str, Any], command: Sequence[str] | None) -> dict[str, Any]:
+def _record(config: LMRunConfig, objective, meta: dict[str, Any], command: Sequence[str] | None,
+            bundle=None) -> dict[str, Any]:
     """run.json's content (RunDirectory adds the versions and the time); `generation` and the tokens a step
-    trains on are the objective's (`dew.recipes.objectives`)."""
+    trains on are the objective's (`dew.recipes.objectives`), `bundle` the --pretrained checkpoint or None."""
     entry = recipe_objective(config.objective)
     settings = to_json(config)
     settings["data"] = {"type": type(config.data).__name__, **settings["data"]}
@@ -60,12 +62,12 @@ def _record(config: LMRunConfig, objective, meta: dict[str, Any], command: Seque
     return {
         "recipe": RECIPE,
         "settings": settings,
-        "model": {"name": config.model.name, "config": to_json(objective.model.config)},
+        "model": {"name": _model_name(config, objective.model), "config": to_json(objective.model.config)},
         # What decides each product's kernel (a pure function of these, the shape and the dtype).
         "kernels": kernels.describe(getattr(objective.model.config, "kernels", "auto")),
         "data": meta,
         "tokenizer": meta["tokenizer"],
-        "generation": entry.generation(config, objective),
+        "generation": entry.generation(config, objective, bundle),
         "tokens_per_step": entry.tokens_per_step(config, objective),
         "command": list(command) if command is not None else None,
     }
@@ -228,6 +230,12 @@ def _check_pretrained_tokenizer(config: LMRunConfig, bundle, meta: dict[str, Any
     return []
 
 
+def _model_name(config: LMRunConfig, model) -> str:
+    """The registry name that rebuilds `model` from its recorded config: a DiffusionGemma checkpoint's
+    model is not the --model one."""
+    return "diffusion_gemma" if isinstance(model, DiffusionGemma) else config.model.name
+
+
 def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
     """Build everything `config` describes and open its run directory; refuse before writing anything."""
     entry = recipe_objective(config.objective)
@@ -254,7 +262,7 @@ def prepare(config: LMRunConfig, command: Sequence[str] | None = None) -> LMRun:
             trackers.append(WandB(directory.path, settings.wandb, run_id=run_id, mode=settings.wandb_mode,
                                   config=to_json(config)))
         # Everything above only reads; this is the first write (and it takes the directory's lock).
-        notes = directory.open({**_record(config, objective, meta, command), "pretrained": resolve_path_setting(source)},
+        notes = directory.open({**_record(config, objective, meta, command, bundle), "pretrained": resolve_path_setting(source)},
                                allow_changes=settings.allow_changes, keep=_tokenizer_files(config.tokenizer))
         notes += pretrained_notes
     return LMRun(config, data, objective, trainer, directory, trackers, notes)

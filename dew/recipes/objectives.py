@@ -25,6 +25,7 @@ from dew.data.preference_pairs import PreferencePairs
 from dew.data.prompts import Prompts
 from dew.data.tokenizers import tokenizer_name
 from dew.diffusion.discrete import MDLM
+from dew.inference.block import from_checkpoint as block_task
 from dew.inference.text import printable
 from dew.nn.diffusion_gemma import DiffusionGemma
 from dew.nn.lora import LoRA
@@ -113,8 +114,9 @@ class RecipeObjective(RunObjective, abc.ABC):
         ones); `bundle` is the loaded --pretrained checkpoint, or None."""
 
     @abc.abstractmethod
-    def generation(self, config: LMRunConfig, objective) -> dict[str, Any]:
-        """run.json's `generation`: what generation from the run reads."""
+    def generation(self, config: LMRunConfig, objective, bundle) -> dict[str, Any]:
+        """run.json's `generation`: what generation from the run reads (`bundle`: the loaded --pretrained
+        checkpoint, or None)."""
 
     def tokens_per_step(self, config: LMRunConfig, objective) -> int:
         return config.trainer.batch * objective.seq_len
@@ -137,7 +139,7 @@ class LanguageModel(RecipeObjective, LMFlags):
             trainable=None if config.lora is None else LoRA.trainable,
         )
 
-    def generation(self, config, objective) -> dict[str, Any]:
+    def generation(self, config, objective, bundle) -> dict[str, Any]:
         return {"sampling": to_json(config.sampling), **_budget(config, config.ema_decay is not None)}
 
 
@@ -174,7 +176,7 @@ class MaskedDiffusion(RecipeObjective, MaskedDiffusionFlags):
                                         samples=previews(config, model.config.max_seq_len, Sampling()),
                                         token_accuracy=config.token_accuracy, pretrained=held)
 
-    def generation(self, config, objective) -> dict[str, Any]:
+    def generation(self, config, objective, bundle) -> dict[str, Any]:
         """The mask id (and a checkpoint's logits shift) native MDLM is rebuilt with (its default sampler,
         64 steps), and the budget."""
         process = objective.process
@@ -203,8 +205,13 @@ class BlockDiffusion(RecipeObjective, BlockDiffusionFlags):
         return BlockDiffusionObjective(model, prompt, (row - prompt) // canvas, canvas, ema_decay=config.ema_decay,
                                        pretrained=held)
 
-    def generation(self, config, objective) -> dict[str, Any]:
-        return {"process": "block", **_budget(config, config.ema_decay is not None)}
+    def generation(self, config, objective, bundle) -> dict[str, Any]:
+        """The checkpoint's block sampler (from its generation_config.json), EOS and padding ids and
+        budget, which `dew.pipeline` of the run generates with (the run draws no previews)."""
+        task = block_task(bundle)
+        return {"process": "block", "block_process": dataclasses.asdict(task.process),
+                "eos_token_ids": list(task.eos_token_ids), "pad_id": task.pad_id,
+                **_budget(config, config.ema_decay is not None), "max_new_tokens": task.max_new_tokens}
 
 
 class Preference(RecipeObjective, DPOFlags):
@@ -215,7 +222,7 @@ class Preference(RecipeObjective, DPOFlags):
         return DPOObjective(model, config.data.seq_len, beta=settings.beta, label_smoothing=settings.label_smoothing,
                             pretrained=held, samples=previews(config, model.config.max_seq_len, config.sampling))
 
-    def generation(self, config, objective) -> dict[str, Any]:
+    def generation(self, config, objective, bundle) -> dict[str, Any]:
         # The EMA slot holds the reference: the live weights are the trained policy.
         return {"sampling": to_json(config.sampling), **_budget(config, False)}
 
@@ -257,7 +264,7 @@ class Reinforcement(RecipeObjective, GRPOFlags):
                              sampling=sampling, pretrained=held,
                              samples=previews(config, model.config.max_seq_len, sampling))
 
-    def generation(self, config, objective) -> dict[str, Any]:
+    def generation(self, config, objective, bundle) -> dict[str, Any]:
         # The policy as its completions were drawn (with the tokenizer's EOS), over the completions'
         # budget; the live weights are the trained policy (the EMA slot, if any, is the reference).
         return {"sampling": to_json(objective.sampling), "max_new_tokens": objective.max_new_tokens, "ema": False}

@@ -9,7 +9,9 @@ from pathlib import Path
 import jax
 
 from dew import models
+from dew.diffusion.block import BlockProcess
 from dew.diffusion.discrete import DiscreteProcess
+from dew.inference.block import BlockGeneration
 from dew.inference.masked import MaskedGeneration
 from dew.inference.text import TextGeneration
 from dew.nn.lora import LoRA, LoRAModel
@@ -23,9 +25,10 @@ from dew.trees import overlay
 
 
 def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = None, quantize: str | None = None,
-             **load) -> TextGeneration | MaskedGeneration:
+             **load) -> TextGeneration | MaskedGeneration | BlockGeneration:
     """The decoder behind `source` as a `TextGeneration` task, with the source's sampling and budget
-    (a `MaskedGeneration` for a masked-diffusion run, with native MDLM's default sampler).
+    (a `MaskedGeneration` for a masked-diffusion run, with native MDLM's default sampler; a
+    `BlockGeneration` for a block-diffusion run, with its checkpoint's block sampler, EOS and budget).
 
     `source` is one of:
     - a run directory (it holds `run.json`): the recorded model and the run's own tokenizer, with
@@ -75,8 +78,9 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
 def _check_quantizable(task, quantize: str, source) -> None:
     if quantize != "int8":
         raise ValueError(f"quantize={quantize!r} is not a weight format Dew builds: use 'int8', or None")
-    if isinstance(task, MaskedGeneration):
-        raise NotImplementedError(f"{source} is a masked-diffusion model, and int8 weights are built for token-by-token "
+    if isinstance(task, (MaskedGeneration, BlockGeneration)):
+        kind = "masked" if isinstance(task, MaskedGeneration) else "block"
+        raise NotImplementedError(f"{source} is a {kind}-diffusion model, and int8 weights are built for token-by-token "
                                   "decoding only: leave quantize unset")
 
 
@@ -93,13 +97,16 @@ def run_of(path: Path) -> tuple[Path | None, int | None]:
     return None, None
 
 
-def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextGeneration | MaskedGeneration:
+def _from_run(path: Path, *, ema: bool, step: int | None, mesh,
+              layout) -> TextGeneration | MaskedGeneration | BlockGeneration:
     run = RunDirectory(path)
     record = run.record()
-    if record.get("generation", {}).get("process") == "block":
-        raise ValueError(f"{path} is a block-diffusion run: generating from its directory is not built yet; export "
+    generation = record.get("generation", {})
+    block = generation.get("process") == "block"
+    if block and "block_process" not in generation:
+        raise ValueError(f"{path} is a block-diffusion run recorded before Dew kept its sampler in run.json: export "
                          "the trained weights with dataclasses.replace(bundle, model=objective.model).save(directory, "
-                         "variables=state.params) and load that directory")
+                         "variables=state.params) and load that directory, or train the run again")
     model = models.build(record["model"]["name"], **record["model"]["config"])
     if not run.checkpoint_steps():
         raise FileNotFoundError(f"{path} has no checkpoint yet: train it first (its run.json holds the command)")
@@ -110,9 +117,16 @@ def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextG
         checkpoints.close()
     # A run whose EMA slot holds a frozen reference rather than an average (dpo, grpo) records "ema": false,
     # and generates from its live weights.
-    use_ema = ema and record.get("generation", {}).get("ema", True) and saved.get("ema") is not None
+    use_ema = ema and generation.get("ema", True) and saved.get("ema") is not None
     # With frozen parameters (a LoRA run) the EMA holds only the trained part: laid over the rest.
     params = overlay(saved["params"], saved["ema"]) if use_ema else saved["params"]
+    budget = generation.get("max_new_tokens") or None
+    if block:
+        # DiffusionGemma names no logical axes: placed by the layout's size rule, as the trainer placed it.
+        params = jax.device_put(params, layout.shardings(mesh.build(), params))
+        return BlockGeneration(model, params, BlockProcess(**generation["block_process"]), tokenizer=run.tokenizer(),
+                               max_new_tokens=budget, eos_token_ids=generation["eos_token_ids"],
+                               pad_id=generation["pad_id"])
     # In the model's own form (a run written before its layers were scanned holds them one by one),
     # placed by each parameter's logical names as the trainer places them.
     params = model.stack_variables(params)
@@ -120,8 +134,6 @@ def _from_run(path: Path, *, ema: bool, step: int | None, mesh, layout) -> TextG
     if lora:  # a LoRA run generates with its adapters folded into the kernels
         params = LoRAModel(model, LoRA(**lora)).merge(params)
     params = jax.device_put(params, layout.shardings(mesh.build(), with_names(params, model.logical_names())))
-    generation = record.get("generation", {})
-    budget = generation.get("max_new_tokens") or None
     if generation.get("process") == "mdlm":
         # Native MDLM with its default sampler (64 steps): a run records no sampler choice and no EOS.
         process = DiscreteProcess(generation["mask_id"], logits_shift=generation.get("logits_shift", 0))

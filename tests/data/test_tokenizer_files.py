@@ -6,6 +6,7 @@ import shutil
 
 import huggingface_hub
 import pytest
+from huggingface_hub.utils import httpx
 
 import dew
 from dew.data import HFTokenizer
@@ -84,13 +85,14 @@ def test_a_relative_path_is_recorded_absolute(elsewhere, bpe_dir):
     assert tokenizer_name("./tok_byte/") == tokenizer_name("tok_byte") == "tok_byte"
 
 
-def test_a_missing_tokenizer_says_where_dew_looked(elsewhere):
+def test_a_missing_tokenizer_says_where_dew_looked(elsewhere, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(FileNotFoundError) as error:
         HFTokenizer("gpt2")
     message = str(error.value)
     for part in (f"working directory {elsewhere / 'elsewhere'}", str(elsewhere / "store" / "gpt2" / "tokenizer.json"),
                  "$DEW_TOKENIZERS, else the checkout's data/tokenizers, else ~/.cache/dew/tokenizers",
-                 "Hugging Face cache, offline", "make gpt2-tokenizer"):
+                 "(3) the Hugging Face cache, (4) the Hub: not asked, since HF_HUB_OFFLINE is set", "make gpt2-tokenizer"):
         assert part in message
     with pytest.raises(FileNotFoundError, match=rf"tokenizer path ./tok does not exist .* it is {elsewhere / 'elsewhere' / 'tok'}"):
         tokenizer_file("./tok")
@@ -105,3 +107,54 @@ def test_gpt2_is_found_from_any_directory(tmp_path, monkeypatch):
     tokenizer = HFTokenizer("gpt2")
     assert (tokenizer.name, tokenizer.path) == ("gpt2", GPT2 / "tokenizer.json")
     assert same_tokenizer("gpt2", GPT2)
+
+
+def _answer(status: int):
+    """The Hub's HTTP answer an error of huggingface_hub carries."""
+    return httpx.Response(status, request=httpx.Request("GET", "https://huggingface.co/org/tiny"))
+
+
+def test_a_hub_name_downloads_its_tokenizer(elsewhere, bpe_dir, monkeypatch):
+    """A name found nowhere locally is fetched from the Hub into huggingface_hub's cache, with its
+    tokenizer_config.json (the EOS token's name); the Hub is mocked by a download that serves the BPE."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    commit = "c" * 40
+    snapshot = elsewhere / "hub-cache" / "models--org--tiny" / "snapshots" / commit
+    calls = []
+
+    def download(repo_id, filename, *, revision=None, **options):
+        calls.append((repo_id, filename, revision))
+        source = pathlib.Path(bpe_dir) / filename
+        if filename == "tokenizer_config.json":
+            source = elsewhere / "config.json"
+            source.write_text('{"eos_token": "e"}')  # not one of the names Dew tries without it
+        if not source.is_file():
+            raise huggingface_hub.errors.RemoteEntryNotFoundError(f"{repo_id} has no {filename}", response=_answer(404))
+        snapshot.mkdir(parents=True, exist_ok=True)
+        return str(shutil.copy(source, snapshot / filename))
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    tokenizer = HFTokenizer("org/tiny@v1")
+    assert calls == [("org/tiny", "tokenizer.json", "v1"), ("org/tiny", "tokenizer_config.json", commit),
+                     ("org/tiny", "chat_template.jinja", commit)]
+    assert (tokenizer.name, tokenizer.path, tokenizer.vocab_size) == ("org/tiny@v1", snapshot / "tokenizer.json", 400)
+    assert tokenizer.eos_id == tokenizer.tokenizer.token_to_id("e") is not None
+    assert tokenizer.decode(tokenizer.encode("hello world")) == "hello world"
+    # What the Hub lacks, or a Hub that does not answer, is named; HF_HUB_OFFLINE asks nothing.
+    def missing(repo_id, filename, **options):
+        raise huggingface_hub.errors.RepositoryNotFoundError(f"no {repo_id}", response=_answer(401))
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", missing)
+    with pytest.raises(FileNotFoundError, match=r"\(4\) the Hub: it has no repository org/absent \(or it is private\)"):
+        HFTokenizer("org/absent")
+
+    def unreachable(repo_id, filename, **options):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("connection refused")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
+    with pytest.raises(ConnectionError, match=r"could not be reached for org/other's tokenizer.json \(connection "
+                                              r"refused\), and it is not in the cache"):
+        HFTokenizer("org/other")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="not asked, since HF_HUB_OFFLINE is set"):
+        HFTokenizer("org/other")

@@ -74,6 +74,7 @@ def test_missing_tokenizer_says_how_to_get_it(tmp_path, monkeypatch):
     # A store with no gpt2 in it: the checkout's data/tokenizers is found from any directory.
     monkeypatch.setenv("DEW_TOKENIZERS", str(tmp_path / "store"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the download: test_tokenizer_files
     with pytest.raises(FileNotFoundError, match="make gpt2-tokenizer") as error:
         HFTokenizer("gpt2")
     assert "data/tokenizers/gpt2" in str(error.value)

@@ -1,16 +1,24 @@
-"""The recipe's --objective block_diffusion: one step fine-tuning the tiny DiffusionGemma, and its refusals."""
+"""The recipe's --objective block_diffusion: one step fine-tuning the tiny DiffusionGemma, `dew.pipeline` of
+the run, and its refusals."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import dew
 from dew.data.tokenize import tokenize_text
+from dew.inference import BlockGeneration
+from dew.inference.block import from_checkpoint as block_task
+from dew.interop import load_pretrained
+from dew.objectives.diffusion import BlockDiffusionObjective
 from dew.recipes import lm
+from dew.recipes.export import export_run
 from dew.runs.run_dir import RunDirectory
+from dew.training.checkpoints import Checkpoints
 
 SOURCE = Path(__file__).parents[1] / "fixtures" / "hf" / "diffusion-gemma-sft"
 BLOCK = ("--objective", "block_diffusion", "--pretrained", str(SOURCE), "--tokenizer", str(SOURCE))
@@ -43,9 +51,34 @@ def test_one_step_logs_both_terms(block_tokens, tmp_path):
     assert train and all(entry["train/encoder_ce"] > 0 for entry in train)
     assert not any("perplexity" in key for entry in logged for key in entry)
     record = RunDirectory(run).record()
-    assert record["generation"]["process"] == "block"
-    with pytest.raises(ValueError, match="block-diffusion run: generating from its directory is not built yet"):
-        dew.pipeline(run)
+    assert record["generation"]["process"] == "block" and record["model"]["name"] == "diffusion_gemma"
+    # The run generates with the checkpoint's own sampler, EOS and budget, from the trained weights: the
+    # same canvases, bit for bit, as a BlockGeneration built by hand over the restored step.
+    task = dew.pipeline(run)
+    source = load_pretrained(SOURCE, dtype="float32")
+    expected = block_task(source)
+    assert isinstance(task, BlockGeneration)
+    assert (task.process, task.eos_token_ids, task.pad_id, task.max_new_tokens) == (
+        expected.process, expected.eos_token_ids, expected.pad_id, expected.max_new_tokens)
+    checkpoints = Checkpoints(run / "checkpoints", keep=None)
+    try:
+        trained = checkpoints.restore_tree(1)["params"]
+    finally:
+        checkpoints.close()
+    by_hand = BlockGeneration(BlockDiffusionObjective(source.model, 4).model, trained, expected.process,
+                              tokenizer=source.tokenizer, max_new_tokens=6, eos_token_ids=expected.eos_token_ids,
+                              pad_id=expected.pad_id)
+    prompts = ["t5 t9 t12", "t7 t30"]
+    ours, theirs = task(prompts, 6, seed=3), by_hand(prompts, seed=3)
+    np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+    assert ours.continuations() == theirs.continuations() and any(ours.continuations())
+    assert task.decode(ours) == by_hand.decode(theirs)
+    # The trained weights moved from the checkpoint's, so the run is not generating from the source.
+    with pytest.raises(ValueError, match="is a block-diffusion run .DiffusionGemma., and dew export writes"):
+        export_run(run, tmp_path / "exported")
+    start = BlockDiffusionObjective(source.model, 4, pretrained=source.variables).held_variables()
+    assert np.abs(np.asarray(task.variables["params"]["embed_tokens"]["embedding"])
+                  - np.asarray(start["params"]["embed_tokens"]["embedding"])).max() > 0
 
 
 @pytest.mark.parametrize("change, message", [

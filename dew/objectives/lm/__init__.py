@@ -1,5 +1,5 @@
 """The language-model objective: `LMObjective`, `IndexerTraining`, `Perplexity`, `Samples`, `prompt_batch`,
-`TEXT_KEY`, and the chat pieces it scores: `Role`, `sessions`."""
+`TEXT_KEY`, the chat pieces it scores (`Role`, `sessions`) and `SampledRollout`, which samples with its policy."""
 
 from dew.data.chat import Role
 from dew.metrics import Perplexity, perplexity
@@ -9,7 +9,8 @@ from dew.objectives.lm.indexer import IndexerTraining
 from dew.objectives.lm.objective import (
     LMObjective, LMStatistics, ROLES_KEY, Samples, Scores, TEXT_KEY, prompt_batch,
 )
+from dew.objectives.lm.rollout import SampledRollout
 from dew.objectives.lm.scoring import Rollout, support_log_probs
 
 __all__ = ["IndexerTraining", "LMObjective", "LMRunConfig", "LMStatistics", "Perplexity", "ROLES_KEY", "Role", "Rollout",
-           "Samples", "Scores", "TEXT_KEY", "perplexity", "prompt_batch", "sessions", "support_log_probs"]
+           "SampledRollout", "Samples", "Scores", "TEXT_KEY", "perplexity", "prompt_batch", "sessions", "support_log_probs"]
