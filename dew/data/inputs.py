@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-TEXT_FIELDS = ("attention_mask", "positions", "segment_ids")
-"""The token fields a text decoder reads."""
+TEXT_FIELDS = ("attention_mask", "positions", "segment_ids", "rotary_positions")
+"""The token fields a text decoder reads (`rotary_positions` `[B, S, 3]`: the three-axis positions of a
+decoder whose rotary has an `mrope_section`, Qwen 3.5's)."""
 MEDIA_FIELDS = ("image_indices", "image_groups")
 """The token fields a multimodal model reads besides the text ones: the soft feature behind each slot and
 the image it belongs to (-1 for text)."""

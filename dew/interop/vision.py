@@ -15,11 +15,12 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 from dew.interop.tensors import Rule
-from dew.nn.vision import (GemmaProjectorConfig, Llama4ProjectorConfig, Llama4VisionConfig, SiglipConfig,
-                           projector_class, tower_class)
+from dew.nn.vision import (GemmaProjectorConfig, Llama4ProjectorConfig, Llama4VisionConfig, Qwen35MergerConfig,
+                           Qwen35VisionConfig, SiglipConfig, projector_class, tower_class)
 
 _KERNEL = (1, 0)  # transformers stores a projection [out, in], Dew keeps it [in, out]
 _CONV = (2, 3, 1, 0)  # torch's Conv2d weight [out, in, kh, kw], Dew's (flax's) HWIO kernel [kh, kw, in, out]
+_CONV3D = (1, 2, 3, 4, 0)  # torch's Conv3d weight [out, in, t, kh, kw], Dew's kernel [in, t, kh, kw, out]
 _NORM = (("scale", "weight"), ("bias", "bias"))  # a LayerNorm's Dew leaves and transformers' tensors
 
 TOWER_PREFIXES = {"siglip": (
@@ -27,15 +28,18 @@ TOWER_PREFIXES = {"siglip": (
     "model.vision_tower.vision_model.",  # transformers 4.5x's module names
     "vision_tower.",  # what transformers 5 writes
     "model.vision_tower.",  # transformers 5's module names
-), "llama4": ("vision_model.", "model.vision_model.")}
+), "llama4": ("vision_model.", "model.vision_model."), "qwen3_5": ("model.visual.",)}
 PROJECTOR_PREFIXES = {"gemma": ("multi_modal_projector.", "model.multi_modal_projector."),
-                      "llama4": ("multi_modal_projector.", "model.multi_modal_projector.")}
+                      "llama4": ("multi_modal_projector.", "model.multi_modal_projector."),
+                      "qwen3_5": ("model.visual.merger.",)}
 # The tensor whose presence under a prefix says a checkpoint holds that module there.
-_TOWER_ANCHORS = {"siglip": "embeddings.patch_embedding.weight", "llama4": "patch_embedding.linear.weight"}
-_PROJECTOR_ANCHORS = {"gemma": "mm_input_projection_weight", "llama4": "linear_1.weight"}
+_TOWER_ANCHORS = {"siglip": "embeddings.patch_embedding.weight", "llama4": "patch_embedding.linear.weight",
+                  "qwen3_5": "patch_embed.proj.weight"}
+_PROJECTOR_ANCHORS = {"gemma": "mm_input_projection_weight", "llama4": "linear_1.weight",
+                      "qwen3_5": "linear_fc1.weight"}
 # What a tower's checkpoint may hold that the tower never reads: SigLIP's pooling head, which Gemma 3 does
 # not run (saved where `vision_use_head` was true), and the position ids buffer older files kept.
-_UNREAD = {"siglip": ("head.", "embeddings.position_ids"), "llama4": ()}
+_UNREAD = {"siglip": ("head.", "embeddings.position_ids"), "llama4": (), "qwen3_5": ()}
 
 
 def _encoder_layer(dew_layer: str, tensor_layer: str, norms, linears) -> tuple[Rule, ...]:
@@ -88,8 +92,24 @@ def _llama4_projector_rules(config: Llama4ProjectorConfig, prefix: str) -> tuple
     return (Rule("linear_1/kernel", f"{prefix}linear_1.weight", transpose=_KERNEL),)
 
 
-_TOWER_RULES = {"siglip": _siglip_rules, "llama4": _llama4_tower_rules}
-_PROJECTOR_RULES = {"gemma": _gemma_rules, "llama4": _llama4_projector_rules}
+def _qwen35_tower_rules(config: Qwen35VisionConfig, prefix: str) -> tuple[Rule, ...]:
+    linears = [("attn", "qkv"), ("attn", "proj"), ("mlp", "linear_fc1"), ("mlp", "linear_fc2")]
+    return (
+        Rule("patch_embed/kernel", f"{prefix}patch_embed.proj.weight", transpose=_CONV3D),
+        Rule("patch_embed/bias", f"{prefix}patch_embed.proj.bias"),
+        Rule("pos_embed/embedding", f"{prefix}pos_embed.weight"),
+        *_encoder_layer("layers", f"{prefix}blocks.{{layer}}", ("norm1", "norm2"), linears),
+    )
+
+
+def _qwen35_merger_rules(config: Qwen35MergerConfig, prefix: str) -> tuple[Rule, ...]:
+    return (*(Rule(f"norm/{ours}", f"{prefix}norm.{theirs}") for ours, theirs in _NORM),
+            *(Rule(f"{fc}/{leaf}", f"{prefix}{fc}.{tensor}", transpose=transpose) for fc in ("linear_fc1", "linear_fc2")
+              for leaf, tensor, transpose in (("kernel", "weight", _KERNEL), ("bias", "bias", None))))
+
+
+_TOWER_RULES = {"siglip": _siglip_rules, "llama4": _llama4_tower_rules, "qwen3_5": _qwen35_tower_rules}
+_PROJECTOR_RULES = {"gemma": _gemma_rules, "llama4": _llama4_projector_rules, "qwen3_5": _qwen35_merger_rules}
 
 
 def tower_rules(kind: str, config, prefix: str, dew_prefix: str = "") -> tuple[Rule, ...]:

@@ -59,6 +59,11 @@ class Cache:
     slot (-1 for text), ids unique within a row, so a later call's image tokens still read their own
     image's cached keys in both directions and nothing else's.
 
+    `rotary_delta` (int32 `[B]`, or None for a model without three-axis rotary positions) is what each
+    row's next rotary position exceeds its filled length by: images advance the three-axis positions
+    by their grid's side, not their token count, so a decode step's rotary positions are its slots plus
+    this (transformers' `rope_deltas`).
+
     `fresh` (static) promises that no row holds a token yet, as in a cache just made by `init_cache`:
     a prefill into it lets causal attention skip, for each block of queries, the key slots past the
     block (every row's token `i` lands in slot `i` or before). The cache a call returns is never fresh.
@@ -68,6 +73,7 @@ class Cache:
     lengths: jax.Array
     fresh: bool = struct.field(pytree_node=False, default=False)
     groups: jax.Array | None = None
+    rotary_delta: jax.Array | None = None
 
     @property
     def rows(self) -> int:
@@ -79,4 +85,7 @@ class Cache:
 
     def reset(self, rows_B: jax.Array) -> "Cache":
         """Empty the rows where `rows_B` is true (their slots are reused; nothing else changes)."""
-        return self.replace(lengths=jnp.where(rows_B, 0, self.lengths))
+        emptied = self.replace(lengths=jnp.where(rows_B, 0, self.lengths))
+        if self.rotary_delta is None:
+            return emptied
+        return emptied.replace(rotary_delta=jnp.where(rows_B, 0, self.rotary_delta))

@@ -45,6 +45,14 @@ class RopeScaling:
       turn (transformers' `partial_rotary_factor`), at the frequencies of the whole head's width; the
       others keep frequency zero; every frequency is divided by `factor`.
     A field the kind does not read keeps its default.
+
+    Every kind also reads the three-axis (multimodal) rotary of Qwen's vision-language models:
+    `mrope_section` gives how many of the `rotated // 2` frequency slots follow each axis of
+    `rotary_positions` `[B, S, 3]` (time, height, width); text slots have equal positions on all three,
+    where the table is the one-axis one. `mrope_interleaved` picks the layout: interleaved (Qwen3-VL,
+    Qwen 3.5: slot `j` follows height when `j % 3 == 1` and `j < 3 * section[1]`, width when
+    `j % 3 == 2` and `j < 3 * section[2]`, time otherwise) or chunked (Qwen2-VL, Qwen2.5-VL: the first
+    `section[0]` slots follow time, the next `section[1]` height, the last `section[2]` width).
     """
 
     kind: str = "default"
@@ -59,12 +67,14 @@ class RopeScaling:
     attention_factor: float | None = None
     truncate: bool = True
     rotated_fraction: float = 1.0
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
     def __post_init__(self):
         if self.kind not in SCALINGS:
             raise ValueError(f"rope_type {self.kind!r} is not built; Dew builds {', '.join(SCALINGS)}")
         unread = [field.name for field in dataclasses.fields(self)
-                  if field.name != "kind" and field.name not in SCALINGS[self.kind]
+                  if field.name not in ("kind", *_EVERY_KIND) and field.name not in SCALINGS[self.kind]
                   and getattr(self, field.name) != field.default]
         if unread:
             raise ValueError(f"rope_type {self.kind!r} does not read {unread}; it reads {list(SCALINGS[self.kind])}")
@@ -76,11 +86,23 @@ class RopeScaling:
         if not 0 < self.rotated_fraction <= 1:
             raise ValueError(f"rope_type {self.kind!r} has rotated_fraction {self.rotated_fraction}; it is the share "
                              "of each head that turns, in (0, 1]")
+        if self.mrope_section is not None:
+            section = tuple(self.mrope_section)
+            if len(section) != 3 or any(int(n) != n or n < 0 for n in section):
+                raise ValueError(f"mrope_section is {self.mrope_section}; it gives three counts of frequency slots "
+                                 "(time, height, width), as the checkpoint's rope_parameters name them")
+            object.__setattr__(self, "mrope_section", tuple(int(n) for n in section))
+        elif self.mrope_interleaved:
+            raise ValueError("mrope_interleaved without mrope_section: give the three axes' slot counts too")
         if self.kind == "llama3":
             low, high = self.low_freq_factor, self.high_freq_factor
             if low is None or high is None or not 0 < low < high:
                 raise ValueError(f"rope_type 'llama3' has low_freq_factor {low} and high_freq_factor {high}: both are "
                                  "needed, with 0 < low_freq_factor < high_freq_factor (Llama 3.1 uses 1 and 4)")
+
+
+# The fields every kind reads besides its own.
+_EVERY_KIND = ("mrope_section", "mrope_interleaved")
 
 
 def rotated_width(head_dim: int, scaling: RopeScaling) -> int:
@@ -153,9 +175,23 @@ def _yarn_frequencies(head_dim: int, theta: float, s: RopeScaling, powers_F: np.
     return inv_freq_F.astype(f32), float(attention_factor)
 
 
+def axis_of_slots(slots: int, scaling: RopeScaling) -> np.ndarray:
+    """Which axis of three-axis positions (0 time, 1 height, 2 width) each of `slots` frequency slots
+    follows under `scaling`'s `mrope_section` (see `RopeScaling`), int `[slots]`."""
+    section = scaling.mrope_section
+    j = np.arange(slots)
+    if scaling.mrope_interleaved:
+        return np.where((j % 3 == 1) & (j < 3 * section[1]), 1, np.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))
+    if sum(section) != slots:
+        raise ValueError(f"mrope_section {list(section)} covers {sum(section)} frequency slots, and the rotary has "
+                         f"{slots} (half its rotated width): the chunked layout splits them all among the three axes")
+    return np.repeat(np.arange(3), section)
+
+
 def rotary_angles(positions_BS: jax.Array, head_dim: int, theta: float | None,
                   scaling: RopeScaling = RopeScaling()) -> tuple[jax.Array, jax.Array]:
-    """cos and sin tables, float32 `[B, S, head_dim]`, for integer positions `[B, S]`; `theta` None
+    """cos and sin tables, float32 `[B, S, head_dim]`, for integer positions `[B, S]` (or, where
+    `scaling` has an `mrope_section`, three-axis positions `[B, S, 3]`); `theta` None
     gives the identity (cos 1, sin 0: a layer without rotary positions, SmolLM3's NoPE layers).
 
     Each frequency's cos and sin are computed once, on `[B, S, head_dim // 2]`, and the halves
@@ -163,11 +199,18 @@ def rotary_angles(positions_BS: jax.Array, head_dim: int, theta: float | None,
     optimization barrier): left as expressions, XLA's CPU backend fuses them into every consumer, so each
     layer's query and key rotations, forward and backward, evaluate libm's scalar `sincosf` again. The
     values are the same either way (the same angles, the same functions)."""
+    three_axis = scaling.mrope_section is not None and positions_BS.ndim == 3
+    shape_BS = positions_BS.shape[:2]
     if theta is None:
-        return jnp.ones((*positions_BS.shape, head_dim), jnp.float32), jnp.zeros((*positions_BS.shape, head_dim),
-                                                                                  jnp.float32)
+        return jnp.ones((*shape_BS, head_dim), jnp.float32), jnp.zeros((*shape_BS, head_dim), jnp.float32)
     inv_freq_F, attention_factor = rotary_frequencies(head_dim, theta, scaling)
-    freqs_BSF = positions_BS.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F)
+    if three_axis:
+        # each slot's angle from its own axis: [B, S, 3, F] -> [B, S, F]
+        freqs_BS3F = positions_BS.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F)
+        axis_F = axis_of_slots(inv_freq_F.shape[0], scaling)
+        freqs_BSF = jnp.take_along_axis(freqs_BS3F, jnp.asarray(axis_F)[None, None, None, :], axis=2)[:, :, 0]
+    else:
+        freqs_BSF = positions_BS.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F)
     cos_BSF, sin_BSF = jnp.cos(freqs_BSF), jnp.sin(freqs_BSF)
     if attention_factor != 1.0:
         factor = jnp.float32(attention_factor)

@@ -128,8 +128,9 @@ def _order(name: str):
     return (1, int(name.removeprefix("layers_")), "") if name.startswith("layers_") else (0, 0, name)
 
 
-def rotary_tables(specs: Sequence[LayerSpec], positions_BS) -> tuple[dict, dict]:
-    """One cos/sin table per distinct rotary setting of `specs`' mixers, at integer `positions_BS`:
+def rotary_tables(specs: Sequence[LayerSpec], positions_BS, rotary_positions_BS3=None) -> tuple[dict, dict]:
+    """One cos/sin table per distinct rotary setting of `specs`' mixers, at integer `positions_BS`
+    (a three-axis setting, one with an `mrope_section`, at `rotary_positions_BS3` where given):
     `(tables, rotary)` as `apply_layers` and `LayerContext.rotary` read them (each setting's index among
     those of its width; per width the stacked tables, float32 `[R, B, S, width]`)."""
     ropes = list(dict.fromkeys(spec.mixer.rope() for spec in specs))
@@ -137,7 +138,8 @@ def rotary_tables(specs: Sequence[LayerSpec], positions_BS) -> tuple[dict, dict]
     for width in dict.fromkeys(rope[0] for rope in ropes):
         same = [rope for rope in ropes if rope[0] == width]
         tables.update({rope: index for index, rope in enumerate(same)})
-        pairs = [rotary_angles(positions_BS, *rope) for rope in same]
+        pairs = [rotary_angles(positions_BS if rotary_positions_BS3 is None or rope[2].mrope_section is None
+                               else rotary_positions_BS3, *rope) for rope in same]
         rotary[width] = (jnp.stack([cos for cos, _ in pairs]), jnp.stack([sin for _, sin in pairs]))
     return tables, rotary
 

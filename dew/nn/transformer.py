@@ -359,6 +359,11 @@ class DecoderConfig:
         return tuple(specs)
 
     @property
+    def three_axis_rotary(self) -> bool:
+        """Whether the rotary reads three-axis positions (`rotary_positions`; Qwen 3.5's `mrope_section`)."""
+        return any(spec.mixer.rope()[2].mrope_section is not None for spec in self.layer_specs)
+
+    @property
     def attention_layers(self) -> tuple[int, ...]:
         """The layers whose mixer is softmax attention (grouped-query or latent), in order: those that
         report `qk_max`; a recurrent layer has no attention logits."""
@@ -459,6 +464,11 @@ class CausalTransformer(ModelVariables, nn.Module):
     holds (padding takes no slot) and read by every later token; the call returns `(output, cache)`.
     Positions then default to each row's filled length plus the real tokens before each slot.
 
+    A decoder whose rotary has an `mrope_section` (Qwen 3.5) reads three-axis `rotary_positions`
+    `[B, S, 3]` (time, height, width; the processor computes them around each image's grid) where given,
+    and `positions` on all three axes where not. Its cache keeps each row's `rotary_delta`, so decode
+    steps, given no rotary positions, continue from the last image-bearing call's.
+
     A multimodal model (`dew.nn.multimodal`) hands its encoded media in: `features` `[B, F, E]` in
     the compute dtype replace the embeddings (after any embedding scale) of the slots whose
     `feature_indices` `[B, S]` are at least 0 (the feature each reads; -1 for text), and
@@ -488,6 +498,7 @@ class CausalTransformer(ModelVariables, nn.Module):
             runs=tuple(c.layer_specs[start].mixer.empty_cache(stop - start, rows, capacity, c.dtype)
                        for start, stop, _ in runs(c.layer_specs, c.scan_layers)),
             lengths=jnp.zeros((rows,), jnp.int32),
+            rotary_delta=jnp.zeros((rows,), jnp.int32) if c.three_axis_rotary else None,
         )
 
     @nn.compact
@@ -501,6 +512,7 @@ class CausalTransformer(ModelVariables, nn.Module):
         tokens: jax.Array,
         *,
         positions: jax.Array | None = None,
+        rotary_positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
         cache: Cache | None = None,
@@ -546,6 +558,9 @@ class CausalTransformer(ModelVariables, nn.Module):
         if depths and cache is not None:
             raise ValueError("depths=True scores a whole sequence; the multi-token-prediction modules do not decode "
                              "through a cache: leave depths unset when passing cache")
+        if rotary_positions is not None and not c.three_axis_rotary:
+            raise ValueError("rotary_positions are three-axis rotary positions, and this model's rotary has one axis "
+                             "(no mrope_section): pass positions instead")
         real_BS = jnp.ones((B, S), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
         segments_BS = real_BS if segment_ids is None else segment_ids.astype(jnp.int32) * real_BS
         if cache is None:
@@ -570,6 +585,8 @@ class CausalTransformer(ModelVariables, nn.Module):
             elif image_groups is not None:
                 raise ValueError("image_groups with a cache that keeps no image groups: make the cache with the "
                                  "multimodal model's init_cache")
+            if cache.rotary_delta is not None:
+                cache, rotary_positions = _continue_rotary(cache, rotary_positions, positions, real_BS, lengths_B)
 
         embed = nn.Embed(c.vocab_size, c.emb_features, dtype=c.dtype, param_dtype=c.param_dtype,
                          embedding_init=named(nn.initializers.normal(0.02), ("vocab", "embed")), name="embed_tokens")
@@ -595,7 +612,7 @@ class CausalTransformer(ModelVariables, nn.Module):
             picked_BSE = jnp.take_along_axis(features, jnp.maximum(feature_indices, 0)[:, :, None], axis=1)
             x_BSE = jnp.where(media_BS[:, :, None], picked_BSE.astype(c.dtype), x_BSE)
 
-        tables, rotary = rotary_tables(specs, positions)
+        tables, rotary = rotary_tables(specs, positions, rotary_positions)
         replay_LBSK = None
         if routes is not None:
             replay_LBSK, context_cache["covered_BS"] = self._replay(routes, B, S)
@@ -630,7 +647,7 @@ class CausalTransformer(ModelVariables, nn.Module):
         output = output_head.logits(hidden_BSE) if head else ModelOutput(hidden_BSE, output_head, aux)
         if cache is None:
             return output
-        return output, Cache(runs=cache_runs, lengths=lengths_B, groups=cache.groups)
+        return output, Cache(runs=cache_runs, lengths=lengths_B, groups=cache.groups, rotary_delta=cache.rotary_delta)
 
 
     @nn.nowrap
@@ -646,6 +663,18 @@ class CausalTransformer(ModelVariables, nn.Module):
         replay_LBSK = jnp.moveaxis(routes.experts.astype(jnp.int32), 2, 0)[jnp.asarray(position)]
         covered = None if routes.covered is None else routes.covered.astype(bool)
         return replay_LBSK, covered
+
+
+def _continue_rotary(cache: Cache, rotary_positions, positions_BS, real_BS, lengths_B):
+    """(the cache with each row's rotary delta, this call's three-axis positions `[B, S, 3]`). Given
+    positions set the delta of each row with a real token (one past its largest, less its filled
+    length); without, the positions continue from the delta (equal on the three axes, as text's are)."""
+    if rotary_positions is None:
+        shifted_BS = jnp.asarray(positions_BS, jnp.int32) + cache.rotary_delta[:, None]
+        return cache, jnp.broadcast_to(shifted_BS[:, :, None], (*shifted_BS.shape, 3))
+    largest_B = jnp.max(jnp.where(real_BS[:, :, None] > 0, rotary_positions, -1), axis=(1, 2))
+    delta_B = jnp.where(jnp.any(real_BS > 0, axis=1), largest_B + 1 - lengths_B, cache.rotary_delta)
+    return cache.replace(rotary_delta=delta_B.astype(jnp.int32)), rotary_positions
 
 
 def _remember_groups(cache: Cache, image_groups, write_slots_BS):

@@ -292,10 +292,10 @@ def test_projector_config_reads_the_tower_record():
 
 
 def test_unknown_kinds_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"no vision tower 'clip': the towers it builds are \['llama4', 'siglip'\]"):
+    with pytest.raises(ValueError, match=r"no vision tower 'clip': the towers it builds are \['llama4', 'qwen3_5', 'siglip'\]"):
         tower_config("clip", {}, "vision_config")
     with pytest.raises(ValueError,
-                       match=r"no vision projector 'llava': the projectors it builds are \['gemma', 'llama4'\]"):
+                       match=r"no vision projector 'llava': the projectors it builds are \['gemma', 'llama4', 'qwen3_5'\]"):
         projector_config("llava", {}, "config.json")
     with pytest.raises(ValueError, match="no vision tower 'clip'"):
         tower_rules("clip", SiglipConfig(), "")

@@ -6,7 +6,8 @@ Their attention is Qwen 3's with an output gate (`q_proj` doubled, `DecoderConfi
 and a partial rotary (`partial_rotary_factor`, default 0.25: the first quarter of each head turns); every
 RMSNorm but the mixer's gated one scales by `1 + weight` ("gemma" norms). Qwen3-Next's feed-forward
 is Qwen2-MoE's (experts, a shared expert with a sigmoid gate, `decoder_sparse_step`, `mlp_only_layers`);
-Qwen 3.5's text decoder is dense.
+Qwen 3.5's text decoder is dense, and its rotary reads three-axis positions (`mrope_section`, interleaved;
+`dew.nn.rotary.RopeScaling`), which its multimodal family computes around each image.
 
 A linear layer's projections are one Dew kernel, `self_attn/in_proj`, holding the queries, keys,
 values, the gate `z`, then `b` and `a`. Qwen3-Next stores them in two tensors grouped per key head
@@ -17,6 +18,7 @@ tensors (`mtp.*`) are dropped, as transformers drops them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any, ClassVar
 
@@ -53,9 +55,11 @@ _QWEN3_5_TEXT_FIELDS = {
     **_COMMON, "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
     "num_attention_heads": 16, "num_key_value_heads": 4,
 }
-# The multimodal rotary's keys Qwen 3.5 keeps in rope_parameters: text positions are equal on its three
-# axes, where the interleaved sections turn as one rotary, so a text decoder reads them and changes nothing.
+# The three-axis rotary's keys Qwen 3.5 keeps in rope_parameters. transformers' Qwen 3.5 always interleaves
+# the axes (whatever mrope_interleaved says) with these sections by default; Qwen3-Next's rotary has one axis
+# and ignores them, as text positions (equal on the three axes) would anyway.
 _MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+_QWEN3_5_SECTION = (11, 11, 10)
 _KNOBS = dict(norm_style="gemma", qk_norm=True, attn_output_gate=True)
 
 
@@ -84,12 +88,22 @@ class _Hybrid:
 
     FUSED: ClassVar[bool]
     DROPPED: ClassVar[tuple[str, ...]]
+    THREE_AXIS: ClassVar[bool]
 
     def decoder_kwargs(self, source: Mapping[str, Any], where: str = "config.json") -> dict[str, Any]:
         rope = source.get("rope_parameters")
+        section = _QWEN3_5_SECTION
         if isinstance(rope, Mapping) and any(key in rope for key in _MROPE_KEYS):
+            section = tuple(rope.get("mrope_section") or section)
             source = {**source, "rope_parameters": {k: v for k, v in rope.items() if k not in _MROPE_KEYS}}
-        return super().decoder_kwargs(source, where)
+        kwargs = super().decoder_kwargs(source, where)
+        if self.THREE_AXIS:
+            try:
+                kwargs["rope_scaling"] = dataclasses.replace(kwargs["rope_scaling"], mrope_section=section,
+                                                             mrope_interleaved=True)
+            except ValueError as error:
+                raise ValueError(f"{where}: rope_parameters mrope_section {list(section)}: {error}") from None
+        return kwargs
 
     def layer_types(self, fields: ConfigFields, layers: int):
         return None, None  # no layer slides; the linear ones are read with the family's fields
@@ -117,6 +131,9 @@ class _Hybrid:
                                   for i in range(config.num_layers)]
         if config.rope_scaling.kind == "default":  # the family's own default is 0.25: say even 1.0
             written["rope_parameters"]["partial_rotary_factor"] = config.rope_scaling.rotated_fraction
+        if self.THREE_AXIS and config.rope_scaling.mrope_section is not None:
+            written["rope_parameters"].update(mrope_section=list(config.rope_scaling.mrope_section),
+                                              mrope_interleaved=True)
         return written
 
     def tensor_rules(self, config: DecoderConfig, names: Collection[str] | None = None) -> tuple[Rule, ...]:
@@ -134,6 +151,7 @@ class Qwen3NextConverter(_Hybrid, MixtureConverter):
 
     FUSED = True
     DROPPED = ("mtp.",)
+    THREE_AXIS = False
 
 
 class Qwen35TextConverter(_Hybrid, Converter):
@@ -141,6 +159,7 @@ class Qwen35TextConverter(_Hybrid, Converter):
 
     FUSED = False
     DROPPED = ("mtp.", "model.visual.")
+    THREE_AXIS = True
 
 
 QWEN3_NEXT = Qwen3NextConverter("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", _QWEN3_NEXT_FIELDS,

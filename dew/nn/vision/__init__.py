@@ -3,7 +3,8 @@
 A tower config (`TOWERS`) reads its `vision_config` record (`from_hf`), writes it back (`to_hf`), says
 what images it takes (`geometry()`) and builds a module `[N, C, H, W] -> [N, P, width]` (`build`); a
 projector config (`PROJECTORS`) reads the multimodal model's record and builds a module from the tower's
-`[N, P, width]` to soft tokens `[N, tokens, text width]`. Their checkpoint tensor rules live in
+`[N, P, width]` to soft tokens `[N, tokens, text width]`. Qwen 3.5's tower reads patch vectors with each
+image's patch grid instead (`dew.nn.vision.qwen35`): its images differ in size. Their checkpoint tensor rules live in
 `dew.interop.vision`.
 """
 
@@ -15,10 +16,12 @@ from typing import Any
 from dew.nn.vision.base import TowerGeometry
 from dew.nn.vision.llama4 import Llama4Tower, Llama4VisionConfig
 from dew.nn.vision.projectors import GemmaProjector, GemmaProjectorConfig, Llama4Projector, Llama4ProjectorConfig
+from dew.nn.vision.qwen35 import Qwen35Merger, Qwen35MergerConfig, Qwen35Tower, Qwen35VisionConfig
 from dew.nn.vision.siglip import SiglipConfig, SiglipTower
 
-TOWERS: dict[str, type] = {"siglip": SiglipConfig, "llama4": Llama4VisionConfig}
-PROJECTORS: dict[str, type] = {"gemma": GemmaProjectorConfig, "llama4": Llama4ProjectorConfig}
+TOWERS: dict[str, type] = {"siglip": SiglipConfig, "llama4": Llama4VisionConfig, "qwen3_5": Qwen35VisionConfig}
+PROJECTORS: dict[str, type] = {"gemma": GemmaProjectorConfig, "llama4": Llama4ProjectorConfig,
+                               "qwen3_5": Qwen35MergerConfig}
 
 
 def _entry(table: Mapping[str, type], kind: str, what: str) -> type:
@@ -49,6 +52,7 @@ def projector_config(kind: str, record: Mapping[str, Any], where: str):
 
 __all__ = [
     "PROJECTORS", "TOWERS", "GemmaProjector", "GemmaProjectorConfig", "Llama4Projector", "Llama4ProjectorConfig",
-    "Llama4Tower", "Llama4VisionConfig", "SiglipConfig", "SiglipTower", "TowerGeometry",
+    "Llama4Tower", "Llama4VisionConfig", "Qwen35Merger", "Qwen35MergerConfig", "Qwen35Tower", "Qwen35VisionConfig",
+    "SiglipConfig", "SiglipTower", "TowerGeometry",
     "projector_class", "projector_config", "tower_class", "tower_config",
 ]

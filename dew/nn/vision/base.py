@@ -4,6 +4,12 @@ that prepares them and the projector after it) and the check of their sizes."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from flax import linen as nn
+
+from dew.nn.linear import Linear, named
 
 
 def require_positive_ints(config, fields: tuple[str, ...]) -> None:
@@ -39,3 +45,22 @@ class TowerGeometry:
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
             raise ValueError(f"pixel_values have shape {tuple(pixel_values.shape)}; this {tower} tower reads "
                              f"[{unit}, {', '.join(map(str, expected))}]: {fix} and put channels first")
+
+
+def layer_norm(eps: float, param_dtype, name: str) -> nn.LayerNorm:
+    """torch's LayerNorm: a two-pass variance and the affine map in float32 (the caller rounds once)."""
+    return nn.LayerNorm(eps, dtype=jnp.float32, param_dtype=param_dtype, use_fast_variance=False,
+                        scale_init=named(nn.initializers.ones_init(), ("norm",)),
+                        bias_init=named(nn.initializers.zeros_init(), ("norm",)), name=name)
+
+
+class TowerPart(nn.Module):
+    """A module of a tower: its config, the dtype it computes in and the dtype of its parameters."""
+
+    config: Any
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def linear(self, features: int, names: tuple[str, str], name: str) -> Linear:
+        """A biased linear map to `features`, called from a compact method."""
+        return Linear(features, use_bias=True, dtype=self.dtype, param_dtype=self.param_dtype, names=names, name=name)

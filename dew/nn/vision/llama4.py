@@ -31,7 +31,7 @@ from flax import linen as nn
 from dew.nn.attention import attend
 from dew.nn.linear import Linear, named
 from dew.nn.mlp import ACTIVATIONS
-from dew.nn.vision.base import TowerGeometry, require_positive_ints
+from dew.nn.vision.base import TowerGeometry, layer_norm, require_positive_ints
 
 MODEL_TYPE = "llama4_vision_model"
 LAYER_NORM_EPS = 1e-5  # torch's LayerNorm default, which transformers' Llama 4 tower always uses
@@ -167,13 +167,6 @@ def _rotate_pairs(x_NPHD: jax.Array, cos_PF: jax.Array, sin_PF: jax.Array) -> ja
     return turned.reshape(N, P, H, D).astype(x_NPHD.dtype)
 
 
-def _layer_norm(param_dtype, name: str) -> nn.LayerNorm:
-    """torch's LayerNorm: a two-pass variance and the affine map in float32 (the caller rounds once)."""
-    return nn.LayerNorm(LAYER_NORM_EPS, dtype=jnp.float32, param_dtype=param_dtype, use_fast_variance=False,
-                        scale_init=named(nn.initializers.ones_init(), ("norm",)),
-                        bias_init=named(nn.initializers.zeros_init(), ("norm",)), name=name)
-
-
 def _gelu(x, dtype):
     return ACTIVATIONS["gelu"](x.astype(jnp.float32)).astype(dtype)
 
@@ -187,7 +180,7 @@ class _Part(nn.Module):
         return Linear(features, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, names=names, name=name)
 
     def norm(self, name: str, x):
-        return _layer_norm(self.param_dtype, name)(x).astype(self.dtype)
+        return layer_norm(LAYER_NORM_EPS, self.param_dtype, name)(x).astype(self.dtype)
 
 
 class _Attention(_Part):

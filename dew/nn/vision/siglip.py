@@ -21,9 +21,9 @@ from flax import linen as nn
 
 from dew.kernels.matmul import dot
 from dew.nn.attention import attend
-from dew.nn.linear import Linear, named
+from dew.nn.linear import named
 from dew.nn.mlp import ACTIVATIONS
-from dew.nn.vision.base import TowerGeometry, require_positive_ints
+from dew.nn.vision.base import TowerGeometry, TowerPart, layer_norm, require_positive_ints
 
 MODEL_TYPE = "siglip_vision_model"
 # transformers' activation names (`hidden_act`) and the Dew activation (dew.nn.mlp) each one is.
@@ -107,25 +107,10 @@ class SiglipConfig:
 
 
 def _layer_norm(config: SiglipConfig, param_dtype, name: str) -> nn.LayerNorm:
-    """transformers' LayerNorm: a two-pass variance and the affine map in float32 (the caller rounds once)."""
-    return nn.LayerNorm(config.layer_norm_eps, dtype=jnp.float32, param_dtype=param_dtype, use_fast_variance=False,
-                        scale_init=named(nn.initializers.ones_init(), ("norm",)),
-                        bias_init=named(nn.initializers.zeros_init(), ("norm",)), name=name)
+    return layer_norm(config.layer_norm_eps, param_dtype, name)
 
 
-class _TowerPart(nn.Module):
-    """A module of the tower: its config, the dtype it computes in and the dtype of its parameters."""
-
-    config: SiglipConfig
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
-    def linear(self, features: int, names: tuple[str, str], name: str) -> Linear:
-        """A biased linear map to `features` (every one of the tower's is), called from a compact method."""
-        return Linear(features, use_bias=True, dtype=self.dtype, param_dtype=self.param_dtype, names=names, name=name)
-
-
-class PatchEmbedding(_TowerPart):
+class PatchEmbedding(TowerPart):
     """transformers' patch convolution (kernel = stride = one patch, VALID, biased) as one product
     `[N*P, p*p*C] @ [p*p*C, hidden]` over a flax-layout (HWIO) kernel `[p, p, C, hidden]`: float32
     `[N, P, hidden]`, patches in row-major order."""
@@ -144,7 +129,7 @@ class PatchEmbedding(_TowerPart):
         return (x_XE + bias.astype(jnp.float32)).reshape(N, t * t, E)
 
 
-class SiglipEmbeddings(_TowerPart):
+class SiglipEmbeddings(TowerPart):
     """Each patch's vector plus its learned position vector (`position_embedding`, `[P, hidden]`)."""
 
     @nn.compact
@@ -158,7 +143,7 @@ class SiglipEmbeddings(_TowerPart):
         return (x_NPE + position_PE).astype(self.dtype)
 
 
-class SiglipAttention(_TowerPart):
+class SiglipAttention(TowerPart):
     """Multi-head self-attention in which every patch reads every patch; biased projections."""
 
     @nn.compact
@@ -173,7 +158,7 @@ class SiglipAttention(_TowerPart):
         return self.linear(E, ("heads", "embed"), "out_proj")(out_NPHD.reshape(N, P, E))
 
 
-class SiglipMLP(_TowerPart):
+class SiglipMLP(TowerPart):
     """`fc2(act(fc1(x)))`, the activation in float32 rounded once."""
 
     @nn.compact
@@ -184,7 +169,7 @@ class SiglipMLP(_TowerPart):
         return self.linear(c.hidden_size, ("mlp", "embed"), "fc2")(h_NPF)
 
 
-class SiglipLayer(_TowerPart):
+class SiglipLayer(TowerPart):
     """One pre-norm block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`; a scan step (carry, nothing)."""
 
     @nn.compact
@@ -196,7 +181,7 @@ class SiglipLayer(_TowerPart):
         return x_NPE, None
 
 
-class SiglipEncoder(_TowerPart):
+class SiglipEncoder(TowerPart):
     """The blocks as one `nn.scan` named `layers_0to{L-1}`: compile time does not grow with depth."""
 
     @nn.compact
@@ -208,7 +193,7 @@ class SiglipEncoder(_TowerPart):
         return x_NPE
 
 
-class SiglipTower(_TowerPart):
+class SiglipTower(TowerPart):
     """Pixels `[N, C, H, W]` (NCHW, as transformers' image processors give them, H = W = image_size) to
     the last hidden states after `post_layernorm`, `[N, P, hidden]` in `dtype`, P = (image/patch)^2."""
 
