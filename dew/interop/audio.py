@@ -20,20 +20,45 @@ from flax import traverse_util
 
 from dew.interop import tensors
 from dew.interop.tensors import Rule
-from dew.nn.audio import Gemma3nAudio, audio_class
+from dew.nn.audio import CONSTANTS, Gemma3nAudio, Gemma4Audio, audio_class
 
 _KERNEL = (1, 0)  # transformers stores a projection [out, in], Dew keeps it [in, out]
 _CONV2D = (2, 3, 1, 0)  # torch's Conv2d weight [out, in, kh, kw], Dew's HWIO kernel [kh, kw, in, out]
 _DEPTHWISE = (2, 1, 0)  # torch's depthwise Conv1d weight [channels, 1, K], Dew's [K, 1, channels]
 
-AUDIO_PREFIXES = {kind: ("model.audio_tower.", "audio_tower.") for kind in ("gemma3n_audio",)}
-_ANCHOR = {"gemma3n_audio": "subsample_conv_projection.input_proj_linear.weight"}
+AUDIO_PREFIXES = {kind: ("model.audio_tower.", "audio_tower.") for kind in ("gemma3n_audio", "gemma4_audio")}
+_ANCHOR = {kind: "subsample_conv_projection.input_proj_linear.weight" for kind in AUDIO_PREFIXES}
+_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
+
+
+def _linear(dew: str, tensor: str) -> Rule:
+    return Rule(f"params/{dew}/kernel", f"{tensor}.weight", transpose=_KERNEL)
+
+
+def _norm(dew: str, tensor: str) -> Rule:
+    return Rule(f"params/{dew}/scale", f"{tensor}.weight")
+
+
+def _subsampling(dew: str, tensor: str, blocks: tuple[str, str]) -> tuple[Rule, ...]:
+    """Both subsampling blocks' convolutions and norms, and the input projection."""
+    return (*(rule for block in blocks for rule in (
+        Rule(f"params/{dew}/{block}/conv/kernel", f"{tensor}.{block}.conv.weight", transpose=_CONV2D),
+        _norm(f"{dew}/{block}/norm", f"{tensor}.{block}.norm"))),
+        _linear(f"{dew}/input_proj_linear", f"{tensor}.input_proj_linear"))
+
+
+def _light_convolution(dew: str, tensor: str, projection) -> tuple[Rule, ...]:
+    """A conformer layer's `lconv1d`, its two projections' rules from `projection(dew, tensor)`."""
+    return (_norm(f"{dew}/pre_layer_norm", f"{tensor}.pre_layer_norm"),
+            *projection(f"{dew}/linear_start", f"{tensor}.linear_start"),
+            Rule(f"params/{dew}/depthwise_conv1d/kernel", f"{tensor}.depthwise_conv1d.weight", transpose=_DEPTHWISE),
+            _norm(f"{dew}/conv_norm", f"{tensor}.conv_norm"),
+            *projection(f"{dew}/linear_end", f"{tensor}.linear_end"))
 
 
 def _gemma3n_rules(config: Gemma3nAudio, prefix: str) -> tuple[Rule, ...]:
     sub, layer = f"{prefix}subsample_conv_projection", f"{prefix}conformer.{{layer}}"
-    linear = lambda dew, tensor: Rule(f"params/{dew}/kernel", f"{tensor}.weight", transpose=_KERNEL)
-    norm = lambda dew, tensor: Rule(f"params/{dew}/scale", f"{tensor}.weight")
+    linear, norm = _linear, _norm
     feed_forwards = [rule for ffw in ("ffw_layer_start", "ffw_layer_end") for rule in (
         norm(f"conformer/layers/{ffw}/pre_layer_norm", f"{layer}.{ffw}.pre_layer_norm"),
         linear(f"conformer/layers/{ffw}/ffw_layer_1", f"{layer}.{ffw}.ffw_layer_1"),
@@ -41,11 +66,7 @@ def _gemma3n_rules(config: Gemma3nAudio, prefix: str) -> tuple[Rule, ...]:
         norm(f"conformer/layers/{ffw}/post_layer_norm", f"{layer}.{ffw}.post_layer_norm"))]
     attention, attn = "conformer/layers/attention", f"{layer}.attention"
     return (
-        *(rule for i in (0, 1) for rule in (
-            Rule(f"params/subsample_conv_projection/conv_{i}/conv/kernel", f"{sub}.conv_{i}.conv.weight",
-                 transpose=_CONV2D),
-            norm(f"subsample_conv_projection/conv_{i}/norm", f"{sub}.conv_{i}.norm"))),
-        linear("subsample_conv_projection/input_proj_linear", f"{sub}.input_proj_linear"),
+        *_subsampling("subsample_conv_projection", sub, ("conv_0", "conv_1")),
         *feed_forwards,
         norm(f"{attention}/pre_attn_norm", f"{attn}.pre_attn_norm"),
         *(linear(f"{attention}/attn/{proj}", f"{attn}.attn.{proj}") for proj in ("q_proj", "k_proj", "v_proj")),
@@ -54,17 +75,39 @@ def _gemma3n_rules(config: Gemma3nAudio, prefix: str) -> tuple[Rule, ...]:
                f"{attn}.attn.relative_position_embedding.pos_proj"),
         linear(f"{attention}/post", f"{attn}.post"),
         norm(f"{attention}/post_norm", f"{attn}.post_norm"),
-        norm("conformer/layers/lconv1d/pre_layer_norm", f"{layer}.lconv1d.pre_layer_norm"),
-        linear("conformer/layers/lconv1d/linear_start", f"{layer}.lconv1d.linear_start"),
-        Rule("params/conformer/layers/lconv1d/depthwise_conv1d/kernel", f"{layer}.lconv1d.depthwise_conv1d.weight",
-             transpose=_DEPTHWISE),
-        norm("conformer/layers/lconv1d/conv_norm", f"{layer}.lconv1d.conv_norm"),
-        linear("conformer/layers/lconv1d/linear_end", f"{layer}.lconv1d.linear_end"),
+        *_light_convolution("conformer/layers/lconv1d", f"{layer}.lconv1d", lambda *names: (linear(*names),)),
         norm("conformer/layers/norm", f"{layer}.norm"),
     )
 
 
-_RULES = {"gemma3n_audio": _gemma3n_rules}
+def _gemma4_rules(config: Gemma4Audio, prefix: str) -> tuple[Rule, ...]:
+    sub, layer = f"{prefix}subsample_conv_projection", f"{prefix}layers.{{layer}}"
+
+    def clippable(dew: str, tensor: str) -> tuple[Rule, ...]:
+        bounds = _BOUNDS if config.use_clipped_linears else ()
+        return (_linear(f"{dew}/linear", f"{tensor}.linear"),
+                *(Rule(f"{CONSTANTS}/{dew}/{bound}", f"{tensor}.{bound}") for bound in bounds))
+
+    feed_forwards = [rule for ffw in ("feed_forward1", "feed_forward2") for rule in (
+        _norm(f"layers/{ffw}/pre_layer_norm", f"{layer}.{ffw}.pre_layer_norm"),
+        *clippable(f"layers/{ffw}/ffw_layer_1", f"{layer}.{ffw}.ffw_layer_1"),
+        *clippable(f"layers/{ffw}/ffw_layer_2", f"{layer}.{ffw}.ffw_layer_2"),
+        _norm(f"layers/{ffw}/post_layer_norm", f"{layer}.{ffw}.post_layer_norm"))]
+    return (
+        *_subsampling("subsample_conv_projection", sub, ("layer0", "layer1")),
+        *feed_forwards,
+        *(rule for proj in ("q_proj", "k_proj", "v_proj", "post")
+          for rule in clippable(f"layers/self_attn/{proj}", f"{layer}.self_attn.{proj}")),
+        Rule("params/layers/self_attn/per_dim_scale", f"{layer}.self_attn.per_dim_scale"),
+        _linear("layers/self_attn/relative_k_proj", f"{layer}.self_attn.relative_k_proj"),
+        *(_norm(f"layers/{norm}", f"{layer}.{norm}") for norm in ("norm_pre_attn", "norm_post_attn", "norm_out")),
+        *_light_convolution("layers/lconv1d", f"{layer}.lconv1d", clippable),
+        _linear("output_proj", f"{prefix}output_proj"),
+        Rule("params/output_proj/bias", f"{prefix}output_proj.bias"),
+    )
+
+
+_RULES = {"gemma3n_audio": _gemma3n_rules, "gemma4_audio": _gemma4_rules}
 
 
 def audio_rules(kind: str, config, prefix: str = "", dew_prefix: str = "") -> tuple[Rule, ...]:

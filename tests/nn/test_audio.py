@@ -14,7 +14,7 @@ import pytest
 
 from dew.interop import tensors
 from dew.interop.audio import audio_prefix, audio_rules, audio_weights
-from dew.nn.audio import TOWERS, Gemma3nAudio, audio_config
+from dew.nn.audio import CONSTANTS, TOWERS, audio_config
 from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound
 
 torch = pytest.importorskip("torch")
@@ -26,12 +26,19 @@ transformers = pytest.importorskip("transformers")
 GEMMA3N = dict(input_feat_size=16, hidden_size=32, conf_num_attention_heads=4, conf_num_hidden_layers=2,
                conf_attention_chunk_size=4, conf_attention_context_left=5, conf_attention_context_right=1,
                conf_reduction_factor=2, sscp_conv_channel_size=[8, 4], conf_attention_logit_cap=5.0)
+# Gemma 4's: the same widths over 8 mel bins, chunks of 4 frames reading 3 frames back and one ahead (a
+# context of 4 + 4 + 2 slots whose relative table holds 6 positions), every projection clipped.
+GEMMA4 = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, subsampling_conv_channels=[8, 4],
+              attention_chunk_size=4, attention_context_left=5, attention_context_right=2, attention_logit_cap=5.0,
+              output_proj_dims=24)
 LENGTHS = (64, 41, 23)
 
 
 def _randomize(module, seed: int) -> None:
     """Every weight drawn afresh: matrices scaled by their rows' length so activations stay near one, norms'
-    weights and per-dimension scales away from their neutral values, so that a swapped or dropped one shows."""
+    weights, per-dimension scales and biases away from their neutral values, so that a swapped or dropped one
+    shows. Clipping bounds (Gemma 4's buffers) near the values' spread, so that some values clip: inputs
+    at about +-2, outputs at about +-1.5."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, value in module.named_parameters():
@@ -40,6 +47,11 @@ def _randomize(module, seed: int) -> None:
                 value.copy_((1 + 0.3 * noise) if "norm" in name else 0.5 * noise)
             else:
                 value.copy_(noise * value[0].numel() ** -0.5)
+        for name, value in module.named_buffers():
+            bound = name.rsplit(".", 1)[-1]
+            if bound in ("input_min", "input_max", "output_min", "output_max"):
+                size = (2.0 if bound.startswith("input") else 1.5) + 0.2 * torch.rand((), generator=generator)
+                value.copy_(-size if bound.endswith("min") else size)
 
 
 def _clips(features: int, seed: int = 1):
@@ -55,98 +67,134 @@ def _state(model) -> dict:
     return {name: value.detach().numpy() for name, value in model.state_dict().items()}
 
 
-@pytest.fixture(scope="module")
-def gemma3n():
-    """(transformers' encoder, its audio_config record, Dew's config, Dew's variables read from its tensors)."""
-    reference = transformers.Gemma3nAudioConfig(**GEMMA3N)
-    model = transformers.Gemma3nAudioEncoder(reference).eval()
-    _randomize(model, seed=0)
+# Each tower: transformers' config and model classes, the test config, the weights' seed.
+CASES = {"gemma3n_audio": ("Gemma3nAudioConfig", "Gemma3nAudioEncoder", GEMMA3N, 0),
+         "gemma4_audio": ("Gemma4AudioConfig", "Gemma4AudioModel", GEMMA4, 3)}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def tower(request):
+    """(kind, transformers' tower, its audio_config record, Dew's config, Dew's variables read from its tensors)."""
+    config_class, model_class, fields, seed = CASES[request.param]
+    reference = getattr(transformers, config_class)(**fields)
+    model = getattr(transformers, model_class)(reference).eval()
+    _randomize(model, seed)
     record = json.loads(reference.to_json_string())
-    config = audio_config("gemma3n_audio", record)
-    return model, record, config, audio_weights("gemma3n_audio", config, _state(model), prefix="")
+    config = audio_config(request.param, record)
+    return request.param, model, record, config, audio_weights(request.param, config, _state(model), prefix="")
 
 
-def _gemma3n_ulps(config: Gemma3nAudio) -> float:
-    """Ulps of the outputs' size by which two fp32 evaluations of the tower may differ. The subsampling
-    convolutions sum 9 and 9*8 terms, and each cumulative group norm sums up to T*F*C values twice; each
-    conformer layer rounds in two feed-forwards (width and 4*width-term products, three norms each of a
-    width-term mean), the q/k/v and position projections (width terms), the scores (head_dim terms, a
-    tanh), a softmax over the context (chunk+past+future terms) and its weighted values, the output
-    projection, the GLU, a K-term convolution, two norms and the last projection. The rounding errors walk
-    randomly (six standard deviations); the libraries' transcendentals (per layer five rsqrts, the softplus,
-    the tanh, the exp, two SiLUs, a sigmoid) add up in full."""
-    width, layers = config.hidden_size, config.conf_num_hidden_layers
-    context = config.conf_attention_chunk_size + config.conf_attention_context_left + config.conf_attention_context_right
+def _run_transformers(kind, model, frames, mask):
+    """transformers' features and mask (true at audio frames) for `frames` and `mask`."""
+    with torch.no_grad():
+        if kind == "gemma3n_audio":  # Gemma 3n's encoder takes the padding mask (true at padding)
+            out = model(torch.from_numpy(frames), torch.from_numpy(~mask))
+            return out.last_hidden_state.numpy(), ~out.audio_mel_mask.numpy()
+        out = model(torch.from_numpy(frames), attention_mask=torch.from_numpy(mask))
+        return out.last_hidden_state.numpy(), out.attention_mask.numpy()
+
+
+def _conformer_ulps(config, kind: str) -> float:
+    """Ulps of the outputs' size by which two fp32 evaluations of a tower may differ. The subsampling
+    convolutions sum 9 and 9 * channels terms; Gemma 3n's cumulative group norms sum up to T*F*C values
+    twice each (Gemma 4's LayerNorms 2C), the input projection F'*C' terms. Each conformer layer rounds in
+    two feed-forwards (width- and 4*width-term products, two norms each of a width-term mean, a scaled add),
+    two norms around the attention, the q/k/v and position projections (width terms), the scores (head_dim
+    terms and the tanh cap), a softmax over the context (chunk+past+future terms) and its weighted values,
+    the output projection, the light convolution's norms, projections and K-term convolution, and the last
+    norm; Gemma 4 ends in a width-term output projection with a bias. The rounding errors walk randomly
+    (six standard deviations); the libraries' transcendentals (per layer some ten rsqrts, softplus, tanh,
+    exp, SiLU and sigmoid evaluations) add up in full."""
+    fields = CASES[kind][2]
+    width, layers, heads = fields["hidden_size"], 2, 4
+    context, kernel = 4 + 5 + fields.get("conf_attention_context_right", fields.get("attention_context_right")), 5
+    channels = fields.get("sscp_conv_channel_size", fields.get("subsampling_conv_channels"))
+    mel = config.mel_features
     norm = width + 3
-    per_layer = (2 * (2 * norm + width + 4 * width + 2) + 2 * norm + 4 * width + width // config.conf_num_attention_heads
-                 + 2 * context + 4 + width + norm + config.conf_conv_kernel_size + 2 * width + 2)
-    subsample = 9 + 9 * config.sscp_conv_channel_size[0] + 4 * max(LENGTHS) * 16 * 8 + width * 4
-    roundings = subsample + layers * per_layer
+    per_layer = (2 * (2 * norm + width + 4 * width + 2) + 2 * norm + 4 * width + width // heads + 4 + 2 * context
+                 + width + 2 * norm + 3 * width + kernel + 2)
+    groups = (2 * max(LENGTHS) * mel * channels[0] if kind == "gemma3n_audio" else 2 * (2 * channels[0] + 4))
+    subsample = 9 + 9 * channels[0] + groups + (mel // 4) * channels[1]
+    roundings = subsample + layers * per_layer + (width + 1)
     return math.sqrt(6 * roundings) + LIBRARY_ULPS * (10 * layers + 4)
 
 
-# fp32 outputs (largest 2.8) of a 2-layer width-32 tower: _gemma3n_ulps gives 552 ulps of the largest (the
-# group norms' long running sums dominate), a bound of 1.8e-4. The largest difference observed: 1.5e-6.
-def test_gemma3n_matches_transformers(gemma3n):
-    model, _, config, variables = gemma3n
-    frames, mask = _clips(config.input_feat_size)
+# fp32 outputs of 2-layer width-32 towers over three clip lengths, at the audio frames (zero elsewhere):
+# Gemma 3n (largest 2.8): 428 ulps of the largest (its group norms' long running sums dominate), a bound of
+# 1.4e-4; Gemma 4 (largest 3.7, its clipping bounds engaged: unbounded, the outputs move by 1.9): 205 ulps,
+# 9.1e-5. The largest differences observed: Gemma 3n 1.5e-6, Gemma 4 1.7e-6.
+def test_tower_matches_transformers(tower):
+    kind, model, _, config, variables = tower
+    frames, mask = _clips(config.mel_features)
     ours = jax.jit(config.build().apply)(variables, jnp.asarray(frames), jnp.asarray(mask))
-    with torch.no_grad():  # transformers' encoder takes the padding mask (true at padding)
-        theirs = model(torch.from_numpy(frames), torch.from_numpy(~mask))
-    their_mask = ~theirs.audio_mel_mask.numpy()
+    theirs, their_mask = _run_transformers(kind, model, frames, mask)
     np.testing.assert_array_equal(np.asarray(ours.mask), their_mask)
-    assert their_mask.sum(axis=1).tolist() == [8, 6, 3]  # every clip's own length, subsampled 8x
-    theirs = theirs.last_hidden_state.numpy()
+    # every clip's own length at the tower's rate: Gemma 3n keeps one frame in 8 (4x convolutions, reduction 2)
+    assert their_mask.sum(axis=1).tolist() == ([8, 6, 3] if kind == "gemma3n_audio" else [16, 11, 6])
     assert np.abs(theirs).max() > 1.0
-    assert_within(ours.features, theirs, ulp_bound(_gemma3n_ulps(config), np.abs(theirs).max()), "features")
+    bound = ulp_bound(_conformer_ulps(config, kind), np.abs(theirs).max())
+    assert_within(np.asarray(ours.features)[their_mask], theirs[their_mask], bound, "features at audio frames")
     assert not np.asarray(ours.features)[~their_mask].any()
 
 
-def test_config_record_round_trip(gemma3n):
-    _, record, config, _ = gemma3n
-    assert config.to_hf() == {name: value for name, value in record.items() if name != "transformers_version"}
-    assert audio_config("gemma3n_audio", config.to_hf()) == config
-    assert sorted(TOWERS) == ["gemma3n_audio"]
+def test_config_record_round_trip(tower):
+    kind, _, record, config, _ = tower
+    inert = {"transformers_version", "initializer_range"}
+    assert config.to_hf() == {name: value for name, value in record.items() if name not in inert}
+    assert audio_config(kind, config.to_hf()) == config
+    assert sorted(TOWERS) == ["gemma3n_audio", "gemma4_audio"]
 
 
 @pytest.mark.parametrize("change, message", [
     ({"conf_new_knob": 3}, "'conf_new_knob' = 3 is not a field"),
     ({"model_type": "whisper"}, "model_type 'whisper'"),
-    ({"sscp_conv_channel_size": [8, 4, 2]}, "two subsampling convolutions"),
     ({"hidden_size": 30}, "hidden_size 30"),
 ])
-def test_config_refusals(gemma3n, change, message):
-    record = {**gemma3n[1], **change}
+def test_config_refusals(tower, change, message):
+    kind, _, record, _, _ = tower
     with pytest.raises(ValueError, match=message):
-        audio_config("gemma3n_audio", record)
+        audio_config(kind, {**record, **change})
     with pytest.raises(ValueError, match="no audio tower 'whisper'"):
         audio_config("whisper", record)
 
 
-def test_weights_round_trip_and_refusals(gemma3n):
-    model, _, config, variables = gemma3n
+def test_config_refusals_of_each_tower():
+    with pytest.raises(ValueError, match="two subsampling convolutions"):
+        audio_config("gemma3n_audio", {**GEMMA3N, "sscp_conv_channel_size": [8, 4, 2]})
+    with pytest.raises(ValueError, match="hidden_act is 'tanh'"):
+        audio_config("gemma4_audio", {**GEMMA4, "hidden_act": "tanh"})
+    with pytest.raises(ValueError, match="attention_context_left is 1"):
+        audio_config("gemma4_audio", {**GEMMA4, "attention_context_left": 1})
+
+
+def test_weights_round_trip_and_refusals(tower):
+    kind, model, _, config, variables = tower
     state = _state(model)
-    rules = audio_rules("gemma3n_audio", config, "model.audio_tower.")
+    rules = audio_rules(kind, config, "model.audio_tower.")
     exported = {name: build() for name, _, build in tensors.export_tensors(tensors.plan(rules, variables), variables)}
     assert sorted(exported) == sorted("model.audio_tower." + name for name in state)
     for name, value in state.items():
         np.testing.assert_array_equal(exported["model.audio_tower." + name], value)
-    assert audio_prefix("gemma3n_audio", exported, "the export") == "model.audio_tower."
+    # Gemma 4's clipping bounds are constants, one per layer, beside the parameters
+    assert (CONSTANTS in variables) == (kind == "gemma4_audio")
+    assert audio_prefix(kind, exported, "the export") == "model.audio_tower."
     with pytest.raises(ValueError, match="under none of them"):
-        audio_prefix("gemma3n_audio", ["lm_head.weight"], "a text checkpoint")
+        audio_prefix(kind, ["lm_head.weight"], "a text checkpoint")
+    extra = "conformer.9.norm.weight" if kind == "gemma3n_audio" else "layers.9.norm_out.weight"
     with pytest.raises(ValueError, match=r"have no place in Dew's tower"):
-        audio_weights("gemma3n_audio", config, {**state, "conformer.9.norm.weight": state["conformer.0.norm.weight"]},
-                      prefix="")
+        audio_weights(kind, config, {**state, extra: np.ones(32, np.float32)}, prefix="")
+    layer = ".1." if kind == "gemma3n_audio" else "layers.1."
     with pytest.raises(ValueError, match="needs the tensors"):
-        audio_weights("gemma3n_audio", config, {k: v for k, v in state.items() if "conformer.1." not in k}, prefix="")
-    with pytest.raises(TypeError, match="made from a Gemma3nAudio"):
-        audio_rules("gemma3n_audio", object())
+        audio_weights(kind, config, {k: v for k, v in state.items() if layer not in k}, prefix="")
+    with pytest.raises(TypeError, match="made from a"):
+        audio_rules(kind, object())
 
 
-def test_refuses_features_of_another_shape(gemma3n):
-    _, _, config, variables = gemma3n
-    frames, mask = _clips(config.input_feat_size + 1)
-    with pytest.raises(ValueError, match=r"\[B, T, 16\] log-mel frames"):
+def test_refuses_features_of_another_shape(tower):
+    kind, _, _, config, variables = tower
+    frames, mask = _clips(config.mel_features + 4)
+    fits = r"\[B, T, 16\] log-mel frames" if kind == "gemma3n_audio" else "reads 2 .* give frames of 8 bins"
+    with pytest.raises(ValueError, match=fits):
         config.build().apply(variables, jnp.asarray(frames), jnp.asarray(mask))
     with pytest.raises(ValueError, match="boolean mask"):
-        config.build().apply(variables, jnp.asarray(frames[..., :16]), jnp.asarray(mask, jnp.int32))
+        config.build().apply(variables, jnp.asarray(frames[..., :config.mel_features]), jnp.asarray(mask, jnp.int32))

@@ -16,8 +16,9 @@ from typing import Any
 
 from dew.nn.audio.base import AudioEncoding
 from dew.nn.audio.gemma3n import Gemma3nAudio, Gemma3nAudioEncoder
+from dew.nn.audio.gemma4 import CONSTANTS, Gemma4Audio, Gemma4AudioEncoder
 
-TOWERS: dict[str, type] = {"gemma3n_audio": Gemma3nAudio}
+TOWERS: dict[str, type] = {"gemma3n_audio": Gemma3nAudio, "gemma4_audio": Gemma4Audio}
 
 
 def audio_class(kind: str) -> type:
@@ -33,4 +34,5 @@ def audio_config(kind: str, record: Mapping[str, Any], where: str = "audio_confi
     return audio_class(kind).from_hf(record, where)
 
 
-__all__ = ["TOWERS", "AudioEncoding", "Gemma3nAudio", "Gemma3nAudioEncoder", "audio_class", "audio_config"]
+__all__ = ["CONSTANTS", "TOWERS", "AudioEncoding", "Gemma3nAudio", "Gemma3nAudioEncoder", "Gemma4Audio",
+           "Gemma4AudioEncoder", "audio_class", "audio_config"]

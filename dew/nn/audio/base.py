@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from dew.nn.linear import named
+from dew.nn.linear import Linear, named
 
 # Keys an `audio_config` record may hold that change nothing a tower computes: transformers' bookkeeping
 # (4.x and 5.x), the weights' dtype (the loader chooses Dew's) and initialisers.
@@ -114,6 +114,39 @@ class Weight(nn.Module):
         return self.param(self.leaf, named(init, (None,) * len(self.shape)), self.shape, self.param_dtype)
 
 
+class TowerPart(nn.Module):
+    """A module of an audio tower: its config, the dtype its projections compute in and the dtype of its
+    parameters; norms, attention and convolutions compute in float32."""
+
+    config: Any
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def linear(self, features: int, names: tuple[str | None, str | None], name: str, bias: bool = False) -> Linear:
+        return Linear(features, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, names=names, name=name)
+
+    def norm(self, x: jax.Array, name: str, eps: float = 1e-6) -> jax.Array:
+        """transformers' RMSNorm of these towers (`eps` its default unless the caller passes the config's)."""
+        return rms_norm(x, Weight((x.shape[-1],), "scale", self.param_dtype, name=name)(), eps)
+
+    def heads(self, x: jax.Array, heads: int, project) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values `[B, T, heads, H]` in float32 of `x` through the projections `project(name)`
+        (`q_proj`, `k_proj`, `v_proj`), the queries scaled by `softplus(per_dim_scale) / (ln 2 sqrt(H))` (one at
+        the learned scale's start, zero)."""
+        B, T, D = x.shape
+        H = D // heads
+        q, k, v = (project(name)(x).astype(jnp.float32).reshape(B, T, heads, H)
+                   for name in ("q_proj", "k_proj", "v_proj"))
+        per_dim_scale = self.param("per_dim_scale", named(nn.initializers.zeros_init(), (None,)), (H,),
+                                   self.param_dtype)
+        return q * (H**-0.5 / np.log(2)) * jax.nn.softplus(per_dim_scale.astype(jnp.float32)), k, v
+
+    def clip(self, x: jax.Array) -> jax.Array:
+        """`x` clipped to the config's `gradient_clipping` (in the forward pass too, as the reference does)."""
+        bound = self.config.gradient_clipping
+        return jnp.clip(x, -bound, bound)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """`x / rms(x) * scale` over the last axis in float32 (Gemma 3n's and 4's audio norms: the scale starts at
     one and multiplies as it is)."""
@@ -197,5 +230,5 @@ def local_attention(q_BTNH, k_BTNH, v_BTNH, position_FNH, valid_BT, window: Loca
     return out_BUWNH.reshape(B, U * W, N, H)[:, :T]
 
 
-__all__ = ["AudioEncoding", "LocalWindow", "Weight", "causal_depthwise_conv", "check_features", "glu", "local_attention",
-           "read_record", "rms_norm", "sinusoids", "to_record"]
+__all__ = ["AudioEncoding", "LocalWindow", "TowerPart", "Weight", "causal_depthwise_conv", "check_features", "glu",
+           "local_attention", "read_record", "rms_norm", "sinusoids", "to_record"]

@@ -25,10 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from dew.nn.audio.base import (AudioEncoding, LocalWindow, Weight, causal_depthwise_conv, check_features, glu,
-                               local_attention, read_record, require_number, require_positive, rms_norm, sinusoids,
+from dew.nn.audio.base import (AudioEncoding, LocalWindow, TowerPart, Weight, causal_depthwise_conv, check_features,
+                               glu, local_attention, read_record, require_number, require_positive, sinusoids,
                                to_record)
-from dew.nn.linear import Linear, named
 
 MODEL_TYPE = "gemma3n_audio"
 
@@ -102,13 +101,6 @@ class Gemma3nAudio:
         """Input frames per output frame: the time strides' product times the reduction factor."""
         return math.prod(stride for stride, _ in self.sscp_conv_stride_size) * self.conf_reduction_factor
 
-    def mel_bins_after(self, convolutions: int) -> int:
-        """The mel axis's length after the first `convolutions` subsampling convolutions (each pads one bin a side)."""
-        bins = self.input_feat_size
-        for (_, kernel), (_, stride) in list(zip(self.sscp_conv_kernel_size, self.sscp_conv_stride_size))[:convolutions]:
-            bins = (bins + 2 - kernel) // stride + 1
-        return bins
-
     def build(self, dtype=jnp.float32, param_dtype=jnp.float32) -> "Gemma3nAudioEncoder":
         """The tower computing its projections in `dtype` (norms, attention and convolutions in float32) with
         parameters stored in `param_dtype`."""
@@ -119,23 +111,8 @@ def _positive(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-class _Part(nn.Module):
-    """A module of the tower: its config, the dtype it computes in and the dtype of its parameters."""
-
+class _Part(TowerPart):
     config: Gemma3nAudio
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
-    def linear(self, features: int, names: tuple[str, str], name: str) -> Linear:
-        return Linear(features, dtype=self.dtype, param_dtype=self.param_dtype, names=names, name=name)
-
-    def norm(self, x: jax.Array, name: str, eps: float = 1e-6) -> jax.Array:
-        """transformers' Gemma3nRMSNorm (`eps` its default unless a caller passes the config's), float32."""
-        return rms_norm(x, Weight((x.shape[-1],), "scale", self.param_dtype, name=name)(), eps)
-
-    def clip(self, x: jax.Array) -> jax.Array:
-        g = self.config.gradient_clipping
-        return jnp.clip(x, -g, g)
 
 
 class SubsampleConvolution(_Part):
@@ -204,18 +181,13 @@ class Attention(_Part):
     @nn.compact
     def __call__(self, x, valid_BT):
         c = self.config
-        B, T, D = x.shape
-        N = c.conf_num_attention_heads
-        H = D // N
-        heads = lambda name: self.linear(D, ("embed", "heads"), name)(x).reshape(B, T, N, H)
-        q, k, v = heads("q_proj"), heads("k_proj"), heads("v_proj")
-        per_dim_scale = self.param("per_dim_scale", named(nn.initializers.zeros_init(), (None,)), (H,), self.param_dtype)
-        q = q.astype(jnp.float32) * (H**-0.5 / math.log(2)) * jax.nn.softplus(per_dim_scale.astype(jnp.float32))
+        N, D = c.conf_num_attention_heads, x.shape[-1]
+        q, k, v = self.heads(x, N, lambda name: self.linear(D, ("embed", "heads"), name))
         past, future = c.conf_attention_context_left - 1, c.conf_attention_context_right
         table = sinusoids(np.arange(past, -future - 1, -1), D)
         position = RelativePosition(c, self.dtype, self.param_dtype, name="relative_position_embedding")(table)
         window = LocalWindow(c.conf_attention_chunk_size, past, future, -past, future)
-        return local_attention(q, k, v, position.reshape(-1, N, H), valid_BT, window, c.conf_attention_logit_cap,
+        return local_attention(q, k, v, position.reshape(-1, N, D // N), valid_BT, window, c.conf_attention_logit_cap,
                                float(jnp.finfo(jnp.float32).min))
 
 
