@@ -304,7 +304,8 @@ def read_region(reader, leaf: LeafPlan, index: tuple[slice, ...] | None, dtype,
     region = _aligned_empty([high - low for low, high in bounds], dtype)
     item_bounds = bounds[k:]
     for position in itertools.product(*(range(low, high) for low, high in bounds[:k])):
-        target = region[tuple(p - low for p, (low, _) in zip(position, bounds[:k]))]
+        # with Ellipsis a scalar item (a stacked leaf of per-layer scalars) is a view too, not a copy
+        target = region[(*(p - low for p, (low, _) in zip(position, bounds[:k])), Ellipsis)]
         values = leaf.values(position)
         for link in leaf.links:
             parts = link.regions(item_bounds)
