@@ -198,3 +198,16 @@ def test_refuses_features_of_another_shape(tower):
         config.build().apply(variables, jnp.asarray(frames), jnp.asarray(mask))
     with pytest.raises(ValueError, match="boolean mask"):
         config.build().apply(variables, jnp.asarray(frames[..., :config.mel_features]), jnp.asarray(mask, jnp.int32))
+
+
+@pytest.mark.parametrize("tower", ["gemma4_audio"], indirect=True)
+def test_unbounded_clipping_reads_and_a_nan_bound_is_refused(tower):
+    """A Gemma 4 tower saved with a linear left unclipped keeps transformers' infinite bounds: they read as
+    bounds that clip nothing; a NaN bound is refused."""
+    kind, model, _, config, _ = tower
+    state = _state(model)
+    name = "layers.0.self_attn.q_proj.input_max"
+    variables = audio_weights(kind, config, {**state, name: np.array(np.inf, np.float32)}, prefix="")
+    assert variables[CONSTANTS]["layers_0to1"]["self_attn"]["q_proj"]["input_max"][0] == np.inf
+    with pytest.raises(ValueError, match=f"tensor '{name}' holds a NaN"):
+        audio_weights(kind, config, {**state, name: np.array(np.nan, np.float32)}, prefix="")
