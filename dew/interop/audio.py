@@ -86,7 +86,7 @@ def _gemma4_rules(config: Gemma4Audio, prefix: str) -> tuple[Rule, ...]:
     def clippable(dew: str, tensor: str) -> tuple[Rule, ...]:
         bounds = _BOUNDS if config.use_clipped_linears else ()
         return (_linear(f"{dew}/linear", f"{tensor}.linear"),
-                *(Rule(f"{CONSTANTS}/{dew}/{bound}", f"{tensor}.{bound}") for bound in bounds))
+                *(Rule(f"{CONSTANTS}/{dew}/{bound}", f"{tensor}.{bound}", infinities=True) for bound in bounds))
 
     feed_forwards = [rule for ffw in ("feed_forward1", "feed_forward2") for rule in (
         _norm(f"layers/{ffw}/pre_layer_norm", f"{layer}.{ffw}.pre_layer_norm"),

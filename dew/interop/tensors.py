@@ -92,7 +92,8 @@ class Rule:
     times holds those parts one after another, and with `groups` every tensor holds its parts
     interleaved: `groups` blocks, block g the g-th `1 / groups` of each of its parts in order (the Dew
     leaf holds each part whole). With `reshape` (the tensor's shape) or `values` (a `ValueMap`) the rule
-    ties one tensor to one leaf and moves it whole.
+    ties one tensor to one leaf and moves it whole. With `infinities` the tensor may hold infinities (a
+    clipping bound, whose infinity means none); a NaN is refused as in every tensor.
     """
 
     dew: str | tuple[str, ...]
@@ -105,6 +106,7 @@ class Rule:
     groups: int = 1
     reshape: tuple[int, ...] | None = None
     values: ValueMap | None = None
+    infinities: bool = False
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -151,6 +153,7 @@ class Link:
     extent: int = 0
     reshape: tuple[int, ...] | None = None
     values: ValueMap | None = None
+    infinities: bool = False
 
     def tensor_shape(self, item_shape: Sequence[int]) -> tuple[int, ...]:
         if self.reshape is not None:
@@ -251,7 +254,7 @@ def plan(rules: Sequence[Rule], params: Mapping, family: str = "this family") ->
 
 def _links(rule: Rule, index: int, items: list[tuple[int, ...]]) -> tuple[Link, ...]:
     """The links of the rule's `index`-th Dew leaf, given every member leaf's item shape."""
-    base = dict(transpose=rule.transpose, permute=rule.permute)
+    base = dict(transpose=rule.transpose, permute=rule.permute, infinities=rule.infinities)
     if len(rule.dew) == 1 and len(rule.tensor) == 1:
         if rule.reshape is not None and np.prod(rule.reshape) != np.prod(items[0]):
             raise ValueError(f"rule {rule.dew} <-> {rule.tensor}: the tensor's shape {rule.reshape} does not hold the "
@@ -314,7 +317,7 @@ def read_region(reader, leaf: LeafPlan, index: tuple[slice, ...] | None, dtype,
             dew, tensor = parts
             name = link.name.format(**values)
             array = _read(reader, name, tensor, link.permute)
-            check_finite(array, name, reader.location.get(name))
+            check_finite(array, name, reader.location.get(name), infinities=link.infinities)
             advance(array.nbytes)
             if link.values is not None:
                 array = link.values.to_dew(array, name)
@@ -327,12 +330,19 @@ def read_region(reader, leaf: LeafPlan, index: tuple[slice, ...] | None, dtype,
     return region
 
 
-def check_finite(array: np.ndarray, name: str, file=None) -> None:
-    """Refuse a tensor (or a part of it) that holds a NaN or an infinity, naming it and its `file`.
+def check_finite(array: np.ndarray, name: str, file=None, infinities: bool = False) -> None:
+    """Refuse a tensor (or a part of it) that holds a NaN or an infinity, naming it and its `file`; with
+    `infinities`, only a NaN (the tensor is a bound, for which infinity means none).
 
     Tests each value's exponent bits through an integer view, a block at a time: one pass, at the speed
     of a copy, where np.isfinite runs a scalar loop on 16-bit floats."""
     if array.dtype not in _EXPONENT_BITS:
+        return
+    if infinities:  # bounds are a few values: a plain test will do
+        if np.isnan(array.astype(np.float32)).any():
+            where = "" if file is None else f" in {file.name}"
+            raise ValueError(f"tensor {name!r}{where} holds a NaN: it is a bound, a number or an infinity; the "
+                             "checkpoint is damaged")
         return
     unsigned, exponent = _EXPONENT_BITS[array.dtype]
     flat = array.reshape(-1).view(unsigned)

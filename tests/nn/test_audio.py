@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 from dew.interop import tensors
 from dew.interop.audio import audio_prefix, audio_rules, audio_weights
@@ -198,3 +199,33 @@ def test_refuses_features_of_another_shape(tower):
         config.build().apply(variables, jnp.asarray(frames), jnp.asarray(mask))
     with pytest.raises(ValueError, match="boolean mask"):
         config.build().apply(variables, jnp.asarray(frames[..., :config.mel_features]), jnp.asarray(mask, jnp.int32))
+
+
+@pytest.mark.parametrize("tower", ["gemma4_audio"], indirect=True)
+def test_unbounded_clipping_reads_and_a_nan_bound_is_refused(tower):
+    """A Gemma 4 tower saved with a linear left unclipped keeps transformers' infinite bounds: they read as
+    bounds that clip nothing; a NaN bound is refused."""
+    kind, model, _, config, _ = tower
+    state = _state(model)
+    name = "layers.0.self_attn.q_proj.input_max"
+    variables = audio_weights(kind, config, {**state, name: np.array(np.inf, np.float32)}, prefix="")
+    assert variables[CONSTANTS]["layers_0to1"]["self_attn"]["q_proj"]["input_max"][0] == np.inf
+    with pytest.raises(ValueError, match=f"tensor '{name}' holds a NaN"):
+        audio_weights(kind, config, {**state, name: np.array(np.nan, np.float32)}, prefix="")
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_published_sizes_map_every_tensor(kind):
+    """At the published checkpoints' sizes (transformers' defaults: 128 mel bins, 12 layers, width 1536 or
+    1024), the rules tie every tensor of transformers' tower to a Dew leaf of its shape (shapes only: the
+    reference is built on torch's meta device, Dew's through eval_shape)."""
+    config_class, model_class = CASES[kind][:2]
+    reference = getattr(transformers, config_class)()
+    with torch.device("meta"):
+        shapes = {name: tuple(value.shape) for name, value in getattr(transformers, model_class)(reference)
+                  .state_dict().items()}
+    config = audio_config(kind, json.loads(reference.to_json_string()))
+    frames = np.zeros((1, 64, config.mel_features), np.float32)
+    ours = nn.unbox(jax.eval_shape(config.build().init, jax.random.key(0), frames, np.ones((1, 64), bool)))
+    plan = tensors.plan(audio_rules(kind, config, ""), ours)
+    assert {name: tuple(shape) for name, shape in plan.tensors.items()} == shapes
