@@ -4,7 +4,8 @@ Run as `python -m tests.multiprocess_worker RESULT_JSON RUN_DIR [RESTORE_FROM]` 
 root. With DEW_COORDINATOR / DEW_NUM_PROCESSES / DEW_PROCESS_ID set it is one process of a
 multi-process run, else a single process. It trains on `MESH` with a checkpoint in RUN_DIR, then
 process 0 writes the per-step losses and the final parameters (gathered to the host) to
-RESULT_JSON and RESULT_JSON's .npz sibling. With RESTORE_FROM (a run directory another run wrote),
+RESULT_JSON and RESULT_JSON's .npz sibling, with what became of a missing attention_mask (`masks`).
+With RESTORE_FROM (a run directory another run wrote),
 it also restores that checkpoint under `RESTORE_MESH` and writes its parameters to
 RESULT_JSON's .restored.npz sibling.
 """
@@ -27,8 +28,9 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 from dew import models  # noqa: E402
 from dew.data.dataset import Dataset  # noqa: E402
+from dew.data.inputs import ModelInputs, agree_on_mask  # noqa: E402
 from dew.objectives.lm import LMObjective  # noqa: E402
-from dew.training import Checkpoints, Trainer  # noqa: E402
+from dew.training import Checkpoints, Trainer, shard_batch  # noqa: E402
 
 SEQ, VOCAB, BATCH, STEPS = 16, 64, 8, 3
 # Rows over data x fsdp, parameters split over fsdp: across two processes the gradient's reduction
@@ -56,6 +58,27 @@ def host_params(state) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
 
 
+def masks(mesh) -> dict:
+    """What becomes of a missing attention_mask: process 0's 4 rows are padded (a mask), the others' are
+    not; each request and batch is reported per process (gathered), the placed masks as global rows."""
+    tokens = np.arange(1, 21, dtype=np.int32).reshape(4, 5)
+    padding = np.ones((4, 5), bool)
+    padding[0, :2] = False
+    mine = ModelInputs.of(tokens, attention_mask=padding if jax.process_index() == 0 else None)
+    bare = ModelInputs.of(tokens)
+    each = lambda flag: multihost_utils.process_allgather(np.asarray([flag])).reshape(-1).tolist()
+    agreed, neither = agree_on_mask(mine), agree_on_mask(bare)
+    placed = shard_batch(mesh, {"text": mine, "bare": bare})
+    return {
+        "request": each("attention_mask" in agreed.token_fields),
+        "request_all_true": each(bool(np.asarray(agreed.token_fields.get("attention_mask", padding)).all())),
+        "request_none": each("attention_mask" in neither.token_fields),
+        "batch": multihost_utils.process_allgather(placed["text"].token_fields["attention_mask"], tiled=True).tolist()
+        if "attention_mask" in placed["text"].token_fields else None,
+        "batch_bare": each("attention_mask" in placed["bare"].token_fields),
+    }
+
+
 def main(result_path: str, run_dir: str, restore_from: str | None = None) -> None:
     assert jax.device_count() == 4, jax.devices()
     model = models.build("causal_transformer", vocab_size=VOCAB, emb_features=32, num_layers=1, num_heads=2,
@@ -67,6 +90,7 @@ def main(result_path: str, run_dir: str, restore_from: str | None = None) -> Non
     state = trainer.fit(data, steps=STEPS, log_every=1, checkpoint_dir=run_dir, verbose=False)
     fit_seconds = time.perf_counter() - fit_started
     params = host_params(state)
+    agreement = masks(trainer.mesh)
     restored = None
     if restore_from is not None:
         other = Trainer(objective, optax.adamw(1e-2), key=jax.random.key(1), mesh=RESTORE_MESH, layout=LAYOUT)
@@ -85,7 +109,7 @@ def main(result_path: str, run_dir: str, restore_from: str | None = None) -> Non
                 "joined": joined, "processes": jax.process_count(), "devices": jax.device_count(),
                 "losses": [row["train/loss"] for row in trainer.history if "train/loss" in row],
                 "fit_s": fit_seconds, "total_s": time.perf_counter() - started,
-                "compile_s": trainer.compile_seconds,
+                "compile_s": trainer.compile_seconds, "masks": agreement,
             }, result)
 
 

@@ -1,5 +1,6 @@
-"""Two processes on localhost train like one process with the same four devices, and their checkpoint
-restores in one process under another mesh (each process runs tests/multiprocess_worker.py)."""
+"""Two processes on localhost train like one process with the same four devices, their checkpoint
+restores in one process under another mesh, and they agree about a missing attention_mask (each process
+runs tests/multiprocess_worker.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _log(path) -> str:
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process_and_their_checkpoint_restores_under_another_mesh(tmp_path):
+def test_two_processes_match_one_process_restore_under_another_mesh_and_agree_on_masks(tmp_path):
     coordinator = f"127.0.0.1:{_free_port()}"
     processes, logs = [], [tmp_path / f"process{index}.log" for index in range(2)]
     started = time.perf_counter()
@@ -86,6 +87,17 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores_under_ano
     # 4.8e-7 (one ulp) on the second step's loss.
     assert len(two["losses"]) == len(one["losses"]) == 3
     np.testing.assert_allclose(two["losses"], one["losses"], rtol=0, atol=1e-5)
+
+    # A missing attention_mask: process 0's rows are padded, process 1's are not. A generation request
+    # gives every process the field (all true on process 1) since one has it, and none when none has; a
+    # training batch placed by shard_batch has it on every process, padded or not. One process keeps
+    # its inputs as they are.
+    rows = [[False, False, True, True, True]] + [[True] * 5] * 3
+    assert two["masks"] == {"request": [True, True], "request_all_true": [False, True],
+                            "request_none": [False, False], "batch": rows + [[True] * 5] * 4,
+                            "batch_bare": [True, True]}
+    assert one["masks"] == {"request": [True], "request_all_true": [False], "request_none": [False],
+                            "batch": rows, "batch_bare": [False]}
 
     # The two processes' checkpoint, written under data=2 x fsdp=2 by both, read by one process
     # under data=1 x fsdp=4: every parameter exactly as the two processes held it.

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.experimental import multihost_utils
 
 TEXT_FIELDS = ("attention_mask", "positions", "segment_ids", "rotary_positions")
 """The token fields a text decoder reads (`rotary_positions` `[B, S, 3]`: the three-axis positions of a
@@ -79,3 +80,25 @@ def text_fields(fields: Mapping[str, Any], who: str) -> dict[str, Any]:
         raise ValueError(f"{who} takes text only and has no place for {unknown}: it reads the token fields "
                          f"{list(TEXT_FIELDS)}")
     return dict(fields)
+
+
+def with_mask(inputs: ModelInputs) -> ModelInputs:
+    """`inputs` with an `attention_mask` of booleans `[B, S]`: its own, or all true where every slot is
+    real (which costs attention its causal flag; see `agree_on_mask`)."""
+    mask = inputs.token_fields.get("attention_mask")
+    mask = np.ones(inputs.shape, bool) if mask is None else np.asarray(mask).astype(bool)
+    return ModelInputs(inputs.tokens, {**inputs.token_fields, "attention_mask": mask}, inputs.conditioning)
+
+
+def agree_on_mask(inputs: ModelInputs) -> ModelInputs:
+    """This process's inputs of a generation request, agreed with the other processes of the pool before
+    anything is assembled: padding belongs to each process's own rows, so a process may have an
+    `attention_mask` where another has none. Every process gets one (all true where it had none) if
+    any process has one, and none keeps one otherwise (`with_mask`; one flag gathered from every
+    process). In one process the inputs are returned as they are."""
+    if jax.process_count() == 1:
+        return inputs
+    has = np.asarray(["attention_mask" in inputs.token_fields])
+    if np.any(multihost_utils.process_allgather(has)):
+        return with_mask(inputs)
+    return inputs

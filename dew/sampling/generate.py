@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dew.data.inputs import MEDIA_FIELDS, ModelInputs, text_fields
+from dew.data.inputs import MEDIA_FIELDS, ModelInputs, agree_on_mask, text_fields
 from dew.nn.multimodal import MultimodalTransformer
 from dew.sampling.sampling import Sampling, SamplingParams, draw
 from dew.sampling.scoring import Scores, prompt_scores
@@ -231,7 +231,9 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
 
     `prompts` are lists of token ids, or a `ModelInputs` whose `attention_mask` marks each row's
     real tokens (for a multimodal model, with its images: they are encoded once, at prefill). Rows (prompts times `n`) that would not fit beside the weights in the memory
-    generation runs in (`row_bytes`, `memory`) are refused before any is allocated.
+    generation runs in (`row_bytes`, `memory`) are refused before any is allocated. On a process pool
+    every process makes a `ModelInputs` request together: they first agree on its `attention_mask`
+    (`dew.data.inputs.agree_on_mask`).
 
     `on_token(tokens, live)`, when given, is called on the host after every decode step with that
     step's int32 tokens `[rows]` and which rows were still generating; decoding then runs as a host
@@ -240,6 +242,7 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
     config = model.config
     media_rows = None
     if isinstance(prompts, ModelInputs):
+        prompts = agree_on_mask(prompts)  # a process pool's requests agree on the field first
         if isinstance(model, MultimodalTransformer):
             media_rows = _media_rows(prompts)
         else:

@@ -21,7 +21,7 @@ from dew import trees as frozen
 from dew.training.checkpoints import Checkpoints
 from dew.training.in_flight import InFlight
 from dew.sharding import BATCH_AXES, logical_names, with_names
-from dew.training.mesh import Layout, MeshSpec, place_batch, replicated
+from dew.training.mesh import Layout, MeshSpec, replicated, shard_batch
 from dew.training.progress import Reporter, format_values
 from dew.training.state import Step, TrainState
 from dew.training.statistics import add_statistics, empty_statistics, host_sum
@@ -363,7 +363,7 @@ class Trainer:
                     weights = state.params if self._reads_reference else state.evaluated
                     host_batch = self._drawn(weights, host_batch, state.key, int(jax.device_get(state.step)), index + 1)
                 self.objective.check_batch(host_batch)
-                batch = place_batch(self.mesh, host_batch)
+                batch = shard_batch(self.mesh, host_batch)
                 run = self._eval_step(batch)
                 unread.push(index, run(state, batch, state.step, index, state.key))
             unread.drain()
@@ -487,7 +487,7 @@ class Trainer:
             if self._on_policy:
                 host_batch = self._drawn(state.params, host_batch, state.key, index, 0)
             self.objective.check_batch(host_batch)
-            batch = place_batch(self.mesh, host_batch)
+            batch = shard_batch(self.mesh, host_batch)
             # One executable per batch signature: an on-policy batch may change shape between steps.
             compiled = len(self._compiled)
             step_fn = self.compile_step(state, batch, accumulation)

@@ -39,7 +39,7 @@ CASES = {
                                              "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 100.0})),
     # V3.2: each query attends to the 4 keys the lightning indexer ranks highest. A key picked otherwise
     # than transformers picks would move the logits by their own order, far past the bound: the
-    # comparison fails loudly rather than hiding a near tie.
+    # comparison fails loudly rather than hiding a near tie (exact ties: test_deepseek_ties.py).
     "v32-indexer": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
                     dict(n_group=4, topk_group=2, index_topk=4, index_head_dim=8, index_n_heads=4)),
 }
