@@ -20,9 +20,10 @@ than by `Llama4Processor.save_pretrained`; transformers reads it back wherever t
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+
+from fixture_parts import main, word_level
 
 VOCAB = 128
 SPECIALS = {"<|pad|>": 0, "<|eot|>": 1, "<|begin_of_text|>": 2, "<unk>": 3, "<|image_start|>": 4,
@@ -68,14 +69,9 @@ def build_model(seed: int = 0):
 
 def tokenizer():
     """A word-level tokenizer over `token10 ... token127` and Llama 4's specials, padding on the left."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"token{i}": i for i in range(VOCAB) if i not in SPECIALS.values()}
-    vocab.update(SPECIALS)
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.WordPiece()  # words read back with a space between them
+    backend = word_level(VOCAB, SPECIALS)
     made = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|eot|>",
                                    pad_token="<|pad|>", unk_token="<unk>", padding_side="left")
     made.add_special_tokens({"additional_special_tokens": list(SPECIALS)[4:]})
@@ -92,13 +88,5 @@ def write(out: Path, seed: int = 0) -> Path:
     return directory
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("tests/fixtures/hf"))
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    print(write(args.out, args.seed))
-
-
 if __name__ == "__main__":
-    main()
+    main(write, __doc__.splitlines()[0])

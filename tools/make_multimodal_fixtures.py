@@ -15,9 +15,10 @@ would show. Nothing is downloaded; the seed gives the same files on every machin
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+
+from fixture_parts import main, word_level
 
 import numpy as np
 
@@ -62,14 +63,9 @@ def build_model(seed: int = 0):
 def tokenizer():
     """A word-level tokenizer over `token0 ... token255` and Gemma's specials, with the attributes
     `Gemma3Processor` reads (`boi_token`, `eoi_token`, `image_token`)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"token{i}": i for i in range(VOCAB) if i not in SPECIALS.values()}
-    vocab.update(SPECIALS)
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.WordPiece()  # words read back with a space between them
+    backend = word_level(VOCAB, SPECIALS)
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
         padding_side="left", extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
@@ -92,13 +88,5 @@ def write(out: Path, seed: int = 0) -> Path:
     return directory
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("tests/fixtures/hf"))
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    print(write(args.out, args.seed))
-
-
 if __name__ == "__main__":
-    main()
+    main(write, __doc__.splitlines()[0])

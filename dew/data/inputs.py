@@ -24,8 +24,9 @@ decoder whose rotary has an `mrope_section`, Qwen 3.5's)."""
 MEDIA_FIELDS = ("image_indices", "image_groups")
 """The token fields a multimodal model reads besides the text ones: the soft feature behind each slot and
 the image it belongs to (-1 for text)."""
-MEDIA_CONDITIONING = ("pixel_values",)
-"""The conditioning a multimodal model reads: each row's images `[B, images, ...]`."""
+MEDIA_CONDITIONING = ("pixel_values", "image_grid_thw")
+"""The conditioning a multimodal model reads: each row's images `[B, images, ...]`, and for a tower that reads
+images of many sizes (Qwen 3.5's) each one's patch grid `[B, images, 3]`."""
 
 
 @struct.dataclass

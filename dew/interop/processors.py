@@ -13,7 +13,12 @@ and writes what the model reads:
 - conditioning `pixel_values [B, entries, C, H, W]`, zero-padded to the row with the most entries.
 
 A pixel entry is an image (Gemma 3), or one tile of an image (Llama 4, whose processor gives each image
-as its local tiles and a global tile, `[tiles, C, H, W]`); each fills one run of placeholders. Pixels the
+as its local tiles and a global tile, `[tiles, C, H, W]`); each fills one run of placeholders. Qwen 3.5's
+processor gives images of many sizes as patch vectors with a grid each (`image_grid_thw`): its entries are
+laid out `pixel_values [B, images, X, C*T*p*p]`, each image's patches padded to the call's most `X`, beside
+`image_grid_thw [B, images, 3]` (a padding image's grid is zeros); an image fills `t * h * w / merge**2`
+slots and `image_indices` count `X / merge**2` features an image; and the token field `rotary_positions
+[B, S, 3]` holds the three-axis positions its decoder reads (`dew.data.rotary_positions`). Pixels the
 processor normalized in bfloat16 (Llama 4's, as its original implementation does) are widened to
 float32, which is exact.
 
@@ -31,10 +36,11 @@ from typing import Any
 import numpy as np
 
 from dew.data.inputs import ModelInputs
+from dew.data.rotary_positions import three_axis_positions
 
 # What a transformers processor returns that Dew lays out; anything else is refused by name.
 _KNOWN_OUTPUTS = {"input_ids", "attention_mask", "pixel_values", "token_type_ids", "mm_token_type_ids",
-                  "aspect_ratios"}
+                  "aspect_ratios", "image_grid_thw"}
 
 
 def load_reference(directory: Path):
@@ -59,13 +65,13 @@ class Processor:
     """Text and images to `ModelInputs` (see the module): `processor(texts, images=[[...], ...])`.
 
     `reference` is the checkpoint's transformers processor; `image_token_id` the id of the soft-token
-    placeholders it writes, `tokens_per_image` how many a pixel entry (an image or a tile) fills, and
-    `vocab_size` the model's.
+    placeholders it writes, `tokens_per_image` how many a pixel entry (an image or a tile) fills (None where
+    each image's grid says, Qwen 3.5's), and `vocab_size` the model's.
     """
 
     reference: Any
     image_token_id: int
-    tokens_per_image: int
+    tokens_per_image: int | None
     vocab_size: int
 
     @property
@@ -108,6 +114,11 @@ class Processor:
         ids = self._checked(index, np.asarray(outputs["input_ids"][0], np.int64))
         if not images:
             return {"ids": ids, "pixels": None, "owners": None}
+        if "image_grid_thw" in outputs:
+            grids = np.asarray(outputs["image_grid_thw"], np.int64).reshape(-1, 3)
+            patches = np.asarray(_float32(outputs["pixel_values"]))
+            entries = np.split(patches, np.cumsum(np.prod(grids, axis=1))[:-1])
+            return {"ids": ids, "pixels": entries, "grids": grids, "owners": np.arange(len(grids), dtype=np.int32)}
         entries = [_entries(image) for image in outputs["pixel_values"]]
         owners = np.repeat(np.arange(len(entries), dtype=np.int32), [len(entry) for entry in entries])
         return {"ids": ids, "pixels": np.concatenate(entries), "owners": owners}
@@ -123,10 +134,13 @@ class Processor:
             n = len(row["ids"])
             where = slice(S - n, S) if left else slice(0, n)
             tokens[b, where], valid[b, where] = row["ids"], True
-            indices[b, where], groups[b, where] = self._image_slots(b, row)
+            if self.merge is None:
+                indices[b, where], groups[b, where] = self._image_slots(b, row)
         fields = {"positions": np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)}
         if not valid.all():
             fields["attention_mask"] = valid
+        if self.merge is not None:
+            return self._grid_laid_out(rows, tokens, valid, fields)
         most = max(0 if row["pixels"] is None else len(row["pixels"]) for row in rows)
         if not most:
             return ModelInputs.of(tokens, **fields)
@@ -140,24 +154,63 @@ class Processor:
         inputs = ModelInputs.of(tokens, image_indices=indices, image_groups=groups, **fields)
         return inputs.replace(conditioning={"pixel_values": pixels})
 
+    @property
+    def merge(self) -> int | None:
+        """Patches per side a soft token merges, for a processor that gives each image its grid (Qwen's)."""
+        return getattr(self.reference.image_processor, "merge_size", None) if self.tokens_per_image is None else None
+
+    def _grid_laid_out(self, rows: list[dict], tokens, valid, fields) -> ModelInputs:
+        """`_laid_out` for images given as patch vectors with their grids (see the module)."""
+        m2 = self.merge**2
+        left = getattr(self.tokenizer, "padding_side", "left") == "left"
+        B, S = tokens.shape
+        grids = [[] if row["pixels"] is None else [tuple(map(int, grid)) for grid in row["grids"]] for row in rows]
+        is_image = tokens == self.image_token_id
+        fields["rotary_positions"], _ = three_axis_positions(is_image & valid, valid, grids, self.merge)
+        most = max(map(len, grids))
+        if not most:
+            return ModelInputs.of(tokens, **fields)
+        X = max(len(entry) for row in rows if row["pixels"] is not None for entry in row["pixels"])
+        K = next(row["pixels"][0].shape[1] for row in rows if row["pixels"] is not None)
+        pixels = np.zeros((B, most, X, K), np.float32)
+        grid_thw = np.zeros((B, most, 3), np.int32)
+        indices = np.full((B, S), -1, np.int32)
+        groups = np.full((B, S), -1, np.int32)
+        for b, row in enumerate(rows):
+            if row["pixels"] is None:
+                continue
+            n = len(row["ids"])
+            where = slice(S - n, S) if left else slice(0, n)
+            sizes = [int(np.prod(grid)) // m2 for grid in grids[b]]
+            indices[b, where], groups[b, where] = self._runs(b, row, sizes, X // m2)
+            for entry, patches in enumerate(row["pixels"]):
+                pixels[b, entry, :len(patches)] = patches
+                grid_thw[b, entry] = grids[b][entry]
+        inputs = ModelInputs.of(tokens, image_indices=indices, image_groups=groups, **fields)
+        return inputs.replace(conditioning={"pixel_values": pixels, "image_grid_thw": grid_thw})
+
     def _image_slots(self, b: int, row: dict) -> tuple[np.ndarray, np.ndarray]:
         """(image_indices, image_groups) of one row's ids: each run of placeholders is one pixel entry."""
+        entries = 0 if row["pixels"] is None else len(row["pixels"])
+        return self._runs(b, row, [self.tokens_per_image] * entries, self.tokens_per_image)
+
+    def _runs(self, b: int, row: dict, sizes: list[int], capacity: int) -> tuple[np.ndarray, np.ndarray]:
+        """(image_indices, image_groups) of one row's ids whose pixel entries fill `sizes` slots each, in order,
+        entry `e`'s features starting at `e * capacity`."""
         ids = row["ids"]
         is_image = ids == self.image_token_id
         starts = np.flatnonzero(is_image & ~np.concatenate([[False], is_image[:-1]]))
         ends = np.flatnonzero(is_image & ~np.concatenate([is_image[1:], [False]])) + 1
-        entries = 0 if row["pixels"] is None else len(row["pixels"])
-        if len(starts) != entries:
+        if len(starts) != len(sizes):
             raise ValueError(f"row {b} holds {len(starts)} run(s) of image tokens (id {self.image_token_id}) for "
-                             f"{entries} pixel entries (images, or tiles of them): the processor's expansion and the "
-                             "model's image_token_id disagree")
+                             f"{len(sizes)} pixel entries (images, or tiles of them): the processor's expansion and "
+                             "the model's image_token_id disagree")
         indices, groups = np.full(len(ids), -1, np.int32), np.full(len(ids), -1, np.int32)
-        for entry, (start, end) in enumerate(zip(starts, ends)):
-            if end - start != self.tokens_per_image:
+        for entry, (start, end, size) in enumerate(zip(starts, ends, sizes)):
+            if end - start != size:
                 raise ValueError(f"row {b}'s pixel entry {entry} (of image {row['owners'][entry]}) fills "
-                                 f"{end - start} slot(s); the model reads {self.tokens_per_image} soft tokens an "
-                                 "image or tile")
-            indices[start:end] = entry * self.tokens_per_image + np.arange(end - start)
+                                 f"{end - start} slot(s); the model reads {size} soft tokens for it")
+            indices[start:end] = entry * capacity + np.arange(end - start)
             groups[start:end] = row["owners"][entry]
         return indices, groups
 
@@ -220,13 +273,18 @@ class Processor:
         self.reference.save_pretrained(str(directory))
 
 
+def _float32(pixels) -> np.ndarray:
+    """Pixels from the processor as float32; a torch tensor is widened in torch (numpy has no bfloat16, in
+    which Llama 4's processor normalizes), exactly."""
+    if hasattr(pixels, "detach"):
+        pixels = pixels.detach().float().numpy()
+    return np.asarray(pixels, np.float32)
+
+
 def _entries(image) -> np.ndarray:
     """One image's pixels from the processor as float32 entries `[n, C, H, W]`: an image `[C, H, W]` is one,
-    a stack of tiles `[tiles, C, H, W]` is one a tile. A torch tensor is widened in torch (numpy has no
-    bfloat16, in which Llama 4's processor normalizes), exactly."""
-    if hasattr(image, "detach"):
-        image = image.detach().float().numpy()
-    pixels = np.asarray(image, np.float32)
+    a stack of tiles `[tiles, C, H, W]` is one a tile."""
+    pixels = _float32(image)
     return pixels[None] if pixels.ndim == 3 else pixels
 
 

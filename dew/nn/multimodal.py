@@ -6,7 +6,10 @@ Its variables are `language_model` (a `CausalTransformer`'s, in its own form), `
 tokens, and the decoder takes those in place of the placeholder embeddings `image_indices` point at,
 with an image's tokens reading each other in both directions (`image_groups`) where the model was trained
 so (Gemma 3; Llama 4's read causally). A tiled model (Llama 4) takes each tile as one of the "images" of
-this layout: `pixel_values [B, tiles, C, H, W]`, `tokens_per_image` soft tokens a tile. Media are encoded at
+this layout: `pixel_values [B, tiles, C, H, W]`, `tokens_per_image` soft tokens a tile. Qwen 3.5's tower
+reads images of many sizes: `pixel_values [B, images, patches, C*T*p*p]` (each image's patch vectors, padded
+to the call's largest) beside `image_grid_thw [B, images, 3]`, and `patches / merge**2` soft tokens an image
+(its padding's unread); its decoder reads three-axis `rotary_positions`. Media are encoded at
 prefill only: a decode step passes no `pixel_values` and reads the cache, which remembers each slot's
 image. Without media the call is the text decoder's.
 """
@@ -30,7 +33,8 @@ LANGUAGE_MODEL = "language_model"
 class MultimodalConfig:
     """A decoder `text` with a vision tower and projector: `tower` and `projector` are their configs
     (`dew.nn.vision`), registered as `tower_kind` and `projector_kind`; `image_token_id` is the id of
-    an image's soft-token placeholders and `tokens_per_image` how many each image (or tile) fills. With
+    an image's soft-token placeholders and `tokens_per_image` how many each image (or tile) fills (None where
+    each image's patch grid decides, Qwen 3.5's). With
     `bidirectional_images` an image's soft tokens read each other in both directions (Gemma 3); without,
     they read causally as text does (Llama 4). The text knobs (`vocab_size`, `max_seq_len`, `dtype`, ...)
     read through from `text`."""
@@ -41,7 +45,7 @@ class MultimodalConfig:
     projector_kind: str
     projector: Any
     image_token_id: int
-    tokens_per_image: int
+    tokens_per_image: int | None
     bidirectional_images: bool = True
 
     def __getattr__(self, name: str):
@@ -68,7 +72,8 @@ class MultimodalTransformer(ModelVariables, nn.Module):
         self.tower = c.tower.build(c.text.dtype, c.text.param_dtype)
         self.projector = c.projector.build(c.text.dtype, c.text.param_dtype)
 
-    def __call__(self, tokens, *, image_indices=None, image_groups=None, pixel_values=None, **kwargs):
+    def __call__(self, tokens, *, image_indices=None, image_groups=None, pixel_values=None, image_grid_thw=None,
+                 **kwargs):
         if isinstance(tokens, ModelInputs):
             return self(tokens.tokens, **tokens.kwargs(), **kwargs)
         unknown = sorted(set(kwargs) - set(TEXT_FIELDS) - _DECODER_KEYWORDS)
@@ -76,22 +81,30 @@ class MultimodalTransformer(ModelVariables, nn.Module):
             raise ValueError(f"MultimodalTransformer has no place for {unknown}: it reads the token fields "
                              f"{list(TEXT_FIELDS + MEDIA_FIELDS)} and the conditioning {list(MEDIA_CONDITIONING)}")
         if pixel_values is None and self.is_initializing():  # the media's parameters, from the smallest input
-            shape = self.config.tower.geometry()
-            self.encode(jnp.zeros((1, 1, shape.channels, shape.image_size, shape.image_size), self.config.text.dtype))
+            self.encode(**self.config.tower.example(self.config.text.dtype))
         if pixel_values is not None:
             if image_indices is None or image_groups is None:
                 raise ValueError("pixel_values need image_indices and image_groups beside them (the processor "
                                  "writes all three): which slot reads which soft token, and which image it is")
-            kwargs.update(features=self.encode(pixel_values), feature_indices=image_indices)
+            kwargs.update(features=self.encode(pixel_values, image_grid_thw), feature_indices=image_indices)
             if self.config.bidirectional_images:
                 kwargs["image_groups"] = image_groups
         return self.language_model(tokens, **kwargs)
 
-    def encode(self, pixel_values):
-        """Each row's images as soft tokens `[B, images * tokens_per_image, E]` in the compute dtype."""
+    def encode(self, pixel_values, image_grid_thw=None):
+        """Each row's images as soft tokens `[B, images * tokens_per_image, E]` in the compute dtype (a
+        tower reading grids gives `patches / merge**2` tokens an image, padding included)."""
         B, images = pixel_values.shape[:2]
         flat = pixel_values.reshape(B * images, *pixel_values.shape[2:]).astype(self.config.text.dtype)
-        soft_NTE = self.projector(self.tower(flat))
+        reads_grids = getattr(self.config.tower, "reads_grids", False)
+        if reads_grids and image_grid_thw is None:
+            raise ValueError(f"the {self.config.tower_kind} tower reads each image's patch grid: pass image_grid_thw "
+                             "beside pixel_values, as the processor writes it")
+        if not reads_grids and image_grid_thw is not None:
+            raise ValueError(f"the {self.config.tower_kind} tower reads images of one size and no image_grid_thw: "
+                             "leave it out")
+        tower_NPE = self.tower(flat) if image_grid_thw is None else self.tower(flat, image_grid_thw.reshape(-1, 3))
+        soft_NTE = self.projector(tower_NPE)
         return soft_NTE.reshape(B, images * soft_NTE.shape[1], soft_NTE.shape[2]).astype(self.config.text.dtype)
 
     # ---- the decoder's helpers, over the language model's part of the tree ------------------

@@ -295,11 +295,12 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
 
 
 def _media_rows(inputs: ModelInputs) -> dict:
-    """A multimodal prompt's image fields, each row's real slots only, and its conditioning, on the host."""
+    """A multimodal prompt's image fields (and three-axis rotary positions, which images move), each row's real
+    slots only, and its conditioning, on the host."""
     mask = inputs.token_fields.get("attention_mask")
     valid = np.ones(inputs.shape, bool) if mask is None else np.asarray(mask).astype(bool)
     fields = {name: [np.asarray(values)[row][valid[row]] for row in range(valid.shape[0])]
-              for name, values in inputs.token_fields.items() if name in MEDIA_FIELDS}
+              for name, values in inputs.token_fields.items() if name in MEDIA_FIELDS + ("rotary_positions",)}
     return {"fields": fields, "conditioning": {name: np.asarray(value) for name, value in inputs.conditioning.items()}}
 
 
@@ -308,7 +309,7 @@ def _media_of(media_rows: dict, prompt_ids: np.ndarray, width: int) -> dict:
     slots, -1 before it) and the conditioning of each row's prompt."""
     media = {}
     for name, rows in media_rows["fields"].items():
-        laid = np.full((len(prompt_ids), width), -1, np.int32)
+        laid = np.full((len(prompt_ids), width, *rows[0].shape[1:]), -1, np.int32)
         for r, prompt in enumerate(prompt_ids):
             if len(rows[prompt]):
                 laid[r, width - len(rows[prompt]):] = rows[prompt]

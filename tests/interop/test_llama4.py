@@ -28,6 +28,8 @@ from dew.objectives.lm import LMObjective
 from dew.sampling import Sampling
 from dew.serve import Engine, Request
 from dew.training import Layout, MeshSpec, Trainer
+from tests.interop.multimodal_checks import (check_greedy_matches_generate, check_row_logits, check_save_reloads,
+                                             check_stepped_logits, targets)
 from tests.interop.test_llama4_text import llama4_ulps
 from tests.nn.test_vision_llama4 import _bound as tower_bound
 from tests.serve.test_engine import Collect
@@ -111,11 +113,6 @@ def _their_row(hf_processor, text, images):
     return row
 
 
-def _their_logits(model, row):
-    with torch.no_grad():
-        return model(**row).logits[0].numpy()
-
-
 def test_processor_lays_out_tiles_as_transformers_expands_them(processor, hf_processor, images):
     inputs = processor(PROMPTS, images=images)
     mask = inputs.token_fields["attention_mask"]
@@ -152,14 +149,12 @@ def test_logits_match_transformers(bundle, processor, hf_processor, reference, i
     prompts = PROMPTS if with_images else TEXT
     inputs = processor(prompts, images=images if with_images else None)
     ours = np.asarray(bundle.model.apply(bundle.variables, inputs.tokens, **inputs.kwargs()))
-    mask = inputs.token_fields.get("attention_mask", np.ones(inputs.shape, bool))
-    for row, prompt in enumerate(prompts):
-        theirs = _their_logits(reference, _their_row(hf_processor, prompt, images[row] if with_images else None))
-        assert np.abs(theirs).max() > 2.0
-        # largest differences observed: 7.8e-6 with images (logits up to 5.5, bound 2.0e-3), 3.2e-6 text only
-        # (up to 5.2, bound 5.5e-4)
-        assert_within(ours[row][mask[row]], theirs, logit_bound(bundle, np.abs(theirs).max(), inputs.shape[1]),
-                      f"row {row}")
+    their_rows = [_their_row(hf_processor, prompt, images[row] if with_images else None)
+                  for row, prompt in enumerate(prompts)]
+    # largest differences observed: 7.8e-6 with images (logits up to 5.5, bound 2.0e-3), 3.2e-6 text only
+    # (up to 5.2, bound 5.5e-4)
+    bound = lambda magnitude, seq_len: logit_bound(bundle, magnitude, seq_len)
+    check_row_logits(ours, inputs, reference, their_rows, bound, 2.0)
 
 
 @pytest.fixture(scope="module")
@@ -169,13 +164,10 @@ def greedy(bundle, processor, images):
     return bundle.text_generation(sampling=Sampling(temperature=0))(inputs, 6, seed=1).continuations()
 
 
-def test_cached_greedy_continuation_matches_generate(processor, hf_processor, reference, images, greedy):
-    for row, prompt in enumerate(PROMPTS):
-        theirs = _their_row(hf_processor, prompt, images[row])
-        with torch.no_grad():
-            generated = reference.generate(**theirs, do_sample=False, max_new_tokens=6, min_new_tokens=6,
-                                           eos_token_id=None, pad_token_id=0)
-        assert greedy[row] == generated[0, theirs["input_ids"].shape[1]:].tolist()
+def test_cached_greedy_continuation_matches_generate(bundle, processor, hf_processor, reference, images, greedy):
+    check_greedy_matches_generate(bundle, processor(PROMPTS, images=images), reference,
+                                  [_their_row(hf_processor, prompt, images[row]) for row, prompt in enumerate(PROMPTS)],
+                                  continuations=greedy)
 
 
 def test_prompt_ids_with_placeholders_are_served_as_text_generation_answers(bundle, processor, images, greedy):
@@ -209,18 +201,10 @@ def test_prompt_ids_with_placeholders_are_served_as_text_generation_answers(bund
     assert [request.consumer.tokens for request in requests] == greedy
 
 
-def _targets(inputs):
-    """The rows' target weights as LMObjective counts them: real, not padding id 0, not a soft token."""
-    tokens = np.asarray(inputs.tokens)
-    valid = np.asarray(inputs.token_fields["attention_mask"])
-    soft = np.asarray(inputs.token_fields["image_indices"]) >= 0
-    return tokens, valid[:, :-1] & valid[:, 1:] & ~soft[:, 1:] & (tokens[:, 1:] != 0)
-
-
 def _their_loss(model, inputs, pixels):
     """transformers' mean cross entropy over the same targets, each row fed alone (transformers' NoPE
     temperature reads the padded slot index), `pixels` the rows' tiles in order."""
-    tokens, weights = _targets(inputs)
+    tokens, weights = targets(inputs)
     valid = np.asarray(inputs.token_fields["attention_mask"])
     total, used = 0, 0
     for row in range(tokens.shape[0]):
@@ -241,7 +225,7 @@ def _tiles(inputs):
 
 def test_pixel_gradient_matches_transformers(bundle, processor, reference, images):
     inputs = processor(PROMPTS, images=images)
-    tokens, weights = _targets(inputs)
+    tokens, weights = targets(inputs)
 
     def loss(pixel_values):
         logits = bundle.model.apply(bundle.variables, inputs.tokens, **{**inputs.kwargs(), "pixel_values": pixel_values})
@@ -270,24 +254,13 @@ def test_one_sgd_step_matches_transformers(bundle, processor, hf_processor, imag
     stepped = transformers.Llama4ForConditionalGeneration.from_pretrained(FIXTURE, dtype=torch.float32,
                                                                           attn_implementation="eager")
     _their_loss(stepped, inputs, torch.tensor(_tiles(inputs)[0])).backward()
-    with torch.no_grad():
-        for parameter in stepped.parameters():
-            if parameter.grad is not None:
-                parameter -= 1e-2 * parameter.grad
     ours = np.asarray(bundle.model.apply(state.params, inputs.tokens, **inputs.kwargs()))
     before = np.asarray(bundle.model.apply(bundle.variables, inputs.tokens, **inputs.kwargs()))
-    mask = np.asarray(inputs.token_fields["attention_mask"])
-    for row, prompt in enumerate(PROMPTS):
-        theirs = _their_logits(stepped, _their_row(hf_processor, prompt, images[row]))
-        assert np.abs(ours[row][mask[row]] - before[row][mask[row]]).max() > 1e-3  # the step moved the logits
-        assert_within(ours[row][mask[row]], theirs, logit_bound(bundle, np.abs(theirs).max(), inputs.shape[1]),
-                      f"row {row}")
+    check_stepped_logits(stepped, ours, before, inputs, [_their_row(hf_processor, prompt, images[row])
+                                                         for row, prompt in enumerate(PROMPTS)],
+                         lambda magnitude, seq_len: logit_bound(bundle, magnitude, seq_len))
 
 
 def test_save_reloads_in_transformers(bundle, hf_processor, reference, images, tmp_path):
-    saved = bundle.save(tmp_path / "saved")
-    again = transformers.Llama4ForConditionalGeneration.from_pretrained(saved, dtype=torch.float32,
-                                                                        attn_implementation="eager")
     row = _their_row(hf_processor, PROMPTS[1], images[1])
-    np.testing.assert_array_equal(_their_logits(again, row), _their_logits(reference, row))
-    assert load_pretrained(saved).model.config == load_pretrained(FIXTURE).model.config
+    check_save_reloads(bundle, transformers.Llama4ForConditionalGeneration, reference, row, FIXTURE, tmp_path / "saved")

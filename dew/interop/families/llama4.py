@@ -19,12 +19,11 @@ from typing import Any, ClassVar
 
 from dew.interop.families.converter import Converter
 from dew.interop.families.llama4_text import LLAMA4_TEXT
-from dew.interop.families.multimodal import Layout, layout_of
+from dew.interop.families.multimodal import Layout, layout_of, read_parts
 from dew.interop.hf_decoders import ConfigFields
 from dew.interop.tensors import Rule
 from dew.nn.multimodal import MultimodalConfig
 from dew.nn.transformer import DecoderConfig
-from dew.nn.vision import projector_config, tower_config
 
 MODEL_TYPE = "llama4"
 TOWER, PROJECTOR = "llama4", "llama4"
@@ -51,13 +50,7 @@ class Llama4Family:
     def model_config(self, source: Mapping[str, Any], where: str = "config.json", **text_knobs) -> MultimodalConfig:
         """The model a llama4 config.json describes; `text_knobs` set the decoder's runtime fields."""
         fields = ConfigFields(source, _TOP, where)
-        text = LLAMA4_TEXT.decoder_kwargs(dict(fields.get("text_config") or {}), where=f"{where} text_config")
-        tied = fields.get("tie_word_embeddings")
-        if bool(tied) != text["tie_embeddings"]:
-            fields.refuse("tie_word_embeddings", tied, f"text_config says {text['tie_embeddings']}, and one output head "
-                          "serves both: give the two the same value")
-        tower = tower_config(TOWER, dict(fields.get("vision_config") or {}), f"{where} vision_config")
-        projector = projector_config(PROJECTOR, source, where)
+        text, tower, projector = read_parts(fields, LLAMA4_TEXT, TOWER, PROJECTOR, where)
         if projector.text_hidden != text["emb_features"]:
             fields.refuse("text_config", {"hidden_size": projector.text_hidden}, "the projector writes soft tokens "
                           "of the text model's width: give text_config its hidden_size")

@@ -9,8 +9,10 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 from dew.interop import vision
+from dew.interop.hf_decoders import ConfigFields
 from dew.interop.tensors import Rule
 from dew.nn.multimodal import LANGUAGE_MODEL, MultimodalConfig
+from dew.nn.vision import projector_config, tower_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,3 +52,16 @@ def layout_of(layouts: Sequence[Layout], names: Collection[str] | None, family: 
     raise ValueError(f"the checkpoint's tensors ({sorted(names)[:3]} ...) are not in a {family} layout Dew knows: "
                      f"it reads {sorted({layout.language + 'embed_tokens.weight' for layout in layouts})} beside the "
                      "vision tower's and projector's tensors")
+
+
+def read_parts(fields: ConfigFields, text_family, tower_kind: str, projector_kind: str, where: str):
+    """(the decoder's keyword arguments, the tower's config, the projector's config) of a multimodal config.json
+    read through `fields`: `text_config` by the text family, `vision_config` by the tower's reader, the whole
+    record by the projector's; a top-level `tie_word_embeddings` that `text_config` contradicts is refused."""
+    text = text_family.decoder_kwargs(dict(fields.get("text_config") or {}), where=f"{where} text_config")
+    tied = fields.get("tie_word_embeddings")
+    if bool(tied) != text["tie_embeddings"]:
+        fields.refuse("tie_word_embeddings", tied, f"text_config says {text['tie_embeddings']}, and one output head "
+                      "serves both: give the two the same value")
+    tower = tower_config(tower_kind, dict(fields.get("vision_config") or {}), f"{where} vision_config")
+    return text, tower, projector_config(projector_kind, fields.source, where)

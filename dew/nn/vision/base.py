@@ -38,6 +38,11 @@ class TowerGeometry:
         """The tower's output positions per image, `P = patches_per_side ** 2`."""
         return self.patches_per_side**2
 
+    def example(self, dtype) -> dict:
+        """The smallest input of a model over these images (one row of one image), which `init` builds the
+        parameters from."""
+        return {"pixel_values": jnp.zeros((1, 1, self.channels, self.image_size, self.image_size), dtype)}
+
     def check(self, pixel_values, tower: str, unit: str, fix: str) -> None:
         """Refuse pixels other than `[N, channels, image_size, image_size]`, naming the `tower`, what one of the
         N is (`unit`: images, tiles) and the `fix`."""

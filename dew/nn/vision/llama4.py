@@ -137,6 +137,9 @@ class Llama4VisionConfig:
     def geometry(self) -> TowerGeometry:
         return TowerGeometry(self.image_size, self.patch_size, self.num_channels)
 
+    def example(self, dtype) -> dict:
+        return self.geometry().example(dtype)
+
     def build(self, dtype=jnp.float32, param_dtype=jnp.float32) -> "Llama4Tower":
         """The tower computing in `dtype` with parameters stored in `param_dtype`."""
         return Llama4Tower(self, dtype, param_dtype)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +68,7 @@ class Qwen35VisionConfig:
     out_hidden_size: int = 3584
     num_position_embeddings: int = 2304
     rope_theta: float = 10000.0
+    reads_grids: ClassVar[bool] = True  # its images differ in size: each comes with its patch grid
 
     def __post_init__(self):
         require_positive_ints(self, ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",

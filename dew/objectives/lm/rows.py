@@ -8,12 +8,16 @@ from flax import struct
 
 from dew.data.inputs import MEDIA_CONDITIONING, MEDIA_FIELDS, TEXT_FIELDS, ModelInputs
 
+# The per-slot fields a model call reads beside the token rows: the image fields, and the three-axis rotary
+# positions images move (Qwen 3.5's).
+_SLOTTED = MEDIA_FIELDS + ("rotary_positions",)
+
 
 @struct.dataclass
 class _Rows:
     """A batch's token rows `[B, S + 1]` and their per-token fields, each `[B, S + 1]` or None; `media`,
-    a multimodal batch's image fields (`[B, S + 1]`, `dew.data.inputs.MEDIA_FIELDS`) and its
-    conditioning (`pixel_values`), empty for text."""
+    a multimodal batch's image fields (`[B, S + 1]`, `dew.data.inputs.MEDIA_FIELDS`, and `rotary_positions`
+    `[B, S + 1, 3]`) and its conditioning (`pixel_values`, `image_grid_thw`), empty for text."""
 
     tokens: jax.Array
     segment_ids: jax.Array | None = None
@@ -24,7 +28,7 @@ class _Rows:
 
     def media_inputs(self) -> dict:
         """The media keywords of the model's call over the inputs `[:, :-1]` (conditioning whole)."""
-        return {name: value[:, :-1] if name in MEDIA_FIELDS else value for name, value in self.media.items()}
+        return {name: value[:, :-1] if name in _SLOTTED else value for name, value in self.media.items()}
 
     def media_targets(self):
         """Which targets `[B, S]` are an image's soft tokens (None without images): they carry no loss."""
@@ -43,7 +47,7 @@ def _rows_of(text, roles=None, segment_ids=None, positions=None) -> _Rows:
                          f"a multimodal model's {list(MEDIA_FIELDS)} and the conditioning {list(MEDIA_CONDITIONING)}")
     fields = dict(text.token_fields)
     media = {name: value for name, value in {**fields, **text.conditioning}.items()
-             if name in MEDIA_FIELDS + MEDIA_CONDITIONING}
+             if name in _SLOTTED + MEDIA_CONDITIONING}
     given = {"segment_ids": segment_ids, "positions": positions}
     doubled = sorted(name for name, value in given.items() if value is not None and name in fields)
     if doubled:

@@ -1,0 +1,79 @@
+"""Qwen 3.5 with images (`model_type` "qwen3_5", transformers' `Qwen3_5ForConditionalGeneration`): a `qwen3_5_text`
+decoder (Gated DeltaNet and gated attention layers, a three-axis rotary), Qwen 3.5's vision tower and its patch
+merger, as a `dew.nn.multimodal.MultimodalTransformer`.
+
+config.json holds the decoder's fields in `text_config` (the `qwen3_5_text` family reads them), the tower's in
+`vision_config` (`dew.nn.vision`'s `qwen3_5` reader), and at the top the placeholder ids: `image_token_id`
+(`<|image_pad|>`) marks the slots soft tokens fill, one run per image of `t * h * w / merge**2` slots for its
+grid of `t x h x w` patches; `<|vision_start|>`, `<|vision_end|>` stay text. Image tokens read causally, as
+text does. Videos (`video_token_id`) are not built. Tensors: `model.language_model.*`, `lm_head.weight`,
+`model.visual.*` (the merger `model.visual.merger.*`), as transformers 5 writes them; the multi-token-prediction
+tensors (`mtp.*`) are dropped, as transformers drops them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping
+from typing import Any, ClassVar
+
+from dew.interop.families.converter import Converter
+from dew.interop.families.multimodal import Layout, layout_of, read_parts
+from dew.interop.families.qwen3_next import QWEN3_5_TEXT
+from dew.interop.hf_decoders import ConfigFields
+from dew.interop.tensors import Rule
+from dew.nn.multimodal import MultimodalConfig
+from dew.nn.transformer import DecoderConfig
+
+MODEL_TYPE = "qwen3_5"
+TOWER, PROJECTOR = "qwen3_5", "qwen3_5"
+# Qwen3_5Config's own fields (transformers 5), with its defaults.
+_FIELDS = {"text_config": None, "vision_config": None, "image_token_id": 248056, "video_token_id": 248057,
+           "vision_start_token_id": 248053, "vision_end_token_id": 248054, "tie_word_embeddings": False}
+_TOP = Converter(MODEL_TYPE, "Qwen3_5Config", "Qwen3_5ForConditionalGeneration", _FIELDS, ())
+_LAYOUTS = (Layout("model.language_model.", "lm_head.weight", "model.visual.", "model.visual.merger."),)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Family:
+    """The `qwen3_5` family: config.json to `MultimodalConfig` and back, and its tensor rules."""
+
+    writes_decoders: ClassVar[bool] = False
+    multimodal: ClassVar[bool] = True
+    model_type: str = MODEL_TYPE
+    architecture: str = "Qwen3_5ForConditionalGeneration"
+    gguf: None = None
+
+    def model_config(self, source: Mapping[str, Any], where: str = "config.json", **text_knobs) -> MultimodalConfig:
+        """The model a qwen3_5 config.json describes; `text_knobs` set the decoder's runtime fields."""
+        fields = ConfigFields(source, _TOP, where)
+        text, tower, projector = read_parts(fields, QWEN3_5_TEXT, TOWER, PROJECTOR, where)
+        for name in ("video_token_id", "vision_start_token_id", "vision_end_token_id"):
+            fields.get(name)  # the processor's markers (videos are not built): plain text tokens to the model
+        image_token = fields.get("image_token_id")
+        fields.require("is_causal", (True,), "the text decoder is causal; set it to true")
+        fields.finish()
+        return MultimodalConfig(DecoderConfig(**{**text, **text_knobs}), TOWER, tower, PROJECTOR, projector,
+                                int(image_token), None, bidirectional_images=False)
+
+    def layout(self, names: Collection[str] | None) -> Layout:
+        """The tensor layout a checkpoint holding `names` uses."""
+        return layout_of(_LAYOUTS, names, "Qwen 3.5")
+
+    def tensor_rules(self, config: MultimodalConfig, names: Collection[str] | None = None) -> tuple[Rule, ...]:
+        """The rules between the checkpoint's tensors and the model's variables."""
+        return self.layout(names).rules(config, QWEN3_5_TEXT.tensor_rules(config.text))
+
+    def ignorable(self, name: str, config: MultimodalConfig) -> bool:
+        """A tied head's copy and the multi-token-prediction tensors, which transformers drops too."""
+        return name.startswith("mtp.") or (name.endswith("lm_head.weight") and config.text.tie_embeddings)
+
+    def fit_to_weights(self, kwargs, names):
+        return kwargs
+
+    def written(self, config: MultimodalConfig, source: Mapping[str, Any]) -> dict[str, Any]:
+        """config.json for a save: the source's (a load changes no field of it)."""
+        return dict(source)
+
+
+QWEN3_5 = Qwen35Family()
