@@ -100,6 +100,12 @@ class DiffusionGemmaConfig:
         unknown = sorted(set(fields) - set(known))
         if unknown:
             raise TypeError(f"DiffusionGemmaConfig has no fields {unknown}; its fields are {known}")
+        required = [field.name for field in dataclasses.fields(cls) if field.default is dataclasses.MISSING]
+        missing = [name for name in required if name not in fields]
+        if missing:
+            raise TypeError(f"DiffusionGemmaConfig needs the fields {missing}: a DiffusionGemma comes from its checkpoint "
+                            "(load_pretrained, the recipe's --pretrained) or a block-diffusion run's record, which "
+                            "name them all")
         values = dict(fields)
         for name in ("layer_types", "head_dims", "kv_heads"):
             values[name] = tuple(values[name])

@@ -106,3 +106,11 @@ def test_packed_rows_and_missing_checkpoint_refused():
                     data=PackedTokens(path="unused"))
     with pytest.raises(ValueError, match="pass --pretrained"):
         LMRunConfig(objective="block_diffusion", sample_tokens=0)
+
+
+def test_the_registry_builds_diffusion_gemma_only_from_a_whole_config():
+    """run.json names a block run's model diffusion_gemma; the registry refuses a config that lacks fields."""
+    from dew import models
+
+    with pytest.raises(TypeError, match=r"DiffusionGemmaConfig needs the fields \['emb_features', .*'max_seq_len'\]"):
+        models.build("diffusion_gemma", vocab_size=256)
