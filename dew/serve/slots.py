@@ -169,6 +169,8 @@ def compile_admit(model, top: int):
                               lengths=put(cache.lengths, new.cache.lengths))
         if cache.groups is not None:  # which slots hold an image's tokens, for a multimodal model
             cache = cache.replace(groups=cache.groups.at[slot_R, :W].set(new.cache.groups, mode="drop"))
+        if cache.rotary_delta is not None:  # where a three-axis rotary continues each row (Qwen 3.5's)
+            cache = cache.replace(rotary_delta=put(cache.rotary_delta, new.cache.rotary_delta))
         decode = DecodeState(cache, put(slots.decode.logits_BV, new.logits_BV), put(slots.decode.done_B, new.done_B),
                              put(slots.decode.count_B, new.count_B), put(slots.decode.seen_BV, new.seen_BV))
         keys = jax.vmap(lambda k, p, c: jax.random.fold_in(jax.random.fold_in(k, p), c))(

@@ -21,7 +21,7 @@ from dew.interop.hf_decoders import FIELD_KINDS, expected, reference_sizes
 from tests.interop.conftest import SHAPE, save_checkpoint, sized, torch, torch_model, transformers
 
 # The transformers module that holds each family's modeling code.
-_MODULES = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5", "llama4_text": "llama4"}
+_MODULES = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "llama4_text": "llama4"}
 _GETATTR = re.compile(r"getattr\((?:self\.)?config,\s*\"(\w+)\"")
 # Families whose modeling code reads every config field by attribute (the pattern finds nothing there).
 _NO_GETATTR = {"mamba2"}

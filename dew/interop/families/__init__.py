@@ -38,8 +38,8 @@ _BUILT_IN = (llama.LLAMA, qwen.QWEN2, qwen.QWEN3, llama.MISTRAL, llama.MINISTRAL
              gemma.GEMMA3_TEXT, olmo.OLMO2, olmo.OLMO3, llada.LLADA, dream.DREAM, mixtral.MIXTRAL,
              qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, diffusion_gemma.DIFFUSION_GEMMA, deepseek.DEEPSEEK_V3,
              deepseek.DEEPSEEK_V2, deepseek.DEEPSEEK_V32, mamba2.MAMBA2, gemma3.GEMMA3, phi3.PHI3,
-             qwen3_next.QWEN3_5_TEXT, qwen3_next.QWEN3_NEXT, smollm3.SMOLLM3, granite.GRANITE, llama4_text.LLAMA4_TEXT,
-             llama4.LLAMA4, qwen3_5.QWEN3_5)
+             qwen3_next.QWEN3_5_TEXT, qwen3_next.QWEN3_NEXT, qwen3_next.QWEN3_5_MOE_TEXT, smollm3.SMOLLM3, granite.GRANITE, llama4_text.LLAMA4_TEXT,
+             llama4.LLAMA4, qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE)
 FAMILIES: dict[str, Converter] = {}
 
 

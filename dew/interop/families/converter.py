@@ -106,7 +106,8 @@ class Converter:
         kwargs.update(
             vocab_size=fields.get("vocab_size"), emb_features=hidden, num_layers=fields.get("num_hidden_layers"),
             num_heads=heads, num_kv_heads=fields.get("num_key_value_heads") or heads,
-            head_dim=head_dim or hidden // heads, mlp_features=fields.get("intermediate_size"),
+            head_dim=head_dim or hidden // heads,
+            mlp_features=fields.get("intermediate_size") if self.reads("intermediate_size") else None,
             max_seq_len=fields.get("max_position_embeddings"), norm_eps=fields.get("rms_norm_eps"),
             tie_embeddings=bool(fields.get("tie_word_embeddings")),
         )

@@ -6,7 +6,7 @@ Their attention is Qwen 3's with an output gate (`q_proj` doubled, `DecoderConfi
 and a partial rotary (`partial_rotary_factor`, default 0.25: the first quarter of each head turns); every
 RMSNorm but the mixer's gated one scales by `1 + weight` ("gemma" norms). Qwen3-Next's feed-forward
 is Qwen2-MoE's (experts, a shared expert with a sigmoid gate, `decoder_sparse_step`, `mlp_only_layers`);
-Qwen 3.5's text decoder is dense, and its rotary reads three-axis positions (`mrope_section`, interleaved;
+Qwen 3.5's text decoder is dense (Qwen 3.5-MoE's routes every layer's tokens as Qwen3-Next's do), and its rotary reads three-axis positions (`mrope_section`, interleaved;
 `dew.nn.rotary.RopeScaling`), which its multimodal family computes around each image.
 
 A linear layer's projections are one Dew kernel, `self_attn/in_proj`, holding the queries, keys,
@@ -54,6 +54,13 @@ _QWEN3_NEXT_FIELDS = {
 _QWEN3_5_TEXT_FIELDS = {
     **_COMMON, "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
     "num_attention_heads": 16, "num_key_value_heads": 4,
+}
+# transformers' Qwen3_5MoeTextConfig: Qwen 3.5's fields with every layer's feed-forward Qwen3-Next's experts
+_QWEN3_5_MOE_TEXT_FIELDS = {
+    **{name: value for name, value in _QWEN3_5_TEXT_FIELDS.items() if name != "intermediate_size"}, "hidden_size": 2048,
+    "num_hidden_layers": 40, "num_key_value_heads": 2, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8, "num_experts": 256,
+    "output_router_logits": False, "router_aux_loss_coef": 0.001,
 }
 # The three-axis rotary's keys Qwen 3.5 keeps in rope_parameters. transformers' Qwen 3.5 always interleaves
 # the axes (whatever mrope_interleaved says) with these sections by default; Qwen3-Next's rotary has one axis
@@ -162,9 +169,31 @@ class Qwen35TextConverter(_Hybrid, Converter):
     THREE_AXIS = True
 
 
+class Qwen35MoeTextConverter(_Hybrid, MixtureConverter):
+    """Qwen 3.5-MoE's text decoder: Qwen 3.5's, every feed-forward routed to experts beside a gated shared one."""
+
+    FUSED = False
+    DROPPED = ("mtp.", "model.visual.")
+    THREE_AXIS = True
+
+    def decoder_kwargs(self, source: Mapping[str, Any], where: str = "config.json") -> dict[str, Any]:
+        kwargs = super().decoder_kwargs(source, where)
+        # its config has no dense width (every layer routes): Dew's, which no layer reads, is the experts'
+        kwargs["mlp_features"] = kwargs["mixture"].expert_features
+        return kwargs
+
+    def written(self, config: DecoderConfig) -> dict[str, Any]:
+        written = super().written(config)
+        written.pop("intermediate_size", None)
+        return written
+
+
 QWEN3_NEXT = Qwen3NextConverter("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", _QWEN3_NEXT_FIELDS,
                                 hub_rules(shared=True), _KNOBS, legacy_fields=frozenset({"full_attention_interval"}),
                                 partial_rotary=0.25)
 QWEN3_5_TEXT = Qwen35TextConverter("qwen3_5_text", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _QWEN3_5_TEXT_FIELDS,
                                    DECODER_RULES, _KNOBS, legacy_fields=frozenset({"full_attention_interval"}),
                                    partial_rotary=0.25)
+QWEN3_5_MOE_TEXT = Qwen35MoeTextConverter("qwen3_5_moe_text", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                                          _QWEN3_5_MOE_TEXT_FIELDS, hub_rules(shared=True), _KNOBS,
+                                          legacy_fields=frozenset({"full_attention_interval"}), partial_rotary=0.25)

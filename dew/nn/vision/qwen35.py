@@ -41,6 +41,7 @@ from dew.nn.vision.base import TowerPart, layer_norm, require_positive_ints
 from dew.nn.vision.siglip import HIDDEN_ACTS
 
 MODEL_TYPE = "qwen3_5_vision"
+MODEL_TYPES = (MODEL_TYPE, "qwen3_5_moe_vision")  # Qwen 3.5-MoE's tower is the same
 NORM_EPS = 1e-6  # transformers' Qwen 3.5 vision LayerNorms, whatever the config says
 # Fields that change nothing the tower computes: bookkeeping, the weights' dtype, initialisers.
 _INERT = frozenset({
@@ -100,9 +101,9 @@ class Qwen35VisionConfig:
         """The config a `vision_config` record describes, transformers' defaults for absent fields; a field
         that would change the computation and is not one of these is refused by name."""
         model_type = record.get("model_type", MODEL_TYPE)
-        if model_type != MODEL_TYPE:
-            raise ValueError(f"{where} has model_type {model_type!r}; Qwen 3.5's tower is transformers' "
-                             f"{MODEL_TYPE!r}")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"{where} has model_type {model_type!r}; Qwen 3.5's tower is transformers' one of "
+                             f"{list(MODEL_TYPES)}")
         fields = {field.name for field in dataclasses.fields(cls)} - {"rope_theta"}
         for name, value in record.items():
             if name not in fields | {"rope_parameters"} and name not in _INERT:
