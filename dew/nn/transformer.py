@@ -33,7 +33,7 @@ from dew.nn.gemma4 import REUSE, Gemma4Layers, PerLayerInputs
 from dew.nn.mamba2 import Mamba2
 from dew.nn.mla import LatentAttention, MLASpec
 from dew.nn.mlp import ACTIVATIONS, DenseSpec
-from dew.nn.moe import Mixture, Routes, SparseSpec
+from dew.nn.moe import DenseSparseSpec, Mixture, Routes, SparseSpec
 from dew.nn.mtp import mtp_states
 from dew.nn.norms import NORM_STYLES, RMSNorm
 from dew.nn.quantize import EMBED_SCALE
@@ -164,7 +164,8 @@ class DecoderConfig:
     - `gemma4`: Gemma 4's layer options (`dew.nn.gemma4.Gemma4Layers`, or its fields as a dict): the full
       layers' own head width and key/value heads, values from the key projection, per-layer inputs and
       keys and values shared by the last layers; with it every layer norms its values (no scale) and
-      multiplies its output by a frozen `layer_scalar`.
+      multiplies its output by a frozen `layer_scalar`, and a `mixture`'s experts run beside the dense MLP
+      (`dew.nn.moe.DenseSparseSpec`) rather than in its place.
     - `mtp_depths`: DeepSeek's multi-token-prediction modules after the last layer (`dew.nn.mtp`);
       depth d predicts the token d + 1 ahead. 0: none.
     - `kernels`: which kernels run the model's products (`dew.kernels.policy`): "auto" (Dew's native
@@ -323,9 +324,9 @@ class DecoderConfig:
                 raise NotImplementedError("nope with latent attention: layers without rotary positions are built for "
                                           "grouped-query attention only; drop nope")
         if self.gemma4 is not None:
-            if self.latent is not None or self.recurrent is not None or self.mixture is not None:
-                raise NotImplementedError("gemma4 with latent attention, recurrent mixers or a mixture of experts is "
-                                          "not built in Dew; drop those or gemma4")
+            if self.latent is not None or self.recurrent is not None:
+                raise NotImplementedError("gemma4 with latent attention or recurrent mixers is not built in Dew; drop "
+                                          "those or gemma4")
             self.gemma4.kv_roles(self._layer_kinds())  # refuses sharing with no layer to share from
         if self.mtp_depths < 0:
             raise ValueError(f"mtp_depths is {self.mtp_depths}; it counts multi-token-prediction modules, 0 for none")
@@ -384,6 +385,8 @@ class DecoderConfig:
                 continue
             if g.double_wide_mlp and roles[index] == REUSE:
                 feed_forward = dataclasses.replace(dense, features=2 * self.mlp_features)
+            if index in self.sparse_layers:  # Gemma 4's experts sit beside the dense MLP
+                feed_forward = DenseSparseSpec(dense if feed_forward is sparse else feed_forward, sparse)
             specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps,
                                    output_scalar="layer_scalar", residual_scale=self.residual_scale,
                                    per_layer_input=g.per_layer_width))

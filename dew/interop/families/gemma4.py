@@ -9,8 +9,10 @@ full layers with their own head width and key/value heads (`global_head_dim`, `n
 or `per_layer_config` as transformers writes it) that may read values from the key projection
 (`attention_k_eq_v`), per-layer inputs (`hidden_size_per_layer_input`, `vocab_size_per_layer_input`), keys
 and values shared by the last `num_kv_shared_layers` layers (whose MLP `use_double_wide_mlp` doubles), and
-the final logits capped (`final_logit_softcapping`). Gemma 4's mixture-of-experts block
-(`enable_moe_block`) is refused by name: not built for the causal decoder yet. llama.cpp's gguf package
+the final logits capped (`final_logit_softcapping`). With `enable_moe_block` every layer runs
+`num_experts` experts (`top_k_experts` per token, `moe_intermediate_size` wide) beside its dense MLP, routed
+from the un-normed residual (`DecoderConfig.mixture` with Gemma 4's router norm and per-expert scale).
+llama.cpp's gguf package
 names Gemma 4's tensors, but Dew neither reads nor writes Gemma 4 GGUF files (the family has no `GGUFNames`, so
 `write_gguf` and a GGUF load refuse it by name).
 """
@@ -26,6 +28,7 @@ from dew.interop.families.llama import DECODER_RULES
 from dew.interop.hf_decoders import ConfigFields
 from dew.interop.tensors import Rule
 from dew.nn.gemma4 import Gemma4Layers
+from dew.nn.moe import Mixture
 from dew.nn.transformer import FULL, SLIDING, DecoderConfig
 
 MODEL_TYPE = "gemma4_text"
@@ -53,8 +56,17 @@ DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
                 FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
 _MOE_FIELDS = ("num_experts", "top_k_experts", "moe_intermediate_size")
 
+_EXPERTS = "layers/experts/{}"
 RULES = (
     *DECODER_RULES,
+    *(Rule(f"layers/{norm}/scale", f"{_LAYER}.{norm}.weight")
+      for norm in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")),
+    Rule("layers/router/proj/kernel", f"{_LAYER}.router.proj.weight", transpose=_KERNEL),
+    *(Rule(f"layers/router/{name}", f"{_LAYER}.router.{name}") for name in ("scale", "per_expert_scale")),
+    # the experts' [E, 2F, D] gate-then-up and [E, D, F] down, as Dew's [E, D, F] and [E, F, D]
+    Rule((_EXPERTS.format("gate_proj"), _EXPERTS.format("up_proj")), f"{_LAYER}.experts.gate_up_proj",
+         transpose=(0, 2, 1), axis=2),
+    Rule(_EXPERTS.format("down_proj"), f"{_LAYER}.experts.down_proj", transpose=(0, 2, 1)),
     Rule("layers/layer_scalar", f"{_LAYER}.layer_scalar"),
     Rule("layers/post_per_layer_input_norm/scale", f"{_LAYER}.post_per_layer_input_norm.weight"),
     *(Rule(f"layers/{name}/kernel", f"{_LAYER}.{name}.weight", transpose=_KERNEL)
@@ -97,11 +109,13 @@ class Gemma4TextConverter(Converter):
 
     def read_family_fields(self, fields: ConfigFields, kwargs: dict) -> None:
         kwargs["logit_softcap"] = fields.get("final_logit_softcapping")
+        experts, top_k, expert_features = (fields.get(name) for name in _MOE_FIELDS)  # read with the block only
         if fields.get("enable_moe_block"):
-            fields.refuse("enable_moe_block", True, "Gemma 4's mixture-of-experts block is not built for the causal "
-                          "decoder in Dew yet; load a dense Gemma 4")
-        for name in _MOE_FIELDS:
-            fields.get(name)  # read by the mixture-of-experts block only
+            if not experts or not top_k or not expert_features or top_k > experts:
+                fields.refuse("enable_moe_block", True, f"the experts' block needs num_experts ({experts}), "
+                              f"top_k_experts ({top_k}, at most num_experts) and moe_intermediate_size "
+                              f"({expert_features}): give the values the model was trained with")
+            kwargs["mixture"] = Mixture(experts, top_k, expert_features, router_norm=True, expert_scale=True)
         layers = kwargs["num_layers"]
         types = kwargs.get("layer_types") or (FULL,) * layers
         full_head_dim, full_kv_heads = self._full_shape(fields, types, kwargs["head_dim"], kwargs["num_kv_heads"])
@@ -151,13 +165,16 @@ class Gemma4TextConverter(Converter):
 
     def written(self, config: DecoderConfig) -> dict[str, Any]:
         written = super().written(config)
-        g = config.gemma4 or Gemma4Layers()
+        g, m = config.gemma4 or Gemma4Layers(), config.mixture
+        if m is not None:
+            written.update(enable_moe_block=True, num_experts=m.experts, top_k_experts=m.top_k,
+                           moe_intermediate_size=m.expert_features or config.mlp_features)
         full_dim, full_kv = g.full_head_dim or config.head_dim, g.full_kv_heads or config.num_kv_heads
         written.update(
             final_logit_softcapping=config.logit_softcap, attention_k_eq_v=g.keys_as_values,
             hidden_size_per_layer_input=g.per_layer_width,
             vocab_size_per_layer_input=g.per_layer_vocab or config.vocab_size,
-            num_kv_shared_layers=g.kv_shared_layers, use_double_wide_mlp=g.double_wide_mlp, enable_moe_block=False,
+            num_kv_shared_layers=g.kv_shared_layers, use_double_wide_mlp=g.double_wide_mlp,
             per_layer_config={str(i): {"head_dim": full_dim, "num_key_value_heads": full_kv}
                               for i, kind in enumerate(written["layer_types"]) if kind == FULL},
         )
