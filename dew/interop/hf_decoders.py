@@ -40,6 +40,8 @@ _KINDS = {
     # transformers' list[float]: floats only, an infinity among them
     "floats": (lambda value: isinstance(value, (list, tuple)) and all(isinstance(item, float) and not math.isnan(item)
                                                             for item in value), "a list of floats"),
+    # Gemma 4's use_bidirectional_attention: which tokens read later ones
+    "attention scope": (lambda value: value in ("all", "vision"), '"vision" or "all"'),
     "size or string": (lambda value: isinstance(value, str) or (_integer(value) and value > 0),
                        'a positive integer or a string ("auto")'),
     "token ids": (lambda value: _integer(value) or (isinstance(value, list) and all(_integer(item) for item in value)),
@@ -57,14 +59,15 @@ FIELD_KINDS = {
                      "n_groups", "expand", "conv_kernel", "chunk_size", "linear_num_key_heads",
                      "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
                      "original_max_position_embeddings", "no_rope_layer_interval", "intermediate_size_mlp",
-                     "interleave_moe_layer_step", "floor_scale"),
+                     "interleave_moe_layer_step", "floor_scale", "vocab_size_per_layer_input", "global_head_dim"),
                     "size"),
     **dict.fromkeys(("num_key_value_heads", "head_dim", "q_lora_rank", "v_head_dim", "qk_head_dim", "n_group",
-                     "topk_group", "moe_intermediate_size", "n_kv_heads", "mlp_hidden_size", "embedding_size"),
+                     "topk_group", "moe_intermediate_size", "n_kv_heads", "mlp_hidden_size", "embedding_size",
+                     "top_k_experts", "num_global_key_value_heads"),
                     "size?"),
     **dict.fromkeys(("max_window_layers", "n_shared_experts", "num_local_experts", "num_nextn_predict_layers",
                      "shared_expert_intermediate_size", "num_experts", "decoder_sparse_step",
-                     "full_attention_interval"), "count"),
+                     "full_attention_interval", "hidden_size_per_layer_input", "num_kv_shared_layers"), "count"),
     # counts whose 0 the families refuse or read themselves (Qwen's switched-off window is 0)
     **dict.fromkeys(("sliding_window", "first_k_dense_replace", "num_experts_per_tok"), "count?"),
     **dict.fromkeys(("pretraining_tp", "bos_token_id", "pad_token_id", "mask_token_id"), "integer?"),
@@ -81,14 +84,15 @@ FIELD_KINDS = {
                      "flash_attention", "attention_layer_norm", "input_emb_norm", "layer_norm_with_affine",
                      "attention_layer_norm_with_affine", "include_qkv_bias", "include_bias", "scale_logits",
                      "weight_tying", "use_bias", "use_conv_bias", "residual_in_fp32", "rescale_prenorm_residual",
-                     "use_qk_norm", "attn_temperature_tuning"),
+                     "use_qk_norm", "attn_temperature_tuning", "attention_k_eq_v", "enable_moe_block",
+                     "use_double_wide_mlp"),
                     "bool"),
     **dict.fromkeys(("norm_topk_prob", "use_bidirectional_attention", "rope_interleave", "multi_query_attention",
                      "bias_for_layer_norm"), "bool?"),
     **dict.fromkeys(("hidden_act", "hidden_activation", "activation_type", "block_type", "layer_norm_type",
                      "init_fn"), "string"),
     **dict.fromkeys(("dtype", "torch_dtype", "scoring_func", "topk_method", "init_device", "precision"), "string?"),
-    **dict.fromkeys(("rope_parameters", "rope_scaling"), "object?"),
+    **dict.fromkeys(("rope_parameters", "rope_scaling", "per_layer_config"), "object?"),
     **dict.fromkeys(("layer_types", "mlp_layer_types"), "strings?"),
     **dict.fromkeys(("mlp_only_layers", "moe_layers", "no_rope_layers"), "integers?"),
     "attention_chunk_size": "size?",
@@ -257,8 +261,9 @@ class ConfigFields:
         self.window_switches = {}  # Qwen's window fields in a family that does not read them
         read = known | set(_QWEN_WINDOW_FIELDS) | {"hidden_act"}  # the fields this family may read
         for name, value in source.items():
-            if name in read and name in FIELD_KINDS:
-                check_field(where, name, value, FIELD_KINDS[name], f"transformers' {family.config_class}")
+            kind = family.field_kind(name)
+            if name in read and kind is not None:
+                check_field(where, name, value, kind, f"transformers' {family.config_class}")
             if name in _QWEN_WINDOW_FIELDS and name not in known:
                 self.window_switches[name] = value
             if not _foreign(family, known, name, value):
@@ -379,6 +384,8 @@ def _rope(fields: ConfigFields, rope: Mapping[str, Any], max_seq_len: int) -> tu
         if fields.family.rope_by_layer_type and not given["truncate"]:
             fields.refuse("rope_parameters", rope, f"transformers' {fields.family.config_class} reads truncate only "
                           "from a flat rope_parameters, and always truncates in a per-layer-type one: remove it")
+    if kind == "proportional":  # Gemma 4's: no factor divides nothing
+        given.setdefault("factor", 1.0)
     if kind != "default" and given.get("factor") is None:
         fields.refuse("rope_parameters", rope, f"rope_type {kind!r} needs a factor")
     try:

@@ -179,7 +179,11 @@ class AttentionSpec:
     features of each head (`dew.nn.rotary.rotated_width`). Without `rotary` the layer rotates nothing
     (NoPE: Llama 4's global layers, SmolLM3's `no_rope_layers`); Llama 4: `chunk` lets a query read only
     keys in its own chunk of positions, and `temperature` `(floor_scale, attn_scale)` scales queries by
-    `query_temperature` of their positions. `window` and the rotary setting may
+    `query_temperature` of their positions. Gemma 4's shared keys and values (`shared_kv`): a "store"
+    layer reports the keys and values it attends over (`{"shared_kv": (keys, values)}`: this call's
+    `[B, S, K, D]` without a cache, the cache's `[B, K, T, D]` with one), and a "reuse" layer has no key
+    or value projections and attends over those of `LayerContext.shared_kv` (its cache is empty). `window`
+    and the rotary setting may
     differ between the layers of one scanned run; everything else shapes the parameters or the
     program and may not.
     """
@@ -203,6 +207,11 @@ class AttentionSpec:
     rotary: bool = True
     chunk: int | None = None
     temperature: tuple[float, float] | None = None
+    shared_kv: str | None = None
+
+    def __post_init__(self):
+        if self.shared_kv not in (None, "store", "reuse"):
+            raise ValueError(f"shared_kv is {self.shared_kv!r}; it is None, 'store' or 'reuse'")
 
     def rope(self) -> tuple[int, float | None, RopeScaling]:
         """The rotary table this mixer reads: (rotated features, base, scaling); base None for the
@@ -215,10 +224,13 @@ class AttentionSpec:
         """This spec with the per-layer values erased (the rotated width kept, which shapes the program):
         layers with equal keys scan together."""
         partial = self.rope_scaling.rotated_fraction if self.rope_scaling.kind == "default" else 1.0
-        return dataclasses.replace(self, window=None, rope_theta=0.0,
+        # layers sharing keys and values share them by kind (windowed or not): kinds never scan together
+        return dataclasses.replace(self, window=self.window if self.shared_kv else None, rope_theta=0.0,
                                    rope_scaling=RopeScaling(rotated_fraction=partial), rotary=True)
 
     def empty_cache(self, layers: int, rows: int, capacity: int, dtype) -> AttentionCache:
+        # a layer reusing another's keys and values keeps none of its own
+        layers = 0 if self.shared_kv == "reuse" else layers
         return AttentionCache.empty(layers, rows, capacity, self.num_kv_heads, self.head_dim, dtype)
 
     def module(self, *, norm_style: str, norm_eps: float, dtype, param_dtype, name: str) -> "Attention":
@@ -243,30 +255,26 @@ class Attention(nn.Module):
         the real query/key pairs the mask allows), else None."""
         s = self.spec
         B, S, E = x_BSE.shape
-        H, K, D = s.num_heads, s.num_kv_heads, s.head_dim
+        H, D = s.num_heads, s.head_dim
         dense = lambda features, bias, names, name: Linear(features, use_bias=bias, dtype=self.dtype,
                                                            param_dtype=self.param_dtype, names=names, name=name)
         q_BSF = dense(H * D * (2 if s.output_gate else 1), s.qkv_bias, ("embed", "heads"), "q_proj")(x_BSE)
         if s.output_gate:
             q_BSHF, gate_BSHD = jnp.split(q_BSF.reshape(B, S, H, 2 * D), 2, axis=-1)
             q_BSF = q_BSHF.reshape(B, S, H * D)
-        k_BSF = dense(K * D, s.qkv_bias, ("embed", "kv"), "k_proj")(x_BSE)
-        v_BSF = k_BSF if s.keys_as_values else dense(K * D, s.qkv_bias, ("embed", "kv"), "v_proj")(x_BSE)
-        v_BSKD = v_BSF.reshape(B, S, K, D)
-        if s.value_norm:
-            v_BSKD = normalize(v_BSKD, self.norm_eps)
         norm = lambda name: RMSNorm(self.norm_eps, self.norm_style, dtype=self.dtype, param_dtype=self.param_dtype,
                                     name=name)
-        if s.qk_norm and s.qk_norm_scope == "projection":
-            q_BSF, k_BSF = norm("q_norm")(q_BSF), norm("k_norm")(k_BSF)
-        q_BSHD, k_BSKD = q_BSF.reshape(B, S, H, D), k_BSF.reshape(B, S, K, D)
-        if s.qk_norm and s.qk_norm_scope == "head":
-            q_BSHD, k_BSKD = norm("q_norm")(q_BSHD), norm("k_norm")(k_BSKD)
-        if s.rotary:
-            q_BSHD = apply_partial_rotary(q_BSHD, *rotary)
-            k_BSKD = apply_partial_rotary(k_BSKD, *rotary)
-        if s.qk_norm and s.qk_norm_scope == "l2":
-            q_BSHD, k_BSKD = normalize(q_BSHD, self.norm_eps), normalize(k_BSKD, self.norm_eps)
+        reuse = s.shared_kv == "reuse"
+        if reuse:
+            # the keys and values of an earlier layer (`LayerContext.shared_kv`), normed and rotated there
+            q_BSHD = q_BSF.reshape(B, S, H, D)
+            if s.qk_norm:
+                q_BSHD = norm("q_norm")(q_BSHD)
+            if s.rotary:
+                q_BSHD = apply_partial_rotary(q_BSHD, *rotary)
+            k_BSKD, v_BSKD = context.shared_kv
+        else:
+            q_BSHD, k_BSKD, v_BSKD = self._project(x_BSE, q_BSF, rotary, dense, norm)
         if s.temperature is not None:
             scale_BS = query_temperature(context.positions_BS, *s.temperature)
             q_BSHD = (q_BSHD.astype(jnp.float32) * scale_BS[:, :, None, None]).astype(q_BSHD.dtype)
@@ -277,7 +285,7 @@ class Attention(nn.Module):
             k_positions = context.positions_BS
         else:
             k_groups = context.key_groups_BT
-            if not context.read_only_cache:
+            if not context.read_only_cache and not reuse:
                 cache = cache.write(knobs.local, context.write_slots_BS, k_BSKD, v_BSKD)
             k_segments = context.filled_BT
             k_slots = context.key_slots_BT
@@ -311,7 +319,7 @@ class Attention(nn.Module):
             if cache is None:
                 keys, values = k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3)
             else:
-                keys, values = cache.read(knobs.local)
+                keys, values = (k_BSKD, v_BSKD) if reuse else cache.read(knobs.local)
                 if context.read_only_cache:
                     own = lambda x_BSKD, cached: x_BSKD.transpose(0, 2, 1, 3).astype(cached.dtype)
                     keys = jnp.concatenate([keys, own(k_BSKD, keys)], axis=2)
@@ -325,4 +333,29 @@ class Attention(nn.Module):
                               softcap=s.softcap)
         if s.output_gate:
             out_BSHD = (out_BSHD.astype(jnp.float32) * jax.nn.sigmoid(gate_BSHD.astype(jnp.float32))).astype(self.dtype)
+        if s.shared_kv == "store":
+            shared = (k_BSKD, v_BSKD) if cache is None else cache.read(knobs.local)
+            report = {**(report or {}), "shared_kv": shared}
         return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache, report
+
+    def _project(self, x_BSE, q_BSF, rotary, dense, norm):
+        """This layer's queries `[B, S, H, D]`, keys and values `[B, S, K, D]`, normed and rotated."""
+        s = self.spec
+        B, S, _ = x_BSE.shape
+        H, K, D = s.num_heads, s.num_kv_heads, s.head_dim
+        k_BSF = dense(K * D, s.qkv_bias, ("embed", "kv"), "k_proj")(x_BSE)
+        v_BSF = k_BSF if s.keys_as_values else dense(K * D, s.qkv_bias, ("embed", "kv"), "v_proj")(x_BSE)
+        v_BSKD = v_BSF.reshape(B, S, K, D)
+        if s.value_norm:
+            v_BSKD = normalize(v_BSKD, self.norm_eps)
+        if s.qk_norm and s.qk_norm_scope == "projection":
+            q_BSF, k_BSF = norm("q_norm")(q_BSF), norm("k_norm")(k_BSF)
+        q_BSHD, k_BSKD = q_BSF.reshape(B, S, H, D), k_BSF.reshape(B, S, K, D)
+        if s.qk_norm and s.qk_norm_scope == "head":
+            q_BSHD, k_BSKD = norm("q_norm")(q_BSHD), norm("k_norm")(k_BSKD)
+        if s.rotary:
+            q_BSHD = apply_partial_rotary(q_BSHD, *rotary)
+            k_BSKD = apply_partial_rotary(k_BSKD, *rotary)
+        if s.qk_norm and s.qk_norm_scope == "l2":
+            q_BSHD, k_BSKD = normalize(q_BSHD, self.norm_eps), normalize(k_BSKD, self.norm_eps)
+        return q_BSHD, k_BSKD, v_BSKD

@@ -19,7 +19,9 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import struct
 
-from dew.nn.mlp import DenseSpec
+from dew.nn.gemma4 import layer_inputs
+from dew.nn.linear import Linear
+from dew.nn.mlp import ACTIVATIONS, DenseSpec
 from dew.nn.moe import DenseSparseSpec, Experts, Router, SparseSpec, route
 from dew.nn.norms import NORM_STYLES, RMSNorm
 
@@ -52,6 +54,7 @@ class LayerSpec:
     output_scalar: str | None = None
     trainable_scalar: bool = False
     residual_scale: float = 1.0
+    per_layer_input: int = 0
 
     def __post_init__(self):
         if self.norm_placement not in NORM_PLACEMENTS:
@@ -94,6 +97,8 @@ class LayerContext:
     `report_indexer` asks latent mixers with an indexer for their `dew.nn.mla.IndexerRecord`, and
     `report_qk` every softmax-attention mixer for its largest logit per row and head (`qk_max`).
     `fresh_cache` says the cache held no token before this call (`dew.nn.kv_cache.Cache.fresh`).
+    `shared_kv` holds the keys and values a "reuse" attention layer reads (`AttentionSpec.shared_kv`), and
+    `per_layer_BSLP` every layer's per-layer input `[B, S, L, P]` (Gemma 4; None elsewhere).
     `positions_BS` are the queries' positions (the rotary angles'; chunked attention and query
     temperature read them too; None where no layer reads them). `key_slots_BT` gives each cached key the slot the mask rule reads (None: its index in the cache;
     `dew.nn.diffusion_gemma` gives positions). With `read_only_cache` the cache is a prefix this call
@@ -115,6 +120,8 @@ class LayerContext:
     groups_BS: jax.Array | None = None
     key_groups_BT: jax.Array | None = None
     positions_BS: jax.Array | None = None
+    shared_kv: tuple | None = None
+    per_layer_BSLP: jax.Array | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -162,7 +169,20 @@ class DecoderLayer(nn.Module):
         if s.norm_placement != "pre":
             fed = norm("post_feedforward_layernorm")(fed)
         x_BSE = x_BSE + self._scaled(fed)
+        if s.per_layer_input:
+            dense = s.feed_forward.dense if isinstance(s.feed_forward, DenseSparseSpec) else s.feed_forward
+            x_BSE = x_BSE + self._per_layer_gate(x_BSE, layer_inputs(context.per_layer_BSLP, knobs.index),
+                                                 ACTIVATIONS[dense.activation], norm)
         return self._finish(x_BSE, cache, kept, knobs, report, mixer_report)
+
+    def _per_layer_gate(self, x_BSE, inputs_BSP, activation, norm):
+        """Gemma 4's use of the layer's per-layer input `[B, S, P]`: `norm(proj(act(gate(x)) * input))`."""
+        dense = lambda features, names, name: Linear(features, dtype=self.dtype, param_dtype=self.param_dtype,
+                                                     names=names, name=name)
+        gate_BSP = dense(self.spec.per_layer_input, ("embed", "mlp"), "per_layer_input_gate")(x_BSE)
+        gated_BSP = activation(gate_BSP.astype(jnp.float32)).astype(self.dtype) * inputs_BSP.astype(self.dtype)
+        out_BSE = dense(x_BSE.shape[-1], ("mlp", "embed"), "per_layer_projection")(gated_BSP)
+        return norm("post_per_layer_input_norm")(out_BSE)
 
     def _scaled(self, sublayer_BSE):
         """A sublayer's output times the spec's `residual_scale`, in its own dtype, as transformers rounds it."""

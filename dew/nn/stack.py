@@ -156,6 +156,11 @@ def _knobs(specs: Sequence[LayerSpec], tables: Mapping, start: int, stop: int, r
     )
 
 
+def _kv_kind(spec: LayerSpec) -> str:
+    """Which layers' keys and values a layer shares: sliding layers' or full ones'."""
+    return "full" if spec.mixer.window is None else "sliding"
+
+
 def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, cache_runs, *, scan_from: int,
                  remat: str, keep: tuple[int, ...], tables: Mapping, dtype, param_dtype, replay_LBSK=None):
     """Run every layer inside `parent`'s compact scope; returns `(x_BSE, cache runs, kept states,
@@ -173,10 +178,13 @@ def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, 
         policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[remat])
         layer_class = nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
     reports, mixer_reports = [], []
+    shared = {}  # the keys and values a "store" layer of each kind reported, for the "reuse" layers after it
     for run, (start, stop, scan) in enumerate(runs(specs, scan_from)):
         spec = specs[start].scan_key() if scan else specs[start]
         knobs = _knobs(specs, tables, start, stop, replay_LBSK)
         cache = None if cache_runs is None else cache_runs[run]
+        role = getattr(specs[start].mixer, "shared_kv", None)
+        run_context = context.replace(shared_kv=shared[_kv_kind(specs[start])]) if role == "reuse" else context
         if scan:
             # Every collection a layer holds is stacked by layer: params, a router's balancing bias, int8
             # weights' scales, frozen output scalars.
@@ -186,12 +194,16 @@ def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, 
                               in_axes=(0, nn.broadcast), length=stop - start,
                               metadata_params={nn.PARTITION_NAME: "layers"})
             layer = scanned(spec, dtype, param_dtype, keep, parent=parent, name=run_name(start, stop))
-            (x_BSE, cache, kept), report = layer((x_BSE, cache, kept), knobs, context)
+            (x_BSE, cache, kept), report = layer((x_BSE, cache, kept), knobs, run_context)
         else:
             layer = layer_class(spec, dtype, param_dtype, keep, parent=parent, name=_layer_name(start))
             one = jax.tree_util.tree_map(lambda v: v[0], knobs)
-            (x_BSE, cache, kept), report = layer((x_BSE, cache, kept), one, context)
+            (x_BSE, cache, kept), report = layer((x_BSE, cache, kept), one, run_context)
             report = jax.tree_util.tree_map(lambda v: v[None], report)
+        if role == "store":  # the run's last layer is the one that stores (runs of them are alike)
+            mixed = dict(report[1])
+            shared[_kv_kind(specs[start])] = jax.tree_util.tree_map(lambda v: v[-1], mixed.pop("shared_kv"))
+            report = (report[0], mixed or None)
         if report[0] is not None:
             reports.append(report[0])
         if report[1] is not None:

@@ -29,10 +29,11 @@ from dew.nn.kv_cache import Cache
 from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, named
 from dew.nn.layer import NORM_PLACEMENTS, LayerContext, LayerSpec
 from dew.nn.gated_deltanet import GatedDeltaNet
+from dew.nn.gemma4 import REUSE, Gemma4Layers, PerLayerInputs
 from dew.nn.mamba2 import Mamba2
 from dew.nn.mla import LatentAttention, MLASpec
 from dew.nn.mlp import ACTIVATIONS, DenseSpec
-from dew.nn.moe import Mixture, Routes, SparseSpec
+from dew.nn.moe import DenseSparseSpec, Mixture, Routes, SparseSpec
 from dew.nn.mtp import mtp_states
 from dew.nn.norms import NORM_STYLES, RMSNorm
 from dew.nn.quantize import EMBED_SCALE
@@ -97,6 +98,7 @@ _CONVERSIONS: dict[str, Callable[[str, object], object]] = {
     "latent": _from_fields(LatentAttention),
     "recurrent": _recurrent,
     "nope": _from_fields(NoPE),
+    "gemma4": _from_fields(Gemma4Layers),
     "layer_types": lambda name, value: None if value is None else tuple(value),
 }
 # The string knobs and the values each may take.
@@ -159,6 +161,11 @@ class DecoderConfig:
     - `latent`: latent attention (`dew.nn.mla.LatentAttention`, or its fields as a dict) as every
       layer's mixer instead of grouped-query attention (DeepSeek V2/V3); `head_dim` and
       `num_kv_heads` then describe nothing and are ignored.
+    - `gemma4`: Gemma 4's layer options (`dew.nn.gemma4.Gemma4Layers`, or its fields as a dict): the full
+      layers' own head width and key/value heads, values from the key projection, per-layer inputs and
+      keys and values shared by the last layers; with it every layer norms its values (no scale) and
+      multiplies its output by a frozen `layer_scalar`, and a `mixture`'s experts run beside the dense MLP
+      (`dew.nn.moe.DenseSparseSpec`) rather than in its place.
     - `mtp_depths`: DeepSeek's multi-token-prediction modules after the last layer (`dew.nn.mtp`);
       depth d predicts the token d + 1 ahead. 0: none.
     - `kernels`: which kernels run the model's products (`dew.kernels.policy`): "auto" (Dew's native
@@ -205,6 +212,7 @@ class DecoderConfig:
     latent: LatentAttention | None = None
     recurrent: Mamba2 | GatedDeltaNet | None = None
     nope: NoPE | None = None
+    gemma4: Gemma4Layers | None = None
     mtp_depths: int = 0
     scan_layers: int = 8
     remat: str = "none"
@@ -315,6 +323,11 @@ class DecoderConfig:
             if self.latent is not None:
                 raise NotImplementedError("nope with latent attention: layers without rotary positions are built for "
                                           "grouped-query attention only; drop nope")
+        if self.gemma4 is not None:
+            if self.latent is not None or self.recurrent is not None:
+                raise NotImplementedError("gemma4 with latent attention or recurrent mixers is not built in Dew; drop "
+                                          "those or gemma4")
+            self.gemma4.kv_roles(self._layer_kinds())  # refuses sharing with no layer to share from
         if self.mtp_depths < 0:
             raise ValueError(f"mtp_depths is {self.mtp_depths}; it counts multi-token-prediction modules, 0 for none")
         if self.latent is not None:
@@ -322,6 +335,9 @@ class DecoderConfig:
             if given:
                 raise ValueError(f"{given} shape grouped-query attention, and latent replaces it with latent "
                                  "attention, which has none of them: leave them at their defaults")
+
+    def _layer_kinds(self) -> tuple[str, ...]:
+        return tuple(FULL if self.layer_window(i) is None else SLIDING for i in range(self.num_layers))
 
     @property
     def sparse_layers(self) -> tuple[int, ...]:
@@ -336,26 +352,44 @@ class DecoderConfig:
         dense = DenseSpec(self.mlp_features, self.activation, self.mlp_bias)
         sparse = None if self.mixture is None else SparseSpec(
             self.mixture, self.mixture.expert_features or self.mlp_features, self.activation)
+        g = self.gemma4
+        roles = (None,) * self.num_layers if g is None else g.kv_roles(self._layer_kinds())
         specs = []
         for index in range(self.num_layers):
             theta, scaling = self.layer_rope(index)
+            full = self.layer_window(index) is None
             if self.layer_types is not None and self.layer_types[index] == LINEAR:
                 mixer = RecurrentSpec(self.recurrent)
             elif self.latent is not None:
                 mixer = MLASpec(self.num_heads, self.latent, theta, scaling, bias=self.qkv_bias, o_bias=self.o_bias)
             else:
                 nope = self.nope is not None and index in self.nope.layers
+                kv_heads, head_dim = self.num_kv_heads, self.head_dim
+                if g is not None and full:
+                    kv_heads, head_dim = g.full_kv_heads or kv_heads, g.full_head_dim or head_dim
                 mixer = AttentionSpec(
-                    self.num_heads, self.num_kv_heads, self.head_dim, causal=self.causal,
+                    self.num_heads, kv_heads, head_dim, causal=self.causal,
                     window=self.layer_window(index), rope_theta=theta, rope_scaling=scaling,
                     qk_norm=self.qk_norm and not nope, qk_norm_scope=self.qk_norm_scope, qkv_bias=self.qkv_bias,
                     o_bias=self.o_bias, query_scale=self.query_scale, softcap=self.attn_softcap,
                     output_gate=self.attn_output_gate, rotary=not nope,
                     chunk=self.layer_chunk(index), temperature=self.nope.temperature() if nope else None,
+                    value_norm=g is not None,
+                    keys_as_values=g is not None and full and g.keys_as_values and roles[index] != REUSE,
+                    shared_kv=roles[index],
                 )
             feed_forward = sparse if index in self.sparse_layers else dense if self.mlp_features else None
+            if g is None:
+                specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps,
+                                       residual_scale=self.residual_scale))
+                continue
+            if g.double_wide_mlp and roles[index] == REUSE:
+                feed_forward = dataclasses.replace(dense, features=2 * self.mlp_features)
+            if index in self.sparse_layers:  # Gemma 4's experts sit beside the dense MLP
+                feed_forward = DenseSparseSpec(dense if feed_forward is sparse else feed_forward, sparse)
             specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps,
-                                   residual_scale=self.residual_scale))
+                                   output_scalar="layer_scalar", residual_scale=self.residual_scale,
+                                   per_layer_input=g.per_layer_width))
         return tuple(specs)
 
     @property
@@ -612,6 +646,12 @@ class CausalTransformer(ModelVariables, nn.Module):
             picked_BSE = jnp.take_along_axis(features, jnp.maximum(feature_indices, 0)[:, :, None], axis=1)
             x_BSE = jnp.where(media_BS[:, :, None], picked_BSE.astype(c.dtype), x_BSE)
 
+        if c.gemma4 is not None and c.gemma4.per_layer_width:
+            ids_BS = tokens if feature_indices is None else jnp.where(feature_indices >= 0, 0, tokens)
+            g = c.gemma4
+            context_cache["per_layer_BSLP"] = PerLayerInputs(
+                c.num_layers, g.per_layer_width, g.per_layer_vocab or c.vocab_size, c.norm_eps, c.dtype,
+                c.param_dtype, name="per_layer_inputs")(ids_BS, x_BSE)
         tables, rotary = rotary_tables(specs, positions, rotary_positions)
         replay_LBSK = None
         if routes is not None:

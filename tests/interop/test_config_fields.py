@@ -21,7 +21,8 @@ from dew.interop.hf_decoders import FIELD_KINDS, expected, reference_sizes
 from tests.interop.conftest import SHAPE, save_checkpoint, sized, torch, torch_model, transformers
 
 # The transformers module that holds each family's modeling code.
-_MODULES = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "llama4_text": "llama4"}
+_MODULES = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "llama4_text": "llama4",
+            "gemma4_text": "gemma4"}
 _GETATTR = re.compile(r"getattr\((?:self\.)?config,\s*\"(\w+)\"")
 # Families whose modeling code reads every config field by attribute (the pattern finds nothing there).
 _NO_GETATTR = {"mamba2"}
@@ -204,11 +205,12 @@ def test_field_kinds_take_what_transformers_takes_and_refuse_what_it_refuses(mod
     declared = {field.name for field in dataclasses.fields(config_class)}
     for name, default in family.fields.items():
         if default is None:  # read as the architecture's rule (head_dim from hidden_size, ...)
-            assert FIELD_KINDS[name].endswith("?"), name
+            assert family.field_kind(name).endswith("?"), name
         if name not in declared:  # DeepSeek's own code's fields: transformers takes any value
             continue
         for probe in PROBES:
-            theirs, ours = _transformers_accepts(config_class, name, probe), expected(FIELD_KINDS[name], probe) is None
+            theirs = _transformers_accepts(config_class, name, probe)
+            ours = expected(family.field_kind(name), probe) is None
             if theirs:
                 assert ours, (name, probe)
             # a null Dew reads as transformers' default, and an integer where a float is declared (JSON writers

@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any, ClassVar
 
 from dew.interop.hf_decoders import (
-    ACTIVATION_NAMES, ACTIVATIONS, MASK_FIELDS, ConfigFields, read_rotary, rope_parameters,
+    ACTIVATION_NAMES, ACTIVATIONS, FIELD_KINDS, MASK_FIELDS, ConfigFields, read_rotary, rope_parameters,
 )
 from dew.interop.tensors import Rule
 from dew.nn.layer import LayerSpec
@@ -68,7 +68,9 @@ class Converter:
     not declare them, each with the default getattr falls back to. `architecture` is the causal-LM
     class config.json's `architectures` names. A family with `partial_rotary` turns only the first
     `partial_rotary_factor` of each head's features under the default rotary, `partial_rotary` when the
-    config names none (None: every feature turns, and a config naming less is refused).
+    config names none (None: every feature turns, and a config naming less is refused). `field_kinds`
+    overrides `FIELD_KINDS` for fields its class annotates otherwise (Gemma 4's string
+    `use_bidirectional_attention`).
     """
 
     # whether `family_for` may pick this family for a `DecoderConfig` (False: it loads its own model kind)
@@ -90,6 +92,12 @@ class Converter:
     getattr_fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     gguf: GGUFNames | None = None
     partial_rotary: float | None = None
+    field_kinds: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def field_kind(self, name: str) -> str | None:
+        """The kind of value (`dew.interop.hf_decoders.FIELD_KINDS`) this family's config class takes for `name`:
+        its own `field_kinds` where the class annotates a field another way than the other families'."""
+        return self.field_kinds.get(name, FIELD_KINDS.get(name))
 
     def reads(self, name: str) -> bool:
         """Whether transformers reads `name` from this family's config (declared or through getattr)."""
