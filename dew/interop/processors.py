@@ -216,9 +216,11 @@ class Processor:
 
     def from_ids(self, ids: Sequence[int], images: Sequence[Any] = ()) -> ModelInputs:
         """One row of token ids in which each image placeholder id (the id of the processor's placeholder
-        text: `<start_of_image>` for Gemma 3, `<|image|>` for Llama 4) stands for the next image, as
+        text: `<start_of_image>` for Gemma 3, `<|image|>` for Llama 4, `<|image_pad|>` for Qwen 3.5, whose chat
+        template wraps it in `<|vision_start|>...<|vision_end|>`) stands for the next image, as
         `ModelInputs`: each placeholder expanded to the ids the checkpoint's processor writes for that
-        image (for Llama 4 they depend on the image's tiles), with its pixels. The server's chat prompts
+        image (for Llama 4 they depend on the image's tiles, for Qwen 3.5 on its grid), with its pixels (and
+        Qwen 3.5's grids and three-axis positions), as `__call__` lays out the prompt's text. The server's chat prompts
         come this way, encoded as text prompts are (special-token text in a message stays text)."""
         placeholder = self.tokenizer.convert_tokens_to_ids(self._placeholder())
         ids = [int(i) for i in ids]
@@ -230,22 +232,30 @@ class Processor:
         expanded, at = [], 0
         for i in ids:
             if i == placeholder:
-                expanded.extend(pieces[at][0])
+                expanded.extend(pieces[at]["ids"])
                 at += 1
             else:
                 expanded.append(i)
-        pixels = owners = None
-        if pieces:
-            pixels = np.concatenate([entries for _, entries in pieces])
-            owners = np.repeat(np.arange(len(pieces), dtype=np.int32), [len(entries) for _, entries in pieces])
-        return self._laid_out([{"ids": self._checked(0, np.asarray(expanded, np.int64)), "pixels": pixels,
-                                "owners": owners}])
+        row = {"ids": self._checked(0, np.asarray(expanded, np.int64)), "pixels": None, "owners": None}
+        if pieces and self.merge is not None:  # one patch entry and one grid an image
+            row.update(pixels=[piece["pixels"] for piece in pieces], grids=np.stack([piece["grid"] for piece in pieces]),
+                       owners=np.arange(len(pieces), dtype=np.int32))
+        elif pieces:
+            row.update(pixels=np.concatenate([piece["pixels"] for piece in pieces]),
+                       owners=np.repeat(np.arange(len(pieces), dtype=np.int32),
+                                        [len(piece["pixels"]) for piece in pieces]))
+        return self._laid_out([row])
 
-    def _expansion(self, image) -> tuple[list[int], np.ndarray]:
-        """The ids the reference processor writes for one placeholder holding `image`, and its pixel entries."""
+    def _expansion(self, image) -> dict:
+        """The ids the reference processor writes for one placeholder holding `image` and its pixel entries
+        `[n, C, H, W]` (for a processor giving grids, its patch vectors `[patches, C*T*p*p]` and `grid`)."""
         outputs = self.reference(text=[self._placeholder()], images=[[image]], padding=False,
                                  add_special_tokens=False)
-        return [int(i) for i in outputs["input_ids"][0]], _entries(outputs["pixel_values"][0])
+        ids = [int(i) for i in outputs["input_ids"][0]]
+        if "image_grid_thw" in outputs:
+            return {"ids": ids, "pixels": _float32(outputs["pixel_values"]),
+                    "grid": np.asarray(outputs["image_grid_thw"], np.int64).reshape(3)}
+        return {"ids": ids, "pixels": _entries(outputs["pixel_values"][0])}
 
     def _checked(self, index: int, ids: np.ndarray) -> np.ndarray:
         """A row's ids, refused when empty or outside the model's vocabulary (naming the row and column)."""

@@ -174,8 +174,10 @@ def create_app(served: Served, limits: Limits):
             if pictures:  # each image placeholder the template wrote expands to the image's soft tokens
                 inputs = served.processor.from_ids(prompt, pictures)
                 prompt = [int(i) for i in inputs.tokens[0]]
-                job.media = {name: np.asarray(inputs.token_fields[name][0]) for name in MEDIA_FIELDS}
-                job.media["pixel_values"] = np.asarray(inputs.conditioning["pixel_values"][0])
+                # the image fields (Qwen 3.5's three-axis positions too) and the images (and their grids)
+                job.media = {name: np.asarray(values[0]) for name, values in inputs.token_fields.items()
+                             if name in MEDIA_FIELDS + ("rotary_positions",)}
+                job.media.update({name: np.asarray(values[0]) for name, values in inputs.conditioning.items()})
         except ValueError as error:
             raise APIError(400, str(error), param="messages") from None
         protocol.check_ids(0, prompt, vocab)

@@ -79,8 +79,9 @@ class Request:
     """One continuation: `prompt` token ids, at most `max_tokens` new ones, drawn with `sampling`
     (its EOS and pad ids are the engine's) and the key of `generate(..., key=jax.random.key(seed))`
     row `prompt_index * n + continuation`. `media`, for a multimodal model, holds the prompt's image
-    fields (`image_indices`, `image_groups`, each as long as the prompt) and its images
-    (`pixel_values [images, C, H, W]`); None for text. `log_probs` asks for each drawn token's
+    fields (`image_indices`, `image_groups`, each as long as the prompt; Qwen 3.5's `rotary_positions
+    [prompt, 3]` too) and its images (`pixel_values [images, C, H, W]`, or Qwen 3.5's patch vectors
+    `[images, patches, C*T*p*p]` beside `image_grid_thw [images, 3]`); None for text. `log_probs` asks for each drawn token's
     log-probability with that many alternatives, `prompt_log_probs` for each prompt position's (None: not)."""
 
     prompt: Sequence[int]
@@ -99,6 +100,11 @@ class Request:
     @property
     def images(self) -> int:
         return 0 if self.media is None else len(self.media["pixel_values"])
+
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        """One image's pixel shape (Qwen 3.5's patch count varies with the image); () for text."""
+        return () if self.media is None else tuple(self.media["pixel_values"].shape[1:])
 
 
 class Engine:
@@ -363,16 +369,16 @@ class Engine:
         return taken
 
     def _place(self, admitted: list[tuple[int, Request]]) -> None:
-        """Prefill the admitted requests, grouped by prompt width and image count (a count not seen before
-        compiles its admission once), in batches of the ladder's sizes."""
-        by_width: dict[tuple[int, int, bool], list[tuple[int, Request]]] = collections.defaultdict(list)
+        """Prefill the admitted requests, grouped by prompt width, image count and image shape (a count or
+        shape not seen before compiles its admission once), in batches of the ladder's sizes."""
+        by_width: dict[tuple, list[tuple[int, Request]]] = collections.defaultdict(list)
         for slot, request in admitted:
             plain = request.images == 0 and request.prompt_log_probs is None
             # a plain prompt takes the narrowest compiled width that holds it (the widest always is)
             width = next(w for w in self.widths if w >= len(request.prompt) and (not plain or ("admit", 1, w) in
                                                                                  self._programs))
-            by_width[width, request.images, not plain].append((slot, request))
-        for (width, images, special), group in by_width.items():
+            by_width[width, request.images, request.image_shape, not plain].append((slot, request))
+        for (width, images, _, special), group in by_width.items():
             while group:
                 rows = next((r for r in self.prefill_rows if r >= len(group)), self.prefill_rows[-1])
                 if not special:  # at most the rows of a compiled admission (one row always is)
@@ -410,7 +416,7 @@ class Engine:
             scored[r] = request.log_probs is not None
             policies.append(request.sampling)
         sampling = plain_sampling(SamplingParams.of(policies))  # only the values travel; the flags stay fixed
-        media = None if not images else _media(requests, width, images)
+        media = None if not images else _media(requests, width)
         return Admission(tokens, valid, slots, seed_keys, prompt_index, continuation, sampling, budget, scored, media)
 
     def _hand_prompt_scores(self, requests: list[Request], width: int, scores) -> None:
@@ -475,19 +481,27 @@ def _scored(scores, where: tuple[int, ...], alternatives: int, token: int) -> Sc
     return Scored(token, float(scores.log_prob[where]), tuple(top))
 
 
-def _media(requests: list[Request | None], width: int, images: int) -> dict:
-    """The image fields and images of rows left-padded to `width` slots, each with `images` images."""
+def _media(requests: list[Request | None], width: int) -> dict:
+    """The image fields of rows left-padded to `width` slots (-1 before a prompt; rotary positions 0, which
+    no real slot reads and which leave the row's rotary delta to its real slots) and the images of rows
+    holding as many images each, of one shape (a padding row's are zeros, Qwen 3.5's grids too)."""
     rows = len(requests)
-    shape = next(r.media["pixel_values"].shape[1:] for r in requests if r is not None)
-    media = {"image_indices": np.full((rows, width), -1, np.int32), "image_groups": np.full((rows, width), -1, np.int32),
-             "pixel_values": np.zeros((rows, images, *shape), np.float32)}
+    first = next(r.media for r in requests if r is not None)
+    media = {"image_indices": np.full((rows, width), -1, np.int32), "image_groups": np.full((rows, width), -1, np.int32)}
+    if "rotary_positions" in first:
+        media["rotary_positions"] = np.zeros((rows, width, 3), np.int32)
+    for name in ("pixel_values", "image_grid_thw"):
+        if name in first:
+            media[name] = np.zeros((rows, *first[name].shape), first[name].dtype)
     for r, request in enumerate(requests):
         if request is None:
             continue
         length = len(request.prompt)
-        for name in ("image_indices", "image_groups"):
-            media[name][r, width - length:] = request.media[name]
-        media["pixel_values"][r] = request.media["pixel_values"]
+        for name in media:
+            if name in ("pixel_values", "image_grid_thw"):
+                media[name][r] = request.media[name]
+            else:
+                media[name][r, width - length:] = request.media[name]
     return media
 
 

@@ -1,7 +1,7 @@
 """Qwen 3.5 with images against transformers' `Qwen3_5ForConditionalGeneration` on the same weights
 (tests/fixtures/hf/qwen3_5-native-tiny, made by tools/make_qwen35_fixtures.py), in float32: the processor's
 layout (patch vectors padded per image, grids, three-axis positions) against transformers' `Qwen3VLProcessor`
-and `get_rope_index`, logits of text-only and image batches (one image; two images of other grids; left
+and `get_rope_index`, chat prompt ids with image placeholders served by `dew.serve.Engine`, logits of text-only and image batches (one image; two images of other grids; left
 padding), cached greedy continuations, the pixel gradient and one SGD step through `LMObjective`, and save ->
 transformers reload.
 
@@ -24,10 +24,13 @@ import pytest
 from dew.interop import load_pretrained
 from dew.interop.processors import Processor
 from dew.objectives.lm import LMObjective
+from dew.sampling import Sampling
+from dew.serve import Engine, Request
 from dew.training.state import Step
 from tests.interop.test_qwen3_next import bound as hybrid_bound
 from tests.interop.multimodal_checks import (check_greedy_matches_generate, check_save_reloads,
                                              check_row_logits, check_stepped_logits, targets)
+from tests.serve.test_engine import Collect
 from tests.tolerances import assert_within, ulp_bound, vision_tower_ulps
 
 torch = pytest.importorskip("torch")
@@ -242,3 +245,58 @@ def test_the_experts_variant_matches_transformers(tmp_path, processor, hf_proces
     check_row_logits(ours, inputs, model, [row], bound, 1.0)
     check_save_reloads(moe, transformers.Qwen3_5MoeForConditionalGeneration, model, row, tmp_path / "moe",
                        tmp_path / "saved")
+
+
+def test_prompt_ids_with_placeholders_are_served_as_text_generation_answers(bundle, processor, images):
+    """A chat prompt comes to the server as token ids, one `<|image_pad|>` an image: `from_ids` expands each to
+    its image's soft tokens and lays out patches, grids and three-axis positions as the processor lays out the
+    text (two images of other grids in a row too). The engine, with two image rows of other patch counts (24
+    and 4) and a text row in flight together, draws what text_generation draws; a text row then takes the slot
+    of the first (whose rotary delta, -3, its admission replaces) and continues as text_generation does."""
+    small = images[1][0]  # grid (1, 2, 2)
+    prompts = [PROMPTS[0], TEXT[0], PROMPTS[0], TEXT[1]]
+    row_images = [images[0], [], [small], []]
+    generation = bundle.text_generation(sampling=Sampling(temperature=0))(processor(prompts, images=row_images), 6,
+                                                                            seed=1)
+    greedy = generation.continuations()
+    requests = []
+    for row, (prompt, pictures) in enumerate([*zip(prompts, row_images), (PROMPTS[1], images[1])]):
+        theirs = processor([prompt], images=[pictures])
+        media = None
+        if pictures:
+            ours = processor.from_ids(processor.tokenizer(prompt)["input_ids"], pictures)
+            np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+            for name in ("positions", "image_indices", "image_groups", "rotary_positions"):
+                np.testing.assert_array_equal(ours.token_fields[name], theirs.token_fields[name], err_msg=name)
+            for name in ("pixel_values", "image_grid_thw"):
+                np.testing.assert_array_equal(ours.conditioning[name], theirs.conditioning[name], err_msg=name)
+            media = {name: np.asarray(ours.token_fields[name][0])
+                     for name in ("image_indices", "image_groups", "rotary_positions")}
+            media.update({name: np.asarray(value[0]) for name, value in ours.conditioning.items()})
+        # the first image row ends after 2 tokens, so the last text row takes its slot
+        requests.append(Request([int(i) for i in theirs.tokens[0]], 2 if row == 0 else 6, Sampling(temperature=0),
+                                1, Collect(), row, media=media, log_probs=0))
+    requests = requests[:len(prompts)]  # the two-image row's layout is checked; the engine serves the rest
+    with pytest.raises(ValueError, match=r"the prompt has 1 image placeholder\(s\) '<\|image_pad\|>' and 2 image"):
+        processor.from_ids(processor.tokenizer(PROMPTS[0])["input_ids"], images[1])
+    engine = Engine(bundle.model, bundle.variables, slots=3, capacity=16, prefill_rows=1)
+    engine.start()
+    try:
+        engine.submit(requests[:3])  # two image rows of 24 and 4 patches, a text row between
+        assert requests[0].consumer.done.wait(120), "the engine did not finish the request"
+        engine.submit(requests[3:])  # the lowest free slot, the first image row's
+        for request in requests:
+            assert request.consumer.done.wait(120), "the engine did not finish the request"
+    finally:
+        engine.close()
+    # text_generation fed every row together, left-padded (patches to 24); the engine each row alone, with its
+    # own patch count (the seed draws nothing at temperature 0)
+    assert [request.consumer.tokens for request in requests] == [greedy[0][:2], *greedy[1:]]
+    # and the drawn tokens' log-probabilities (a row's positions moved by its rotary delta would show here)
+    ours = [[entry.log_prob for entry in request.consumer.entries] for request in requests]
+    ours = np.array([row + [0.0] * (6 - len(row)) for row in ours])
+    theirs = np.where(np.arange(6) < np.array([2, 6, 6, 6])[:, None], generation.log_probs, 0.0)
+    # A log-softmax errs by at most twice its logits' error; this fixture's logits reach 8.0 (see
+    # test_logits_match_transformers). Observed 8.9e-6 (bound 2.5e-3); a slot keeping the image row's delta
+    # instead of its admission's moves them by 0.13.
+    assert_within(ours, theirs, 2 * logit_bound(bundle, 8.0, 16), "served log-probabilities")
