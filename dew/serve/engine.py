@@ -123,7 +123,7 @@ class Engine:
     own meanwhile; until a program is compiled, the engine uses the nearest compiled one that holds
     the work (a wider step, a wider prompt width, fewer rows per admission), so no request waits on a
     compile (but the first that asks for its prompt's log-probabilities at a width, or brings a new
-    count of images). `warm_up` compiles every program at once.
+    count of images or image shape: Qwen 3.5's patch count). `warm_up` compiles every program at once.
     """
 
     def __init__(self, model, params, *, slots: int, capacity: int, eos_token_ids: Sequence[int] = (),
