@@ -15,8 +15,10 @@ from safetensors.numpy import load_file
 
 from dew.data.dataset import Dataset
 from dew.interop import load_pretrained
+from dew.interop.export import save_pretrained
 from dew.interop.families import decoder_kwargs, family_for
 from dew.nn.layer import CONSTANTS
+from dew.nn.transformer import CausalTransformer
 from dew.objectives.lm import LMObjective
 from dew.training import Layout, MeshSpec, Trainer
 from tests.interop.conftest import greedy_continuations, save_checkpoint, scatter_weights, sized, torch, transformers
@@ -173,12 +175,12 @@ def test_one_sgd_step_matches_transformers(loaded):
     # the frozen scalars are not trained
     np.testing.assert_array_equal(np.asarray(state.params[CONSTANTS]["layers_1"]["layer_scalar"]),
                                   np.asarray(bundle.variables[CONSTANTS]["layers_1"]["layer_scalar"]))
-    ours = np.asarray(bundle.model.apply(state.params, TOKENS))
-    before = np.asarray(bundle.model.apply(bundle.variables, TOKENS))
+    apply = jax.jit(bundle.model.apply)
+    ours, before = np.asarray(apply(state.params, TOKENS)), np.asarray(apply(bundle.variables, TOKENS))
     theirs = _theirs(stepped, TOKENS)
     assert np.abs(ours - before).max() > 1e-2  # the step moved the logits well past the bound's reach
     # the forward chain over the stepped weights, whose own difference (the gradients' ulps times the rate) is
-    # far below it; observed 1.7e-5 on logits up to 6.6
+    # far below it; bound 1.1e-3, observed 1.7e-5 on logits up to 6.6
     assert_within(ours, theirs, _bound(stepped, theirs), case)
 
 
@@ -191,6 +193,24 @@ def test_save_reloads_in_transformers(loaded, tmp_path):
         np.testing.assert_array_equal(written[name], tensor, err_msg=name)
     again = transformers.Gemma4ForCausalLM.from_pretrained(saved, attn_implementation="eager").eval()
     np.testing.assert_array_equal(_theirs(again, TOKENS), _theirs(model, TOKENS))
+
+
+@pytest.mark.parametrize("loaded", ["ple-shared-kv"], indirect=True)
+def test_a_model_from_scratch_exports_as_gemma4_text(loaded, tmp_path):
+    """A decoder built with the loaded one's config and other weights (the loaded ones moved by N(0, 0.3^2), layer
+    scalars included; an init would compile one more program): `save_pretrained` picks gemma4_text, and
+    transformers' load of the export gives Dew's logits."""
+    _, _, _, bundle = loaded
+    model = CausalTransformer(bundle.model.config)
+    rng = np.random.default_rng(1)
+    variables = jax.tree_util.tree_map(lambda x: x + rng.normal(0.0, 0.3, x.shape).astype(x.dtype),
+                                       bundle.variables)
+    out = save_pretrained(model, variables, tmp_path / "scratch")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gemma4_text"
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    theirs = _theirs(theirs_model, TOKENS)
+    # bound 1.4e-3; observed 1.6e-5 on logits up to 8.1
+    assert_within(np.asarray(jax.jit(model.apply)(variables, TOKENS)), theirs, _bound(theirs_model, theirs), "export")
 
 
 GEMMA4 = sized("gemma4_text", hidden_size_per_layer_input=0)
