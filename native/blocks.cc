@@ -235,21 +235,92 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void TileAvx512(const Produ
     for (int c = 0; c < C; ++c) p.y[(r0 + r) * p.f + c0 + c] = _mm512_reduce_add_ps(acc[r][c]) + rest[r][c];
 }
 
+// The kinds of one sub-block a block (Q4_0, Q4_1, Q8_0) read straight from the block: the float16
+// scale and offset converted by the CPU's F16C instruction (exact for subnormal halves too: it does not
+// read the denormals-are-zero flag), the nibbles or bytes at their fixed places.
 template <Kind K>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void ColumnsAvx512(const Product& p, int64_t c_begin,
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void WidenAvx512(const uint8_t* block, __m512& lo,
+                                                                              __m512& hi) {
+  if constexpr (K == kQ8_0) {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18))));
+  } else {
+    // Each byte widened to a 32-bit lane first: its low nibble is then the lane & 15 (values 0-15) and
+    // its high one the lane >> 4 (values 16-31), with no masking before the widening.
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (K == kQ4_1 ? 4 : 2))));
+    __m512i low = _mm512_and_si512(q, _mm512_set1_epi32(0x0F)), high = _mm512_srli_epi32(q, 4);
+    if constexpr (K == kQ4_0) {
+      low = _mm512_sub_epi32(low, _mm512_set1_epi32(8));
+      high = _mm512_sub_epi32(high, _mm512_set1_epi32(8));
+    }
+    lo = _mm512_cvtepi32_ps(low);
+    hi = _mm512_cvtepi32_ps(high);
+  }
+}
+
+__attribute__((target("f16c"))) inline float HalfF16c(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+template <Kind K, int R, int C>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void SmallTileAvx512(const Product& p, int64_t r0,
+                                                                            int64_t c0) {
+  __m512 acc[R][C];
+  float rest[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps(), rest[r][c] = 0.0f;
+  const int64_t row_bytes = p.blocks * p.bytes;
+  const uint8_t* w = p.w + c0 * row_bytes;
+  const float* x = p.x + r0 * p.k;
+  const float* xsum = p.xsum + r0 * p.blocks;
+  for (int64_t b = 0; b < p.blocks; ++b, w += p.bytes, x += kSub, ++xsum) {
+    __m512 lo[C], hi[C], scale[C];
+    float offset[C];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = w + c * row_bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * p.bytes), _MM_HINT_T0);
+      WidenAvx512<K>(block, lo[c], hi[c]);
+      scale[c] = _mm512_set1_ps(HalfF16c(block));
+      if constexpr (K == kQ4_1) offset[c] = HalfF16c(block + 2);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 x0 = _mm512_loadu_ps(x + r * p.k), x1 = _mm512_loadu_ps(x + r * p.k + 16);
+      for (int c = 0; c < C; ++c) {
+        acc[r][c] = _mm512_fmadd_ps(_mm512_fmadd_ps(x1, hi[c], _mm512_mul_ps(x0, lo[c])), scale[c], acc[r][c]);
+        if constexpr (K == kQ4_1) rest[r][c] += offset[c] * xsum[r * p.blocks];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) p.y[(r0 + r) * p.f + c0 + c] = _mm512_reduce_add_ps(acc[r][c]) + rest[r][c];
+}
+
+template <Kind K, int R, int C>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void AnyTileAvx512(const Product& p, int64_t r0,
+                                                                                int64_t c0) {
+  if constexpr (K == kQ4_K)
+    TileAvx512<K, R, C>(p, r0, c0);
+  else
+    SmallTileAvx512<K, R, C>(p, r0, c0);
+}
+
+template <Kind K>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void ColumnsAvx512(const Product& p, int64_t c_begin,
                                                                      int64_t c_end) {
   int64_t c = c_begin;
   for (; c + 4 <= c_end; c += 4) {
     int64_t r = 0;
-    for (; r + 3 <= p.n; r += 3) TileAvx512<K, 3, 4>(p, r, c);
-    if (p.n - r == 2) TileAvx512<K, 2, 4>(p, r, c);
-    if (p.n - r == 1) TileAvx512<K, 1, 4>(p, r, c);
+    for (; r + 3 <= p.n; r += 3) AnyTileAvx512<K, 3, 4>(p, r, c);
+    if (p.n - r == 2) AnyTileAvx512<K, 2, 4>(p, r, c);
+    if (p.n - r == 1) AnyTileAvx512<K, 1, 4>(p, r, c);
   }
   for (; c < c_end; ++c) {
     int64_t r = 0;
-    for (; r + 3 <= p.n; r += 3) TileAvx512<K, 3, 1>(p, r, c);
-    if (p.n - r == 2) TileAvx512<K, 2, 1>(p, r, c);
-    if (p.n - r == 1) TileAvx512<K, 1, 1>(p, r, c);
+    for (; r + 3 <= p.n; r += 3) AnyTileAvx512<K, 3, 1>(p, r, c);
+    if (p.n - r == 2) AnyTileAvx512<K, 2, 1>(p, r, c);
+    if (p.n - r == 1) AnyTileAvx512<K, 1, 1>(p, r, c);
   }
 }
 
