@@ -1,6 +1,7 @@
-// What Dew's kernels with per-instruction-set bodies share: x86's intrinsics (DEW_X86 where they exist), the sets (the CPU's best found at load;
-// the module's `set_isa` can only lower the one in use, so the tests run the narrower bodies on a wider
-// CPU), and the wait for the pieces of a product that other threads are still finishing.
+// What Dew's kernels with per-instruction-set bodies share: x86's intrinsics (DEW_X86 where they
+// exist), the sets (the CPU's best found at load; the module's `set_isa` can only lower the one in use,
+// so the tests run the narrower bodies on a wider CPU), and the wait for the pieces of a product that
+// other threads are still finishing.
 #ifndef DEW_NATIVE_ISA_H_
 #define DEW_NATIVE_ISA_H_
 

@@ -84,8 +84,8 @@ class Head:
     (Granite's `logits_scaling`), and the model's kernel policy `kernels`. Gradients flow into
     the parameter it was read from.
 
-    With a GGUF file's blocks (`dew.interop.gguf_blocks`) `weight` is those bytes, `[V, E / n, B]` uint8 for blocks of n values
-    (always `transposed`), multiplied in Dew's blocks kernel (`dew.kernels.blocks`).
+    With a GGUF file's blocks (`dew.interop.gguf_blocks`) `weight` is those bytes, `[V, E / n, B]` uint8
+    for blocks of n values (always `transposed`), multiplied in Dew's blocks kernel (`dew.kernels.blocks`).
     With int8 weights (`dew.nn.quantize`) `weight` stays int8 and `scale` holds its float32 scales per
     vocabulary entry and group of the width (`[V, G]`, or `[G, V]` untied); `logits` converts inside its
     product. Such a head is for generation: objectives

@@ -575,7 +575,7 @@ class CausalTransformer(ModelVariables, nn.Module):
         embed = nn.Embed(c.vocab_size, c.emb_features, dtype=c.dtype, param_dtype=c.param_dtype,
                          embedding_init=named(nn.initializers.normal(0.02), ("vocab", "embed")), name="embed_tokens")
         def embedded(ids_BS):
-            if self.has_variable(QUANT_COLLECTION, EMBED_BLOCKS):  # a GGUF file's blocks: only the rows asked for widen
+            if self.has_variable(QUANT_COLLECTION, EMBED_BLOCKS):  # a GGUF file's blocks: the rows asked for widen
                 rows_BSXB = jnp.take(self.get_variable(QUANT_COLLECTION, EMBED_BLOCKS), ids_BS, axis=0)
                 x_BSE = blocks.dequantize(rows_BSXB).astype(c.dtype)
             elif self.has_variable(QUANT_COLLECTION, EMBED_SCALE):  # int8 rows, scales per group of the width (dew.nn.quantize)
@@ -621,8 +621,10 @@ class CausalTransformer(ModelVariables, nn.Module):
                                scale=scale_V, kernels=c.kernels, logit_divisor=c.logit_divisor)
         else:
             kernel, scale_V = _Kernel(c.vocab_size, c.param_dtype, name="lm_head")(c.emb_features)
-            output_head = Head(_compute(kernel, c.dtype), transposed=kernel.dtype == jnp.uint8, softcap=c.logit_softcap, scale=scale_V,
-                               kernels=c.kernels, logit_divisor=c.logit_divisor)
+            # A GGUF file's blocks hold the head as [vocab, emb] rows, the transposed form.
+            output_head = Head(_compute(kernel, c.dtype), transposed=kernel.dtype == jnp.uint8,
+                               softcap=c.logit_softcap, scale=scale_V, kernels=c.kernels,
+                               logit_divisor=c.logit_divisor)
         aux = {f"layers_{i}": states for i, states in zip(keep, kept)}
         if routing is not None:
             aux["routing"] = routing

@@ -78,7 +78,8 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
 
 def _check_quantizable(task, quantize: str, source) -> None:
     if quantize not in WEIGHT_FORMATS:
-        raise ValueError(f"quantize={quantize!r} is not a weight format Dew builds: use one of {WEIGHT_FORMATS}, or None")
+        raise ValueError(f"quantize={quantize!r} is not a weight format Dew builds: use one of {WEIGHT_FORMATS}, "
+                         "or None")
     if isinstance(task, MaskedGeneration):
         raise NotImplementedError(f"{source} is a masked-diffusion model, and int8 weights are built for token-by-token "
                                   "decoding only: leave quantize unset")

@@ -82,9 +82,6 @@ def test_the_pipeline_keeps_blocks_and_bad_requests_are_refused(tiny_file, tmp_p
     assert KERNEL_BLOCKS in task.params[QUANT_COLLECTION]["layers_0"]["self_attn"]["q_proj"]
     with pytest.raises(ValueError, match="quantize='gguf' keeps a GGUF file's quantized blocks, and no gguf_file"):
         load_pretrained(tmp_path, quantize="gguf")
-    with pytest.raises(ValueError, match=r"quantize='int4' is not a weight format Dew builds: use one of \('int8', "
-                                         r"'gguf'\)"):
-        load_pretrained(tmp_path, quantize="int4")
     model = torch_model("llama", intermediate_size=64)
     floats_only = write_gguf(model, tmp_path / "floats.gguf",
                              tensors=[(name, array, None) for name, array, _ in mixed_tensors(model) if _ is None]

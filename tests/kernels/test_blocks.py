@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.kernels.blocks import BYTES, KINDS, blocks_product, dequantize, kernel_product, kernel_status, kind, xla_product
+from dew.kernels.blocks import (BYTES, KINDS, blocks_product, dequantize, kernel_product, kernel_status, kind,
+                                xla_product)
 from tests.tolerances import assert_within, ulp_bound
 
 gguf = pytest.importorskip("gguf")
