@@ -11,7 +11,9 @@ bits a weight rather than float32's 32, and computes what the dequantized float3
 the order of float32 roundings. Tensors of other types (float ones, K-quants other than Q4_K) stay float.
 
 The family's GGUF rules say which tensor is which leaf (`tensors.plan`), with llama's query and key
-rows put back in transformers' order as whole rows of blocks. Like int8 variables, these are for
+rows put back in transformers' order as whole rows of blocks. The load reads the float32 model first
+and then swaps the blocks in, so it takes the float load's time and peak memory; the model it returns
+holds only the blocks. Like int8 variables, these are for
 generation only: objectives and `save` refuse them.
 """
 
