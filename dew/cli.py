@@ -71,7 +71,7 @@ def plot(runs: Positional[Annotated[tuple[str, ...], tyro.conf.arg(metavar="RUN 
 def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], prompt: str,
              max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
-             seed: int = 0, n: int = 1, live: bool = False, quantize: Literal["int8"] | None = None) -> None:
+             seed: int = 0, n: int = 1, live: bool = False, quantize: Literal["int8", "gguf"] | None = None) -> None:
     """Continue a prompt from a run or a published checkpoint, printing the text as it is produced.
 
     Sampling defaults to the source's own (the run's preview policy, or generation_config.json);
@@ -93,7 +93,7 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
             in memory beside the weights (more are refused, naming the most that fit).
         live: Use a run's live weights instead of its moving average.
         quantize: int8 holds the weights as 8-bit integers (a quarter of float32's bytes), for faster
-            decoding on a CPU.
+            decoding on a CPU; gguf (a GGUF file) keeps the file's own 4-bit or 8-bit blocks as they are.
         max_images: The most images one chat request may hold (a model that reads images; past it, 400).
         max_image_pixels: The most pixels (width times height) of one image.
         max_image_bytes: The most encoded bytes of one image.
@@ -162,7 +162,7 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
           port: int = 8000, slots: int = 8, capacity: int | None = None, queue: int = 256, prefill_rows: int = 4,
           name: str | None = None, chat_template: str | None = None, special_tokens_in_messages: bool = False,
           max_body_bytes: int = 2**20, read_timeout: float = 30.0, keep_alive_timeout: float = 5.0,
-          max_connections: int = 512, live: bool = False, quantize: Literal["int8"] | None = None,
+          max_connections: int = 512, live: bool = False, quantize: Literal["int8", "gguf"] | None = None,
           max_images: int = 4, max_image_pixels: int = 4096 * 4096, max_image_bytes: int = 16 * 2**20,
           fetch_images: bool = False, max_logprobs: int = 20, compilation_cache: str | None = None) -> None:
     """Serve a model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health)
@@ -198,7 +198,7 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
         max_connections: Connections open at once; past that a new one is answered 503 and closed.
         live: Use a run's live weights instead of its moving average.
         quantize: int8 holds the weights as 8-bit integers (a quarter of float32's bytes), for faster
-            decoding on a CPU.
+            decoding on a CPU; gguf (a GGUF file) keeps the file's own 4-bit or 8-bit blocks as they are.
         max_images: The most images one chat request may hold (a model that reads images; past it, 400).
         max_image_pixels: The most pixels (width times height) of one image.
         max_image_bytes: The most encoded bytes of one image.

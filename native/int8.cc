@@ -19,19 +19,9 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <string>
-#include <thread>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-// GCC 12's AVX-512 conversion intrinsics start from an undefined register, which its flow analysis
-// reports as a read of an uninitialized value (GCC bug 105593).
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#include <immintrin.h>
-#define DEW_X86 1
-#endif
-
+#include "isa.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -313,22 +303,12 @@ __attribute__((target("avx2,fma"))) void RowsAvx2(const Product& p, int64_t f_be
 
 #endif  // DEW_X86
 
-// The instruction set the bodies use, the CPU's best at load: "avx512", "avx2" or "portable". The
-// module's `set_isa` can only lower it, so the tests run the narrower bodies on a wider CPU.
-enum Isa { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+// The instruction set the bodies use (native/isa.h), the CPU's best at load unless set_isa lowered it.
+using dew::Isa;
+using dew::kAvx2;
+using dew::kAvx512;
 
-Isa DetectIsa() {
-#ifdef DEW_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl"))
-    return kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
-#endif
-  return kPortable;
-}
-
-const Isa g_best_isa = DetectIsa();
+const Isa g_best_isa = dew::DetectIsa();
 std::atomic<int> g_isa{static_cast<int>(g_best_isa)};
 
 ColumnsBody PickColumns() {
@@ -509,13 +489,7 @@ ffi::Error Int8Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   int64_t helpers = std::min<int64_t>(threads, pieces->total) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([pieces] { pieces->Run(); });
   pieces->Run();
-  // Every piece is claimed; wait for the pieces other threads are still finishing (microseconds).
-  for (int spins = 0; pieces->done.load(std::memory_order_acquire) < pieces->total; ++spins) {
-#ifdef DEW_X86
-    _mm_pause();
-#endif
-    if (spins > 4096) std::this_thread::yield();
-  }
+  dew::WaitForPieces(pieces->done, pieces->total);
   if (pieces->slices > 1) pieces->AddSlices();
   return ffi::Error::Success();
 }
@@ -532,30 +506,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewInt8Product, Int8Product,
                                   .Attr<bool>("transposed"));
 
 // Python module: handler() -> capsule; isa() -> the body in use; set_isa(name) lowers it.
-static const char* IsaName(int isa) { return isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2" : "portable"; }
 
 static PyObject* Handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DewInt8Product), nullptr, nullptr);
 }
 
-static PyObject* GetIsa(PyObject*, PyObject*) { return PyUnicode_FromString(IsaName(g_isa.load())); }
+static PyObject* GetIsa(PyObject*, PyObject*) { return dew::GetIsa(g_isa); }
 
-static PyObject* SetIsa(PyObject*, PyObject* args) {
-  const char* name = nullptr;
-  if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
-  std::string wanted(name);
-  int isa = wanted == "avx512" ? kAvx512 : wanted == "avx2" ? kAvx2 : wanted == "portable" ? kPortable : -1;
-  if (isa < 0) {
-    PyErr_Format(PyExc_ValueError, "instruction set %R is not one of avx512, avx2, portable", PyTuple_GetItem(args, 0));
-    return nullptr;
-  }
-  if (isa > g_best_isa) {
-    PyErr_Format(PyExc_ValueError, "instruction set %s is beyond this CPU's best, %s", name, IsaName(g_best_isa));
-    return nullptr;
-  }
-  g_isa.store(isa);
-  Py_RETURN_NONE;
-}
+static PyObject* SetIsa(PyObject*, PyObject* args) { return dew::SetIsa(args, g_best_isa, g_isa); }
 
 static PyMethodDef kMethods[] = {
     {"handler", Handler, METH_NOARGS, "The XLA FFI handler of the int8 product, as a capsule."},

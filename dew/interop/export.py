@@ -144,8 +144,9 @@ def checked_params(model: CausalTransformer, variables):
     """The weights of `variables` (collections merged, as `model_params` gives them), refused unless they
     are this model's tree in its own form or per layer."""
     if QUANT_COLLECTION in variables:
-        raise ValueError("these variables hold int8 weights (dew.nn.quantize), made for generation: save the float "
-                         "weights they were quantized from (load the checkpoint without quantize=)")
+        raise ValueError("these variables hold int8 weights (dew.nn.quantize) or a GGUF file's blocks "
+                         "(dew.interop.gguf_blocks), made for generation: save the float weights they came from (load "
+                         "the checkpoint without quantize=)")
     if "params" not in variables:
         variables = {"params": variables}
     own = model_variables(model)

@@ -25,6 +25,7 @@ import numpy as np
 
 from dew.interop.families import FAMILIES, gguf_architectures, gguf_family
 from dew.interop.hf_decoders import expected
+from dew.kernels.blocks import BYTES
 
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp token types
 _EMBEDDING = "token_embd.weight"  # llama.cpp's name of the token embedding, in every architecture
@@ -307,6 +308,17 @@ class GGUFCheckpoint:
 
     def dtype(self, name: str) -> str:
         return "F32"  # every tensor is dequantized to float32
+
+    def blocks(self, name: str) -> np.ndarray | None:
+        """A 2-D tensor's quantized blocks as they are stored, uint8 `[rows, row's blocks, block's bytes]`
+        (a copy, out of the memory map), for the kinds Dew's blocks kernel multiplies
+        (`dew.kernels.blocks.BYTES`); None for a tensor of another type or shape."""
+        tensor = self._tensors[name]
+        shape = self._stored_shape(name)
+        size = BYTES.get(tensor.tensor_type.name)
+        if size is None or len(shape) != 2:
+            return None
+        return np.array(tensor.data, np.uint8).reshape(shape[0], -1, size)
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
         """A tensor's region `index` (slices, rows first) as float32: only its rows are dequantized."""

@@ -32,6 +32,7 @@ from dew.interop import gguf_files, hf_decoders, tensors, torchax_fallback, veri
 from dew.interop.export import model_params, model_variables, split_collections, write_export
 from dew.interop.families import FAMILIES, Converter, family_of, ported
 from dew.interop.families import diffusion_gemma as block_diffusion
+from dew.interop.gguf_blocks import keep_gguf_blocks
 from dew.interop.gguf_files import GGUFCheckpoint
 from dew.interop.gguf_out import write_gguf
 from dew.interop.hub import (
@@ -42,7 +43,7 @@ from dew.interop.safetensors_files import SafetensorsReader, write_atomically, w
 from dew.interop.processors import Processor, load_reference
 from dew.nn.diffusion_gemma import DiffusionGemma, scalars_as
 from dew.nn.multimodal import MultimodalConfig, MultimodalTransformer
-from dew.nn.quantize import quantize_int8
+from dew.nn.quantize import WEIGHT_FORMATS, quantize_int8
 from dew.nn.transformer import CausalTransformer, DecoderConfig
 from dew.sampling import Sampling
 from dew.sharding import with_names
@@ -208,12 +209,18 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
 
     `quantize="int8"` holds every linear kernel, the embedding and the output head as int8 with a
     float32 scale per output channel (`dew.nn.quantize`): a quarter of float32's bytes, so decoding,
-    which streams every weight once a token, runs faster on a CPU. The variables are for generation
-    (`generate`, `text_generation`, `dew serve`); training and `save` refuse them.
+    which streams every weight once a token, runs faster on a CPU. `quantize="gguf"` (with `gguf_file`)
+    keeps the file's own quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K) for every linear, the embedding and the
+    head stored in them, multiplied as they are (`dew.interop.gguf_blocks`): a 4-bit file moves a seventh of
+    float32's bytes and computes what its dequantized float32 model does. Either way the variables are
+    for generation (`generate`, `text_generation`, `dew serve`); training and `save` refuse them.
     """
-    if quantize not in (None, "int8"):
-        raise ValueError(f"quantize={quantize!r} is not a weight format Dew builds: use 'int8', or None for the "
-                         "checkpoint's own floats")
+    if quantize not in (None, *WEIGHT_FORMATS):
+        raise ValueError(f"quantize={quantize!r} is not a weight format Dew builds: use one of {WEIGHT_FORMATS}, or "
+                         "None for the checkpoint's own floats")
+    if quantize == "gguf" and gguf_file is None:
+        raise ValueError("quantize='gguf' keeps a GGUF file's quantized blocks, and no gguf_file is given: name the "
+                         "file (gguf_file=...), or use quantize='int8' for a safetensors checkpoint")
 
     if fallback is not None:
         return _load_fallback(source, fallback, dtype=dtype, param_dtype=param_dtype, max_seq_len=max_seq_len,
@@ -294,9 +301,11 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
             ignorable = lambda name: family.ignorable(name, model.config)
         params = _read_params(reader, model, family.model_type, rules, ignorable, device_mesh, layout,
                               label=f"loading {source}")
+        variables = split_collections(params, model_variables(model))
+        if quantize == "gguf":
+            variables = keep_gguf_blocks(model, variables, reader, rules, family.model_type)
     tokenizer = HFTokenizer(directory) if (directory / "tokenizer.json").is_file() else None
-    variables = split_collections(params, model_variables(model))
-    if quantize is not None:
+    if quantize == "int8":
         variables = quantize_int8(model, variables)
     return Pretrained(model, variables, tokenizer, config, sampling, budget, snapshot.revision, directory,
                       generation_config, family)

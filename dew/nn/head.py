@@ -29,6 +29,7 @@ from flax import struct
 from jax import lax
 
 from dew.kernels import softmax
+from dew.kernels.blocks import blocks_product
 from dew.kernels.int8 import dequantize, int8_product, kernel_takes
 from dew.kernels.matmul import product
 from dew.kernels.policy import using
@@ -83,6 +84,8 @@ class Head:
     (Granite's `logits_scaling`), and the model's kernel policy `kernels`. Gradients flow into
     the parameter it was read from.
 
+    With a GGUF file's blocks (`dew.interop.gguf_blocks`) `weight` is those bytes, `[V, E / n, B]` uint8
+    for blocks of n values (always `transposed`), multiplied in Dew's blocks kernel (`dew.kernels.blocks`).
     With int8 weights (`dew.nn.quantize`) `weight` stays int8 and `scale` holds its float32 scales per
     vocabulary entry and group of the width (`[V, G]`, or `[G, V]` untied); `logits` converts inside its
     product. Such a head is for generation: objectives
@@ -103,7 +106,10 @@ class Head:
         """Capped float32 logits `[..., V]` of hidden states `[..., E]` (`head_logits` in the reference)."""
         lead = hidden.shape[:-1]
         hidden_NE = hidden.reshape(-1, hidden.shape[-1])
-        if self.scale is None:
+        if self.weight.dtype == jnp.uint8:
+            with using(self.kernels):
+                logits_NV = blocks_product(hidden_NE, self.weight, hidden_NE.dtype)
+        elif self.scale is None:
             logits_NV = vocab_logits(hidden_NE.astype(self.weight.dtype), self.weight, self.transposed)
         else:
             with using(self.kernels):
@@ -119,9 +125,9 @@ class Head:
         against int32 targets `[N]`, over the vocabulary in tiles (`chunked_cross_entropy`; `correct` None
         without `accuracy`). Float weights only: an int8 head is for generation. The logit divisor
         divides the capped logits as `temperature` does, so the two multiply."""
-        if self.scale is not None:
-            raise ValueError("cross_entropy reads float head weights, and this head is int8 (quantized for "
-                             "generation): score the float weights")
+        if self.scale is not None or self.weight.dtype == jnp.uint8:
+            raise ValueError("cross_entropy reads float head weights, and this head is int8 or a GGUF file's blocks "
+                             "(quantized for generation): score the float weights")
         return chunked_cross_entropy(hidden_NE, self.weight, targets_N, self.transposed, chunks, self.softcap,
                                      accuracy, temperature * self.logit_divisor, self.kernels)
 

@@ -13,11 +13,16 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from dew.kernels.blocks import blocks_product
 from dew.kernels.int8 import int8_product
 from dew.kernels.matmul import dot
 
-QUANT_COLLECTION = "quant"  # int8 weights' float32 scales (see dew.nn.quantize)
+QUANT_COLLECTION = "quant"  # int8 weights' float32 scales (see dew.nn.quantize), or a GGUF file's blocks
 KERNEL_SCALE = "kernel_scale"
+# A kernel kept in a GGUF file's quantized blocks, `[out, in / E, B]` bytes (dew.kernels.blocks), held
+# in place of the float `kernel` (dew.interop.gguf_blocks).
+KERNEL_BLOCKS = "kernel_blocks"
+EMBED_BLOCKS = "embed_tokens_blocks"  # the token embedding's blocks `[vocab, width / E, B]` (a tied head's too)
 
 
 def matmul(x_ND: jax.Array, w_DF: jax.Array) -> jax.Array:
@@ -46,17 +51,22 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", named(self.kernel_init, self.names), (x.shape[-1], self.features),
-                            self.param_dtype)
         lead = x.shape[:-1]
         x_ND = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        if self.has_variable(QUANT_COLLECTION, KERNEL_SCALE):
-            # int8 kernel, scales per output and group of inputs (dew.nn.quantize): in Dew's int8 kernel
-            # only the int8 bytes stream from memory; each group's scale applies to its float32 sum.
-            y_NF = int8_product(x_ND, kernel, self.get_variable(QUANT_COLLECTION, KERNEL_SCALE), self.dtype)
+        if self.has_variable(QUANT_COLLECTION, KERNEL_BLOCKS):
+            # A GGUF file's blocks, held in place of the float kernel, in Dew's blocks kernel: only their
+            # 4.5-8.5 bits a weight stream from memory.
+            y_NF = blocks_product(x_ND, self.get_variable(QUANT_COLLECTION, KERNEL_BLOCKS), self.dtype)
         else:
-            # Rounded to the compute dtype inside the product unless a float32 bias comes first.
-            y_NF = dot(x_ND, kernel.astype(self.dtype), out_dtype=jnp.float32 if self.use_bias else self.dtype)
+            kernel = self.param("kernel", named(self.kernel_init, self.names), (x.shape[-1], self.features),
+                                self.param_dtype)
+            if self.has_variable(QUANT_COLLECTION, KERNEL_SCALE):
+                # int8 kernel, scales per output and group of inputs (dew.nn.quantize): in Dew's int8 kernel
+                # only the int8 bytes stream from memory; each group's scale applies to its float32 sum.
+                y_NF = int8_product(x_ND, kernel, self.get_variable(QUANT_COLLECTION, KERNEL_SCALE), self.dtype)
+            else:
+                # Rounded to the compute dtype inside the product unless a float32 bias comes first.
+                y_NF = dot(x_ND, kernel.astype(self.dtype), out_dtype=jnp.float32 if self.use_bias else self.dtype)
         if self.use_bias:
             bias = self.param("bias", named(nn.initializers.zeros_init(), self.names and self.names[1:]),
                               (self.features,), self.param_dtype)

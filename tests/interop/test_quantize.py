@@ -128,5 +128,6 @@ def test_load_pretrained_int8_generates_and_refuses_saving_and_bad_values(llama_
     assert again.continuations() == result.continuations() and len(result.continuations()[0]) >= 1
     with pytest.raises(ValueError, match="int8 weights .* made for generation"):
         bundle.save(tmp_path / "export")
-    with pytest.raises(ValueError, match="quantize='int4' is not a weight format Dew builds: use 'int8'"):
+    with pytest.raises(ValueError, match=r"quantize='int4' is not a weight format Dew builds: use one of "
+                                         r"\('int8', 'gguf'\)"):
         load_pretrained(directory, quantize="int4")

@@ -1,0 +1,512 @@
+// XLA FFI handler for products with a weight kept in GGUF's quantized blocks (llama.cpp's layout):
+//   y[n, f] = sum_k x[n, k] * w[f, k]     (x [N, K] float32, w [F, K / E, B] bytes, y [N, F] float32)
+// where each row of w is K / E blocks of B bytes holding E values each. The block's byte count names
+// its kind:
+//   Q4_0 (18 bytes, 32 values): float16 d, 16 bytes of nibbles;       w = d * (q - 8)
+//   Q4_1 (20 bytes, 32 values): float16 d and m, 16 bytes of nibbles; w = d * q + m
+//   Q8_0 (34 bytes, 32 values): float16 d, 32 int8;                   w = d * q
+//   Q4_K (144 bytes, 256 values): float16 d and dmin, 12 bytes of 6-bit sub-scales and sub-mins for
+//     8 sub-blocks of 32, 128 bytes of nibbles;                       w = d * sc_j * q - dmin * m_j
+// Every kind is read as sub-blocks of 32 values in two halves of 16 (a half is 16 bytes, its nibbles
+// at one shift, or 16 int8): in Q4_0/Q4_1 the low nibbles of the 16 bytes are values 0-15 and the high
+// ones 16-31; in Q4_K each 32 bytes hold sub-block 2i in their low nibbles and 2i+1 in their high ones.
+//
+// Decoding reads every weight once per token, so the speed is the speed of streaming the blocks: they
+// are widened to float32 in registers and never written back as floats. Each sub-block's products with
+// x sum in float32 and its scale multiplies that partial sum; an offset (Q4_1's m, Q4_K's mins) times
+// the sub-block's sum of x (summed once per call) is added beside it. Q4_0 subtracts its 8 from the
+// integers before widening, so no offset term is needed.
+//
+// One binary runs on every x86-64: the AVX-512 and AVX2 bodies are compiled for their targets only and
+// chosen at run time by what the CPU reports; other machines run the portable body. The rows of w split
+// into pieces claimed from a counter by XLA's intra-op threads (the FFI's ThreadPool), each piece
+// writing its own columns of y, so the result does not depend on the threads.
+#include <Python.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "isa.h"
+#include "module.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum Kind { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kUnknown };
+
+// (kind, values per block) of a block of `bytes` bytes.
+Kind KindOf(int64_t bytes) {
+  switch (bytes) {
+    case 18: return kQ4_0;
+    case 20: return kQ4_1;
+    case 34: return kQ8_0;
+    case 144: return kQ4_K;
+    default: return kUnknown;
+  }
+}
+
+int64_t ValuesOf(Kind kind) { return kind == kQ4_K ? 256 : 32; }
+
+constexpr int64_t kSub = 32;  // values per sub-block
+
+// IEEE half to float, exact for every value, in integer arithmetic only: XLA's threads flush float
+// denormals to zero, so a subnormal half must not pass through a denormal float. A normal half's
+// exponent is rebiased (15 to 127), a subnormal one is its mantissa times 2^-24 (a normal float), and
+// infinities and NaNs keep an all-ones exponent.
+inline float HalfToFloat(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  uint32_t bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else {
+    float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
+    std::memcpy(&bits, &magnitude, 4);
+    bits |= sign;
+  }
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+// One sub-block of 32 values as the bodies read it: the bytes of its two halves, the shift of their
+// nibbles (0 or 4; -1: int8 values), whether 8 is subtracted (Q4_0), its scale and its offset.
+struct Sub {
+  const uint8_t* half[2];
+  int shift[2];
+  bool minus8;
+  float scale, offset;
+};
+
+// Q4_K's 6-bit sub-scale and sub-min j of its 12 packed bytes.
+inline void ScaleMinK(const uint8_t* s, int j, int& scale, int& min) {
+  if (j < 4) {
+    scale = s[j] & 63;
+    min = s[j + 4] & 63;
+  } else {
+    scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// The sub-blocks of one block, in value order; returns how many (1, or 8 for Q4_K).
+inline int SubBlocks(Kind kind, const uint8_t* b, Sub* out) {
+  switch (kind) {
+    case kQ4_0:
+      out[0] = Sub{{b + 2, b + 2}, {0, 4}, true, HalfToFloat(b), 0.0f};
+      return 1;
+    case kQ4_1:
+      out[0] = Sub{{b + 4, b + 4}, {0, 4}, false, HalfToFloat(b), HalfToFloat(b + 2)};
+      return 1;
+    case kQ8_0:
+      out[0] = Sub{{b + 2, b + 18}, {-1, -1}, false, HalfToFloat(b), 0.0f};
+      return 1;
+    case kQ4_K: {
+      float d = HalfToFloat(b), dmin = HalfToFloat(b + 2);
+      const uint8_t* scales = b + 4;
+      const uint8_t* qs = b + 16;
+      for (int j = 0; j < 8; ++j) {
+        int sc, m;
+        ScaleMinK(scales, j, sc, m);
+        const uint8_t* chunk = qs + 32 * (j / 2);
+        int shift = 4 * (j % 2);
+        // As gguf's dequantization rounds them: d * sc and dmin * m each once in float32.
+        out[j] = Sub{{chunk, chunk + 16}, {shift, shift}, false, d * static_cast<float>(sc),
+                     -(dmin * static_cast<float>(m))};
+      }
+      return 8;
+    }
+    default: return 0;
+  }
+}
+
+struct Product {
+  const float* x;      // [n, k]
+  const float* xsum;   // [n, k / 32]: each sub-block's sum of x
+  const uint8_t* w;    // [f, blocks, bytes]
+  float* y;            // [n, f]
+  int64_t n, k, f, blocks, bytes;
+  Kind kind;
+};
+
+// The finished columns [c_begin, c_end) of y.
+using Body = void (*)(const Product&, int64_t c_begin, int64_t c_end);
+
+// ---- portable body: each sub-block widened to 32 floats, then its dot with each row of x ----
+
+void Portable(const Product& p, int64_t c_begin, int64_t c_end) {
+  int64_t per_block = ValuesOf(p.kind) / kSub, subs_per_row = p.k / kSub;
+  Sub subs[8];
+  float values[kSub];
+  std::vector<float> total(p.n), rest(p.n);
+  for (int64_t c = c_begin; c < c_end; ++c) {
+    std::fill(total.begin(), total.end(), 0.0f);
+    std::fill(rest.begin(), rest.end(), 0.0f);
+    const uint8_t* row = p.w + c * p.blocks * p.bytes;
+    for (int64_t b = 0; b < p.blocks; ++b) {
+      int count = SubBlocks(p.kind, row + b * p.bytes, subs);
+      for (int j = 0; j < count; ++j) {
+        const Sub& s = subs[j];
+        for (int h = 0; h < 2; ++h)
+          for (int i = 0; i < 16; ++i) {
+            int v = s.shift[h] < 0 ? static_cast<int8_t>(s.half[h][i]) : (s.half[h][i] >> s.shift[h]) & 0xF;
+            values[16 * h + i] = static_cast<float>(s.minus8 ? v - 8 : v);
+          }
+        int64_t sub = b * per_block + j;
+        for (int64_t r = 0; r < p.n; ++r) {
+          const float* x = p.x + r * p.k + sub * kSub;
+          float sum = 0.0f;
+          for (int i = 0; i < kSub; ++i) sum += x[i] * values[i];
+          total[r] += sum * s.scale;
+          if (s.offset != 0.0f) rest[r] += s.offset * p.xsum[r * subs_per_row + sub];
+        }
+      }
+    }
+    for (int64_t r = 0; r < p.n; ++r) p.y[r * p.f + c] = total[r] + rest[r];
+  }
+}
+
+#ifdef DEW_X86
+
+// How many blocks ahead of the ones being read the bodies ask the memory for, per weight row.
+constexpr int kAheadBlocks = 8;
+
+// ---- AVX-512: C rows of w (output columns) against R rows of x; a sub-block's 32 values are two
+// 16-float vectors, widened once and used by every row of x. ----
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 HalfAvx512(const uint8_t* bytes, int shift,
+                                                                          bool minus8) {
+  __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  if (shift < 0) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+  if (shift) q = _mm_srli_epi16(q, 4);
+  q = _mm_and_si128(q, _mm_set1_epi8(0x0F));
+  if (minus8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(q, _mm_set1_epi8(8))));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+}
+
+template <Kind K, int R, int C>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void TileAvx512(const Product& p, int64_t r0, int64_t c0) {
+  constexpr int64_t kPerBlock = K == kQ4_K ? 8 : 1;
+  __m512 acc[R][C];
+  float rest[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps(), rest[r][c] = 0.0f;
+  const int64_t row_bytes = p.blocks * p.bytes, subs_per_row = p.k / kSub;
+  const uint8_t* w = p.w + c0 * row_bytes;
+  Sub subs[C][8];
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = w + c * row_bytes + b * p.bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * p.bytes), _MM_HINT_T0);
+      if (p.bytes > 64) _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * p.bytes + 64), _MM_HINT_T0);
+      if (p.bytes > 128) _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * p.bytes + 128), _MM_HINT_T0);
+      SubBlocks(K, block, subs[c]);
+    }
+    for (int j = 0; j < kPerBlock; ++j) {
+      int64_t sub = b * kPerBlock + j;
+      __m512 lo[C], hi[C];
+      for (int c = 0; c < C; ++c) {
+        const Sub& s = subs[c][j];
+        lo[c] = HalfAvx512(s.half[0], s.shift[0], K == kQ4_0);
+        hi[c] = HalfAvx512(s.half[1], s.shift[1], K == kQ4_0);
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* x = p.x + (r0 + r) * p.k + sub * kSub;
+        __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+        float xs = (K == kQ4_1 || K == kQ4_K) ? p.xsum[(r0 + r) * subs_per_row + sub] : 0.0f;
+        for (int c = 0; c < C; ++c) {
+          __m512 t = _mm512_fmadd_ps(x1, hi[c], _mm512_mul_ps(x0, lo[c]));
+          acc[r][c] = _mm512_fmadd_ps(t, _mm512_set1_ps(subs[c][j].scale), acc[r][c]);
+          if constexpr (K == kQ4_1 || K == kQ4_K) rest[r][c] += subs[c][j].offset * xs;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) p.y[(r0 + r) * p.f + c0 + c] = _mm512_reduce_add_ps(acc[r][c]) + rest[r][c];
+}
+
+// The kinds of one sub-block a block (Q4_0, Q4_1, Q8_0) read straight from the block: the float16
+// scale and offset converted by the CPU's F16C instruction (exact for subnormal halves too: it does not
+// read the denormals-are-zero flag), the nibbles or bytes at their fixed places.
+template <Kind K>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void WidenAvx512(const uint8_t* block, __m512& lo,
+                                                                              __m512& hi) {
+  if constexpr (K == kQ8_0) {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18))));
+  } else {
+    // Each byte widened to a 32-bit lane first: its low nibble is then the lane & 15 (values 0-15) and
+    // its high one the lane >> 4 (values 16-31), with no masking before the widening.
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (K == kQ4_1 ? 4 : 2))));
+    __m512i low = _mm512_and_si512(q, _mm512_set1_epi32(0x0F)), high = _mm512_srli_epi32(q, 4);
+    if constexpr (K == kQ4_0) {
+      low = _mm512_sub_epi32(low, _mm512_set1_epi32(8));
+      high = _mm512_sub_epi32(high, _mm512_set1_epi32(8));
+    }
+    lo = _mm512_cvtepi32_ps(low);
+    hi = _mm512_cvtepi32_ps(high);
+  }
+}
+
+__attribute__((target("f16c"))) inline float HalfF16c(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+template <Kind K, int R, int C>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void SmallTileAvx512(const Product& p, int64_t r0,
+                                                                            int64_t c0) {
+  __m512 acc[R][C];
+  float rest[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps(), rest[r][c] = 0.0f;
+  const int64_t row_bytes = p.blocks * p.bytes;
+  const uint8_t* w = p.w + c0 * row_bytes;
+  const float* x = p.x + r0 * p.k;
+  const float* xsum = p.xsum + r0 * p.blocks;
+  for (int64_t b = 0; b < p.blocks; ++b, w += p.bytes, x += kSub, ++xsum) {
+    __m512 lo[C], hi[C], scale[C];
+    float offset[C];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = w + c * row_bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * p.bytes), _MM_HINT_T0);
+      WidenAvx512<K>(block, lo[c], hi[c]);
+      scale[c] = _mm512_set1_ps(HalfF16c(block));
+      if constexpr (K == kQ4_1) offset[c] = HalfF16c(block + 2);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 x0 = _mm512_loadu_ps(x + r * p.k), x1 = _mm512_loadu_ps(x + r * p.k + 16);
+      for (int c = 0; c < C; ++c) {
+        acc[r][c] = _mm512_fmadd_ps(_mm512_fmadd_ps(x1, hi[c], _mm512_mul_ps(x0, lo[c])), scale[c], acc[r][c]);
+        if constexpr (K == kQ4_1) rest[r][c] += offset[c] * xsum[r * p.blocks];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) p.y[(r0 + r) * p.f + c0 + c] = _mm512_reduce_add_ps(acc[r][c]) + rest[r][c];
+}
+
+template <Kind K, int R, int C>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void AnyTileAvx512(const Product& p, int64_t r0,
+                                                                                int64_t c0) {
+  if constexpr (K == kQ4_K)
+    TileAvx512<K, R, C>(p, r0, c0);
+  else
+    SmallTileAvx512<K, R, C>(p, r0, c0);
+}
+
+template <Kind K>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void ColumnsAvx512(const Product& p, int64_t c_begin,
+                                                                     int64_t c_end) {
+  int64_t c = c_begin;
+  for (; c + 4 <= c_end; c += 4) {
+    int64_t r = 0;
+    for (; r + 3 <= p.n; r += 3) AnyTileAvx512<K, 3, 4>(p, r, c);
+    if (p.n - r == 2) AnyTileAvx512<K, 2, 4>(p, r, c);
+    if (p.n - r == 1) AnyTileAvx512<K, 1, 4>(p, r, c);
+  }
+  for (; c < c_end; ++c) {
+    int64_t r = 0;
+    for (; r + 3 <= p.n; r += 3) AnyTileAvx512<K, 3, 1>(p, r, c);
+    if (p.n - r == 2) AnyTileAvx512<K, 2, 1>(p, r, c);
+    if (p.n - r == 1) AnyTileAvx512<K, 1, 1>(p, r, c);
+  }
+}
+
+// ---- AVX2 + FMA: the same with 8-float vectors, a sub-block's 32 values in four. ----
+
+__attribute__((target("avx2,fma"))) inline void HalfAvx2(const uint8_t* bytes, int shift, bool minus8, __m256* out) {
+  __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  if (shift >= 0) {
+    if (shift) q = _mm_srli_epi16(q, 4);
+    q = _mm_and_si128(q, _mm_set1_epi8(0x0F));
+    if (minus8) q = _mm_sub_epi8(q, _mm_set1_epi8(8));
+  }
+  // Nibbles are 0-15 (or -8-7 after the subtraction), so a signed widening reads them too.
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+}
+
+__attribute__((target("avx2,fma"))) inline float Sum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <Kind K, int C>
+__attribute__((target("avx2,fma"))) void TileAvx2(const Product& p, int64_t r0, int64_t c0) {
+  constexpr int64_t kPerBlock = K == kQ4_K ? 8 : 1;
+  __m256 acc[C];
+  float rest[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps(), rest[c] = 0.0f;
+  const int64_t row_bytes = p.blocks * p.bytes, subs_per_row = p.k / kSub;
+  const uint8_t* w = p.w + c0 * row_bytes;
+  const float* xrow = p.x + r0 * p.k;
+  Sub subs[C][8];
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = w + c * row_bytes + b * p.bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * p.bytes), _MM_HINT_T0);
+      SubBlocks(K, block, subs[c]);
+    }
+    for (int j = 0; j < kPerBlock; ++j) {
+      int64_t sub = b * kPerBlock + j;
+      const float* x = xrow + sub * kSub;
+      __m256 xv[4] = {_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8), _mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)};
+      float xs = (K == kQ4_1 || K == kQ4_K) ? p.xsum[r0 * subs_per_row + sub] : 0.0f;
+      for (int c = 0; c < C; ++c) {
+        const Sub& s = subs[c][j];
+        __m256 v[4];
+        HalfAvx2(s.half[0], s.shift[0], K == kQ4_0, v);
+        HalfAvx2(s.half[1], s.shift[1], K == kQ4_0, v + 2);
+        __m256 t = _mm256_mul_ps(xv[0], v[0]);
+        for (int i = 1; i < 4; ++i) t = _mm256_fmadd_ps(xv[i], v[i], t);
+        acc[c] = _mm256_fmadd_ps(t, _mm256_set1_ps(s.scale), acc[c]);
+        if constexpr (K == kQ4_1 || K == kQ4_K) rest[c] += s.offset * xs;
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) p.y[r0 * p.f + c0 + c] = Sum256(acc[c]) + rest[c];
+}
+
+template <Kind K>
+__attribute__((target("avx2,fma"))) void ColumnsAvx2(const Product& p, int64_t c_begin, int64_t c_end) {
+  int64_t c = c_begin;
+  for (; c + 4 <= c_end; c += 4)
+    for (int64_t r = 0; r < p.n; ++r) TileAvx2<K, 4>(p, r, c);
+  for (; c < c_end; ++c)
+    for (int64_t r = 0; r < p.n; ++r) TileAvx2<K, 1>(p, r, c);
+}
+
+#endif  // DEW_X86
+
+// The instruction set the bodies use (native/isa.h), the CPU's best at load unless set_isa lowered it.
+using dew::Isa;
+using dew::kAvx2;
+using dew::kAvx512;
+
+const Isa g_best_isa = dew::DetectIsa();
+std::atomic<int> g_isa{static_cast<int>(g_best_isa)};
+
+template <Kind K>
+Body PickFor() {
+  switch (static_cast<Isa>(g_isa.load(std::memory_order_relaxed))) {
+#ifdef DEW_X86
+    case kAvx512: return ColumnsAvx512<K>;
+    case kAvx2: return ColumnsAvx2<K>;
+#endif
+    default: return Portable;
+  }
+}
+
+Body Pick(Kind kind) {
+  switch (kind) {
+    case kQ4_0: return PickFor<kQ4_0>();
+    case kQ4_1: return PickFor<kQ4_1>();
+    case kQ8_0: return PickFor<kQ8_0>();
+    default: return PickFor<kQ4_K>();
+  }
+}
+
+// At least this many weight bytes a piece: a piece's fixed cost is a few hundred nanoseconds.
+constexpr int64_t kPieceBytes = 32 << 10;
+
+// The columns split into `total` chunks, claimed from `next` by whichever thread is free; `done`
+// counts the finished ones. Shared by pointer, since a pool task may start after the call has
+// returned (it then finds nothing to claim).
+struct Pieces {
+  Product product;
+  Body body;
+  int64_t chunk_columns = 0, total = 0;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void Run() {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;) {
+      int64_t begin = i * chunk_columns;
+      body(product, begin, std::min(begin + chunk_columns, product.f));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error BlocksProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                         ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  auto dx = x.dimensions(), dw = w.dimensions(), dy = y->dimensions();
+  if (dx.size() != 2 || dw.size() != 3 || dy.size() != 2)
+    return ffi::Error::InvalidArgument("dew blocks product: x [N, K], w [F, K / E, bytes] and y [N, F]");
+  int64_t n = dx[0], k = dx[1], f = dw[0], blocks = dw[1], bytes = dw[2];
+  Kind kind = KindOf(bytes);
+  if (kind == kUnknown)
+    return ffi::Error::InvalidArgument("dew blocks product: blocks of " + std::to_string(bytes) +
+                                       " bytes are none of Q4_0 (18), Q4_1 (20), Q8_0 (34), Q4_K (144)");
+  if (blocks * ValuesOf(kind) != k || dy[0] != n || dy[1] != f)
+    return ffi::Error::InvalidArgument("dew blocks product: operand shapes do not make a product");
+  if (n == 0 || f == 0) return ffi::Error::Success();
+  // Each sub-block's sum of x, for the offsets; in the calling thread's buffer, which outlives every
+  // piece (all have finished before this call returns).
+  thread_local std::vector<float> xsum;
+  int64_t subs = k / kSub;
+  xsum.resize(static_cast<size_t>(n * subs));
+  const float* xs = x.typed_data();
+  for (int64_t e = 0; e < n * subs; ++e) {
+    float sum = 0.0f;
+    for (int i = 0; i < kSub; ++i) sum += xs[e * kSub + i];
+    xsum[e] = sum;
+  }
+  auto pieces = std::make_shared<Pieces>();
+  pieces->product = Product{xs, xsum.data(), w.typed_data(), y->typed_data(), n, k, f, blocks, bytes, kind};
+  pieces->body = Pick(kind);
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t want = std::max<int64_t>(1, std::min<int64_t>(4 * threads, f * blocks * bytes / kPieceBytes));
+  int64_t columns = (f + want - 1) / want;
+  pieces->chunk_columns = (columns + 3) / 4 * 4;  // whole tiles of 4 rows of w
+  pieces->total = (f + pieces->chunk_columns - 1) / pieces->chunk_columns;
+  int64_t helpers = std::min<int64_t>(threads, pieces->total) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([pieces] { pieces->Run(); });
+  pieces->Run();
+  dew::WaitForPieces(pieces->done, pieces->total);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBlocksProduct, BlocksProduct,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// Python module: handlers() -> {"product": capsule}; isa() -> the body in use; set_isa(name) lowers it.
+
+static PyObject* Handlers(PyObject*, PyObject*) {
+  static const dew::HandlerEntry entries[] = {{"product", reinterpret_cast<void*>(&DewBlocksProduct)}};
+  return dew::HandlerDict(entries, sizeof entries / sizeof entries[0]);
+}
+
+static PyObject* GetIsa(PyObject*, PyObject*) { return dew::GetIsa(g_isa); }
+
+static PyObject* SetIsa(PyObject*, PyObject* args) { return dew::SetIsa(args, g_best_isa, g_isa); }
+
+static PyMethodDef kMethods[] = {
+    {"handlers", Handlers, METH_NOARGS, "The XLA FFI handler of the blocks product, as a capsule keyed 'product'."},
+    {"isa", GetIsa, METH_NOARGS, "The instruction set the product's bodies use: avx512, avx2 or portable."},
+    {"set_isa", SetIsa, METH_VARARGS, "Use a narrower instruction set than the CPU's best (for tests)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_blocks",
+                              "Dew's XLA FFI product with GGUF's quantized blocks.", -1, kMethods};
+
+PyMODINIT_FUNC PyInit__native_blocks(void) { return PyModule_Create(&kModule); }
