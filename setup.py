@@ -23,7 +23,8 @@ def _extensions() -> list[Extension]:
     if not include:
         return []
     return [Extension(f"dew._native_{source.stem}", [str(source.relative_to(native.parent))],
-                      include_dirs=include, language="c++", optional=True, depends=["native/module.h", "native/isa.h"],
+                      include_dirs=include, language="c++", optional=True,
+                      depends=["native/module.h", "native/isa.h", "native/vectors.h"],
                       extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden"])
             for source in sorted(native.glob("*.cc"))]
 

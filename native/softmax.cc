@@ -25,34 +25,14 @@
 #include <vector>
 
 #include "module.h"
+#include "vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// Sums and maxima over a row are kept in kLanes partial results, two `Vec`s of kWidth lanes (GCC's
-// vector extension: a register each in the AVX2 and AVX-512 clones below, two SSE ones in the
-// default), so every loop is vector code and every CPU adds in the same order, without letting the
-// compiler reorder float arithmetic on its own: GCC leaves scalar loops of this kind scalar, and spills
-// a single 16-float vector type to the stack in the AVX2 clone (docs/performance.md).
-constexpr int kLanes = 16;
-constexpr int kWidth = 8;
-typedef float Vec __attribute__((vector_size(4 * kWidth)));
-typedef int32_t Ints __attribute__((vector_size(4 * kWidth)));
-// The helpers below take and return vectors by value; they are always inlined, so each clone compiles
-// them for its own target and no call passes one (GCC warns that such a call's ABI differs by target).
-#pragma GCC diagnostic ignored "-Wpsabi"
-
-[[gnu::always_inline]] inline Vec Load(const float* x) {
-  Vec v;
-  std::memcpy(&v, x, sizeof v);
-  return v;
-}
-
-[[gnu::always_inline]] inline void Store(float* x, Vec v) { std::memcpy(x, &v, sizeof v); }
-
-[[gnu::always_inline]] inline Vec Splat(float x) { return Vec{} + x; }
+using namespace dew;  // the vector types and helpers of vectors.h
 
 // All ones in the lanes whose mask byte is set (a C++ bool is 0 or 1). Each lane shifts its byte out
 // of the 32-bit word holding it, a handful of vector instructions in the AVX2 and AVX-512 clones:
@@ -66,57 +46,6 @@ typedef uint32_t Words __attribute__((vector_size(4 * kWidth)));
   Words shifts = {0, 8, 16, 24, 0, 8, 16, 24};
   if constexpr (__BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__) shifts = 24 - shifts;
   return (Ints)(((spread >> shifts) & 0xffu) != 0);
-}
-
-// exp(x) for float32, lane by lane: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-7
-// Taylor-like polynomial (the minimax coefficients of Cephes' expf), times 2^n built in the exponent
-// bits; n rounds to nearest even by adding and subtracting 1.5 * 2^23. Within 2 ulps of the exact
-// result for x in [-87.3, 88.7]; 0 below (XLA's gives a subnormal there, under 1e-38), +inf above, NaN
-// for NaN.
-template <typename V>
-[[gnu::always_inline]] inline V Exp(V x) {
-  const float lo = -87.33654f, hi = 88.72283f, round = 12582912.0f;
-  V clamped = x < lo ? V{} + lo : x;  // std::max(x, lo), NaN kept
-  clamped = hi < clamped ? V{} + hi : clamped;
-  V n = (clamped * 1.44269504088896341f + round) - round;
-  V r = clamped - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  V result;
-  if constexpr (std::is_same_v<V, float>) {
-    int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    float two_n;
-    std::memcpy(&two_n, &bits, sizeof two_n);
-    result = p * two_n;
-    result = x < lo ? 0.0f : result;
-    return x > hi ? HUGE_VALF : result;
-  } else {
-    Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
-    result = p * (Vec)bits;  // the same bits as floats (a vector cast)
-    result = x < lo ? V{} : result;
-    return x > hi ? V{} + HUGE_VALF : result;
-  }
-}
-
-inline uint16_t RoundToBf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  uint32_t nearest = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  uint32_t quiet_nan = ((bits >> 16) & 0x8000u) | 0x7fc0u;
-  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : nearest);
-}
-
-inline float Bf16ToFloat(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof value);
-  return value;
 }
 
 // One row of the forward: `p` gets the probabilities, `p_bf16` (when not null) them rounded.
@@ -155,20 +84,6 @@ void ForwardRow(const float* s, const bool* mask, float* p, uint16_t* p_bf16, in
     for (int64_t j = 0; j < t; ++j) p_bf16[j] = RoundToBf16(p[j]);
 }
 
-// `kLanes` values of the cotangent as float32, from float32 or bfloat16 bits.
-template <typename G>
-[[gnu::always_inline]] inline Vec LoadG(const G* g) {
-  if constexpr (std::is_same_v<G, float>) {
-    return Load(g);
-  } else {
-    typedef uint16_t Halves __attribute__((vector_size(2 * kWidth)));
-    Halves halves;
-    std::memcpy(&halves, g, sizeof halves);
-    Ints wide = __builtin_convertvector(halves, Ints) << 16;
-    return (Vec)wide;
-  }
-}
-
 // One row of the backward, the cotangent `g` in float32 or bfloat16 bits.
 template <typename G>
 __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -183,12 +98,12 @@ void BackwardRow(const float* p, const G* g, const bool* mask, float* ds, int64_
   Vec dots[2] = {Splat(0.0f), Splat(0.0f)};
   int64_t body = t - t % kLanes;
   for (int64_t j = 0; j < body; j += kLanes)
-    for (int h = 0; h < 2; ++h) dots[h] += LoadG(g + j + h * kWidth) * Load(p + j + h * kWidth);
+    for (int h = 0; h < 2; ++h) dots[h] += LoadFloats(g + j + h * kWidth) * Load(p + j + h * kWidth);
   float dot = 0.0f;
   for (int l = 0; l < kLanes; ++l) dot += dots[l / kWidth][l % kWidth];
   for (int64_t j = body; j < t; ++j) dot += load(g[j]) * p[j];
   for (int64_t j = 0; j < t - t % kWidth; j += kWidth)
-    Store(ds + j, LoadMask(mask + j) ? (Load(p + j) * (LoadG(g + j) - dot)) * scale : Splat(0.0f));
+    Store(ds + j, LoadMask(mask + j) ? (Load(p + j) * (LoadFloats(g + j) - dot)) * scale : Splat(0.0f));
   for (int64_t j = t - t % kWidth; j < t; ++j) ds[j] = mask[j] ? (p[j] * (load(g[j]) - dot)) * scale : 0.0f;
 }
 
@@ -231,40 +146,6 @@ int32_t FirstMaxRow(const float* x, int64_t t) {
     if (first == t || x[j] > top) top = x[j], first = j;
   }
   return nan ? static_cast<int32_t>(t) : static_cast<int32_t>(first);
-}
-
-// Rows divide into pieces that XLA's intra-op threads claim (as in native/gemm.cc); shared by pointer,
-// since a pool task may start after the call has returned (it then finds nothing to claim).
-struct Rows {
-  int64_t total = 0, per_piece = 0, pieces = 0;
-  std::function<void(int64_t row)> run;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void Work() {
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < pieces;) {
-      int64_t first = i * per_piece, last = std::min(total, first + per_piece);
-      for (int64_t row = first; row < last; ++row) run(row);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// `run(item)` for each of `total` items, in pieces of at least `min_piece` items, a few pieces a
-// thread so that one descheduled thread costs little.
-void ForEach(ffi::ThreadPool pool, int64_t total, int64_t min_piece, std::function<void(int64_t)> run) {
-  if (total == 0) return;
-  auto work = std::make_shared<Rows>();
-  work->total = total;
-  work->run = std::move(run);
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  work->per_piece = std::max<int64_t>(min_piece, (total + 4 * threads - 1) / (4 * threads));
-  work->pieces = (total + work->per_piece - 1) / work->per_piece;
-  int64_t helpers = std::min(threads, work->pieces) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work->Work(); });
-  work->Work();
-  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->pieces; ++spins) {
-    if (spins > 1024) std::this_thread::yield();
-  }
 }
 
 // `run(row)` for each of `total` rows of `t` values, at least 16 rows a piece.

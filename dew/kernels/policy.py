@@ -4,8 +4,9 @@ A policy is one of `POLICIES`:
 - `auto` (the default): on the CPU, a product runs in oneDNN where the kernel table
   (`dew/kernels/table.json`, measured by `python -m benchmarks.kernel_table`) says oneDNN was faster for the
   nearest measured shape of this CPU class, dtype and transposes, and XLA's otherwise; attention's softmax,
-  the fused attention and the int8 decoding products run in Dew's own kernels wherever they can. A CPU class
-  the table does not name, a product under `MIN_FLOPS` or a shape far from every measured one stays XLA's.
+  the fused attention, decoding's attention and the int8 decoding products run in Dew's own kernels
+  wherever they can. A CPU class the table does not name, a product under `MIN_FLOPS` or a shape far from
+  every measured one stays XLA's.
 - `native`: every product oneDNN can take runs there, whatever its size (what the kernels' tests use).
 - `xla`: XLA's own `dot_general` for every product, with nothing around it: no custom call, no barrier.
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from dew.kernels import decode_attention as decode_kernel
 from dew.kernels import softmax as fast_softmax
 from dew.kernels.matmul import dot
 from dew.kernels.softmax import MASKED
@@ -130,6 +131,19 @@ def score_max(q_BSHD, k_BKTD, allowed_BST, scale: float, block: int = BLOCK) -> 
         scores_BKGST = jnp.where(allowed_BST[:, None, None, start:stop], scores_BKGST, -jnp.inf)
         largest_BKG = jnp.maximum(largest_BKG, jnp.max(scores_BKGST, axis=(3, 4)))
     return largest_BKG.reshape(B, H)
+
+
+def decode_attend(q_BSHD, cache: AttentionCache, knobs, slots_BS, segments_BS, spec: "AttentionSpec") -> jax.Array:
+    """`attend` of one query a row `[B, 1, H, D]` under the decode mask, in Dew's decode kernel
+    (`dew.kernels.decode_attention`), reading layer `knobs.local` of `cache` in place. A real query
+    (segment 1, as the cache's filled slots are) at slot `p` reads the filled slots up to its own,
+    `[max(p + 1 - window, 0), p + 1)`; a padding query reads nothing (zeros; nothing reads it)."""
+    ends_B = jnp.where(segments_BS[:, 0] == 1, slots_BS[:, 0] + 1, 0)
+    starts_B = jnp.zeros_like(ends_B) if knobs.window is None else jnp.maximum(ends_B - knobs.window, 0)
+    scale = spec.head_dim**-0.5 if spec.query_scale is None else spec.query_scale
+    out_BHD = decode_kernel.decode_attention(q_BSHD[:, 0], cache.keys, cache.values, knobs.local, starts_B, ends_B,
+                                             scale, spec.softcap)
+    return out_BHD[:, None].astype(q_BSHD.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +324,13 @@ class Attention(nn.Module):
             report = {"qk_max": score_max(q_BSHD, k_BSKD.transpose(0, 2, 1, 3), real_BST, scale)}
         # An image's tokens read its later tokens too, so no block of queries may skip the keys after it.
         ordered = s.causal and context.groups_BS is None
-        if cache is None and s.softcap is None and fast_softmax.attention_usable(q_BSHD, k_BSKD, v_BSKD):
+        # One new token a row, appended to the cache and reading only its filled slots (the decode mask in
+        # ranges: no images, chunks, prefixes or custom key slots, whose masks are not ranges).
+        one_query = (cache is not None and S == 1 and ordered and s.chunk is None and not context.read_only_cache
+                     and context.key_slots_BT is None and k_groups is None)
+        if one_query and decode_kernel.usable(cache.keys, cache.values):
+            out_BSHD = decode_attend(q_BSHD, cache, knobs, context.slots_BS, context.segments_BS, s)
+        elif cache is None and s.softcap is None and fast_softmax.attention_usable(q_BSHD, k_BSKD, v_BSKD):
             # Training's pass (and any without a cache), float32: scores, softmax and weighted values in one
             # kernel, keys and values as the projections laid them out.
             scale = D**-0.5 if s.query_scale is None else s.query_scale

@@ -1,0 +1,228 @@
+"""Decoding at long contexts: Dew against transformers (sdpa, KV cache on), batch 8, same weights.
+
+    python -m benchmarks.long_context [--contexts 512 2048 8192] [--new 16] [--rounds 5] [--batch 8]
+    python -m benchmarks.long_context --one-layer     (the attention kernel alone against XLA's form)
+
+A randomly initialised Llama of SmolLM2-135M's shape (30 layers of 576, 9 query heads over 3 key/value
+heads of 64, vocabulary 49,152) with `max_seq_len` raised to hold the longest context, float32, the
+same weights on both sides. Each side's cache starts filled to the context with standard normal keys
+and values (a prefill of 8 x 8,192 tokens would take minutes and is not what is measured), then decodes
+`--new` greedy tokens a row: Dew through `dew.sampling.generate.advance` in one compiled scan (the
+decode step `generate` and the serving engine run; its cache holds the context plus the new tokens,
+as `generate` sizes it), transformers as a loop of forward calls on its `DynamicCache` with the argmax
+fed back (what its `generate` does, without the logits processors). Rounds alternate the sides; each
+round restarts from the context; the median round gives tokens/s. "Dew, XLA attention" is the same
+step with decoding's attention kernel refused (`dew.kernels.decode_attention`), as before it existed,
+and "in a capacity of" the shortest context in a cache of `--slot` slots (a serving slot's).
+
+Also printed: the bytes a step must read (every weight once, each row's keys and values up to its
+context) over the step's time, against the machine's copy bandwidth, so the fall of tokens/s with the
+context can be set against the growth of the bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import resource
+import statistics
+import time
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import copy_bandwidth, machine
+from benchmarks.generate import SHAPES, random_llama
+from dew.kernels import decode_attention as decode_kernel
+from dew.sampling import Sampling
+from dew.sampling.generate import DecodeState, advance
+from dew.sampling.sampling import SamplingParams
+
+
+# torch's OpenMP team spin-waits between operations by default; on a machine whose cores are shared
+# (2 cores, other work running) a spinning thread descheduled mid-barrier stalls every step by seconds.
+# Passive waiting is the setting a shared machine needs (Dew's products run on XLA's own threads).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def dew_decoder(model, steps: int, kernel: bool):
+    """A compiled `steps` greedy decode steps from a `DecodeState` (donated), returning the state and the
+    tokens; with `kernel` False, traced with decoding's attention kernel refused."""
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def run(params, state, keys_B, sampling):
+        def step(state, t):
+            state, (token_B, _, _) = advance(model, params, state, keys_B, t, sampling, (), 0)
+            return state, token_B
+        return jax.lax.scan(step, state, jnp.arange(steps))
+
+    if kernel:
+        return run
+
+    def without_kernel(*args):
+        with mock.patch.object(decode_kernel, "usable", lambda *a, **k: False):
+            return run(*args)
+    return without_kernel
+
+
+def dew_cache(model, batch: int, context: int, capacity: int, seed: int):
+    """A cache of `capacity` slots a row, the first `context` filled with standard normal keys and values
+    (one layer's draw, rescaled per layer), made where it lives (no host copy of gigabytes at 8,192)."""
+
+    @jax.jit
+    def make(key):
+        cache = model.init_cache(batch, capacity)  # zeros XLA never materializes: every slot is drawn or zeroed
+        filled = (jnp.arange(capacity) < context)[:, None]
+
+        def draw(key, x_LBKTD):
+            # one layer's draw, scaled a little differently in every layer: a fused broadcast, so making
+            # the cache holds no second copy of it
+            layer_BKTD = jax.random.normal(key, x_LBKTD.shape[1:], x_LBKTD.dtype)
+            scales_L = 1.0 + 0.01 * jnp.arange(x_LBKTD.shape[0], dtype=x_LBKTD.dtype)
+            return jnp.where(filled, layer_BKTD[None] * scales_L[:, None, None, None, None], 0)
+
+        runs = tuple(run.replace(keys=draw(jax.random.fold_in(key, 2 * i), run.keys),
+                                 values=draw(jax.random.fold_in(key, 2 * i + 1), run.values))
+                     for i, run in enumerate(cache.runs))
+        return cache.replace(runs=runs, lengths=jnp.full((batch,), context, jnp.int32))
+
+    return make(jax.random.key(seed))
+
+
+def torch_cache(config, batch: int, context: int, seed: int):
+    """A transformers cache of `context` standard normal keys and values a row, `[B, K, context, D]` two a
+    layer (other values than Dew's: no step's time depends on them)."""
+    import torch
+    from transformers import DynamicCache
+
+    torch.manual_seed(seed)
+    shape = (batch, config.num_kv_heads, context, config.head_dim)
+    return DynamicCache([(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_layers)])
+
+
+def one_layer(contexts, batch: int, rounds: int = 7) -> None:
+    """Time the kernel against XLA's form (`attend` under the decode mask, the layer sliced out of a
+    two-layer cache as the decoder does) on one layer of SmolLM2's attention, every slot filled, and
+    print each one's rate of reading the keys and values."""
+    from dew.nn.attention import attend
+
+    K, H, D = 3, 9, 64
+    for context in contexts:
+        keys = jax.random.normal(jax.random.key(0), (2, batch, K, context, D), jnp.float32)
+        values = jax.random.normal(jax.random.key(1), keys.shape, jnp.float32)
+        q = jax.random.normal(jax.random.key(2), (batch, H, D), jnp.float32)
+        starts, ends = jnp.zeros((batch,), jnp.int32), jnp.full((batch,), context, jnp.int32)
+        mask = jnp.ones((batch, 1, context), bool)
+        forms = {"kernel": jax.jit(lambda q, k, v, layer: decode_kernel.decode_attention(q, k, v, layer, starts, ends,
+                                                                                         D**-0.5)),
+                 "XLA": jax.jit(lambda q, k, v, layer: attend(q[:, None], k[layer], v[layer], mask)[:, 0])}
+        line = []
+        for name, form in forms.items():
+            form(q, keys, values, jnp.int32(1)).block_until_ready()
+            times = []
+            for _ in range(rounds):
+                started = time.perf_counter()
+                form(q, keys, values, jnp.int32(1)).block_until_ready()
+                times.append(time.perf_counter() - started)
+            median = statistics.median(times)
+            line.append(f"{name} {median * 1e3:.2f} ms ({2 * keys[1].nbytes / median / 1e9:.1f} GB/s)")
+        print(f"one layer, batch {batch}, {context:,} slots: {', '.join(line)}; load average {load()}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--new", type=int, default=16, help="tokens decoded a row per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--slot", type=int, default=2048,
+                        help="also the shortest context in a cache of this many slots (a serving slot's capacity)")
+    parser.add_argument("--xla-up-to", type=int, default=2048,
+                        help="time Dew with XLA's attention only where the cache holds at most this many slots "
+                             "plus the new tokens (it scores every slot: minutes a round at 8,192)")
+    parser.add_argument("--one-layer", action="store_true",
+                        help="only time the kernel against XLA's form on one layer's cache at each context")
+    args = parser.parse_args()
+    if args.one_layer:
+        print(f"machine: {machine()}; load average {load()}")
+        return one_layer(args.contexts, args.batch)
+    import torch
+
+    longest = max(args.contexts)
+    shape = dict(SHAPES["smollm2"], max_seq_len=longest + args.new)
+    model, variables, torch_model, _ = random_llama(shape)
+    c = model.config
+    params = jax.jit(model.stack_variables)(variables)
+    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(variables))
+    bandwidth = copy_bandwidth()
+    print(f"machine: {machine()}, torch {torch.__version__} with {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
+          f"{os.environ['OMP_WAIT_POLICY']}; copy bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s; load average {load()}")
+    print(f"model: random Llama of SmolLM2-135M's shape, max_seq_len {c.max_seq_len}; batch {args.batch}, {args.new} "
+          f"new tokens a round, {args.rounds} rounds; decode attention kernel: {decode_kernel.status()[1]}")
+    B = args.batch
+    sampling = SamplingParams.of([Sampling(temperature=0.0)] * B)
+    keys_B = jax.random.split(jax.random.key(0), B)
+    ours, before = dew_decoder(model, args.new, True), dew_decoder(model, args.new, False)
+    cases = [(context, context + args.new) for context in args.contexts]
+    if min(args.contexts) < args.slot:
+        cases.append((min(args.contexts), args.slot + args.new))
+    for context, capacity in cases:
+        with_torch = capacity == context + args.new
+        sides = {"dew": ours, **({"dew, XLA attention": before} if capacity <= args.xla_up_to + args.new else {})}
+        first = torch.zeros((B, 1), dtype=torch.long)
+
+        def torch_round():
+            cache = torch_cache(c, B, context, seed=context)
+            started = time.perf_counter()
+            token = first
+            with torch.no_grad():
+                for _ in range(args.new):
+                    logits = torch_model(input_ids=token, cache=cache, use_cache=True).logits
+                    token = logits[:, -1].argmax(-1, keepdim=True)
+            return time.perf_counter() - started
+
+        def dew_round(run):
+            state = DecodeState(dew_cache(model, B, context, capacity, seed=context),
+                                jnp.zeros((B, c.vocab_size), jnp.float32), jnp.zeros((B,), bool),
+                                jnp.zeros((B,), jnp.int32), None)
+            jax.block_until_ready(state)
+            started = time.perf_counter()
+            _, tokens = run(params, state, keys_B, sampling)  # the state is donated
+            jax.block_until_ready(tokens)
+            return time.perf_counter() - started
+
+        # Every round makes its caches afresh, one side's at a time (at 8,192 each holds 2.9 GiB), and
+        # restarts from the context; the first round compiles and is not counted.
+        seconds = {name: [] for name in (*(["transformers"] if with_torch else []), *sides)}
+        for round_ in range(args.rounds + 1):
+            if with_torch:  # torch first: XLA's worker threads linger briefly after a call
+                seconds["transformers"].append(torch_round())
+            for name, run in sides.items():
+                seconds[name].append(dew_round(run))
+        seconds = {name: times[1:] for name, times in seconds.items()}
+        # A step reads every weight once and each row's keys and values up to its context (the mean over
+        # the round); XLA's attention reads the whole capacity.
+        cache_bytes = 2 * c.num_layers * B * c.num_kv_heads * c.head_dim * 4 * (context + args.new / 2)
+        rates = {name: B * args.new / statistics.median(times) for name, times in seconds.items()}
+        where = f"context {context:,}" + ("" if with_torch else f" in a capacity of {capacity:,}")
+        parts = [f"{name} {rate:,.1f} tokens/s" for name, rate in rates.items()]
+        read = rates["dew"] / B * (weight_bytes + cache_bytes)
+        ratio = f"; dew / transformers {rates['dew'] / rates['transformers']:.2f}x" if with_torch else ""
+        gain = (f"; dew / XLA attention {rates['dew'] / rates['dew, XLA attention']:.2f}x"
+                if "dew, XLA attention" in rates else "")
+        print(f"{where}: {', '.join(parts)}{ratio}{gain};"
+              f" dew reads {(weight_bytes + cache_bytes) / 2**20:,.0f} MiB a step at {read / 1e9:.1f} GB/s "
+              f"({read / bandwidth:.0%} of copy); load average {load()}; peak resident "
+              f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")
+
+
+if __name__ == "__main__":
+    main()
