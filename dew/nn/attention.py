@@ -325,9 +325,10 @@ class Attention(nn.Module):
         # An image's tokens read its later tokens too, so no block of queries may skip the keys after it.
         ordered = s.causal and context.groups_BS is None
         # One new token a row, appended to the cache and reading only its filled slots (the decode mask in
-        # ranges: no images, chunks, prefixes or custom key slots, whose masks are not ranges).
+        # ranges: no images, chunks, prefixes or custom key slots, whose masks are not ranges). A layer
+        # reusing an earlier layer's keys and values (Gemma 4) keeps no cache layer of its own to read.
         one_query = (cache is not None and S == 1 and ordered and s.chunk is None and not context.read_only_cache
-                     and context.key_slots_BT is None and k_groups is None)
+                     and context.key_slots_BT is None and k_groups is None and not reuse)
         if one_query and decode_kernel.usable(cache.keys, cache.values):
             out_BSHD = decode_attend(q_BSHD, cache, knobs, context.slots_BS, context.segments_BS, s)
         elif cache is None and s.softcap is None and fast_softmax.attention_usable(q_BSHD, k_BSKD, v_BSKD):

@@ -17,7 +17,7 @@ _CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "ministral": "Mi
             "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "mamba2": "Mamba2Config",
             "qwen3_next": "Qwen3NextConfig", "qwen3_5_text": "Qwen3_5TextConfig", "phi3": "Phi3Config",
             "smollm3": "SmolLM3Config", "granite": "GraniteConfig", "llama4_text": "Llama4TextConfig",
-            "gemma4_text": "Gemma4TextConfig"}
+            "gemma4_text": "Gemma4TextConfig", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig"}
 
 SMOLLM2 = {  # SmolLM2-135M's config.json as published (transformers 4 spellings and nanotron leftovers)
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
@@ -35,10 +35,10 @@ def test_families_cover_the_issue():
     # and the masked-diffusion families whose code is remote, not transformers' (tests/diffusion/test_checkpoints.py),
     # DiffusionGemma, which is no decoder family (tests/interop/test_diffusion_gemma.py), DeepSeek's,
     # whose configs carry fields of DeepSeek's own code beside transformers' (tests/interop/test_deepseek.py),
-    # and the multimodal models around a text family: Gemma 3 and Llama 4 with images (tests/interop/test_gemma3.py,
-    # tests/interop/test_llama4.py)
+    # and the multimodal models around a text family: Gemma 3, Llama 4 and Qwen 3.5 (dense and experts) with images
+    # (tests/interop/test_gemma3.py, tests/interop/test_llama4.py, tests/interop/test_qwen35.py)
     assert set(FAMILIES) == set(_CLASSES) | {"llada", "Dream", "diffusion_gemma", "deepseek_v2", "deepseek_v3",
-                                             "deepseek_v32", "gemma3", "llama4"}
+                                             "deepseek_v32", "gemma3", "llama4", "qwen3_5", "qwen3_5_moe"}
 
 
 @pytest.mark.parametrize("model_type", sorted(_CLASSES))
