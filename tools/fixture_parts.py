@@ -1,9 +1,11 @@
 """What the multimodal fixture scripts (tools/make_*_fixtures.py) share: a word-level tokenizer over the words
-`token<i>` and a checkpoint's special tokens, and the command line that writes a fixture."""
+`token<i>` and a checkpoint's special tokens, the files of a fixture written by hand, and the command line that
+writes a fixture."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -19,6 +21,18 @@ def word_level(vocab_size: int, specials: Mapping[str, int]):
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.decoder = decoders.WordPiece()  # words read back with a space between them
     return backend
+
+
+def write_checkpoint(directory: Path, model, tokenizer, processor: Mapping, generation: Mapping) -> Path:
+    """`model` and `tokenizer` saved by transformers into `directory`, beside processor_config.json and
+    generation_config.json written from `processor` and `generation` (the processors whose image or video
+    classes need torchvision cannot save themselves here)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    (directory / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return directory
 
 
 def main(write: Callable[[Path, int], Path], description: str) -> None:

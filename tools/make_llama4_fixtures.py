@@ -20,10 +20,9 @@ than by `Llama4Processor.save_pretrained`; transformers reads it back wherever t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from fixture_parts import main, word_level
+from fixture_parts import main, word_level, write_checkpoint
 
 VOCAB = 128
 SPECIALS = {"<|pad|>": 0, "<|eot|>": 1, "<|begin_of_text|>": 2, "<unk>": 3, "<|image_start|>": 4,
@@ -79,13 +78,7 @@ def tokenizer():
 
 
 def write(out: Path, seed: int = 0) -> Path:
-    directory = out / "llama4-native-tiny"
-    directory.mkdir(parents=True, exist_ok=True)
-    build_model(seed).save_pretrained(directory)
-    tokenizer().save_pretrained(directory)
-    (directory / "processor_config.json").write_text(json.dumps(PROCESSOR, indent=2) + "\n")
-    (directory / "generation_config.json").write_text(json.dumps(GENERATION, indent=2) + "\n")
-    return directory
+    return write_checkpoint(out / "llama4-native-tiny", build_model(seed), tokenizer(), PROCESSOR, GENERATION)
 
 
 if __name__ == "__main__":

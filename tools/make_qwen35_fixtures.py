@@ -21,10 +21,9 @@ class itself over the image processor and tokenizer (`reference_processor`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from fixture_parts import main, word_level
+from fixture_parts import main, word_level, write_checkpoint
 
 VOCAB = 128
 SPECIALS = {"<|endoftext|>": 0, "<|im_end|>": 1, "<unk>": 2, "<|vision_start|>": 3, "<|vision_end|>": 4,
@@ -88,13 +87,7 @@ def tokenizer():
 
 
 def write(out: Path, seed: int = 0) -> Path:
-    directory = out / "qwen3_5-native-tiny"
-    directory.mkdir(parents=True, exist_ok=True)
-    build_model(seed).save_pretrained(directory)
-    tokenizer().save_pretrained(directory)
-    (directory / "processor_config.json").write_text(json.dumps(PROCESSOR, indent=2) + "\n")
-    (directory / "generation_config.json").write_text(json.dumps(GENERATION, indent=2) + "\n")
-    return directory
+    return write_checkpoint(out / "qwen3_5-native-tiny", build_model(seed), tokenizer(), PROCESSOR, GENERATION)
 
 
 if __name__ == "__main__":
