@@ -350,7 +350,7 @@ def _load_probe(directory: Path, family: Converter) -> tuple[CausalTransformer, 
 @functools.lru_cache(maxsize=8)
 def _multimodal_processor(directory: Path, config: MultimodalConfig) -> Processor:
     """The processor of the multimodal checkpoint in `directory` (built once per directory and model)."""
-    return Processor(load_reference(directory), config.image_token_id, config.tokens_per_image, config.vocab_size)
+    return Processor.of(load_reference(directory), config)
 
 
 def _source_names(directory: Path):

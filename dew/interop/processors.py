@@ -74,6 +74,12 @@ class Processor:
     tokens_per_image: int | None
     vocab_size: int
 
+    @classmethod
+    def of(cls, reference, config) -> "Processor":
+        """The processor around `reference` for the multimodal model `config` (a `MultimodalConfig`: its
+        placeholder id, soft tokens an image or tile, and vocabulary)."""
+        return cls(reference, config.image_token_id, config.tokens_per_image, config.vocab_size)
+
     @property
     def tokenizer(self):
         return self.reference.tokenizer

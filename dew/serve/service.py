@@ -71,9 +71,7 @@ class Served:
                         top_k_limit=max(task.sampling.top_k or 0, TOP_K_LIMIT), max_log_probs=max_log_probs)
         processor = None
         if isinstance(task.model, MultimodalTransformer):
-            config = task.model.config
-            processor = Processor(load_reference(task.tokenizer.path.parent), config.image_token_id,
-                                  config.tokens_per_image, config.vocab_size)
+            processor = Processor.of(load_reference(task.tokenizer.path.parent), task.model.config)
         return cls(name or str(source), task, chat, prompts, engine, processor=processor, images=images)
 
     def tokenize(self, text: str, special_tokens: bool) -> list[int]:

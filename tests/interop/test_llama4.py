@@ -79,8 +79,7 @@ def hf_processor():
 
 @pytest.fixture(scope="module")
 def processor(bundle, hf_processor):
-    c = bundle.model.config
-    return Processor(hf_processor, c.image_token_id, c.tokens_per_image, c.vocab_size)
+    return Processor.of(hf_processor, bundle.model.config)
 
 
 @pytest.fixture(scope="module")
