@@ -98,6 +98,10 @@ def machine() -> str:
     allocator = next((name for name, entry in process.ALLOCATORS.items() if entry and entry[0] in maps), "glibc")
     pages = (f"huge pages {process.thp_mode() or 'unknown'}, {process.TUNABLE}={'unset' if value is None else value}, "
              f"allocator {allocator}")
+    backend = jax.default_backend()
+    if backend != "cpu":
+        return (f"{jax.local_device_count()} x {jax.devices()[0].device_kind} ({backend}), host {cpu_model()}, "
+                f"jax {jax.__version__}")
     return f"{cpu_model()}, {jax.local_device_count()} XLA CPU device(s), jax {jax.__version__}, {pages}"
 
 

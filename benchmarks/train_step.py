@@ -1,7 +1,7 @@
 """Train-step speed: Dew against transformers' LlamaForCausalLM in torch, same shape, batch and AdamW.
 
     python -m benchmarks.train_step [--shape benchmark|quickstart] [--vocab 256] [--steps 10]
-                                    [--accumulation 4,8] [--compile] [--kernels auto,xla]
+                                    [--accumulation 4,8] [--compile] [--kernels auto,xla] [--torch-device cuda]
 
 Prints tokens/s for Dew and torch in fp32 and bf16 (torch autocast), each with the batch whole and
 split into micro-batches, the ratio of the best of each, and the achieved FLOP/s beside this
@@ -9,7 +9,9 @@ machine's own 2048-square matmul peak measured in the same run. Both sides run i
 under whatever allocator it was started with (`dew launch --allocator ... -- python -m
 benchmarks.train_step` chooses one; benchmarks.allocators compares them). Dew runs once per `--kernels`
 policy (the model's `kernels`, dew.kernels.policy: `auto` the kernel table's choices, `xla` XLA's
-products only, `native` oneDNN's for all), so the policies compare side by side.
+products only, `native` oneDNN's for all), so the policies compare side by side. On a GPU machine
+(`benchmarks/gpu_check.sh`) jax runs on its GPU backend and `--torch-device cuda` puts torch on the same
+GPU; both sides wait for the device at the end of each step.
 """
 
 from __future__ import annotations
@@ -68,15 +70,16 @@ def dew_runner(vocab: int, seq: int, batch: int, dtype, accumulation: int = 1, o
 
 
 def torch_step(vocab: int, seq: int, batch: int, precision: str, steps: int, compiled: bool,
-               accumulation: int = 1, shape: dict = SHAPE) -> float:
+               accumulation: int = 1, shape: dict = SHAPE, device: str = "cpu") -> float:
     """Seconds per AdamW step of transformers' Llama; with `accumulation`, the batch runs as that many
     micro-batches whose gradients add up (each loss scaled by its share), the same optimizer step."""
-    return timed(torch_runner(vocab, seq, batch, precision, compiled, accumulation, shape), steps)
+    return timed(torch_runner(vocab, seq, batch, precision, compiled, accumulation, shape, device), steps)
 
 
 def torch_runner(vocab: int, seq: int, batch: int, precision: str, compiled: bool = False, accumulation: int = 1,
-                 shape: dict = SHAPE):
-    """A function running one AdamW step of transformers' Llama (see `torch_step`)."""
+                 shape: dict = SHAPE, device: str = "cpu"):
+    """A function running one AdamW step of transformers' Llama on `device` (see `torch_step`); on a GPU it
+    waits for the device before returning, as Dew's runner does."""
     import torch
     import transformers
 
@@ -86,9 +89,9 @@ def torch_runner(vocab: int, seq: int, batch: int, precision: str, compiled: boo
         num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_heads"],
         num_key_value_heads=shape["num_kv_heads"], max_position_embeddings=seq, attn_implementation="sdpa",
     )
-    model = transformers.LlamaForCausalLM(config).train()
+    model = transformers.LlamaForCausalLM(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    rows = torch.from_numpy(np.random.default_rng(0).integers(0, vocab, (batch, seq + 1)))
+    rows = torch.from_numpy(np.random.default_rng(0).integers(0, vocab, (batch, seq + 1))).to(device)
     micro = [(part[:, :-1].contiguous(), part[:, 1:].contiguous()) for part in rows.chunk(accumulation)]
 
     def loss_fn(inputs, targets):
@@ -100,10 +103,12 @@ def torch_runner(vocab: int, seq: int, batch: int, precision: str, compiled: boo
     def run():
         optimizer.zero_grad(set_to_none=True)
         for inputs, targets in micro:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16"):
                 loss = forward(inputs, targets) / accumulation
             loss.backward()
         optimizer.step()
+        if device != "cpu":
+            torch.cuda.synchronize(device)
 
     return run
 
@@ -120,11 +125,17 @@ def interleaved(runs: dict, steps: int, rounds: int) -> dict:
     return seconds
 
 
-def torch_matmul_flops(dtype, size: int = 512) -> float:
+def torch_matmul_flops(dtype, size: int = 512, device: str = "cpu") -> float:
     import torch
 
-    a, b = torch.ones(size, size, dtype=dtype), torch.ones(size, size, dtype=dtype)
-    return 2 * size**3 / timed(lambda: a @ b, repeats=3, warmup=1)
+    a, b = (torch.ones(size, size, dtype=dtype, device=device) for _ in range(2))
+
+    def product():
+        a @ b
+        if device != "cpu":
+            torch.cuda.synchronize(device)
+
+    return 2 * size**3 / timed(product, repeats=3, warmup=1)
 
 
 def main():
@@ -146,6 +157,9 @@ def main():
                         help="then time every micro-batch setting of Dew (under each --kernels policy) and of torch "
                              "in this many alternating rounds, the ratio of each side's fastest taken within each round "
                              "(robust to a machine whose speed drifts)")
+    parser.add_argument("--torch-device", default="cpu",
+                        help="where torch runs (`cuda` on a GPU machine, beside jax's GPU backend: "
+                             "benchmarks/gpu_check.sh)")
     parser.add_argument("--torch-bf16", action="store_true",
                         help="time torch autocast bf16 even where torch's bf16 matmul is slow (no AVX512-BF16/AMX)")
     args = parser.parse_args()
@@ -166,13 +180,15 @@ def main():
     model = models.build("causal_transformer", vocab_size=args.vocab, max_seq_len=args.seq, **shape)
     flops = flops_per_position(model, args.seq) * tokens
     peaks = {"fp32": peak_flops(jnp.float32), "bf16": peak_flops(jnp.bfloat16)}
-    print(f"machine: {machine()}, torch {torch.__version__} with {torch.get_num_threads()} threads")
+    where = (f"on {torch.cuda.get_device_name(args.torch_device)}" if args.torch_device != "cpu"
+             else f"with {torch.get_num_threads()} threads")
+    print(f"machine: {machine()}, torch {torch.__version__} {where}")
     print(f"shape: {args.shape} {shape}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, AdamW")
     print(f"oneDNN products: {why}; Dew runs under kernels={', '.join(policies)} (CPU class {kernels.cpu_class()})")
     print(f"peak (dew.training.utilization, the best of XLA's and the native product): fp32 "
           f"{peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
-    torch_bf16 = torch_matmul_flops(torch.bfloat16)
-    print(f"torch matmul (512^2): fp32 {torch_matmul_flops(torch.float32) / 1e9:.0f} GFLOP/s, "
+    torch_bf16 = torch_matmul_flops(torch.bfloat16, device=args.torch_device)
+    print(f"torch matmul (512^2): fp32 {torch_matmul_flops(torch.float32, device=args.torch_device) / 1e9:.0f} GFLOP/s, "
           f"bf16 {torch_bf16 / 1e9:.1f} GFLOP/s")
     print(f"Dew and torch run the {args.batch}-row batch whole and as {', '.join(map(str, counts[1:]))} micro-batches "
           "(gradients summed, one AdamW step): the same optimizer step either way")
@@ -193,7 +209,7 @@ def main():
             continue
         label = "torch eager" if precision == "fp32" else "torch autocast"
         theirs = {accumulation: torch_step(args.vocab, args.seq, args.batch, precision, args.steps, False, accumulation,
-                                           shape)
+                                           shape, args.torch_device)
                   for accumulation in counts}
         for accumulation, seconds in theirs.items():
             print(f"{precision}: {label}, {accumulation} micro-batch(es): {tokens / seconds:,.0f} tokens/s")
@@ -209,7 +225,8 @@ def main():
                                                        shape=shape)[0]
                     for policy in policies for count in counts}
             runs.update({("torch", None, count): torch_runner(args.vocab, args.seq, args.batch, precision,
-                                                              accumulation=count, shape=shape) for count in counts})
+                                                              accumulation=count, shape=shape,
+                                                              device=args.torch_device) for count in counts})
             seconds = interleaved(runs, args.steps, args.rounds)
 
             def fastest(side, policy):
@@ -239,7 +256,8 @@ def main():
               f"{goal * flops / torch_best / 1e9:.0f} GFLOP/s, {goal * flops / torch_best / peaks[precision]:.0%} "
               f"of the {peaks[precision] / 1e9:.0f} GFLOP/s peak")
         if args.compile:
-            compiled = torch_step(args.vocab, args.seq, args.batch, precision, args.steps, compiled=True, shape=shape)
+            compiled = torch_step(args.vocab, args.seq, args.batch, precision, args.steps, compiled=True, shape=shape,
+                                  device=args.torch_device)
             print(f"{precision}: torch.compile {tokens / compiled:,.0f} tokens/s | ratio {compiled / best:.2f}x")
 
 
