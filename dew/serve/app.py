@@ -158,7 +158,7 @@ def create_app(served: Served, limits: Limits):
     def prepare_chat(raw: bytes) -> Job:
         body = protocol.parse_json(raw)
         protocol.check_model(body, served.name)
-        messages, urls = protocol.chat_messages(body.get("messages"), images=served.processor is not None)
+        messages, urls, _ = protocol.chat_messages(body.get("messages"), images=served.processor is not None)
         if len(urls) > served.images.max_images:
             raise APIError(400, f"the messages hold {len(urls)} images, past this server's --max-images "
                            f"{served.images.max_images}: send at most {served.images.max_images} a request",

@@ -352,41 +352,46 @@ def _brief(value, limit: int = 200) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def chat_messages(messages, images: bool = False) -> tuple[list[dict], list]:
-    """Chat `messages` for the template, each a role and its text (text parts joined), and the image
-    parts' `image_url` values in reading order. With `images` (a model that reads them), a message
-    holding an image keeps its parts as the template reads them, `{"type": "image"}` where each image
-    stands; otherwise an image part is refused by name."""
+def chat_messages(messages, images: bool = False, audio: bool = False) -> tuple[list[dict], list, list]:
+    """Chat `messages` for the template, each a role and its text (text parts joined), the image parts'
+    `image_url` values and the audio parts' `input_audio` values, each in reading order. With `images`
+    (`audio`), a model that reads them, a message holding media keeps its parts as the template reads
+    them, `{"type": "image"}` (`{"type": "audio"}`) where each stands; otherwise such a part is refused
+    by name."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, f"messages is {_brief(messages)}; it is a non-empty list of {{role, content}} objects",
                        param="messages")
-    out, found = [], []
+    media = {"image_url": "image", "input_audio": "audio"}
+    allowed = {"text"} | ({"image_url"} if images else set()) | ({"input_audio"} if audio else set())
+    reads = " and ".join(["text", *sorted(allowed - {"text"})]) if len(allowed) > 1 else "text only"
+    out, found = [], {"image_url": [], "input_audio": []}
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise APIError(400, f"message {index} is {_brief(message)}; each message has a role and content",
                            param="messages")
         content = message.get("content")
         if isinstance(content, list):
-            allowed = {"text", "image_url"} if images else {"text"}
             kinds = sorted({str(part.get("type")) for part in content if isinstance(part, dict)} - allowed)
             well_formed = all(isinstance(part, dict) and (isinstance(part.get("text"), str) if part.get("type") == "text"
-                                                          else isinstance(part.get("image_url"), dict))
+                                                          else isinstance(part.get("type"), str)
+                                                          and isinstance(part.get(part["type"]), dict))
                               for part in content)
             if kinds or not well_formed:
-                reads = "text and image_url" if images else "text only"
                 raise APIError(400, f"message {index} holds content parts of types {kinds or _brief(content)}; this "
                                f"model reads {reads}", param="messages")
-            pictured = [part["image_url"].get("url") for part in content if part.get("type") == "image_url"]
-            found.extend(pictured)
-            if pictured:
-                content = [{"type": "image"} if part["type"] == "image_url" else part for part in content]
+            held = [part for part in content if part["type"] in media]
+            for part in held:
+                found[part["type"]].append(part["image_url"].get("url") if part["type"] == "image_url"
+                                           else part["input_audio"])
+            if held:
+                content = [{"type": media[part["type"]]} if part["type"] in media else part for part in content]
             else:
                 content = "".join(part["text"] for part in content)
         elif content is not None and not isinstance(content, str):
             raise APIError(400, f"message {index} has content {_brief(content)}; it is a string or a list of content "
                            "parts", param="messages")
         out.append({**message, "content": content or ""})
-    return out, found
+    return out, found["image_url"], found["input_audio"]
 
 
 # -- answers ----------------------------------------------------------------------------------------

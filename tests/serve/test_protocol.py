@@ -91,7 +91,7 @@ def test_prompts_and_messages():
     with pytest.raises(APIError, match=r"prompt 1 is \[1, 'a'\]; each prompt is a string or a list of token ids"):
         completion_prompts(["a", [1, "a"]], 256)
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    assert chat_messages(parts) == ([{"role": "user", "content": "ab"}], [])
+    assert chat_messages(parts) == ([{"role": "user", "content": "ab"}], [], [])
     with pytest.raises(APIError, match="reads text only"):
         chat_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     with pytest.raises(APIError, match="reads text only"):  # a type that is no string is named, not a TypeError
@@ -124,3 +124,17 @@ def test_a_lone_surrogate_anywhere_is_refused_by_name(raw, where, param):
     assert caught.value.status == 400 and where in caught.value.message and caught.value.param == param
     caught.value.message.encode("utf-8")  # the answer itself is valid UTF-8
     assert parse_json(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001F600"}  # a pair is a character
+
+
+def test_chat_messages_take_audio_parts_only_where_the_model_reads_them():
+    clip = {"data": "UklGRg==", "format": "wav"}
+    content = [{"type": "text", "text": "hear"}, {"type": "input_audio", "input_audio": clip},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]
+    messages = [{"role": "user", "content": content}]
+    out, images, clips = chat_messages(messages, images=True, audio=True)
+    assert out == [{"role": "user", "content": [{"type": "text", "text": "hear"}, {"type": "audio"}, {"type": "image"}]}]
+    assert images == ["data:image/png;base64,AA=="] and clips == [clip]
+    with pytest.raises(APIError, match=r"types \['input_audio'\]; this model reads text and image_url"):
+        chat_messages(messages, images=True)
+    with pytest.raises(APIError, match="reads text and input_audio"):  # an audio part must hold its object
+        chat_messages([{"role": "user", "content": [{"type": "input_audio", "input_audio": "x"}]}], audio=True)
