@@ -114,7 +114,9 @@ class _Coefficients(nn.Module):
                             self.param_dtype)
         if clip is not None:
             clipped = jnp.clip(kernel, -clip, clip)
-            kernel = kernel + jax.lax.stop_gradient(clipped - kernel) if self.straight_through else clipped
+            if self.straight_through:  # the clipped values exactly (kernel - kernel is 0), the unclipped gradient
+                clipped = jax.lax.stop_gradient(clipped) + (kernel - jax.lax.stop_gradient(kernel))
+            kernel = clipped
         x_NK = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         return dot(x_NK, kernel.astype(self.dtype), out_dtype=self.dtype).reshape(*x.shape[:-1], self.features)
 
@@ -145,17 +147,14 @@ class AltUpLayer(nn.Module):
         routed = self.modality_router(self.router_norm(x_BSE) * jnp.asarray(self.width ** -1.0, self.dtype))
         return jnp.tanh(routed.astype(jnp.float32)).astype(self.dtype)  # [B, S, K]
 
-    @nn.nowrap
-    def _mixed(self, coefs_BSIK, streams_KBSE):
-        return jnp.einsum("bsik,kbse->ibse", coefs_BSIK, streams_KBSE)
-
     def predict(self, streams_KBSE):
         """Each stream predicted from all of them, `x_i + sum_k P_ik x_k` `[K, B, S, E]`."""
         K = self.spec.inputs
         modalities = self._modalities(streams_KBSE[self.spec.active])
         coefs_BSIK = self.prediction_coefs(modalities, self._clip())
         coefs_BSIK = coefs_BSIK.reshape(*coefs_BSIK.shape[:-1], K, K)
-        return (self._mixed(coefs_BSIK, streams_KBSE) + streams_KBSE).astype(streams_KBSE.dtype)
+        mixed_KBSE = jnp.einsum("bsik,kbse->ibse", coefs_BSIK, streams_KBSE)
+        return (mixed_KBSE + streams_KBSE).astype(streams_KBSE.dtype)
 
     def correct(self, predicted_KBSE, out_BSE):
         """The predictions moved by the layer's change to the active one, `pred_i + (out - pred_a) * (1 + c_i)`."""

@@ -462,7 +462,8 @@ class DecoderConfig:
 class ModelOutput:
     """What the decoder returns with `head=False`: the final-norm hidden states `[B, S, E]` in the
     compute dtype, the output `head` (`Head`: capped float32 logits for any states), and `aux`, what
-    layers report (`layers_N`: the output states of layer N when asked for with `layers=`;
+    layers report (`layers_N`: the output states of layer N when asked for with `layers=`, Gemma 3n's AltUp
+    streams `[K, B, S, E]`;
     `routing`: with a mixture, a `dew.nn.moe.RouterRecord` whose leaves lead with the sparse
     layers, `[L, B, S, ...]`, in the order of `DecoderConfig.sparse_layers`; `qk_max`, float32
     `[L, B, H]` over `DecoderConfig.attention_layers`, when asked for with `qk_stats`)."""
