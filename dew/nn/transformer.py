@@ -341,6 +341,10 @@ class DecoderConfig:
             if others or self.mtp_depths:
                 raise NotImplementedError(f"gemma3n with {sorted(others) or ['mtp_depths']} is not built in Dew: "
                                           "Gemma 3n's layers are dense grouped-query attention; drop those or gemma3n")
+            if self.norm_placement != "sandwich" or not self.mlp_features:
+                raise ValueError(f"gemma3n with norm_placement {self.norm_placement!r} and mlp_features "
+                                 f"{self.mlp_features}: Gemma 3n's layers have the sandwich's norms and an MLP; use "
+                                 "'sandwich' and a width above 0")
             self.gemma3n.kv_roles(self._layer_kinds())
             self.gemma3n.layer_sparsity(self.num_layers)
         if self.mtp_depths < 0:

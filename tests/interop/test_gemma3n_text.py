@@ -15,7 +15,9 @@ import pytest
 
 from dew.interop import load_pretrained
 from dew.interop.families import decoder_kwargs, family_for
-from dew.nn.transformer import FULL, SLIDING
+from dew.nn.gemma3n import Gemma3nLayers
+from dew.nn.gemma4 import Gemma4Layers
+from dew.nn.transformer import FULL, SLIDING, DecoderConfig
 from tests.interop.conftest import save_checkpoint, scatter_weights, sized, torch, transformers
 from tests.interop.text_decoder_checks import (
     check_cached_continuation, check_left_padded_logits, check_save_reloads, sgd_step_both, their_logits,
@@ -193,3 +195,16 @@ def test_transformers_defaults_read_as_gemma_3n():
     assert g.sparsity == (0.95,) * 10 + (0.0,) * 25 and g.kv_shared_layers == 15
     assert [i for i, kind in enumerate(kwargs["layer_types"]) if kind == FULL] == [4, 9, 14, 19, 24, 29, 34]
     assert kwargs["logit_softcap"] == 30.0 and kwargs["local_rope_theta"] == 10_000.0
+
+
+@pytest.mark.parametrize("options, error, message", [
+    (dict(), ValueError, "gemma3n with norm_placement 'pre' .* use 'sandwich'"),
+    (dict(norm_placement="sandwich", gemma3n=Gemma3nLayers(sparsity=(0.5,))), ValueError,
+     "gemma3n sparsity gives 1 values for 2 layers"),
+    (dict(norm_placement="sandwich", gemma4=Gemma4Layers()), NotImplementedError, "gemma3n with \\['gemma4'\\]"),
+    (dict(norm_placement="sandwich", gemma3n={"altup_inputs": 2, "altup_active": 2}), ValueError,
+     "altup active is 2; .* 0 to 1 of 2"),
+])
+def test_decoder_config_refuses_what_gemma_3n_layers_cannot_be(options, error, message):
+    with pytest.raises(error, match=message):
+        DecoderConfig(vocab_size=10, num_layers=2, **{"gemma3n": Gemma3nLayers(), **options})
