@@ -122,7 +122,7 @@ SHAPE_FIELDS = frozenset({
     "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "index_head_dim",
     "index_n_heads", "d_model", "n_heads", "n_layers", "embedding_size", "num_heads", "state_size", "n_groups",
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-    "linear_conv_kernel_dim",
+    "linear_conv_kernel_dim", "altup_num_inputs", "laurel_rank",
 })
 
 
