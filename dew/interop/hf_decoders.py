@@ -44,6 +44,12 @@ _KINDS = {
     "attention scope": (lambda value: value in ("all", "vision"), '"vision" or "all"'),
     "size or string": (lambda value: isinstance(value, str) or (_integer(value) and value > 0),
                        'a positive integer or a string ("auto")'),
+    # Gemma 3n's intermediate_size (one per layer) and activation_sparsity_pattern (float | list[float])
+    "size or sizes": (lambda value: (_integer(value) and value > 0) or (
+        isinstance(value, list) and all(_integer(item) and item > 0 for item in value)),
+        "a positive integer or a list of them"),
+    "number or floats": (lambda value: _number(value) or (isinstance(value, list) and all(
+        isinstance(item, float) and math.isfinite(item) for item in value)), "a number or a list of floats"),
     "token ids": (lambda value: _integer(value) or (isinstance(value, list) and all(_integer(item) for item in value)),
                   "a token id or a list of token ids"),
 }
@@ -59,7 +65,8 @@ FIELD_KINDS = {
                      "n_groups", "expand", "conv_kernel", "chunk_size", "linear_num_key_heads",
                      "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
                      "original_max_position_embeddings", "no_rope_layer_interval", "intermediate_size_mlp",
-                     "interleave_moe_layer_step", "floor_scale", "vocab_size_per_layer_input", "global_head_dim"),
+                     "interleave_moe_layer_step", "floor_scale", "vocab_size_per_layer_input", "global_head_dim",
+                     "altup_num_inputs", "laurel_rank"),
                     "size"),
     **dict.fromkeys(("num_key_value_heads", "head_dim", "q_lora_rank", "v_head_dim", "qk_head_dim", "n_group",
                      "topk_group", "moe_intermediate_size", "n_kv_heads", "mlp_hidden_size", "embedding_size",
@@ -67,7 +74,8 @@ FIELD_KINDS = {
                     "size?"),
     **dict.fromkeys(("max_window_layers", "n_shared_experts", "num_local_experts", "num_nextn_predict_layers",
                      "shared_expert_intermediate_size", "num_experts", "decoder_sparse_step",
-                     "full_attention_interval", "hidden_size_per_layer_input", "num_kv_shared_layers"), "count"),
+                     "full_attention_interval", "hidden_size_per_layer_input", "num_kv_shared_layers",
+                     "altup_active_idx"), "count"),
     # counts whose 0 the families refuse or read themselves (Qwen's switched-off window is 0)
     **dict.fromkeys(("sliding_window", "first_k_dense_replace", "num_experts_per_tok"), "count?"),
     **dict.fromkeys(("pretraining_tp", "bos_token_id", "pad_token_id", "mask_token_id"), "integer?"),
@@ -76,7 +84,8 @@ FIELD_KINDS = {
                      "routed_scaling_factor", "router_aux_loss_coef", "router_jitter_noise", "alibi_bias_max",
                      "residual_dropout", "embedding_dropout", "init_std", "layer_norm_epsilon", "time_step_min",
                      "time_step_max", "time_step_floor", "embedding_multiplier", "residual_multiplier",
-                     "attention_multiplier", "logits_scaling", "resid_pdrop", "embd_pdrop", "attn_scale"), "number"),
+                     "attention_multiplier", "logits_scaling", "resid_pdrop", "embd_pdrop", "attn_scale", "altup_coef_clip"),
+                    "number"),
     **dict.fromkeys(("attention_dropout", "initializer_range", "attn_logit_softcapping", "final_logit_softcapping",
                      "init_cutoff_factor"), "number?"),
     **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_cache", "use_sliding_window",
@@ -85,7 +94,7 @@ FIELD_KINDS = {
                      "attention_layer_norm_with_affine", "include_qkv_bias", "include_bias", "scale_logits",
                      "weight_tying", "use_bias", "use_conv_bias", "residual_in_fp32", "rescale_prenorm_residual",
                      "use_qk_norm", "attn_temperature_tuning", "attention_k_eq_v", "enable_moe_block",
-                     "use_double_wide_mlp"),
+                     "use_double_wide_mlp", "altup_correct_scale"),
                     "bool"),
     **dict.fromkeys(("norm_topk_prob", "use_bidirectional_attention", "rope_interleave", "multi_query_attention",
                      "bias_for_layer_norm"), "bool?"),
@@ -97,6 +106,7 @@ FIELD_KINDS = {
     **dict.fromkeys(("mlp_only_layers", "moe_layers", "no_rope_layers"), "integers?"),
     "attention_chunk_size": "size?",
     "time_step_limit": "floats",
+    "activation_sparsity_pattern": "number or floats?",
     "time_step_rank": "size or string",
 }
 # Fields that fix the shape of the weights. Where transformers' default for one is a number, that number is
@@ -112,7 +122,7 @@ SHAPE_FIELDS = frozenset({
     "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "index_head_dim",
     "index_n_heads", "d_model", "n_heads", "n_layers", "embedding_size", "num_heads", "state_size", "n_groups",
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-    "linear_conv_kernel_dim",
+    "linear_conv_kernel_dim", "altup_num_inputs", "laurel_rank",
 })
 
 

@@ -50,24 +50,29 @@ class Gemma4Layers:
                 raise ValueError(f"gemma4 {name} is {getattr(self, name)}; it is a count, 0 for none")
 
     def kv_roles(self, kinds: tuple[str, ...]) -> tuple[str | None, ...]:
-        """Each layer's part in sharing keys and values, given each layer's kind (its attention type):
-        "reuse" for the last `kv_shared_layers`, "store" for the last layer of each kind before them, None
-        otherwise. A kind of reusing layer with no earlier layer of its kind is refused."""
-        layers, shared = len(kinds), self.kv_shared_layers
-        if not shared:
-            return (None,) * layers
-        first = layers - shared
-        if first < 1:
-            raise ValueError(f"gemma4 kv_shared_layers is {shared} of {layers} layers: at least the first layer must "
-                             "compute its own keys and values")
-        roles: list[str | None] = [None] * first + [REUSE] * shared
-        for kind in set(kinds[first:]):
-            earlier = [i for i in range(first) if kinds[i] == kind]
-            if not earlier:
-                raise ValueError(f"gemma4 kv_shared_layers {shared}: the shared {kind} layers have no earlier {kind} "
-                                 "layer to read keys and values from")
-            roles[earlier[-1]] = STORE
-        return tuple(roles)
+        """Each layer's part in sharing keys and values (`kv_roles`)."""
+        return kv_roles(kinds, self.kv_shared_layers, "gemma4")
+
+
+def kv_roles(kinds: tuple[str, ...], shared: int, owner: str) -> tuple[str | None, ...]:
+    """Each layer's part in sharing keys and values, given each layer's kind (its attention type) and how many
+    last layers share: "reuse" for those `shared` layers, "store" for the last layer of each kind before them, None
+    otherwise. A kind of reusing layer with no earlier layer of its kind is refused (`owner` names the options)."""
+    layers = len(kinds)
+    if not shared:
+        return (None,) * layers
+    first = layers - shared
+    if first < 1:
+        raise ValueError(f"{owner} kv_shared_layers is {shared} of {layers} layers: at least the first layer must "
+                         "compute its own keys and values")
+    roles: list[str | None] = [None] * first + [REUSE] * shared
+    for kind in set(kinds[first:]):
+        earlier = [i for i in range(first) if kinds[i] == kind]
+        if not earlier:
+            raise ValueError(f"{owner} kv_shared_layers {shared}: the shared {kind} layers have no earlier {kind} "
+                             "layer to read keys and values from")
+        roles[earlier[-1]] = STORE
+    return tuple(roles)
 
 
 class PerLayerInputs(nn.Module):
@@ -88,6 +93,8 @@ class PerLayerInputs(nn.Module):
         table = nn.Embed(self.vocab, L * P, dtype=self.dtype, param_dtype=self.param_dtype,
                          embedding_init=named(nn.initializers.normal(0.02), ("vocab", "embed")),
                          name="embed_tokens_per_layer")
+        # ids past the table (Gemma 3n's media ids beyond vocab_size_per_layer_input) read its row 0
+        ids_BS = jnp.where((ids_BS >= 0) & (ids_BS < self.vocab), ids_BS, 0)
         tokens_BSLP = table(ids_BS).astype(self.dtype) * jnp.asarray(P ** 0.5, self.dtype)
         projected = Linear(L * P, dtype=self.dtype, param_dtype=self.param_dtype, names=("embed", "mlp"),
                            name="per_layer_model_projection")(embedded_BSE)

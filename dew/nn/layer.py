@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import struct
 
+from dew.nn.gemma3n import AltUp, AltUpLayer, Laurel, averaged
 from dew.nn.gemma4 import layer_inputs
 from dew.nn.linear import Linear
 from dew.nn.mlp import ACTIVATIONS, DenseSpec
@@ -55,6 +56,8 @@ class LayerSpec:
     trainable_scalar: bool = False
     residual_scale: float = 1.0
     per_layer_input: int = 0
+    altup: AltUp | None = None
+    laurel_rank: int = 0
 
     def __post_init__(self):
         if self.norm_placement not in NORM_PLACEMENTS:
@@ -64,6 +67,12 @@ class LayerSpec:
         if isinstance(self.feed_forward, DenseSparseSpec) and self.norm_placement != "sandwich":
             raise ValueError(f"norm_placement is {self.norm_placement!r}; a DenseSparseSpec (Gemma 4's) sits between "
                              "the sandwich's pre_feedforward_layernorm and post_feedforward_layernorm: use 'sandwich'")
+        if (self.altup is not None or self.laurel_rank) and (self.feed_forward is None
+                                                             or self.norm_placement != "sandwich"):
+            raise ValueError("altup and laurel_rank are Gemma 3n's, whose layers have a feed-forward and the sandwich's "
+                             "norms: give a feed_forward and norm_placement 'sandwich'")
+        if self.laurel_rank < 0:
+            raise ValueError(f"laurel_rank is {self.laurel_rank}; it is the LAuReL block's rank, 0 for none")
 
     def scan_key(self) -> "LayerSpec":
         """The spec with its per-layer values erased: consecutive layers with equal keys scan together."""
@@ -139,7 +148,7 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, carry, knobs: LayerKnobs, context: LayerContext):
-        x_BSE, cache, kept = carry
+        x, cache, kept = carry
         s = self.spec
         norm = lambda name: RMSNorm(s.norm_eps, s.norm_style, dtype=self.dtype, param_dtype=self.param_dtype,
                                     name=name)
@@ -150,12 +159,23 @@ class DecoderLayer(nn.Module):
         width = s.mixer.rope()[0]
         cos_RBSD, sin_RBSD = context.rotary[width]
         rotary = (cos_RBSD[knobs.rope], sin_RBSD[knobs.rope])
+        altup = None
+        if s.altup is None:
+            x_BSE = x
+        else:  # the layer runs on the active stream's prediction
+            altup = AltUpLayer(s.altup, x.shape[-1], s.norm_eps, s.norm_style, self.dtype, self.param_dtype,
+                               name="altup")
+            predicted_KBSE = altup.predict(x)
+            x_BSE = predicted_KBSE[s.altup.active]
 
         mixer_in = x_BSE if s.norm_placement == "post" else norm("input_layernorm")(x_BSE)
         mixed, cache, mixer_report = mixer(mixer_in, rotary, context, knobs, cache)
         if s.norm_placement != "pre":
             mixed = norm("post_attention_layernorm")(mixed)
         x_BSE = x_BSE + self._scaled(mixed)
+        if s.laurel_rank:
+            x_BSE = averaged(x_BSE, Laurel(s.laurel_rank, s.norm_eps, s.norm_style, self.dtype, self.param_dtype,
+                                           name="laurel")(mixer_in))
         if s.feed_forward is None:
             return self._finish(x_BSE, cache, kept, knobs, None, mixer_report)
         ff_norm = {"pre": "post_attention_layernorm", "sandwich": "pre_feedforward_layernorm"}.get(s.norm_placement)
@@ -169,14 +189,31 @@ class DecoderLayer(nn.Module):
         if s.norm_placement != "pre":
             fed = norm("post_feedforward_layernorm")(fed)
         x_BSE = x_BSE + self._scaled(fed)
+        if altup is not None:
+            return self._finish(self._corrected(altup, predicted_KBSE, x_BSE, knobs, context, norm), cache, kept,
+                                knobs, report, mixer_report)
         if s.per_layer_input:
-            dense = s.feed_forward.dense if isinstance(s.feed_forward, DenseSparseSpec) else s.feed_forward
-            x_BSE = x_BSE + self._per_layer_gate(x_BSE, layer_inputs(context.per_layer_BSLP, knobs.index),
-                                                 ACTIVATIONS[dense.activation], norm)
+            x_BSE = x_BSE + self._per_layer_gate(x_BSE, layer_inputs(context.per_layer_BSLP, knobs.index), norm)
         return self._finish(x_BSE, cache, kept, knobs, report, mixer_report)
 
-    def _per_layer_gate(self, x_BSE, inputs_BSP, activation, norm):
-        """Gemma 4's use of the layer's per-layer input `[B, S, P]`: `norm(proj(act(gate(x)) * input))`."""
+    def _corrected(self, altup: AltUpLayer, predicted_KBSE, out_BSE, knobs, context, norm):
+        """Gemma 3n's streams after the layer `[K, B, S, E]`: AltUp's correction by the layer's output, and the
+        per-layer gate of the corrected active stream added to every stream after the first."""
+        s = self.spec
+        streams_KBSE = altup.correct(predicted_KBSE, out_BSE)
+        if not s.per_layer_input:
+            return streams_KBSE
+        active_BSE = streams_KBSE[s.altup.active]
+        if s.altup.scale_output:
+            active_BSE = altup.scaled_output(active_BSE)
+        gated_BSE = self._per_layer_gate(active_BSE, layer_inputs(context.per_layer_BSLP, knobs.index), norm)
+        return streams_KBSE.at[1:].add(gated_BSE[None])
+
+    def _per_layer_gate(self, x_BSE, inputs_BSP, norm):
+        """Gemma 4's and 3n's use of the layer's per-layer input `[B, S, P]`: `norm(proj(act(gate(x)) * input))`,
+        `act` the MLP's activation."""
+        dense_spec = self.spec.feed_forward
+        activation = ACTIVATIONS[getattr(dense_spec, "dense", dense_spec).activation]
         dense = lambda features, names, name: Linear(features, dtype=self.dtype, param_dtype=self.param_dtype,
                                                      names=names, name=name)
         gate_BSP = dense(self.spec.per_layer_input, ("embed", "mlp"), "per_layer_input_gate")(x_BSE)

@@ -27,9 +27,10 @@ from dew.kernels.int8 import dequantize
 from dew.nn.attention import AttentionSpec, NoPE
 from dew.nn.head import Head
 from dew.nn.kv_cache import Cache
-from dew.nn.linear import EMBED_BLOCKS, KERNEL_BLOCKS, KERNEL_SCALE, QUANT_COLLECTION, named
+from dew.nn.linear import EMBED_BLOCKS, KERNEL_BLOCKS, KERNEL_SCALE, QUANT_COLLECTION, Linear, named
 from dew.nn.layer import NORM_PLACEMENTS, LayerContext, LayerSpec
 from dew.nn.gated_deltanet import GatedDeltaNet
+from dew.nn.gemma3n import Gemma3nLayers, merge_streams, split_streams
 from dew.nn.gemma4 import REUSE, Gemma4Layers, PerLayerInputs
 from dew.nn.mamba2 import Mamba2
 from dew.nn.mla import LatentAttention, MLASpec
@@ -100,6 +101,7 @@ _CONVERSIONS: dict[str, Callable[[str, object], object]] = {
     "recurrent": _recurrent,
     "nope": _from_fields(NoPE),
     "gemma4": _from_fields(Gemma4Layers),
+    "gemma3n": _from_fields(Gemma3nLayers),
     "layer_types": lambda name, value: None if value is None else tuple(value),
 }
 # The string knobs and the values each may take.
@@ -167,6 +169,9 @@ class DecoderConfig:
       keys and values shared by the last layers; with it every layer norms its values (no scale) and
       multiplies its output by a frozen `layer_scalar`, and a `mixture`'s experts run beside the dense MLP
       (`dew.nn.moe.DenseSparseSpec`) rather than in its place.
+    - `gemma3n`: Gemma 3n's layer options (`dew.nn.gemma3n.Gemma3nLayers`, or its fields as a dict): AltUp's
+      residual streams, LAuReL, per-layer inputs, keys and values shared by the last layers and each layer's
+      activation sparsity; with it every layer norms its values (no scale).
     - `mtp_depths`: DeepSeek's multi-token-prediction modules after the last layer (`dew.nn.mtp`);
       depth d predicts the token d + 1 ahead. 0: none.
     - `kernels`: which kernels run the model's products (`dew.kernels.policy`): "auto" (Dew's native
@@ -214,6 +219,7 @@ class DecoderConfig:
     recurrent: Mamba2 | GatedDeltaNet | None = None
     nope: NoPE | None = None
     gemma4: Gemma4Layers | None = None
+    gemma3n: Gemma3nLayers | None = None
     mtp_depths: int = 0
     scan_layers: int = 8
     remat: str = "none"
@@ -329,6 +335,18 @@ class DecoderConfig:
                 raise NotImplementedError("gemma4 with latent attention or recurrent mixers is not built in Dew; drop "
                                           "those or gemma4")
             self.gemma4.kv_roles(self._layer_kinds())  # refuses sharing with no layer to share from
+        if self.gemma3n is not None:
+            others = {name: getattr(self, name) for name in ("gemma4", "latent", "recurrent", "mixture")
+                      if getattr(self, name) is not None}
+            if others or self.mtp_depths:
+                raise NotImplementedError(f"gemma3n with {sorted(others) or ['mtp_depths']} is not built in Dew: "
+                                          "Gemma 3n's layers are dense grouped-query attention; drop those or gemma3n")
+            if self.norm_placement != "sandwich" or not self.mlp_features:
+                raise ValueError(f"gemma3n with norm_placement {self.norm_placement!r} and mlp_features "
+                                 f"{self.mlp_features}: Gemma 3n's layers have the sandwich's norms and an MLP; use "
+                                 "'sandwich' and a width above 0")
+            self.gemma3n.kv_roles(self._layer_kinds())
+            self.gemma3n.layer_sparsity(self.num_layers)
         if self.mtp_depths < 0:
             raise ValueError(f"mtp_depths is {self.mtp_depths}; it counts multi-token-prediction modules, 0 for none")
         if self.latent is not None:
@@ -353,8 +371,9 @@ class DecoderConfig:
         dense = DenseSpec(self.mlp_features, self.activation, self.mlp_bias)
         sparse = None if self.mixture is None else SparseSpec(
             self.mixture, self.mixture.expert_features or self.mlp_features, self.activation)
-        g = self.gemma4
-        roles = (None,) * self.num_layers if g is None else g.kv_roles(self._layer_kinds())
+        g, g3n = self.gemma4, self.gemma3n
+        sharing = g or g3n
+        roles = (None,) * self.num_layers if sharing is None else sharing.kv_roles(self._layer_kinds())
         specs = []
         for index in range(self.num_layers):
             theta, scaling = self.layer_rope(index)
@@ -375,11 +394,17 @@ class DecoderConfig:
                     o_bias=self.o_bias, query_scale=self.query_scale, softcap=self.attn_softcap,
                     output_gate=self.attn_output_gate, rotary=not nope,
                     chunk=self.layer_chunk(index), temperature=self.nope.temperature() if nope else None,
-                    value_norm=g is not None,
+                    value_norm=sharing is not None,
                     keys_as_values=g is not None and full and g.keys_as_values and roles[index] != REUSE,
                     shared_kv=roles[index],
                 )
             feed_forward = sparse if index in self.sparse_layers else dense if self.mlp_features else None
+            if g3n is not None:
+                feed_forward = dataclasses.replace(dense, sparsity=g3n.layer_sparsity(self.num_layers)[index])
+                specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps,
+                                       residual_scale=self.residual_scale, per_layer_input=g3n.per_layer_width,
+                                       altup=g3n.altup, laurel_rank=g3n.laurel_rank))
+                continue
             if g is None:
                 specs.append(LayerSpec(mixer, feed_forward, self.norm_placement, self.norm_style, self.norm_eps,
                                        residual_scale=self.residual_scale))
@@ -441,7 +466,8 @@ class DecoderConfig:
 class ModelOutput:
     """What the decoder returns with `head=False`: the final-norm hidden states `[B, S, E]` in the
     compute dtype, the output `head` (`Head`: capped float32 logits for any states), and `aux`, what
-    layers report (`layers_N`: the output states of layer N when asked for with `layers=`;
+    layers report (`layers_N`: the output states of layer N when asked for with `layers=`, Gemma 3n's AltUp
+    streams `[K, B, S, E]`;
     `routing`: with a mixture, a `dew.nn.moe.RouterRecord` whose leaves lead with the sparse
     layers, `[L, B, S, ...]`, in the order of `DecoderConfig.sparse_layers`; `qk_max`, float32
     `[L, B, H]` over `DecoderConfig.attention_layers`, when asked for with `qk_stats`)."""
@@ -650,9 +676,10 @@ class CausalTransformer(ModelVariables, nn.Module):
             picked_BSE = jnp.take_along_axis(features, jnp.maximum(feature_indices, 0)[:, :, None], axis=1)
             x_BSE = jnp.where(media_BS[:, :, None], picked_BSE.astype(c.dtype), x_BSE)
 
-        if c.gemma4 is not None and c.gemma4.per_layer_width:
+        per_layer = c.gemma4 or c.gemma3n
+        if per_layer is not None and per_layer.per_layer_width:
             ids_BS = tokens if feature_indices is None else jnp.where(feature_indices >= 0, 0, tokens)
-            g = c.gemma4
+            g = per_layer
             context_cache["per_layer_BSLP"] = PerLayerInputs(
                 c.num_layers, g.per_layer_width, g.per_layer_vocab or c.vocab_size, c.norm_eps, c.dtype,
                 c.param_dtype, name="per_layer_inputs")(ids_BS, x_BSE)
@@ -664,10 +691,15 @@ class CausalTransformer(ModelVariables, nn.Module):
                                report_qk=qk_stats, positions_BS=jnp.asarray(positions, jnp.int32),
                                **context_cache)
 
+        altup = None if c.gemma3n is None else c.gemma3n.altup_inputs
+        if altup is not None:  # Gemma 3n's residual: AltUp's streams [K, B, S, E]
+            x_BSE = split_streams(x_BSE, self._altup_projections("altup_projections", altup))
         x_BSE, cache_runs, kept, routing, mixed = apply_layers(
             self, specs, x_BSE, context, None if cache is None else cache.runs, scan_from=c.scan_layers, remat=c.remat,
             keep=keep, tables=tables, dtype=c.dtype, param_dtype=c.param_dtype, replay_LBSK=replay_LBSK,
         )
+        if altup is not None:
+            x_BSE = merge_streams(x_BSE, self._altup_projections("altup_unembed_projections", altup))
         hidden_BSE = RMSNorm(c.norm_eps, c.norm_style, dtype=c.dtype, param_dtype=c.param_dtype, name="norm")(x_BSE)
         if c.tie_embeddings and self.has_variable(QUANT_COLLECTION, EMBED_BLOCKS):
             output_head = Head(self.get_variable(QUANT_COLLECTION, EMBED_BLOCKS), transposed=True,
@@ -698,6 +730,13 @@ class CausalTransformer(ModelVariables, nn.Module):
             return output
         return output, Cache(runs=cache_runs, lengths=lengths_B, groups=cache.groups, rotary_delta=cache.rotary_delta)
 
+
+    @nn.nowrap
+    def _altup_projections(self, name: str, streams: int) -> list[Linear]:
+        """Gemma 3n's `name_0` ... maps `[E, E]`, one per AltUp stream after the first."""
+        c = self.config
+        return [Linear(c.emb_features, dtype=c.dtype, param_dtype=c.param_dtype, names=(None, "embed"),
+                       name=f"{name}_{i}") for i in range(streams - 1)]
 
     @nn.nowrap
     def _replay(self, routes: Routes, rows: int, seq_len: int):

@@ -22,7 +22,7 @@ from tests.interop.conftest import SHAPE, save_checkpoint, sized, torch, torch_m
 
 # The transformers module that holds each family's modeling code.
 _MODULES = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "llama4_text": "llama4",
-            "gemma4_text": "gemma4"}
+            "gemma4_text": "gemma4", "gemma3n_text": "gemma3n"}
 _GETATTR = re.compile(r"getattr\((?:self\.)?config,\s*\"(\w+)\"")
 # Families whose modeling code reads every config field by attribute (the pattern finds nothing there).
 _NO_GETATTR = {"mamba2"}

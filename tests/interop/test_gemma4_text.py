@@ -6,22 +6,21 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 
 import jax
 import numpy as np
-import optax
 import pytest
-from safetensors.numpy import load_file
 
-from dew.data.dataset import Dataset
 from dew.interop import load_pretrained
 from dew.interop.export import save_pretrained
 from dew.interop.families import decoder_kwargs, family_for
 from dew.nn.layer import CONSTANTS
 from dew.nn.transformer import CausalTransformer
-from dew.objectives.lm import LMObjective
-from dew.training import Layout, MeshSpec, Trainer
-from tests.interop.conftest import greedy_continuations, save_checkpoint, scatter_weights, sized, torch, transformers
+from tests.interop.conftest import save_checkpoint, scatter_weights, sized, torch, transformers
+from tests.interop.text_decoder_checks import (
+    check_cached_continuation, check_left_padded_logits, check_save_reloads, sgd_step_both, their_logits,
+)
 from tests.tolerances import LIBRARY_ULPS, assert_within, decoder_ulps, rotary_frequency_ulps, ulp_bound
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -74,11 +73,6 @@ def gemma4_ulps(model, seq_len: int) -> float:
     return chain + math.sqrt(6 * (layers * per_layer + once)) + transcendental
 
 
-def _theirs(model, tokens, **kwargs):
-    with torch.no_grad():
-        return model(torch.from_numpy(np.asarray(tokens, np.int64)), **kwargs).logits.numpy()
-
-
 def _bound(model, theirs, seq_len=TOKENS.shape[1]):
     assert np.abs(theirs).max() > 2.0  # weights large enough for a wrong convention to show
     return ulp_bound(gemma4_ulps(model, seq_len), np.abs(theirs).max())
@@ -121,16 +115,9 @@ def test_logits_match_transformers_with_left_padding(loaded):
     """The first row whole (15 tokens), the second left-padded by 4: transformers with the mask and positions
     counted from each row's first real token."""
     case, model, _, bundle = loaded
-    tokens = np.concatenate([TOKENS[:, 7:], TOKENS], axis=1)
-    mask = np.ones(tokens.shape, bool)
-    mask[1, :4] = False
-    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-    ours = np.asarray(jax.jit(bundle.model.apply)(bundle.variables, tokens, attention_mask=mask))
-    theirs = _theirs(model, tokens, attention_mask=torch.from_numpy(mask.astype(np.int64)),
-                     position_ids=torch.from_numpy(positions))
     # bounds 1.4e-3 to 1.5e-3 on logits up to 6.6 (ple-shared-kv), 6.8 (plain) and 6.6 (moe); observed 1.2e-5,
     # 6.2e-6 and 9.1e-6
-    assert_within(ours[mask], theirs[mask], _bound(model, theirs, tokens.shape[1]), case)
+    check_left_padded_logits(model, bundle, TOKENS, partial(_bound, model), case)
 
 
 @pytest.mark.parametrize("loaded", ["ple-shared-kv"], indirect=True)  # shared and own caches, sliding and full
@@ -139,45 +126,20 @@ def test_cached_greedy_continuation_matches_generate(loaded):
     sequence: with shared keys and values, the shared layers read the earlier layers' cache."""
     case, model, _, bundle = loaded
     prompt = [int(t) for t in TOKENS[0, :6]]
-    ours, theirs = greedy_continuations(model, bundle, prompt)
-    assert ours == theirs, case
-
-    sequence = np.asarray([prompt + theirs], np.int32)
-    apply = jax.jit(bundle.model.apply)
-    logits, cache = apply(bundle.variables, sequence[:, :6], cache=bundle.model.init_cache(1, 32))
-    steps = [logits]
-    for i in range(6, sequence.shape[1]):
-        logits, cache = apply(bundle.variables, sequence[:, i:i + 1], cache=cache)
-        steps.append(logits)
-    whole = _theirs(model, sequence)
     # bound 1.6e-3 on logits up to 5.5; observed 5.5e-6
-    assert_within(np.concatenate(steps, axis=1), whole, _bound(model, whole, sequence.shape[1]), f"{case} cached")
+    check_cached_continuation(model, bundle, prompt, partial(_bound, model), case)
 
 
 @pytest.mark.parametrize("loaded", ["ple-shared-kv"], indirect=True)  # every knob; a step compiles per case
 def test_one_sgd_step_matches_transformers(loaded):
     case, model, directory, bundle = loaded
-    batch = TOKENS[:, :9]
-    objective = LMObjective(bundle.model, batch.shape[1] - 1, pretrained=bundle.variables, ema_decay=None)
-    data = Dataset(train=lambda partition: iter([{"text": batch}]), val=None, records=2, batch=2)
-    trainer = Trainer(objective, optax.sgd(1e-2), key=jax.random.key(3), mesh=MeshSpec(),
-                      layout=Layout(min_shard=2**30))
-    state = trainer.fit(data, steps=1, log_every=1)
-
-    stepped = transformers.Gemma4ForCausalLM.from_pretrained(directory, dtype=torch.float32,
-                                                             attn_implementation="eager")
-    tokens = torch.from_numpy(batch.astype(np.int64))
-    stepped(tokens, labels=tokens).loss.backward()
-    with torch.no_grad():
-        for parameter in stepped.parameters():
-            if parameter.grad is not None:
-                parameter -= 1e-2 * parameter.grad
+    params, stepped = sgd_step_both(bundle, directory, transformers.Gemma4ForCausalLM, TOKENS[:, :9])
     # the frozen scalars are not trained
-    np.testing.assert_array_equal(np.asarray(state.params[CONSTANTS]["layers_1"]["layer_scalar"]),
+    np.testing.assert_array_equal(np.asarray(params[CONSTANTS]["layers_1"]["layer_scalar"]),
                                   np.asarray(bundle.variables[CONSTANTS]["layers_1"]["layer_scalar"]))
     apply = jax.jit(bundle.model.apply)
-    ours, before = np.asarray(apply(state.params, TOKENS)), np.asarray(apply(bundle.variables, TOKENS))
-    theirs = _theirs(stepped, TOKENS)
+    ours, before = np.asarray(apply(params, TOKENS)), np.asarray(apply(bundle.variables, TOKENS))
+    theirs = their_logits(stepped, TOKENS)
     assert np.abs(ours - before).max() > 1e-2  # the step moved the logits well past the bound's reach
     # the forward chain over the stepped weights, whose own difference (the gradients' ulps times the rate) is
     # far below it; bound 1.1e-3, observed 1.7e-5 on logits up to 6.6
@@ -186,13 +148,7 @@ def test_one_sgd_step_matches_transformers(loaded):
 
 def test_save_reloads_in_transformers(loaded, tmp_path):
     case, model, directory, bundle = loaded
-    saved = bundle.save(tmp_path / "export")
-    source, written = load_file(directory / "model.safetensors"), load_file(saved / "model.safetensors")
-    assert sorted(written) == sorted(source)
-    for name, tensor in source.items():
-        np.testing.assert_array_equal(written[name], tensor, err_msg=name)
-    again = transformers.Gemma4ForCausalLM.from_pretrained(saved, attn_implementation="eager").eval()
-    np.testing.assert_array_equal(_theirs(again, TOKENS), _theirs(model, TOKENS))
+    check_save_reloads(bundle, directory, transformers.Gemma4ForCausalLM, model, tmp_path / "export", TOKENS)
 
 
 @pytest.mark.parametrize("loaded", ["ple-shared-kv"], indirect=True)
@@ -208,7 +164,7 @@ def test_a_model_from_scratch_exports_as_gemma4_text(loaded, tmp_path):
     out = save_pretrained(model, variables, tmp_path / "scratch")
     assert json.loads((out / "config.json").read_text())["model_type"] == "gemma4_text"
     theirs_model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
-    theirs = _theirs(theirs_model, TOKENS)
+    theirs = their_logits(theirs_model, TOKENS)
     # bound 1.4e-3; observed 1.6e-5 on logits up to 8.1
     assert_within(np.asarray(jax.jit(model.apply)(variables, TOKENS)), theirs, _bound(theirs_model, theirs), "export")
 

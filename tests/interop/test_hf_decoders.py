@@ -17,7 +17,8 @@ _CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "ministral": "Mi
             "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "mamba2": "Mamba2Config",
             "qwen3_next": "Qwen3NextConfig", "qwen3_5_text": "Qwen3_5TextConfig", "phi3": "Phi3Config",
             "smollm3": "SmolLM3Config", "granite": "GraniteConfig", "llama4_text": "Llama4TextConfig",
-            "gemma4_text": "Gemma4TextConfig", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig"}
+            "gemma4_text": "Gemma4TextConfig", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig",
+            "gemma3n_text": "Gemma3nTextConfig"}
 
 SMOLLM2 = {  # SmolLM2-135M's config.json as published (transformers 4 spellings and nanotron leftovers)
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,

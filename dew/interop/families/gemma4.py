@@ -56,6 +56,16 @@ DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
                 FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
 _MOE_FIELDS = ("num_experts", "top_k_experts", "moe_intermediate_size")
 
+# The per-layer inputs' tensors and each layer's gate (Gemma 3n's too).
+PER_LAYER_RULES = (
+    Rule("layers/post_per_layer_input_norm/scale", f"{_LAYER}.post_per_layer_input_norm.weight"),
+    *(Rule(f"layers/{name}/kernel", f"{_LAYER}.{name}.weight", transpose=_KERNEL)
+      for name in ("per_layer_input_gate", "per_layer_projection")),
+    Rule(f"{_PER_LAYER}/embed_tokens_per_layer/embedding", "model.embed_tokens_per_layer.weight"),
+    Rule(f"{_PER_LAYER}/per_layer_model_projection/kernel", "model.per_layer_model_projection.weight",
+         transpose=_KERNEL),
+    Rule(f"{_PER_LAYER}/per_layer_projection_norm/scale", "model.per_layer_projection_norm.weight"),
+)
 _EXPERTS = "layers/experts/{}"
 RULES = (
     *DECODER_RULES,
@@ -68,13 +78,7 @@ RULES = (
          transpose=(0, 2, 1), axis=2),
     Rule(_EXPERTS.format("down_proj"), f"{_LAYER}.experts.down_proj", transpose=(0, 2, 1)),
     Rule("layers/layer_scalar", f"{_LAYER}.layer_scalar"),
-    Rule("layers/post_per_layer_input_norm/scale", f"{_LAYER}.post_per_layer_input_norm.weight"),
-    *(Rule(f"layers/{name}/kernel", f"{_LAYER}.{name}.weight", transpose=_KERNEL)
-      for name in ("per_layer_input_gate", "per_layer_projection")),
-    Rule(f"{_PER_LAYER}/embed_tokens_per_layer/embedding", "model.embed_tokens_per_layer.weight"),
-    Rule(f"{_PER_LAYER}/per_layer_model_projection/kernel", "model.per_layer_model_projection.weight",
-         transpose=_KERNEL),
-    Rule(f"{_PER_LAYER}/per_layer_projection_norm/scale", "model.per_layer_projection_norm.weight"),
+    *PER_LAYER_RULES,
 )
 
 
