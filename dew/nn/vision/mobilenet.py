@@ -178,6 +178,9 @@ class MobileNetV5Config:
     num_channels: int = 3
 
     def __post_init__(self):
+        if isinstance(self.stages, str) or any(isinstance(stage, str) for stage in self.stages):
+            raise ValueError(f"stages is {self.stages!r}; give a sequence of stages, each a sequence of blocks in "
+                             "timm's notation, as (('er_r1_k3_s2_e4_c128',), ...)")
         object.__setattr__(self, "stages", tuple(tuple(stage) for stage in self.stages))
         object.__setattr__(self, "msfa_indices", tuple(self.msfa_indices))
         require_positive_ints(self, ("stem_size", "msfa_output_resolution", "hidden_size", "image_size",
