@@ -93,6 +93,19 @@ class Block:
     key_dim: int = 0
     kv_stride: int = 1
 
+    def __post_init__(self):
+        needed = {"channels": self.channels, "stride": self.stride, "kv_stride": self.kv_stride,
+                  **({"kernel": self.kernel} if self.kind == "er" else {}),
+                  **({"heads": self.heads, "key_dim": self.key_dim} if self.kind == "mqa" else {})}
+        for name, value in needed.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"a MobileNet-v5 {self.kind} block's {name} is {value!r}; it must be a positive integer")
+        if not self.expansion > 0:
+            raise ValueError(f"a MobileNet-v5 {self.kind} block's expansion is {self.expansion}; it must be positive")
+        if self.kind == "mqa" and self.kv_stride > 1 and not self.kernel:
+            raise ValueError(f"a MobileNet-v5 mqa block shrinks its keys by {self.kv_stride} with no kernel (k0): give "
+                             "the depthwise kernel, as k3")
+
     @classmethod
     def parse(cls, text: str) -> tuple["Block", int]:
         """The block `text` notes (`"mqa_r1_k3_h12_v2_s1_d64_c640"`) and its repeat count."""
@@ -110,8 +123,13 @@ class Block:
         if missing:
             raise ValueError(f"block {text!r} lacks option(s) {sorted(missing)}, which a {kind} block needs")
         integer = lambda key, default=0: int(options[key]) if key in options else default
-        block = cls(kind, integer("c"), integer("s"), float(options.get("e", 1.0)), integer("k"), integer("a"),
-                    integer("h"), integer("d"), integer("v", 1))
+        try:
+            block = cls(kind, integer("c"), integer("s"), float(options.get("e", 1.0)), integer("k"), integer("a"),
+                        integer("h"), integer("d"), integer("v", 1))
+        except ValueError as error:
+            raise ValueError(f"block {text!r}: {error}") from None
+        if integer("r") < 1:
+            raise ValueError(f"block {text!r} repeats {integer('r')} times; give r1 or more")
         if block.stride not in (1, 2):
             raise ValueError(f"block {text!r} has stride {block.stride}; a MobileNet-v5 block strides 1 or 2")
         if block.kind == "uir" and block.stride > 1 and not (block.kernel or block.start):
@@ -147,11 +165,13 @@ class Block:
         kind = args.get("block_type")
         if kind not in _OPTIONS:
             raise ValueError(f"{where} has block_type {kind!r}; Dew builds MobileNet-v5 blocks {sorted(_OPTIONS)}")
-        exp = args.get("exp_ratio", 1.0)
-        block = cls(kind, args.get("out_chs"), args.get("stride"), float(exp),
-                    args.get("exp_kernel_size" if kind == "er" else "dw_kernel_size_mid" if kind == "uir"
-                             else "dw_kernel_size"), args.get("dw_kernel_size_start", 0) if kind == "uir" else 0,
-                    args.get("num_heads", 0), args.get("key_dim", 0), args.get("kv_stride", 1))
+        kernel = args.get({"er": "exp_kernel_size", "uir": "dw_kernel_size_mid", "mqa": "dw_kernel_size"}[kind], 0)
+        try:
+            block = cls(kind, args.get("out_chs"), args.get("stride"), args.get("exp_ratio", 1.0), kernel,
+                        args.get("dw_kernel_size_start", 0) if kind == "uir" else 0, args.get("num_heads", 0),
+                        args.get("key_dim", 0), args.get("kv_stride", 1))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: {error}") from None
         if dict(args) != block.timm_args():
             theirs = {key: value for key, value in args.items() if block.timm_args().get(key, object()) != value}
             raise ValueError(f"{where} = {dict(args)} sets {theirs}, which Dew's MobileNet-v5 does not build: Dew "
