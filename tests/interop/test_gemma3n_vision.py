@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from dew.interop import tensors
-from dew.interop.vision import projector_rules, tower_prefix, tower_rules
+from dew.interop.vision import projector_prefix, projector_rules, tower_prefix, tower_rules
 from dew.nn.vision import Gemma3nEmbedderConfig, MobileNetV5Config, tower_config
 from dew.nn.vision.mobilenet import divisible
 from tests.nn.test_vision import _randomize, _read, _shapes
@@ -265,6 +265,8 @@ def test_embedder_matches_transformers(modality):
     module = config.build()
     shapes = _shapes(module, jax.ShapeDtypeStruct((1, 1, hidden), np.float32))
     params = _read(projector_rules("gemma3n", config, ""), shapes, arrays)
+    both = {f"model.embed_{part}.embedding_projection.weight" for part in ("vision", "audio")}
+    assert projector_prefix("gemma3n", both, "the checkpoint") == "model.embed_vision."
 
     rng = np.random.default_rng(4)
     features = 0.3 * rng.normal(size=(2, 5, hidden)).astype(np.float32)

@@ -348,8 +348,9 @@ class Conv(TowerPart):
             N, H, W, _ = x.shape
             y = dot(x.reshape(N * H * W, C), k.reshape(C, self.features)).reshape(N, H, W, self.features)
         else:
+            # "highest": float32 operands stay float32 on accelerators that would round them to TF32
             y = jax.lax.conv_general_dilated(x, k, (self.stride,) * 2, "SAME", feature_group_count=groups,
-                                             dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC"), precision="highest",
                                              preferred_element_type=jnp.float32)
         if self.bias:
             y = y + self.param("bias", named(nn.initializers.zeros_init(), ("embed",)), (self.features,),
