@@ -26,7 +26,6 @@ The parameter tree keeps timm's names: `conv_stem/{conv,bn}`, `blocks_{s}_{i}/..
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
