@@ -74,7 +74,7 @@ def load_reference(directory: Path):
 
 @dataclasses.dataclass(frozen=True)
 class Processor:
-    """Text and images to `ModelInputs` (see the module): `processor(texts, images=[[...], ...])`.
+    """Text, images and audio to `ModelInputs` (see the module): `processor(texts, images=[[...], ...], audio=[...])`.
 
     `reference` is the checkpoint's transformers processor; `image_token_id` the id of the soft-token
     placeholders it writes, `tokens_per_image` how many a pixel entry (an image or a tile) fills (None where

@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from dew.interop.families import (
-    deepseek, diffusion_gemma, dream, gemma, gemma3, gemma4, gemma4_multimodal, granite, llada, llama, llama4, llama4_text, mamba2,
-    mixtral, olmo, phi3, qwen, qwen3_5, qwen3_next, qwen_moe, smollm3,
+    deepseek, diffusion_gemma, dream, gemma, gemma3, gemma4, gemma4_multimodal, granite, llada, llama, llama4,
+    llama4_text, mamba2, mixtral, olmo, phi3, qwen, qwen3_5, qwen3_next, qwen_moe, smollm3,
 )
 from dew.interop.families.converter import Converter, GGUFNames
 from dew.interop.hf_decoders import refuse_quantized

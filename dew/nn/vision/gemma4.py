@@ -252,7 +252,8 @@ class Gemma4Tower(_Part):
         tables = []
         for axis in (0, 1):
             angles_NXF = position_ids[..., axis].astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F)
-            tables.append((jnp.concatenate([jnp.cos(angles_NXF)] * 2, -1), jnp.concatenate([jnp.sin(angles_NXF)] * 2, -1)))
+            tables.append((jnp.concatenate([jnp.cos(angles_NXF)] * 2, -1),
+                           jnp.concatenate([jnp.sin(angles_NXF)] * 2, -1)))
         cos_2NXD = jnp.stack([tables[0][0], tables[1][0]])
         sin_2NXD = jnp.stack([tables[0][1], tables[1][1]])
         # a patch reads the real patches of its image; a padding slot (or a padding image) also reads itself
@@ -299,7 +300,8 @@ class Gemma4Projector(nn.Module):
         normed = rms_norm(x_NTC, jnp.ones((C,), jnp.float32), c.eps).astype(self.dtype)
         kernel = self.param("embedding_projection", named(nn.initializers.lecun_normal(), ("embed", None)),
                             (C, c.text_hidden), self.param_dtype)
-        return dot(normed.reshape(N * T, C), kernel.astype(self.dtype), out_dtype=self.dtype).reshape(N, T, c.text_hidden)
+        out = dot(normed.reshape(N * T, C), kernel.astype(self.dtype), out_dtype=self.dtype)
+        return out.reshape(N, T, c.text_hidden)
 
 
 __all__ = ["Gemma4Projector", "Gemma4ProjectorConfig", "Gemma4Tower", "Gemma4VisionConfig"]
