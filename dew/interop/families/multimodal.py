@@ -6,7 +6,8 @@ under `projector/`."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, ClassVar
 
 from dew.interop import vision
 from dew.interop.hf_decoders import ConfigFields
@@ -65,3 +66,24 @@ def read_parts(fields: ConfigFields, text_family, tower_kind: str, projector_kin
                       "serves both: give the two the same value")
     tower = tower_config(tower_kind, dict(fields.get("vision_config") or {}), f"{where} vision_config")
     return text, tower, projector_config(projector_kind, fields.source, where)
+
+
+@dataclasses.dataclass(frozen=True)
+class MultimodalFamily:
+    """What the multimodal families share: they write no text decoder (`family_for` never picks one), a tied
+    head's copy in a checkpoint is dropped as transformers drops it, and a save writes the source's config.json
+    back (a load changes no field of it)."""
+
+    writes_decoders: ClassVar[bool] = False
+    multimodal: ClassVar[bool] = True
+
+    def ignorable(self, name: str, config: MultimodalConfig) -> bool:
+        """A tied head's copy, which transformers drops too."""
+        return name.endswith("lm_head.weight") and config.text.tie_embeddings
+
+    def fit_to_weights(self, kwargs, names):
+        return kwargs
+
+    def written(self, config: MultimodalConfig, source: Mapping[str, Any]) -> dict[str, Any]:
+        """config.json for a save: the source's."""
+        return dict(source)
