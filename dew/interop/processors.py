@@ -100,6 +100,11 @@ class Processor:
         return getattr(self.model, "audio", None)
 
     @property
+    def sampling_rate(self) -> int:
+        """The rate, in Hz, of the waveforms the checkpoint's feature extractor reads (16 kHz where it names none)."""
+        return int(getattr(getattr(self.reference, "feature_extractor", None), "sampling_rate", None) or 16_000)
+
+    @property
     def reads_positions(self) -> bool:
         """Whether the tower reads padded patch streams with patch positions (Gemma 4's)."""
         return getattr(getattr(self.model, "tower", None), "reads_positions", False)
