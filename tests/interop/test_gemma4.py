@@ -158,6 +158,18 @@ def test_processor_lays_out_patch_streams_as_transformers_gives_them(processor, 
         processor(PROMPTS[:1], videos=[np.zeros((2, 16, 16, 3), np.uint8)])
 
 
+def test_the_checkpoint_processor_is_transformers_class_without_videos(bundle, processor, images, clips):
+    """`bundle.processor` builds transformers' `Gemma4Processor` from the checkpoint's files with no video processor
+    (a torchvision class) and lays out what the processor built by hand lays out."""
+    assert isinstance(bundle.processor.reference, transformers.Gemma4Processor)
+    assert bundle.processor.reference.video_processor is None
+    ours = bundle.processor(AUDIO_PROMPTS, images=[[], images[1]], audio=clips)
+    theirs = processor(AUDIO_PROMPTS, images=[[], images[1]], audio=clips)
+    np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+    for name in theirs.conditioning:
+        np.testing.assert_array_equal(ours.conditioning[name], theirs.conditioning[name], err_msg=name)
+
+
 @pytest.mark.parametrize("with_images", [True, False], ids=["images", "text"])
 def test_logits_match_transformers(bundle, logits_of, processor, hf_processor, reference, images, with_images):
     """Image rows, and text rows the first of which reads a video placeholder as the pad embedding (as transformers'
