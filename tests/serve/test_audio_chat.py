@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from dew.interop import load_pretrained
-from dew.interop.processors import Processor
 from dew.sampling import Sampling
 from tests.serve.conftest import post_raw, running
 
@@ -32,32 +31,6 @@ TEMPLATE = ("{%- for message in messages -%}{%- if message['content'] is string 
             "{%- endfor -%}{%- endif -%}{{ ' ' }}{%- endfor -%}")
 NEW_TOKENS = 4
 RATE = 16_000
-# The checkpoint's processor holds a video processor, which needs torchvision (its PyPI wheels are CUDA builds
-# that do not load beside the CPU torch the suite runs): the server process builds transformers' own processor
-# class without it, as tests/interop/test_gemma4.py does.
-PRELUDE = """
-from pathlib import Path
-import transformers
-import dew.serve.service
-from tests.interop.multimodal_checks import without_videos
-
-def _reference(directory):
-    directory = Path(directory)
-    return without_videos(
-        transformers.Gemma4Processor, tokenizer=transformers.PreTrainedTokenizerFast.from_pretrained(directory),
-        image_processor=transformers.AutoImageProcessor.from_pretrained(directory, backend="pil"),
-        feature_extractor=transformers.Gemma4AudioFeatureExtractor.from_pretrained(directory))
-
-dew.serve.service.load_reference = _reference
-"""
-
-
-def _reference():
-    namespace = {}
-    exec(PRELUDE, namespace)
-    return namespace["_reference"](FIXTURE)
-
-
 def _wav(samples: np.ndarray, rate: int = RATE) -> dict:
     buffer = io.BytesIO()
     with wave.open(buffer, "wb") as clip:
@@ -88,7 +61,7 @@ def served(tmp_path_factory):
     (directory / "template.jinja").write_text(TEMPLATE)
     with running(FIXTURE, "--name", "gemma4", "--slots", "4", "--capacity", "96", "--chat-template",
                  str(directory / "template.jinja"), "--max-audio-clips", "2", "--max-audio-seconds", "1",
-                 log=directory / "serve.log", prelude=PRELUDE) as process:
+                 log=directory / "serve.log") as process:
         yield process
 
 
@@ -102,7 +75,7 @@ def clips():
 def _expected(rows: list[tuple[str, list, list]]) -> list[list[str]]:
     """The words text_generation continues each (rendered prompt, images, 16-bit clips) with, all in one batch."""
     bundle = load_pretrained(FIXTURE, dtype="float32", max_seq_len=96)
-    processor = Processor.of(_reference(), bundle.model.config)
+    processor = bundle.processor
     waveforms = [np.asarray(clip, np.float32) / 32768.0 for _, _, clips in rows for clip in clips]
     inputs = processor([text for text, _, _ in rows], images=[images for _, images, _ in rows], audio=waveforms)
     generation = bundle.text_generation(sampling=Sampling(temperature=0))(inputs, NEW_TOKENS, seed=0)
