@@ -1,8 +1,10 @@
 """A GGUF file's quantized blocks kept as stored (dew.interop.gguf_blocks, `load_pretrained(..., quantize="gguf")`),
-against the float32 model the same file dequantizes to."""
+against the float32 model the same file dequantizes to: exactly (up to the order of float32 roundings) under
+the kernel policy `exact`, and with x rounded to 8-bit blocks (the integer path) under the default `auto`."""
 
 from __future__ import annotations
 
+import dataclasses
 import lzma
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 from dew.interop import load_pretrained
+from dew.kernels import policy
 from dew.nn.linear import EMBED_BLOCKS, KERNEL_BLOCKS, QUANT_COLLECTION
 from dew.runs import pipeline
 from dew.sampling import Sampling, generate
@@ -49,6 +52,11 @@ def both(tiny_file):
             load_pretrained(tiny_file.parent, gguf_file=tiny_file.name, quantize="gguf"))
 
 
+def exact(model):
+    """`model` under the kernel policy `exact`: the blocks kernel keeps x in float32."""
+    return model.clone(config=dataclasses.replace(model.config, kernels="exact"))
+
+
 def test_the_files_blocks_replace_the_float_kernels(both):
     floats, kept = both
     params, quant = kept.variables["params"], kept.variables[QUANT_COLLECTION]
@@ -70,11 +78,29 @@ def test_blocks_compute_what_the_dequantized_float32_model_computes(both):
     floats, kept = both
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 10)), jnp.int32)
     reference = np.asarray(floats.model.apply(floats.variables, tokens))
-    ours = np.asarray(kept.model.apply(kept.variables, tokens))
+    with policy.recording() as choices:
+        ours = np.asarray(exact(kept.model).apply(kept.variables, tokens))
+    assert choices and all(not key.startswith("blocks-q8") for key in choices)
     # The same weights (the blocks' values are exactly what gguf dequantizes), each product summed in
     # another order: one decoder in two orders. Observed: 7.9e-6 on logits of 6.7.
     ulps = decoder_ulps(layers=2, width=32, mlp_width=64, heads=4, head_dim=8, seq_len=10, libraries=1)
     np.testing.assert_allclose(ours, reference, rtol=0, atol=ulp_bound(ulps, np.abs(reference).max()))
+
+
+def test_by_default_decoding_products_round_x_to_8_bit_blocks(both):
+    floats, kept = both
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 10)), jnp.int32)
+    reference = np.asarray(floats.model.apply(floats.variables, tokens))
+    with policy.recording() as choices:
+        ours = np.asarray(kept.model.apply(kept.variables, tokens))
+    rounded = sorted({key.split("/")[1] for key in choices if key.startswith("blocks-q8/")})
+    assert rounded == ["Q4_0", "Q4_1", "Q8_0"]  # 20 rows, under KERNEL_MAX_ROWS: every kind the integer path takes
+    # Each product's x is off by up to half its block's d = max |x| / 127 a value, some 0.3% of a product
+    # of 32 random terms (tests/kernels/test_blocks.py checks the products themselves to float32's
+    # roundings); 15 such products deep, through norms and softmaxes that amplify differences of a random
+    # model, a few percent of the logits' scale: a loose check that the path is wired, where the quality
+    # bar is the SmolLM2 test below. Observed: 0.18 on logits of 6.7 (2.7%).
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=0.06 * np.abs(reference).max())
 
 
 def test_the_pipeline_keeps_blocks_and_bad_requests_are_refused(tiny_file, tmp_path):
