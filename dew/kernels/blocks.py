@@ -17,12 +17,14 @@ native kernels out of the step (`dew.kernels.policy`). Both accumulate in float3
 of their roundings.
 
 Decoding-shaped products of Q4_0, Q4_1 and Q8_0 blocks take the kernel's integer path under the kernel
-policies `auto` (the default) and `native`: each row of x is rounded to 8-bit integers in blocks of 32
-(`d = max|x| / 127`, `q = round(x / d)`, ties to even: llama.cpp's rounding of activations), and each
-block's product with the weight's integers is taken in int32 (AVX-512 VNNI, AVX2's byte multiply-adds or
-portable loops, by the CPU) before one float32 multiply-add by the two scales. That is the float32
-product of the dequantized weight with the rounded x, up to the order of float32 roundings: x gives up
-at most half of `d` a value for about twice the speed. The policy `exact` (`DecoderConfig.kernels`,
+policies `auto` (the default) and `native`: each block of 32 values of a row of x is rounded to two
+layers of 8-bit integers, `d = max|x| / 127`, `q1 = round(x / d)` (ties to even: llama.cpp's rounding of
+activations) and `q2 = round((x / d - q1) * 254)`, x taken as `d q1 + d / 254 q2`, within 1/64,516 of
+the block's largest |x| a value; each layer's product with the weight's integers is exact in int32
+(AVX-512 VNNI, AVX2's byte multiply-adds or portable loops, by the CPU), then scaled in float32. That is
+the float32 product of the dequantized weight with the rounded x, up to the order of float32 roundings.
+(The first layer alone, llama.cpp's arithmetic, changed SmolLM2's greedy text from float32's after five
+tokens; the second keeps it: docs/performance.md.) The policy `exact` (`DecoderConfig.kernels`,
 `load_pretrained(..., kernels="exact")` or `DEW_KERNELS=exact`) keeps x in float32 in the kernel, the
 exact path; Q4_K blocks, products of more rows than `KERNEL_MAX_ROWS` and products XLA runs are exact
 under every policy. `kernel_status()` says which path runs, and a `dew.kernels.policy.recording()` names
@@ -125,8 +127,8 @@ def kernel_status(policy: str | None = None) -> tuple[bool, str]:
     loops = f"dew._native_blocks with {native.isa()} loops"
     if in_force(policy) not in ROUNDING_POLICIES:
         return True, f"{loops}, x in float32 (the exact path: the policy is {in_force(policy)})"
-    return True, (f"{loops}; {', '.join(ROUNDED_KINDS)} round x to 8-bit blocks of 32 ({native.rounded_isa()} "
-                  "integer loops), Q4_K keeps x in float32")
+    return True, (f"{loops}; {', '.join(ROUNDED_KINDS)} round x to two 8-bit layers a block of 32 "
+                  f"({native.rounded_isa()} integer loops), Q4_K keeps x in float32")
 
 
 def rounds(w: jax.Array, policy: str | None = None) -> bool:
@@ -137,8 +139,8 @@ def rounds(w: jax.Array, policy: str | None = None) -> bool:
 
 def kernel_product(x_NK: jax.Array, w: jax.Array, rounded: bool = False) -> jax.Array:
     """`x @ w.T` as float32 `[N, F]` in Dew's kernel: `x` float32 `[N, K]`, `w` a blocks weight
-    `[F, K / E, B]`; with `rounded`, x rounded to 8-bit blocks first (the integer path; Q4_0, Q4_1 and
-    Q8_0 only). Raises where `kernel_status()` is off."""
+    `[F, K / E, B]`; with `rounded`, x rounded to two 8-bit layers a block first (the integer path;
+    Q4_0, Q4_1 and Q8_0 only). Raises where `kernel_status()` is off."""
     on, why = kernel_status()
     if not on:
         raise RuntimeError(f"the blocks kernel is off: {why}")

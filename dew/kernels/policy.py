@@ -10,7 +10,7 @@ A policy is one of `POLICIES`:
 - `native`: every product oneDNN can take runs there, whatever its size (what the kernels' tests use).
 - `xla`: XLA's own `dot_general` for every product, with nothing around it: no custom call, no barrier.
 - `exact`: as `auto`, except that no kernel rounds a product's operands: the GGUF blocks kernel
-  multiplies x in float32 rather than rounding it to 8-bit blocks (`dew.kernels.blocks`).
+  multiplies x in float32 rather than rounding it to 8-bit integers (`dew.kernels.blocks`).
 
 The policy is the model's (`DecoderConfig.kernels`), in force while the model traces (`using`); the
 environment variable `DEW_KERNELS` overrides it for the whole process. Off the CPU backend every policy
