@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.common import cpu_model, smollm2_directory
+from dew.interop import load_pretrained
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "smollm2"
@@ -160,8 +161,8 @@ def llama_server(path: str, capacity: int) -> Server:
     return Server(f"llama-server -np {SLOTS}", [
         path, "--model", str(Path(smollm2_directory()) / GGUF), "--host", "127.0.0.1", "--port", "{port}",
         "--alias", NAME, "--parallel", str(SLOTS), "--ctx-size", str(SLOTS * capacity), "--threads", threads,
-        "--threads-batch", threads, "--poll", "0", "--no-cache-prompt", "--cache-ram", "0"], f"-t {threads} -tb {threads} --poll 0, OMP_WAIT_POLICY=PASSIVE",
-        env={"OMP_WAIT_POLICY": "PASSIVE"})
+        "--threads-batch", threads, "--poll", "0", "--no-cache-prompt", "--cache-ram", "0"],
+        f"-t {threads} -tb {threads} --poll 0, OMP_WAIT_POLICY=PASSIVE", env={"OMP_WAIT_POLICY": "PASSIVE"})
 
 
 def vllm_server(python: str, directory: Path, dtype: str) -> Server:
@@ -176,8 +177,6 @@ def vllm_server(python: str, directory: Path, dtype: str) -> Server:
 def hf_directory(directory: Path) -> Path:
     """SmolLM2's GGUF as a float32 transformers checkpoint in `directory` (written once, by Dew's export)."""
     if not (directory / "model.safetensors").exists():
-        from dew.interop import load_pretrained
-
         load_pretrained(smollm2_directory(), gguf_file=GGUF).save(directory)
     return directory
 
@@ -233,7 +232,7 @@ async def streamed(url: str, texts: list[str], new: int, streams: int) -> tuple[
                         first = time.perf_counter() - sent
                 if chunk.usage is not None:
                     usage = chunk.usage.completion_tokens
-            firsts.append(first)
+            firsts.append(time.perf_counter() - sent if first is None else first)  # no text: its end
             counts.append(chunks if usage is None else usage)
 
     started = time.perf_counter()
