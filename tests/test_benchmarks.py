@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from benchmarks import serve
 from benchmarks.large_vocab import UnchunkedHead
 from dew.objectives.base import Step
 from dew.objectives.lm import LMObjective
@@ -31,3 +33,30 @@ def test_large_vocab_reference_scores_what_the_objective_scores(tiny_model, tiny
     # (Intel Xeon): equal.
     assert abs(float(whole.ce.total) - float(tiled.ce.total)) < 2e-4
     assert float(whole.token_accuracy.total) == float(tiled.token_accuracy.total) >= 8.0
+
+
+def test_serve_starts_each_peer_its_flag_names():
+    """benchmarks/serve.py runs a peer only when its flag names it, with the settings that keep the
+    comparison fair: llama-cpp-python's server must not end a running stream for a new request, and vLLM
+    must keep its internal queue on loopback."""
+    args = serve.parse(["--llama-cpp-python", "venv/bin/python", "--llama-server", "bin/llama-server",
+                        "--vllm-python", "vllm/bin/python", "--requests", "32"])
+    chosen, skipped = serve.servers(args)
+    assert [server.name for server in chosen] == ["dew serve", "llama-cpp-python server", "llama-server -np 32",
+                                                   "vLLM CPU float32", "vLLM CPU bfloat16"]
+    assert skipped == ["transformers generate (--transformers)"]
+    dew, llama_python, llama_server, vllm, _ = chosen
+    assert dew.command[dew.command.index("--capacity") + 1] == "320"
+    assert llama_python.command[0] == "venv/bin/python"
+    assert llama_python.command[llama_python.command.index("--interrupt_requests") + 1] == "False"
+    assert llama_python.env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert llama_server.command[llama_server.command.index("--parallel") + 1] == "32"
+    assert llama_server.command[llama_server.command.index("--ctx-size") + 1] == str(32 * 320)
+    assert "--no-cache-prompt" in llama_server.command and "--no-enable-prefix-caching" in vllm.command
+    assert vllm.env["VLLM_HOST_IP"] == "127.0.0.1" and "--gpu-memory-utilization" in vllm.command
+    assert all("{port}" in server.command for server in chosen)
+    assert len(serve.servers(serve.parse([]))[1]) == 4  # every peer skipped, each with its line
+    for wrong in (["--requests", "65"], ["--solo-requests", "9", "--requests", "8"], ["--vllm-dtype", "int8"]):
+        with pytest.raises(SystemExit):
+            serve.parse(wrong)
+    assert serve.percentile([float(value) for value in range(10, 0, -1)], 0.9) == 9.0
