@@ -95,7 +95,11 @@ class PerLayerInputs(nn.Module):
                          name="embed_tokens_per_layer")
         # ids past the table (Gemma 3n's media ids beyond vocab_size_per_layer_input) read its row 0
         ids_BS = jnp.where((ids_BS >= 0) & (ids_BS < self.vocab), ids_BS, 0)
-        tokens_BSLP = table(ids_BS).astype(self.dtype) * jnp.asarray(P ** 0.5, self.dtype)
+        rows_BSX = table(ids_BS)
+        # transformers' table never trains its padding row (pad_token_id, 0 in Gemma 3n's and 4's configs; torch's
+        # padding_idx), which those media ids read too: it takes no gradient here either
+        rows_BSX = jnp.where((ids_BS == 0)[..., None], jax.lax.stop_gradient(rows_BSX), rows_BSX)
+        tokens_BSLP = rows_BSX.astype(self.dtype) * jnp.asarray(P ** 0.5, self.dtype)
         projected = Linear(L * P, dtype=self.dtype, param_dtype=self.param_dtype, names=("embed", "mlp"),
                            name="per_layer_model_projection")(embedded_BSE)
         projected_BSLP = (projected * jnp.asarray(E ** -0.5, self.dtype)).reshape(B, S, L, P)

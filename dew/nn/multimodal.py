@@ -9,7 +9,11 @@ so (Gemma 3; Llama 4's read causally). A tiled model (Llama 4) takes each tile a
 this layout: `pixel_values [B, tiles, C, H, W]`, `tokens_per_image` soft tokens a tile. Qwen 3.5's tower
 reads images of many sizes: `pixel_values [B, images, patches, C*T*p*p]` (each image's patch vectors, padded
 to the call's largest) beside `image_grid_thw [B, images, 3]`, and `patches / merge**2` soft tokens an image
-(its padding's unread); its decoder reads three-axis `rotary_positions`. Media are encoded at
+(its padding's unread); its decoder reads three-axis `rotary_positions`. Gemma 3n (`hard_ids`) also embeds
+token ids through its embedders: ids in the vision projector's hard range, and in the audio embedder's
+(`audio_embedder`, variables `audio_projector`), take that embedder's `embed` in place of the decoder's
+embedding, at every call (a decode step's too); a placeholder with pixels behind it takes its soft token.
+Media are encoded at
 prefill only: a decode step passes no `pixel_values` and reads the cache, which remembers each slot's
 image. Without media the call is the text decoder's.
 """
@@ -36,7 +40,8 @@ class MultimodalConfig:
     an image's soft-token placeholders and `tokens_per_image` how many each image (or tile) fills (None where
     each image's patch grid decides, Qwen 3.5's). With
     `bidirectional_images` an image's soft tokens read each other in both directions (Gemma 3); without,
-    they read causally as text does (Llama 4). The text knobs (`vocab_size`, `max_seq_len`, `dtype`, ...)
+    they read causally as text does (Llama 4). With `hard_ids` (Gemma 3n) the ids of the projector's hard range
+and of `audio_embedder`'s embed through them (see the module). The text knobs (`vocab_size`, `max_seq_len`, `dtype`, ...)
     read through from `text`."""
 
     text: DecoderConfig
@@ -47,6 +52,8 @@ class MultimodalConfig:
     image_token_id: int
     tokens_per_image: int | None
     bidirectional_images: bool = True
+    hard_ids: bool = False
+    audio_embedder: Any = None
 
     def __getattr__(self, name: str):
         # only reached for names the dataclass lacks: the decoder's knobs
@@ -71,6 +78,8 @@ class MultimodalTransformer(ModelVariables, nn.Module):
         self.language_model = CausalTransformer(c.text)
         self.tower = c.tower.build(c.text.dtype, c.text.param_dtype)
         self.projector = c.projector.build(c.text.dtype, c.text.param_dtype)
+        if c.audio_embedder is not None:
+            self.audio_projector = c.audio_embedder.build(c.text.dtype, c.text.param_dtype)
 
     def __call__(self, tokens, *, image_indices=None, image_groups=None, pixel_values=None, image_grid_thw=None,
                  **kwargs):
@@ -89,7 +98,35 @@ class MultimodalTransformer(ModelVariables, nn.Module):
             kwargs.update(features=self.encode(pixel_values, image_grid_thw), feature_indices=image_indices)
             if self.config.bidirectional_images:
                 kwargs["image_groups"] = image_groups
+        if self.config.hard_ids:
+            kwargs["features"], kwargs["feature_indices"] = self._hard_embedded(
+                tokens, kwargs.get("features"), kwargs.get("feature_indices"))
         return self.language_model(tokens, **kwargs)
+
+    def _hard_embedded(self, tokens, features, indices):
+        """(features, feature_indices) with each slot whose id lies in an embedder's hard range reading that
+        embedder's `embed` of it, appended after the soft `features` (where given); a slot `indices` already
+        points at a soft token keeps it."""
+        c = self.config
+        B, S = tokens.shape
+        embedders = [(self.projector, c.projector)]
+        if c.audio_embedder is not None:
+            embedders.append((self.audio_projector, c.audio_embedder))
+            if self.is_initializing():  # the audio embedder's soft path, which no input here reaches yet
+                self.audio_projector(jnp.zeros((1, 1, c.audio_embedder.hidden_size), c.text.dtype))
+        hard_BSE, is_hard_BS = None, jnp.zeros((B, S), bool)
+        for embedder, config in embedders:
+            first, last = config.vocab_offset, config.vocab_offset + config.vocab_size - 1
+            inside_BS = (tokens >= first) & (tokens <= last)
+            embedded_BSE = embedder.embed(jnp.clip(tokens, first, last))
+            hard_BSE = embedded_BSE if hard_BSE is None else jnp.where(inside_BS[..., None], embedded_BSE, hard_BSE)
+            is_hard_BS = is_hard_BS | inside_BS
+        start = 0 if features is None else features.shape[1]
+        hard_BS = jnp.where(is_hard_BS, start + jnp.arange(S, dtype=jnp.int32), -1)
+        if features is None:
+            return hard_BSE.astype(c.text.dtype), hard_BS
+        return (jnp.concatenate([features, hard_BSE.astype(features.dtype)], axis=1),
+                jnp.where(indices >= 0, indices, hard_BS))
 
     def encode(self, pixel_values, image_grid_thw=None):
         """Each row's images as soft tokens `[B, images * tokens_per_image, E]` in the compute dtype (a
