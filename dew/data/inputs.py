@@ -21,12 +21,16 @@ from jax.experimental import multihost_utils
 TEXT_FIELDS = ("attention_mask", "positions", "segment_ids", "rotary_positions")
 """The token fields a text decoder reads (`rotary_positions` `[B, S, 3]`: the three-axis positions of a
 decoder whose rotary has an `mrope_section`, Qwen 3.5's)."""
-MEDIA_FIELDS = ("image_indices", "image_groups")
+MEDIA_FIELDS = ("image_indices", "image_groups", "audio_indices")
 """The token fields a multimodal model reads besides the text ones: the soft feature behind each slot and
-the image it belongs to (-1 for text)."""
-MEDIA_CONDITIONING = ("pixel_values", "image_grid_thw")
-"""The conditioning a multimodal model reads: each row's images `[B, images, ...]`, and for a tower that reads
-images of many sizes (Qwen 3.5's) each one's patch grid `[B, images, 3]`."""
+the image it belongs to (-1 for text), and the encoded audio frame behind each audio slot (-1 elsewhere)."""
+MEDIA_CONDITIONING = ("pixel_values", "image_grid_thw", "image_position_ids", "input_features", "input_features_mask",
+                      "audio_lengths")
+"""The conditioning a multimodal model reads: each row's images `[B, images, ...]`, for a tower that reads
+images of many sizes (Qwen 3.5's) each one's patch grid `[B, images, 3]`, for one that reads padded patch
+streams (Gemma 4's) each patch's (column, row) `[B, images, patches, 2]`; each row's audio clips as log-mel
+frames `[B, clips, frames, mel]` with their mask `[B, clips, frames]` (true at real frames) and the clips a
+row holds `[B]`."""
 
 
 @struct.dataclass

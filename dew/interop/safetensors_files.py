@@ -226,7 +226,8 @@ def _write_shards(directory: Path, shards: list[list[tuple[str, Callable[[], np.
 def _write_shard(path: Path, shard: list[tuple[str, Callable[[], np.ndarray]]], staging: Path | None = None) -> int:
     """Write one shard's tensors to `path`, through `staging` (renamed into place once flushed) when given;
     returns the tensors' bytes."""
-    arrays = {name: np.ascontiguousarray(build()) for name, build in shard}
+    # asarray, not ascontiguousarray: that one widens a 0-d tensor (a clipping bound) to shape [1]
+    arrays = {name: np.asarray(build(), order="C") for name, build in shard}
     target = staging or path
     with os_errors(path.parent):  # the directory, not the hidden staging name
         save_file(arrays, str(target), metadata={"format": "pt"})

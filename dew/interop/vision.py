@@ -15,9 +15,9 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 from dew.interop.tensors import Rule
-from dew.nn.vision import (Gemma3nEmbedderConfig, GemmaProjectorConfig, Llama4ProjectorConfig, Llama4VisionConfig,
-                           MobileNetV5Config, Qwen35MergerConfig, Qwen35VisionConfig, SiglipConfig, projector_class,
-                           tower_class)
+from dew.nn.vision import (Gemma3nEmbedderConfig, Gemma4ProjectorConfig, Gemma4VisionConfig, GemmaProjectorConfig,
+                           Llama4ProjectorConfig, Llama4VisionConfig, MobileNetV5Config, Qwen35MergerConfig,
+                           Qwen35VisionConfig, SiglipConfig, projector_class, tower_class)
 
 _KERNEL = (1, 0)  # transformers stores a projection [out, in], Dew keeps it [in, out]
 _CONV = (2, 3, 1, 0)  # torch's Conv2d weight [out, in, kh, kw], Dew's (flax's) HWIO kernel [kh, kw, in, out]
@@ -29,18 +29,20 @@ TOWER_PREFIXES = {"siglip": (
     "model.vision_tower.vision_model.",  # transformers 4.5x's module names
     "vision_tower.",  # what transformers 5 writes
     "model.vision_tower.",  # transformers 5's module names
-), "llama4": ("vision_model.", "model.vision_model."), "qwen3_5": ("model.visual.",)}
+), "llama4": ("vision_model.", "model.vision_model."), "qwen3_5": ("model.visual.",),
+    "gemma4": ("model.vision_tower.",)}
 PROJECTOR_PREFIXES = {"gemma": ("multi_modal_projector.", "model.multi_modal_projector."),
                       "llama4": ("multi_modal_projector.", "model.multi_modal_projector."),
-                      "qwen3_5": ("model.visual.merger.",)}
+                      "qwen3_5": ("model.visual.merger.",), "gemma4": ("model.embed_vision.",)}
 # The tensor whose presence under a prefix says a checkpoint holds that module there.
 _TOWER_ANCHORS = {"siglip": "embeddings.patch_embedding.weight", "llama4": "patch_embedding.linear.weight",
-                  "qwen3_5": "patch_embed.proj.weight"}
+                  "qwen3_5": "patch_embed.proj.weight", "gemma4": "patch_embedder.input_proj.weight"}
 _PROJECTOR_ANCHORS = {"gemma": "mm_input_projection_weight", "llama4": "linear_1.weight",
-                      "qwen3_5": "linear_fc1.weight"}
+                      "qwen3_5": "linear_fc1.weight", "gemma4": "embedding_projection.weight"}
 # What a tower's checkpoint may hold that the tower never reads: SigLIP's pooling head, which Gemma 3 does
 # not run (saved where `vision_use_head` was true), and the position ids buffer older files kept.
-_UNREAD = {"siglip": ("head.", "embeddings.position_ids"), "llama4": (), "qwen3_5": ()}
+_UNREAD = {"siglip": ("head.", "embeddings.position_ids"), "llama4": (), "qwen3_5": (), "gemma4": ()}
+_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
 # Gemma 3n: timm's encoder inside transformers' TimmWrapperModel, and one embedder per modality (the audio
 # one's tensors lie under GEMMA3N_AUDIO_PREFIXES, read with the same projector rules).
 TOWER_PREFIXES["gemma3n"] = ("model.vision_tower.timm_model.", "vision_tower.timm_model.")
@@ -151,8 +153,35 @@ def _gemma3n_embedder_rules(config: Gemma3nEmbedderConfig, prefix: str) -> tuple
             Rule("embedding_projection/kernel", f"{prefix}embedding_projection.weight", transpose=_KERNEL))
 
 
-_TOWER_RULES = {"siglip": _siglip_rules, "llama4": _llama4_tower_rules, "qwen3_5": _qwen35_tower_rules}
-_PROJECTOR_RULES = {"gemma": _gemma_rules, "llama4": _llama4_projector_rules, "qwen3_5": _qwen35_merger_rules}
+def _gemma4_tower_rules(config: Gemma4VisionConfig, prefix: str) -> tuple[Rule, ...]:
+    layer = f"{prefix}encoder.layers.{{layer}}"
+    norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    linears = [f"self_attn/{proj}" for proj in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
+        f"mlp/{proj}" for proj in ("gate_proj", "up_proj", "down_proj")]
+    # a clipped linear's bounds (frozen constants, infinite where a bound is off) beside its kernel
+    bounds = _BOUNDS if config.use_clipped_linears else ()
+    standardize = ("std_bias", "std_scale") if config.standardize else ()
+    return (
+        Rule("patch_embedder/input_proj/kernel", f"{prefix}patch_embedder.input_proj.weight", transpose=_KERNEL),
+        Rule("patch_embedder/position_embedding_table", f"{prefix}patch_embedder.position_embedding_table"),
+        *(Rule(f"layers/{norm}/scale", f"{layer}.{norm}.weight") for norm in norms),
+        *(Rule(f"layers/self_attn/{norm}/scale", f"{layer}.self_attn.{norm}.weight") for norm in ("q_norm", "k_norm")),
+        *(Rule(f"layers/{linear}/linear/kernel", f"{layer}.{linear.replace('/', '.')}.linear.weight", transpose=_KERNEL)
+          for linear in linears),
+        *(Rule(f"layers/{linear}/{bound}", f"{layer}.{linear.replace('/', '.')}.{bound}", infinities=True)
+          for linear in linears for bound in bounds),
+        *(Rule(name, f"{prefix}{name}") for name in standardize),
+    )
+
+
+def _gemma4_projector_rules(config: Gemma4ProjectorConfig, prefix: str) -> tuple[Rule, ...]:
+    return (Rule("embedding_projection", f"{prefix}embedding_projection.weight", transpose=_KERNEL),)
+
+
+_TOWER_RULES = {"siglip": _siglip_rules, "llama4": _llama4_tower_rules, "qwen3_5": _qwen35_tower_rules,
+                "gemma4": _gemma4_tower_rules}
+_PROJECTOR_RULES = {"gemma": _gemma_rules, "llama4": _llama4_projector_rules, "qwen3_5": _qwen35_merger_rules,
+                    "gemma4": _gemma4_projector_rules}
 _TOWER_RULES["gemma3n"], _PROJECTOR_RULES["gemma3n"] = _mobilenet_rules, _gemma3n_embedder_rules
 
 

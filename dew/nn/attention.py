@@ -14,6 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 from dew.kernels import decode_attention as decode_kernel
@@ -62,6 +63,8 @@ def attention_mask(
     return allowed
 
 
+# The window of a layer that does not slide: wider than any sequence.
+NO_WINDOW = np.iinfo(np.int32).max
 BLOCK = 128  # query rows a block of a causal pass (`attend`'s `block`)
 # The fused kernel's blocks: smaller blocks compute fewer masked scores, and inside one call smaller
 # products cost no extra thunks (docs/performance.md). For every real token the same result as `attend`'s
@@ -293,12 +296,18 @@ class Attention(nn.Module):
             scale_BS = query_temperature(context.positions_BS, *s.temperature)
             q_BSHD = (q_BSHD.astype(jnp.float32) * scale_BS[:, :, None, None]).astype(q_BSHD.dtype)
 
-        k_groups = context.groups_BS
+        q_groups, k_groups = context.groups_BS, context.groups_BS
+        if q_groups is not None and context.sliding_groups:
+            # Gemma 4: an image's tokens read each other in both directions in sliding layers only
+            if knobs.window is None:
+                q_groups = k_groups = None
+            else:  # a scanned run may mix kinds: a full layer's window is NO_WINDOW
+                q_groups = k_groups = jnp.where(knobs.window < NO_WINDOW, q_groups, -1)
         if cache is None:
             k_slots, k_segments = context.slots_BS, context.segments_BS
             k_positions = context.positions_BS
         else:
-            k_groups = context.key_groups_BT
+            k_groups = None if q_groups is None else context.key_groups_BT
             if not context.read_only_cache and not reuse:
                 cache = cache.write(knobs.local, context.write_slots_BS, k_BSKD, v_BSKD)
             k_segments = context.filled_BT
@@ -314,7 +323,7 @@ class Attention(nn.Module):
                 if s.chunk is not None:
                     k_positions = jnp.concatenate([k_positions, context.positions_BS], axis=1)
         mask_BST = attention_mask(context.slots_BS, k_slots, context.segments_BS, k_segments, causal=s.causal,
-                                  window=knobs.window, q_groups_BS=context.groups_BS, k_groups_BT=k_groups,
+                                  window=knobs.window, q_groups_BS=q_groups, k_groups_BT=k_groups,
                                   chunk=s.chunk, q_positions_BS=context.positions_BS, k_positions_BT=k_positions)
         report = None
         if context.report_qk:  # whole sequences only: the decoder refuses it with a cache
@@ -323,7 +332,7 @@ class Attention(nn.Module):
             scale = D**-0.5 if s.query_scale is None else s.query_scale
             report = {"qk_max": score_max(q_BSHD, k_BSKD.transpose(0, 2, 1, 3), real_BST, scale)}
         # An image's tokens read its later tokens too, so no block of queries may skip the keys after it.
-        ordered = s.causal and context.groups_BS is None
+        ordered = s.causal and q_groups is None
         # One new token a row, appended to the cache and reading only its filled slots (the decode mask in
         # ranges: no images, chunks, prefixes or custom key slots, whose masks are not ranges). A layer
         # reusing an earlier layer's keys and values (Gemma 4) keeps no cache layer of its own to read.

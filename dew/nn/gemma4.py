@@ -5,7 +5,8 @@
   divides its value heads by their rms without a scale and scores unscaled (`query_scale` 1).
 - Each layer multiplies its output by a frozen scalar (`layer_scalar`, in the `constants` collection).
 - Per-layer inputs (`per_layer_width` P > 0): a table `embed_tokens_per_layer` `[V', L * P]` gives each token
-  a P-wide input per layer, scaled by `sqrt(P)`; the embeddings, projected by `per_layer_model_projection`
+  a P-wide input per layer, scaled by `sqrt(P)` (its pad row, id 0, takes no gradient, as neither does the
+  token embedding's: transformers builds both with `padding_idx`, and a multimodal model's placeholders read it); the embeddings, projected by `per_layer_model_projection`
   (times `E ** -0.5`) and normed per layer (`per_layer_projection_norm`), are added and the sum halved in
   variance (times `2 ** -0.5`). Layer l gates its output with them: `x + norm(proj(act(gate(x)) * inputs_l))`.
 - The last `kv_shared_layers` layers compute no keys or values: each reads those of the last earlier layer
@@ -95,11 +96,9 @@ class PerLayerInputs(nn.Module):
                          name="embed_tokens_per_layer")
         # ids past the table (Gemma 3n's media ids beyond vocab_size_per_layer_input) read its row 0
         ids_BS = jnp.where((ids_BS >= 0) & (ids_BS < self.vocab), ids_BS, 0)
-        rows_BSX = table(ids_BS)
-        # transformers' table never trains its padding row (pad_token_id, 0 in Gemma 3n's and 4's configs; torch's
-        # padding_idx), which those media ids read too: it takes no gradient here either
-        rows_BSX = jnp.where((ids_BS == 0)[..., None], jax.lax.stop_gradient(rows_BSX), rows_BSX)
-        tokens_BSLP = rows_BSX.astype(self.dtype) * jnp.asarray(P ** 0.5, self.dtype)
+        tokens_BSLP = table(ids_BS).astype(self.dtype) * jnp.asarray(P ** 0.5, self.dtype)
+        # the pad row (id 0, which placeholder slots read) is frozen, as transformers' padding_idx keeps it
+        tokens_BSLP = jnp.where((ids_BS == 0)[:, :, None], jax.lax.stop_gradient(tokens_BSLP), tokens_BSLP)
         projected = Linear(L * P, dtype=self.dtype, param_dtype=self.param_dtype, names=("embed", "mlp"),
                            name="per_layer_model_projection")(embedded_BSE)
         projected_BSLP = (projected * jnp.asarray(E ** -0.5, self.dtype)).reshape(B, S, L, P)

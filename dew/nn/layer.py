@@ -103,6 +103,8 @@ class LayerContext:
     `write_slots_BS` says where each token is stored (the capacity for padding, which is dropped)
     and `filled_BT` marks, per row, the slots that hold a token once this call's tokens are written.
     `covered_BS` marks the tokens whose replayed experts (`LayerKnobs.replay`) apply (None: all).
+    `groups_BS` (and a cache's `key_groups_BT`) number the image behind each slot, whose tokens read each other
+    in both directions; with `sliding_groups` (Gemma 4) only sliding layers read them so.
     `report_indexer` asks latent mixers with an indexer for their `dew.nn.mla.IndexerRecord`, and
     `report_qk` every softmax-attention mixer for its largest logit per row and head (`qk_max`).
     `fresh_cache` says the cache held no token before this call (`dew.nn.kv_cache.Cache.fresh`).
@@ -128,6 +130,7 @@ class LayerContext:
     read_only_cache: bool = struct.field(pytree_node=False, default=False)
     groups_BS: jax.Array | None = None
     key_groups_BT: jax.Array | None = None
+    sliding_groups: bool = struct.field(pytree_node=False, default=False)
     positions_BS: jax.Array | None = None
     shared_kv: tuple | None = None
     per_layer_BSLP: jax.Array | None = None

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from dew.nn.attention import NO_WINDOW
 from dew.nn.layer import CONSTANTS, DecoderLayer, LayerKnobs, LayerSpec
 from dew.nn.linear import QUANT_COLLECTION
 from dew.nn.moe import BIAS_COLLECTION
@@ -30,8 +31,6 @@ REMAT_POLICIES = {
     "dots": "checkpoint_dots",  # keep matmul outputs, recompute the rest
     "dots_no_batch": "dots_with_no_batch_dims_saveable",  # keep matmuls without batch dims (not attention's)
 }
-# The window of a layer that does not slide: wider than any sequence.
-NO_WINDOW = np.iinfo(np.int32).max
 
 
 def runs(specs: Sequence[LayerSpec], scan_from: int) -> list[tuple[int, int, bool]]:

@@ -534,7 +534,8 @@ class CausalTransformer(ModelVariables, nn.Module):
     the compute dtype replace the embeddings (after any embedding scale) of the slots whose
     `feature_indices` `[B, S]` are at least 0 (the feature each reads; -1 for text), and
     `image_groups` `[B, S]` number the image behind each slot (-1 for text), whose tokens read each
-    other in both directions; a cache with `groups` remembers them for later calls.
+    other in both directions (in a Gemma 4 decoder, in its sliding layers only, as transformers' Gemma 4 masks
+    them); a cache with `groups` remembers them for later calls.
     """
 
     config: DecoderConfig
@@ -665,6 +666,9 @@ class CausalTransformer(ModelVariables, nn.Module):
                 x_BSE = x_BSE * jnp.asarray(c.emb_features**0.5, c.dtype)
             if c.embedding_scale != 1.0:
                 x_BSE = x_BSE * jnp.asarray(c.embedding_scale, c.dtype)
+            if c.gemma4 is not None or c.gemma3n is not None:  # the pad row (id 0) is frozen, as transformers'
+                # padding_idx keeps it
+                x_BSE = jnp.where((ids_BS == 0)[:, :, None], jax.lax.stop_gradient(x_BSE), x_BSE)
             return x_BSE
 
         if feature_indices is None:
@@ -692,7 +696,7 @@ class CausalTransformer(ModelVariables, nn.Module):
             replay_LBSK, context_cache["covered_BS"] = self._replay(routes, B, S)
         context = LayerContext(rotary=rotary, slots_BS=slots_BS, segments_BS=segments_BS, report_indexer=indexer,
                                report_qk=qk_stats, positions_BS=jnp.asarray(positions, jnp.int32),
-                               **context_cache)
+                               sliding_groups=c.gemma4 is not None, **context_cache)
 
         altup = None if c.gemma3n is None else c.gemma3n.altup_inputs
         if altup is not None:  # Gemma 3n's residual: AltUp's streams [K, B, S, E]

@@ -1,5 +1,6 @@
-"""What the multimodal families' tests against transformers share: the targets `LMObjective` scores, the cached
-greedy continuation against transformers' `generate`, logits after one SGD step, and save -> reload."""
+"""What the multimodal families' tests against transformers share: transformers' processor built without its
+video processor, the targets `LMObjective` scores, the cached greedy continuation against transformers' `generate`,
+logits after one SGD step, and save -> reload."""
 
 from __future__ import annotations
 
@@ -8,6 +9,23 @@ import numpy as np
 from dew.interop import load_pretrained
 from dew.sampling import Sampling
 from tests.tolerances import assert_within
+
+
+def without_videos(processor_class, **parts):
+    """transformers' `processor_class` over `parts` (its image processor, tokenizer, ...) and no video processor,
+    which needs torchvision (its PyPI wheels are CUDA builds that do not load beside a CPU torch): the check of that
+    one argument's class is lifted while it is made."""
+    from unittest import mock
+
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def lifted(self, name, argument):
+        return None if name == "video_processor" and argument is None else check(self, name, argument)
+
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lifted):
+        return processor_class(**parts, video_processor=None)
 
 
 def targets(inputs):

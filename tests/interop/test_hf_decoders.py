@@ -37,10 +37,11 @@ def test_families_cover_the_issue():
     # DiffusionGemma, which is no decoder family (tests/interop/test_diffusion_gemma.py), DeepSeek's,
     # whose configs carry fields of DeepSeek's own code beside transformers' (tests/interop/test_deepseek.py),
     # and the multimodal models around a text family: Gemma 3, Llama 4, Qwen 3.5 (dense and experts) and Gemma 3n
-    # with images (tests/interop/test_gemma3.py, tests/interop/test_llama4.py, tests/interop/test_qwen35.py,
-    # tests/interop/test_gemma3n.py)
+    # with images, Gemma 4 with images and audio (tests/interop/test_gemma3.py, tests/interop/test_llama4.py,
+    # tests/interop/test_qwen35.py, tests/interop/test_gemma3n.py, tests/interop/test_gemma4.py)
     assert set(FAMILIES) == set(_CLASSES) | {"llada", "Dream", "diffusion_gemma", "deepseek_v2", "deepseek_v3",
-                                             "deepseek_v32", "gemma3", "llama4", "qwen3_5", "qwen3_5_moe", "gemma3n"}
+                                             "deepseek_v32", "gemma3", "llama4", "qwen3_5", "qwen3_5_moe", "gemma4",
+                                             "gemma3n"}
 
 
 @pytest.mark.parametrize("model_type", sorted(_CLASSES))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +28,12 @@ from dew.serve import Engine, Request
 from dew.training.state import Step
 from tests.interop.test_qwen3_next import bound as hybrid_bound
 from tests.interop.multimodal_checks import (check_greedy_matches_generate, check_save_reloads,
-                                             check_row_logits, check_stepped_logits, targets)
+                                             check_row_logits, check_stepped_logits, targets, without_videos)
 from tests.serve.test_engine import Collect
 from tests.tolerances import assert_within, ulp_bound, vision_tower_ulps
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from transformers.processing_utils import ProcessorMixin  # noqa: E402
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "hf" / "qwen3_5-native-tiny"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -58,13 +56,7 @@ def logits_of(bundle):
 def hf_processor():
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(FIXTURE)
     image_processor = transformers.AutoImageProcessor.from_pretrained(FIXTURE, backend="pil")
-    check = ProcessorMixin.check_argument_for_proper_class
-
-    def without_videos(self, name, argument):
-        return None if name == "video_processor" and argument is None else check(self, name, argument)
-
-    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", without_videos):
-        return transformers.Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
+    return without_videos(transformers.Qwen3VLProcessor, image_processor=image_processor, tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")

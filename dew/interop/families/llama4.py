@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from dew.interop.families.converter import Converter
 from dew.interop.families.llama4_text import LLAMA4_TEXT
-from dew.interop.families.multimodal import Layout, layout_of, read_parts
+from dew.interop.families.multimodal import Layout, MultimodalFamily, layout_of, read_parts
 from dew.interop.hf_decoders import ConfigFields
 from dew.interop.tensors import Rule
 from dew.nn.multimodal import MultimodalConfig
@@ -38,11 +38,9 @@ _LAYOUTS = (Layout("language_model.model.", "language_model.lm_head.weight", "vi
 
 
 @dataclasses.dataclass(frozen=True)
-class Llama4Family:
+class Llama4Family(MultimodalFamily):
     """The `llama4` family: config.json to `MultimodalConfig` and back, and its tensor rules."""
 
-    writes_decoders: ClassVar[bool] = False
-    multimodal: ClassVar[bool] = True
     model_type: str = MODEL_TYPE
     architecture: str = "Llama4ForConditionalGeneration"
     gguf: None = None
@@ -69,17 +67,6 @@ class Llama4Family:
     def tensor_rules(self, config: MultimodalConfig, names: Collection[str] | None = None) -> tuple[Rule, ...]:
         """The rules between the checkpoint's tensors and the model's variables, in the layout `names` use."""
         return self.layout(names).rules(config, LLAMA4_TEXT.tensor_rules(config.text))
-
-    def ignorable(self, name: str, config: MultimodalConfig) -> bool:
-        """A tied head's copy, which transformers drops too."""
-        return name.endswith("lm_head.weight") and config.text.tie_embeddings
-
-    def fit_to_weights(self, kwargs, names):
-        return kwargs
-
-    def written(self, config: MultimodalConfig, source: Mapping[str, Any]) -> dict[str, Any]:
-        """config.json for a save: the source's (a load changes no field of it)."""
-        return dict(source)
 
 
 LLAMA4 = Llama4Family()

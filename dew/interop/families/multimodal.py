@@ -1,17 +1,19 @@
 """What the multimodal families share (Gemma 3, Llama 4): where a checkpoint keeps its decoder, tower and
 projector (`Layout`), finding the layout a checkpoint's tensor names use, and the rules of the whole
 model in one layout, the decoder's under `language_model/`, the tower's under `tower/`, the projector's
-under `projector/`."""
+under `projector/`, and an audio tower's and projector's (`audio_rules`) under `audio_tower/` and
+`audio_projector/`."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, ClassVar
 
-from dew.interop import vision
+from dew.interop import audio, vision
 from dew.interop.hf_decoders import ConfigFields
 from dew.interop.tensors import Rule
-from dew.nn.multimodal import LANGUAGE_MODEL, MultimodalConfig
+from dew.nn.multimodal import LANGUAGE_MODEL, AudioPart, MultimodalConfig
 from dew.nn.vision import projector_config, tower_config
 
 
@@ -65,3 +67,34 @@ def read_parts(fields: ConfigFields, text_family, tower_kind: str, projector_kin
                       "serves both: give the two the same value")
     tower = tower_config(tower_kind, dict(fields.get("vision_config") or {}), f"{where} vision_config")
     return text, tower, projector_config(projector_kind, fields.source, where)
+
+
+@dataclasses.dataclass(frozen=True)
+class MultimodalFamily:
+    """What the multimodal families share: they write no text decoder (`family_for` never picks one), a tied
+    head's copy in a checkpoint is dropped as transformers drops it, and a save writes the source's config.json
+    back (a load changes no field of it)."""
+
+    writes_decoders: ClassVar[bool] = False
+    multimodal: ClassVar[bool] = True
+
+    def ignorable(self, name: str, config: MultimodalConfig) -> bool:
+        """A tied head's copy, which transformers drops too."""
+        return name.endswith("lm_head.weight") and config.text.tie_embeddings
+
+    def fit_to_weights(self, kwargs, names):
+        return kwargs
+
+    def written(self, config: MultimodalConfig, source: Mapping[str, Any]) -> dict[str, Any]:
+        """config.json for a save: the source's."""
+        return dict(source)
+
+
+def audio_rules(part: AudioPart, tower: str, projector: str) -> tuple[Rule, ...]:
+    """The rules of an audio tower under the checkpoint prefix `tower` and its projector under `projector`, at the
+    model's `audio_tower/` and `audio_projector/` (the tower's own rules name each variable's collection first; the
+    model's merged tree has none)."""
+    tower_rules = tuple(dataclasses.replace(rule, dew=tuple("audio_tower/" + path.split("/", 1)[1] for path in rule.dew))
+                        for rule in audio.audio_rules(part.tower_kind, part.tower, tower))
+    return tower_rules + vision.projector_rules(part.projector_kind, part.projector, projector,
+                                                dew_prefix="audio_projector/")

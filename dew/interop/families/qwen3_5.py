@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from dew.interop.families.converter import Converter
-from dew.interop.families.multimodal import Layout, layout_of, read_parts
+from dew.interop.families.multimodal import Layout, MultimodalFamily, layout_of, read_parts
 from dew.interop.families.qwen3_next import QWEN3_5_MOE_TEXT, QWEN3_5_TEXT
 from dew.interop.hf_decoders import ConfigFields
 from dew.interop.tensors import Rule
@@ -35,12 +35,10 @@ _LAYOUTS = (Layout("model.language_model.", "lm_head.weight", "model.visual.", "
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen35Family:
+class Qwen35Family(MultimodalFamily):
     """The `qwen3_5` family (and `qwen3_5_moe`, the same over `text`, Qwen 3.5-MoE's text family): config.json
     to `MultimodalConfig` and back, and its tensor rules."""
 
-    writes_decoders: ClassVar[bool] = False
-    multimodal: ClassVar[bool] = True
     model_type: str = MODEL_TYPE
     architecture: str = "Qwen3_5ForConditionalGeneration"
     config_class: str = "Qwen3_5Config"
@@ -71,13 +69,6 @@ class Qwen35Family:
     def ignorable(self, name: str, config: MultimodalConfig) -> bool:
         """A tied head's copy and the multi-token-prediction tensors, which transformers drops too."""
         return name.startswith("mtp.") or (name.endswith("lm_head.weight") and config.text.tie_embeddings)
-
-    def fit_to_weights(self, kwargs, names):
-        return kwargs
-
-    def written(self, config: MultimodalConfig, source: Mapping[str, Any]) -> dict[str, Any]:
-        """config.json for a save: the source's (a load changes no field of it)."""
-        return dict(source)
 
 
 QWEN3_5 = Qwen35Family()

@@ -108,6 +108,13 @@ class Gemma4Audio:
         """Input frames per output frame."""
         return 4
 
+    def encoded_frames(self, frames: int) -> int:
+        """The frames the tower gives for `frames` input frames (each stride-2 convolution, padded by one a side,
+        keeps `ceil(T / 2)`); of real frames first, the real ones it gives."""
+        for _ in range(2):
+            frames = -(-frames // 2)
+        return frames
+
     def build(self, dtype=jnp.float32, param_dtype=jnp.float32) -> "Gemma4AudioEncoder":
         """The tower computing its projections in `dtype` (norms, attention and convolutions in float32) with
         parameters stored in `param_dtype`; the clipping bounds are float32 constants."""

@@ -4,7 +4,8 @@ A tower config (`TOWERS`) reads its `vision_config` record (`from_hf`), writes i
 what images it takes (`geometry()`) and builds a module `[N, C, H, W] -> [N, P, width]` (`build`); a
 projector config (`PROJECTORS`) reads the multimodal model's record and builds a module from the tower's
 `[N, P, width]` to soft tokens `[N, tokens, text width]`. Qwen 3.5's tower reads patch vectors with each
-image's patch grid instead (`dew.nn.vision.qwen35`): its images differ in size. Their checkpoint tensor rules live in
+image's patch grid instead (`dew.nn.vision.qwen35`): its images differ in size; Gemma 4's reads padded patch
+streams with each patch's position (`dew.nn.vision.gemma4`). Their checkpoint tensor rules live in
 `dew.interop.vision`.
 """
 
@@ -15,15 +16,17 @@ from typing import Any
 
 from dew.nn.vision.base import TowerGeometry
 from dew.nn.vision.gemma3n import Gemma3nEmbedder, Gemma3nEmbedderConfig
+from dew.nn.vision.gemma4 import Gemma4Projector, Gemma4ProjectorConfig, Gemma4Tower, Gemma4VisionConfig
 from dew.nn.vision.llama4 import Llama4Tower, Llama4VisionConfig
 from dew.nn.vision.mobilenet import MobileNetV5Config, MobileNetV5Tower
 from dew.nn.vision.projectors import GemmaProjector, GemmaProjectorConfig, Llama4Projector, Llama4ProjectorConfig
 from dew.nn.vision.qwen35 import Qwen35Merger, Qwen35MergerConfig, Qwen35Tower, Qwen35VisionConfig
 from dew.nn.vision.siglip import SiglipConfig, SiglipTower
 
-TOWERS: dict[str, type] = {"siglip": SiglipConfig, "llama4": Llama4VisionConfig, "qwen3_5": Qwen35VisionConfig}
+TOWERS: dict[str, type] = {"siglip": SiglipConfig, "llama4": Llama4VisionConfig, "qwen3_5": Qwen35VisionConfig,
+                           "gemma4": Gemma4VisionConfig}
 PROJECTORS: dict[str, type] = {"gemma": GemmaProjectorConfig, "llama4": Llama4ProjectorConfig,
-                               "qwen3_5": Qwen35MergerConfig}
+                               "qwen3_5": Qwen35MergerConfig, "gemma4": Gemma4ProjectorConfig}
 TOWERS["gemma3n"] = MobileNetV5Config
 PROJECTORS["gemma3n"] = Gemma3nEmbedderConfig  # one per modality: from_hf(record, where, modality="audio")
 
@@ -55,7 +58,8 @@ def projector_config(kind: str, record: Mapping[str, Any], where: str):
 
 
 __all__ = [
-    "PROJECTORS", "TOWERS", "GemmaProjector", "GemmaProjectorConfig", "Llama4Projector", "Llama4ProjectorConfig",
+    "PROJECTORS", "TOWERS", "Gemma4Projector", "Gemma4ProjectorConfig", "Gemma4Tower", "Gemma4VisionConfig",
+    "GemmaProjector", "GemmaProjectorConfig", "Llama4Projector", "Llama4ProjectorConfig",
     "Llama4Tower", "Llama4VisionConfig", "Qwen35Merger", "Qwen35MergerConfig", "Qwen35Tower", "Qwen35VisionConfig",
     "SiglipConfig", "SiglipTower", "TowerGeometry",
     "Gemma3nEmbedder", "Gemma3nEmbedderConfig", "MobileNetV5Config", "MobileNetV5Tower",

@@ -4,6 +4,7 @@ that prepares them and the projector after it) and the check of their sizes."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -69,3 +70,34 @@ class TowerPart(nn.Module):
     def linear(self, features: int, names: tuple[str, str], name: str) -> Linear:
         """A biased linear map to `features`, called from a compact method."""
         return Linear(features, use_bias=True, dtype=self.dtype, param_dtype=self.param_dtype, names=names, name=name)
+
+
+def read_axial_record(cls, record: Mapping[str, Any], where: str, model_types: tuple[str, ...], reference: str,
+                      inert: Collection[str], default_theta: float):
+    """The tower config `cls` (whose `rope_theta` field is the record's `rope_parameters["rope_theta"]`, an "axial"
+    rotary) that a `vision_config` record describes, transformers' defaults for absent fields. Another model
+    type, another rotary or a field that is neither one of `cls`'s nor `inert` is refused by name (`where` names
+    the record, `reference` transformers' class)."""
+    model_type = record.get("model_type", model_types[0])
+    if model_type not in model_types:
+        raise ValueError(f"{where} has model_type {model_type!r}; this tower is transformers' one of {list(model_types)}")
+    fields = {field.name for field in dataclasses.fields(cls)} - {"rope_theta"}
+    for name, value in record.items():
+        if name not in fields | {"rope_parameters"} and name not in inert:
+            raise ValueError(f"{where} field {name!r} = {value!r} is not a field of transformers' {reference} that Dew "
+                             "computes: remove it if the tower was trained without it")
+    rope = dict(record.get("rope_parameters") or {})
+    if rope.get("rope_type", "axial") != "axial" or set(rope) - {"rope_type", "rope_theta"}:
+        raise ValueError(f"{where} rope_parameters {rope}: this tower turns by an axial rotary with a rope_theta and "
+                         "nothing else")
+    try:
+        return cls(**{name: record[name] for name in fields if name in record},
+                   rope_theta=float(rope.get("rope_theta", default_theta)))
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+def axial_record(config, model_type: str) -> dict[str, Any]:
+    """The `vision_config` record of a tower config read by `read_axial_record`, for a config.json."""
+    record = {name: value for name, value in dataclasses.asdict(config).items() if name != "rope_theta"}
+    return {"model_type": model_type, **record, "rope_parameters": {"rope_type": "axial", "rope_theta": config.rope_theta}}

@@ -37,7 +37,7 @@ from dew.nn.attention import attend
 from dew.nn.linear import named
 from dew.nn.mlp import ACTIVATIONS
 from dew.nn.rotary import apply_rotary, rotary_frequencies
-from dew.nn.vision.base import TowerPart, layer_norm, require_positive_ints
+from dew.nn.vision.base import TowerPart, axial_record, layer_norm, read_axial_record, require_positive_ints
 from dew.nn.vision.siglip import HIDDEN_ACTS
 
 MODEL_TYPE = "qwen3_5_vision"
@@ -100,30 +100,11 @@ class Qwen35VisionConfig:
     def from_hf(cls, record: Mapping[str, Any], where: str) -> "Qwen35VisionConfig":
         """The config a `vision_config` record describes, transformers' defaults for absent fields; a field
         that would change the computation and is not one of these is refused by name."""
-        model_type = record.get("model_type", MODEL_TYPE)
-        if model_type not in MODEL_TYPES:
-            raise ValueError(f"{where} has model_type {model_type!r}; Qwen 3.5's tower is transformers' one of "
-                             f"{list(MODEL_TYPES)}")
-        fields = {field.name for field in dataclasses.fields(cls)} - {"rope_theta"}
-        for name, value in record.items():
-            if name not in fields | {"rope_parameters"} and name not in _INERT:
-                raise ValueError(f"{where} field {name!r} = {value!r} is not a field of transformers' "
-                                 "Qwen3_5VisionConfig that Dew computes: remove it if the tower was trained without it")
-        rope = dict(record.get("rope_parameters") or {})
-        if rope.get("rope_type", "axial") != "axial" or set(rope) - {"rope_type", "rope_theta"}:
-            raise ValueError(f"{where} rope_parameters {rope}: Qwen 3.5's tower turns by an axial rotary with a "
-                             "rope_theta and nothing else")
-        try:
-            return cls(**{name: record[name] for name in fields if name in record},
-                       rope_theta=float(rope.get("rope_theta", 10000.0)))
-        except ValueError as error:
-            raise ValueError(f"{where}: {error}") from None
+        return read_axial_record(cls, record, where, MODEL_TYPES, "Qwen3_5VisionConfig", _INERT, 10000.0)
 
     def to_hf(self) -> dict[str, Any]:
         """The `vision_config` record of this tower, for a config.json."""
-        record = {name: value for name, value in dataclasses.asdict(self).items() if name != "rope_theta"}
-        return {"model_type": MODEL_TYPE, **record,
-                "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta}}
+        return axial_record(self, MODEL_TYPE)
 
     def example(self, dtype) -> dict[str, jax.Array]:
         """The smallest input (one image of one merge block), which `init` builds the parameters from."""

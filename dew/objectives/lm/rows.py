@@ -17,7 +17,7 @@ _SLOTTED = MEDIA_FIELDS + ("rotary_positions",)
 class _Rows:
     """A batch's token rows `[B, S + 1]` and their per-token fields, each `[B, S + 1]` or None; `media`,
     a multimodal batch's image fields (`[B, S + 1]`, `dew.data.inputs.MEDIA_FIELDS`, and `rotary_positions`
-    `[B, S + 1, 3]`) and its conditioning (`pixel_values`, `image_grid_thw`), empty for text."""
+    `[B, S + 1, 3]`) and its conditioning (`dew.data.inputs.MEDIA_CONDITIONING`), empty for text."""
 
     tokens: jax.Array
     segment_ids: jax.Array | None = None
@@ -31,9 +31,10 @@ class _Rows:
         return {name: value[:, :-1] if name in _SLOTTED else value for name, value in self.media.items()}
 
     def media_targets(self):
-        """Which targets `[B, S]` are an image's soft tokens (None without images): they carry no loss."""
-        indices = self.media.get("image_indices")
-        return None if indices is None else indices[:, 1:] >= 0
+        """Which targets `[B, S]` are an image's or a clip's soft tokens (None without media): they carry no loss."""
+        soft = [indices[:, 1:] >= 0 for indices in (self.media.get("image_indices"), self.media.get("audio_indices"))
+                if indices is not None]
+        return None if not soft else soft[0] if len(soft) == 1 else soft[0] | soft[1]
 
 
 def _rows_of(text, roles=None, segment_ids=None, positions=None) -> _Rows:
