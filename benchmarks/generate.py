@@ -12,7 +12,10 @@ row runs the whole budget. `--int8` adds Dew with int8 weights (`load_pretrained
 held-out text and their greedy agreement on the Paris prompt (smollm2-gguf); its products run in Dew's
 int8 kernel where it is on (`dew.kernels.int8`; `DEW_KERNELS=xla` measures XLA's form), and the
 run prints which. `--gguf` (smollm2-gguf only) adds Dew keeping the file's own Q4_1 blocks
-(`load_pretrained(..., quantize="gguf")`, `dew.kernels.blocks`), with the same quality figures.
+(`load_pretrained(..., quantize="gguf")`, `dew.kernels.blocks`) twice: under the default kernel policy,
+whose decoding products round x to 8-bit blocks (the integer path), and under `exact` ("gguf exact"),
+with the same quality figures; perplexity is taken through the cache in chunks of 32 tokens, the rows
+a decoding product sees.
 `--llama-cpp` (smollm2-gguf only; needs `llama-cpp-python`, the `bench` extra, which builds llama.cpp
 from source, in this interpreter or the one `--llama-cpp-python` names) adds llama.cpp decoding the same
 Q4_1 file with its own 4-bit kernels, one sequence at a time, in a process of its own
@@ -25,6 +28,7 @@ median: the figures to compare on a machine shared with other work (`--rounds-on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -153,27 +157,37 @@ def smollm2_gguf():
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "kjv.txt.xz"
 
 
-def quality(model, variables, others: dict, tokenizer, tokens: int = 1024) -> None:
-    """Print the perplexity of float32 weights and of each of `others` (name: variables) on held-out text
-    (the corpus's last 20,000 characters: Revelation, which the quick start's runs never train on) and
-    how many greedy tokens of the Paris prompt each agrees on with float32 before they first differ."""
+def quality(model, variables, others: dict, tokenizer, tokens: int = 1024, chunk: int = 32) -> None:
+    """Print the perplexity of float32 weights and of each of `others` (name: (model, variables)) on
+    held-out text (the corpus's last 20,000 characters: Revelation, which the quick start's runs never
+    train on), fed through the cache `chunk` tokens at a time, and how many greedy tokens of the Paris
+    prompt each agrees on with float32 before they first differ."""
     import lzma
 
     with lzma.open(CORPUS, "rt", encoding="utf-8") as stream:
         text = stream.read()[-20_000:]
     ids = jnp.asarray([tokenizer.encode(text)[: tokens + 1]], jnp.int32)
 
-    def perplexity(v):
-        logits = model.apply(v, ids[:, :-1])
-        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return float(jnp.exp(-jnp.mean(jnp.take_along_axis(log_probs, ids[:, 1:, None], axis=-1))))
+    def perplexity(m, v):
+        @jax.jit
+        def scored(v, cache, chunk_ids):
+            output, cache = m.apply(v, chunk_ids[:, :-1], attention_mask=jnp.ones((1, chunk), bool), cache=cache,
+                                    head=False)
+            log_probs = jax.nn.log_softmax(output.head.logits(output.hidden[0]).astype(jnp.float32), axis=-1)
+            return jnp.sum(jnp.take_along_axis(log_probs, chunk_ids[0, 1:, None], axis=-1)), cache
+
+        cache, total = m.init_cache(1, tokens), 0.0
+        for start in range(0, tokens, chunk):
+            part, cache = scored(v, cache, ids[:, start:start + chunk + 1])
+            total += float(part)
+        return float(np.exp(-total / tokens))
 
     prompt = [tokenizer.encode("The capital of France is")]
     greedy = Sampling(temperature=0.0)
-    decode = lambda v: generate(model, v, prompt, 32, key=jax.random.key(0), sampling=greedy).continuations()[0]
-    ours, float_run = perplexity(variables), decode(variables)
-    for name, weights in others.items():
-        theirs, run = perplexity(weights), decode(weights)
+    decode = lambda m, v: generate(m, v, prompt, 32, key=jax.random.key(0), sampling=greedy).continuations()[0]
+    ours, float_run = perplexity(model, variables), decode(model, variables)
+    for name, (other, weights) in others.items():
+        theirs, run = perplexity(other, weights), decode(other, weights)
         same = next((i for i, (a, b) in enumerate(zip(float_run, run)) if a != b), min(len(float_run), len(run)))
         print(f"perplexity on {tokens} held-out tokens: float32 {ours:.3f}, {name} {theirs:.3f} "
               f"({theirs / ours - 1:+.2%}); greedy on 'The capital of France is': {name} equals float32 for the "
@@ -246,9 +260,11 @@ def main():
         kept_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(kept))
         print(f"gguf: the file's own blocks, {kept_bytes / 2**20:,.0f} MiB read per decode step; products: "
               f"{'Dew kernel, ' + why if on else 'XLA (the kernel is off: ' + why + ')'}")
-    others = {name: v for name, v in (("int8", int8), ("gguf", kept)) if v is not None}
+    others = {name: (model, v) for name, v in (("int8", int8), ("gguf", kept)) if v is not None}
+    if kept is not None:
+        others["gguf exact"] = (model.clone(config=dataclasses.replace(model.config, kernels="exact")), kept)
     if args.rounds_only:
-        batch_1(model, {"float32": variables, **others}, args, np.random.default_rng(0))
+        batch_1({"float32": (model, variables), **others}, args, np.random.default_rng(0))
         return
     if others and tokenizer is not None:
         quality(model, variables, others, tokenizer)
@@ -273,8 +289,8 @@ def main():
             peers["llama.cpp"] = rate(cpp_first, cpp_all, rows=1)
             print(f"batch {batch}: llama.cpp (Q4_1, one sequence) first token {cpp_first * 1e3:.0f} ms, decode "
                   f"{peers['llama.cpp']:,.1f} tokens/s; dew float32 against it {ours_rate / peers['llama.cpp']:.2f}x")
-        for name, weights in others.items():
-            q_first, q_all = dew_times(model, weights, prompts, args.new)
+        for name, (other, weights) in others.items():
+            q_first, q_all = dew_times(other, weights, prompts, args.new)
             q_rate = rate(q_first, q_all)
             against = ", ".join(f"{q_rate / peer:.2f}x {name}" for name, peer in peers.items())
             print(f"batch {batch}: dew {name} first token {q_first * 1e3:.0f} ms, decode {q_rate:,.1f} tokens/s: "
@@ -288,15 +304,17 @@ def main():
               f"{streamed / 1e9:.1f} GB/s ({streamed / bandwidth:.0%} of the copy bandwidth)")
 
     if args.rounds:
-        batch_1(model, {"float32": variables, **others}, args, rng)
+        batch_1({"float32": (model, variables), **others}, args, rng)
 
 
-def batch_1(model, weights: dict, args, rng) -> None:
-    """Batch-1 decode of each of `weights` (name: variables) and llama.cpp in alternating rounds."""
+def batch_1(engines_weights: dict, args, rng) -> None:
+    """Batch-1 decode of each of `engines_weights` (name: (model, variables)) and llama.cpp in alternating
+    rounds."""
+    model = next(iter(engines_weights.values()))[0]
     prompts = rng.integers(1, model.config.vocab_size, (1, args.prompt)).tolist()
     greedy = Sampling(temperature=0.0)
 
-    def timer(v):
+    def timer(model, v):
         def seconds(n):
             started = time.perf_counter()
             jax.block_until_ready(generate(model, v, prompts, n, key=jax.random.key(0), sampling=greedy).tokens)
@@ -304,7 +322,7 @@ def batch_1(model, weights: dict, args, rng) -> None:
         seconds(1), seconds(args.new)  # compile both budgets
         return seconds
 
-    engines = {name: timer(v) for name, v in weights.items()}
+    engines = {name: timer(m, v) for name, (m, v) in engines_weights.items()}
     peer = None
     if args.llama_cpp:
         peer = LlamaCppPeer(Path(smollm2_directory()) / SMOLLM2_GGUF, prompts[0], args.new, args.llama_cpp_python)

@@ -164,7 +164,8 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
           max_body_bytes: int = 2**20, read_timeout: float = 30.0, keep_alive_timeout: float = 5.0,
           max_connections: int = 512, live: bool = False, quantize: Literal["int8", "gguf"] | None = None,
           max_images: int = 4, max_image_pixels: int = 4096 * 4096, max_image_bytes: int = 16 * 2**20,
-          fetch_images: bool = False, max_logprobs: int = 20, compilation_cache: str | None = None) -> None:
+          fetch_images: bool = False, max_audio_clips: int = 4, max_audio_seconds: float = 30.0,
+          max_audio_bytes: int = 16 * 2**20, max_logprobs: int = 20, compilation_cache: str | None = None) -> None:
     """Serve a model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health)
     with continuous batching, until interrupted. Needs the serve extra (pip install 'dew-ml[serve]').
 
@@ -203,6 +204,10 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
         max_image_pixels: The most pixels (width times height) of one image.
         max_image_bytes: The most encoded bytes of one image.
         fetch_images: Fetch images sent as http(s) URLs (by default only inline data: URLs are read).
+        max_audio_clips: The most audio clips (input_audio parts, base64 WAV) one chat request may hold (a
+            model that hears them, Gemma 4's and Gemma 3n's; past it, 400).
+        max_audio_seconds: The longest clip, in seconds.
+        max_audio_bytes: The most encoded bytes of one clip.
     """
     import importlib.util
     import logging
@@ -211,12 +216,14 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
     if missing:
         raise ImportError(f"dew serve needs {', '.join(missing)}: pip install 'dew-ml[serve]'")
     from dew.serve.app import run
+    from dew.serve.audio import AudioLimits
     from dew.serve.images import ImageLimits
     from dew.serve.network import Limits, bind
     from dew.serve.service import Served
 
     limits = Limits(max_body_bytes, read_timeout, keep_alive_timeout, max_connections)
     images = ImageLimits(max_images, max_image_pixels, max_image_bytes, fetch_images)
+    audio = AudioLimits(max_audio_clips, max_audio_seconds, max_audio_bytes)
     log = logging.getLogger("dew.serve")  # lines in uvicorn's format, whatever the root logger holds
     if not log.handlers:
         handler = logging.StreamHandler()
@@ -233,7 +240,7 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
         served = Served.load(source, slots=slots, capacity=capacity, queue=queue, prefill_rows=prefill_rows,
                              name=name, chat_template_file=chat_template, live=live, quantize=quantize,
                              special_tokens_in_messages=special_tokens_in_messages, images=images,
-                             max_log_probs=max_logprobs)
+                             max_log_probs=max_logprobs, audio=audio)
     except BaseException:
         listener.close()
         raise

@@ -11,6 +11,10 @@
 // at one shift, or 16 int8): in Q4_0/Q4_1 the low nibbles of the 16 bytes are values 0-15 and the high
 // ones 16-31; in Q4_K each 32 bytes hold sub-block 2i in their low nibbles and 2i+1 in their high ones.
 //
+// Two paths. The exact one (handler "product") takes x in float32. The integer one ("rounded_product";
+// Q4_0, Q4_1, Q8_0; below) first rounds x to two layers of 8-bit integers a sub-block and multiplies
+// integers, about twice as fast; dew.kernels.blocks says which one a product takes.
+//
 // Decoding reads every weight once per token, so the speed is the speed of streaming the blocks: they
 // are widened to float32 in registers and never written back as floats. Each sub-block's products with
 // x sum in float32 and its scale multiplies that partial sum; an offset (Q4_1's m, Q4_K's mins) times
@@ -25,9 +29,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "isa.h"
@@ -129,6 +137,15 @@ inline int SubBlocks(Kind kind, const uint8_t* b, Sub* out) {
   }
 }
 
+struct Rounded {
+  const int8_t* q1;     // [n, padded * 32] in the body's layout
+  const int8_t* q2;     // [n, padded * 32] likewise
+  const float* d;       // [n, padded]
+  const float* d2;      // [n, padded]: d / 254
+  const float* dsum;    // [n, padded]: d sum q1 + d2 sum q2
+  int64_t padded;       // sub-blocks a row, rounded up to a multiple of 4 (the extra ones zero)
+};
+
 struct Product {
   const float* x;      // [n, k]
   const float* xsum;   // [n, k / 32]: each sub-block's sum of x
@@ -136,6 +153,7 @@ struct Product {
   float* y;            // [n, f]
   int64_t n, k, f, blocks, bytes;
   Kind kind;
+  Rounded rounded;  // x rounded to two layers of 8-bit integers, for the integer path
 };
 
 // The finished columns [c_begin, c_end) of y.
@@ -173,6 +191,23 @@ void Portable(const Product& p, int64_t c_begin, int64_t c_end) {
     }
     for (int64_t r = 0; r < p.n; ++r) p.y[r * p.f + c] = total[r] + rest[r];
   }
+}
+
+// The columns [c_begin, c_end) in tiles of C = 4 rows of w (then single ones) by R = kRows rows of x
+// (then, for kRows 3, a tile of 2 or 1): tile(R, C, r0, c0) with R and C as integral constants.
+template <int kRows, typename Tile>
+inline void InTiles(const Product& p, int64_t c_begin, int64_t c_end, Tile tile) {
+  auto rows = [&](auto C, int64_t c) {
+    int64_t r = 0;
+    for (; r + kRows <= p.n; r += kRows) tile(std::integral_constant<int, kRows>(), C, r, c);
+    if constexpr (kRows == 3) {
+      if (p.n - r == 2) tile(std::integral_constant<int, 2>(), C, r, c);
+      if (p.n - r == 1) tile(std::integral_constant<int, 1>(), C, r, c);
+    }
+  };
+  int64_t c = c_begin;
+  for (; c + 4 <= c_end; c += 4) rows(std::integral_constant<int, 4>(), c);
+  for (; c < c_end; ++c) rows(std::integral_constant<int, 1>(), c);
 }
 
 #ifdef DEW_X86
@@ -309,19 +344,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void AnyTileAvx
 template <Kind K>
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void ColumnsAvx512(const Product& p, int64_t c_begin,
                                                                      int64_t c_end) {
-  int64_t c = c_begin;
-  for (; c + 4 <= c_end; c += 4) {
-    int64_t r = 0;
-    for (; r + 3 <= p.n; r += 3) AnyTileAvx512<K, 3, 4>(p, r, c);
-    if (p.n - r == 2) AnyTileAvx512<K, 2, 4>(p, r, c);
-    if (p.n - r == 1) AnyTileAvx512<K, 1, 4>(p, r, c);
-  }
-  for (; c < c_end; ++c) {
-    int64_t r = 0;
-    for (; r + 3 <= p.n; r += 3) AnyTileAvx512<K, 3, 1>(p, r, c);
-    if (p.n - r == 2) AnyTileAvx512<K, 2, 1>(p, r, c);
-    if (p.n - r == 1) AnyTileAvx512<K, 1, 1>(p, r, c);
-  }
+  InTiles<3>(p, c_begin, c_end, [&p](auto R, auto C, int64_t r, int64_t c) {
+    AnyTileAvx512<K, decltype(R)::value, decltype(C)::value>(p, r, c);
+  });
 }
 
 // ---- AVX2 + FMA: the same with 8-float vectors, a sub-block's 32 values in four. ----
@@ -383,11 +408,354 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const Product& p, int64_t r0, 
 
 template <Kind K>
 __attribute__((target("avx2,fma"))) void ColumnsAvx2(const Product& p, int64_t c_begin, int64_t c_end) {
-  int64_t c = c_begin;
-  for (; c + 4 <= c_end; c += 4)
-    for (int64_t r = 0; r < p.n; ++r) TileAvx2<K, 4>(p, r, c);
-  for (; c < c_end; ++c)
-    for (int64_t r = 0; r < p.n; ++r) TileAvx2<K, 1>(p, r, c);
+  InTiles<1>(p, c_begin, c_end, [&p](auto, auto C, int64_t r, int64_t c) { TileAvx2<K, decltype(C)::value>(p, r, c); });
+}
+
+#endif  // DEW_X86
+
+// ---- The integer path: x rounded to two layers of 8-bit integers, integer dot products (Q4_0, Q4_1,
+// Q8_0) ----
+//
+// Each row of x is rounded in sub-blocks of 32: d = max |x| / 127, s = x * (1 / d), q1 = s rounded to
+// the nearest integer (ties to even: llama.cpp's rounding of activations), then the remainder once more,
+// q2 = (s - q1) * 254 rounded, so the sub-block is taken as d * q1 + d2 * q2 with d2 = d / 254: within
+// d / 508 of x a value, where one layer alone leaves d / 2 (that layer alone changes SmolLM2's greedy
+// text; docs/performance.md). A sub-block's products with the weight's integers are exact in int32:
+//   y = sum over sub-blocks of (d_w d) (q_w . q1 - z sum q1) + (d_w d2) (q_w . q2 - z sum q2)
+//       + m_w (d sum q1 + d2 sum q2)
+// where z is a zero point kept in the integers (Q4_0's 8; Q8_0's 128 in the AVX-512 loops, which read
+// its int8 values as unsigned bytes biased by 128) and m_w the offset (Q4_1's m). The vector loops split
+// each sub-block's products over several int32 lanes and take z's term lane by lane (z times the lane's
+// own q), so every lane holds its exact share of the products and no float sum cancels large lanes.
+// The result is the float32 product of the dequantized weights with the rounded x, up to the order of
+// float32 roundings: only x's rounding separates it from the exact path above. A sub-block holding a
+// NaN or an infinity gets d = NaN, so the outputs it reaches are NaN rather than a silent number.
+
+// Where value t (0-31) of sub-block j sits in a row of q1 or q2. Natural: j * 32 + t. Grouped (the
+// AVX-512 loops of the 4-bit kinds): sub-blocks in groups of 4, each group's values 0-15 first
+// (sub-block by sub-block), then its values 16-31, matching a register of 4 blocks' 16 nibble bytes.
+inline int64_t Place(bool grouped, int64_t j, int t) {
+  if (!grouped) return j * kSub + t;
+  return (j / 4) * 128 + (t < 16 ? 0 : 64) + 16 * (j % 4) + (t & 15);
+}
+
+constexpr float kSecond = 254.0f;  // d / d2: the second layer's steps within one of the first's
+
+inline float SubScale(float amax, bool finite) {
+  return finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+}
+
+// One sub-block rounded: its 32 values of q1 and q2, d and the sums of q1 and q2.
+struct RoundedSub {
+  int8_t q1[kSub], q2[kSub];
+  float d;
+  int32_t sum1, sum2;
+};
+
+void RoundPortable(const float* x, RoundedSub& out) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int i = 0; i < kSub; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  out.d = SubScale(amax, finite);
+  float inverse = finite && out.d != 0.0f ? 1.0f / out.d : 0.0f;
+  out.sum1 = out.sum2 = 0;
+  for (int i = 0; i < kSub; ++i) {
+    float s = x[i] * inverse, first = std::nearbyint(s);
+    int v1 = static_cast<int>(first), v2 = static_cast<int>(std::nearbyint((s - first) * kSecond));
+    out.q1[i] = static_cast<int8_t>(v1), out.q2[i] = static_cast<int8_t>(v2);
+    out.sum1 += v1, out.sum2 += v2;
+  }
+}
+
+#ifdef DEW_X86
+// 4 vectors of 8 int32 (each within int8) as 32 bytes in order, and their sum.
+__attribute__((target("avx2,fma"))) inline int32_t PackAvx2(const __m256i* n, int8_t* q) {
+  __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  // The packs interleave 4-value pieces across the two 128-bit lanes; the permutation puts them back.
+  __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  return _mm_cvtsi128_si32(s);
+}
+
+// The same with 8-float vectors; the conversions round by MXCSR's mode, nearest-even as nearbyint does.
+__attribute__((target("avx2,fma"))) void RoundAvx2(const float* x, RoundedSub& out) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4], amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    __m256 a = _mm256_and_ps(v[i], magnitude);
+    finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_LT_OQ));
+    amax = _mm256_max_ps(amax, a);
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  bool all_finite = _mm256_movemask_ps(finite) == 0xFF;
+  out.d = SubScale(_mm_cvtss_f32(m), all_finite);
+  __m256 inverse = _mm256_set1_ps(all_finite && out.d != 0.0f ? 1.0f / out.d : 0.0f);
+  __m256i n1[4], n2[4];
+  for (int i = 0; i < 4; ++i) {
+    __m256 s = _mm256_mul_ps(v[i], inverse);
+    n1[i] = _mm256_cvtps_epi32(s);
+    n2[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(s, _mm256_cvtepi32_ps(n1[i])), _mm256_set1_ps(kSecond)));
+  }
+  out.sum1 = PackAvx2(n1, out.q1);
+  out.sum2 = PackAvx2(n2, out.q2);
+}
+#endif
+
+// Every row of x rounded into `rounded`'s buffers, in the natural or the grouped layout.
+struct RoundedBuffers {
+  std::vector<int8_t> q1, q2;
+  std::vector<float> d, d2, dsum;
+
+  Rounded Fill(const float* x, int64_t n, int64_t k, bool grouped, bool vectors) {
+    int64_t subs = k / kSub, padded = (subs + 3) / 4 * 4;
+    q1.assign(static_cast<size_t>(n * padded * kSub), 0);
+    q2.assign(q1.size(), 0);
+    // 4 more than the rows need: the AVX-512 loops read 4 entries from a group's first sub-block.
+    d.assign(static_cast<size_t>(n * padded + 4), 0.0f);
+    d2.assign(d.size(), 0.0f);
+    dsum.assign(d.size(), 0.0f);
+    RoundedSub sub;
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = 0; j < subs; ++j) {
+#ifdef DEW_X86
+        if (vectors)
+          RoundAvx2(x + r * k + j * kSub, sub);
+        else
+#endif
+          RoundPortable(x + r * k + j * kSub, sub);
+        int64_t e = r * padded + j;
+        d[e] = sub.d, d2[e] = sub.d / kSecond;
+        dsum[e] = sub.d * static_cast<float>(sub.sum1) + d2[e] * static_cast<float>(sub.sum2);
+        for (auto [from, to] : {std::pair{sub.q1, q1.data()}, std::pair{sub.q2, q2.data()}}) {
+          int8_t* row = to + r * padded * kSub;
+          std::memcpy(row + Place(grouped, j, 0), from, 16);
+          std::memcpy(row + Place(grouped, j, 16), from + 16, 16);
+        }
+      }
+    return Rounded{q1.data(), q2.data(), d.data(), d2.data(), dsum.data(), padded};
+  }
+};
+
+// The portable body: each sub-block's integer values times q1 and q2, summed in int.
+void IntPortable(const Product& p, int64_t c_begin, int64_t c_end) {
+  const Rounded& x = p.rounded;
+  Sub s;
+  for (int64_t c = c_begin; c < c_end; ++c) {
+    const uint8_t* row = p.w + c * p.blocks * p.bytes;
+    for (int64_t r = 0; r < p.n; ++r) {
+      const int8_t* q1 = x.q1 + r * x.padded * kSub;
+      const int8_t* q2 = x.q2 + r * x.padded * kSub;
+      float total = 0.0f, rest = 0.0f;
+      for (int64_t b = 0; b < p.blocks; ++b) {
+        SubBlocks(p.kind, row + b * p.bytes, &s);
+        int32_t dot1 = 0, dot2 = 0;
+        for (int h = 0; h < 2; ++h)
+          for (int i = 0; i < 16; ++i) {
+            int v = s.shift[h] < 0 ? static_cast<int8_t>(s.half[h][i]) : (s.half[h][i] >> s.shift[h]) & 0xF;
+            int64_t at = Place(false, b, 16 * h + i);
+            dot1 += (s.minus8 ? v - 8 : v) * q1[at];
+            dot2 += (s.minus8 ? v - 8 : v) * q2[at];
+          }
+        int64_t e = r * x.padded + b;
+        // Multiply-adds as the vector loops take them (one rounding each).
+        total = std::fma(s.scale * x.d[e], static_cast<float>(dot1), total);
+        total = std::fma(s.scale * x.d2[e], static_cast<float>(dot2), total);
+        rest += s.offset * x.dsum[e];
+      }
+      p.y[r * p.f + c] = total + rest;
+    }
+  }
+}
+
+#ifdef DEW_X86
+
+// ---- AVX2: a sub-block's 32 values in one 256-bit register of bytes, multiplied with q by
+// vpmaddubsw (unsigned times signed bytes, pairs summed to 16 bits) and vpmaddwd (pairs to 32). Q8_0's
+// signed values go in as their magnitudes, q taking their signs: |w| * (sign(w) q) = w q, and at most
+// 2 * 128 * 127 a pair, inside 16 bits. F16C converts the scales (every AVX2 CPU has it). ----
+
+// -8 times each lane's 4 values of q for Q4_0, 0 for the other kinds.
+template <Kind K>
+__attribute__((target("avx2,fma"))) inline __m256i ZeroPointAvx2(__m256i q) {
+  if constexpr (K != kQ4_0) return _mm256_setzero_si256();
+  __m256i eights = _mm256_maddubs_epi16(_mm256_set1_epi8(8), q);
+  return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(eights, _mm256_set1_epi16(1)));
+}
+
+template <Kind K, int C>
+__attribute__((target("avx2,fma,f16c"))) void IntTileAvx2(const Product& p, int64_t r, int64_t c0) {
+  const Rounded& x = p.rounded;
+  __m256 acc[C];
+  float rest[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps(), rest[c] = 0.0f;
+  const int64_t row_bytes = p.blocks * p.bytes;
+  const uint8_t* w = p.w + c0 * row_bytes;
+  const int8_t* q1 = x.q1 + r * x.padded * kSub;
+  const int8_t* q2 = x.q2 + r * x.padded * kSub;
+  const float* d = x.d + r * x.padded;
+  const float* d2 = x.d2 + r * x.padded;
+  const float* dsum = x.dsum + r * x.padded;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q1 + b * kSub));
+    __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q2 + b * kSub));
+    __m256i zero1 = ZeroPointAvx2<K>(x1), zero2 = ZeroPointAvx2<K>(x2);
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = w + c * row_bytes + b * p.bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * p.bytes), _MM_HINT_T0);
+      __m256i pairs1, pairs2;
+      if constexpr (K == kQ8_0) {
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2)), magnitudes = _mm256_abs_epi8(v);
+        pairs1 = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(x1, v));
+        pairs2 = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(x2, v));
+      } else {
+        __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (K == kQ4_1 ? 4 : 2)));
+        __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low4);
+        pairs1 = _mm256_maddubs_epi16(v, x1);
+        pairs2 = _mm256_maddubs_epi16(v, x2);
+      }
+      __m256i dot1 = _mm256_add_epi32(_mm256_madd_epi16(pairs1, ones), zero1);
+      __m256i dot2 = _mm256_add_epi32(_mm256_madd_epi16(pairs2, ones), zero2);
+      float scale = HalfF16c(block);
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_set1_ps(scale * d[b]), acc[c]);
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_set1_ps(scale * d2[b]), acc[c]);
+      if constexpr (K == kQ4_1) rest[c] += HalfF16c(block + 2) * dsum[b];
+    }
+  }
+  for (int c = 0; c < C; ++c) p.y[r * p.f + c0 + c] = Sum256(acc[c]) + rest[c];
+}
+
+template <Kind K>
+__attribute__((target("avx2,fma,f16c"))) void IntColumnsAvx2(const Product& p, int64_t c_begin, int64_t c_end) {
+  InTiles<1>(p, c_begin, c_end, [&p](auto, auto C, int64_t r, int64_t c) { IntTileAvx2<K, decltype(C)::value>(p, r, c); });
+}
+
+// ---- AVX-512 VNNI: a register holds 4 blocks' 16 nibble bytes (Q4_0, Q4_1) or 2 blocks' 32 int8
+// (Q8_0, biased by 128 to unsigned), gathered from two loads by one byte permutation (VBMI), and
+// vpdpbusd sums 4 products of unsigned and signed bytes into each int32 lane: a sub-block's products
+// land in 4 lanes (or 8 for Q8_0), each scaled by its block's d, whose float16 bytes a second
+// permutation spreads over the same lanes. Q4_1's m times d * sum q is added in the first lane of each
+// sub-block. ----
+
+constexpr __mmask16 FirstLanes(int lanes) { return lanes == 4 ? 0x1111 : 0x0101; }
+
+struct Gathers {
+  alignas(64) uint8_t values[64], scales[64];
+  alignas(64) int32_t spread[16];  // lane -> the group's sub-block it belongs to
+};
+
+// The permutations for blocks of `bytes` bytes whose values start at `at`, `per` blocks a register.
+Gathers MakeGathers(int bytes, int at, int per, bool offsets) {
+  Gathers g{};
+  for (int e = 0; e < 64; ++e) {
+    int block = e / (64 / per), index = e % (64 / per);
+    g.values[e] = static_cast<uint8_t>(block * bytes + at + index);
+  }
+  int lanes = 16 / per;
+  for (int h = 0; h < 16; ++h) {  // d's two bytes into float16 lane h, m's into lane 16 + h
+    int block = h / lanes;
+    g.scales[2 * h] = static_cast<uint8_t>(block * bytes), g.scales[2 * h + 1] = static_cast<uint8_t>(block * bytes + 1);
+    g.scales[32 + 2 * h] = static_cast<uint8_t>(block * bytes + (offsets ? 2 : 0));
+    g.scales[33 + 2 * h] = static_cast<uint8_t>(block * bytes + (offsets ? 3 : 1));
+    g.spread[h] = block;
+  }
+  return g;
+}
+
+template <Kind K, int R, int C>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c"))) void IntTileAvx512(
+    const Product& p, int64_t r0, int64_t c0) {
+  constexpr int kPer = K == kQ8_0 ? 2 : 4;  // blocks a register
+  constexpr int kBytes = K == kQ4_0 ? 18 : K == kQ4_1 ? 20 : 34;
+  constexpr int kLanes = 16 / kPer;
+  static const Gathers gathers = MakeGathers(kBytes, K == kQ4_1 ? 4 : 2, kPer, K == kQ4_1);
+  const Rounded& x = p.rounded;
+  const __m512i values_at = _mm512_load_si512(gathers.values), scales_at = _mm512_load_si512(gathers.scales);
+  const __m512i spread = _mm512_load_si512(gathers.spread);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t row_bytes = p.blocks * kBytes, groups = (p.blocks + kPer - 1) / kPer;
+  const uint8_t* w = p.w + c0 * row_bytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t first = g * kPer, bytes = std::min<int64_t>(kPer, p.blocks - first) * kBytes;
+    // The second load reaches past the group (and at the last row past the weight): masked, it reads
+    // only the group's bytes and cannot fault.
+    const __mmask64 head = bytes >= 64 ? ~0ull : (1ull << bytes) - 1;
+    const __mmask64 tail = bytes > 64 ? (1ull << (bytes - 64)) - 1 : 0;
+    __m512i lo[C], hi[C];
+    __m512 dw[C], mw[C];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* at = w + c * row_bytes + first * kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(at + 8 * 64), _MM_HINT_T0);
+      __m512i v0 = head == ~0ull ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi8(head, at);
+      __m512i v1 = _mm512_maskz_loadu_epi8(tail, at + 64);
+      __m512i picked = _mm512_permutex2var_epi8(v0, values_at, v1);
+      __m512i halves = _mm512_permutex2var_epi8(v0, scales_at, v1);
+      dw[c] = _mm512_cvtph_ps(_mm512_castsi512_si256(halves));
+      if constexpr (K == kQ4_1) mw[c] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1));
+      if constexpr (K == kQ8_0) {
+        lo[c] = _mm512_xor_si512(picked, bias);
+      } else {
+        lo[c] = _mm512_and_si512(picked, low4);
+        hi[c] = _mm512_and_si512(_mm512_srli_epi16(picked, 4), low4);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t e = (r0 + r) * x.padded + first, at = (r0 + r) * x.padded * kSub + first * kSub;
+      // x's two layers: values 0-15 and 16-31 of 4 sub-blocks (4-bit kinds), or 2 sub-blocks' 32 (Q8_0).
+      __m512i q[2][2];
+      for (int layer = 0; layer < 2; ++layer) {
+        const int8_t* from = (layer ? x.q2 : x.q1) + at;
+        q[layer][0] = _mm512_loadu_si512(from);
+        q[layer][1] = K == kQ8_0 ? _mm512_setzero_si512() : _mm512_loadu_si512(from + 64);
+      }
+      __m512 d1 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(x.d + e)));
+      __m512 d2 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(x.d2 + e)));
+      __m512i zero_point[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // -z times each lane's q
+      if constexpr (K != kQ4_1)
+        for (int layer = 0; layer < 2; ++layer) {
+          __m512i lane_sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), q[layer][0]);
+          if constexpr (K == kQ4_0) lane_sums = _mm512_dpbusd_epi32(lane_sums, _mm512_set1_epi8(1), q[layer][1]);
+          zero_point[layer] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(lane_sums, K == kQ4_0 ? 3 : 7));
+        }
+      __m512 dsum = _mm512_setzero_ps();
+      if constexpr (K == kQ4_1)
+        dsum = _mm512_maskz_permutexvar_ps(FirstLanes(kLanes), spread, _mm512_castps128_ps512(_mm_loadu_ps(x.dsum + e)));
+      for (int c = 0; c < C; ++c) {
+        __m512i dot1 = _mm512_dpbusd_epi32(zero_point[0], lo[c], q[0][0]);
+        __m512i dot2 = _mm512_dpbusd_epi32(zero_point[1], lo[c], q[1][0]);
+        if constexpr (K != kQ8_0) {
+          dot1 = _mm512_dpbusd_epi32(dot1, hi[c], q[0][1]);
+          dot2 = _mm512_dpbusd_epi32(dot2, hi[c], q[1][1]);
+        }
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(dw[c], d1), acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2), _mm512_mul_ps(dw[c], d2), acc[r][c]);
+        if constexpr (K == kQ4_1) acc[r][c] = _mm512_fmadd_ps(mw[c], dsum, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) p.y[(r0 + r) * p.f + c0 + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+template <Kind K>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c"))) void IntColumnsAvx512(
+    const Product& p, int64_t c_begin, int64_t c_end) {
+  InTiles<3>(p, c_begin, c_end, [&p](auto R, auto C, int64_t r, int64_t c) {
+    IntTileAvx512<K, decltype(R)::value, decltype(C)::value>(p, r, c);
+  });
 }
 
 #endif  // DEW_X86
@@ -420,6 +788,49 @@ Body Pick(Kind kind) {
   }
 }
 
+// Whether the CPU has the AVX-512 integer loops' instructions (vpdpbusd, vpermt2b) beside AVX-512.
+bool DetectVnni() {
+#ifdef DEW_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+#else
+  return false;
+#endif
+}
+
+const bool g_vnni = DetectVnni();
+
+// The integer path's loops under the set in use: AVX-512 VNNI where the CPU has it, else AVX2's.
+enum IntIsa { kIntPortable, kIntAvx2, kIntAvx512Vnni };
+
+IntIsa IntIsaInUse() {
+  int isa = g_isa.load(std::memory_order_relaxed);
+  return isa == kAvx512 && g_vnni ? kIntAvx512Vnni : isa >= kAvx2 ? kIntAvx2 : kIntPortable;
+}
+
+const char* IntIsaName(IntIsa isa) {
+  return isa == kIntAvx512Vnni ? "avx512_vnni" : isa == kIntAvx2 ? "avx2" : "portable";
+}
+
+template <Kind K>
+Body PickIntFor(IntIsa isa) {
+  switch (isa) {
+#ifdef DEW_X86
+    case kIntAvx512Vnni: return IntColumnsAvx512<K>;
+    case kIntAvx2: return IntColumnsAvx2<K>;
+#endif
+    default: return IntPortable;
+  }
+}
+
+Body PickInt(Kind kind, IntIsa isa) {
+  switch (kind) {
+    case kQ4_0: return PickIntFor<kQ4_0>(isa);
+    case kQ4_1: return PickIntFor<kQ4_1>(isa);
+    default: return PickIntFor<kQ8_0>(isa);
+  }
+}
+
 // At least this many weight bytes a piece: a piece's fixed cost is a few hundred nanoseconds.
 constexpr int64_t kPieceBytes = 32 << 10;
 
@@ -441,8 +852,9 @@ struct Pieces {
   }
 };
 
-ffi::Error BlocksProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                         ffi::Result<ffi::Buffer<ffi::F32>> y) {
+// y = x w^T with x as it is (`rounded` false: the exact path) or rounded to two 8-bit layers (true).
+ffi::Error Multiply(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                    ffi::Result<ffi::Buffer<ffi::F32>> y, bool rounded) {
   auto dx = x.dimensions(), dw = w.dimensions(), dy = y->dimensions();
   if (dx.size() != 2 || dw.size() != 3 || dy.size() != 2)
     return ffi::Error::InvalidArgument("dew blocks product: x [N, K], w [F, K / E, bytes] and y [N, F]");
@@ -453,21 +865,33 @@ ffi::Error BlocksProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
                                        " bytes are none of Q4_0 (18), Q4_1 (20), Q8_0 (34), Q4_K (144)");
   if (blocks * ValuesOf(kind) != k || dy[0] != n || dy[1] != f)
     return ffi::Error::InvalidArgument("dew blocks product: operand shapes do not make a product");
+  if (rounded && kind == kQ4_K)
+    return ffi::Error::InvalidArgument("dew blocks product: the integer path takes Q4_0, Q4_1 and Q8_0 blocks, "
+                                       "not Q4_K: multiply Q4_K with x in float32 (the exact path)");
   if (n == 0 || f == 0) return ffi::Error::Success();
-  // Each sub-block's sum of x, for the offsets; in the calling thread's buffer, which outlives every
-  // piece (all have finished before this call returns).
-  thread_local std::vector<float> xsum;
-  int64_t subs = k / kSub;
-  xsum.resize(static_cast<size_t>(n * subs));
-  const float* xs = x.typed_data();
-  for (int64_t e = 0; e < n * subs; ++e) {
-    float sum = 0.0f;
-    for (int i = 0; i < kSub; ++i) sum += xs[e * kSub + i];
-    xsum[e] = sum;
-  }
   auto pieces = std::make_shared<Pieces>();
-  pieces->product = Product{xs, xsum.data(), w.typed_data(), y->typed_data(), n, k, f, blocks, bytes, kind};
-  pieces->body = Pick(kind);
+  const float* xs = x.typed_data();
+  pieces->product = Product{xs, nullptr, w.typed_data(), y->typed_data(), n, k, f, blocks, bytes, kind, {}};
+  // x's own buffers live in the calling thread, which outlives every piece (all have finished before
+  // this call returns).
+  if (rounded) {
+    thread_local RoundedBuffers buffers;
+    IntIsa isa = IntIsaInUse();
+    pieces->product.rounded = buffers.Fill(xs, n, k, isa == kIntAvx512Vnni && kind != kQ8_0, isa != kIntPortable);
+    pieces->body = PickInt(kind, isa);
+  } else {
+    // Each sub-block's sum of x, for the offsets.
+    thread_local std::vector<float> xsum;
+    int64_t subs = k / kSub;
+    xsum.resize(static_cast<size_t>(n * subs));
+    for (int64_t e = 0; e < n * subs; ++e) {
+      float sum = 0.0f;
+      for (int i = 0; i < kSub; ++i) sum += xs[e * kSub + i];
+      xsum[e] = sum;
+    }
+    pieces->product.xsum = xsum.data();
+    pieces->body = Pick(kind);
+  }
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t want = std::max<int64_t>(1, std::min<int64_t>(4 * threads, f * blocks * bytes / kPieceBytes));
   int64_t columns = (f + want - 1) / want;
@@ -480,29 +904,52 @@ ffi::Error BlocksProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   return ffi::Error::Success();
 }
 
+ffi::Error ExactProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                        ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  return Multiply(pool, x, w, y, false);
+}
+
+ffi::Error RoundedProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                          ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  return Multiply(pool, x, w, y, true);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBlocksProduct, BlocksProduct,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBlocksRoundedProduct, RoundedProduct,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// Python module: handlers() -> {"product": capsule}; isa() -> the body in use; set_isa(name) lowers it.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBlocksProduct, ExactProduct,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// Python module: handlers() -> {"product": capsule, "rounded_product": capsule}; isa() -> the body in
+// use; rounded_isa() -> the integer path's; set_isa(name) lowers both.
 
 static PyObject* Handlers(PyObject*, PyObject*) {
-  static const dew::HandlerEntry entries[] = {{"product", reinterpret_cast<void*>(&DewBlocksProduct)}};
+  static const dew::HandlerEntry entries[] = {{"product", reinterpret_cast<void*>(&DewBlocksProduct)},
+                                              {"rounded_product", reinterpret_cast<void*>(&DewBlocksRoundedProduct)}};
   return dew::HandlerDict(entries, sizeof entries / sizeof entries[0]);
 }
 
 static PyObject* GetIsa(PyObject*, PyObject*) { return dew::GetIsa(g_isa); }
 
+static PyObject* GetRoundedIsa(PyObject*, PyObject*) { return PyUnicode_FromString(IntIsaName(IntIsaInUse())); }
+
 static PyObject* SetIsa(PyObject*, PyObject* args) { return dew::SetIsa(args, g_best_isa, g_isa); }
 
 static PyMethodDef kMethods[] = {
-    {"handlers", Handlers, METH_NOARGS, "The XLA FFI handler of the blocks product, as a capsule keyed 'product'."},
+    {"handlers", Handlers, METH_NOARGS, "The XLA FFI handlers: the exact product ('product') and the integer one ('rounded_product')."},
     {"isa", GetIsa, METH_NOARGS, "The instruction set the product's bodies use: avx512, avx2 or portable."},
+    {"rounded_isa", GetRoundedIsa, METH_NOARGS,
+     "The instruction set of the integer path (x rounded to 8-bit integers): avx512_vnni, avx2 or portable."},
     {"set_isa", SetIsa, METH_VARARGS, "Use a narrower instruction set than the CPU's best (for tests)."},
     {nullptr, nullptr, 0, nullptr}};
 

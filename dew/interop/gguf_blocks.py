@@ -7,8 +7,9 @@ instead: the float kernel leaves the `params` tree and its blocks, `[out, in / n
 layer like the kernels), go into the `quant` collection at the same module path (`kernel_blocks`;
 `embed_tokens_blocks` for the embedding, which a tied head reads too). The model multiplies them as they
 are (`dew.nn.linear.Linear`, `dew.nn.head.Head`), so a batch-1 decoding step streams the file's 4.5-8.5
-bits a weight rather than float32's 32, and computes what the dequantized float32 model computes, up to
-the order of float32 roundings. Tensors of other types (float ones, K-quants other than Q4_K) stay float.
+bits a weight rather than float32's 32. Decoding's products round the activations to two 8-bit layers
+and multiply integers (`dew.kernels.blocks`); under the kernel policy `exact` the model computes what the
+dequantized float32 model computes, up to the order of float32 roundings. Tensors of other types (float ones, K-quants other than Q4_K) stay float.
 
 The family's GGUF rules say which tensor is which leaf (`tensors.plan`), with llama's query and key
 rows put back in transformers' order as whole rows of blocks. The load reads the float32 model first

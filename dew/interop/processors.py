@@ -42,6 +42,7 @@ row's placeholder runs against its pixel entries and `tokens_per_image`, and the
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -66,12 +67,45 @@ def load_reference(directory: Path):
                           f"installed ({error}): pip install 'dew-ml[vision]'") from None
     try:
         return AutoProcessor.from_pretrained(str(directory), local_files_only=True, backend="pil")
-    except ValueError as error:  # Llama 4's image processor, for one, exists only as a torchvision class
-        if "torchvision" not in str(error):
+    except (OSError, ValueError, ImportError) as error:
+        # Gemma 4's and Qwen 3.5's video processors are torchvision classes: their processors are built without
+        if "video" in str(error) and (Path(directory) / "processor_config.json").is_file():
+            return _without_videos(Path(directory))
+        # Llama 4's image processor, for one, exists only as a torchvision class
+        if not isinstance(error, ValueError) or "torchvision" not in str(error):
             raise
         raise ImportError(f"the image processor of {directory} is a torchvision class in transformers, and "
                           "torchvision does not import here: install the torchvision build that matches your "
                           "torch (for a CPU torch, from PyTorch's CPU wheel index)") from error
+
+
+def _without_videos(directory: Path):
+    """The checkpoint's transformers processor class (processor_config.json's `processor_class`) over its other
+    parts (tokenizer, PIL image processor, audio feature extractor) and no video processor, which transformers has
+    only as a torchvision class: `videos=` is refused (`Processor`), everything else is the class's own."""
+    import transformers
+
+    record = json.loads((directory / "processor_config.json").read_text())
+    reference_class = getattr(transformers, str(record.get("processor_class")), None)
+    if reference_class is None or "video_processor" not in reference_class.get_attributes():
+        raise ImportError(f"the processor of {directory} ({record.get('processor_class')}) needs a video processor, a "
+                          "torchvision class in transformers: install the torchvision build that matches your torch")
+
+    class WithoutVideos(reference_class):
+        def check_argument_for_proper_class(self, name, argument):
+            if name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(name, argument)
+
+    WithoutVideos.__name__ = WithoutVideos.__qualname__ = reference_class.__name__
+    where = {"local_files_only": True}
+    parts = {"tokenizer": transformers.AutoTokenizer.from_pretrained(str(directory), **where),
+             "image_processor": transformers.AutoImageProcessor.from_pretrained(str(directory), backend="pil", **where)}
+    if "feature_extractor" in reference_class.get_attributes():
+        parts["feature_extractor"] = transformers.AutoFeatureExtractor.from_pretrained(str(directory), **where)
+    options = {name: value for name, value in record.items()
+               if name not in {"processor_class", *reference_class.get_attributes()}}
+    return WithoutVideos(**parts, video_processor=None, **options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +134,11 @@ class Processor:
     def audio(self):
         """The model's `AudioPart` (None without an audio tower)."""
         return getattr(self.model, "audio", None)
+
+    @property
+    def sampling_rate(self) -> int:
+        """The rate, in Hz, of the waveforms the checkpoint's feature extractor reads (16 kHz where it names none)."""
+        return int(getattr(getattr(self.reference, "feature_extractor", None), "sampling_rate", None) or 16_000)
 
     @property
     def reads_positions(self) -> bool:

@@ -42,7 +42,6 @@ _PROJECTOR_ANCHORS = {"gemma": "mm_input_projection_weight", "llama4": "linear_1
 # What a tower's checkpoint may hold that the tower never reads: SigLIP's pooling head, which Gemma 3 does
 # not run (saved where `vision_use_head` was true), and the position ids buffer older files kept.
 _UNREAD = {"siglip": ("head.", "embeddings.position_ids"), "llama4": (), "qwen3_5": (), "gemma4": ()}
-_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
 # Gemma 3n: timm's encoder inside transformers' TimmWrapperModel, and one embedder per modality (the audio
 # one's tensors lie under GEMMA3N_AUDIO_PREFIXES, read with the same projector rules).
 TOWER_PREFIXES["gemma3n"] = ("model.vision_tower.timm_model.", "vision_tower.timm_model.")
@@ -50,6 +49,7 @@ PROJECTOR_PREFIXES["gemma3n"] = ("model.embed_vision.", "embed_vision.")
 GEMMA3N_AUDIO_PREFIXES = ("model.embed_audio.", "embed_audio.")
 _TOWER_ANCHORS["gemma3n"], _PROJECTOR_ANCHORS["gemma3n"] = "conv_stem.conv.weight", "embedding_projection.weight"
 _UNREAD["gemma3n"] = ()
+_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
 
 
 def _encoder_layer(dew_layer: str, tensor_layer: str, norms, linears) -> tuple[Rule, ...]:

@@ -15,6 +15,20 @@ own dequantization gives) and runs the linears' float32 product: it serves produ
 `KERNEL_MAX_ROWS` rows (a prefill, arithmetic-bound) and every product where the kernel policy keeps
 native kernels out of the step (`dew.kernels.policy`). Both accumulate in float32 and differ by the order
 of their roundings.
+
+Decoding-shaped products of Q4_0, Q4_1 and Q8_0 blocks take the kernel's integer path under the kernel
+policies `auto` (the default) and `native`: each block of 32 values of a row of x is rounded to two
+layers of 8-bit integers, `d = max|x| / 127`, `q1 = round(x / d)` (ties to even: llama.cpp's rounding of
+activations) and `q2 = round((x / d - q1) * 254)`, x taken as `d q1 + d / 254 q2`, within 1/64,516 of
+the block's largest |x| a value; each layer's product with the weight's integers is exact in int32
+(AVX-512 VNNI, AVX2's byte multiply-adds or portable loops, by the CPU), then scaled in float32. That is
+the float32 product of the dequantized weight with the rounded x, up to the order of float32 roundings.
+(The first layer alone, llama.cpp's arithmetic, changed SmolLM2's greedy text from float32's after five
+tokens; the second keeps it: docs/performance.md.) The policy `exact` (`DecoderConfig.kernels`,
+`load_pretrained(..., kernels="exact")` or `DEW_KERNELS=exact`) keeps x in float32 in the kernel, the
+exact path; Q4_K blocks, products of more rows than `KERNEL_MAX_ROWS` and products XLA runs are exact
+under every policy. `kernel_status()` says which path runs, and a `dew.kernels.policy.recording()` names
+each rounded product `blocks-q8/...`.
 """
 
 from __future__ import annotations
@@ -27,9 +41,12 @@ from jax import lax
 
 from dew.kernels.loader import import_extension
 from dew.kernels.matmul import dot
-from dew.kernels.policy import calls_refused, note
+from dew.kernels.policy import calls_refused, in_force, note
 
 _TARGET = "dew_blocks_product"
+_ROUNDED_TARGET = "dew_blocks_rounded_product"
+ROUNDED_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the kinds the integer path multiplies
+ROUNDING_POLICIES = ("auto", "native")  # the kernel policies under which it runs
 # Each kind by its block's bytes: (name, values per block).
 KINDS = {18: ("Q4_0", 32), 20: ("Q4_1", 32), 34: ("Q8_0", 32), 144: ("Q4_K", 256)}
 BYTES = {name: size for size, (name, _) in KINDS.items()}
@@ -87,25 +104,43 @@ def dequantize(w: jax.Array) -> jax.Array:
 
 
 @functools.cache
-def _load() -> tuple[bool, str]:
-    """(whether the kernel is registered with XLA, which bodies it runs or why it is not)."""
+def _load():
+    """(the extension, its kernels registered with XLA; "") or (None, why it did not load)."""
     native, why = import_extension("blocks")
     if native is None:
-        return False, why
-    jax.ffi.register_ffi_target(_TARGET, native.handlers()["product"], platform="cpu")
-    return True, f"dew._native_blocks with {native.isa()} loops"
+        return None, why
+    handlers = native.handlers()
+    jax.ffi.register_ffi_target(_TARGET, handlers["product"], platform="cpu")
+    jax.ffi.register_ffi_target(_ROUNDED_TARGET, handlers["rounded_product"], platform="cpu")
+    return native, ""
 
 
 def kernel_status(policy: str | None = None) -> tuple[bool, str]:
     """(whether blocks products run in Dew's kernel under `policy` (default the one in force) in this
-    process, which loops it runs or why not)."""
+    process, which loops it runs and how it takes x, or why not)."""
     refused = calls_refused(policy)
-    return (False, refused) if refused else _load()
+    if refused:
+        return False, refused
+    native, why = _load()
+    if native is None:
+        return False, why
+    loops = f"dew._native_blocks with {native.isa()} loops"
+    if in_force(policy) not in ROUNDING_POLICIES:
+        return True, f"{loops}, x in float32 (the exact path: the policy is {in_force(policy)})"
+    return True, (f"{loops}; {', '.join(ROUNDED_KINDS)} round x to two 8-bit layers a block of 32 "
+                  f"({native.rounded_isa()} integer loops), Q4_K keeps x in float32")
 
 
-def kernel_product(x_NK: jax.Array, w: jax.Array) -> jax.Array:
+def rounds(w: jax.Array, policy: str | None = None) -> bool:
+    """Whether the kernel's product with the blocks weight `w` rounds x under `policy` (default the one in
+    force): `auto` or `native`, and `w`'s kind one the integer path multiplies."""
+    return in_force(policy) in ROUNDING_POLICIES and kind(w)[0] in ROUNDED_KINDS
+
+
+def kernel_product(x_NK: jax.Array, w: jax.Array, rounded: bool = False) -> jax.Array:
     """`x @ w.T` as float32 `[N, F]` in Dew's kernel: `x` float32 `[N, K]`, `w` a blocks weight
-    `[F, K / E, B]`. Raises where `kernel_status()` is off."""
+    `[F, K / E, B]`; with `rounded`, x rounded to two 8-bit layers a block first (the integer path;
+    Q4_0, Q4_1 and Q8_0 only). Raises where `kernel_status()` is off."""
     on, why = kernel_status()
     if not on:
         raise RuntimeError(f"the blocks kernel is off: {why}")
@@ -114,8 +149,11 @@ def kernel_product(x_NK: jax.Array, w: jax.Array) -> jax.Array:
                          f"{x_NK.shape} and {w.shape}")
     if inputs(w) != x_NK.shape[1]:
         raise ValueError(f"x has {x_NK.shape[1]} inputs and the blocks weight {w.shape} holds {inputs(w)} a row")
+    if rounded and kind(w)[0] not in ROUNDED_KINDS:
+        raise ValueError(f"the integer path multiplies {', '.join(ROUNDED_KINDS)} blocks, not {kind(w)[0]}: call "
+                         "kernel_product with rounded=False")
     out = jax.ShapeDtypeStruct((x_NK.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(x_NK, w)
+    return jax.ffi.ffi_call(_ROUNDED_TARGET if rounded else _TARGET, out, vmap_method="sequential")(x_NK, w)
 
 
 def xla_product(x_NK: jax.Array, w: jax.Array, dtype) -> jax.Array:
@@ -129,13 +167,14 @@ def kernel_takes(x_NK: jax.Array, w: jax.Array, dtype, policy: str | None = None
     dtype float32 holds exactly, at most `KERNEL_MAX_ROWS` rows of x, and `kernel_status()` on."""
     taken = (jnp.dtype(dtype) in _KERNEL_DTYPES and x_NK.ndim == 2 and w.ndim == 3
              and x_NK.shape[0] <= KERNEL_MAX_ROWS and kernel_status(policy)[0])
-    note(f"blocks/{kind(w)[0]}/{x_NK.shape[0]}x{inputs(w)}x{w.shape[0]}", "dew" if taken else "xla")
+    path = "blocks-q8" if taken and rounds(w, policy) else "blocks"
+    note(f"{path}/{kind(w)[0]}/{x_NK.shape[0]}x{inputs(w)}x{w.shape[0]}", "dew" if taken else "xla")
     return taken
 
 
 def blocks_product(x_NK: jax.Array, w: jax.Array, dtype) -> jax.Array:
     """`x @ w.T` as float32 `[N, F]`, `x` in the compute `dtype`, `w` a blocks weight `[F, K / E, B]`:
-    Dew's kernel where `kernel_takes` says so, else `xla_product`."""
+    Dew's kernel where `kernel_takes` says so (rounding x where `rounds(w)`), else `xla_product`."""
     if kernel_takes(x_NK, w, dtype):
-        return kernel_product(x_NK.astype(dtype).astype(jnp.float32), w)
+        return kernel_product(x_NK.astype(dtype).astype(jnp.float32), w, rounded=rounds(w))
     return xla_product(x_NK, w, dtype)

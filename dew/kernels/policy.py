@@ -9,6 +9,8 @@ A policy is one of `POLICIES`:
   every measured one stays XLA's.
 - `native`: every product oneDNN can take runs there, whatever its size (what the kernels' tests use).
 - `xla`: XLA's own `dot_general` for every product, with nothing around it: no custom call, no barrier.
+- `exact`: as `auto`, except that no kernel rounds a product's operands: the GGUF blocks kernel
+  multiplies x in float32 rather than rounding it to 8-bit integers (`dew.kernels.blocks`).
 
 The policy is the model's (`DecoderConfig.kernels`), in force while the model traces (`using`); the
 environment variable `DEW_KERNELS` overrides it for the whole process. Off the CPU backend every policy
@@ -33,7 +35,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-POLICIES = ("auto", "native", "xla")
+POLICIES = ("auto", "native", "xla", "exact")
 ENVIRONMENT = "DEW_KERNELS"
 TABLE = Path(__file__).with_name("table.json")
 MIN_FLOPS = 2**24  # below this a product stays XLA's under `auto`: a call's fixed cost outweighs any gain
@@ -162,9 +164,9 @@ def parse_key(key: str) -> tuple[tuple[int, int, int, int], str]:
 
 def choose_onednn(batch: int, m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool, out_dtype,
                   policy: str, cpu: str | None = None, measured: dict | None = None) -> bool:
-    """Whether `batch` products `[m, k] x [k, n]` run in oneDNN under `policy` (`auto` or `native`) on a
-    CPU of class `cpu` (default this one's), by the table's `measured` products of that class (default
-    the shipped table's): the choice of the nearest measured product of the same dtypes and transposes
+    """Whether `batch` products `[m, k] x [k, n]` run in oneDNN under `policy` (`auto`, `exact` or
+    `native`) on a CPU of class `cpu` (default this one's), by the table's `measured` products of that
+    class (default the shipped table's): the choice of the nearest measured product of the same dtypes and transposes
     within a factor `REACH` in every dimension, XLA's elsewhere."""
     if policy == "native":
         return True

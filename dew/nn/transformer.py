@@ -175,8 +175,9 @@ class DecoderConfig:
     - `mtp_depths`: DeepSeek's multi-token-prediction modules after the last layer (`dew.nn.mtp`);
       depth d predicts the token d + 1 ahead. 0: none.
     - `kernels`: which kernels run the model's products (`dew.kernels.policy`): "auto" (Dew's native
-      CPU kernels where the shipped kernel table chooses them), "native" (wherever they can run) or
-      "xla" (XLA's own products only). The environment variable `DEW_KERNELS` overrides it.
+      CPU kernels where the shipped kernel table chooses them), "native" (wherever they can run), "xla"
+      (XLA's own products only) or "exact" (as "auto", but GGUF blocks multiply float32 activations
+      rather than integer-rounded ones). The environment variable `DEW_KERNELS` overrides it.
     """
 
     vocab_size: int

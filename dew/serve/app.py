@@ -48,6 +48,7 @@ except ImportError:
 from dew.data.inputs import MEDIA_FIELDS
 from dew.serve import protocol
 from dew.serve.engine import QueueFull, Request, TooLong
+from dew.serve.audio import decode_audio
 from dew.serve.images import decode_image
 from dew.serve.network import Limits
 from dew.serve.protocol import APIError, Job
@@ -158,10 +159,16 @@ def create_app(served: Served, limits: Limits):
     def prepare_chat(raw: bytes) -> Job:
         body = protocol.parse_json(raw)
         protocol.check_model(body, served.name)
-        messages, urls, _ = protocol.chat_messages(body.get("messages"), images=served.processor is not None)
+        hears = served.processor is not None and served.processor.audio is not None
+        messages, urls, clips = protocol.chat_messages(body.get("messages"), images=served.processor is not None,
+                                                       audio=hears)
         if len(urls) > served.images.max_images:
             raise APIError(400, f"the messages hold {len(urls)} images, past this server's --max-images "
                            f"{served.images.max_images}: send at most {served.images.max_images} a request",
+                           param="messages")
+        if len(clips) > served.audio.max_clips:
+            raise APIError(400, f"the messages hold {len(clips)} audio clips, past this server's --max-audio-clips "
+                           f"{served.audio.max_clips}: send at most {served.audio.max_clips} a request",
                            param="messages")
         if served.chat is None:
             raise APIError(400, f"{served.name} has no chat template (its tokenizer files and metadata name none): "
@@ -169,10 +176,12 @@ def create_app(served: Served, limits: Limits):
         job = protocol.read_job("chat", body, served.task.sampling, engine.max_log_probs)
         check_rows(1, job.n)
         pictures = [decode_image(url, index, served.images) for index, url in enumerate(urls)]
+        waveforms = [decode_audio(clip, index, served.audio, served.processor.sampling_rate)
+                     for index, clip in enumerate(clips)]
         try:
             prompt = served.prompts.chat(served.chat, messages)
-            if pictures:  # each image placeholder the template wrote expands to the image's soft tokens
-                inputs = served.processor.from_ids(prompt, pictures)
+            if pictures or waveforms:  # each placeholder the template wrote expands to its image's or clip's tokens
+                inputs = served.processor.from_ids(prompt, pictures, waveforms)
                 prompt = [int(i) for i in inputs.tokens[0]]
                 # the image fields (Qwen 3.5's three-axis positions too) and the images (and their grids)
                 job.media = {name: np.asarray(values[0]) for name, values in inputs.token_fields.items()

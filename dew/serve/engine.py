@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from dew.data.inputs import MEDIA_FIELDS
 from dew.sampling.generate import PROMPT_BUCKET
 from dew.sampling.sampling import Sampling, SamplingParams, _bucket, check_seed
 from dew.serve.slots import Admission, compile_admit, compile_step, empty_slots, plain_sampling
@@ -74,14 +75,20 @@ class Scored:
     top: tuple[tuple[int, float], ...]
 
 
+# A request's media laid per prompt slot (the rest, its conditioning, is one entry an image or clip).
+SLOTTED = MEDIA_FIELDS + ("rotary_positions",)
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One continuation: `prompt` token ids, at most `max_tokens` new ones, drawn with `sampling`
     (its EOS and pad ids are the engine's) and the key of `generate(..., key=jax.random.key(seed))`
-    row `prompt_index * n + continuation`. `media`, for a multimodal model, holds the prompt's image
-    fields (`image_indices`, `image_groups`, each as long as the prompt; Qwen 3.5's `rotary_positions
-    [prompt, 3]` too) and its images (`pixel_values [images, C, H, W]`, or Qwen 3.5's patch vectors
-    `[images, patches, C*T*p*p]` beside `image_grid_thw [images, 3]`); None for text. `log_probs` asks for each drawn token's
+    row `prompt_index * n + continuation`. `media`, for a multimodal model, holds the prompt's slot
+    fields (`image_indices`, `image_groups`, `audio_indices`, each as long as the prompt; Qwen 3.5's
+    `rotary_positions [prompt, 3]` too) and its conditioning, one entry an image or clip: `pixel_values
+    [images, C, H, W]` (Qwen 3.5's patch vectors `[images, patches, C*T*p*p]` beside `image_grid_thw
+    [images, 3]`, Gemma 4's patch streams beside `image_position_ids`), `input_features [clips, frames,
+    mel]` with `input_features_mask`; None for text. `log_probs` asks for each drawn token's
     log-probability with that many alternatives, `prompt_log_probs` for each prompt position's (None: not)."""
 
     prompt: Sequence[int]
@@ -98,13 +105,12 @@ class Request:
     prompt_log_probs: int | None = None
 
     @property
-    def images(self) -> int:
-        return 0 if self.media is None else len(self.media["pixel_values"])
-
-    @property
-    def image_shape(self) -> tuple[int, ...]:
-        """One image's pixel shape (Qwen 3.5's patch count varies with the image); () for text."""
-        return () if self.media is None else tuple(self.media["pixel_values"].shape[1:])
+    def media_shape(self) -> tuple:
+        """The shapes of the conditioning (the count of images and clips, an image's pixel shape, which
+        Qwen 3.5's patch count varies, a clip's frames), which an admission's rows share; () for text."""
+        if self.media is None:
+            return ()
+        return tuple((name, np.shape(value)) for name, value in sorted(self.media.items()) if name not in SLOTTED)
 
 
 class Engine:
@@ -123,7 +129,8 @@ class Engine:
     own meanwhile; until a program is compiled, the engine uses the nearest compiled one that holds
     the work (a wider step, a wider prompt width, fewer rows per admission), so no request waits on a
     compile (but the first that asks for its prompt's log-probabilities at a width, or brings a new
-    count of images or image shape: Qwen 3.5's patch count). `warm_up` compiles every program at once.
+    count of images or clips or a new media shape: Qwen 3.5's patch count, a clip's length). `warm_up` compiles
+    every program at once.
     """
 
     def __init__(self, model, params, *, slots: int, capacity: int, eos_token_ids: Sequence[int] = (),
@@ -369,16 +376,16 @@ class Engine:
         return taken
 
     def _place(self, admitted: list[tuple[int, Request]]) -> None:
-        """Prefill the admitted requests, grouped by prompt width, image count and image shape (a count or
-        shape not seen before compiles its admission once), in batches of the ladder's sizes."""
+        """Prefill the admitted requests, grouped by prompt width and media shapes (a count or shape not seen
+        before compiles its admission once), in batches of the ladder's sizes."""
         by_width: dict[tuple, list[tuple[int, Request]]] = collections.defaultdict(list)
         for slot, request in admitted:
-            plain = request.images == 0 and request.prompt_log_probs is None
+            plain = request.media is None and request.prompt_log_probs is None
             # a plain prompt takes the narrowest compiled width that holds it (the widest always is)
             width = next(w for w in self.widths if w >= len(request.prompt) and (not plain or ("admit", 1, w) in
                                                                                  self._programs))
-            by_width[width, request.images, request.image_shape, not plain].append((slot, request))
-        for (width, images, _, special), group in by_width.items():
+            by_width[width, request.media_shape, not plain].append((slot, request))
+        for (width, shapes, special), group in by_width.items():
             while group:
                 rows = next((r for r in self.prefill_rows if r >= len(group)), self.prefill_rows[-1])
                 if not special:  # at most the rows of a compiled admission (one row always is)
@@ -387,18 +394,19 @@ class Engine:
                 slots = np.full(rows, self.slots, np.int32)
                 slots[: len(batch)] = [slot for slot, _ in batch]
                 requests = [request for _, request in batch] + [None] * (rows - len(batch))
-                admission = self._admission(requests, width, slots, images)
+                admission = self._admission(requests, width, slots, media=bool(shapes))
                 if not special:
                     self._state = self._programs["admit", rows, width](self.params, self._state,
                                                                         *admission.arguments())
                     continue
-                if batch[0][1].prompt_log_probs is None:  # images, at a count not compiled ahead
+                if batch[0][1].prompt_log_probs is None:  # media, at counts and shapes not compiled ahead
                     self._state = self._admit(self.params, self._state, admission)
                     continue
                 self._state, scores = self._admit(self.params, self._state, admission, prompt_scores=True)
                 self._hand_prompt_scores([request for _, request in batch], width, jax.device_get(scores))
 
-    def _admission(self, requests: list[Request | None], width: int, slots: np.ndarray, images: int = 0) -> Admission:
+    def _admission(self, requests: list[Request | None], width: int, slots: np.ndarray,
+                   media: bool = False) -> Admission:
         rows = len(requests)
         tokens, valid = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32)
         seed_keys = np.zeros((rows, 2), np.uint32)
@@ -416,7 +424,7 @@ class Engine:
             scored[r] = request.log_probs is not None
             policies.append(request.sampling)
         sampling = plain_sampling(SamplingParams.of(policies))  # only the values travel; the flags stay fixed
-        media = None if not images else _media(requests, width)
+        media = _media(requests, width) if media else None
         return Admission(tokens, valid, slots, seed_keys, prompt_index, continuation, sampling, budget, scored, media)
 
     def _hand_prompt_scores(self, requests: list[Request], width: int, scores) -> None:
@@ -482,26 +490,27 @@ def _scored(scores, where: tuple[int, ...], alternatives: int, token: int) -> Sc
 
 
 def _media(requests: list[Request | None], width: int) -> dict:
-    """The image fields of rows left-padded to `width` slots (-1 before a prompt; rotary positions 0, which
-    no real slot reads and which leave the row's rotary delta to its real slots) and the images of rows
-    holding as many images each, of one shape (a padding row's are zeros, Qwen 3.5's grids too)."""
+    """The slot fields of rows left-padded to `width` slots (-1 before a prompt; rotary positions 0, which no
+    real slot reads and which leave the row's rotary delta to its real slots) and the conditioning of rows
+    that share its shapes (a padding row's is zeros, Qwen 3.5's grids too)."""
     rows = len(requests)
     first = next(r.media for r in requests if r is not None)
-    media = {"image_indices": np.full((rows, width), -1, np.int32), "image_groups": np.full((rows, width), -1, np.int32)}
-    if "rotary_positions" in first:
-        media["rotary_positions"] = np.zeros((rows, width, 3), np.int32)
-    for name in ("pixel_values", "image_grid_thw"):
-        if name in first:
-            media[name] = np.zeros((rows, *first[name].shape), first[name].dtype)
+    media = {}
+    for name, value in first.items():
+        if name in SLOTTED:
+            media[name] = np.full((rows, width, *np.shape(value)[1:]), 0 if name == "rotary_positions" else -1,
+                                  np.int32)
+        else:
+            media[name] = np.zeros((rows, *np.shape(value)), np.asarray(value).dtype)
     for r, request in enumerate(requests):
         if request is None:
             continue
         length = len(request.prompt)
         for name in media:
-            if name in ("pixel_values", "image_grid_thw"):
-                media[name][r] = request.media[name]
-            else:
+            if name in SLOTTED:
                 media[name][r, width - length:] = request.media[name]
+            else:
+                media[name][r] = request.media[name]
     return media
 
 

@@ -16,6 +16,7 @@ from dew.runs import pipeline
 from dew.interop.processors import Processor, load_reference
 from dew.nn.multimodal import MultimodalTransformer
 from dew.serve.engine import MAX_LOG_PROBS, TOP_K_LIMIT, Engine
+from dew.serve.audio import AudioLimits
 from dew.serve.images import ImageLimits
 from dew.serve.prompts import PromptEncoder
 
@@ -39,12 +40,14 @@ class Served:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     processor: Processor | None = None  # a multimodal checkpoint's, which lays out the images of a chat
     images: ImageLimits = ImageLimits()
+    audio: AudioLimits = AudioLimits()
 
     @classmethod
     def load(cls, source: str, *, slots: int = 8, capacity: int | None = None, queue: int = 256,
              prefill_rows: int = 4, name: str | None = None, chat_template_file: str | None = None,
              live: bool = False, quantize: str | None = None, special_tokens_in_messages: bool = False,
-             images: ImageLimits = ImageLimits(), max_log_probs: int = MAX_LOG_PROBS) -> "Served":
+             images: ImageLimits = ImageLimits(), max_log_probs: int = MAX_LOG_PROBS,
+             audio: AudioLimits = AudioLimits()) -> "Served":
         """Load `source` (whatever `dew.pipeline` reads), find and check its chat template (before any
         compiling, so a broken one is refused at once), and make an engine (which compiles as it starts). With
         `special_tokens_in_messages`, special-token text in a chat message is the token (see `PromptEncoder`)."""
@@ -72,7 +75,7 @@ class Served:
         processor = None
         if isinstance(task.model, MultimodalTransformer):
             processor = Processor.of(load_reference(task.tokenizer.path.parent), task.model.config)
-        return cls(name or str(source), task, chat, prompts, engine, processor=processor, images=images)
+        return cls(name or str(source), task, chat, prompts, engine, processor=processor, images=images, audio=audio)
 
     def tokenize(self, text: str, special_tokens: bool) -> list[int]:
         """`text`'s ids as a completion prompt's (`special_tokens`: with those the tokenizer adds, a BOS)."""

@@ -13,6 +13,7 @@ argument's class lifted while it is made."""
 
 from __future__ import annotations
 
+import json
 import types
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from safetensors.numpy import load_file
 
 from dew.data.dataset import Dataset
 from dew.interop import load_pretrained
+from dew.interop.families import family_of
 from dew.interop.processors import Processor
 from dew.nn.layer import CONSTANTS
 from dew.objectives.lm import LMObjective
@@ -158,6 +160,18 @@ def test_processor_lays_out_patch_streams_as_transformers_gives_them(processor, 
         processor(PROMPTS[:1], videos=[np.zeros((2, 16, 16, 3), np.uint8)])
 
 
+def test_the_checkpoint_processor_is_transformers_class_without_videos(bundle, processor, images, clips):
+    """`bundle.processor` builds transformers' `Gemma4Processor` from the checkpoint's files with no video processor
+    (a torchvision class) and lays out what the processor built by hand lays out."""
+    assert isinstance(bundle.processor.reference, transformers.Gemma4Processor)
+    assert bundle.processor.reference.video_processor is None
+    ours = bundle.processor(AUDIO_PROMPTS, images=[[], images[1]], audio=clips)
+    theirs = processor(AUDIO_PROMPTS, images=[[], images[1]], audio=clips)
+    np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+    for name in theirs.conditioning:
+        np.testing.assert_array_equal(ours.conditioning[name], theirs.conditioning[name], err_msg=name)
+
+
 @pytest.mark.parametrize("with_images", [True, False], ids=["images", "text"])
 def test_logits_match_transformers(bundle, logits_of, processor, hf_processor, reference, images, with_images):
     """Image rows, and text rows the first of which reads a video placeholder as the pad embedding (as transformers'
@@ -271,3 +285,18 @@ def test_constants_stay_frozen_through_training_and_saving(bundle, trained, tmp_
     for name in frozen:
         assert saved[name].shape == source[name].shape, name
         np.testing.assert_array_equal(saved[name], source[name], err_msg=name)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda config: config["text_config"].update(pad_token_id=3), "pad_token_id is 3"),
+    (lambda config: config["text_config"].update(use_bidirectional_attention="all"), "'all'"),
+    (lambda config: config["vision_config"].update(attention_bias=True), "attention_bias"),
+    (lambda config: config["audio_config"].update(conf_num_hidden_layers=2), "conf_num_hidden_layers"),
+    (lambda config: config.update(mm_tokens_per_image=256), "mm_tokens_per_image"),
+])
+def test_config_refusals_name_the_field(change, message):
+    """A gemma4 config.json whose fields Dew would compute otherwise is refused, naming the field."""
+    config = json.loads((FIXTURE / "config.json").read_text())
+    change(config)
+    with pytest.raises(ValueError, match=message):
+        family_of(config).model_config(config)

@@ -1,5 +1,6 @@
 """GGUF's quantized blocks (dew.kernels.blocks, native/blocks.cc): the dequantization against gguf's own,
-and Dew's kernel against dequantize-then-matmul in float32, for every kind, loop set and path."""
+Dew's kernel against dequantize-then-matmul in float32 (the exact path) and against the same with x
+rounded to two layers of 8-bit integers a block (the integer path), for every kind, loop set and path."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.kernels.blocks import (BYTES, KINDS, blocks_product, dequantize, kernel_product, kernel_status, kind,
-                                xla_product)
+from dew.kernels import policy
+from dew.kernels.blocks import (BYTES, KINDS, ROUNDED_KINDS, blocks_product, dequantize, kernel_product, kernel_status,
+                                kind, rounds, xla_product)
 from tests.tolerances import assert_within, ulp_bound
 
 gguf = pytest.importorskip("gguf")
@@ -23,6 +25,18 @@ def instruction_sets() -> list[str]:
 
     ladder = ["portable", "avx2", "avx512"]
     return ladder[: ladder.index(_native_blocks.isa()) + 1]
+
+
+def each_instruction_set():
+    """Run the loop body under every loop set this CPU runs, yielding the integer path's loops' name."""
+    from dew import _native_blocks
+
+    try:
+        for isa in instruction_sets():
+            _native_blocks.set_isa(isa)
+            yield _native_blocks.rounded_isa()
+    finally:
+        _native_blocks.set_isa(instruction_sets()[-1])
 
 
 def values_per_block(name: str) -> int:
@@ -112,7 +126,8 @@ def test_blocks_product_takes_the_kernel_for_few_rows_and_xla_for_many():
     w = jnp.asarray(random_blocks(rng, "Q4_1", 8, 64))
     for N in (2, 40):  # under and over KERNEL_MAX_ROWS
         x = rng.standard_normal((N, 64), np.float32)
-        ours = np.asarray(jax.jit(blocks_product, static_argnums=2)(jnp.asarray(x), w, jnp.float32))
+        with policy.using("exact"):  # unjitted: a jit's cache would not see the policy change
+            ours = np.asarray(blocks_product(jnp.asarray(x), w, jnp.float32))
         reference = np.asarray(xla_product(jnp.asarray(x), w, jnp.float32))
         assert_within(ours, reference, reorder_bound(x, np.asarray(w), "Q4_1"), f"N={N}")
 
@@ -120,3 +135,117 @@ def test_blocks_product_takes_the_kernel_for_few_rows_and_xla_for_many():
 def test_a_block_of_another_size_is_refused():
     with pytest.raises(ValueError, match=r"blocks of Q4_0 \(18 bytes\).*got uint8 \(4, 2, 22\)"):
         kind(jnp.zeros((4, 2, 22), jnp.uint8))
+
+
+# ---- the integer path: x rounded to two layers of 8-bit integers in blocks of 32 ----
+
+
+def rounded(x: np.ndarray):
+    """(d, q1, d2, q2) of x float32 `[N, K]` rounded as the integer path rounds it, a block of 32 at a
+    time (d and d2 float32 `[N, K / 32, 1]`, q1 and q2 integers `[N, K / 32, 32]`): d = max |x| / 127,
+    s = x * (1 / d), q1 = s rounded to the nearest integer (ties to even), q2 = (s - q1) * 254 rounded,
+    d2 = d / 254, all in float32; x is taken as d q1 + d2 q2."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    inverse = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    s = blocks * inverse
+    q1 = np.rint(s)
+    return d, q1, d / np.float32(254), np.rint((s - q1) * np.float32(254))
+
+
+def rounded_x(x: np.ndarray) -> np.ndarray:
+    """The rounded x, d q1 + d2 q2, as float64 (exact but for float64's last bit)."""
+    d, q1, d2, q2 = rounded(x)
+    return (d.astype(np.float64) * q1 + d2.astype(np.float64) * q2).reshape(x.shape)
+
+
+def identity_blocks(name: str, K: int) -> np.ndarray:
+    """A blocks weight `[K, K / 32, B]` whose row i is 1 at input i and 0 elsewhere, with d = 1 (and Q4_1's
+    m = 0), so the product's output i is x's rounded value i as the kernel sums it: d q1 rounded to float32,
+    then d2 q2 added with one rounding (a multiply-add)."""
+    B, zero = BYTES[name], {"Q4_0": 8, "Q4_1": 0, "Q8_0": 0}[name]
+    values = np.full((K, K), zero, np.int64) + np.eye(K, dtype=np.int64)
+    w = np.zeros((K, K // 32, B), np.uint8)
+    w[..., 0:2] = np.array([1], np.float16).view(np.uint8)
+    if name == "Q8_0":
+        w[..., 2:] = values.reshape(K, K // 32, 32).astype(np.int8).view(np.uint8)
+    else:  # nibbles: values 0-15 low, 16-31 high; Q4_1's m (bytes 2-3) stays 0
+        blocks = values.reshape(K, K // 32, 32)
+        w[..., B - 16:] = (blocks[..., :16] | blocks[..., 16:] << 4).astype(np.uint8)
+    return w
+
+
+@pytest.mark.skipif(not ON, reason=f"the blocks kernel is off: {WHY}")
+@pytest.mark.parametrize("name", ROUNDED_KINDS)
+def test_integer_path_rounds_x_as_the_reference_does(name):
+    # One row of blocks with ties (d = 1: 2.5 and -3.5 go to the even 2 and -4), a zero block (d = 0) and
+    # random ones, through weights that pass x's rounded values out unchanged: exactly equal.
+    rng = np.random.default_rng(4)
+    K = 160
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    x[0, :8] = [127, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -127]
+    x[0, 32:64] = 0
+    x[1, 64:96] *= 1e3
+    d, q1, d2, q2 = rounded(x)
+    first = (d * q1).astype(np.float64)  # float32's product, exact in float64, as is the sum below
+    expected = (first + d2.astype(np.float64) * q2).astype(np.float32).reshape(x.shape)
+    assert q1[0, 0, :8].tolist() == [127, 2, -4, 0, -0, 2, 126, -127]
+    assert q2[0, 0, :8].tolist() == [0, 127, 127, 127, -127, -127, 127, 0]  # the ties' halves, in the second layer
+    w = jnp.asarray(identity_blocks(name, K))
+    product = jax.jit(kernel_product, static_argnums=2)
+    for loops in each_instruction_set():
+        np.testing.assert_array_equal(np.asarray(product(jnp.asarray(x), w, True)), expected, err_msg=loops)
+        x_nan = x.copy()
+        x_nan[1, 40] = np.nan  # a NaN reaches every output of its row, not a silent number
+        y = np.asarray(product(jnp.asarray(x_nan), w, True))
+        assert np.isnan(y[1]).all() and not np.isnan(y[0]).any(), loops
+
+
+# Beside SHAPES (every group partial): K of 6 and 9 blocks, whole groups of 4 (and of 2) and a tail.
+ROUNDED_SHAPES = [*SHAPES, (1, 9, 6), (3, 5, 9)]
+
+
+@pytest.mark.skipif(not ON, reason=f"the blocks kernel is off: {WHY}")
+@pytest.mark.parametrize("name", ROUNDED_KINDS)
+def test_integer_path_is_rounded_x_times_the_dequantized_weight(name):
+    rng = np.random.default_rng(5)
+    worst = 0.0
+    product = jax.jit(kernel_product, static_argnums=2)
+    for loops in each_instruction_set():
+        for N, F, blocks in ROUNDED_SHAPES:
+            K = blocks * 32
+            w = random_blocks(rng, name, F, K)
+            x = rng.standard_normal((N, K), np.float32)
+            ours = np.asarray(product(jnp.asarray(x), jnp.asarray(w), True))
+            x_hat = rounded_x(x)
+            reference = x_hat @ theirs(w, name).astype(np.float64).T  # exact but for float64's roundings
+            # The integers' sums are exact, so the kernel's float32 roundings are fewer than the exact path's
+            # (each sub-block's d_w d, its multiply-add, Q4_1's d sum q and its multiply-add, the sums over
+            # sub-blocks): `reorder_bound` of the rounded x bounds them.
+            bound = reorder_bound(x_hat, w, name)
+            assert_within(ours, reference, bound, f"{name} {loops} N={N} F={F} K={K}")
+            worst = max(worst, float(np.max(np.abs(ours - reference) / bound)))
+    # Observed: at most 1.7% of the bound (Q4_0 with AVX2; 0.5-1.3% elsewhere).
+    assert worst < 1.0
+
+
+@pytest.mark.skipif(not ON, reason=f"the blocks kernel is off: {WHY}")
+def test_the_policy_chooses_the_path():
+    rng = np.random.default_rng(6)
+    for name in ("Q4_1", "Q4_K"):
+        K = 2 * values_per_block(name) if name == "Q4_K" else 64
+        w = random_blocks(rng, name, 8, K)
+        x = rng.standard_normal((2, K), np.float32)
+        for chosen in ("auto", "exact"):
+            with policy.using(chosen), policy.recording() as choices:  # unjitted: see the test above
+                ours = np.asarray(blocks_product(jnp.asarray(x), jnp.asarray(w), jnp.float32))
+            takes_q8 = chosen == "auto" and name != "Q4_K"
+            assert rounds(jnp.asarray(w), chosen) == takes_q8
+            assert list(choices) == [f"{'blocks-q8' if takes_q8 else 'blocks'}/{name}/2x{K}x8"]
+            x_used = rounded_x(x) if takes_q8 else x
+            reference = x_used @ theirs(w, name).astype(np.float64).T
+            assert_within(ours, reference, reorder_bound(x_used, w, name), f"{name} {chosen}")
+    assert "round x to two 8-bit layers" in kernel_status("auto")[1]
+    assert "x in float32 (the exact path: the policy is exact)" in kernel_status("exact")[1]
+    with pytest.raises(ValueError, match="the integer path multiplies Q4_0, Q4_1, Q8_0 blocks, not Q4_K"):
+        kernel_product(jnp.asarray(x), jnp.asarray(w), rounded=True)

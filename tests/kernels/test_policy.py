@@ -106,7 +106,7 @@ def test_the_environment_overrides_the_models_policy(monkeypatch):
     with pytest.raises(ValueError, match="DEW_FAST_MATMUL is no longer read: set DEW_KERNELS"):
         policy.in_force()
     monkeypatch.delenv("DEW_FAST_MATMUL")
-    with pytest.raises(ValueError, match=r"kernels is 'fast'; it must be one of \['auto', 'native', 'xla'\]"):
+    with pytest.raises(ValueError, match=r"kernels is 'fast'; it must be one of \['auto', 'native', 'xla', 'exact'\]"):
         _model("fast")
 
 

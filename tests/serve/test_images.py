@@ -98,3 +98,9 @@ def test_image_limits_are_refused_by_name(served):
     assert status == 400 and "not an image Pillow reads" in body["error"]["message"]
     # the server is still answering
     assert _chat(served.url, "token5 token8")[0] == 200
+
+
+def test_audio_is_refused_by_name_where_the_model_does_not_hear(served):
+    clip = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    status, body = _chat(served.url, [{"type": "text", "text": "token5"}, clip])
+    assert status == 400 and "types ['input_audio']; this model reads text and image_url" in body["error"]["message"]
