@@ -289,8 +289,10 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         if param_dtype == "auto":
             param_dtype = hf_decoders.param_dtype_name(config) or _first_float_dtype(reader)
         if multimodal:
-            model = MultimodalTransformer(family.model_config(config, where, **overrides, dtype=dtype,
-                                                              param_dtype=param_dtype))
+            model_config = family.model_config(config, where, **overrides, dtype=dtype, param_dtype=param_dtype)
+            if hasattr(family, "fit_to_processor"):  # a tower whose image size only the processor's files say
+                model_config = family.fit_to_processor(model_config, snapshot.directory)
+            model = MultimodalTransformer(model_config)
         else:
             kwargs = family.fit_to_weights(kwargs, reader.names())
             model = CausalTransformer(DecoderConfig(**kwargs, dtype=dtype, param_dtype=param_dtype))

@@ -26,12 +26,14 @@ patch's (column, row) `[X, 2]` ((-1, -1) for padding): its entries are laid out 
 `image_indices` count `X / k**2` features an image; its `image_groups` number each run of image (or video)
 placeholders, as the processor's `mm_token_type_ids` mark them.
 
-Audio (a model with an audio tower, Gemma 4's): `audio=[waveform, ...]`, 16 kHz mono float arrays, one per audio
+Audio (a model with an audio tower, Gemma 4's or Gemma 3n's): `audio=[waveform, ...]`, 16 kHz mono float arrays, one per audio
 placeholder in reading order over the whole batch. The checkpoint's feature extractor turns each row's clips
 into log-mel frames, laid out `input_features [B, clips, frames, mel]` (zero-padded to the call's longest clip
 and the row with most clips) with `input_features_mask [B, clips, frames]` (true at real frames) and
 `audio_lengths [B]` (the clips of each row); `audio_indices [B, S]` is `clip * encoded + k` at the k-th
-placeholder of a clip (`encoded` the tower's frames for the padded length), -1 elsewhere.
+placeholder of a clip (`encoded` the tower's frames for the padded length), -1 elsewhere. A model whose clips fill a
+fixed number of slots (Gemma 3n's `AudioPart.tokens_per_clip`) reads `clip * tokens_per_clip + k` there, and a clip
+too long for its slots is refused.
 
 It checks on the host what the compiled model never checks: token ids inside the vocabulary, each
 row's placeholder runs against its pixel entries and `tokens_per_image`, and the images' shapes.
@@ -209,8 +211,7 @@ class Processor:
         if "mm_token_type_ids" in outputs:
             row["types"] = np.asarray(outputs["mm_token_type_ids"][0], np.int64)
         if clips:
-            row["features"] = _float32(outputs["input_features"])
-            row["frames_mask"] = np.asarray(outputs["input_features_mask"], bool)
+            row["features"], row["frames_mask"] = _clip_frames(outputs["input_features"], outputs["input_features_mask"])
         if not images:
             return row
         if "image_position_ids" in outputs:
@@ -343,7 +344,8 @@ class Processor:
         B, S = inputs.shape
         T = max(row["features"].shape[1] for row in rows if "features" in row)
         mel = next(row["features"].shape[2] for row in rows if "features" in row)
-        encoded = self.audio.tower.encoded_frames(T)
+        fixed = self.audio.tokens_per_clip
+        encoded = self.audio.tower.encoded_frames(T) if fixed is None else fixed
         features = np.zeros((B, most, T, mel), np.float32)
         masks = np.zeros((B, most, T), bool)
         lengths = np.zeros((B,), np.int32)
@@ -355,6 +357,13 @@ class Processor:
             features[b, :clips, :frames], masks[b, :clips, :frames] = row["features"], row["frames_mask"]
             lengths[b] = clips
             real = [self.audio.tower.encoded_frames(int(mask.sum())) for mask in row["frames_mask"]]
+            if fixed is not None:  # a clip fills its fixed slots, padding after its frames
+                for clip, frames in enumerate(real):
+                    if frames > fixed:
+                        raise ValueError(f"row {b}'s audio clip {clip} encodes to {frames} frames; the model reads "
+                                         f"{fixed} soft tokens a clip: give a clip of at most {fixed} encoded frames "
+                                         f"({fixed * self.audio.tower.frame_stride} feature frames)")
+                real = [fixed] * len(real)
             where = slice(S - n, S) if left else slice(0, n)
             indices[b, where] = _placeholder_runs(b, row["ids"], self.audio.token_id, real, encoded, "audio clip")
         return inputs.replace(token_fields={**inputs.token_fields, "audio_indices": indices},
@@ -520,6 +529,20 @@ def _vision_runs(types: np.ndarray | None, is_image: np.ndarray) -> np.ndarray:
     opened = np.zeros(len(vision), np.int32)
     opened[starts] = 1
     return np.where(vision, np.cumsum(opened) - 1, -1).astype(np.int32)
+
+
+def _clip_frames(features, masks) -> tuple[np.ndarray, np.ndarray]:
+    """A row's clips as float32 frames `[clips, frames, mel]` and their mask: an extractor that leaves them unpadded
+    under `padding=False` (Gemma 3n's, a list of `[frames, mel]`) is zero-padded here to the row's longest."""
+    if not isinstance(features, (list, tuple)):
+        return _float32(features), np.asarray(masks, bool)
+    clips = [_float32(clip) for clip in features]
+    T = max(len(clip) for clip in clips)
+    frames = np.zeros((len(clips), T, clips[0].shape[-1]), np.float32)
+    mask = np.zeros((len(clips), T), bool)
+    for n, (clip, clip_mask) in enumerate(zip(clips, masks)):
+        frames[n, :len(clip)], mask[n, :len(clip)] = clip, np.asarray(clip_mask, bool)
+    return frames, mask
 
 
 def _float32(pixels) -> np.ndarray:

@@ -18,7 +18,10 @@ A model with an audio tower (`MultimodalConfig.audio`: Gemma 4's) also reads cli
 [B]` (the clips a row holds; later ones are padding); each clip's encoded frames, projected to the text width,
 fill the slots `audio_indices` point at (`clip * encoded_frames + k` for its k-th real frame). Ids in
 `pad_ids` (Gemma 4's image, video and audio placeholders) are read as id 0, the pad id, before embedding, as
-the reference does: a video placeholder keeps the pad embedding. Media are encoded at
+the reference does: a video placeholder keeps the pad embedding. Gemma 3n (`hard_ids`) embeds token ids through
+its embedders as well: ids in the vision projector's hard range, and in the audio projector's, take that
+embedder's `embed` in place of the decoder's embedding, at every call (a decode step's too); a placeholder with
+media behind it takes its soft token. Media are encoded at
 prefill only: a decode step passes no `pixel_values` and reads the cache, which remembers each slot's
 image. Without media the call is the text decoder's.
 """
@@ -41,13 +44,17 @@ LANGUAGE_MODEL = "language_model"
 @dataclasses.dataclass(frozen=True)
 class AudioPart:
     """An audio tower (`dew.nn.audio`, registered as `tower_kind`) and the projector of its encoded frames to the
-    text width (`dew.nn.vision`'s `projector_kind`); `token_id` is the id of a clip's soft-token placeholders."""
+    text width (`dew.nn.vision`'s `projector_kind`); `token_id` is the id of a clip's soft-token placeholders. A clip
+    fills one placeholder per encoded frame, or with `tokens_per_clip` (Gemma 3n's) that many, its padding frames
+    and the slots past its frames reading the projector's `embed` of `padding_id`."""
 
     tower_kind: str
     tower: Any
     projector_kind: str
     projector: Any
     token_id: int
+    tokens_per_clip: int | None = None
+    padding_id: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +65,8 @@ class MultimodalConfig:
     each image's patch grid decides, Qwen 3.5's). With
     `bidirectional_images` an image's soft tokens read each other in both directions (Gemma 3); without,
     they read causally as text does (Llama 4). `audio` adds an audio tower (see the module), and the ids in
-    `pad_ids` are read as id 0. The text knobs (`vocab_size`, `max_seq_len`, `dtype`, ...) read through from
+    `pad_ids` are read as id 0; with `hard_ids` (Gemma 3n) the ids of the projectors' hard ranges embed
+    through them (see the module). The text knobs (`vocab_size`, `max_seq_len`, `dtype`, ...) read through from
     `text`."""
 
     text: DecoderConfig
@@ -71,6 +79,7 @@ class MultimodalConfig:
     bidirectional_images: bool = True
     audio: AudioPart | None = None
     pad_ids: tuple[int, ...] = ()
+    hard_ids: bool = False
 
     def __getattr__(self, name: str):
         # only reached for names the dataclass lacks: the decoder's knobs
@@ -136,9 +145,35 @@ class MultimodalTransformer(ModelVariables, nn.Module):
             kwargs.update(features=jnp.concatenate(features, axis=1), feature_indices=indices)
         if image_groups is not None and c.bidirectional_images:
             kwargs["image_groups"] = image_groups
+        if c.hard_ids:
+            kwargs["features"], kwargs["feature_indices"] = self._hard_embedded(
+                tokens, kwargs.get("features"), kwargs.get("feature_indices"))
         if c.pad_ids:
             tokens = jnp.where(jnp.isin(tokens, jnp.asarray(c.pad_ids, tokens.dtype)), 0, tokens)
         return self.language_model(tokens, **kwargs)
+
+    def _hard_embedded(self, tokens, features, indices):
+        """(features, feature_indices) with each slot whose id lies in an embedder's hard range reading that
+        embedder's `embed` of it, appended after the soft `features` (where given); a slot `indices` already
+        points at a soft token keeps it."""
+        c = self.config
+        B, S = tokens.shape
+        embedders = [(self.projector, c.projector)]
+        if c.audio is not None:
+            embedders.append((self.audio_projector, c.audio.projector))
+        hard_BSE, is_hard_BS = None, jnp.zeros((B, S), bool)
+        for embedder, config in embedders:
+            first, last = config.vocab_offset, config.vocab_offset + config.vocab_size - 1
+            inside_BS = (tokens >= first) & (tokens <= last)
+            embedded_BSE = embedder.embed(jnp.clip(tokens, first, last))
+            hard_BSE = embedded_BSE if hard_BSE is None else jnp.where(inside_BS[..., None], embedded_BSE, hard_BSE)
+            is_hard_BS = is_hard_BS | inside_BS
+        start = 0 if features is None else features.shape[1]
+        hard_BS = jnp.where(is_hard_BS, start + jnp.arange(S, dtype=jnp.int32), -1)
+        if features is None:
+            return hard_BSE.astype(c.text.dtype), hard_BS
+        return (jnp.concatenate([features, hard_BSE.astype(features.dtype)], axis=1),
+                jnp.where(indices >= 0, indices, hard_BS))
 
     def encode(self, pixel_values, image_grid_thw=None, image_position_ids=None):
         """Each row's images as soft tokens `[B, images * tokens_per_image, E]` in the compute dtype (a
@@ -173,7 +208,23 @@ class MultimodalTransformer(ModelVariables, nn.Module):
         mask_NT = (input_features_mask & real_BC[:, :, None]).reshape(B * clips, T)
         encoded = self.audio_tower(input_features.reshape(B * clips, T, F).astype(c.text.dtype), mask_NT)
         soft_NTE = self.audio_projector(encoded.features)
+        if c.audio.tokens_per_clip is not None:
+            soft_NTE = self._fixed_slots(soft_NTE, encoded.mask)
         return soft_NTE.reshape(B, clips * soft_NTE.shape[1], soft_NTE.shape[2]).astype(c.text.dtype)
+
+    def _fixed_slots(self, soft_NTE, mask_NT):
+        """Each clip's soft tokens in `tokens_per_clip` slots: padding frames, and the slots past the clip's frames,
+        read the projector's embedding of `padding_id` (frames past the slots are padding: the processor refuses a
+        clip whose real frames overflow them)."""
+        part = self.config.audio
+        K = part.tokens_per_clip
+        padding_E = self.audio_projector.embed(jnp.full((1,), part.padding_id, jnp.int32))[0].astype(soft_NTE.dtype)
+        soft_NTE = jnp.where(mask_NT[..., None], soft_NTE, padding_E)[:, :K]
+        missing = K - soft_NTE.shape[1]
+        if missing:
+            fill = jnp.broadcast_to(padding_E, (soft_NTE.shape[0], missing, soft_NTE.shape[2]))
+            soft_NTE = jnp.concatenate([soft_NTE, fill], axis=1)
+        return soft_NTE
 
     # ---- the decoder's helpers, over the language model's part of the tree ------------------
 

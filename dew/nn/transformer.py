@@ -667,7 +667,8 @@ class CausalTransformer(ModelVariables, nn.Module):
                 x_BSE = x_BSE * jnp.asarray(c.emb_features**0.5, c.dtype)
             if c.embedding_scale != 1.0:
                 x_BSE = x_BSE * jnp.asarray(c.embedding_scale, c.dtype)
-            if c.gemma4 is not None:  # its pad row (id 0) is frozen, as transformers' padding_idx keeps it
+            if c.gemma4 is not None or c.gemma3n is not None:  # the pad row (id 0) is frozen, as transformers'
+                # padding_idx keeps it
                 x_BSE = jnp.where((ids_BS == 0)[:, :, None], jax.lax.stop_gradient(x_BSE), x_BSE)
             return x_BSE
 
@@ -682,7 +683,10 @@ class CausalTransformer(ModelVariables, nn.Module):
 
         per_layer = c.gemma4 or c.gemma3n
         if per_layer is not None and per_layer.per_layer_width:
-            ids_BS = tokens if feature_indices is None else jnp.where(feature_indices >= 0, 0, tokens)
+            # Gemma 3n's per-layer inputs read the ids themselves, media slots too (ids past the table read
+            # its row 0); Gemma 4's read id 0 at media slots
+            keep_ids = feature_indices is None or c.gemma3n is not None
+            ids_BS = tokens if keep_ids else jnp.where(feature_indices >= 0, 0, tokens)
             g = per_layer
             context_cache["per_layer_BSLP"] = PerLayerInputs(
                 c.num_layers, g.per_layer_width, g.per_layer_vocab or c.vocab_size, c.norm_eps, c.dtype,

@@ -7,13 +7,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import json
 import math
-import sys
-import types
 
 import jax
 import numpy as np
@@ -23,6 +18,7 @@ from dew.interop import tensors
 from dew.interop.vision import projector_prefix, projector_rules, tower_prefix, tower_rules
 from dew.nn.vision import Gemma3nEmbedderConfig, MobileNetV5Config, tower_config
 from dew.nn.vision.mobilenet import divisible
+from tests.interop.timm_oracle import import_timm
 from tests.nn.test_vision import _randomize, _read, _shapes
 from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound
 
@@ -42,58 +38,11 @@ TINY_ARGS = {"stem_size": 8, "msfa_output_resolution": 2}
 IMAGE = 64
 
 
-class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Empty `torchvision.*` modules for `import timm` alone.
-
-    timm imports torchvision at its top (`timm.layers.norm_act` takes `FrozenBatchNorm2d` from
-    `torchvision.ops.misc`, `timm.data` its transforms and datasets), but MobileNet-v5 runs none of it. The
-    torchvision wheel that matches torch 2.13 (0.28.0) is a CUDA build: against the CPU torch its `_C.so` cannot
-    load (it needs libc10_cuda.so) and `import torchvision` then fails registering fake kernels for the missing
-    `torchvision::nms`; installed beside transformers it would also break every image processor, which imports it.
-    So the oracle imports timm with these stand-ins (any attribute is an inert class, so timm's subclasses and
-    enum lookups resolve) and takes them out of `sys.modules` again."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        return _StandInModule(spec.name)
-
-    def exec_module(self, module):
-        pass
-
-
-class _StandInClass(type):
-    def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _StandInClass(f"{cls.__name__}.{name}", (), {})
-
-
-class _StandInModule(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _StandInClass(f"{self.__name__}.{name}", (), {})
-
-
-def _import_timm():
-    if "timm" in sys.modules:
-        return sys.modules["timm"]
-    if importlib.util.find_spec("timm") is None:
-        pytest.skip("timm is not installed (the test extra lists it)")
-    finder = _TorchvisionStandIn()
-    sys.meta_path.insert(0, finder)
+def _timm():
     try:
-        import timm
-    finally:
-        sys.meta_path.remove(finder)
-        for name in [name for name in sys.modules if name == "torchvision" or name.startswith("torchvision.")]:
-            if isinstance(sys.modules[name], _StandInModule):
-                del sys.modules[name]
-    return timm
+        return import_timm()
+    except ImportError as error:
+        pytest.skip(str(error))
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +52,7 @@ def gemma3n_tower():
     transformers' TimmWrapperModel would build the encoder with `timm.create_model(architecture, pretrained=False,
     num_classes=0, **model_args)` and run its `forward_features`; it refuses to start without a torchvision it can
     import, so the test makes that same call itself and names the tensors as a Gemma 3n checkpoint does."""
-    timm = _import_timm()
+    timm = _timm()
     from timm.models._efficientnet_builder import decode_arch_def
 
     model_args = {"block_args": decode_arch_def([list(stage) for stage in TINY_STAGES]), **TINY_ARGS}
@@ -201,7 +150,7 @@ def test_tower_matches_transformers(gemma3n_tower):
 def test_the_published_encoder_is_read_and_laid_out_as_timm_lays_it_out():
     """The 300M encoder's block list (Dew's default, what a Gemma 3n record names) against timm's own, built on
     the meta device: every tensor's name and shape, through the rules, from shapes alone."""
-    timm = _import_timm()
+    timm = _timm()
     config = tower_config("gemma3n", transformers.Gemma3nVisionConfig().to_dict(), "vision_config")
     assert config == MobileNetV5Config()
     theirs = timm.create_model("mobilenetv5_300m_enc", device="meta").state_dict()

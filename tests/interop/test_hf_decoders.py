@@ -36,11 +36,12 @@ def test_families_cover_the_issue():
     # and the masked-diffusion families whose code is remote, not transformers' (tests/diffusion/test_checkpoints.py),
     # DiffusionGemma, which is no decoder family (tests/interop/test_diffusion_gemma.py), DeepSeek's,
     # whose configs carry fields of DeepSeek's own code beside transformers' (tests/interop/test_deepseek.py),
-    # and the multimodal models around a text family: Gemma 3, Llama 4 and Qwen 3.5 (dense and experts) with images,
-    # Gemma 4 with images and audio (tests/interop/test_gemma3.py, tests/interop/test_llama4.py,
-    # tests/interop/test_qwen35.py, tests/interop/test_gemma4.py)
+    # and the multimodal models around a text family: Gemma 3, Llama 4, Qwen 3.5 (dense and experts) and Gemma 3n
+    # with images, Gemma 4 with images and audio (tests/interop/test_gemma3.py, tests/interop/test_llama4.py,
+    # tests/interop/test_qwen35.py, tests/interop/test_gemma3n.py, tests/interop/test_gemma4.py)
     assert set(FAMILIES) == set(_CLASSES) | {"llada", "Dream", "diffusion_gemma", "deepseek_v2", "deepseek_v3",
-                                             "deepseek_v32", "gemma3", "llama4", "qwen3_5", "qwen3_5_moe", "gemma4"}
+                                             "deepseek_v32", "gemma3", "llama4", "qwen3_5", "qwen3_5_moe", "gemma4",
+                                             "gemma3n"}
 
 
 @pytest.mark.parametrize("model_type", sorted(_CLASSES))

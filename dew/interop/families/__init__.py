@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from dew.interop.families import (
-    deepseek, diffusion_gemma, dream, gemma, gemma3, gemma3n, gemma4, gemma4_multimodal, granite, llada, llama, llama4,
+    deepseek, diffusion_gemma, dream, gemma, gemma3, gemma3n, gemma3n_multimodal, gemma4, gemma4_multimodal, granite,
+    llada, llama, llama4,
     llama4_text, mamba2, mixtral, olmo, phi3, qwen, qwen3_5, qwen3_next, qwen_moe, smollm3,
 )
 from dew.interop.families.converter import Converter, GGUFNames
@@ -40,7 +41,7 @@ _BUILT_IN = (llama.LLAMA, qwen.QWEN2, qwen.QWEN3, llama.MISTRAL, llama.MINISTRAL
              deepseek.DEEPSEEK_V2, deepseek.DEEPSEEK_V32, mamba2.MAMBA2, gemma3.GEMMA3, phi3.PHI3,
              qwen3_next.QWEN3_5_TEXT, qwen3_next.QWEN3_NEXT, qwen3_next.QWEN3_5_MOE_TEXT, smollm3.SMOLLM3,
              granite.GRANITE, llama4_text.LLAMA4_TEXT, llama4.LLAMA4, qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE,
-             gemma4.GEMMA4_TEXT, gemma3n.GEMMA3N_TEXT, gemma4_multimodal.GEMMA4)
+             gemma4.GEMMA4_TEXT, gemma4_multimodal.GEMMA4, gemma3n.GEMMA3N_TEXT, gemma3n_multimodal.GEMMA3N)
 FAMILIES: dict[str, Converter] = {}
 
 

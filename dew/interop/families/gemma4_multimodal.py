@@ -23,13 +23,11 @@ import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from dew.interop import audio
 from dew.interop.families.converter import Converter
 from dew.interop.families.gemma4 import GEMMA4_TEXT
-from dew.interop.families.multimodal import Layout, MultimodalFamily, layout_of, read_parts
+from dew.interop.families.multimodal import Layout, MultimodalFamily, audio_rules, layout_of, read_parts
 from dew.interop.hf_decoders import ConfigFields
 from dew.interop.tensors import Rule
-from dew.interop.vision import projector_rules
 from dew.nn.audio import audio_config
 from dew.nn.multimodal import AudioPart, MultimodalConfig
 from dew.nn.transformer import DecoderConfig
@@ -91,12 +89,7 @@ class Gemma4Family(MultimodalFamily):
         rules = self.layout(names).rules(config, GEMMA4_TEXT.tensor_rules(config.text, names))
         if config.audio is None:
             return rules
-        part = config.audio
-        # the audio rules name each variable's collection first; the merged tree has none
-        tower = tuple(dataclasses.replace(rule, dew=tuple("audio_tower/" + path.split("/", 1)[1] for path in rule.dew))
-                      for rule in audio.audio_rules(part.tower_kind, part.tower, _AUDIO))
-        embedder = projector_rules(part.projector_kind, part.projector, _AUDIO_PROJECTOR, dew_prefix="audio_projector/")
-        return rules + tower + embedder
+        return rules + audio_rules(config.audio, _AUDIO, _AUDIO_PROJECTOR)
 
 
 GEMMA4 = Gemma4Family()

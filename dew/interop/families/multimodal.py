@@ -1,7 +1,8 @@
 """What the multimodal families share (Gemma 3, Llama 4): where a checkpoint keeps its decoder, tower and
 projector (`Layout`), finding the layout a checkpoint's tensor names use, and the rules of the whole
 model in one layout, the decoder's under `language_model/`, the tower's under `tower/`, the projector's
-under `projector/`."""
+under `projector/`, and an audio tower's and projector's (`audio_rules`) under `audio_tower/` and
+`audio_projector/`."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
-from dew.interop import vision
+from dew.interop import audio, vision
 from dew.interop.hf_decoders import ConfigFields
 from dew.interop.tensors import Rule
-from dew.nn.multimodal import LANGUAGE_MODEL, MultimodalConfig
+from dew.nn.multimodal import LANGUAGE_MODEL, AudioPart, MultimodalConfig
 from dew.nn.vision import projector_config, tower_config
 
 
@@ -87,3 +88,13 @@ class MultimodalFamily:
     def written(self, config: MultimodalConfig, source: Mapping[str, Any]) -> dict[str, Any]:
         """config.json for a save: the source's."""
         return dict(source)
+
+
+def audio_rules(part: AudioPart, tower: str, projector: str) -> tuple[Rule, ...]:
+    """The rules of an audio tower under the checkpoint prefix `tower` and its projector under `projector`, at the
+    model's `audio_tower/` and `audio_projector/` (the tower's own rules name each variable's collection first; the
+    model's merged tree has none)."""
+    tower_rules = tuple(dataclasses.replace(rule, dew=tuple("audio_tower/" + path.split("/", 1)[1] for path in rule.dew))
+                        for rule in audio.audio_rules(part.tower_kind, part.tower, tower))
+    return tower_rules + vision.projector_rules(part.projector_kind, part.projector, projector,
+                                                dew_prefix="audio_projector/")

@@ -101,6 +101,13 @@ class Gemma3nAudio:
         """Input frames per output frame: the time strides' product times the reduction factor."""
         return math.prod(stride for stride, _ in self.sscp_conv_stride_size) * self.conf_reduction_factor
 
+    def encoded_frames(self, frames: int) -> int:
+        """The frames the tower gives for `frames` input frames (each time convolution keeps `ceil(T / stride)`,
+        then every `conf_reduction_factor`-th); of real frames first, the real ones it gives."""
+        for stride, _ in self.sscp_conv_stride_size:
+            frames = -(-frames // stride)
+        return -(-frames // self.conf_reduction_factor)
+
     def build(self, dtype=jnp.float32, param_dtype=jnp.float32) -> "Gemma3nAudioEncoder":
         """The tower computing its projections in `dtype` (norms, attention and convolutions in float32) with
         parameters stored in `param_dtype`."""
