@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from benchmarks.common import smollm2_directory
+from benchmarks.serve_streams import prompts as passage_prompts
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -71,8 +72,7 @@ def main():
     print(f"loaded in {time.perf_counter() - started:.1f} s")
     engine = Engine(task.model, task.params, slots=args.slots, capacity=args.capacity,
                     eos_token_ids=task.sampling.eos_token_ids, pad_id=task.sampling.pad_id)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, 40000, int(n)).tolist() for n in rng.integers(20, 200, max(args.requests, 1))]
+    prompts = passage_prompts(max(args.requests, 1))
     if args.programs:
         for key in [("step", rows) for rows in engine.step_rows] + [("admit", 1, 128)]:
             engine._compile(key)
@@ -111,6 +111,25 @@ def main():
     started = time.perf_counter()
     engine.warm_up()
     print(f"compiled {len(engine._programs)} programs in {time.perf_counter() - started:.1f} s")
+    spent = {"admitting": 0.0, "waiting on steps": 0.0}
+
+    def timed_method(name, method, wait):
+        def run(*args):
+            if wait:  # the step dispatched before is the steps' time, not this
+                started = time.perf_counter()
+                jax.block_until_ready(engine._state.budget_B)
+                spent["waiting on steps"] += time.perf_counter() - started
+            started = time.perf_counter()
+            result = method(*args)
+            if wait:
+                jax.block_until_ready(engine._state.budget_B)
+            spent[name] += time.perf_counter() - started
+            return result
+        return run
+
+    # the admissions, waited on, and the reading of each step's tokens (the device's time the host waits)
+    engine._place = timed_method("admitting", engine._place, True)
+    engine._hand_out = timed_method("waiting on steps", engine._hand_out, False)
     engine.start()
     engine.ready.wait()
     for streams in args.streams:
@@ -139,8 +158,10 @@ def main():
             thread.join()
         seconds = time.perf_counter() - started
         tokens = sum(c.tokens for c in counters)
+        print(", ".join(f"{name} {value:.1f} s" for name, value in spent.items()))
+        spent.update({name: 0.0 for name in spent})
         print(f"{streams} streams: {tokens / seconds:.1f} tokens/s, median TTFT "
-              f"{statistics.median(c.first for c in counters):.2f} s, {engine.steps - steps} steps, "
+              f"{statistics.median(c.first for c in counters if c.first is not None):.2f} s, {engine.steps - steps} steps, "
               f"{tokens} tokens in {seconds:.1f} s; load average {os.getloadavg()[0]:.2f}")
     engine.close()
 
