@@ -159,7 +159,7 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
 
 
 def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], host: str = "127.0.0.1",
-          port: int = 8000, slots: int = 8, capacity: int | None = None, queue: int = 256, prefill_rows: int = 4,
+          port: int = 8000, slots: int = 32, capacity: int | None = None, queue: int = 256, prefill_rows: int = 4,
           name: str | None = None, chat_template: str | None = None, special_tokens_in_messages: bool = False,
           max_body_bytes: int = 2**20, read_timeout: float = 30.0, keep_alive_timeout: float = 5.0,
           max_connections: int = 512, live: bool = False, quantize: Literal["int8", "gguf"] | None = None,
@@ -181,7 +181,8 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
             checkpoint directory or Hub id in the local cache, or a GGUF file.
         host: The address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).
         port: The port to listen on, 1 to 65535 (0: any free port, logged).
-        slots: Requests generated at once (rows of the KV cache); more wait in the queue.
+        slots: Requests generated at once (rows of the KV cache); more wait in the queue. A step computes the
+            first 1, 2, 4 ... slots that hold every busy one, so idle slots cost memory, not time.
         capacity: Positions per request, prompt plus new tokens (default: the model's max_seq_len, at most 1024).
         queue: Requests that may wait for a slot; past that a request is answered 503 (and one that could
             never fit, more rows than slots plus queue, 400).

@@ -1,8 +1,9 @@
 // An XLA FFI handler for decoding's attention: one new query per row against that row's cached keys
 // and values, reading only the slots the row may attend to.
 //
-// Queries `[B, H, D]` float32; the cache of a run of layers, keys `[L, B, K, T, D]` and values
-// `[L, B, K, T, Dv]` (float32 or bfloat16, heads-major as dew.nn.kv_cache lays them out), the layer
+// Queries `[B, H, D]` float32; the cache of a run of layers, keys `[L, C, K, T, D]` and values
+// `[L, C, K, T, Dv]` (float32 or bfloat16, heads-major as dew.nn.kv_cache lays them out; query row b
+// reads cache row b of C >= B, so a step over a server's first rows reads its whole cache in place), the layer
 // to read (an int32 scalar: a scanned run's layer index is traced), and per row the slots
 // `[starts[b], ends[b])` its query reads. Query head `h` reads key/value head `h / (H / K)`:
 //   out[b, h] = sum_j p_j v[b, kh, j],  p = softmax_j(x_j),  x_j = cap(scale * q[b, h] . k[b, kh, j])
@@ -143,8 +144,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5)
     return ffi::Error::InvalidArgument(
         "dew decode attention: q [B, H, D], keys [L, B, K, T, D], values [L, B, K, T, Dv]");
-  int64_t b_rows = qd[0], heads = qd[1], d = qd[2], layers = kd[0], kv = kd[2], t = kd[3], dv = vd[4];
-  if (kd[1] != b_rows || kd[4] != d || vd[0] != layers || vd[1] != b_rows || vd[2] != kv || vd[3] != t || kv == 0 ||
+  int64_t b_rows = qd[0], heads = qd[1], d = qd[2], layers = kd[0], c_rows = kd[1], kv = kd[2], t = kd[3], dv = vd[4];
+  if (c_rows < b_rows || kd[4] != d || vd[0] != layers || vd[1] != c_rows || vd[2] != kv || vd[3] != t || kv == 0 ||
       heads % kv != 0 || static_cast<int64_t>(starts.element_count()) != b_rows ||
       static_cast<int64_t>(ends.element_count()) != b_rows)
     return ffi::Error::InvalidArgument("dew decode attention: the shapes of q, keys, values, starts and ends differ");
@@ -155,8 +156,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (b_rows == 0 || heads == 0) return ffi::Error::Success();
   int64_t group = heads / kv, chunks = std::max<int64_t>(1, (t + kChunk - 1) / kChunk), stride = 2 + dv;
   const float* qp = q.typed_data();
-  const T* kp = reinterpret_cast<const T*>(keys.untyped_data()) + l * b_rows * kv * t * d;
-  const T* vp = reinterpret_cast<const T*>(values.untyped_data()) + l * b_rows * kv * t * dv;
+  const T* kp = reinterpret_cast<const T*>(keys.untyped_data()) + l * c_rows * kv * t * d;
+  const T* vp = reinterpret_cast<const T*>(values.untyped_data()) + l * c_rows * kv * t * dv;
   const int32_t *sp = starts.typed_data(), *ep = ends.typed_data();
   float* op = out->typed_data();
   // Partials `[B, K, chunks, group, 2 + dv]`, in the calling thread's buffer: every task that writes them

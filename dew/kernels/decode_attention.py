@@ -63,19 +63,21 @@ def decode_attention(q_BHD: jax.Array, keys_LBKTD: jax.Array, values_LBKTD: jax.
                      ends_B: jax.Array, scale: float, softcap: float | None = None) -> jax.Array:
     """float32 `[B, H, Dv]`: each row's query `q` `[B, H, D]` (any float dtype; taken as float32) over
     key slots `[starts_B[b], ends_B[b])` (int32, clipped to the capacity) of layer `layer` (an int or
-    int32 scalar, may be traced) of a run's cache, keys `[L, B, K, T, D]` and values `[L, B, K, T, Dv]`
-    of one dtype; query head `h` reads key/value head `h // (H // K)`. With `softcap`, logits are
+    int32 scalar, may be traced) of a run's cache, keys `[L, C, K, T, D]` and values `[L, C, K, T, Dv]`
+    of one dtype (query row `b` reads cache row `b` of `C >= B`, so a step over the first rows of a larger
+    cache reads it in place); query head `h` reads key/value head `h // (H // K)`. With `softcap`, logits are
     `softcap * tanh(scale * q . k / softcap)`. Raises where the kernel is unavailable."""
     loaded, why = _load()
     if not loaded:
         raise RuntimeError(f"Dew's decode attention kernel is unavailable: {why}; use dew.nn.attention.attend")
     B, H, D = q_BHD.shape
-    L, _, K, T, Dv = values_LBKTD.shape
+    L, C, K, T, Dv = values_LBKTD.shape
     dtype = jnp.dtype(keys_LBKTD.dtype)
     if (dtype not in _DTYPES or values_LBKTD.dtype != dtype or keys_LBKTD.ndim != 5
-            or keys_LBKTD.shape != (L, B, K, T, D) or H % K or D % LANES or Dv % LANES):
-        raise ValueError(f"decode_attention takes q [B, H, D], keys [L, B, K, T, D] and values [L, B, K, T, Dv] "
-                         f"of one dtype (float32 or bfloat16), H a multiple of K and D, Dv multiples of {LANES}; got "
+            or keys_LBKTD.shape != (L, C, K, T, D) or C < B or H % K or D % LANES or Dv % LANES):
+        raise ValueError(f"decode_attention takes q [B, H, D], keys [L, C, K, T, D] and values [L, C, K, T, Dv] "
+                         f"of one dtype (float32 or bfloat16), C >= B, H a multiple of K and D, Dv multiples of "
+                         f"{LANES}; got "
                          f"q {q_BHD.shape}, keys {keys_LBKTD.dtype} {keys_LBKTD.shape}, values {values_LBKTD.dtype} "
                          f"{values_LBKTD.shape}")
     if starts_B.shape != (B,) or ends_B.shape != (B,):

@@ -349,7 +349,7 @@ class Attention(nn.Module):
             if cache is None:
                 keys, values = k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3)
             else:
-                keys, values = (k_BSKD, v_BSKD) if reuse else cache.read(knobs.local)
+                keys, values = (k_BSKD, v_BSKD) if reuse else cache.read(knobs.local, B)
                 if context.read_only_cache:
                     own = lambda x_BSKD, cached: x_BSKD.transpose(0, 2, 1, 3).astype(cached.dtype)
                     keys = jnp.concatenate([keys, own(k_BSKD, keys)], axis=2)
@@ -364,7 +364,7 @@ class Attention(nn.Module):
         if s.output_gate:
             out_BSHD = (out_BSHD.astype(jnp.float32) * jax.nn.sigmoid(gate_BSHD.astype(jnp.float32))).astype(self.dtype)
         if s.shared_kv == "store":
-            shared = (k_BSKD, v_BSKD) if cache is None else cache.read(knobs.local)
+            shared = (k_BSKD, v_BSKD) if cache is None else cache.read(knobs.local, B)
             report = {**(report or {}), "shared_kv": shared}
         return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache, report
 

@@ -38,9 +38,10 @@ class AttentionCache:
                                                                                 mode="drop")
         return AttentionCache(keys=put(self.keys, k_BSKD), values=put(self.values, v_BSKD))
 
-    def read(self, layer) -> tuple[jax.Array, jax.Array]:
-        """Layer `layer`'s keys and values, `[B, K, T, D]` each."""
-        return self.keys[layer], self.values[layer]
+    def read(self, layer, rows: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """Layer `layer`'s keys and values, `[B, K, T, D]` each: of the first `rows` rows when given (a
+        step over a server's first rows reads and `write`s a larger cache in place)."""
+        return self.keys[layer, :rows], self.values[layer, :rows]
 
     def put_rows(self, rows_R: jax.Array, new: "AttentionCache") -> "AttentionCache":
         """This cache with rows `rows_R` replaced by the rows of `new` (a cache of `R` rows and at most

@@ -120,11 +120,17 @@ def memory() -> tuple[int, str]:
     return (min(total, int(limit)) if limit.isdigit() else total), "the host's memory"
 
 
+def memory_beside(params) -> tuple[int, int, str]:
+    """(bytes `params` leave free of `memory()`, that memory's bytes, what it is)."""
+    available, where = memory()
+    free = available - sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(params) if hasattr(leaf, "nbytes"))
+    return free, available, where
+
+
 def _check_memory(model, params, prompts: int, n: int, capacity: int, max_new_tokens: int) -> None:
     """Refuse more rows than fit beside the weights in `memory()`, before any of them is allocated."""
     per_row = row_bytes(model, capacity, max_new_tokens)
-    available, where = memory()
-    free = available - sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(params) if hasattr(leaf, "nbytes"))
+    free, available, where = memory_beside(params)
     if prompts * n * per_row <= free:
         return
     gib = lambda count: f"{count / 2**30:,.1f} GiB"

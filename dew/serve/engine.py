@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dew.data.inputs import MEDIA_FIELDS
-from dew.sampling.generate import PROMPT_BUCKET
+from dew.sampling.generate import PROMPT_BUCKET, memory_beside, row_bytes
 from dew.sampling.sampling import Sampling, SamplingParams, _bucket, check_seed
 from dew.serve.slots import Admission, compile_admit, compile_step, empty_slots, plain_sampling
 
@@ -153,6 +153,7 @@ class Engine:
         self.max_log_probs = max_log_probs
         self.widths = _ladder(PROMPT_BUCKET, capacity)
         self.prefill_rows = _ladder(1, min(prefill_rows, slots))
+        _check_memory(model, params, slots, capacity)
         self.params = jax.jit(model.stack_variables)(params)  # once, not at every step
         self._top_k_bound = _bucket(top_k_limit)
         self._state = _placed_like(empty_slots(model, slots, capacity, self._top_k_bound), self.params)
@@ -512,6 +513,19 @@ def _media(requests: list[Request | None], width: int) -> dict:
             else:
                 media[name][r] = request.media[name]
     return media
+
+
+def _check_memory(model, params, slots: int, capacity: int) -> None:
+    """Refuse slots whose resident state (`row_bytes` each: a cache of `capacity` positions, vocabulary-wide
+    rows) would not fit beside the weights in `memory()`, before any of it is allocated."""
+    per_slot = row_bytes(model, capacity, 0)
+    free, available, where = memory_beside(params)
+    if slots * per_slot <= free:
+        return
+    gib = lambda count: f"{count / 2**30:,.1f} GiB"  # noqa: E731
+    raise ValueError(f"{slots} slots of {capacity} positions would hold {gib(slots * per_slot)} ({per_slot:,} bytes a "
+                     f"slot), more than the {gib(free)} the weights leave of {where} ({gib(available)}): serve at "
+                     f"most {max(free, 0) // per_slot} slots (dew serve --slots) or fewer positions (--capacity)")
 
 
 def _ladder(first: int, last: int) -> tuple[int, ...]:

@@ -43,7 +43,7 @@ class Served:
     audio: AudioLimits = AudioLimits()
 
     @classmethod
-    def load(cls, source: str, *, slots: int = 8, capacity: int | None = None, queue: int = 256,
+    def load(cls, source: str, *, slots: int = 32, capacity: int | None = None, queue: int = 256,
              prefill_rows: int = 4, name: str | None = None, chat_template_file: str | None = None,
              live: bool = False, quantize: str | None = None, special_tokens_in_messages: bool = False,
              images: ImageLimits = ImageLimits(), max_log_probs: int = MAX_LOG_PROBS,

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dew.nn.kv_cache import AttentionCache
 from dew.sampling.generate import DecodeState, advance, start, start_scored
 from dew.sampling.sampling import Sampling, SamplingParams, draw
 from dew.sampling.scoring import Scores, empty_scores, score
@@ -84,13 +85,12 @@ def compile_step(model, eos: tuple[int, ...], pad_id: int, rows: int, slots: int
     StepOutput over those rows)`: rows marked in `release_B` stop first (the host ended them), then
     every live row draws and feeds back one token; a row that draws EOS or reaches its budget is done.
     The drawn tokens are scored, with the `top` most likely, while some live row reports log-probabilities.
-    The state is donated (updated in place); with `rows` below `slots` the first rows are cut out,
-    stepped and written back, so a lightly loaded engine computes only the rows it uses."""
+    The state is donated (updated in place); with `rows` below `slots` the first rows are stepped: attention's
+    cache is read and written in place, the rest of their state is cut out and written back, so a lightly
+    loaded engine computes only the rows it uses and copies no cache."""
 
     def step(params, state: Slots, release_B):
-        part = state if rows == slots else jax.tree_util.tree_map(lambda x, axis: jax.lax.slice_in_dim(x, 0, rows,
-                                                                                                     axis=axis),
-                                                                  state, _row_axes(state))
+        part = state if rows == slots else _first_rows(state, rows)
         decode = part.decode.replace(done_B=part.decode.done_B | release_B[:rows])
         live_B = ~decode.done_B
         # Filters sort or rank the vocabulary; skip them (one branch runs) while no live row asks for one.
@@ -108,18 +108,41 @@ def compile_step(model, eos: tuple[int, ...], pad_id: int, rows: int, slots: int
         decode = decode.replace(done_B=decode.done_B | (decode.count_B >= part.budget_B))
         part = part.replace(decode=decode)
         if rows < slots:
-            part = jax.tree_util.tree_map(lambda whole, x, axis: jax.lax.dynamic_update_slice_in_dim(whole, x, 0, axis),
-                                          state, part, _row_axes(state))
+            part = _rows_written(state, part)
         return part, StepOutput(tokens_B, live_B, decode.done_B, scores)
 
     return jax.jit(step, donate_argnums=1)
 
 
-def _row_axes(state: Slots) -> Slots:
-    """Each leaf's row axis: 1 for the cache's `[layers, rows, ...]` arrays, 0 for the others."""
-    axes = jax.tree_util.tree_map(lambda _: 0, state)
-    cache_axes = jax.tree_util.tree_map(lambda _: 1, state.decode.cache.runs)
-    return axes.replace(decode=axes.decode.replace(cache=axes.decode.cache.replace(runs=cache_axes)))
+def _in_place(run) -> bool:
+    """Whether a step over the first rows reads and writes this run of the cache whole, in place (attention's
+    keys and values: `AttentionCache.read(layer, rows)`), rather than a copy of those rows, which costs
+    a copy of the rows' whole capacity in and out at every step."""
+    return isinstance(run, AttentionCache)
+
+
+def _without_runs(state: Slots) -> Slots:
+    return state.replace(decode=state.decode.replace(cache=state.decode.cache.replace(runs=())))
+
+
+def _with_runs(state: Slots, runs: tuple) -> Slots:
+    return state.replace(decode=state.decode.replace(cache=state.decode.cache.replace(runs=runs)))
+
+
+def _first_rows(state: Slots, rows: int) -> Slots:
+    """The first `rows` rows of every slot's state (row axis 0; 1 for a cache run's `[layers, rows, ...]`);
+    runs read in place (`_in_place`) stay whole."""
+    cut = lambda axis: lambda x: jax.lax.slice_in_dim(x, 0, rows, axis=axis)  # noqa: E731
+    runs = tuple(run if _in_place(run) else jax.tree_util.tree_map(cut(1), run) for run in state.decode.cache.runs)
+    return _with_runs(jax.tree_util.tree_map(cut(0), _without_runs(state)), runs)
+
+
+def _rows_written(state: Slots, part: Slots) -> Slots:
+    """`state` with its first rows replaced by `part`'s (`_first_rows`'s layout; whole runs are taken as they are)."""
+    put = lambda axis: lambda whole, x: jax.lax.dynamic_update_slice_in_dim(whole, x, 0, axis)  # noqa: E731
+    runs = tuple(new if _in_place(old) else jax.tree_util.tree_map(put(1), old, new)
+                 for old, new in zip(state.decode.cache.runs, part.decode.cache.runs))
+    return _with_runs(jax.tree_util.tree_map(put(0), _without_runs(state), _without_runs(part)), runs)
 
 
 @dataclasses.dataclass(frozen=True)

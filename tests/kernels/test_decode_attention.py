@@ -93,12 +93,29 @@ def test_the_kernel_matches_xla_at_ragged_lengths(policy, dtype, heads):
 
 
 @needs_kernel
+def test_the_first_rows_of_a_larger_cache_are_read_in_place(policy):
+    """Query row b reads cache row b of a cache with more rows (a server's step over its first rows, the
+    rest left as they are): bit for bit what the cache cut to those rows gives, at both layers."""
+    policy("native")
+    rng = np.random.default_rng(1)
+    keys, values = (jnp.asarray(rng.standard_normal((L, B, 2, 40, D)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((2, 4, D)), jnp.float32)
+    starts, ends = jnp.asarray([0, 3], jnp.int32), jnp.asarray([17, 40], jnp.int32)
+    for layer in range(L):
+        whole = decode_kernel.decode_attention(q, keys, values, layer, starts, ends, 0.125)
+        cut = decode_kernel.decode_attention(q, keys[:, :2], values[:, :2], layer, starts, ends, 0.125)
+        np.testing.assert_array_equal(np.asarray(whole), np.asarray(cut))
+
+
+@needs_kernel
 def test_bad_operands_are_refused(policy):
     policy("native")
     keys = jnp.zeros((1, 2, 2, 16, 8), jnp.float32)
     q, ends = jnp.zeros((2, 4, 8)), jnp.ones((2,), jnp.int32)
     with pytest.raises(ValueError, match=r"one dtype .*got q \(2, 4, 8\), keys float32 .* values bfloat16"):
         decode_kernel.decode_attention(q, keys, keys.astype(jnp.bfloat16), 0, ends, ends, 1.0)
+    with pytest.raises(ValueError, match=r"C >= B"):  # more query rows than the cache holds
+        decode_kernel.decode_attention(jnp.zeros((3, 4, 8)), keys, keys, 0, ends[:1].repeat(3), ends[:1].repeat(3), 1.0)
     with pytest.raises(ValueError, match=r"multiples of 8"):
         decode_kernel.decode_attention(q[..., :4], keys[..., :4], keys[..., :4], 0, ends, ends, 1.0)
     with pytest.raises(ValueError, match=r"starts \(3,\) and ends \(2,\) must be \[B\] = \[2\]"):

@@ -156,6 +156,13 @@ def test_a_consumer_stop_or_a_cancel_frees_the_slot_and_the_others_go_on(engine,
     assert engine.load()["busy"] == 0
 
 
+def test_slots_beyond_the_memory_are_refused_before_any_is_allocated(model_and_variables):
+    model, variables = model_and_variables
+    with pytest.raises(ValueError, match=r"10000000000 slots of 48 positions would hold .* GiB .*serve at most \d+ "
+                                         r"slots \(dew serve --slots\)"):
+        Engine(model, variables, slots=10**10, capacity=CAPACITY)
+
+
 def test_refusals_and_the_queue_bound(engine):
     with pytest.raises(TooLong, match="prompt's 40 tokens plus max_tokens 9 make 49, beyond this server's context of 48"):
         engine.submit([Request([1] * 40, 9, Sampling(), seed=0, consumer=Collect())])
