@@ -211,7 +211,7 @@ class Processor:
         if "mm_token_type_ids" in outputs:
             row["types"] = np.asarray(outputs["mm_token_type_ids"][0], np.int64)
         if clips:
-            row["features"], row["frames_mask"] = _clip_frames(outputs["input_features"], outputs["input_features_mask"])
+            row["features"], row["frames_mask"] = self._frames(clips, outputs)
         if not images:
             return row
         if "image_position_ids" in outputs:
@@ -469,8 +469,21 @@ class Processor:
         `[frames, mel]` and their mask."""
         outputs = self.reference(text=[self.reference.audio_token], audio=[np.asarray(clip, np.float32)],
                                  padding=False, add_special_tokens=False)
-        return {"ids": [int(i) for i in outputs["input_ids"][0]], "features": _float32(outputs["input_features"])[0],
-                "mask": np.asarray(outputs["input_features_mask"], bool)[0]}
+        features, mask = self._frames([clip], outputs)
+        return {"ids": [int(i) for i in outputs["input_ids"][0]], "features": features[0], "mask": mask[0]}
+
+    def _frames(self, clips, outputs) -> tuple[np.ndarray, np.ndarray]:
+        """A row's clips as frames `[clips, frames, mel]` and their mask. Where each clip fills a fixed number of
+        slots (Gemma 3n), each clip's frames come from the checkpoint's extractor alone, under its own padding
+        (the waveform zero-padded to a multiple of 128 samples, its last part-frame kept, as transformers'
+        processor gives a clip), not the `padding=False` call's, which drops that frame; a row's clips are then
+        padded to the longest as frames, masked."""
+        if self.audio is None or getattr(self.audio, "tokens_per_clip", None) is None:
+            return _clip_frames(outputs["input_features"], outputs["input_features_mask"])
+        extractor = self.reference.feature_extractor
+        alone = [extractor([np.asarray(clip, np.float32)], return_tensors="np") for clip in clips]
+        return _clip_frames([one["input_features"][0] for one in alone],
+                            [one["input_features_mask"][0] for one in alone])
 
     def _checked(self, index: int, ids: np.ndarray) -> np.ndarray:
         """A row's ids, refused when empty or outside the model's vocabulary (naming the row and column)."""
