@@ -151,9 +151,10 @@ class Admission:
     slot each goes to (`slots`; the engine's slot count marks a padding row, which is dropped), the
     key data of `jax.random.key(seed)` (uint32 `[rows, 2]`), prompt and continuation indices, the
     sampling values and budgets, whether each reports its drawn tokens' log-probabilities (`scored`);
-    `media`, a multimodal model's image fields `[rows, width]` (Qwen 3.5's `rotary_positions [rows, width,
-    3]` too) and images `[rows, images, C, H, W]` (Qwen 3.5's `[rows, images, patches, C*T*p*p]` beside
-    `image_grid_thw [rows, images, 3]`); None for text."""
+    `media`, a multimodal model's slot fields `[rows, width, ...]` (`dew.serve.engine.SLOTTED`: image and
+    audio indices, image groups, Qwen 3.5's `rotary_positions`) and conditioning `[rows, ...]` (images,
+    their grids or patch positions, audio frames and their masks; `dew.serve.engine.Request.media`);
+    None for text."""
 
     tokens: np.ndarray
     valid: np.ndarray
