@@ -93,7 +93,7 @@ def main():
             seconds = timed(step, args.repeats)
             print(f"step over {rows:3d} rows: {seconds * 1e3:7.1f} ms ({rows / seconds:6.1f} tokens/s)")
         for rows in engine.prefill_rows if args.admissions else ():
-            for width in engine.widths:
+            for width in [w for w in engine.widths if ("admit", rows, w) in engine._programs]:
                 slots = np.arange(rows, dtype=np.int32)
                 admission = engine._admission(requests[:rows], width, slots) if width >= 120 else \
                     engine._admission([R(prompts[0][:width], 8, Sampling(), 0, None)] * rows, width, slots)

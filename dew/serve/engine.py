@@ -40,6 +40,9 @@ TOP_K_LIMIT = 64
 """The largest `top_k` a request may ask for, unless the source's own default is larger."""
 MAX_LOG_PROBS = 20
 """The most alternatives a request may ask for at each position by default (vLLM's `--max-logprobs`)."""
+BATCHED_WIDTH = 64
+"""The widest prompt width prefilled several rows at a time: from 128 positions up a float32 prefill is
+arithmetic-bound, so rows prefilled together cost what they cost one at a time, and only add programs."""
 
 
 class QueueFull(RuntimeError):
@@ -117,8 +120,9 @@ class Engine:
     """Continuous batching for `model` with `params` over `slots` rows of `capacity` positions each.
 
     `submit` queues requests (at most `queue_limit` wait; beyond that it raises `QueueFull`);
-    `cancel` drops one wherever it is. Prompts are prefilled in batches of 1, 2, 4 ... up to
-    `prefill_rows` rows, at widths 16, 32, 64 ... up to `capacity`; requests take the lowest free
+    `cancel` drops one wherever it is. Prompts are prefilled at widths 16, 32, 64, 96, 128, 192, 256,
+    384 ... (steps of at most 1.5x from 64 up) up to `capacity`, in batches of 1, 2, 4 ... up to
+    `prefill_rows` rows at widths up to `BATCHED_WIDTH`, one row at a time above; requests take the lowest free
     slots, and a step runs over the first 1, 2, 4 ... `slots` rows, the fewest that hold every
     occupied slot. `eos_token_ids` end a row, `pad_id` fills. `top_k_limit` bounds a request's
     `top_k`, `max_log_probs` the alternatives it may ask for.
@@ -151,8 +155,8 @@ class Engine:
         self.pad_id = int(pad_id)
         self.top_k_limit = top_k_limit
         self.max_log_probs = max_log_probs
-        self.widths = _ladder(PROMPT_BUCKET, capacity)
-        self.prefill_rows = _ladder(1, min(prefill_rows, slots))
+        self.widths = _widths(capacity)
+        self.prefill_rows = _ladder(1, min(prefill_rows, slots))  # at widths up to BATCHED_WIDTH; one row above
         _check_memory(model, params, slots, capacity)
         self.params = jax.jit(model.stack_variables)(params)  # once, not at every step
         self._top_k_bound = _bucket(top_k_limit)
@@ -166,7 +170,7 @@ class Engine:
         self._abstract = (jax.tree_util.tree_map(abstract, self.params), jax.tree_util.tree_map(abstract, self._state))
         first = [("step", self.step_rows[-1]), ("admit", 1, self.widths[0]), ("admit", 1, self.widths[-1])]
         rest = [("step", rows) for rows in self.step_rows] + [("admit", 1, width) for width in self.widths] + \
-            [("admit", rows, width) for rows in self.prefill_rows[1:] for width in self.widths]
+            [("admit", rows, width) for width in self.widths for rows in self._rows_at(width)[1:]]
         self.first_programs = first
         self.later_programs = [key for key in dict.fromkeys(rest) if key not in first]
         self.ready = threading.Event()
@@ -364,6 +368,10 @@ class Engine:
                 self._hand_out(*pending)
             pending = dispatched
 
+    def _rows_at(self, width: int) -> tuple[int, ...]:
+        """The row counts prompts of `width` positions are prefilled in together."""
+        return self.prefill_rows if width <= BATCHED_WIDTH else (1,)
+
     def _take_waiting(self) -> list[tuple[int, Request]]:
         """Pair free slots with waiting requests, first come first served (under the lock)."""
         free = [slot for slot, owner in enumerate(self._owners) if owner is None]
@@ -388,9 +396,10 @@ class Engine:
             by_width[width, request.media_shape, not plain].append((slot, request))
         for (width, shapes, special), group in by_width.items():
             while group:
-                rows = next((r for r in self.prefill_rows if r >= len(group)), self.prefill_rows[-1])
+                ladder = self._rows_at(width)
+                rows = next((r for r in ladder if r >= len(group)), ladder[-1])
                 if not special:  # at most the rows of a compiled admission (one row always is)
-                    rows = max(r for r in self.prefill_rows if r <= rows and ("admit", r, width) in self._programs)
+                    rows = max(r for r in ladder if r <= rows and ("admit", r, width) in self._programs)
                 batch, group = group[:rows], group[rows:]
                 slots = np.full(rows, self.slots, np.int32)
                 slots[: len(batch)] = [slot for slot, _ in batch]
@@ -526,6 +535,16 @@ def _check_memory(model, params, slots: int, capacity: int) -> None:
     raise ValueError(f"{slots} slots of {capacity} positions would hold {gib(slots * per_slot)} ({per_slot:,} bytes a "
                      f"slot), more than the {gib(free)} the weights leave of {where} ({gib(available)}): serve at "
                      f"most {max(free, 0) // per_slot} slots (dew serve --slots) or fewer positions (--capacity)")
+
+
+def _widths(capacity: int) -> tuple[int, ...]:
+    """The prompt widths: 16, 32, 64, then 96, 128, 192, 256, 384 ... (each at most 1.5 times the one
+    before, so a prompt pays for at most a third of its width in padding), then `capacity`."""
+    sizes = [PROMPT_BUCKET]
+    while sizes[-1] < capacity:
+        step = sizes[-1] if sizes[-1] < 64 else 2 ** (sizes[-1].bit_length() - 1) // 2  # 64 -> 96 -> 128 -> 192
+        sizes.append(min(sizes[-1] + step, capacity))
+    return tuple(sizes)
 
 
 def _ladder(first: int, last: int) -> tuple[int, ...]:
