@@ -3,6 +3,10 @@ rows of the engine's slots, each admission (rows, prompt width), and a whole in-
 `--requests` prompts with `--streams` in flight through `Engine` (the host loop, without the server).
 
     PYTHONPATH=. python -m benchmarks.serve_profile [--slots 8] [--capacity 1024] [--quantize int8]
+        [--programs [--admissions]] [--requests 32] [--streams 8 32] [--longest 200] [--prefill-chunk 256]
+
+A prompt longer than the engine's chunk prefills its head, then one chunk between two steps: its
+chunks count as admitting.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ def main():
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--streams", type=int, nargs="*", default=[8])
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--longest", type=int, default=200, help="the longest prompt, in tokens (from 20)")
+    parser.add_argument("--prefill-chunk", type=int, default=None, help="the engine's prefill_chunk")
     parser.add_argument("--programs", action="store_true", help="time each step program alone")
     parser.add_argument("--admissions", action="store_true", help="and each admission program")
     args = parser.parse_args()
@@ -70,9 +76,10 @@ def main():
     started = time.perf_counter()
     task = pipeline(str(Path(smollm2_directory()) / GGUF), quantize=args.quantize)
     print(f"loaded in {time.perf_counter() - started:.1f} s")
+    chunk = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
     engine = Engine(task.model, task.params, slots=args.slots, capacity=args.capacity,
-                    eos_token_ids=task.sampling.eos_token_ids, pad_id=task.sampling.pad_id)
-    prompts = passage_prompts(max(args.requests, 1))
+                    eos_token_ids=task.sampling.eos_token_ids, pad_id=task.sampling.pad_id, **chunk)
+    prompts = passage_prompts(max(args.requests, 1), longest=args.longest)
     if args.programs:
         for key in [("step", rows) for rows in engine.step_rows] + [("admit", 1, 128)]:
             engine._compile(key)
@@ -104,8 +111,17 @@ def main():
                     return engine._state.budget_B
                 seconds = timed(admit, max(2, args.repeats // 2))
                 print(f"admit {rows} rows at width {width:5d}: {seconds * 1e3:8.1f} ms")
+        if args.admissions and ("extend", engine.chunk) in engine._programs:
+            piece = (prompts[0] * engine.chunk)[: engine.chunk]
+            tokens, valid = np.asarray([piece], np.int32), np.ones((1, engine.chunk), np.int32)
+
+            def extend():  # a chunk after slot 0's 128 tokens (two calls: at most 640 positions)
+                engine._state = engine._programs["extend", engine.chunk](
+                    engine.params, engine._state, tokens, valid, np.zeros(1, np.int32), np.zeros(1, bool))
+                return engine._state.budget_B
+            print(f"chunk of {engine.chunk} after 128 or more positions: {timed(extend, 2) * 1e3:8.1f} ms")
         engine = Engine(task.model, task.params, slots=args.slots, capacity=args.capacity,
-                        eos_token_ids=task.sampling.eos_token_ids, pad_id=task.sampling.pad_id)
+                        eos_token_ids=task.sampling.eos_token_ids, pad_id=task.sampling.pad_id, **chunk)
     if not args.streams:
         return
     started = time.perf_counter()
@@ -129,6 +145,7 @@ def main():
 
     # the admissions, waited on, and the reading of each step's tokens (the device's time the host waits)
     engine._place = timed_method("admitting", engine._place, True)
+    engine._go_on = timed_method("admitting", engine._go_on, True)
     engine._hand_out = timed_method("waiting on steps", engine._hand_out, False)
     engine.start()
     engine.ready.wait()

@@ -40,15 +40,17 @@ PASSAGE = (
 ) * 3
 
 
-def prompts(count: int, seed: int = 0) -> list[list[int]]:
-    """`count` prompts of 20 to 200 tokens: the passage's first tokens, then a question."""
+def prompts(count: int, seed: int = 0, longest: int = 200) -> list[list[int]]:
+    """`count` prompts of 20 to `longest` tokens: the passage's first tokens (repeated as often as it
+    takes), then a question."""
     from dew.runs import pipeline
 
     tokenizer = pipeline(str(Path(smollm2_directory()) / GGUF)).tokenizer
     passage = tokenizer.encode(PASSAGE)
+    passage = passage * -(-longest // len(passage))
     rng = np.random.default_rng(seed)
     rows = []
-    for index, length in enumerate(rng.integers(20, 201, count)):
+    for index, length in enumerate(rng.integers(20, longest + 1, count)):
         question = tokenizer.encode(" " + QUESTIONS[index % len(QUESTIONS)])
         rows.append(passage[: max(0, int(length) - len(question))] + question)
     return rows
@@ -107,9 +109,10 @@ def main():
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--solo-requests", type=int, default=8, help="requests of the one-stream setting")
+    parser.add_argument("--longest", type=int, default=200, help="the longest prompt, in tokens")
     parser.add_argument("server", nargs="*", help="arguments for dew serve (after --)")
     args = parser.parse_args()
-    rows = prompts(args.requests)
+    rows = prompts(args.requests, longest=args.longest)
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores; {len(rows)} prompts of "
           f"{min(map(len, rows))}-{max(map(len, rows))} tokens; dew serve {' '.join(args.server) or '(defaults)'}")
     began = time.perf_counter()

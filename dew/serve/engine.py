@@ -1,7 +1,8 @@
 """`Engine`: continuous batching over a fixed number of slots, run by one thread.
 
 Requests wait in a bounded queue. Between decode steps the engine admits waiting requests into free
-slots (prefilled in batches of a few rows at bucketed prompt widths, see `dew.serve.slots`), then
+slots (prefilled in batches of a few rows at bucketed prompt widths, a long prompt in chunks, one chunk
+between two steps; see `dew.serve.slots`), then
 dispatches one compiled step for every occupied slot. It dispatches step t+1 before it reads step
 t's tokens, so the host's work (handing tokens to their requests, decoding text, finding stop
 strings) overlaps the device's. A row that ends (EOS, its budget, a stop string its consumer found,
@@ -32,7 +33,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dew.data.inputs import MEDIA_FIELDS
 from dew.sampling.generate import PROMPT_BUCKET, memory_beside, row_bytes
 from dew.sampling.sampling import Sampling, SamplingParams, _bucket, check_seed
-from dew.serve.slots import Admission, compile_admit, compile_step, empty_slots, plain_sampling
+from dew.serve.slots import (Admission, chunkable, compile_admit, compile_extend, compile_step, empty_slots,
+                              plain_sampling)
 
 logger = logging.getLogger("dew.serve")
 
@@ -40,6 +42,8 @@ TOP_K_LIMIT = 64
 """The largest `top_k` a request may ask for, unless the source's own default is larger."""
 MAX_LOG_PROBS = 20
 """The most alternatives a request may ask for at each position by default (vLLM's `--max-logprobs`)."""
+PREFILL_CHUNK = 256
+"""The widest prompt prefilled in one piece by default; a longer one goes on in chunks of this width."""
 BATCHED_WIDTH = 64
 """The widest prompt width prefilled several rows at a time: from 128 positions up a float32 prefill is
 arithmetic-bound, so rows prefilled together cost what they cost one at a time, and only add programs."""
@@ -121,17 +125,22 @@ class Engine:
 
     `submit` queues requests (at most `queue_limit` wait; beyond that it raises `QueueFull`);
     `cancel` drops one wherever it is. Prompts are prefilled at widths 16, 32, 64, 96, 128, 192, 256,
-    384 ... (steps of at most 1.5x from 64 up) up to `capacity`, in batches of 1, 2, 4 ... up to
-    `prefill_rows` rows at widths up to `BATCHED_WIDTH`, one row at a time above; requests take the lowest free
+    384 ... (steps of at most 1.5x from 64 up) up to `prefill_chunk`, in batches of 1, 2, 4 ... up to
+    `prefill_rows` rows at widths up to `BATCHED_WIDTH`, one row at a time above. A longer prompt is
+    admitted by its head (what leaves whole chunks after it) and goes on in chunks of `prefill_chunk`
+    tokens into its slot's cache, one chunk between two steps; its row draws once the last is in (a model
+    whose cache is not text attention's, a prompt with media or asking for its log-probabilities, is
+    prefilled whole, at widths of the same ladder up to `capacity`). Requests take the lowest free
     slots, and a step runs over the first 1, 2, 4 ... `slots` rows, the fewest that hold every
     occupied slot. `eos_token_ids` end a row, `pad_id` fills. `top_k_limit` bounds a request's
     `top_k`, `max_log_probs` the alternatives it may ask for.
 
-    Each (rows, width) admission and each step width is a program compiled ahead of time. `start`
-    compiles the few that serve any request first (the step over every slot, one-row admissions at
-    the narrowest and the widest prompt width), sets `ready`, and compiles the rest on a thread of its
-    own meanwhile; until a program is compiled, the engine uses the nearest compiled one that holds
-    the work (a wider step, a wider prompt width, fewer rows per admission), so no request waits on a
+    Each (rows, width) admission, the chunk and each step width is a program compiled ahead of time.
+    `start` compiles the few that serve any request first (the step over every slot, the one-row
+    admission at the narrowest prompt width, and the chunk, or where prompts are not chunked the widest
+    admission), sets `ready`, and compiles the rest on a thread of its own meanwhile; until a program
+    is compiled, the engine uses the nearest compiled one that holds the work (a wider step, a wider
+    prompt width or a head and chunks, fewer rows per admission), so no request waits on a
     compile (but the first that asks for its prompt's log-probabilities at a width, or brings a new
     count of images or clips or a new media shape: Qwen 3.5's patch count, a clip's length). `warm_up` compiles
     every program at once.
@@ -139,13 +148,16 @@ class Engine:
 
     def __init__(self, model, params, *, slots: int, capacity: int, eos_token_ids: Sequence[int] = (),
                  pad_id: int = 0, queue_limit: int = 256, prefill_rows: int = 4, top_k_limit: int = TOP_K_LIMIT,
-                 max_log_probs: int = MAX_LOG_PROBS):
+                 max_log_probs: int = MAX_LOG_PROBS, prefill_chunk: int = PREFILL_CHUNK):
         config = model.config
         if slots < 1:
             raise ValueError(f"slots is {slots}; the engine needs at least one")
         if not 2 <= capacity <= config.max_seq_len:
             raise ValueError(f"capacity {capacity} must lie in [2, the model's max_seq_len {config.max_seq_len}]: "
                              "it is the positions of one request, prompt and new tokens")
+        if prefill_chunk < PROMPT_BUCKET:
+            raise ValueError(f"prefill_chunk {prefill_chunk} is below the narrowest prompt width {PROMPT_BUCKET}: "
+                             f"give at least {PROMPT_BUCKET}")
         if queue_limit < 0 or prefill_rows < 1:
             raise ValueError(f"queue_limit {queue_limit} and prefill_rows {prefill_rows} must be >= 0 and >= 1")
         if not 0 <= max_log_probs <= config.vocab_size:
@@ -161,6 +173,12 @@ class Engine:
         self.params = jax.jit(model.stack_variables)(params)  # once, not at every step
         self._top_k_bound = _bucket(top_k_limit)
         self._state = _placed_like(empty_slots(model, slots, capacity, self._top_k_bound), self.params)
+        # A text attention model prefills a prompt longer than `chunk` in chunks; others prefill it whole.
+        self.chunk = max(w for w in self.widths if w <= prefill_chunk) if chunkable(self._state.decode.cache) \
+            else capacity
+        self.plain_widths = tuple(w for w in self.widths if w <= self.chunk)  # compiled ahead for plain prompts
+        self._extend = compile_extend(model)
+        self._chunks: list[tuple[int, Request, int]] = []  # (slot, request, tokens in) of prompts going on
         self.step_rows = _ladder(1, slots)
         self._steps = {rows: compile_step(model, self.eos, self.pad_id, rows, slots, max_log_probs)
                        for rows in self.step_rows}
@@ -168,9 +186,12 @@ class Engine:
         self._programs: dict[tuple, Callable] = {}  # ("step", rows) or ("admit", rows, width): compiled
         abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
         self._abstract = (jax.tree_util.tree_map(abstract, self.params), jax.tree_util.tree_map(abstract, self._state))
-        first = [("step", self.step_rows[-1]), ("admit", 1, self.widths[0]), ("admit", 1, self.widths[-1])]
-        rest = [("step", rows) for rows in self.step_rows] + [("admit", 1, width) for width in self.widths] + \
-            [("admit", rows, width) for width in self.widths for rows in self._rows_at(width)[1:]]
+        # the first programs serve any prompt: a long one as a head of 16 tokens and chunks after it
+        widest = ("extend", self.chunk) if self.chunk < capacity else ("admit", 1, self.chunk)
+        first = [("step", self.step_rows[-1]), ("admit", 1, self.widths[0]), widest]
+        rest = [("step", rows) for rows in self.step_rows] + [("admit", 1, width) for width in self.plain_widths] + \
+            [("admit", rows, width) for width in self.plain_widths for rows in self._rows_at(width)[1:]] + \
+            ([widest] if self.chunk < capacity else [])
         self.first_programs = first
         self.later_programs = [key for key in dict.fromkeys(rest) if key not in first]
         self.ready = threading.Event()
@@ -271,6 +292,10 @@ class Engine:
         params, state = self._abstract
         if key[0] == "step":
             lowered = self._steps[key[1]].lower(params, state, jax.ShapeDtypeStruct((self.slots,), bool))
+        elif key[0] == "extend":
+            tokens = jax.ShapeDtypeStruct((1, key[1]), np.int32)
+            lowered = self._extend.lower(params, state, tokens, tokens, jax.ShapeDtypeStruct((1,), np.int32),
+                                         jax.ShapeDtypeStruct((1,), bool))
         else:
             rows, width = key[1:]
             padding = self._admission([None] * rows, width, np.full(rows, self.slots, np.int32))
@@ -341,7 +366,7 @@ class Engine:
         while True:
             with self._lock:
                 while not self._closing and pending is None and not self._waiting and not self._cancelled \
-                        and all(owner is None for owner in self._owners):
+                        and not self._chunks and all(owner is None for owner in self._owners):
                     self._lock.wait()
                 if self._closing:
                     return
@@ -354,6 +379,7 @@ class Engine:
                 self._free(request, release=True)  # its row may still be live on the device
                 self._end(request, "cancelled")
             self._place(admitted)
+            self._go_on()
             dispatched = None
             used = max((slot + 1 for slot, owner in enumerate(self._owners) if owner is not None), default=0)
             if used:
@@ -386,13 +412,19 @@ class Engine:
 
     def _place(self, admitted: list[tuple[int, Request]]) -> None:
         """Prefill the admitted requests, grouped by prompt width and media shapes (a count or shape not seen
-        before compiles its admission once), in batches of the ladder's sizes."""
+        before compiles its admission once), in batches of the ladder's sizes. A plain prompt longer than
+        the compiled widths is admitted by its head, and its chunks go on (`_go_on`)."""
         by_width: dict[tuple, list[tuple[int, Request]]] = collections.defaultdict(list)
+        heads = {}
         for slot, request in admitted:
             plain = request.media is None and request.prompt_log_probs is None
-            # a plain prompt takes the narrowest compiled width that holds it (the widest always is)
-            width = next(w for w in self.widths if w >= len(request.prompt) and (not plain or ("admit", 1, w) in
-                                                                                 self._programs))
+            if plain:  # the narrowest compiled width that holds its head
+                heads[slot] = self._head(len(request.prompt))
+                width = next(w for w in self.plain_widths if w >= heads[slot] and ("admit", 1, w) in self._programs)
+                if heads[slot] < len(request.prompt):
+                    self._chunks.append((slot, request, heads[slot]))
+            else:
+                width = next(w for w in self.widths if w >= len(request.prompt))
             by_width[width, request.media_shape, not plain].append((slot, request))
         for (width, shapes, special), group in by_width.items():
             while group:
@@ -404,7 +436,8 @@ class Engine:
                 slots = np.full(rows, self.slots, np.int32)
                 slots[: len(batch)] = [slot for slot, _ in batch]
                 requests = [request for _, request in batch] + [None] * (rows - len(batch))
-                admission = self._admission(requests, width, slots, media=bool(shapes))
+                admission = self._admission(requests, width, slots, media=bool(shapes),
+                                            heads=None if special else [heads.get(slot) for slot in slots])
                 if not special:
                     self._state = self._programs["admit", rows, width](self.params, self._state,
                                                                         *admission.arguments())
@@ -415,10 +448,40 @@ class Engine:
                 self._state, scores = self._admit(self.params, self._state, admission, prompt_scores=True)
                 self._hand_prompt_scores([request for _, request in batch], width, jax.device_get(scores))
 
+    def _head(self, length: int) -> int:
+        """How many of a plain prompt's `length` tokens its admission prefills (the rest go on in chunks):
+        all that fit a compiled width, else what leaves whole chunks after it, in the narrowest compiled
+        width that holds it or the widest compiled."""
+        compiled = [w for w in self.plain_widths if ("admit", 1, w) in self._programs]
+        if length <= compiled[-1]:
+            return length
+        head = length - self.chunk * ((length - 1) // self.chunk)
+        return min(head, compiled[-1])
+
+    def _go_on(self) -> None:
+        """Prefill the next chunk of each prompt that goes on in chunks (one each, between two steps, so
+        a long prompt does not stall the rows drawing); one whose request ended is dropped."""
+        going_on = []
+        for slot, request, done in self._chunks:
+            if self._owners[slot] is not request:
+                continue
+            piece = request.prompt[done: done + self.chunk]
+            tokens, valid = np.zeros((1, self.chunk), np.int32), np.zeros((1, self.chunk), np.int32)
+            tokens[0, self.chunk - len(piece):], valid[0, self.chunk - len(piece):] = piece, 1
+            last = done + len(piece) == len(request.prompt)
+            self._state = self._programs["extend", self.chunk](self.params, self._state, tokens, valid,
+                                                               np.array([slot], np.int32), np.array([last]))
+            if not last:
+                going_on.append((slot, request, done + len(piece)))
+        self._chunks = going_on
+
     def _admission(self, requests: list[Request | None], width: int, slots: np.ndarray,
-                   media: bool = False) -> Admission:
+                   media: bool = False, heads: list[int] | None = None) -> Admission:
+        """The admission of `requests` (None: a padding row) at `width`, of the first `heads[r]` tokens of
+        row r's prompt (all when not given; fewer hold the row back for its chunks)."""
         rows = len(requests)
         tokens, valid = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32)
+        held = np.zeros(rows, bool)
         seed_keys = np.zeros((rows, 2), np.uint32)
         prompt_index, continuation, budget = (np.zeros(rows, np.int32) for _ in range(3))
         scored = np.zeros(rows, bool)
@@ -427,15 +490,17 @@ class Engine:
             if request is None:  # a padding row: prefilled (nothing valid), then dropped
                 policies.append(Sampling())
                 continue
-            length = len(request.prompt)
-            tokens[r, width - length:], valid[r, width - length:] = request.prompt, 1
+            length = len(request.prompt) if heads is None or heads[r] is None else heads[r]
+            held[r] = length < len(request.prompt)
+            tokens[r, width - length:], valid[r, width - length:] = request.prompt[:length], 1
             seed_keys[r] = _seed_key(request.seed)
             prompt_index[r], continuation[r], budget[r] = request.prompt_index, request.continuation, request.max_tokens
             scored[r] = request.log_probs is not None
             policies.append(request.sampling)
         sampling = plain_sampling(SamplingParams.of(policies))  # only the values travel; the flags stay fixed
         media = _media(requests, width) if media else None
-        return Admission(tokens, valid, slots, seed_keys, prompt_index, continuation, sampling, budget, scored, media)
+        return Admission(tokens, valid, slots, seed_keys, prompt_index, continuation, sampling, budget, scored, held,
+                         media)
 
     def _hand_prompt_scores(self, requests: list[Request], width: int, scores) -> None:
         """Give each request its prompt positions' scores (row r of `scores`, host arrays `[rows, width]`)."""

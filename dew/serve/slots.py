@@ -2,10 +2,12 @@
 functions that change them, `step` (every occupied slot draws one token and feeds it back) and
 `admit` (prefill a few new prompts into a small cache of their own, then copy those rows into free
 slots; for prompts whose log-probabilities are asked for, a second compiled form also scores every
-prompt position from the same pass).
+prompt position from the same pass), and `extend` (prefill the next chunk of a long prompt into the
+slot that holds its beginning).
 
 Shapes never depend on the requests: `step` compiles once per row count of the engine's ladder (it
-runs over the first rows, those in use), `admit` once per (prefill rows, prompt width) pair, so a
+runs over the first rows, those in use), `admit` once per (prefill rows, prompt width) pair, `extend`
+once per chunk width, so a
 warmed-up engine serves any mix of requests without compiling. A row draws exactly what a one-row `generate` draws: its key is
 `fold_in(fold_in(key(seed), prompt_index), continuation)`, its step `t` folds in `t` (the row's own
 count), and its sampling values are its own. A row that asks for log-probabilities gets, from the
@@ -24,7 +26,7 @@ import numpy as np
 from flax import struct
 
 from dew.nn.kv_cache import AttentionCache
-from dew.sampling.generate import DecodeState, advance, start, start_scored
+from dew.sampling.generate import DecodeState, advance, prefill, start, start_scored
 from dew.sampling.sampling import Sampling, SamplingParams, draw
 from dew.sampling.scoring import Scores, empty_scores, score
 
@@ -154,7 +156,8 @@ class Admission:
     `media`, a multimodal model's slot fields `[rows, width, ...]` (`dew.serve.engine.SLOTTED`: image and
     audio indices, image groups, Qwen 3.5's `rotary_positions`) and conditioning `[rows, ...]` (images,
     their grids or patch positions, audio frames and their masks; `dew.serve.engine.Request.media`);
-    None for text."""
+    None for text. `held` marks rows whose prompt goes on in chunks (`compile_extend`): they stay done,
+    drawing nothing, until the last chunk is in."""
 
     tokens: np.ndarray
     valid: np.ndarray
@@ -165,12 +168,13 @@ class Admission:
     sampling: SamplingParams
     budget: np.ndarray
     scored: np.ndarray
+    held: np.ndarray
     media: dict | None = None
 
     def arguments(self) -> tuple:
         """The arrays in the order `compile_admit`'s compiled function takes them, after params and slots."""
         return (self.tokens, self.valid, self.slots, self.seed_keys, self.prompt_index, self.continuation,
-                self.sampling, self.budget, self.scored, self.media)
+                self.sampling, self.budget, self.scored, self.held, self.media)
 
 
 def compile_admit(model, top: int):
@@ -181,7 +185,7 @@ def compile_admit(model, top: int):
     position's log-probability with the `top` most likely tokens (a form compiled of its own)."""
 
     def admit(params, slots: Slots, tokens_RW, valid_RW, slot_R, seed_keys_R, prompt_R, continuation_R,
-              sampling_R: SamplingParams, budget_R, scored_R, media, prompt_scores):
+              sampling_R: SamplingParams, budget_R, scored_R, held_R, media, prompt_scores):
         W = tokens_RW.shape[1]
         if prompt_scores:
             new, scores = start_scored(model, params, tokens_RW, valid_RW, W, penalty=True, top=top, media=media)
@@ -196,7 +200,7 @@ def compile_admit(model, top: int):
             cache = cache.replace(groups=cache.groups.at[slot_R, :W].set(new.cache.groups, mode="drop"))
         if cache.rotary_delta is not None:  # where a three-axis rotary continues each row (Qwen 3.5's)
             cache = cache.replace(rotary_delta=put(cache.rotary_delta, new.cache.rotary_delta))
-        decode = DecodeState(cache, put(slots.decode.logits_BV, new.logits_BV), put(slots.decode.done_B, new.done_B),
+        decode = DecodeState(cache, put(slots.decode.logits_BV, new.logits_BV), put(slots.decode.done_B, held_R),
                              put(slots.decode.count_B, new.count_B), put(slots.decode.seen_BV, new.seen_BV))
         keys = jax.vmap(lambda k, p, c: jax.random.fold_in(jax.random.fold_in(k, p), c))(
             jax.random.wrap_key_data(seed_keys_R), prompt_R, continuation_R)
@@ -214,3 +218,36 @@ def compile_admit(model, top: int):
 
     run.jitted = jitted
     return run
+
+
+def chunkable(cache) -> bool:
+    """Whether `compile_extend` can go on with a prompt in this cache: text attention only (a cache of
+    `AttentionCache` runs, without image groups or three-axis rotary offsets)."""
+    return all(_in_place(run) for run in cache.runs) and cache.groups is None and cache.rotary_delta is None
+
+
+def compile_extend(model):
+    """The compiled chunk `(params, slots, tokens_1C, valid_1C, slot_1, last_1) -> slots`: prefill one
+    row's next `C` prompt tokens (`valid` marks them; padding on the left) into slot `slot`'s cache after
+    the tokens it holds, set the slot's next-token logits from the chunk's last token and add the chunk's
+    tokens to its seen ones; with `last` the slot goes live (it draws at the next step). `slots` is donated."""
+
+    def extend(params, slots: Slots, tokens_1C, valid_1C, slot_1, last_1):
+        cache = slots.decode.cache
+        slot = slot_1[0]
+        cut = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=1)  # noqa: E731 - a run is [layers, rows, ...]
+        row = cache.replace(runs=tuple(jax.tree_util.tree_map(cut, run) for run in cache.runs),
+                            lengths=jax.lax.dynamic_slice_in_dim(cache.lengths, slot, 1))
+        logits_1V, row = prefill(model, params, tokens_1C, valid_1C, row)
+        put = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, slot, axis=1)  # noqa: E731
+        runs = tuple(jax.tree_util.tree_map(put, old, new) for old, new in zip(cache.runs, row.runs))
+        cache = cache.replace(runs=runs,
+                              lengths=jax.lax.dynamic_update_slice_in_dim(cache.lengths, row.lengths, slot, 0))
+        d = slots.decode
+        seen_1V = jax.lax.dynamic_slice_in_dim(d.seen_BV, slot, 1).at[0, tokens_1C[0]].max(valid_1C[0] > 0)
+        decode = d.replace(cache=cache, logits_BV=jax.lax.dynamic_update_slice_in_dim(d.logits_BV, logits_1V, slot, 0),
+                           seen_BV=jax.lax.dynamic_update_slice_in_dim(d.seen_BV, seen_1V, slot, 0),
+                           done_B=jax.lax.dynamic_update_slice_in_dim(d.done_B, ~last_1, slot, 0))
+        return slots.replace(decode=decode)
+
+    return jax.jit(extend, donate_argnums=1)

@@ -14,12 +14,13 @@ import pytest
 from dew import models
 from dew.sampling import Sampling, generate
 from dew.serve import Engine, QueueFull, Request, TooLong
+from dew.serve.engine import BATCHED_WIDTH, _widths
 from dew.training.mesh import Layout, MeshSpec
 
-pytestmark = pytest.mark.slow  # one warm-up compiles 9 admissions and the step (about 10 s on 2 cores)
+pytestmark = pytest.mark.slow  # one warm-up compiles 3 admissions, a chunk and 3 steps (about 10 s on 2 cores)
 
 EOS = 7
-SLOTS, CAPACITY = 4, 48
+SLOTS, CAPACITY, CHUNK = 4, 48, 16
 
 
 class Collect:
@@ -68,8 +69,9 @@ def model_and_variables():
 @pytest.fixture(scope="module")
 def engine(model_and_variables):
     model, variables = model_and_variables
+    # prompts past 16 tokens go on in chunks of 16 after their head (all but the first test's shortest)
     engine = Engine(model, variables, slots=SLOTS, capacity=CAPACITY, eos_token_ids=(EOS,), pad_id=0, queue_limit=16,
-                    prefill_rows=4)
+                    prefill_rows=4, prefill_chunk=CHUNK)
     engine.warm_up()
     engine.start()
     yield engine
@@ -104,20 +106,41 @@ def test_every_request_draws_what_a_one_row_generate_draws_and_nothing_compiles(
     jax_logger = logging.getLogger("jax")
     jax_logger.addHandler(counter)
     jax.config.update("jax_log_compiles", True)
+    extend = engine._programs["extend", CHUNK]
+    chunks = []  # (slot, whether last) of each chunk prefilled after a head
+
+    def counted(params, state, tokens, valid, slot, last):
+        chunks.append((int(slot[0]), bool(last[0])))
+        return extend(params, state, tokens, valid, slot, last)
+
+    engine._programs["extend", CHUNK] = counted
     try:
         for start in range(0, len(requests), 5):  # three arrivals while others run
             engine.submit(requests[start: start + 5])
         for request in requests:
             assert request.consumer.done.wait(60), "a request did not finish"
     finally:
+        engine._programs["extend", CHUNK] = extend
         jax.config.update("jax_log_compiles", False)
         jax_logger.removeHandler(counter)
     assert counter.messages == []
+    long = sum(len(request.prompt) > CHUNK for request in requests)
+    assert long >= 5 and sum(last for _, last in chunks) == long  # each long prompt ended its chunks once
+    assert len(chunks) == sum((len(request.prompt) - 1) // CHUNK for request in requests)
     for index, request in enumerate(requests):
         tokens, drawn, ended_by_eos = _solo(model, variables, request)
         got = request.consumer
         assert (got.tokens, got.count, got.reason) == (tokens, drawn, "stop" if ended_by_eos else "length"), index
     assert engine.load()["busy"] == 0
+
+
+def test_prompt_widths_grow_by_at_most_half_and_only_narrow_ones_batch_rows(engine, model_and_variables):
+    assert engine.widths == (16, 32, 48) and engine.plain_widths == (16,) and engine.chunk == CHUNK
+    assert _widths(1024) == (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+    assert _widths(100) == (16, 32, 64, 96, 100)
+    assert engine._rows_at(BATCHED_WIDTH) == (1, 2, 4) and engine._rows_at(BATCHED_WIDTH + 1) == (1,)
+    with pytest.raises(ValueError, match="prefill_chunk 8 is below the narrowest prompt width 16"):
+        Engine(*model_and_variables, slots=SLOTS, capacity=CAPACITY, prefill_chunk=8)
 
 
 def test_eos_ends_a_request_and_frees_its_slot(engine, model_and_variables):
