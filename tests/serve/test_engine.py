@@ -179,6 +179,25 @@ def test_a_consumer_stop_or_a_cancel_frees_the_slot_and_the_others_go_on(engine,
     assert engine.load()["busy"] == 0
 
 
+def test_a_head_then_chunks_whose_last_is_short_beside_a_cancelled_long_prompt(engine, model_and_variables,
+                                                                              monkeypatch):
+    # as while wider admissions compile: the head is what the widest compiled holds (here 5 tokens), so
+    # the last chunk is shorter than the rest (left-padded)
+    monkeypatch.setattr(engine, "_head", lambda length: min(length, 5))
+    model, variables = model_and_variables
+    rng = np.random.default_rng(1)
+    requests = [Request([int(t) for t in rng.integers(8, 64, length)], 6, POLICIES[i % 2], seed=i, consumer=Collect())
+                for i, length in enumerate((23, 40, 5, 31))]
+    cancelled = Request([int(t) for t in rng.integers(8, 64, 40)], 6, Sampling(), seed=0, consumer=Collect())
+    engine.submit([cancelled, *requests])
+    engine.cancel(cancelled)
+    for request in requests:
+        assert request.consumer.done.wait(30)
+        assert request.consumer.tokens == _solo(model, variables, request)[0]
+    assert cancelled.consumer.done.wait(30) and cancelled.consumer.reason == "cancelled"
+    assert engine.load()["busy"] == 0
+
+
 def test_slots_beyond_the_memory_are_refused_before_any_is_allocated(model_and_variables):
     model, variables = model_and_variables
     with pytest.raises(ValueError, match=r"10000000000 slots of 48 positions would hold .* GiB .*serve at most \d+ "
