@@ -183,7 +183,7 @@ class Engine:
         self._steps = {rows: compile_step(model, self.eos, self.pad_id, rows, slots, max_log_probs)
                        for rows in self.step_rows}
         self._admit = compile_admit(model, max_log_probs)
-        self._programs: dict[tuple, Callable] = {}  # ("step", rows) or ("admit", rows, width): compiled
+        self._programs: dict[tuple, Callable] = {}  # ("step", rows), ("admit", rows, width), ("extend", width)
         abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
         self._abstract = (jax.tree_util.tree_map(abstract, self.params), jax.tree_util.tree_map(abstract, self._state))
         # the first programs serve any prompt: a long one as a head of 16 tokens and chunks after it
