@@ -852,13 +852,19 @@ struct Pieces {
   }
 };
 
-// y = x w^T with x as it is (`rounded` false: the exact path) or rounded to two 8-bit layers (true).
+// y = x w[layer]^T with x as it is (`rounded` false: the exact path) or rounded to two 8-bit layers
+// (true). `w` is a stack of weights [L, F, K / E, bytes]: a scanned decoder passes its layers' whole
+// stack and the layer's index, so that XLA does not copy the layer's weight out of the stack first.
 ffi::Error Multiply(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                    ffi::Result<ffi::Buffer<ffi::F32>> y, bool rounded) {
+                    ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y, bool rounded) {
   auto dx = x.dimensions(), dw = w.dimensions(), dy = y->dimensions();
-  if (dx.size() != 2 || dw.size() != 3 || dy.size() != 2)
-    return ffi::Error::InvalidArgument("dew blocks product: x [N, K], w [F, K / E, bytes] and y [N, F]");
-  int64_t n = dx[0], k = dx[1], f = dw[0], blocks = dw[1], bytes = dw[2];
+  if (dx.size() != 2 || dw.size() != 4 || dy.size() != 2 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("dew blocks product: x [N, K], w [L, F, K / E, bytes], layer [] and y [N, F]");
+  int64_t n = dx[0], k = dx[1], f = dw[1], blocks = dw[2], bytes = dw[3];
+  int64_t at = *layer.typed_data();
+  if (at < 0 || at >= dw[0])
+    return ffi::Error::InvalidArgument("dew blocks product: layer " + std::to_string(at) + " outside the stack of " +
+                                       std::to_string(dw[0]));
   Kind kind = KindOf(bytes);
   if (kind == kUnknown)
     return ffi::Error::InvalidArgument("dew blocks product: blocks of " + std::to_string(bytes) +
@@ -871,7 +877,7 @@ ffi::Error Multiply(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   if (n == 0 || f == 0) return ffi::Error::Success();
   auto pieces = std::make_shared<Pieces>();
   const float* xs = x.typed_data();
-  pieces->product = Product{xs, nullptr, w.typed_data(), y->typed_data(), n, k, f, blocks, bytes, kind, {}};
+  pieces->product = Product{xs, nullptr, w.typed_data() + at * f * blocks * bytes, y->typed_data(), n, k, f, blocks, bytes, kind, {}};
   // x's own buffers live in the calling thread, which outlives every piece (all have finished before
   // this call returns).
   if (rounded) {
@@ -905,13 +911,13 @@ ffi::Error Multiply(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 }
 
 ffi::Error ExactProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                        ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  return Multiply(pool, x, w, y, false);
+                        ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  return Multiply(pool, x, w, layer, y, false);
 }
 
 ffi::Error RoundedProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                          ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  return Multiply(pool, x, w, y, true);
+                          ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  return Multiply(pool, x, w, layer, y, true);
 }
 
 }  // namespace
@@ -921,6 +927,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBlocksRoundedProduct, RoundedProduct,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBlocksProduct, ExactProduct,
@@ -928,6 +935,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBlocksProduct, ExactProduct,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // Python module: handlers() -> {"product": capsule, "rounded_product": capsule}; isa() -> the body in

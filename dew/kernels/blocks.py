@@ -137,28 +137,33 @@ def rounds(w: jax.Array, policy: str | None = None) -> bool:
     return in_force(policy) in ROUNDING_POLICIES and kind(w)[0] in ROUNDED_KINDS
 
 
-def kernel_product(x_NK: jax.Array, w: jax.Array, rounded: bool = False) -> jax.Array:
+def kernel_product(x_NK: jax.Array, w: jax.Array, rounded: bool = False, layer: jax.Array | None = None) -> jax.Array:
     """`x @ w.T` as float32 `[N, F]` in Dew's kernel: `x` float32 `[N, K]`, `w` a blocks weight
-    `[F, K / E, B]`; with `rounded`, x rounded to two 8-bit layers a block first (the integer path;
-    Q4_0, Q4_1 and Q8_0 only). Raises where `kernel_status()` is off."""
+    `[F, K / E, B]`, or with `layer` (an int32 scalar) a stack of them `[L, F, K / E, B]` of which
+    `w[layer]` is taken, read in place (a scanned decoder's stacked weights, which slicing would copy);
+    with `rounded`, x rounded to two 8-bit layers a block first (the integer path; Q4_0, Q4_1 and Q8_0
+    only). Raises where `kernel_status()` is off."""
     on, why = kernel_status()
     if not on:
         raise RuntimeError(f"the blocks kernel is off: {why}")
-    if x_NK.dtype != jnp.float32 or x_NK.ndim != 2 or w.ndim != 3:
-        raise ValueError(f"the blocks kernel takes float32 x [N, K] and w [F, K / E, B], not {x_NK.dtype} "
-                         f"{x_NK.shape} and {w.shape}")
+    stack = w if layer is not None else w[None]
+    if x_NK.dtype != jnp.float32 or x_NK.ndim != 2 or stack.ndim != 4:
+        raise ValueError(f"the blocks kernel takes float32 x [N, K] and w [F, K / E, B] (with a layer, [L, F, K / E, "
+                         f"B]), not {x_NK.dtype} {x_NK.shape} and {w.shape}")
     if inputs(w) != x_NK.shape[1]:
         raise ValueError(f"x has {x_NK.shape[1]} inputs and the blocks weight {w.shape} holds {inputs(w)} a row")
     if rounded and kind(w)[0] not in ROUNDED_KINDS:
         raise ValueError(f"the integer path multiplies {', '.join(ROUNDED_KINDS)} blocks, not {kind(w)[0]}: call "
                          "kernel_product with rounded=False")
-    out = jax.ShapeDtypeStruct((x_NK.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(_ROUNDED_TARGET if rounded else _TARGET, out, vmap_method="sequential")(x_NK, w)
+    index = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(())
+    out = jax.ShapeDtypeStruct((x_NK.shape[0], stack.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(_ROUNDED_TARGET if rounded else _TARGET, out, vmap_method="sequential")(x_NK, stack, index)
 
 
-def xla_product(x_NK: jax.Array, w: jax.Array, dtype) -> jax.Array:
-    """The other form of `blocks_product`: `w` dequantized to float32, then the linears' float32
-    product of `x` rounded to `dtype`."""
+def xla_product(x_NK: jax.Array, w: jax.Array, dtype, layer: jax.Array | None = None) -> jax.Array:
+    """The other form of `blocks_product`: `w` (or `w[layer]`) dequantized to float32, then the linears'
+    float32 product of `x` rounded to `dtype`."""
+    w = w if layer is None else w[layer]
     return dot(x_NK.astype(dtype).astype(jnp.float32), dequantize(w), transpose_b=True)
 
 
@@ -172,9 +177,11 @@ def kernel_takes(x_NK: jax.Array, w: jax.Array, dtype, policy: str | None = None
     return taken
 
 
-def blocks_product(x_NK: jax.Array, w: jax.Array, dtype) -> jax.Array:
-    """`x @ w.T` as float32 `[N, F]`, `x` in the compute `dtype`, `w` a blocks weight `[F, K / E, B]`:
-    Dew's kernel where `kernel_takes` says so (rounding x where `rounds(w)`), else `xla_product`."""
-    if kernel_takes(x_NK, w, dtype):
-        return kernel_product(x_NK.astype(dtype).astype(jnp.float32), w, rounded=rounds(w))
-    return xla_product(x_NK, w, dtype)
+def blocks_product(x_NK: jax.Array, w: jax.Array, dtype, layer: jax.Array | None = None) -> jax.Array:
+    """`x @ w.T` as float32 `[N, F]`, `x` in the compute `dtype`, `w` a blocks weight `[F, K / E, B]` (or
+    with `layer`, an int32 scalar, a stack of them `[L, F, K / E, B]`, of which `w[layer]`): Dew's kernel
+    where `kernel_takes` says so (rounding x where `rounds(w)`), else `xla_product`."""
+    one = w if layer is None else jax.ShapeDtypeStruct(w.shape[1:], w.dtype)
+    if kernel_takes(x_NK, one, dtype):
+        return kernel_product(x_NK.astype(dtype).astype(jnp.float32), w, rounded=rounds(w), layer=layer)
+    return xla_product(x_NK, w, dtype, layer)
