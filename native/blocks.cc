@@ -12,7 +12,7 @@
 // ones 16-31; in Q4_K each 32 bytes hold sub-block 2i in their low nibbles and 2i+1 in their high ones.
 //
 // Two paths. The exact one (handler "product") takes x in float32. The integer one ("rounded_product";
-// Q4_0, Q4_1, Q8_0; below) first rounds x to two layers of 8-bit integers a sub-block and multiplies
+// every kind; below) first rounds x to two layers of 8-bit integers a sub-block and multiplies
 // integers, about twice as fast; dew.kernels.blocks says which one a product takes.
 //
 // Decoding reads every weight once per token, so the speed is the speed of streaming the blocks: they
@@ -413,8 +413,8 @@ __attribute__((target("avx2,fma"))) void ColumnsAvx2(const Product& p, int64_t c
 
 #endif  // DEW_X86
 
-// ---- The integer path: x rounded to two layers of 8-bit integers, integer dot products (Q4_0, Q4_1,
-// Q8_0) ----
+// ---- The integer path: x rounded to two layers of 8-bit integers, integer dot products (every kind;
+// Q4_K's sub-blocks of 32 each with their own scale and offset) ----
 //
 // Each row of x is rounded in sub-blocks of 32: d = max |x| / 127, s = x * (1 / d), q1 = s rounded to
 // the nearest integer (ties to even: llama.cpp's rounding of activations), then the remainder once more,
@@ -432,11 +432,16 @@ __attribute__((target("avx2,fma"))) void ColumnsAvx2(const Product& p, int64_t c
 // NaN or an infinity gets d = NaN, so the outputs it reaches are NaN rather than a silent number.
 
 // Where value t (0-31) of sub-block j sits in a row of q1 or q2. Natural: j * 32 + t. Grouped (the
-// AVX-512 loops of the 4-bit kinds): sub-blocks in groups of 4, each group's values 0-15 first
+// AVX-512 loops of Q4_0 and Q4_1): sub-blocks in groups of 4, each group's values 0-15 first
 // (sub-block by sub-block), then its values 16-31, matching a register of 4 blocks' 16 nibble bytes.
-inline int64_t Place(bool grouped, int64_t j, int t) {
-  if (!grouped) return j * kSub + t;
-  return (j / 4) * 128 + (t < 16 ? 0 : 64) + 16 * (j % 4) + (t & 15);
+// Paired (the AVX-512 loops of Q4_K): sub-blocks in groups of 4 in the order 0, 2, 1, 3, matching a
+// register of 64 nibble bytes, whose low nibbles are sub-blocks 0 and 2 and high ones 1 and 3.
+enum Layout { kNatural, kGrouped, kPaired };
+
+inline int64_t Place(Layout layout, int64_t j, int t) {
+  if (layout == kGrouped) return (j / 4) * 128 + (t < 16 ? 0 : 64) + 16 * (j % 4) + (t & 15);
+  if (layout == kPaired) return ((j / 4) * 4 + (j % 2) * 2 + (j % 4) / 2) * kSub + t;
+  return j * kSub + t;
 }
 
 constexpr float kSecond = 254.0f;  // d / d2: the second layer's steps within one of the first's
@@ -516,7 +521,7 @@ struct RoundedBuffers {
   std::vector<int8_t> q1, q2;
   std::vector<float> d, d2, dsum;
 
-  Rounded Fill(const float* x, int64_t n, int64_t k, bool grouped, bool vectors) {
+  Rounded Fill(const float* x, int64_t n, int64_t k, Layout layout, bool vectors) {
     int64_t subs = k / kSub, padded = (subs + 3) / 4 * 4;
     q1.assign(static_cast<size_t>(n * padded * kSub), 0);
     q2.assign(q1.size(), 0);
@@ -538,8 +543,8 @@ struct RoundedBuffers {
         dsum[e] = sub.d * static_cast<float>(sub.sum1) + d2[e] * static_cast<float>(sub.sum2);
         for (auto [from, to] : {std::pair{sub.q1, q1.data()}, std::pair{sub.q2, q2.data()}}) {
           int8_t* row = to + r * padded * kSub;
-          std::memcpy(row + Place(grouped, j, 0), from, 16);
-          std::memcpy(row + Place(grouped, j, 16), from + 16, 16);
+          std::memcpy(row + Place(layout, j, 0), from, 16);
+          std::memcpy(row + Place(layout, j, 16), from + 16, 16);
         }
       }
     return Rounded{q1.data(), q2.data(), d.data(), d2.data(), dsum.data(), padded};
@@ -549,7 +554,8 @@ struct RoundedBuffers {
 // The portable body: each sub-block's integer values times q1 and q2, summed in int.
 void IntPortable(const Product& p, int64_t c_begin, int64_t c_end) {
   const Rounded& x = p.rounded;
-  Sub s;
+  const int64_t per_block = ValuesOf(p.kind) / kSub;
+  Sub subs[8];
   for (int64_t c = c_begin; c < c_end; ++c) {
     const uint8_t* row = p.w + c * p.blocks * p.bytes;
     for (int64_t r = 0; r < p.n; ++r) {
@@ -557,23 +563,39 @@ void IntPortable(const Product& p, int64_t c_begin, int64_t c_end) {
       const int8_t* q2 = x.q2 + r * x.padded * kSub;
       float total = 0.0f, rest = 0.0f;
       for (int64_t b = 0; b < p.blocks; ++b) {
-        SubBlocks(p.kind, row + b * p.bytes, &s);
-        int32_t dot1 = 0, dot2 = 0;
-        for (int h = 0; h < 2; ++h)
-          for (int i = 0; i < 16; ++i) {
-            int v = s.shift[h] < 0 ? static_cast<int8_t>(s.half[h][i]) : (s.half[h][i] >> s.shift[h]) & 0xF;
-            int64_t at = Place(false, b, 16 * h + i);
-            dot1 += (s.minus8 ? v - 8 : v) * q1[at];
-            dot2 += (s.minus8 ? v - 8 : v) * q2[at];
-          }
-        int64_t e = r * x.padded + b;
-        // Multiply-adds as the vector loops take them (one rounding each).
-        total = std::fma(s.scale * x.d[e], static_cast<float>(dot1), total);
-        total = std::fma(s.scale * x.d2[e], static_cast<float>(dot2), total);
-        rest += s.offset * x.dsum[e];
+        int count = SubBlocks(p.kind, row + b * p.bytes, subs);
+        for (int j = 0; j < count; ++j) {
+          const Sub& s = subs[j];
+          const int64_t sub = b * per_block + j;
+          int32_t dot1 = 0, dot2 = 0;
+          for (int h = 0; h < 2; ++h)
+            for (int i = 0; i < 16; ++i) {
+              int v = s.shift[h] < 0 ? static_cast<int8_t>(s.half[h][i]) : (s.half[h][i] >> s.shift[h]) & 0xF;
+              int64_t at = Place(kNatural, sub, 16 * h + i);
+              dot1 += (s.minus8 ? v - 8 : v) * q1[at];
+              dot2 += (s.minus8 ? v - 8 : v) * q2[at];
+            }
+          int64_t e = r * x.padded + sub;
+          // Multiply-adds as the vector loops take them (one rounding each).
+          total = std::fma(s.scale * x.d[e], static_cast<float>(dot1), total);
+          total = std::fma(s.scale * x.d2[e], static_cast<float>(dot2), total);
+          rest += s.offset * x.dsum[e];
+        }
       }
       p.y[r * p.f + c] = total + rest;
     }
+  }
+}
+
+// A Q4_K block's eight sub-block scales d * sc and offsets -(dmin * m), each rounded once in float32
+// as gguf's dequantization rounds them.
+inline void ScalesK(const uint8_t* b, float* scale, float* offset) {
+  float d = HalfToFloat(b), dmin = HalfToFloat(b + 2);
+  for (int j = 0; j < 8; ++j) {
+    int sc, m;
+    ScaleMinK(b + 4, j, sc, m);
+    scale[j] = d * static_cast<float>(sc);
+    offset[j] = -(dmin * static_cast<float>(m));
   }
 }
 
@@ -635,9 +657,54 @@ __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2(const Product& p, int6
   for (int c = 0; c < C; ++c) p.y[r * p.f + c0 + c] = Sum256(acc[c]) + rest[c];
 }
 
+// Q4_K: each 32 bytes of nibbles hold sub-block 2i (low) and 2i + 1 (high), one register of 32 values
+// each; the sub-blocks' offsets times their sums of x go in 8 lanes beside.
+template <int C>
+__attribute__((target("avx2,fma,f16c"))) void IntTileAvx2K(const Product& p, int64_t r, int64_t c0) {
+  const Rounded& x = p.rounded;
+  __m256 acc[C], rest[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps(), rest[c] = _mm256_setzero_ps();
+  const int64_t row_bytes = p.blocks * p.bytes;
+  const uint8_t* w = p.w + c0 * row_bytes;
+  const int8_t* q1 = x.q1 + r * x.padded * kSub;
+  const int8_t* q2 = x.q2 + r * x.padded * kSub;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  alignas(32) float scale[8], offset[8];
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const int64_t e = r * x.padded + b * 8;
+    const __m256 d1 = _mm256_loadu_ps(x.d + e), d2 = _mm256_loadu_ps(x.d2 + e), dsum = _mm256_loadu_ps(x.dsum + e);
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = w + c * row_bytes + b * p.bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * p.bytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * p.bytes + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * p.bytes + 128), _MM_HINT_T0);
+      ScalesK(block, scale, offset);
+      rest[c] = _mm256_fmadd_ps(_mm256_load_ps(offset), dsum, rest[c]);
+      alignas(32) float s1[8], s2[8];
+      _mm256_store_ps(s1, _mm256_mul_ps(_mm256_load_ps(scale), d1));
+      _mm256_store_ps(s2, _mm256_mul_ps(_mm256_load_ps(scale), d2));
+      for (int j = 0; j < 8; ++j) {
+        __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * (j / 2)));
+        __m256i v = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
+        const int64_t at = (b * 8 + j) * kSub;
+        __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q1 + at));
+        __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q2 + at));
+        __m256i dot1 = _mm256_madd_epi16(_mm256_maddubs_epi16(v, x1), ones);
+        __m256i dot2 = _mm256_madd_epi16(_mm256_maddubs_epi16(v, x2), ones);
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_set1_ps(s1[j]), acc[c]);
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_set1_ps(s2[j]), acc[c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) p.y[r * p.f + c0 + c] = Sum256(acc[c]) + Sum256(rest[c]);
+}
+
 template <Kind K>
 __attribute__((target("avx2,fma,f16c"))) void IntColumnsAvx2(const Product& p, int64_t c_begin, int64_t c_end) {
-  InTiles<1>(p, c_begin, c_end, [&p](auto, auto C, int64_t r, int64_t c) { IntTileAvx2<K, decltype(C)::value>(p, r, c); });
+  if constexpr (K == kQ4_K)
+    InTiles<1>(p, c_begin, c_end, [&p](auto, auto C, int64_t r, int64_t c) { IntTileAvx2K<decltype(C)::value>(p, r, c); });
+  else
+    InTiles<1>(p, c_begin, c_end, [&p](auto, auto C, int64_t r, int64_t c) { IntTileAvx2<K, decltype(C)::value>(p, r, c); });
 }
 
 // ---- AVX-512 VNNI: a register holds 4 blocks' 16 nibble bytes (Q4_0, Q4_1) or 2 blocks' 32 int8
@@ -750,12 +817,70 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c"))) 
     for (int c = 0; c < C; ++c) p.y[(r0 + r) * p.f + c0 + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
+// Q4_K: a register holds 64 of a block's 128 nibble bytes, whose low nibbles are sub-blocks 4h and 4h + 2
+// and high ones 4h + 1 and 4h + 3, against x in the paired layout; each lane's sub-block scale (d sc
+// times x's d or d2) comes from the block's 8 by one permutation.
+template <int C>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c"))) void IntTileAvx512K(const Product& p, int64_t r,
+                                                                                       int64_t c0) {
+  const Rounded& x = p.rounded;
+  // lane -> sub-block of the block: the low nibbles' lanes (2h, 2h + 2 per half of 8 lanes), the high ones'
+  static const __m512i kLanes[2][2] = {
+      {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+       _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3)},
+      {_mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6),
+       _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7)}};
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[C];
+  __m256 rest[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps(), rest[c] = _mm256_setzero_ps();
+  const int64_t row_bytes = p.blocks * p.bytes;
+  const uint8_t* w = p.w + c0 * row_bytes;
+  alignas(32) float scale[8], offset[8];
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const int64_t e = r * x.padded + b * 8, at = (r * x.padded + b * 8) * kSub;
+    const __m256 d1 = _mm256_loadu_ps(x.d + e), d2 = _mm256_loadu_ps(x.d2 + e), dsum = _mm256_loadu_ps(x.dsum + e);
+    __m512i q[2][4];  // x's two layers, slots of 2 sub-blocks: (0, 2), (1, 3), (4, 6), (5, 7)
+    for (int layer = 0; layer < 2; ++layer)
+      for (int i = 0; i < 4; ++i) q[layer][i] = _mm512_loadu_si512((layer ? x.q2 : x.q1) + at + 64 * i);
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = w + c * row_bytes + b * p.bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * p.bytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * p.bytes + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * p.bytes + 128), _MM_HINT_T0);
+      ScalesK(block, scale, offset);
+      rest[c] = _mm256_fmadd_ps(_mm256_load_ps(offset), dsum, rest[c]);
+      const __m256 sc = _mm256_load_ps(scale);
+      const __m512 s1 = _mm512_castps256_ps512(_mm256_mul_ps(sc, d1)), s2 = _mm512_castps256_ps512(_mm256_mul_ps(sc, d2));
+      for (int h = 0; h < 2; ++h) {
+        __m512i v = _mm512_loadu_si512(block + 16 + 64 * h);
+        __m512i nibbles[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+        for (int high = 0; high < 2; ++high) {
+          __m512i dot1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), nibbles[high], q[0][2 * h + high]);
+          __m512i dot2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), nibbles[high], q[1][2 * h + high]);
+          acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_permutexvar_ps(kLanes[h][high], s1), acc[c]);
+          acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2), _mm512_permutexvar_ps(kLanes[h][high], s2), acc[c]);
+        }
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    __m128 r4 = _mm_add_ps(_mm256_castps256_ps128(rest[c]), _mm256_extractf128_ps(rest[c], 1));
+    r4 = _mm_add_ps(r4, _mm_movehl_ps(r4, r4));
+    r4 = _mm_add_ss(r4, _mm_movehdup_ps(r4));
+    p.y[r * p.f + c0 + c] = _mm512_reduce_add_ps(acc[c]) + _mm_cvtss_f32(r4);
+  }
+}
+
 template <Kind K>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c"))) void IntColumnsAvx512(
     const Product& p, int64_t c_begin, int64_t c_end) {
-  InTiles<3>(p, c_begin, c_end, [&p](auto R, auto C, int64_t r, int64_t c) {
-    IntTileAvx512<K, decltype(R)::value, decltype(C)::value>(p, r, c);
-  });
+  if constexpr (K == kQ4_K)
+    InTiles<1>(p, c_begin, c_end, [&p](auto, auto C, int64_t r, int64_t c) { IntTileAvx512K<decltype(C)::value>(p, r, c); });
+  else
+    InTiles<3>(p, c_begin, c_end, [&p](auto R, auto C, int64_t r, int64_t c) {
+      IntTileAvx512<K, decltype(R)::value, decltype(C)::value>(p, r, c);
+    });
 }
 
 #endif  // DEW_X86
@@ -827,6 +952,7 @@ Body PickInt(Kind kind, IntIsa isa) {
   switch (kind) {
     case kQ4_0: return PickIntFor<kQ4_0>(isa);
     case kQ4_1: return PickIntFor<kQ4_1>(isa);
+    case kQ4_K: return PickIntFor<kQ4_K>(isa);
     default: return PickIntFor<kQ8_0>(isa);
   }
 }
@@ -871,9 +997,6 @@ ffi::Error Multiply(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
                                        " bytes are none of Q4_0 (18), Q4_1 (20), Q8_0 (34), Q4_K (144)");
   if (blocks * ValuesOf(kind) != k || dy[0] != n || dy[1] != f)
     return ffi::Error::InvalidArgument("dew blocks product: operand shapes do not make a product");
-  if (rounded && kind == kQ4_K)
-    return ffi::Error::InvalidArgument("dew blocks product: the integer path takes Q4_0, Q4_1 and Q8_0 blocks, "
-                                       "not Q4_K: multiply Q4_K with x in float32 (the exact path)");
   if (n == 0 || f == 0) return ffi::Error::Success();
   auto pieces = std::make_shared<Pieces>();
   const float* xs = x.typed_data();
@@ -883,7 +1006,8 @@ ffi::Error Multiply(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   if (rounded) {
     thread_local RoundedBuffers buffers;
     IntIsa isa = IntIsaInUse();
-    pieces->product.rounded = buffers.Fill(xs, n, k, isa == kIntAvx512Vnni && kind != kQ8_0, isa != kIntPortable);
+    Layout layout = isa != kIntAvx512Vnni || kind == kQ8_0 ? kNatural : kind == kQ4_K ? kPaired : kGrouped;
+    pieces->product.rounded = buffers.Fill(xs, n, k, layout, isa != kIntPortable);
     pieces->body = PickInt(kind, isa);
   } else {
     // Each sub-block's sum of x, for the offsets.
