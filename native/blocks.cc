@@ -657,6 +657,18 @@ __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2(const Product& p, int6
   for (int c = 0; c < C; ++c) p.y[r * p.f + c0 + c] = Sum256(acc[c]) + rest[c];
 }
 
+// A Q4_K block read: the block `ahead` blocks on asked for (144 bytes, three cache lines), this one's
+// sub-block scales written to `scale` and its offsets times x's sums of the sub-blocks (`dsum`) added
+// to `rest`.
+__attribute__((target("avx2,fma"))) inline __m256 OpenBlockK(const uint8_t* block, int64_t ahead, __m256 dsum,
+                                                           __m256 rest, float* scale) {
+  for (int line = 0; line < 3; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(block + ahead * 144 + 64 * line), _MM_HINT_T0);
+  alignas(32) float offset[8];
+  ScalesK(block, scale, offset);
+  return _mm256_fmadd_ps(_mm256_load_ps(offset), dsum, rest);
+}
+
 // Q4_K: each 32 bytes of nibbles hold sub-block 2i (low) and 2i + 1 (high), one register of 32 values
 // each; the sub-blocks' offsets times their sums of x go in 8 lanes beside.
 template <int C>
@@ -669,17 +681,13 @@ __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2K(const Product& p, int
   const int8_t* q1 = x.q1 + r * x.padded * kSub;
   const int8_t* q2 = x.q2 + r * x.padded * kSub;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  alignas(32) float scale[8], offset[8];
+  alignas(32) float scale[8];
   for (int64_t b = 0; b < p.blocks; ++b) {
     const int64_t e = r * x.padded + b * 8;
     const __m256 d1 = _mm256_loadu_ps(x.d + e), d2 = _mm256_loadu_ps(x.d2 + e), dsum = _mm256_loadu_ps(x.dsum + e);
     for (int c = 0; c < C; ++c) {
       const uint8_t* block = w + c * row_bytes + b * p.bytes;
-      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * p.bytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * p.bytes + 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * p.bytes + 128), _MM_HINT_T0);
-      ScalesK(block, scale, offset);
-      rest[c] = _mm256_fmadd_ps(_mm256_load_ps(offset), dsum, rest[c]);
+      rest[c] = OpenBlockK(block, 2, dsum, rest[c], scale);
       alignas(32) float s1[8], s2[8];
       _mm256_store_ps(s1, _mm256_mul_ps(_mm256_load_ps(scale), d1));
       _mm256_store_ps(s2, _mm256_mul_ps(_mm256_load_ps(scale), d2));
@@ -836,7 +844,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c"))) void In
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps(), rest[c] = _mm256_setzero_ps();
   const int64_t row_bytes = p.blocks * p.bytes;
   const uint8_t* w = p.w + c0 * row_bytes;
-  alignas(32) float scale[8], offset[8];
+  alignas(32) float scale[8];
   for (int64_t b = 0; b < p.blocks; ++b) {
     const int64_t e = r * x.padded + b * 8, at = (r * x.padded + b * 8) * kSub;
     const __m256 d1 = _mm256_loadu_ps(x.d + e), d2 = _mm256_loadu_ps(x.d2 + e), dsum = _mm256_loadu_ps(x.dsum + e);
@@ -845,11 +853,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c"))) void In
       for (int i = 0; i < 4; ++i) q[layer][i] = _mm512_loadu_si512((layer ? x.q2 : x.q1) + at + 64 * i);
     for (int c = 0; c < C; ++c) {
       const uint8_t* block = w + c * row_bytes + b * p.bytes;
-      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * p.bytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * p.bytes + 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * p.bytes + 128), _MM_HINT_T0);
-      ScalesK(block, scale, offset);
-      rest[c] = _mm256_fmadd_ps(_mm256_load_ps(offset), dsum, rest[c]);
+      rest[c] = OpenBlockK(block, 4, dsum, rest[c], scale);
       const __m256 sc = _mm256_load_ps(scale);
       const __m512 s1 = _mm512_castps256_ps512(_mm256_mul_ps(sc, d1)), s2 = _mm512_castps256_ps512(_mm256_mul_ps(sc, d2));
       for (int h = 0; h < 2; ++h) {
