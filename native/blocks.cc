@@ -963,6 +963,10 @@ Body PickInt(Kind kind, IntIsa isa) {
 
 // At least this many weight bytes a piece: a piece's fixed cost is a few hundred nanoseconds.
 constexpr int64_t kPieceBytes = 32 << 10;
+// A product streaming fewer weight bytes than this runs on the calling thread alone: waking a helper
+// costs microseconds, about the time it takes to stream them, and a helper thread that is descheduled
+// while it holds a piece stalls the whole product on a busy machine.
+constexpr int64_t kHelpedBytes = 128 << 10;
 
 // The columns split into `total` chunks, claimed from `next` by whichever thread is free; `done`
 // counts the finished ones. Shared by pointer, since a pool task may start after the call has
@@ -1026,7 +1030,7 @@ ffi::Error Multiply(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     pieces->product.xsum = xsum.data();
     pieces->body = Pick(kind);
   }
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t threads = f * blocks * bytes < kHelpedBytes ? 1 : std::max<int64_t>(1, pool.num_threads());
   int64_t want = std::max<int64_t>(1, std::min<int64_t>(4 * threads, f * blocks * bytes / kPieceBytes));
   int64_t columns = (f + want - 1) / want;
   pieces->chunk_columns = (columns + 3) / 4 * 4;  // whole tiles of 4 rows of w
