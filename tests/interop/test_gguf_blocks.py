@@ -113,16 +113,18 @@ def test_a_scanned_run_reads_its_layers_blocks_in_place(tiny_file, both):
     assert STACKED_BLOCKS not in per_layer
     np.testing.assert_array_equal(per_layer[QUANT_COLLECTION]["layers_1"]["mlp"]["up_proj"][KERNEL_BLOCKS],
                                   kept.variables[QUANT_COLLECTION]["layers_1"]["mlp"]["up_proj"][KERNEL_BLOCKS])
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 97, (1, 6)), jnp.int32)
-    with policy.recording() as choices:
-        ours = np.asarray(scanned.model.apply(scanned.variables, tokens))
-    assert any(key.startswith("blocks-q8/") for key in choices)
     unrolled = scanned.model.clone(config=dataclasses.replace(scanned.model.config, scan_layers=0))
-    reference = np.asarray(unrolled.apply(per_layer, tokens))
-    # The same kernels on the same blocks and x; only XLA's other operations may round in another order
-    # inside the scan's body. Observed: 0 (logits of 5.9).
-    ulps = decoder_ulps(layers=2, width=32, mlp_width=64, heads=4, head_dim=8, seq_len=6, libraries=1)
-    np.testing.assert_allclose(ours, reference, rtol=0, atol=ulp_bound(ulps, np.abs(reference).max()))
+    ids = np.random.default_rng(1).integers(0, 97, (1, 40))
+    for length, path in ((6, "blocks-q8/"), (40, "blocks/")):  # 40 rows, over KERNEL_MAX_ROWS: XLA's product
+        tokens = jnp.asarray(ids[:, :length], jnp.int32)
+        with policy.recording() as choices:
+            ours = np.asarray(scanned.model.apply(scanned.variables, tokens))
+        assert any(key.startswith(path) for key in choices)
+        reference = np.asarray(unrolled.apply(per_layer, tokens))
+        # The same products of the same blocks and x; only XLA's other operations may round in another
+        # order inside the scan's body. Observed: 0 at both lengths (logits of 5.9).
+        ulps = decoder_ulps(layers=2, width=32, mlp_width=64, heads=4, head_dim=8, seq_len=length, libraries=1)
+        np.testing.assert_allclose(ours, reference, rtol=0, atol=ulp_bound(ulps, np.abs(reference).max()))
 
 
 def test_the_pipeline_keeps_blocks_and_bad_requests_are_refused(tiny_file, tmp_path):
