@@ -3,6 +3,8 @@
     python -m benchmarks.long_context [--contexts 512 2048 8192] [--new 16] [--rounds 5] [--batch 8]
         [--llama-server PATH/llama-server [--llama-kv f32|f16]]
     python -m benchmarks.long_context --one-layer     (the attention kernel alone against XLA's form)
+    python -m benchmarks.long_context --products [--rows 1 8 32] [--write-table]
+                                      (a step's float32 products: XLA, oneDNN and Dew's few-rows kernel)
 
 A randomly initialised Llama of SmolLM2-135M's shape (30 layers of 576, 9 query heads over 3 key/value
 heads of 64, vocabulary 49,152) with `max_seq_len` raised to hold the longest context, float32, the
@@ -30,6 +32,12 @@ generation clock once its first token is sampled (that token comes from the prom
 the tokens of those steps summed over the slots, over the longest slot's `predicted_ms` (the slots decode
 in the same batches; prefill excluded); the sum of the slots' own `predicted_per_second` is printed beside
 it, and the two agree when the slots' decoding overlaps.
+
+`--products` times the float32 products of a decode step of that model (`[rows, 576] x [576, 576 | 192 |
+1536]`, `[rows, 1536] x [1536, 576]`), each as 30 chained products of 30 different weights (a step's layers:
+the weights come from memory, not the cache), in XLA, oneDNN and Dew's few-rows kernel, alternating, the
+median of `--rounds` kept; `--write-table` records them in the kernel table (`dew/kernels/table.json`) for
+this CPU's class, `"few_rows": true` where the kernel took at most `MARGIN` of XLA's time.
 
 Also printed: the bytes a step must read (every weight once, each row's keys and values up to its
 context) over the step's time, against the machine's copy bandwidth, so the fall of tokens/s with the
@@ -195,6 +203,57 @@ def llama_round(url: str, prompt: list[int], batch: int, new: int) -> tuple[floa
             sum(t["predicted_per_second"] for t in timings), timings)
 
 
+MARGIN = 0.95  # the few-rows kernel is chosen where it takes at most this share of XLA's time
+
+
+def products(rows_list, rounds: int, write: bool) -> None:
+    """Time a decode step's float32 products (module docstring) and optionally record them in the table."""
+    from dew.files import write_atomically
+    from dew.kernels import matmul, policy
+
+    layers, found = 30, {}
+    matmul.status()  # registers oneDNN's handlers
+    for rows in rows_list:
+        for k, n in ((576, 576), (576, 192), (576, 1536), (1536, 576)):
+            w = jax.random.normal(jax.random.key(1), (layers, k, n), jnp.float32)
+            x = jax.random.normal(jax.random.key(2), (rows, k), jnp.float32)
+            kinds = {"xla": lambda x, w: matmul.xla_product(x, w, False, False),
+                     "onednn": lambda x, w: matmul.onednn_product(x, w, False, False),
+                     "few_rows": matmul.few_rows_product}
+
+            def chained(product, k=k, n=n):
+                def step(x, w_KN):  # the next product's input depends on this one's output
+                    y = product(x, w_KN)
+                    return x + 1e-3 * jnp.tanh(y[:, :k] if n >= k else jnp.pad(y, ((0, 0), (0, k - n)))), None
+                return jax.jit(lambda x, w: jax.lax.scan(step, x, w)[0])
+
+            runs = {name: chained(product) for name, product in kinds.items()}
+            times = {name: [] for name in runs}
+            for round_ in range(rounds + 1):
+                for name, run in runs.items():
+                    started = time.perf_counter()
+                    run(x, w).block_until_ready()
+                    times[name].append(time.perf_counter() - started)
+            median = {name: statistics.median(values[1:]) / layers for name, values in times.items()}
+            key = policy.product_key(1, rows, k, n, jnp.float32, False, False, jnp.float32)
+            found[key] = {"xla_s": round(median["xla"], 7), "onednn_s": round(median["onednn"], 7),
+                          "onednn": False, "few_rows_s": round(median["few_rows"], 7),
+                          "few_rows": median["few_rows"] <= MARGIN * median["xla"]}
+            print(f"{key}: " + ", ".join(f"{name} {value * 1e6:,.0f} us ({w[0].nbytes / value / 1e9:.1f} GB/s)"
+                                         for name, value in median.items())
+                  + f"; few-rows / XLA {median['few_rows'] / median['xla']:.2f}; load average {load()}", flush=True)
+    if write:
+        table = json.loads(policy.TABLE.read_text())
+        entry = table["classes"].setdefault(policy.cpu_class(), {"products": {}})
+        for key, value in found.items():  # "onednn" false: these products are under MIN_FLOPS, XLA's or Dew's
+            entry["products"][key] = {**entry["products"].get(key, {}), **value}
+        entry["few_rows_measured"] = {"command": "python -m benchmarks.long_context --products --write-table",
+                                      "cpu": machine(), "date": time.strftime("%Y-%m-%d"), "rounds": rounds,
+                                      "load_average": load(), "margin": MARGIN}
+        write_atomically(policy.TABLE, json.dumps(table, indent=1, sort_keys=True) + "\n")
+        print(f"recorded {len(found)} products in {policy.TABLE} for {policy.cpu_class()}")
+
+
 def one_layer(contexts, batch: int, rounds: int = 7) -> None:
     """Time the kernel against XLA's form (`attend` under the decode mask, the layer sliced out of a
     two-layer cache as the decoder does) on one layer of SmolLM2's attention, every slot filled, and
@@ -238,9 +297,17 @@ def main():
     parser.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary: adds it as a side")
     parser.add_argument("--llama-kv", choices=["f32", "f16"], default="f32",
                         help="llama-server's key and value type (-ctk/-ctv; its own default is f16)")
+    parser.add_argument("--products", action="store_true",
+                        help="only time a decode step's float32 products in XLA, oneDNN and Dew's few-rows kernel")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32], help="rows of the products (--products)")
+    parser.add_argument("--write-table", action="store_true",
+                        help="record the products' times and choices in the kernel table (--products)")
     parser.add_argument("--one-layer", action="store_true",
                         help="only time the kernel against XLA's form on one layer's cache at each context")
     args = parser.parse_args()
+    if args.products:
+        print(f"machine: {machine()}; load average {load()}")
+        return products(args.rows, args.rounds, args.write_table)
     if args.one_layer:
         print(f"machine: {machine()}; load average {load()}")
         return one_layer(args.contexts, args.batch)
