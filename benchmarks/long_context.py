@@ -68,6 +68,7 @@ import numpy as np
 from benchmarks.common import copy_bandwidth, machine
 from benchmarks.generate import SHAPES, random_llama
 from dew.kernels import decode_attention as decode_kernel
+from dew.kernels import matmul
 from dew.sampling import Sampling
 from dew.sampling.generate import DecodeState, advance
 from dew.sampling.sampling import SamplingParams
@@ -83,9 +84,10 @@ def load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def dew_decoder(model, steps: int, kernel: bool):
+def dew_decoder(model, steps: int, refuse: tuple[str, ...] = ()):
     """A compiled `steps` greedy decode steps from a `DecodeState` (donated), returning the state and the
-    tokens; with `kernel` False, traced with decoding's attention kernel refused."""
+    tokens; traced with decoding's attention kernel refused where `refuse` names "attention", and with the
+    few-rows kernel refused (every float32 product XLA's) where it names "products"."""
 
     @functools.partial(jax.jit, donate_argnums=1)
     def run(params, state, keys_B, sampling):
@@ -94,13 +96,17 @@ def dew_decoder(model, steps: int, kernel: bool):
             return state, token_B
         return jax.lax.scan(step, state, jnp.arange(steps))
 
-    if kernel:
+    if not refuse:
         return run
 
-    def without_kernel(*args):
-        with mock.patch.object(decode_kernel, "usable", lambda *a, **k: False):
+    def refused(*args):
+        with contextlib.ExitStack() as patches:
+            if "attention" in refuse:
+                patches.enter_context(mock.patch.object(decode_kernel, "usable", lambda *a, **k: False))
+            if "products" in refuse:
+                patches.enter_context(mock.patch.object(matmul, "choose_few_rows", lambda *a, **k: False))
             return run(*args)
-    return without_kernel
+    return refused
 
 
 def dew_cache(model, batch: int, context: int, capacity: int, seed: int):
@@ -294,6 +300,8 @@ def main():
     parser.add_argument("--xla-up-to", type=int, default=2048,
                         help="time Dew with XLA's attention only where the cache holds at most this many slots "
                              "plus the new tokens (it scores every slot: minutes a round at 8,192)")
+    parser.add_argument("--xla-products", action="store_true",
+                        help="also time Dew with every float32 product XLA's (the few-rows kernel refused)")
     parser.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary: adds it as a side")
     parser.add_argument("--llama-kv", choices=["f32", "f16"], default="f32",
                         help="llama-server's key and value type (-ctk/-ctv; its own default is f16)")
@@ -326,11 +334,13 @@ def main():
           f"{os.environ['OMP_WAIT_POLICY']}; copy bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s; load average {load()}")
     print(f"model: random Llama of SmolLM2-135M's shape, max_seq_len {c.max_seq_len}; batch {args.batch}, {args.new} "
-          f"new tokens a round, {args.rounds} rounds; decode attention kernel: {decode_kernel.status()[1]}")
+          f"new tokens a round, {args.rounds} rounds; decode attention kernel: {decode_kernel.status()[1]}; few-rows "
+          f"kernel: {matmul.few_rows_status()[1]}")
     B = args.batch
     sampling = SamplingParams.of([Sampling(temperature=0.0)] * B)
     keys_B = jax.random.split(jax.random.key(0), B)
-    ours, before = dew_decoder(model, args.new, True), dew_decoder(model, args.new, False)
+    ours, before = dew_decoder(model, args.new), dew_decoder(model, args.new, ("attention",))
+    xla_products = dew_decoder(model, args.new, ("products",))
     cases = [(context, context + args.new) for context in args.contexts]
     if min(args.contexts) < args.slot:
         cases.append((min(args.contexts), args.slot + args.new))
@@ -343,7 +353,8 @@ def main():
                                                          args.llama_kv, Path(scratch.name)))
             run_case(args, model, params, torch_model, context, capacity, with_torch, llama, weight_bytes, bandwidth,
                      sides={"dew": ours, **({"dew, XLA attention": before}
-                                            if capacity <= args.xla_up_to + args.new else {})},
+                                            if capacity <= args.xla_up_to + args.new else {}),
+                            **({"dew, XLA products": xla_products} if args.xla_products else {})},
                      sampling=sampling, keys_B=keys_B)
 
 
@@ -402,8 +413,8 @@ def run_case(args, model, params, torch_model, context, capacity, with_torch, ll
     if llama is not None:
         ratio += (f"; dew / llama-server {rates['dew'] / rates['llama-server']:.2f}x (llama-server's own rates summed "
                   f"{statistics.median(llama_own[1:]):,.1f}, KV {args.llama_kv})")
-    gain = (f"; dew / XLA attention {rates['dew'] / rates['dew, XLA attention']:.2f}x"
-            if "dew, XLA attention" in rates else "")
+    gain = "".join(f"; dew / {name[5:]} {rates['dew'] / rates[name]:.2f}x"
+                   for name in ("dew, XLA attention", "dew, XLA products") if name in rates)
     print(f"{where}: {', '.join(parts)}{ratio}{gain};"
           f" dew reads {(weight_bytes + cache_bytes) / 2**20:,.0f} MiB a step at {read / 1e9:.1f} GB/s "
           f"({read / bandwidth:.0%} of copy); load average {load()}; peak resident "
