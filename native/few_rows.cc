@@ -110,7 +110,8 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const Product& p, int64_t r0, 
   const float* w = p.w + k_begin * p.n + c;
   const float* x = p.x + r0 * p.k;
   for (int64_t k = k_begin; k < k_end; ++k, w += p.n) {
-    for (int j = 0; j < L; j += 2) _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows * p.n + 8 * j), _MM_HINT_T0);
+    for (int j = 0; j < L; j += 2)
+      _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows * p.n + 8 * j), _MM_HINT_T0);
     for (int j = 0; j < L; ++j) {
       __m256 wj = _mm256_loadu_ps(w + 8 * j);
       for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * p.k + k]), wj, acc[r][j]);

@@ -7,8 +7,8 @@ A policy is one of `POLICIES`:
   at most `FEW_ROWS` rows (a decode step's linear) runs in Dew's few-rows kernel where the table's nearest
   entry says that was faster (`"few_rows": true`, measured by `python -m benchmarks.long_context
   --products`); attention's softmax, the fused attention, decoding's attention and the int8 decoding
-  products run in Dew's own kernels wherever they can. A CPU class the table does not name, a product under `MIN_FLOPS` or a shape far from
-  every measured one stays XLA's.
+  products run in Dew's own kernels wherever they can. A CPU class the table does not name, a product
+  under `MIN_FLOPS` (oneDNN) or a shape far from every measured one stays XLA's.
 - `native`: every product oneDNN can take runs there, whatever its size (what the kernels' tests use).
 - `xla`: XLA's own `dot_general` for every product, with nothing around it: no custom call, no barrier.
 - `exact`: as `auto`, except that no kernel rounds a product's operands: the GGUF blocks kernel
