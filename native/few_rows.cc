@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "isa.h"
 #include "xla/ffi/api/ffi.h"
@@ -164,12 +165,12 @@ struct Pieces {
   Product p;
   BlockBody body;
   int64_t slices = 1, slice_rows = 0;
-  std::unique_ptr<float[]> partial;  // [slices, m, n] when slices > 1
+  float* partial = nullptr;  // [slices - 1, m, n]: the sums of slices 1 on (slice 0 sums into y)
   std::atomic<int64_t> next{0}, done{0};
 
   void Run() {
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < slices;) {
-      float* sums = slices > 1 ? partial.get() + i * p.m * p.n : p.y;
+      float* sums = i == 0 ? p.y : partial + (i - 1) * p.m * p.n;
       int64_t k_begin = i * slice_rows, k_end = std::min(k_begin + slice_rows, p.k);
       for (int64_t k = k_begin; k < k_end; k += kBlockRows)
         body(p, k, std::min(k + kBlockRows, k_end), 0, p.n, k == k_begin, sums);
@@ -193,18 +194,17 @@ ffi::Error FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   int64_t slices = std::clamp<int64_t>(p.k * p.n * 4 / kSliceBytes, 1, kSlices);
   pieces->slice_rows = (blocks + slices - 1) / slices * kBlockRows;
   pieces->slices = std::max<int64_t>(1, (p.k + pieces->slice_rows - 1) / pieces->slice_rows);
-  if (pieces->slices > 1) pieces->partial.reset(new float[pieces->slices * p.m * p.n]);
+  // In the calling thread's buffer: every slice that writes it has finished before this call returns.
+  thread_local std::vector<float> partial;
+  partial.resize(static_cast<size_t>((pieces->slices - 1) * p.m * p.n));
+  pieces->partial = partial.data();
   int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), pieces->slices) - 1;
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([pieces] { pieces->Run(); });
   pieces->Run();
   dew::WaitForPieces(pieces->done, pieces->slices);
-  if (pieces->slices > 1) {
-    const float* first = pieces->partial.get();
-    for (int64_t e = 0; e < p.m * p.n; ++e) {
-      float sum = first[e];
-      for (int64_t s = 1; s < pieces->slices; ++s) sum += first[s * p.m * p.n + e];
-      p.y[e] = sum;
-    }
+  for (int64_t s = 1; s < pieces->slices; ++s) {
+    const float* slice = partial.data() + (s - 1) * p.m * p.n;
+    for (int64_t e = 0; e < p.m * p.n; ++e) p.y[e] += slice[e];
   }
   return ffi::Error::Success();
 }
