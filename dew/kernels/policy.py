@@ -6,8 +6,9 @@ A policy is one of `POLICIES`:
   nearest measured shape of this CPU class, dtype and transposes, and XLA's otherwise; a float32 product of
   at most `FEW_ROWS` rows (a decode step's linear) runs in Dew's few-rows kernel where the table's nearest
   entry says that was faster (`"few_rows": true`, measured by `python -m benchmarks.long_context
-  --products`); attention's softmax, the fused attention, decoding's attention and the int8 decoding
-  products run in Dew's own kernels wherever they can. A CPU class the table does not name, a product
+  --products`); a bfloat16 product of at most `FEW_ROWS` rows runs in oneDNN wherever its bfloat16 gemm
+  runs; attention's softmax, the fused attention, decoding's attention and the int8 decoding products run in
+  Dew's own kernels wherever they can. A CPU class the table does not name, a product
   under `MIN_FLOPS` (oneDNN) or a shape far from every measured one stays XLA's.
 - `native`: every product oneDNN can take runs there, whatever its size (what the kernels' tests use).
 - `xla`: XLA's own `dot_general` for every product, with nothing around it: no custom call, no barrier.
@@ -191,6 +192,10 @@ def choose_onednn(batch: int, m: int, k: int, n: int, dtype, transpose_a: bool, 
     class (default the shipped table's): the choice of the nearest measured product (`nearest_measured`),
     XLA's elsewhere."""
     if policy == "native":
+        return True
+    # XLA's CPU dot of a few bfloat16 rows widens its operands to float32 at every call, the whole weight
+    # included (docs/performance.md, "Serving in bfloat16"): 4-7x slower than oneDNN's bfloat16 gemm at one row.
+    if jnp.dtype(dtype) == jnp.bfloat16 and not transpose_a and batch * m <= FEW_ROWS:
         return True
     if 2 * batch * m * k * n < MIN_FLOPS:
         return False

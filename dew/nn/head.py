@@ -109,6 +109,9 @@ class Head:
         if self.weight.dtype == jnp.uint8:
             with using(self.kernels):
                 logits_NV = blocks_product(hidden_NE, self.weight, hidden_NE.dtype)
+        elif self.weight.dtype == jnp.bfloat16:  # through the kernel policy: XLA's CPU dot widens the head
+            with using(self.kernels):
+                logits_NV = product(hidden_NE.astype(jnp.bfloat16), self.weight, transpose_b=self.transposed)
         elif self.scale is None:
             logits_NV = vocab_logits(hidden_NE.astype(self.weight.dtype), self.weight, self.transposed)
         else:

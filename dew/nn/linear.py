@@ -73,6 +73,8 @@ class Linear(nn.Module):
                 # only the int8 bytes stream from memory; each group's scale applies to its float32 sum.
                 y_NF = int8_product(x_ND, kernel, self.get_variable(QUANT_COLLECTION, KERNEL_SCALE), self.dtype)
             else:
+                if kernel.dtype == jnp.uint16:  # bfloat16 held as its bits (dew.nn.quantize.bfloat16_bits)
+                    kernel = jax.lax.bitcast_convert_type(kernel, jnp.bfloat16)
                 # Rounded to the compute dtype inside the product unless a float32 bias comes first.
                 y_NF = dot(x_ND, kernel.astype(self.dtype), out_dtype=jnp.float32 if self.use_bias else self.dtype)
         if self.use_bias:
