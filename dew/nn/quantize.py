@@ -130,7 +130,9 @@ def bfloat16_bits(model, variables: Mapping[str, Any]) -> dict[str, Any]:
     variables = jax.tree_util.tree_map(lambda x: x, dict(variables))  # a copy of the containers
     params = mutable_tree(variables["params"])
     for path in linear_paths(model, variables):
-        module = subtree(params, path)
+        module = params
+        for name in path:  # a linear kept in a GGUF file's blocks holds no params
+            module = module.get(name, {})
         if "kernel" in module and module["kernel"].dtype == jnp.bfloat16:
             module["kernel"] = jax.lax.bitcast_convert_type(module["kernel"], jnp.uint16)
     variables["params"] = params
