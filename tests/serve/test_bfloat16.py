@@ -101,3 +101,25 @@ def test_the_engine_serves_what_bfloat16_generate_draws(task):
                         sampling=Sampling(s.temperature, s.top_k))
         assert request.consumer.tokens == solo.continuations()[0]
 
+
+
+class Stop(Exception):
+    """Raised by a stand-in loader once it has seen its arguments."""
+
+
+@pytest.mark.parametrize("argv", [["generate", "SOURCE", "--prompt", "a", "--dtype", "bfloat16"],
+                                  ["serve", "SOURCE", "--port", "0", "--dtype", "bfloat16"]])
+def test_dew_generate_and_dew_serve_hand_dtype_to_the_loader(monkeypatch, argv):
+    from dew import cli, runs
+
+    seen = []
+
+    def loader(source, **options):
+        seen.append(options["dtype"])
+        raise Stop
+
+    monkeypatch.setattr(runs, "pipeline", loader)
+    monkeypatch.setattr("dew.serve.service.pipeline", loader)
+    with pytest.raises(Stop):
+        cli.COMMANDS[argv[0]][1](argv[1:])
+    assert seen == ["bfloat16"]
