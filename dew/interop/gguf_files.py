@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import hashlib
 import json
 import math
 import mmap
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dew.files import write_atomically
 from dew.interop.families import FAMILIES, gguf_architectures, gguf_family
 from dew.interop.hf_decoders import expected
 from dew.kernels.blocks import BYTES
@@ -493,7 +496,28 @@ def write_tokenizer(checkpoint: GGUFCheckpoint, directory: Path) -> bool:
     if "tokenizer.chat_template" in checkpoint.metadata:
         config["chat_template"] = checkpoint.metadata["tokenizer.chat_template"]
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    write_atomically(directory / _TOKENIZER_STAMP, _builder_stamp())  # last: the files above are whole
     return True
+
+
+_TOKENIZER_STAMP = "dew-tokenizer-builder.txt"
+
+
+def tokenizer_written(directory: Path) -> bool:
+    """Whether `directory` holds the tokenizer files `write_tokenizer` wrote there with this very builder
+    (this module's source and the tokenizers package's version): a GGUF file's tokenizer is built once
+    (a real vocabulary takes half a second) and built again when Dew's way of building it changes. The
+    directory itself is keyed by the GGUF file's path, size and modification time (`converted_directory`)."""
+    stamp = directory / _TOKENIZER_STAMP
+    return stamp.is_file() and stamp.read_text(encoding="utf-8") == _builder_stamp()
+
+
+@functools.cache
+def _builder_stamp() -> str:
+    import tokenizers
+
+    source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    return f"module {source}\ntokenizers {tokenizers.__version__}\n"
 
 
 def _byte_level_bpe(checkpoint: GGUFCheckpoint, tokens: list[str]):

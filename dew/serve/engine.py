@@ -133,6 +133,10 @@ class Engine:
     every program at once.
     """
 
+    program_cache = None
+    """Where compiled programs are kept between processes (a `dew.serve.programs.ProgramCache`, which `dew
+    serve` sets before `start`); None: each is traced, lowered and compiled."""
+
     def __init__(self, model, params, *, slots: int, capacity: int, eos_token_ids: Sequence[int] = (),
                  pad_id: int = 0, queue_limit: int = 256, prefill_rows: int = 4, top_k_limit: int = TOP_K_LIMIT,
                  max_log_probs: int = MAX_LOG_PROBS):
@@ -266,12 +270,19 @@ class Engine:
         started = time.perf_counter()
         params, state = self._abstract
         if key[0] == "step":
-            lowered = self._steps[key[1]].lower(params, state, jax.ShapeDtypeStruct((self.slots,), bool))
+            jitted, options = self._steps[key[1]], {}
+            arguments = (params, state, jax.ShapeDtypeStruct((self.slots,), bool))
         else:
             rows, width = key[1:]
             padding = self._admission([None] * rows, width, np.full(rows, self.slots, np.int32))
-            lowered = self._admit.jitted.lower(params, state, *padding.arguments(), prompt_scores=False)
-        self._programs[key] = lowered.compile()
+            jitted, options = self._admit.jitted, {"prompt_scores": False}
+            arguments = (params, state, *padding.arguments())
+        program = self.program_cache.load(key, arguments) if self.program_cache is not None else None
+        if program is None:
+            program = jitted.lower(*arguments, **options).compile()
+            if self.program_cache is not None:
+                self.program_cache.store(key, arguments, program)
+        self._programs[key] = program
         self.compile_seconds += time.perf_counter() - started
 
     def _first_use(self) -> None:
