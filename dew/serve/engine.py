@@ -277,11 +277,12 @@ class Engine:
             padding = self._admission([None] * rows, width, np.full(rows, self.slots, np.int32))
             jitted, options = self._admit.jitted, {"prompt_scores": False}
             arguments = (params, state, *padding.arguments())
-        program = self.program_cache.load(key, arguments) if self.program_cache is not None else None
-        if program is None:
+        if self.program_cache is None:
             program = jitted.lower(*arguments, **options).compile()
-            if self.program_cache is not None:
-                self.program_cache.store(key, arguments, program)
+        else:
+            program = self.program_cache.load(key, arguments)
+            if program is None:
+                program = self.program_cache.compile(key, arguments, jitted.lower(*arguments, **options))
         self._programs[key] = program
         self.compile_seconds += time.perf_counter() - started
 

@@ -20,13 +20,16 @@ set (`dew serve` sets `~/.cache/dew/jax`, or `--compilation-cache`).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import logging
 import os
 import pickle
 import platform
+import random
 import sys
+import threading
 from importlib import metadata
 from pathlib import Path
 
@@ -51,6 +54,10 @@ class ProgramCache:
         self.description = description
         self.loaded = 0  # programs read back, for a test and the log
         self.stored = 0
+        self._lock = threading.Lock()
+        self._waiting: list[tuple] = []  # (program, arguments, lowered) to compile and keep
+        self._keeper: threading.Thread | None = None
+        self._stopped_at_exit = False  # stop() registered to run at the process's exit
 
     @classmethod
     def of(cls, engine, directory: str | os.PathLike | None = None) -> "ProgramCache | None":
@@ -95,7 +102,61 @@ class ProgramCache:
         self.loaded += 1
         return compiled
 
-    def store(self, program: tuple, arguments, compiled: jax.stages.Compiled) -> None:
+    def compile(self, program: tuple, arguments, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        """`lowered` compiled (or found in JAX's cache) and kept under its key for the next start.
+
+        An executable JAX's own cache gave back cannot be written out again (XLA keeps no code for its
+        kernels then, and the copy fails when called), so only one this process compiled is kept as it
+        is; for one JAX's cache gave, a compile of its own, which JAX's cache cannot answer, runs on a
+        thread of its own (once, after Dew or the software changed) and is kept when it is done."""
+        hits = _hits()
+        compiled = lowered.compile()
+        if _hits() == hits:
+            self._store(program, arguments, compiled)
+            return compiled
+        with self._lock:
+            self._waiting.append((program, arguments, lowered))
+            if self._keeper is None:
+                if not self._stopped_at_exit:
+                    atexit.register(self.stop)
+                    self._stopped_at_exit = True
+                self._keeper = threading.Thread(target=self._keep, name="dew-serve-keep", daemon=True)
+                self._keeper.start()
+        return compiled
+
+    def stop(self) -> None:
+        """Compile no more programs to keep; return once the one being compiled (if any) is kept. Called at
+        the process's exit, so that no compile is cut off (XLA aborts the process then)."""
+        with self._lock:
+            self._waiting.clear()
+            keeper = self._keeper
+        if keeper is not None:
+            keeper.join()
+
+    def wait(self) -> None:
+        """Return once every program waiting to be compiled and kept is kept."""
+        with self._lock:
+            keeper = self._keeper
+        if keeper is not None:
+            keeper.join()
+
+    def _keep(self) -> None:
+        """Compile the waiting programs, one at a time beside the engine's own compiles, and keep them."""
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    self._keeper = None
+                    return
+                program, arguments, lowered = self._waiting.pop(0)
+            try:
+                compiled = lowered.compile(_uncached())
+            except Exception as error:  # noqa: BLE001 - the served program is the one compiled already
+                logger.warning("could not compile the program %s to keep it for the next start (%s: %s)", program,
+                               type(error).__name__, error)
+                continue
+            self._store(program, arguments, compiled)
+
+    def _store(self, program: tuple, arguments, compiled: jax.stages.Compiled) -> None:
         """Keep `compiled` under its key (a program that cannot be serialized is left out, logged)."""
         try:
             payload = pickle.dumps(serialize_executable.serialize(compiled))
@@ -106,6 +167,30 @@ class ProgramCache:
                            type(error).__name__, error)
             return
         self.stored += 1
+
+
+def _uncached() -> dict:
+    """XLA options that JAX's cache has never seen, so that JAX compiles rather than gives back what it
+    keeps: a debugging printout's length, which changes nothing XLA builds, drawn at random (JAX keeps
+    this compile too, under a key no later compile asks for)."""
+    return {"xla_debug_buffer_assignment_show_max": random.getrandbits(62)}
+
+
+_COMPILATIONS = threading.local()  # JAX's cache hits on this thread
+
+
+def _hits() -> int:
+    _listen()
+    return getattr(_COMPILATIONS, "hits", 0)
+
+
+@functools.cache
+def _listen() -> None:
+    def count(event: str, **details) -> None:  # called on the thread that compiles
+        if event == "/jax/compilation_cache/cache_hits":
+            _COMPILATIONS.hits = getattr(_COMPILATIONS, "hits", 0) + 1
+
+    jax.monitoring.register_event_listener(count)
 
 
 @functools.cache

@@ -60,6 +60,21 @@ def test_loaded_programs_draw_what_compiled_ones_drew(model_and_variables, tmp_p
     assert "could not load the compiled program" in caplog.text
 
 
+def test_a_program_jaxs_cache_gave_back_is_compiled_again_to_be_kept(model_and_variables, tmp_path, monkeypatch):
+    """An executable from JAX's own cache cannot be written out (its copy fails when called): it serves, and
+    a compile JAX's cache cannot answer is kept instead, which the next engine loads."""
+    model, variables = model_and_variables
+    _, drawn = _served(model, variables, tmp_path / "compiled")
+    hits = iter(range(1000))
+    with monkeypatch.context() as patch:
+        patch.setattr(programs, "_hits", lambda: next(hits))  # as if JAX's cache answered every compile
+        cache, drawn_from_jax_cache = _served(model, variables, tmp_path / "kept")
+        cache.wait()
+    assert drawn_from_jax_cache == drawn and (cache.stored, cache.loaded) == (3, 0)
+    again, drawn_again = _served(model, variables, tmp_path / "kept")
+    assert (again.stored, again.loaded) == (0, 3) and drawn_again == drawn
+
+
 def test_the_key_changes_with_what_the_program_is_made_of(model_and_variables, tmp_path, monkeypatch):
     model, variables = model_and_variables
     engine = Engine(model, variables, slots=SLOTS, capacity=CAPACITY, eos_token_ids=(EOS,), prefill_rows=1)
