@@ -49,15 +49,17 @@ _ENVIRONMENT_PREFIXES = ("XLA_", "JAX_", "DEW_", "TF_CPP_")
 class ProgramCache:
     """Compiled programs of one engine (`description` says what its programs close over) in `directory`."""
 
-    def __init__(self, directory: str | os.PathLike, description: str):
+    def __init__(self, directory: str | os.PathLike, description: str, after: threading.Event | None = None):
         self.directory = Path(directory)
         self.description = description
+        self.after = after  # compiles to keep start once it is set (an engine's `ready`: they wait for its first programs)
         self.loaded = 0  # programs read back, for a test and the log
         self.stored = 0
         self._lock = threading.Lock()
         self._waiting: list[tuple] = []  # (program, arguments, lowered) to compile and keep
         self._keeper: threading.Thread | None = None
         self._stopped_at_exit = False  # stop() registered to run at the process's exit
+        self._stopping = False
 
     @classmethod
     def of(cls, engine, directory: str | os.PathLike | None = None) -> "ProgramCache | None":
@@ -72,7 +74,7 @@ class ProgramCache:
             f"engine slots={engine.slots} capacity={engine.capacity} eos={engine.eos} pad_id={engine.pad_id} "
             f"top_k_bound={engine._top_k_bound} max_log_probs={engine.max_log_probs}",
         ])
-        return cls(Path(root) / "dew-programs" if directory is None else directory, description)
+        return cls(Path(root) / "dew-programs" if directory is None else directory, description, engine.ready)
 
     def key(self, program: tuple, arguments) -> str:
         """The entry's name for `program` called with `arguments` (arrays or `jax.ShapeDtypeStruct`s)."""
@@ -129,6 +131,7 @@ class ProgramCache:
         the process's exit, so that no compile is cut off (XLA aborts the process then)."""
         with self._lock:
             self._waiting.clear()
+            self._stopping = True
             keeper = self._keeper
         if keeper is not None:
             keeper.join()
@@ -142,6 +145,9 @@ class ProgramCache:
 
     def _keep(self) -> None:
         """Compile the waiting programs, one at a time beside the engine's own compiles, and keep them."""
+        while self.after is not None and not self.after.wait(0.1):
+            if self._stopping:
+                break
         while True:
             with self._lock:
                 if not self._waiting:
