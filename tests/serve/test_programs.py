@@ -42,6 +42,7 @@ def _served(model, variables, directory) -> tuple[ProgramCache, list]:
             assert request.consumer.done.wait(60)
     finally:
         engine.close()
+    engine.program_cache.wait()  # a program JAX's cache gave (where a test before turned it on) is kept after ready
     return engine.program_cache, [(request.consumer.tokens, request.consumer.reason) for request in requests]
 
 
@@ -69,7 +70,6 @@ def test_a_program_jaxs_cache_gave_back_is_compiled_again_to_be_kept(model_and_v
     with monkeypatch.context() as patch:
         patch.setattr(programs, "_hits", lambda: next(hits))  # as if JAX's cache answered every compile
         cache, drawn_from_jax_cache = _served(model, variables, tmp_path / "kept")
-        cache.wait()
     assert drawn_from_jax_cache == drawn and (cache.stored, cache.loaded) == (3, 0)
     again, drawn_again = _served(model, variables, tmp_path / "kept")
     assert (again.stored, again.loaded) == (0, 3) and drawn_again == drawn
