@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from dew.interop import tensors
 from dew.interop.families import Converter, family_for

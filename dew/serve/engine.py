@@ -158,7 +158,9 @@ class Engine:
         self.widths = _ladder(PROMPT_BUCKET, capacity)
         self.prefill_rows = _ladder(1, min(prefill_rows, slots))
         _check_memory(model, params, slots, capacity)
-        self.params = jax.jit(model.stack_variables)(params)  # once, not at every step
+        # once, not at every step; weights already in the model's own form are used as they are (a jitted
+        # stacking would copy every one, and the caller's would stay in memory beside the copies)
+        self.params = params if model.stack_variables(params) is params else jax.jit(model.stack_variables)(params)
         self._top_k_bound = _bucket(top_k_limit)
         self._state = _placed_like(empty_slots(model, slots, capacity, self._top_k_bound), self.params)
         self.step_rows = _ladder(1, slots)

@@ -63,6 +63,11 @@ class PromptEncoder:
         self._tails = {text[k:] for text in specials for k in range(1, len(text))}
         self._longest = max(map(len, specials))
 
+    def prepare(self) -> None:
+        """Make what chat prompts need now (the tokenizer's copy), rather than when the first one comes."""
+        if self._escaping:
+            self._copied()
+
     def _copied(self) -> tuple:
         """The tokenizer's copy in which each special token is a stand-in of plain text, made by the first
         chat prompt (a real vocabulary's copy takes a fifth of a second, which a server's start does not wait for)."""
