@@ -16,7 +16,7 @@ from dew.serve import programs
 from dew.serve.programs import ProgramCache
 from tests.serve.test_engine import Collect
 
-pytestmark = pytest.mark.slow  # engines compile three programs several times (about 15 s on 2 cores)
+pytestmark = pytest.mark.slow  # engines compile three programs several times (6 to 17 s on 2 shared cores)
 
 SLOTS, CAPACITY, EOS = 2, 16, 7  # three programs: steps over 1 and 2 slots, one-row admissions at width 16
 
