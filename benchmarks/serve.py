@@ -36,12 +36,16 @@ start of the previous prompt (the chat template's system turn, about 30 tokens),
 - `--transformers`: the floor, transformers' `generate` in this process (sdpa, KV cache) one request at
   a time and in static left-padded batches of 8 and 32; its first token is timed from its batch's start.
 
-`--startup` starts `dew serve` twice on SmolLM2's GGUF (8 slots) with one fresh `--compilation-cache`
+`--startup` starts `dew serve` twice on SmolLM2's GGUF (32 slots) with one fresh `--compilation-cache`
 directory: cold (nothing cached), then warm (a restart that reads the programs the first compiled).
 Each time it prints the seconds from the process's start until the port answers `/health`, until
 `/health` says ready (200), and until every program is compiled (`compiled == programs`, in the
 background), and the latency of the first request sent once ready (a 16-token greedy completion of a
-short prompt, whole) and of a second one.
+short prompt, whole) and of a second one. With `--rounds N` it then starts, N times in turn, warm
+`dew serve` (that cache), each peer given (`--llama-server`, `--llama-cpp-python`), and two floors in
+Python: `import jax` with one small program run, and `import dew.serve.app`; it prints each one's median
+seconds from start to ready (a peer's and Dew's first 200, a floor's exit) and the CPU seconds its
+process had used by then, and Dew's ratios.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -207,7 +212,7 @@ def launch(server: Server, log: Path) -> tuple[subprocess.Popen, str, float]:
             process.kill()
             tail = log.read_text(errors="replace").splitlines()[-15:]
             raise RuntimeError(f"{server.name} did not become ready ({' '.join(command)}):\n" + "\n".join(tail))
-        time.sleep(0.1)
+        time.sleep(0.02)
     return process, url, time.perf_counter() - started
 
 
@@ -351,6 +356,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--capacity", type=int, default=None,
                         help="positions per slot, prompt plus new (default: 320 serving, 128 with --startup)")
     parser.add_argument("--startup", action="store_true", help="time start-up and the first requests instead")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="with --startup: warm starts of dew serve, each peer and the floors, in turn")
     parser.add_argument("--llama-cpp-python", metavar="PYTHON",
                         help="an interpreter with llama-cpp-python[server]: adds its server")
     parser.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary: adds it")
@@ -448,6 +455,47 @@ def startup(capacity: int, cache: str) -> dict:
     return figures
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU seconds process `pid` has used so far, every thread (Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+FLOORS = {"python: import jax, one small program": "import jax, jax.numpy as jnp; jnp.zeros(8).block_until_ready()",
+          "python: import dew.serve.app": "import dew.serve.app"}
+
+
+def rounds(args: argparse.Namespace, cache: str) -> None:
+    """Warm starts of dew serve (from `cache`), the peers asked for and the floors, in turn, `args.rounds` times."""
+    dew = dew_server(args.capacity)
+    dew = dataclasses.replace(dew, name="dew serve (warm)", command=[*dew.command, "--compilation-cache", cache])
+    chosen = [dew] + [server for server in servers(args)[0] if server.name != "dew serve"]
+    ready: dict[str, list[tuple[float, float]]] = {server.name: [] for server in chosen} | {name: [] for name in FLOORS}
+    with tempfile.TemporaryDirectory() as logs:
+        for _ in range(args.rounds):
+            for server in chosen:
+                process, _, seconds = launch(server, Path(logs) / "server.log")
+                ready[server.name].append((seconds, cpu_seconds(process.pid)))
+                process.terminate()
+                process.wait(timeout=60)
+            for name, script in FLOORS.items():
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                started = time.perf_counter()
+                subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
+                seconds = time.perf_counter() - started
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                ready[name].append((seconds, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime))
+    print(f"\n{args.rounds} rounds in turn; load average {os.getloadavg()[0]:.2f} at the end")
+    print("| start | median seconds to ready | median CPU seconds by then | rounds | dew serve / this |")
+    print("| --- | --- | --- | --- | --- |")
+    dew_median = statistics.median(seconds for seconds, _ in ready[dew.name])
+    for name, figures in ready.items():
+        median = statistics.median(seconds for seconds, _ in figures)
+        cpu = statistics.median(cpu for _, cpu in figures)
+        print(f"| {name} | {median:.2f} s | {cpu:.2f} s | "
+              f"{', '.join(f'{seconds:.2f}' for seconds, _ in figures)} | {dew_median / median:.2f}x |")
+
+
 def main():
     args = parse()
     if args.startup:
@@ -460,6 +508,8 @@ def main():
                 f = startup(args.capacity, cache)
                 print(f"| {start} | {f['port']:.1f} s | {f['ready']:.1f} s | {f['first request']:.2f} s | "
                       f"{f['second request']:.2f} s | {f['all compiled']:.1f} s ({f['programs']}) |", flush=True)
+            if args.rounds:
+                rounds(args, cache)
         return
     texts, lengths = prompts(args.requests)
     if max(lengths) + args.new > args.capacity:

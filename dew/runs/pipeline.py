@@ -21,7 +21,6 @@ from dew.nn.transformer import CausalTransformer, as_dtype
 from dew.runs.run_dir import RunDirectory
 from dew.sampling import Sampling
 from dew.sharding import with_names
-from dew.training.checkpoints import Checkpoints
 from dew.training.mesh import Layout, MeshSpec
 from dew.trees import overlay
 
@@ -131,6 +130,8 @@ def _from_run(path: Path, *, ema: bool, step: int | None, mesh,
     model = models.build(record["model"]["name"], **record["model"]["config"])
     if not run.checkpoint_steps():
         raise FileNotFoundError(f"{path} has no checkpoint yet: train it first (its run.json holds the command)")
+    from dew.training.checkpoints import Checkpoints  # Orbax loads when a run is read, not for a checkpoint file
+
     checkpoints = Checkpoints(run.checkpoints, keep=None)
     try:
         saved = checkpoints.restore_tree(step)

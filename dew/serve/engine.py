@@ -133,6 +133,10 @@ class Engine:
     every program at once.
     """
 
+    program_cache = None
+    """Where compiled programs are kept between processes (a `dew.serve.programs.ProgramCache`, which `dew
+    serve` sets before `start`); None: each is traced, lowered and compiled."""
+
     def __init__(self, model, params, *, slots: int, capacity: int, eos_token_ids: Sequence[int] = (),
                  pad_id: int = 0, queue_limit: int = 256, prefill_rows: int = 4, top_k_limit: int = TOP_K_LIMIT,
                  max_log_probs: int = MAX_LOG_PROBS):
@@ -154,7 +158,9 @@ class Engine:
         self.widths = _ladder(PROMPT_BUCKET, capacity)
         self.prefill_rows = _ladder(1, min(prefill_rows, slots))
         _check_memory(model, params, slots, capacity)
-        self.params = jax.jit(model.stack_variables)(params)  # once, not at every step
+        # once, not at every step; weights already in the model's own form are used as they are (a jitted
+        # stacking would copy every one, and the caller's would stay in memory beside the copies)
+        self.params = params if model.stack_variables(params) is params else jax.jit(model.stack_variables)(params)
         self._top_k_bound = _bucket(top_k_limit)
         self._state = _placed_like(empty_slots(model, slots, capacity, self._top_k_bound), self.params)
         self.step_rows = _ladder(1, slots)
@@ -266,12 +272,20 @@ class Engine:
         started = time.perf_counter()
         params, state = self._abstract
         if key[0] == "step":
-            lowered = self._steps[key[1]].lower(params, state, jax.ShapeDtypeStruct((self.slots,), bool))
+            jitted, options = self._steps[key[1]], {}
+            arguments = (params, state, jax.ShapeDtypeStruct((self.slots,), bool))
         else:
             rows, width = key[1:]
             padding = self._admission([None] * rows, width, np.full(rows, self.slots, np.int32))
-            lowered = self._admit.jitted.lower(params, state, *padding.arguments(), prompt_scores=False)
-        self._programs[key] = lowered.compile()
+            jitted, options = self._admit.jitted, {"prompt_scores": False}
+            arguments = (params, state, *padding.arguments())
+        if self.program_cache is None:
+            program = jitted.lower(*arguments, **options).compile()
+        else:
+            program = self.program_cache.load(key, arguments)
+            if program is None:
+                program = self.program_cache.compile(key, arguments, jitted.lower(*arguments, **options))
+        self._programs[key] = program
         self.compile_seconds += time.perf_counter() - started
 
     def _first_use(self) -> None:

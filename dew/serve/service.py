@@ -18,6 +18,7 @@ from dew.nn.multimodal import MultimodalTransformer
 from dew.serve.engine import MAX_LOG_PROBS, TOP_K_LIMIT, Engine
 from dew.serve.audio import AudioLimits
 from dew.serve.images import ImageLimits
+from dew.serve.programs import ProgramCache
 from dew.serve.prompts import PromptEncoder
 
 logger = logging.getLogger("dew.serve")
@@ -74,6 +75,7 @@ class Served:
                         prefill_rows=prefill_rows, eos_token_ids=task.sampling.eos_token_ids,
                         pad_id=task.sampling.pad_id,
                         top_k_limit=max(task.sampling.top_k or 0, TOP_K_LIMIT), max_log_probs=max_log_probs)
+        engine.program_cache = ProgramCache.of(engine)  # None unless JAX's persistent cache is on
         processor = None
         if isinstance(task.model, MultimodalTransformer):
             processor = Processor.of(load_reference(task.tokenizer.path.parent), task.model.config)
