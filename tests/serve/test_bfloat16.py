@@ -118,8 +118,10 @@ def test_dew_generate_and_dew_serve_hand_dtype_to_the_loader(monkeypatch, argv):
         seen.append(options["dtype"])
         raise Stop
 
-    monkeypatch.setattr(runs, "pipeline", loader)
+    # The service module first: imported while `runs.pipeline` is the stand-in, it would bind the stand-in
+    # for good (monkeypatch would then restore the stand-in).
     monkeypatch.setattr("dew.serve.service.pipeline", loader)
+    monkeypatch.setattr(runs, "pipeline", loader)
     with pytest.raises(Stop):
         cli.COMMANDS[argv[0]][1](argv[1:])
     assert seen == ["bfloat16"]
