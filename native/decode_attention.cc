@@ -203,11 +203,13 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 
 DEW_DECODE_ATTENTION(DewDecodeAttentionF32, ffi::F32)
 DEW_DECODE_ATTENTION(DewDecodeAttentionBF16, ffi::BF16)
+DEW_DECODE_ATTENTION(DewDecodeAttentionU16, ffi::U16)  // bfloat16 values held as their bits (dew.nn.kv_cache)
 
-// Python module: handlers() -> {"float32", "bfloat16": capsule}, keyed by the cache's dtype.
+// Python module: handlers() -> {"float32", "bfloat16", "uint16": capsule}, keyed by the cache's dtype.
 static PyObject* Handlers(PyObject*, PyObject*) {
   const dew::HandlerEntry entries[] = {{"float32", reinterpret_cast<void*>(&DewDecodeAttentionF32)},
-                                       {"bfloat16", reinterpret_cast<void*>(&DewDecodeAttentionBF16)}};
+                                       {"bfloat16", reinterpret_cast<void*>(&DewDecodeAttentionBF16)},
+                                       {"uint16", reinterpret_cast<void*>(&DewDecodeAttentionU16)}};
   return dew::HandlerDict(entries, sizeof entries / sizeof entries[0]);
 }
 

@@ -56,7 +56,11 @@ def test_serve_starts_each_peer_its_flag_names():
     assert vllm.env["VLLM_HOST_IP"] == "127.0.0.1" and "--gpu-memory-utilization" in vllm.command
     assert all("{port}" in server.command for server in chosen)
     assert len(serve.servers(serve.parse([]))[1]) == 4  # every peer skipped, each with its line
-    for wrong in (["--requests", "65"], ["--solo-requests", "9", "--requests", "8"], ["--vllm-dtype", "int8"]):
+    both = serve.servers(serve.parse(["--dew-dtype", "float32,bfloat16"]))[0]
+    assert [(server.name, server.command[server.command.index("--dtype") + 1]) for server in both] == [
+        ("dew serve", "float32"), ("dew serve bfloat16", "bfloat16")]
+    for wrong in (["--requests", "65"], ["--solo-requests", "9", "--requests", "8"], ["--vllm-dtype", "int8"],
+                  ["--dew-dtype", "float16"]):
         with pytest.raises(SystemExit):
             serve.parse(wrong)
     assert serve.percentile([float(value) for value in range(10, 0, -1)], 0.9) == 9.0

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from dew.interop import tensors
 from dew.interop.families import Converter, family_for
@@ -111,7 +110,7 @@ def model_params(model: CausalTransformer):
 
 def model_variables(model: CausalTransformer):
     """The model's variables, every collection, as shapes."""
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+    return model.variable_shapes()
 
 
 def merge_collections(variables: Mapping) -> dict:

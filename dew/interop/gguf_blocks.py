@@ -5,7 +5,9 @@ Loading a GGUF file dequantizes every tensor to float32 (`dew.interop.gguf_files
 blocks kernel multiplies (Q4_0, Q4_1, Q8_0, Q4_K: `dew.kernels.blocks`) keep the file's own bytes
 instead: the float kernel leaves the `params` tree and its blocks, `[out, in / n, B]` uint8 (stacked by
 layer like the kernels), go into the `quant` collection at the same module path (`kernel_blocks`;
-`embed_tokens_blocks` for the embedding, which a tied head reads too). The model multiplies them as they
+`embed_tokens_blocks` for the embedding, which a tied head reads too); a scanned run's stacks sit whole
+in the `quant_stacked` collection instead, with each layer's index in `quant` (`dew.nn.linear`), so the
+scan does not copy a layer's blocks out of the stack at every step. The model multiplies them as they
 are (`dew.nn.linear.Linear`, `dew.nn.head.Head`), so a batch-1 decoding step streams the file's 4.5-8.5
 bits a weight rather than float32's 32. Decoding's products round the activations to two 8-bit layers
 and multiply integers (`dew.kernels.blocks`); under the kernel policy `exact` the model computes what the
@@ -56,7 +58,8 @@ def keep_gguf_blocks(model, variables: Mapping[str, Any], checkpoint, rules, mod
     if not quant:
         raise ValueError(f"{checkpoint.path.name} stores none of its linears in blocks Dew's kernel multiplies "
                          "(Q4_0, Q4_1, Q8_0, Q4_K): load it without quantize (float32), or with quantize='int8'")
-    return {**variables, "params": params, QUANT_COLLECTION: quant}
+    # The model's own form: a scanned run's blocks whole in their collection (`dew.nn.stack`).
+    return model.stack_variables({**variables, "params": params, QUANT_COLLECTION: quant})
 
 
 def _leaf_blocks(checkpoint, leaf: tensors.LeafPlan | None, transpose) -> np.ndarray | None:

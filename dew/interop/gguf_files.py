@@ -15,6 +15,10 @@ count and length in its header is checked against the file's size (`check_header
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import hashlib
 import json
 import math
 import mmap
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dew.files import write_atomically
 from dew.interop.families import FAMILIES, gguf_architectures, gguf_family
 from dew.interop.hf_decoders import expected
 from dew.kernels.blocks import BYTES
@@ -75,17 +80,15 @@ _NESTING = 4  # arrays of arrays deeper than this are refused (llama.cpp writes 
 
 def check_header(path: Path) -> None:
     """Refuse a GGUF file whose header claims more bytes than the file holds (a count of entries or
-    tensors, a string's or an array's length, a tensor's data), naming the key or the tensor.
+    tensors, a string's or an array's length, a tensor's data), or that is no GGUF file of version 2 or 3,
+    naming the key or the tensor.
 
-    gguf's reader builds a value for every element a header claims, so one forged length makes it
-    grow without bound; this walks the header first with the format's own field sizes, over a memory
-    map, allocating nothing per element. A file that is not GGUF version 2 or 3 is left to gguf's
-    reader to refuse."""
+    One forged length must not make a reader grow without bound: the header is walked with the format's
+    own field sizes, over a memory map, allocating nothing per element."""
     size = path.stat().st_size
-    if size < 24:  # shorter than the fixed header: gguf's reader refuses it
-        return
-    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
-        _HeaderWalk(path, view, size).walk()
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else \
+            contextlib.nullcontext(b"") as view:
+        _Header(path, view, size).walk()
 
 
 def _unreadable(path: Path, size: int, problem: str) -> str:
@@ -94,30 +97,53 @@ def _unreadable(path: Path, size: int, problem: str) -> str:
             "again and check its size or checksum against the source's")
 
 
-class _HeaderWalk:
-    """One pass over a GGUF header (see `check_header`): `at` is the byte being read."""
+@dataclasses.dataclass(frozen=True)
+class _Array:
+    """A metadata array where the header holds it, decoded when asked for (`_Header.array`)."""
+    item: int
+    count: int
+    at: int
 
-    def __init__(self, path: Path, view: mmap.mmap, size: int):
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One tensor's description: its ggml type (a `gguf.GGMLQuantizationType`), its shape rows first,
+    and where its bytes start and how many there are."""
+    name: str
+    kind: object
+    shape: tuple[int, ...]
+    at: int
+    nbytes: int
+
+
+class _Header:
+    """One pass over a GGUF header (see `check_header`): `at` is the byte being read. `walk` checks every
+    count and length against the file's size and records the metadata (scalars and strings as values,
+    arrays as `_Array`) and the tensors' descriptions."""
+
+    def __init__(self, path: Path, view, size: int):
         self.path, self.view, self.size, self.at, self.order = path, view, size, 0, "<"
+        self.metadata: dict[str, object] = {}
+        self.tensors: dict[str, _Tensor] = {}
 
     def walk(self) -> None:
-        if self.view[:4] != b"GGUF":
-            return
+        if self.size < 8 or self.view[:4] != b"GGUF":
+            self.refuse("it does not start with GGUF's magic bytes")
         version = struct.unpack_from("<I", self.view, 4)[0]
-        if version & 0xFFFF == 0:  # written on a machine of the other byte order, as gguf's reader reads it
+        if version & 0xFFFF == 0:  # written on a machine of the other byte order
             self.order, version = ">", struct.unpack_from(">I", self.view, 4)[0]
         if version not in (2, 3):
-            return
+            self.refuse(f"GGUF version {version}; Dew reads versions 2 and 3")
         self.at = 8
         tensors, entries = self.number("Q", "the tensor count"), self.number("Q", "the metadata count")
         self.fits(entries * _LEAST["entry"], f"the header's {entries:,} metadata entries", least=True)
-        alignment = 32  # GGUF's default, unless general.alignment says otherwise
         for index in range(entries):
             key = self.string(f"the key of metadata entry {index}").decode("utf-8", "replace")
             kind = self.number("I", f"metadata key {key!r}'s type")
-            value = self.value(kind, f"metadata key {key!r}")
-            if key == "general.alignment" and kind == 4:
-                alignment = value
+            self.metadata[key] = self.value(kind, f"metadata key {key!r}")
+        alignment = self.metadata.get("general.alignment", 32)  # GGUF's default, unless the file says otherwise
+        if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+            self.refuse(f"general.alignment {alignment!r} is not a power of two")
         self.fits(tensors * _LEAST["tensor"], f"the header's {tensors:,} tensor descriptions", least=True)
         described = []
         for index in range(tensors):
@@ -127,18 +153,20 @@ class _HeaderWalk:
             shape = struct.unpack_from(f"{self.order}{count}Q", self.view, start)
             described.append((name, shape, self.number("I", f"tensor {name!r}'s type"),
                               self.number("Q", f"tensor {name!r}'s offset")))
-        if alignment < 1 or alignment & (alignment - 1):
-            return  # gguf's reader refuses an alignment that is not a power of two
         data = -(-self.at // alignment) * alignment
         gguf = _require_gguf()
         for name, shape, kind, offset in described:
             if kind not in gguf.GGML_QUANT_SIZES:
                 raise ValueError(f"{self.path}: tensor {name!r} has ggml type {kind}, which the gguf package does not "
                                  "know: the file is corrupt, or newer than the installed gguf (pip install -U gguf)")
+            if name in self.tensors:
+                self.refuse(f"it describes tensor {name!r} twice")
             block, type_size = gguf.GGML_QUANT_SIZES[kind]
             self.at = data + offset
-            self.fits(math.prod(shape) * type_size // block,
-                      f"tensor {name!r}, {' x '.join(map(str, shape))} {gguf.GGMLQuantizationType(kind).name},")
+            nbytes = math.prod(shape) * type_size // block
+            self.fits(nbytes, f"tensor {name!r}, {' x '.join(map(str, shape))} "
+                              f"{gguf.GGMLQuantizationType(kind).name},")
+            self.tensors[name] = _Tensor(name, gguf.GGMLQuantizationType(kind), tuple(reversed(shape)), self.at, nbytes)
 
     def fits(self, count: int, what: str, least: bool = False) -> None:
         """Refuse `what` unless `count` bytes from `at` lie inside the file."""
@@ -163,21 +191,27 @@ class _HeaderWalk:
         start = self.take(length, f"{what}, a string,")
         return self.view[start:start + length]
 
+    def text(self, raw: bytes, what: str) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            self.refuse(f"{what} is not UTF-8 text: {error}")
+
     def value(self, kind: int, what: str, depth: int = 0):
-        """Step over one metadata value of type `kind`; a scalar's value (None for the others)."""
+        """Step over one metadata value of type `kind`: a scalar's or a string's value, an array's `_Array`."""
         if kind in _SCALARS:
             return self.number(_SCALARS[kind][0], what)
         if kind == _STRING:
-            self.string(what)
-            return None
+            return self.text(self.string(what), what)
         if kind != _ARRAY:
             self.refuse(f"{what} has value type {kind}, which GGUF does not define")
         item = self.number("I", f"{what}'s element type")
         count = self.number("Q", f"{what}'s length")
+        array = _Array(item, count, self.at)
         if item in _SCALARS:
             code, name = _SCALARS[item]
             self.take(count * struct.calcsize(code), f"{what}, an array of {count:,} {name},")
-            return None
+            return array
         if item == _ARRAY and depth >= _NESTING:
             self.refuse(f"{what} nests arrays more than {_NESTING} deep, which no GGUF writer does")
         if item in _LEAST:
@@ -191,10 +225,38 @@ class _HeaderWalk:
                     self.string(f"{what}'s string {index}")  # refuses it, naming the length
                 at += 8 + length(self.view, at)[0]
             self.at = at
-            return None
+            return array
         for _ in range(count):
             self.value(item, what, depth + 1)
-        return None
+        return array
+
+    def array(self, array: _Array, what: str) -> list:
+        """The values of an array `walk` checked: Python numbers, strings, or lists of them."""
+        return self._decode(array.item, array.count, array.at, what)[0]
+
+    def _decode(self, item: int, count: int, at: int, what: str) -> tuple[list, int]:
+        """(the `count` values of type `item` from byte `at`, the byte after them)."""
+        if item in _SCALARS:
+            code = _SCALARS[item][0]
+            dtype = np.dtype(bool) if code == "?" else np.dtype(self.order + code)
+            return np.frombuffer(self.view, dtype, count, at).tolist(), at + count * dtype.itemsize
+        values = []
+        if item == _STRING:
+            length, view = struct.Struct(self.order + "Q").unpack_from, self.view
+            for _ in range(count):
+                end = at + 8 + length(view, at)[0]
+                values.append(view[at + 8:end])
+                at = end
+            try:
+                return [raw.decode("utf-8") for raw in values], at
+            except UnicodeDecodeError as error:
+                self.refuse(f"{what} holds a string that is not UTF-8 text: {error}")
+        header = struct.Struct(self.order + "IQ")
+        for _ in range(count):  # arrays of arrays
+            inner, length = header.unpack_from(self.view, at)
+            decoded, at = self._decode(inner, length, at + header.size, what)
+            values.append(decoded)
+        return values, at
 
 
 class GGUFCheckpoint:
@@ -206,24 +268,22 @@ class GGUFCheckpoint:
     """
 
     def __init__(self, path: Path):
-        gguf = _require_gguf()
         self.path = Path(path)
-        check_header(self.path)
-        try:
-            self._reader = gguf.GGUFReader(self.path)
-        except (ValueError, IndexError, KeyError, OverflowError, OSError) as error:
-            # gguf's reader indexes past the end of a file cut inside its metadata or tensor table
-            size = self.path.stat().st_size if self.path.is_file() else 0
-            raise ValueError(_unreadable(self.path, size, f"{type(error).__name__}: {error}")) from None
-        self.metadata = {key: field.contents() for key, field in self._reader.fields.items()
-                         if key not in _VOCABULARY_KEYS}
+        size = self.path.stat().st_size
+        with self.path.open("rb") as file:
+            # the map outlives the file's descriptor; the arrays read from it keep it open while they live
+            view = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        self._header = _Header(self.path, view, size)
+        self._header.walk()
+        self.metadata = {key: self._header.array(value, f"metadata key {key!r}") if isinstance(value, _Array) else value
+                         for key, value in self._header.metadata.items() if key not in _VOCABULARY_KEYS}
         self.architecture = self.metadata.get("general.architecture")
         self.family = _family(self.architecture, self.metadata)
         if self.family is None:
             raise ValueError(f"{self.path.name} holds a {self.architecture!r} model: Dew reads the GGUF architectures "
                              f"{sorted(set(gguf_architectures()))}; load this model from its safetensors checkpoint "
                              "instead")
-        self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
+        self._tensors = dict(self._header.tensors)
         if "rope_freqs.weight" in self._tensors:
             raise ValueError(f"{self.path.name} holds rope_freqs.weight, llama.cpp's precomputed Llama 3 rotary "
                              "scaling, which Dew does not read: load the safetensors checkpoint, whose config.json "
@@ -234,10 +294,12 @@ class GGUFCheckpoint:
         return self
 
     def __exit__(self, *exc_info):
-        self._tensors.clear()  # releases the memory map once the loader is done with it
+        self._tensors.clear()
 
     def field(self, key: str):
-        return self._reader.fields[key].contents() if key in self._reader.fields else None
+        """Metadata key `key`'s value (None when the file has none); a vocabulary's arrays are decoded here."""
+        value = self._header.metadata.get(key)
+        return self._header.array(value, f"metadata key {key!r}") if isinstance(value, _Array) else value
 
     def config(self) -> dict:
         """A transformers config.json for the file's model, from its metadata (the family's table)."""
@@ -304,7 +366,7 @@ class GGUFCheckpoint:
         return (1, *shape) if len(shape) == 1 and name.endswith(_ROW_VECTORS) else shape
 
     def _stored_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(n) for n in reversed(self._tensors[name].shape))
+        return self._tensors[name].shape
 
     def dtype(self, name: str) -> str:
         return "F32"  # every tensor is dequantized to float32
@@ -314,11 +376,14 @@ class GGUFCheckpoint:
         (a copy, out of the memory map), for the kinds Dew's blocks kernel multiplies
         (`dew.kernels.blocks.BYTES`); None for a tensor of another type or shape."""
         tensor = self._tensors[name]
-        shape = self._stored_shape(name)
-        size = BYTES.get(tensor.tensor_type.name)
-        if size is None or len(shape) != 2:
+        size = BYTES.get(tensor.kind.name)
+        if size is None or len(tensor.shape) != 2:
             return None
-        return np.array(tensor.data, np.uint8).reshape(shape[0], -1, size)
+        return np.array(self._bytes(tensor)).reshape(tensor.shape[0], -1, size)
+
+    def _bytes(self, tensor: _Tensor) -> np.ndarray:
+        """A tensor's stored bytes, uint8 (a view of the memory map)."""
+        return np.frombuffer(self._header.view, np.uint8, tensor.nbytes, tensor.at)
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
         """A tensor's region `index` (slices, rows first) as float32: only its rows are dequantized."""
@@ -328,23 +393,60 @@ class GGUFCheckpoint:
         return self._read_stored(name, index)
 
     def _read_stored(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        gguf = _require_gguf()
         tensor = self._tensors[name]
-        shape = self._stored_shape(name)
+        shape = tensor.shape
         rows = index[0] if index else slice(None)
-        # the memory map holds one row per leading index (quantized rows as their bytes), so rows slice alike
-        data = tensor.data.reshape(shape[0], -1) if len(shape) > 1 else tensor.data.reshape(1, -1)
+        # the file holds one row per leading index (quantized rows as their bytes), so rows slice alike
+        data = self._bytes(tensor).reshape(shape[0] if len(shape) > 1 else 1, -1)
         count = len(range(*rows.indices(shape[0])))
-        try:
-            array = gguf.quants.dequantize(data[rows] if len(shape) > 1 else data, tensor.tensor_type)
-        except NotImplementedError:
-            raise ValueError(f"tensor {tensor.name} in {self.path.name} is quantized as {tensor.tensor_type.name}, "
-                             f"which the gguf package ({gguf.__name__}) cannot dequantize; use a file quantized "
-                             "with a K-quant, Q8_0, Q4_0/Q4_1 or a float type") from None
+        array = self._dequantize(tensor, data[rows] if len(shape) > 1 else data)
         if len(shape) == 1:
-            return np.asarray(array, np.float32).reshape(shape)[rows]
-        array = np.asarray(array, np.float32).reshape(count, *shape[1:])
-        return array[(slice(None), *index[1:])]
+            return array.reshape(shape)[rows]
+        return array.reshape(count, *shape[1:])[(slice(None), *index[1:])]
+
+    def _dequantize(self, tensor: _Tensor, raw: np.ndarray) -> np.ndarray:
+        """Rows of stored bytes `[rows, row's bytes]` as float32 `[rows, row's values]`, the values gguf's
+        own dequantization gives; the common kinds are computed here in a few passes over the rows."""
+        kind = tensor.kind.name
+        if kind in ("F32", "F16"):
+            dtype = np.dtype(self._header.order + ("f4" if kind == "F32" else "f2"))
+            return raw.view(dtype).astype(np.float32)
+        if kind in _BLOCKS:
+            return _dequantize_blocks(raw, kind)
+        gguf = _require_gguf()
+        try:
+            return np.asarray(gguf.quants.dequantize(raw, tensor.kind), np.float32)
+        except NotImplementedError:
+            raise ValueError(f"tensor {tensor.name} in {self.path.name} is quantized as {kind}, which the gguf "
+                             f"package ({gguf.__name__}) cannot dequantize; use a file quantized with a K-quant, "
+                             "Q8_0, Q4_0/Q4_1 or a float type") from None
+
+
+# Block kinds dequantized by `_dequantize_blocks`: (block's bytes, its float16 scales).
+_BLOCKS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}
+
+
+def _dequantize_blocks(raw: np.ndarray, kind: str) -> np.ndarray:
+    """Q4_0 (`d * (q - 8)`), Q4_1 (`d * q + m`) or Q8_0 (`d * q`) blocks of 32 values `[rows, row's bytes]`
+    as float32 `[rows, row's values]`, rounded as gguf's dequantization rounds them (the product, then
+    the sum, each once in float32). A 4-bit block holds value i in byte i's low nibble, 16 + i in its high one."""
+    size, scales = _BLOCKS[kind]
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, size)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    out = np.empty((blocks.shape[0], 32), np.float32)
+    if kind == "Q8_0":
+        np.copyto(out, blocks[:, 2:].view(np.int8), casting="unsafe")
+    else:
+        quants = blocks[:, 2 * scales:]
+        np.bitwise_and(quants, 15, out=out[:, :16], casting="unsafe")
+        np.right_shift(quants, 4, out=out[:, 16:], casting="unsafe")
+        if kind == "Q4_0":
+            out -= 8
+    out *= d
+    if kind == "Q4_1":
+        out += blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return out.reshape(rows, -1)
 
 
 def _family(architecture: str, metadata: dict):
@@ -394,7 +496,28 @@ def write_tokenizer(checkpoint: GGUFCheckpoint, directory: Path) -> bool:
     if "tokenizer.chat_template" in checkpoint.metadata:
         config["chat_template"] = checkpoint.metadata["tokenizer.chat_template"]
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    write_atomically(directory / _TOKENIZER_STAMP, _builder_stamp())  # last: the files above are whole
     return True
+
+
+_TOKENIZER_STAMP = "dew-tokenizer-builder.txt"
+
+
+def tokenizer_written(directory: Path) -> bool:
+    """Whether `directory` holds the tokenizer files `write_tokenizer` wrote there with this very builder
+    (this module's source and the tokenizers package's version): a GGUF file's tokenizer is built once
+    (a real vocabulary takes half a second) and built again when Dew's way of building it changes. The
+    directory itself is keyed by the GGUF file's path, size and modification time (`converted_directory`)."""
+    stamp = directory / _TOKENIZER_STAMP
+    return stamp.is_file() and stamp.read_text(encoding="utf-8") == _builder_stamp()
+
+
+@functools.cache
+def _builder_stamp() -> str:
+    import tokenizers
+
+    source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    return f"module {source}\ntokenizers {tokenizers.__version__}\n"
 
 
 def _byte_level_bpe(checkpoint: GGUFCheckpoint, tokens: list[str]):

@@ -242,7 +242,7 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         directory = snapshot.directory
         if not (directory / "tokenizer.json").is_file():
             converted = converted_directory(snapshot.weights[0])
-            if gguf_files.write_tokenizer(reader, converted):
+            if gguf_files.tokenizer_written(converted) or gguf_files.write_tokenizer(reader, converted):
                 directory = converted
             else:
                 kind = reader.metadata.get("tokenizer.ggml.model")

@@ -16,8 +16,8 @@ own dequantization gives) and runs the linears' float32 product: it serves produ
 native kernels out of the step (`dew.kernels.policy`). Both accumulate in float32 and differ by the order
 of their roundings.
 
-Decoding-shaped products of Q4_0, Q4_1 and Q8_0 blocks take the kernel's integer path under the kernel
-policies `auto` (the default) and `native`: each block of 32 values of a row of x is rounded to two
+Decoding-shaped products of every kind take the kernel's integer path under the kernel policies `auto`
+(the default) and `native`: each block of 32 values of a row of x (a Q4_K sub-block's) is rounded to two
 layers of 8-bit integers, `d = max|x| / 127`, `q1 = round(x / d)` (ties to even: llama.cpp's rounding of
 activations) and `q2 = round((x / d - q1) * 254)`, x taken as `d q1 + d / 254 q2`, within 1/64,516 of
 the block's largest |x| a value; each layer's product with the weight's integers is exact in int32
@@ -26,8 +26,8 @@ the float32 product of the dequantized weight with the rounded x, up to the orde
 (The first layer alone, llama.cpp's arithmetic, changed SmolLM2's greedy text from float32's after five
 tokens; the second keeps it: docs/performance.md.) The policy `exact` (`DecoderConfig.kernels`,
 `load_pretrained(..., kernels="exact")` or `DEW_KERNELS=exact`) keeps x in float32 in the kernel, the
-exact path; Q4_K blocks, products of more rows than `KERNEL_MAX_ROWS` and products XLA runs are exact
-under every policy. `kernel_status()` says which path runs, and a `dew.kernels.policy.recording()` names
+exact path; products of more rows than `KERNEL_MAX_ROWS` and products XLA runs are exact under every
+policy. `kernel_status()` says which path runs, and a `dew.kernels.policy.recording()` names
 each rounded product `blocks-q8/...`.
 """
 
@@ -45,7 +45,7 @@ from dew.kernels.policy import calls_refused, in_force, note
 
 _TARGET = "dew_blocks_product"
 _ROUNDED_TARGET = "dew_blocks_rounded_product"
-ROUNDED_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the kinds the integer path multiplies
+ROUNDED_KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")  # the kinds the integer path multiplies: all of them
 ROUNDING_POLICIES = ("auto", "native")  # the kernel policies under which it runs
 # Each kind by its block's bytes: (name, values per block).
 KINDS = {18: ("Q4_0", 32), 20: ("Q4_1", 32), 34: ("Q8_0", 32), 144: ("Q4_K", 256)}
@@ -128,37 +128,39 @@ def kernel_status(policy: str | None = None) -> tuple[bool, str]:
     if in_force(policy) not in ROUNDING_POLICIES:
         return True, f"{loops}, x in float32 (the exact path: the policy is {in_force(policy)})"
     return True, (f"{loops}; {', '.join(ROUNDED_KINDS)} round x to two 8-bit layers a block of 32 "
-                  f"({native.rounded_isa()} integer loops), Q4_K keeps x in float32")
+                  f"({native.rounded_isa()} integer loops)")
 
 
 def rounds(w: jax.Array, policy: str | None = None) -> bool:
     """Whether the kernel's product with the blocks weight `w` rounds x under `policy` (default the one in
-    force): `auto` or `native`, and `w`'s kind one the integer path multiplies."""
+    force): `auto` or `native` (the integer path multiplies every kind)."""
     return in_force(policy) in ROUNDING_POLICIES and kind(w)[0] in ROUNDED_KINDS
 
 
-def kernel_product(x_NK: jax.Array, w: jax.Array, rounded: bool = False) -> jax.Array:
+def kernel_product(x_NK: jax.Array, w: jax.Array, rounded: bool = False, layer: jax.Array | None = None) -> jax.Array:
     """`x @ w.T` as float32 `[N, F]` in Dew's kernel: `x` float32 `[N, K]`, `w` a blocks weight
-    `[F, K / E, B]`; with `rounded`, x rounded to two 8-bit layers a block first (the integer path;
-    Q4_0, Q4_1 and Q8_0 only). Raises where `kernel_status()` is off."""
+    `[F, K / E, B]`, or with `layer` (an int32 scalar) a stack of them `[L, F, K / E, B]` of which
+    `w[layer]` is taken, read in place (a scanned decoder's stacked weights, which slicing would copy);
+    with `rounded`, x rounded to two 8-bit layers a block first (the integer path). Raises where
+    `kernel_status()` is off."""
     on, why = kernel_status()
     if not on:
         raise RuntimeError(f"the blocks kernel is off: {why}")
-    if x_NK.dtype != jnp.float32 or x_NK.ndim != 2 or w.ndim != 3:
-        raise ValueError(f"the blocks kernel takes float32 x [N, K] and w [F, K / E, B], not {x_NK.dtype} "
-                         f"{x_NK.shape} and {w.shape}")
+    stack = w if layer is not None else w[None]
+    if x_NK.dtype != jnp.float32 or x_NK.ndim != 2 or stack.ndim != 4:
+        raise ValueError(f"the blocks kernel takes float32 x [N, K] and w [F, K / E, B] (with a layer, [L, F, K / E, "
+                         f"B]), not {x_NK.dtype} {x_NK.shape} and {w.shape}")
     if inputs(w) != x_NK.shape[1]:
         raise ValueError(f"x has {x_NK.shape[1]} inputs and the blocks weight {w.shape} holds {inputs(w)} a row")
-    if rounded and kind(w)[0] not in ROUNDED_KINDS:
-        raise ValueError(f"the integer path multiplies {', '.join(ROUNDED_KINDS)} blocks, not {kind(w)[0]}: call "
-                         "kernel_product with rounded=False")
-    out = jax.ShapeDtypeStruct((x_NK.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(_ROUNDED_TARGET if rounded else _TARGET, out, vmap_method="sequential")(x_NK, w)
+    index = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(())
+    out = jax.ShapeDtypeStruct((x_NK.shape[0], stack.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(_ROUNDED_TARGET if rounded else _TARGET, out, vmap_method="sequential")(x_NK, stack, index)
 
 
-def xla_product(x_NK: jax.Array, w: jax.Array, dtype) -> jax.Array:
-    """The other form of `blocks_product`: `w` dequantized to float32, then the linears' float32
-    product of `x` rounded to `dtype`."""
+def xla_product(x_NK: jax.Array, w: jax.Array, dtype, layer: jax.Array | None = None) -> jax.Array:
+    """The other form of `blocks_product`: `w` (or `w[layer]`) dequantized to float32, then the linears'
+    float32 product of `x` rounded to `dtype`."""
+    w = w if layer is None else w[layer]
     return dot(x_NK.astype(dtype).astype(jnp.float32), dequantize(w), transpose_b=True)
 
 
@@ -172,9 +174,11 @@ def kernel_takes(x_NK: jax.Array, w: jax.Array, dtype, policy: str | None = None
     return taken
 
 
-def blocks_product(x_NK: jax.Array, w: jax.Array, dtype) -> jax.Array:
-    """`x @ w.T` as float32 `[N, F]`, `x` in the compute `dtype`, `w` a blocks weight `[F, K / E, B]`:
-    Dew's kernel where `kernel_takes` says so (rounding x where `rounds(w)`), else `xla_product`."""
-    if kernel_takes(x_NK, w, dtype):
-        return kernel_product(x_NK.astype(dtype).astype(jnp.float32), w, rounded=rounds(w))
-    return xla_product(x_NK, w, dtype)
+def blocks_product(x_NK: jax.Array, w: jax.Array, dtype, layer: jax.Array | None = None) -> jax.Array:
+    """`x @ w.T` as float32 `[N, F]`, `x` in the compute `dtype`, `w` a blocks weight `[F, K / E, B]` (or
+    with `layer`, an int32 scalar, a stack of them `[L, F, K / E, B]`, of which `w[layer]`): Dew's kernel
+    where `kernel_takes` says so (rounding x where `rounds(w)`), else `xla_product`."""
+    one = w if layer is None else jax.ShapeDtypeStruct(w.shape[1:], w.dtype)
+    if kernel_takes(x_NK, one, dtype):
+        return kernel_product(x_NK.astype(dtype).astype(jnp.float32), w, rounded=rounds(w), layer=layer)
+    return xla_product(x_NK, w, dtype, layer)

@@ -4,7 +4,7 @@ reading only the slots the row may attend to.
 
 `decode_attention(q, keys, values, layer, starts, ends, scale, softcap)` is, for each row `b` and query
 head `h`, `softmax(cap(scale * q[b, h] . k))` over key slots `[starts[b], ends[b])` of layer `layer`
-of a run's cache (`dew.nn.kv_cache.AttentionCache`, `[L, B, K, T, D]`, float32 or bfloat16), times
+of a run's cache (`dew.nn.kv_cache.AttentionCache`, `[L, B, K, T, D]`, float32, bfloat16, or uint16 holding bfloat16 bits), times
 those slots' values, in float32; a row with no slot gets zeros. It is what `dew.nn.attention.attend`
 computes for one query under the decode mask (causal over the filled slots, with a sliding window
 `starts = ends - window`), but for the order of the sums: XLA's form scores all `T` slots of the
@@ -28,7 +28,8 @@ import numpy as np
 from dew.kernels.loader import import_extension
 from dew.kernels.policy import calls_refused, note
 
-_DTYPES = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16"}
+# uint16: bfloat16 values held as their bits (how `dew.nn.kv_cache` stores a bfloat16 cache)
+_DTYPES = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.uint16): "uint16"}
 LANES = 8  # the kernel's head widths are multiples of this
 
 
@@ -50,12 +51,12 @@ def status(policy: str | None = None) -> tuple[bool, str]:
 
 
 def usable(keys_LBKTD: jax.Array, values_LBKTD: jax.Array, policy: str | None = None) -> bool:
-    """Whether `decode_attention` may read this cache under `policy` here: keys and values float32 or
-    bfloat16 alike, head widths multiples of `LANES`, and `status(policy)` on."""
+    """Whether `decode_attention` may read this cache under `policy` here: keys and values float32,
+    bfloat16 or uint16 (bfloat16 bits) alike, head widths multiples of `LANES`, and `status(policy)` on."""
     dtype = jnp.dtype(keys_LBKTD.dtype)
     taken = (dtype in _DTYPES and values_LBKTD.dtype == dtype and keys_LBKTD.shape[-1] % LANES == 0
              and values_LBKTD.shape[-1] % LANES == 0 and status(policy)[0])
-    note(f"decode_attention/{dtype.name}", "dew" if taken else "xla")
+    note(f"decode_attention/{'bfloat16' if dtype == jnp.uint16 else dtype.name}", "dew" if taken else "xla")
     return taken
 
 
@@ -76,7 +77,7 @@ def decode_attention(q_BHD: jax.Array, keys_LBKTD: jax.Array, values_LBKTD: jax.
     if (dtype not in _DTYPES or values_LBKTD.dtype != dtype or keys_LBKTD.ndim != 5
             or keys_LBKTD.shape != (L, C, K, T, D) or C < B or H % K or D % LANES or Dv % LANES):
         raise ValueError(f"decode_attention takes q [B, H, D], keys [L, C, K, T, D] and values [L, C, K, T, Dv] "
-                         f"of one dtype (float32 or bfloat16), C >= B, H a multiple of K and D, Dv multiples of "
+                         f"of one dtype (float32, bfloat16 or its bits as uint16), C >= B, H a multiple of K and D, Dv multiples of "
                          f"{LANES}; got "
                          f"q {q_BHD.shape}, keys {keys_LBKTD.dtype} {keys_LBKTD.shape}, values {values_LBKTD.dtype} "
                          f"{values_LBKTD.shape}")

@@ -8,6 +8,11 @@ own `dot_general` or a call through `jax.ffi` to oneDNN's row-major gemm (`dnnl_
 bfloat16 gemm needs AVX512-core or AVX2-VNNI-2: it is asked once (`status(jnp.bfloat16)`), and on other
 CPUs bfloat16 products stay XLA's. `dot` is `product` with the gradients a mixed-precision linear needs.
 
+A float32 product of a few rows (at most `policy.FEW_ROWS`, a decode step's linear: `[m, k] x [k, n]`, no
+transposes, no batch) may instead run in Dew's own kernel (`few_rows_product`, `native/few_rows.cc`): it
+streams the weight once for all rows, where XLA's CPU matmul of 8 rows reads it at half the memory's rate.
+Each of its outputs is one chain of fused multiply-adds over k in order; the table decides where it runs.
+
 On the CPU, under `auto` and `native`, a product that contracts the leading axis of `a` (a weight
 gradient) lays `a^T` out as its own array first: XLA's CPU backend sends such a dot to Eigen, slower than
 its own matmul on the transposed copy. Under `xla`, and on every other backend, the product is a plain
@@ -25,7 +30,8 @@ import numpy as np
 from jax import lax
 
 from dew.kernels.loader import import_extension, onednn_functions, onednn_path, onednn_version
-from dew.kernels.policy import calls_refused, choose_onednn, cpu_tuned, in_force, note, product_key
+from dew.kernels.policy import (calls_refused, choose_few_rows, choose_onednn, cpu_tuned, in_force, note,
+                                product_key)
 
 _F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 # (operands' dtype, result's dtype) -> the handler: bfloat16 results are rounded inside the call.
@@ -78,6 +84,36 @@ def _bfloat16() -> tuple[bool, str]:
     return True, f"oneDNN {onednn_version()} (bfloat16 gemm)"
 
 
+@functools.cache
+def _few_rows() -> tuple[bool, str]:
+    """(whether Dew's few-rows kernel is registered with XLA, a sentence saying which or why not)."""
+    native, why = import_extension("few_rows")
+    if native is None:
+        return False, why
+    jax.ffi.register_ffi_target("dew_few_rows", native.handler(), platform="cpu")
+    return True, f"Dew's kernel (dew._native_few_rows, {native.isa()})"
+
+
+def few_rows_status(policy: str | None = None) -> tuple[bool, str]:
+    """(whether the few-rows kernel may run under `policy` (default the one in force) here, why or why not)."""
+    refused = calls_refused(policy)
+    return (False, refused) if refused else _few_rows()
+
+
+def few_rows_product(a: jax.Array, b: jax.Array) -> jax.Array:
+    """float32 `a @ b` of `a` `[m, k]` and `b` `[k, n]`, float32, in Dew's few-rows kernel: each output is
+    `fma(a[i, k], b[k, j], sum)` over k in order from zero (where `few_rows_status()` allows it)."""
+    loaded, why = _few_rows()
+    if not loaded:
+        raise RuntimeError(f"Dew's few-rows kernel is unavailable: {why}; use xla_product")
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0] or a.dtype != _F32 or b.dtype != _F32:
+        raise ValueError(f"few_rows_product takes float32 a [m, k] and b [k, n]; got a {a.dtype} {a.shape}, "
+                         f"b {b.dtype} {b.shape}")
+    call = jax.ffi.ffi_call("dew_few_rows", jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), _F32),
+                            vmap_method="sequential")
+    return call(a, b)
+
+
 def xla_product(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool, out_dtype=_F32,
                 cpu_layout: bool = False) -> jax.Array:
     """`op(a) @ op(b)` as XLA's `dot_general` accumulated in float32; with `cpu_layout`, a transposed `a`
@@ -119,6 +155,10 @@ def product(a: jax.Array, b: jax.Array, transpose_a: bool = False, transpose_b: 
     n = b.shape[-2] if transpose_b else b.shape[-1]
     batch = int(np.prod(a.shape[:-2], dtype=np.int64))
     key = product_key(batch, m, k, n, a.dtype, transpose_a, transpose_b, out_dtype)
+    if (a.ndim == 2 and a.dtype == _F32 and jnp.dtype(out_dtype) == _F32 and not (transpose_a or transpose_b)
+            and min(m, k, n) > 0 and choose_few_rows(m, k, n, policy) and few_rows_status(policy)[0]):
+        note(key, "dew")
+        return few_rows_product(a, b)
     if ((a.dtype, _F32) in _TARGETS and min(batch, m, k, n) > 0 and status(a.dtype, policy)[0]
             and choose_onednn(batch, m, k, n, a.dtype, transpose_a, transpose_b, out_dtype, policy)):
         note(key, "onednn")

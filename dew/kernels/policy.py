@@ -3,10 +3,13 @@
 A policy is one of `POLICIES`:
 - `auto` (the default): on the CPU, a product runs in oneDNN where the kernel table
   (`dew/kernels/table.json`, measured by `python -m benchmarks.kernel_table`) says oneDNN was faster for the
-  nearest measured shape of this CPU class, dtype and transposes, and XLA's otherwise; attention's softmax,
-  the fused attention, decoding's attention and the int8 decoding products run in Dew's own kernels
-  wherever they can. A CPU class the table does not name, a product under `MIN_FLOPS` or a shape far from
-  every measured one stays XLA's.
+  nearest measured shape of this CPU class, dtype and transposes, and XLA's otherwise; a float32 product of
+  at most `FEW_ROWS` rows (a decode step's linear) runs in Dew's few-rows kernel where the table's nearest
+  entry says that was faster (`"few_rows": true`, measured by `python -m benchmarks.long_context
+  --products`); a bfloat16 product of at most `FEW_ROWS` rows runs in oneDNN wherever its bfloat16 gemm
+  runs; attention's softmax, the fused attention, decoding's attention and the int8 decoding products run in
+  Dew's own kernels wherever they can. A CPU class the table does not name, a product
+  under `MIN_FLOPS` (oneDNN) or a shape far from every measured one stays XLA's.
 - `native`: every product oneDNN can take runs there, whatever its size (what the kernels' tests use).
 - `xla`: XLA's own `dot_general` for every product, with nothing around it: no custom call, no barrier.
 - `exact`: as `auto`, except that no kernel rounds a product's operands: the GGUF blocks kernel
@@ -42,6 +45,7 @@ MIN_FLOPS = 2**24  # below this a product stays XLA's under `auto`: a call's fix
 # How far (a factor per dimension) the nearest measured shape may lie from a product for its choice to
 # apply; a product farther from every measured shape keeps XLA's.
 REACH = 2.0
+FEW_ROWS = 32  # the most rows of a float32 product Dew's few-rows kernel takes (a decode step's batch)
 _RENAMED = {"DEW_FAST_MATMUL": "auto, native or xla", "DEW_INT8_KERNEL": "xla turns the int8 kernel off with the rest"}
 _POLICY = contextvars.ContextVar("dew_kernels_policy", default="auto")
 _RECORDERS: list[dict[str, str]] = []
@@ -162,16 +166,11 @@ def parse_key(key: str) -> tuple[tuple[int, int, int, int], str]:
     return tuple(int(x) for x in shape.split("x")), rest
 
 
-def choose_onednn(batch: int, m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool, out_dtype,
-                  policy: str, cpu: str | None = None, measured: dict | None = None) -> bool:
-    """Whether `batch` products `[m, k] x [k, n]` run in oneDNN under `policy` (`auto`, `exact` or
-    `native`) on a CPU of class `cpu` (default this one's), by the table's `measured` products of that
-    class (default the shipped table's): the choice of the nearest measured product of the same dtypes and transposes
-    within a factor `REACH` in every dimension, XLA's elsewhere."""
-    if policy == "native":
-        return True
-    if 2 * batch * m * k * n < MIN_FLOPS:
-        return False
+def nearest_measured(batch: int, m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool, out_dtype,
+                     cpu: str | None = None, measured: dict | None = None) -> dict | None:
+    """The table's entry for the measured product nearest `batch` products `[m, k] x [k, n]` among those of the
+    same dtypes and transposes within a factor `REACH` in every dimension, on a CPU of class `cpu` (default this
+    one's) by `measured` (default the shipped table's products of that class); None where there is none."""
     if measured is None:
         measured = table().get("classes", {}).get(cpu or cpu_class(), {}).get("products", {})
     wanted = parse_key(product_key(batch, m, k, n, dtype, transpose_a, transpose_b, out_dtype))[1]
@@ -183,7 +182,37 @@ def choose_onednn(batch: int, m: int, k: int, n: int, dtype, transpose_a: bool, 
         steps = [abs(math.log(a / b)) for a, b in zip(shape, (batch, m, k, n))]
         if max(steps) <= math.log(REACH) and sum(steps) < best_distance:
             best, best_distance = entry, sum(steps)
+    return best
+
+
+def choose_onednn(batch: int, m: int, k: int, n: int, dtype, transpose_a: bool, transpose_b: bool, out_dtype,
+                  policy: str, cpu: str | None = None, measured: dict | None = None) -> bool:
+    """Whether `batch` products `[m, k] x [k, n]` run in oneDNN under `policy` (`auto`, `exact` or
+    `native`) on a CPU of class `cpu` (default this one's), by the table's `measured` products of that
+    class (default the shipped table's): the choice of the nearest measured product (`nearest_measured`),
+    XLA's elsewhere."""
+    if policy == "native":
+        return True
+    # XLA's CPU dot of a few bfloat16 rows widens its operands to float32 at every call, the whole weight
+    # included (docs/performance.md, "Serving in bfloat16"): 4-7x slower than oneDNN's bfloat16 gemm at one row.
+    if jnp.dtype(dtype) == jnp.bfloat16 and not transpose_a and batch * m <= FEW_ROWS:
+        return True
+    if 2 * batch * m * k * n < MIN_FLOPS:
+        return False
+    best = nearest_measured(batch, m, k, n, dtype, transpose_a, transpose_b, out_dtype, cpu, measured)
     return bool(best and best["onednn"])
+
+
+def choose_few_rows(m: int, k: int, n: int, policy: str, cpu: str | None = None, measured: dict | None = None) -> bool:
+    """Whether the float32 product `[m, k] x [k, n]` (no transposes) runs in Dew's few-rows kernel
+    (`dew.kernels.matmul`) under `policy` (`auto`, `exact` or `native`): under `auto` and `exact`, for `m` at
+    most `FEW_ROWS`, where the table's nearest measured product (`nearest_measured`) says it was the fastest
+    (`"few_rows": true`), however small (it is a decode step's whole linear); never under `native`, which
+    sends every product to oneDNN."""
+    if m > FEW_ROWS or policy not in ("auto", "exact"):
+        return False
+    best = nearest_measured(1, m, k, n, jnp.float32, False, False, jnp.float32, cpu, measured)
+    return bool(best and best.get("few_rows"))
 
 
 @contextlib.contextmanager
@@ -209,6 +238,8 @@ def summary(choices: dict[str, str]) -> str:
     products = [choice for key, choice in choices.items() if key[0].isdigit()]  # product keys start "BxMxKxN"
     native = sorted({key.split("/")[0] for key, choice in choices.items() if not key[0].isdigit() and choice == "dew"})
     text = f"kernels: {products.count('onednn')} of {len(products)} products in oneDNN"
+    if "dew" in products:
+        text += f", {products.count('dew')} in Dew's few-rows kernel"
     return text + (f"; Dew's {', '.join(native)}" if native else "")
 
 

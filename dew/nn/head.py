@@ -31,7 +31,7 @@ from jax import lax
 from dew.kernels import softmax
 from dew.kernels.blocks import blocks_product
 from dew.kernels.int8 import dequantize, int8_product, kernel_takes
-from dew.kernels.matmul import product
+from dew.kernels.matmul import dot, product
 from dew.kernels.policy import using
 
 
@@ -109,6 +109,9 @@ class Head:
         if self.weight.dtype == jnp.uint8:
             with using(self.kernels):
                 logits_NV = blocks_product(hidden_NE, self.weight, hidden_NE.dtype)
+        elif self.weight.dtype == jnp.bfloat16:  # through the kernel policy: XLA's CPU dot widens the head
+            with using(self.kernels):
+                logits_NV = dot(hidden_NE.astype(jnp.bfloat16), self.weight, transpose_b=self.transposed)
         elif self.scale is None:
             logits_NV = vocab_logits(hidden_NE.astype(self.weight.dtype), self.weight, self.transposed)
         else:

@@ -4,7 +4,9 @@ Each row holds its own tokens from slot 0 in order: `lengths[b]` slots of row `b
 its next token goes to slot `lengths[b]`. A prompt's padding is never written, so padded slots take
 no cache and rows of different lengths decode side by side. Arrays are heads-major,
 `[layers, rows, kv_heads, capacity, head_dim]`, the layout attention reads, so a decode step reads a
-layer's cache in place.
+layer's cache in place. A bfloat16 cache holds its values' uint16 bits: XLA's CPU backend widens a bfloat16
+dynamic-update-slice to float32 over the whole operand (a copy of every layer's cache at each write), and
+updates a uint16 one in place; `read` gives bfloat16 back.
 """
 
 from __future__ import annotations
@@ -14,9 +16,21 @@ import jax.numpy as jnp
 from flax import struct
 
 
+def stored(x: jax.Array, storage) -> jax.Array:
+    """`x` in a cache array's `storage` dtype: bfloat16 bits as uint16 where the cache holds those."""
+    if jnp.dtype(storage) == jnp.uint16:
+        return x if x.dtype == jnp.uint16 else jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(storage)
+
+
+def loaded(x: jax.Array) -> jax.Array:
+    """A cache array's values in their own dtype (uint16 bits read as bfloat16)."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
+
+
 @struct.dataclass
 class AttentionCache:
-    """Keys and values of a run of attention layers, `[L, B, K, T, D]` each."""
+    """Keys and values of a run of attention layers, `[L, B, K, T, D]` each (uint16 bits for bfloat16)."""
 
     keys: jax.Array
     values: jax.Array
@@ -24,7 +38,8 @@ class AttentionCache:
     @classmethod
     def empty(cls, layers: int, rows: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> "AttentionCache":
         shape = (layers, rows, kv_heads, capacity, head_dim)
-        return cls(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype))
+        storage = jnp.uint16 if jnp.dtype(dtype) == jnp.bfloat16 else dtype
+        return cls(keys=jnp.zeros(shape, storage), values=jnp.zeros(shape, storage))
 
     @property
     def capacity(self) -> int:
@@ -34,19 +49,19 @@ class AttentionCache:
         """Store token `s` of row `b` at slot `slots_BS[b, s]` of layer `layer`; a slot at or past the
         capacity (how padding is marked) is dropped."""
         rows_B1 = jnp.arange(slots_BS.shape[0])[:, None]
-        put = lambda into, new_BSKD: into.at[layer, rows_B1, :, slots_BS, :].set(new_BSKD.astype(into.dtype),
+        put = lambda into, new_BSKD: into.at[layer, rows_B1, :, slots_BS, :].set(stored(new_BSKD, into.dtype),
                                                                                 mode="drop")
         return AttentionCache(keys=put(self.keys, k_BSKD), values=put(self.values, v_BSKD))
 
     def read(self, layer, rows: int | None = None) -> tuple[jax.Array, jax.Array]:
         """Layer `layer`'s keys and values, `[B, K, T, D]` each: of the first `rows` rows when given (a
         step over a server's first rows reads and `write`s a larger cache in place)."""
-        return self.keys[layer, :rows], self.values[layer, :rows]
+        return loaded(self.keys[layer, :rows]), loaded(self.values[layer, :rows])
 
     def put_rows(self, rows_R: jax.Array, new: "AttentionCache") -> "AttentionCache":
         """This cache with rows `rows_R` replaced by the rows of `new` (a cache of `R` rows and at most
         this capacity, filling the first slots); a row index past the last is dropped."""
-        put = lambda big, rows: big.at[:, rows_R, :, :rows.shape[3]].set(rows.astype(big.dtype), mode="drop")
+        put = lambda big, rows: big.at[:, rows_R, :, :rows.shape[3]].set(stored(rows, big.dtype), mode="drop")
         return AttentionCache(keys=put(self.keys, new.keys), values=put(self.values, new.values))
 
 

@@ -23,6 +23,11 @@ KERNEL_SCALE = "kernel_scale"
 # in place of the float `kernel` (dew.interop.gguf_blocks).
 KERNEL_BLOCKS = "kernel_blocks"
 EMBED_BLOCKS = "embed_tokens_blocks"  # the token embedding's blocks `[vocab, width / E, B]` (a tied head's too)
+# In a scanned run (dew.nn.stack) a layer's blocks sit whole, `[layers, out, in / E, B]`, in this
+# collection, which the scan hands every layer unsliced, and `BLOCKS_LAYER` in the quant collection is the
+# layer's index into them: the kernel reads its layer in place where a slice would copy it every step.
+STACKED_BLOCKS = "quant_stacked"
+BLOCKS_LAYER = "kernel_blocks_layer"
 
 
 def matmul(x_ND: jax.Array, w_DF: jax.Array) -> jax.Array:
@@ -53,7 +58,10 @@ class Linear(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         lead = x.shape[:-1]
         x_ND = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        if self.has_variable(QUANT_COLLECTION, KERNEL_BLOCKS):
+        if self.has_variable(STACKED_BLOCKS, KERNEL_BLOCKS):  # a scanned layer's blocks, read in place
+            y_NF = blocks_product(x_ND, self.get_variable(STACKED_BLOCKS, KERNEL_BLOCKS), self.dtype,
+                                  layer=self.get_variable(QUANT_COLLECTION, BLOCKS_LAYER))
+        elif self.has_variable(QUANT_COLLECTION, KERNEL_BLOCKS):
             # A GGUF file's blocks, held in place of the float kernel, in Dew's blocks kernel: only their
             # 4.5-8.5 bits a weight stream from memory.
             y_NF = blocks_product(x_ND, self.get_variable(QUANT_COLLECTION, KERNEL_BLOCKS), self.dtype)
@@ -65,6 +73,8 @@ class Linear(nn.Module):
                 # only the int8 bytes stream from memory; each group's scale applies to its float32 sum.
                 y_NF = int8_product(x_ND, kernel, self.get_variable(QUANT_COLLECTION, KERNEL_SCALE), self.dtype)
             else:
+                if kernel.dtype == jnp.uint16:  # bfloat16 held as its bits (dew.nn.quantize.bfloat16_bits)
+                    kernel = jax.lax.bitcast_convert_type(kernel, jnp.bfloat16)
                 # Rounded to the compute dtype inside the product unless a float32 bias comes first.
                 y_NF = dot(x_ND, kernel.astype(self.dtype), out_dtype=jnp.float32 if self.use_bias else self.dtype)
         if self.use_bias:

@@ -121,6 +121,24 @@ def quantize_int8(model, variables: Mapping[str, Any], group: int = GROUP) -> di
     return variables
 
 
+def bfloat16_bits(model, variables: Mapping[str, Any]) -> dict[str, Any]:
+    """`variables` with every bfloat16 linear kernel held as its uint16 bits, which `Linear` reads back as
+    bfloat16: the same values and bytes, for generation on a CPU. XLA's CPU backend widens a bfloat16 slice
+    to float32 over its whole operand, so a scanned run's stacked kernels would be widened at every call
+    (and read back) before each layer takes its own; a uint16 stack is sliced as it is. Like int8 weights,
+    the result is for `model.apply` and generation, not for training or saving."""
+    variables = jax.tree_util.tree_map(lambda x: x, dict(variables))  # a copy of the containers
+    params = mutable_tree(variables["params"])
+    for path in linear_paths(model, variables):
+        module = params
+        for name in path:  # a linear kept in a GGUF file's blocks holds no params
+            module = module.get(name, {})
+        if "kernel" in module and module["kernel"].dtype == jnp.bfloat16:
+            module["kernel"] = jax.lax.bitcast_convert_type(module["kernel"], jnp.uint16)
+    variables["params"] = params
+    return variables
+
+
 def mutable_tree(tree):
     """A copy of a tree's mappings as dicts (the leaves shared), to edit in place."""
     return {key: mutable_tree(value) for key, value in tree.items()} if isinstance(tree, Mapping) else tree

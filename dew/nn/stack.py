@@ -21,7 +21,7 @@ from flax import linen as nn
 
 from dew.nn.attention import NO_WINDOW
 from dew.nn.layer import CONSTANTS, DecoderLayer, LayerKnobs, LayerSpec
-from dew.nn.linear import QUANT_COLLECTION
+from dew.nn.linear import BLOCKS_LAYER, KERNEL_BLOCKS, QUANT_COLLECTION, STACKED_BLOCKS
 from dew.nn.moe import BIAS_COLLECTION
 from dew.nn.rotary import rotary_angles
 
@@ -83,7 +83,7 @@ def stack_variables(specs: Sequence[LayerSpec], scan_from: int, variables):
     inside = {_layer_name(i) for start, stop in wanted.values() for i in range(start, stop)}
     trees = [tree for tree in variables.values() if isinstance(tree, Mapping)]
     if all(key in wanted or (not _RUN.fullmatch(key) and key not in inside) for tree in trees for key in tree):
-        return variables
+        return _lifted(variables, wanted)
     stacked = {}
     for collection, tree in unstack_variables(variables).items():
         if not isinstance(tree, Mapping):
@@ -95,7 +95,48 @@ def stack_variables(specs: Sequence[LayerSpec], scan_from: int, variables):
             if layers:
                 moved[name] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
         stacked[collection] = moved
-    return stacked
+    return _lifted(stacked, wanted)
+
+
+def _lifted(variables: Mapping, runs_named: Mapping) -> Mapping:
+    """`variables` with the blocks of every scanned run (`runs_named`) in the `STACKED_BLOCKS`
+    collection (`_lift_blocks`); as they are where there are none to move."""
+    quant = variables.get(QUANT_COLLECTION)
+    if not isinstance(quant, Mapping) or not any(name in quant for name in runs_named):
+        return variables
+    whole = {name: {} for name in runs_named if name in quant}
+    lifted = {name: _lift_blocks(tree, whole[name]) if name in whole else tree for name, tree in quant.items()}
+    whole = {name: tree for name, tree in whole.items() if tree}
+    if not whole:
+        return variables
+    return {**variables, QUANT_COLLECTION: lifted, STACKED_BLOCKS: {**variables.get(STACKED_BLOCKS, {}), **whole}}
+
+
+def _lift_blocks(tree: Mapping, whole: dict) -> dict:
+    """A scanned run's quant subtree with each stack of blocks moved to `whole` (its place in the
+    `STACKED_BLOCKS` collection) and replaced by its layers' indices `BLOCKS_LAYER` `[L]`, which the scan
+    slices to each layer's own."""
+    kept = {}
+    for key, value in tree.items():
+        if key == KERNEL_BLOCKS:
+            whole[key] = value
+            kept[BLOCKS_LAYER] = jnp.arange(value.shape[0], dtype=jnp.int32)
+        elif isinstance(value, Mapping):
+            inner = whole.setdefault(key, {})
+            kept[key] = _lift_blocks(value, inner)
+            if not inner:
+                del whole[key]
+        else:
+            kept[key] = value
+    return kept
+
+
+def _lower_blocks(quant: Mapping, whole: Mapping) -> dict:
+    """`_lift_blocks` undone: each `BLOCKS_LAYER` in `quant` replaced by the stack of blocks `whole` holds."""
+    lowered = {key: value for key, value in quant.items() if key != BLOCKS_LAYER}
+    for key, value in whole.items():
+        lowered[key] = value if key == KERNEL_BLOCKS else _lower_blocks(quant[key], value)
+    return lowered
 
 
 def unstack_variables(variables):
@@ -104,6 +145,9 @@ def unstack_variables(variables):
     if not isinstance(variables, Mapping) or not any(
             isinstance(tree, Mapping) and any(_RUN.fullmatch(key) for key in tree) for tree in variables.values()):
         return variables
+    if STACKED_BLOCKS in variables:
+        variables = dict(variables)
+        variables[QUANT_COLLECTION] = _lower_blocks(variables[QUANT_COLLECTION], variables.pop(STACKED_BLOCKS))
     unstacked = {}
     for collection, tree in variables.items():
         if not isinstance(tree, Mapping):
@@ -189,6 +233,7 @@ def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, 
             # weights' scales, frozen output scalars.
             scanned = nn.scan(layer_class, variable_axes={"params": 0, BIAS_COLLECTION: 0, QUANT_COLLECTION: 0,
                                                           CONSTANTS: 0},
+                              variable_broadcast=STACKED_BLOCKS,
                               split_rngs={"params": True, "dropout": True},
                               in_axes=(0, nn.broadcast), length=stop - start,
                               metadata_params={nn.PARTITION_NAME: "layers"})

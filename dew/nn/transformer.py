@@ -497,13 +497,29 @@ class ModelVariables:
     @nn.nowrap
     def logical_names(self):
         """The logical axis names of every parameter: a tree of `PartitionSpec`s like `init`'s."""
-        boxed = jax.eval_shape(lambda: self.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32), boxed=True))
-        return nn.get_partition_spec(boxed)
+        return nn.get_partition_spec(_variable_shapes(self))
 
     @nn.nowrap
-    def apply(self, variables, *args, **kwargs):
-        """Apply to the model's own (stacked) variables, or to per-layer ones (stacked on the way in)."""
-        return super().apply(self.stack_variables(variables), *args, **kwargs)
+    def variable_shapes(self):
+        """`init`'s variables, every collection, as shapes (`jax.ShapeDtypeStruct`), without allocating them."""
+        return nn.meta.unbox(_variable_shapes(self))
+
+
+def _variable_shapes(model):
+    """The model's boxed variables as shapes. Tracing `init` takes a fraction of a second and a
+    checkpoint's load asks several times (the shapes to read into, their axis names, the collections),
+    so a model (equal modules are the same model) is traced once; one whose config holds an unhashable
+    value each time."""
+    try:
+        hash(model)
+    except TypeError:
+        return _traced_variable_shapes.__wrapped__(model)
+    return _traced_variable_shapes(model)
+
+
+@functools.lru_cache(maxsize=8)
+def _traced_variable_shapes(model):
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32), boxed=True))
 
 
 class CausalTransformer(ModelVariables, nn.Module):

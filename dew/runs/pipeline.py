@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from dew import models
 from dew.diffusion.block import BlockProcess
@@ -15,17 +16,17 @@ from dew.inference.block import BlockGeneration
 from dew.inference.masked import MaskedGeneration
 from dew.inference.text import TextGeneration
 from dew.nn.lora import LoRA, LoRAModel
-from dew.nn.quantize import WEIGHT_FORMATS, quantize_int8
+from dew.nn.quantize import WEIGHT_FORMATS, bfloat16_bits, quantize_int8
+from dew.nn.transformer import CausalTransformer, as_dtype
 from dew.runs.run_dir import RunDirectory
 from dew.sampling import Sampling
 from dew.sharding import with_names
-from dew.training.checkpoints import Checkpoints
 from dew.training.mesh import Layout, MeshSpec
 from dew.trees import overlay
 
 
 def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = None, quantize: str | None = None,
-             **load) -> TextGeneration | MaskedGeneration | BlockGeneration:
+             dtype: str | None = None, **load) -> TextGeneration | MaskedGeneration | BlockGeneration:
     """The decoder behind `source` as a `TextGeneration` task, with the source's sampling and budget
     (a `MaskedGeneration` for a masked-diffusion run, with native MDLM's default sampler; a
     `BlockGeneration` for a block-diffusion run, with its checkpoint's block sampler, EOS and budget).
@@ -43,16 +44,25 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
     options a run takes). `quantize="int8"` holds the weights as int8 for faster decoding on a CPU
     (`dew.nn.quantize`; autoregressive models on one device); `quantize="gguf"` keeps a GGUF file's own
     4-bit (or 8-bit) blocks and multiplies them as they are (`dew.interop.gguf_blocks`; GGUF files only).
+
+    `dtype` is the compute dtype of a published checkpoint (default float32, `load_pretrained`'s).
+    `dtype="bfloat16"` also holds the weights in bfloat16 unless `param_dtype` says otherwise (half
+    float32's bytes; the products run in oneDNN's bfloat16 gemm where the CPU has it, and the KV cache is
+    bfloat16), while norms, softmax and logits stay float32, as transformers runs a bfloat16 model.
     """
     path = Path(source)
     run, run_step = run_of(path)
+    if dtype is not None:
+        load["dtype"] = dtype
     if run is not None:
         if step is not None and run_step is not None and step != run_step:
             raise ValueError(f"{source} is the checkpoint of step {run_step}, and step={step} asks for another: "
                              "pass the run directory with step=, or the checkpoint directory alone")
         unknown = sorted(set(load) - {"mesh", "layout"})
         if unknown:
-            raise TypeError(f"a run directory takes only the placement options mesh= and layout=; got {unknown}")
+            why = (f" (dtype={dtype!r}: a run generates in the dtype it recorded; export it with dew export and load "
+                   "that directory to choose another)" if dtype is not None else "")
+            raise TypeError(f"a run directory takes only the placement options mesh= and layout=; got {unknown}{why}")
         task = _from_run(run, ema=ema, step=run_step if step is None else step, mesh=load.get("mesh") or MeshSpec(),
                          layout=load.get("layout") or Layout())
         if quantize is None:
@@ -73,9 +83,14 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
         source = path.parent
     if quantize is not None:
         load["quantize"] = quantize
+    bfloat16 = dtype is not None and as_dtype(dtype) == jnp.bfloat16
+    if bfloat16:
+        load.setdefault("param_dtype", "bfloat16")
     task = load_pretrained(source, **{"mesh": MeshSpec(), "layout": Layout(), **load}).text_generation()
     if quantize is not None:
         _check_quantizable(task, quantize, source)
+    if bfloat16 and isinstance(task, TextGeneration) and isinstance(task.model, CausalTransformer):
+        task = dataclasses.replace(task, params=bfloat16_bits(task.model, task.params))
     return task
 
 
@@ -115,6 +130,8 @@ def _from_run(path: Path, *, ema: bool, step: int | None, mesh,
     model = models.build(record["model"]["name"], **record["model"]["config"])
     if not run.checkpoint_steps():
         raise FileNotFoundError(f"{path} has no checkpoint yet: train it first (its run.json holds the command)")
+    from dew.training.checkpoints import Checkpoints  # Orbax loads when a run is read, not for a checkpoint file
+
     checkpoints = Checkpoints(run.checkpoints, keep=None)
     try:
         saved = checkpoints.restore_tree(step)

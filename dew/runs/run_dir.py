@@ -38,9 +38,7 @@ from typing import Any
 from dew.data import load_tokenizer
 from dew.data.tokenizers import BYTE, HFTokenizer
 from dew.files import read_json, write_atomically
-from dew.run_config import RESUMABLE_CHANGES
 from dew.runs.lock import LOCK, RunLock
-from dew.training.checkpoints import saved_steps
 from dew.training.trackers import METRICS, read_jsonl
 
 RUN_JSON, STATUS, CHECKPOINTS = "run.json", "status.json", "checkpoints"
@@ -251,6 +249,8 @@ class RunDirectory:
             differences = [self._difference(name, theirs.get(name), ours.get(name), record) for name in differing]
             latest = saved.get("changes", [{}])[-1].get("command") or saved.get("command")
             started = shlex.join(latest) if latest else "(not recorded)"
+            from dew.run_config import RESUMABLE_CHANGES  # optax, tyro and Grain load when a run is checked
+
             changeable = [name.removeprefix("settings.") for name in differing
                           if name.removeprefix("settings.") in RESUMABLE_CHANGES]
             continuing = (f"\nTo continue this run from its last checkpoint as this command describes it, add "
@@ -385,6 +385,8 @@ class RunDirectory:
         return read_jsonl(self.path / METRICS)
 
     def checkpoint_steps(self) -> list[int]:
+        from dew.training.checkpoints import saved_steps  # Orbax loads when a run's checkpoints are read
+
         return saved_steps(self.checkpoints)
 
     def summary(self) -> dict[str, Any]:

@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import socket
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -412,6 +413,9 @@ def run(served: Served, listener: socket.socket, limits: Limits, log_level: str 
         server.should_exit = True
 
     served.engine.start(on_failure=stop)
+    # once ready, what the first chat prompt would otherwise make (the ready state does not wait for it)
+    threading.Thread(target=lambda: served.engine.ready.wait() and served.prompts.prepare(), daemon=True,
+                     name="dew-serve-prepare-chat").start()
     try:
         server.run(sockets=[listener])
     finally:

@@ -146,6 +146,10 @@ class Engine:
     every program at once.
     """
 
+    program_cache = None
+    """Where compiled programs are kept between processes (a `dew.serve.programs.ProgramCache`, which `dew
+    serve` sets before `start`); None: each is traced, lowered and compiled."""
+
     def __init__(self, model, params, *, slots: int, capacity: int, eos_token_ids: Sequence[int] = (),
                  pad_id: int = 0, queue_limit: int = 256, prefill_rows: int = 4, top_k_limit: int = TOP_K_LIMIT,
                  max_log_probs: int = MAX_LOG_PROBS, prefill_chunk: int = PREFILL_CHUNK):
@@ -170,7 +174,9 @@ class Engine:
         self.widths = _widths(capacity)
         self.prefill_rows = _ladder(1, min(prefill_rows, slots))  # at widths up to BATCHED_WIDTH; one row above
         _check_memory(model, params, slots, capacity)
-        self.params = jax.jit(model.stack_variables)(params)  # once, not at every step
+        # once, not at every step; weights already in the model's own form are used as they are (a jitted
+        # stacking would copy every one, and the caller's would stay in memory beside the copies)
+        self.params = params if model.stack_variables(params) is params else jax.jit(model.stack_variables)(params)
         self._top_k_bound = _bucket(top_k_limit)
         self._state = _placed_like(empty_slots(model, slots, capacity, self._top_k_bound), self.params)
         # A text attention model prefills a prompt longer than `chunk` in chunks; others prefill it whole.
@@ -291,16 +297,25 @@ class Engine:
         started = time.perf_counter()
         params, state = self._abstract
         if key[0] == "step":
-            lowered = self._steps[key[1]].lower(params, state, jax.ShapeDtypeStruct((self.slots,), bool))
+            jitted, options = self._steps[key[1]], {}
+            arguments = (params, state, jax.ShapeDtypeStruct((self.slots,), bool))
         elif key[0] == "extend":
             tokens = jax.ShapeDtypeStruct((1, key[1]), np.int32)
-            lowered = self._extend.lower(params, state, tokens, tokens, jax.ShapeDtypeStruct((1,), np.int32),
-                                         jax.ShapeDtypeStruct((1,), bool))
+            jitted, options = self._extend, {}
+            arguments = (params, state, tokens, tokens, jax.ShapeDtypeStruct((1,), np.int32),
+                         jax.ShapeDtypeStruct((1,), bool))
         else:
             rows, width = key[1:]
             padding = self._admission([None] * rows, width, np.full(rows, self.slots, np.int32))
-            lowered = self._admit.jitted.lower(params, state, *padding.arguments(), prompt_scores=False)
-        self._programs[key] = lowered.compile()
+            jitted, options = self._admit.jitted, {"prompt_scores": False}
+            arguments = (params, state, *padding.arguments())
+        if self.program_cache is None:
+            program = jitted.lower(*arguments, **options).compile()
+        else:
+            program = self.program_cache.load(key, arguments)
+            if program is None:
+                program = self.program_cache.compile(key, arguments, jitted.lower(*arguments, **options))
+        self._programs[key] = program
         self.compile_seconds += time.perf_counter() - started
 
     def _first_use(self) -> None:

@@ -15,7 +15,6 @@ import urllib.error
 import urllib.request
 
 import numpy as np
-from PIL import Image
 
 from dew.serve.protocol import APIError
 
@@ -55,6 +54,8 @@ def decode_image(url, index: int, limits: ImageLimits) -> np.ndarray:
     else:
         raise APIError(400, f"image {index}'s URL starts {url[:16]!r}; it is a data:image/...;base64 URL"
                        + (" or an http(s) URL" if limits.fetch else ""), param="messages")
+    from PIL import Image  # Pillow loads with the first image, not as a server that may never see one starts
+
     try:
         with Image.open(io.BytesIO(encoded)) as image:
             width, height = image.size

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,29 +47,47 @@ class PromptEncoder:
     def __init__(self, tokenizer, *, special_in_messages: bool = False):
         self.tokenizer = tokenizer
         self.special_in_messages = special_in_messages
-        self._plain = None
+        self._escaping = False  # whether chat text hides special-token text behind stand-ins
         hf = self._hf = tokenizer.tokenizer if isinstance(tokenizer, HFTokenizer) else None
         specials = {} if hf is None else {token.content: index for index, token in
                                           hf.get_added_tokens_decoder().items() if token.special}
         if not specials or special_in_messages:
             return
-        added = hf.get_added_tokens_decoder()
-        plain = tokenizers.Tokenizer.from_str(hf.to_str())
-        self._stand_in: dict[str, str] = {}
-        self._real: dict[int, int] = {}  # the copy's stand-in id -> the special token's id
-        for text, index in specials.items():
-            token, stand_in = added[index], _mark()
-            plain.add_tokens([tokenizers.AddedToken(stand_in, single_word=token.single_word, lstrip=token.lstrip,
-                                                    rstrip=token.rstrip, normalized=token.normalized, special=False)])
-            self._stand_in[text] = stand_in
-            self._real[plain.token_to_id(stand_in)] = index
-        plain.encode_special_tokens = True
-        self._plain = plain
+        self._escaping = True
+        self._specials = specials
+        self._copy = None  # (the tokenizer's copy, special text -> stand-in, stand-in id -> special id)
+        self._copying = threading.Lock()
         # Longest first, so that at each position the longest special token matches, as the tokenizer's does.
         self._special = re.compile("|".join(re.escape(text) for text in sorted(specials, key=len, reverse=True)))
         self._heads = {text[:k] for text in specials for k in range(1, len(text))}
         self._tails = {text[k:] for text in specials for k in range(1, len(text))}
         self._longest = max(map(len, specials))
+
+    def prepare(self) -> None:
+        """Make what chat prompts need now (the tokenizer's copy), rather than when the first one comes."""
+        if self._escaping:
+            self._copied()
+
+    def _copied(self) -> tuple:
+        """The tokenizer's copy in which each special token is a stand-in of plain text, made by the first
+        chat prompt (a real vocabulary's copy takes a fifth of a second, which a server's start does not wait for)."""
+        with self._copying:
+            if self._copy is None:
+                hf = self._hf
+                added = hf.get_added_tokens_decoder()
+                plain = tokenizers.Tokenizer.from_str(hf.to_str())
+                stand_ins: dict[str, str] = {}
+                real: dict[int, int] = {}  # the copy's stand-in id -> the special token's id
+                for text, index in self._specials.items():
+                    token, stand_in = added[index], _mark()
+                    plain.add_tokens([tokenizers.AddedToken(stand_in, single_word=token.single_word,
+                                                            lstrip=token.lstrip, rstrip=token.rstrip,
+                                                            normalized=token.normalized, special=False)])
+                    stand_ins[text] = stand_in
+                    real[plain.token_to_id(stand_in)] = index
+                plain.encode_special_tokens = True
+                self._copy = plain, stand_ins, real
+            return self._copy
 
     def text(self, text: str) -> list[int]:
         """A completion prompt's ids: special-token text is the token, as the client wrote it."""
@@ -78,15 +97,16 @@ class PromptEncoder:
 
     def chat(self, template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The ids of `messages` rendered with `template` and a generation prompt (see the module)."""
-        if self._plain is None:
+        if not self._escaping:
             return self.text(template.render(messages))
+        plain, stand_ins, real = self._copied()
         marks: dict[str, str] = {}  # marker -> the text it hides
         escaped = [_map_strings(message, lambda text: self._escape(text, marks)) for message in messages]
-        text = self._special.sub(lambda found: self._stand_in[found.group()], template.render(escaped))
+        text = self._special.sub(lambda found: stand_ins[found.group()], template.render(escaped))
         if marks:
             text = re.sub("|".join(map(re.escape, marks)), lambda found: marks[found.group()], text)
-        ids = self._plain.encode_batch_fast([text], add_special_tokens=False)[0].ids
-        return [self._real.get(i, i) for i in ids]
+        ids = plain.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        return [real.get(i, i) for i in ids]
 
     def _escape(self, text: str, marks: dict[str, str]) -> str:
         """`text` with special-token text, and any piece of one at either end, hidden behind markers."""

@@ -18,6 +18,7 @@ from dew.nn.multimodal import MultimodalTransformer
 from dew.serve.engine import MAX_LOG_PROBS, TOP_K_LIMIT, Engine
 from dew.serve.audio import AudioLimits
 from dew.serve.images import ImageLimits
+from dew.serve.programs import ProgramCache
 from dew.serve.prompts import PromptEncoder
 
 logger = logging.getLogger("dew.serve")
@@ -47,12 +48,14 @@ class Served:
              prefill_rows: int = 4, name: str | None = None, chat_template_file: str | None = None,
              live: bool = False, quantize: str | None = None, special_tokens_in_messages: bool = False,
              images: ImageLimits = ImageLimits(), max_log_probs: int = MAX_LOG_PROBS,
-             audio: AudioLimits = AudioLimits()) -> "Served":
+             audio: AudioLimits = AudioLimits(), dtype: str | None = None) -> "Served":
         """Load `source` (whatever `dew.pipeline` reads), find and check its chat template (before any
         compiling, so a broken one is refused at once), and make an engine (which compiles as it starts). With
-        `special_tokens_in_messages`, special-token text in a chat message is the token (see `PromptEncoder`)."""
+        `special_tokens_in_messages`, special-token text in a chat message is the token (see `PromptEncoder`).
+        `dtype` ("float32", "bfloat16"; None: the source's own) is `dew.pipeline`'s: "bfloat16" holds the
+        weights and the KV cache in bfloat16 and multiplies in bfloat16, with float32 sums."""
 
-        task = pipeline(source, ema=not live, quantize=quantize)
+        task = pipeline(source, ema=not live, quantize=quantize, dtype=dtype)
         if not isinstance(task, TextGeneration):
             raise ValueError(f"{source} holds a {type(task).__name__} model, and dew serve decodes causal language "
                              "models token by token: generate from it with dew generate, or dew.pipeline in Python")
@@ -72,6 +75,7 @@ class Served:
                         prefill_rows=prefill_rows, eos_token_ids=task.sampling.eos_token_ids,
                         pad_id=task.sampling.pad_id,
                         top_k_limit=max(task.sampling.top_k or 0, TOP_K_LIMIT), max_log_probs=max_log_probs)
+        engine.program_cache = ProgramCache.of(engine)  # None unless JAX's persistent cache is on
         processor = None
         if isinstance(task.model, MultimodalTransformer):
             processor = Processor.of(load_reference(task.tokenizer.path.parent), task.model.config)

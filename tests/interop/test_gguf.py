@@ -208,6 +208,44 @@ def test_quantization_the_gguf_package_cannot_dequantize_is_refused(tmp_path):
         load_pretrained(tmp_path, gguf_file="odd.gguf")
 
 
+def test_dews_gguf_reader_reads_what_ggufs_reader_reads(tmp_path):
+    """Dew reads GGUF headers and dequantizes the common block kinds itself (gguf's reader decodes every
+    vocabulary string through numpy, seconds for a real vocabulary): every metadata value and every
+    tensor must be what gguf's own reader and dequantization give, bit for bit."""
+    from dew.interop.gguf_files import GGUFCheckpoint
+
+    path = tmp_path / "kinds.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_bool("dew.flag", True)
+    writer.add_float32("dew.scale", 0.1)
+    writer.add_array("dew.sections", [3, 1, 2])
+    writer.add_array("dew.names", ["a", "ß", ""])
+    writer.add_token_list(TOKENS)
+    writer.add_token_types(TOKEN_TYPES)
+    rows = np.random.default_rng(0).normal(size=(3, 64)).astype(np.float32) * 3
+    for kind in ("F32", "F16", "Q4_0", "Q4_1", "Q8_0", "Q5_0"):  # Q5_0: gguf's dequantization, through Dew
+        quantized = gguf.quants.quantize(rows, gguf.GGMLQuantizationType[kind])
+        writer.add_tensor(f"t.{kind}", quantized, raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.add_tensor("t.vector", rows[0])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    theirs = gguf.GGUFReader(path)
+    with GGUFCheckpoint(path) as ours:
+        for key, field in theirs.fields.items():
+            if not key.startswith("GGUF."):
+                assert ours.field(key) == field.contents() and type(ours.field(key)) is type(field.contents()), key
+        assert ours.field("dew.names") == ["a", "ß", ""] and ours.metadata["dew.flag"] is True
+        for tensor in theirs.tensors:
+            expected = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+            got = ours.read(tensor.name)
+            assert got.shape == expected.shape and got.dtype == np.float32
+            np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32), err_msg=tensor.name)
+            np.testing.assert_array_equal(ours.read(tensor.name, (slice(1, 3),)), got[1:3])
+
+
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

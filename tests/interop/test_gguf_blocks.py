@@ -15,7 +15,7 @@ import pytest
 
 from dew.interop import load_pretrained
 from dew.kernels import policy
-from dew.nn.linear import EMBED_BLOCKS, KERNEL_BLOCKS, QUANT_COLLECTION
+from dew.nn.linear import BLOCKS_LAYER, EMBED_BLOCKS, KERNEL_BLOCKS, QUANT_COLLECTION, STACKED_BLOCKS
 from dew.runs import pipeline
 from dew.sampling import Sampling, generate
 from tests.interop.conftest import torch_model
@@ -100,6 +100,31 @@ def test_by_default_decoding_products_round_x_to_two_8_bit_layers(both):
     # deep, through norms and softmaxes that amplify differences of a random model, a bound of 0.2% of the
     # logits' scale, 130 times that. Observed: 1.3e-3 on logits of 6.7 (0.019%).
     np.testing.assert_allclose(ours, reference, rtol=0, atol=0.002 * np.abs(reference).max())
+
+
+def test_a_scanned_run_reads_its_layers_blocks_in_place(tiny_file, both):
+    _, kept = both
+    scanned = load_pretrained(tiny_file.parent, gguf_file=tiny_file.name, quantize="gguf", scan_layers=1)
+    whole, quant = scanned.variables[STACKED_BLOCKS]["layers_0to1"], scanned.variables[QUANT_COLLECTION]["layers_0to1"]
+    assert whole["self_attn"]["q_proj"][KERNEL_BLOCKS].shape == (2, 32, 1, 18)
+    np.testing.assert_array_equal(quant["self_attn"]["q_proj"][BLOCKS_LAYER], [0, 1])
+    assert "down_proj" not in whole["mlp"]  # float32 in layer 1, so float32 in the run
+    per_layer = scanned.model.unstack_variables(scanned.variables)
+    assert STACKED_BLOCKS not in per_layer
+    np.testing.assert_array_equal(per_layer[QUANT_COLLECTION]["layers_1"]["mlp"]["up_proj"][KERNEL_BLOCKS],
+                                  kept.variables[QUANT_COLLECTION]["layers_1"]["mlp"]["up_proj"][KERNEL_BLOCKS])
+    unrolled = scanned.model.clone(config=dataclasses.replace(scanned.model.config, scan_layers=0))
+    ids = np.random.default_rng(1).integers(0, 97, (1, 40))
+    for length, path in ((6, "blocks-q8/"), (40, "blocks/")):  # 40 rows, over KERNEL_MAX_ROWS: XLA's product
+        tokens = jnp.asarray(ids[:, :length], jnp.int32)
+        with policy.recording() as choices:
+            ours = np.asarray(scanned.model.apply(scanned.variables, tokens))
+        assert any(key.startswith(path) for key in choices)
+        reference = np.asarray(unrolled.apply(per_layer, tokens))
+        # The same products of the same blocks and x; only XLA's other operations may round in another
+        # order inside the scan's body. Observed: 0 at both lengths (logits of 5.9).
+        ulps = decoder_ulps(layers=2, width=32, mlp_width=64, heads=4, head_dim=8, seq_len=length, libraries=1)
+        np.testing.assert_allclose(ours, reference, rtol=0, atol=ulp_bound(ulps, np.abs(reference).max()))
 
 
 def test_the_pipeline_keeps_blocks_and_bad_requests_are_refused(tiny_file, tmp_path):

@@ -172,3 +172,17 @@ def test_sentencepiece_vocabulary_without_scores_or_merges_is_refused(tmp_path):
     path = _vocabulary_only(tmp_path / "vocabulary.gguf", scores=False)
     with GGUFCheckpoint(path) as checkpoint, pytest.raises(ValueError, match=r"neither tokenizer.ggml.merges nor"):
         write_tokenizer(checkpoint, tmp_path / "converted")
+
+
+def test_a_built_tokenizer_is_reused_until_the_builder_changes(tmp_path, monkeypatch):
+    """The tokenizer a GGUF file's vocabulary builds is kept beside its conversion and read back by the next
+    load, unless this module's builder (its source, the tokenizers package) differs from the one that wrote it."""
+    from dew.interop import gguf_files
+
+    directory = tmp_path / "converted"
+    assert not gguf_files.tokenizer_written(directory)
+    with GGUFCheckpoint(_vocabulary_only(tmp_path / "vocabulary.gguf")) as checkpoint:
+        assert write_tokenizer(checkpoint, directory)
+    assert gguf_files.tokenizer_written(directory)
+    monkeypatch.setattr(gguf_files, "_builder_stamp", lambda: "module another\ntokenizers 0.0\n")
+    assert not gguf_files.tokenizer_written(directory)

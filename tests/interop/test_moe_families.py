@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import threading
 from unittest import mock
 
 import jax
@@ -25,6 +24,7 @@ from dew.interop.families import decoder_kwargs, family_for
 from dew.nn.moe import Router
 from dew.nn.transformer import CausalTransformer
 from dew.objectives.lm import LMObjective
+from tests.serve.conftest import Tokens
 from dew.sampling import Sampling
 from dew.serve.engine import Engine, Request
 from tests.interop.conftest import (
@@ -157,20 +157,6 @@ def test_greedy_tokens_match_transformers_generate(loaded):
     assert ours == theirs, family
 
 
-class _Tokens:
-    """A `dew.serve.engine` consumer that keeps a request's tokens."""
-
-    def __init__(self):
-        self.tokens, self.done = [], threading.Event()
-
-    def token(self, token_id: int) -> bool:
-        self.tokens.append(token_id)
-        return False
-
-    def finish(self, reason: str, completion_tokens: int) -> None:
-        self.done.set()
-
-
 @pytest.mark.slow
 def test_dew_serve_engine_draws_transformers_greedy_tokens(loaded):
     family, model, _, bundle = loaded
@@ -180,7 +166,7 @@ def test_dew_serve_engine_draws_transformers_greedy_tokens(loaded):
     engine = Engine(bundle.model, bundle.variables, slots=2, capacity=32, prefill_rows=1)
     engine.start()
     try:
-        request = Request(PROMPT, 16, Sampling(temperature=0.0), seed=0, consumer=_Tokens())
+        request = Request(PROMPT, 16, Sampling(temperature=0.0), seed=0, consumer=Tokens())
         engine.submit([request])
         assert request.consumer.done.wait(300)
     finally:

@@ -160,14 +160,19 @@ def rounded_x(x: np.ndarray) -> np.ndarray:
 
 
 def identity_blocks(name: str, K: int) -> np.ndarray:
-    """A blocks weight `[K, K / 32, B]` whose row i is 1 at input i and 0 elsewhere, with d = 1 (and Q4_1's
-    m = 0), so the product's output i is x's rounded value i as the kernel sums it: d q1 rounded to float32,
-    then d2 q2 added with one rounding (a multiply-add)."""
-    B, zero = BYTES[name], {"Q4_0": 8, "Q4_1": 0, "Q8_0": 0}[name]
+    """A blocks weight `[K, K / E, B]` whose row i is 1 at input i and 0 elsewhere, with d = 1 (and Q4_1's
+    m = 0; Q4_K's sub-scales 1 and mins 0), so the product's output i is x's rounded value i as the kernel
+    sums it: d q1 rounded to float32, then d2 q2 added with one rounding (a multiply-add)."""
+    B, E, zero = BYTES[name], values_per_block(name), {"Q4_0": 8, "Q4_1": 0, "Q8_0": 0, "Q4_K": 0}[name]
     values = np.full((K, K), zero, np.int64) + np.eye(K, dtype=np.int64)
-    w = np.zeros((K, K // 32, B), np.uint8)
+    w = np.zeros((K, K // E, B), np.uint8)
     w[..., 0:2] = np.array([1], np.float16).view(np.uint8)
-    if name == "Q8_0":
+    if name == "Q4_K":  # dmin 0; 6-bit sub-scales 1 (bytes 4-7 and the low nibbles of 12-15), mins 0
+        w[..., 4:8] = 1
+        w[..., 12:16] = 1
+        chunks = values.reshape(K, K // E, 4, 2, 32)  # 32 bytes: sub-block 2i low, 2i + 1 high
+        w[..., 16:] = (chunks[..., 0, :] | chunks[..., 1, :] << 4).reshape(K, K // E, 128).astype(np.uint8)
+    elif name == "Q8_0":
         w[..., 2:] = values.reshape(K, K // 32, 32).astype(np.int8).view(np.uint8)
     else:  # nibbles: values 0-15 low, 16-31 high; Q4_1's m (bytes 2-3) stays 0
         blocks = values.reshape(K, K // 32, 32)
@@ -181,7 +186,7 @@ def test_integer_path_rounds_x_as_the_reference_does(name):
     # One row of blocks with ties (d = 1: 2.5 and -3.5 go to the even 2 and -4), a zero block (d = 0) and
     # random ones, through weights that pass x's rounded values out unchanged: exactly equal.
     rng = np.random.default_rng(4)
-    K = 160
+    K = 2 * values_per_block(name) if name == "Q4_K" else 160
     x = rng.standard_normal((2, K)).astype(np.float32)
     x[0, :8] = [127, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -127]
     x[0, 32:64] = 0
@@ -213,7 +218,7 @@ def test_integer_path_is_rounded_x_times_the_dequantized_weight(name):
     product = jax.jit(kernel_product, static_argnums=2)
     for loops in each_instruction_set():
         for N, F, blocks in ROUNDED_SHAPES:
-            K = blocks * 32
+            K = blocks * values_per_block(name)
             w = random_blocks(rng, name, F, K)
             x = rng.standard_normal((N, K), np.float32)
             ours = np.asarray(product(jnp.asarray(x), jnp.asarray(w), True))
@@ -225,7 +230,7 @@ def test_integer_path_is_rounded_x_times_the_dequantized_weight(name):
             bound = reorder_bound(x_hat, w, name)
             assert_within(ours, reference, bound, f"{name} {loops} N={N} F={F} K={K}")
             worst = max(worst, float(np.max(np.abs(ours - reference) / bound)))
-    # Observed: at most 1.7% of the bound (Q4_0 with AVX2; 0.5-1.3% elsewhere).
+    # Observed: at most 1.7% of the bound (Q4_0 with AVX2; 0.5-1.3% elsewhere; Q4_K 0.07%).
     assert worst < 1.0
 
 
@@ -239,7 +244,7 @@ def test_the_policy_chooses_the_path():
         for chosen in ("auto", "exact"):
             with policy.using(chosen), policy.recording() as choices:  # unjitted: see the test above
                 ours = np.asarray(blocks_product(jnp.asarray(x), jnp.asarray(w), jnp.float32))
-            takes_q8 = chosen == "auto" and name != "Q4_K"
+            takes_q8 = chosen == "auto"
             assert rounds(jnp.asarray(w), chosen) == takes_q8
             assert list(choices) == [f"{'blocks-q8' if takes_q8 else 'blocks'}/{name}/2x{K}x8"]
             x_used = rounded_x(x) if takes_q8 else x
@@ -247,5 +252,3 @@ def test_the_policy_chooses_the_path():
             assert_within(ours, reference, reorder_bound(x_used, w, name), f"{name} {chosen}")
     assert "round x to two 8-bit layers" in kernel_status("auto")[1]
     assert "x in float32 (the exact path: the policy is exact)" in kernel_status("exact")[1]
-    with pytest.raises(ValueError, match="the integer path multiplies Q4_0, Q4_1, Q8_0 blocks, not Q4_K"):
-        kernel_product(jnp.asarray(x), jnp.asarray(w), rounded=True)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dew.sampling import Sampling
+from dew.sampling.sampling import first_maximum
 from tests.tolerances import ulp_bound
 
 torch = pytest.importorskip("torch")
@@ -74,6 +75,17 @@ def test_greedy_takes_the_first_maximum_and_reports_its_log_probability():
     # a log and two subtractions, 7 roundings of terms up to 3. Observed: equal.
     np.testing.assert_allclose(float(log_prob[0]), float(jax.nn.log_softmax(logits)[0, 1]), atol=ulp_bound(7, 3.0),
                                rtol=0)
+
+
+def test_first_maximum_is_argmax_with_ties_nans_and_infinities():
+    rows = np.random.default_rng(2).normal(size=(6, 50)).astype(np.float32)
+    rows[1, [7, 30]] = 9.0  # a tie: the first
+    rows[2, [12, 40]] = np.nan  # NaNs: the first, as argmax
+    rows[2, 3] = np.inf
+    rows[3] = -np.inf
+    rows[4, 49] = np.inf
+    rows[5, :] = 0.0
+    np.testing.assert_array_equal(np.asarray(jax.jit(first_maximum)(jnp.asarray(rows))), np.argmax(rows, axis=-1))
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

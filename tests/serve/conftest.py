@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import subprocess
+import threading
 import sys
 import time
 import urllib.error
@@ -68,6 +69,20 @@ def write_checkpoint(directory, build=tiny_llama):
                 parameter.normal_(0.0, 0.3)
     model.save_pretrained(directory)
     return fast
+
+
+class Tokens:
+    """A `dew.serve.engine` consumer that keeps a request's tokens."""
+
+    def __init__(self):
+        self.tokens, self.done = [], threading.Event()
+
+    def token(self, token_id: int) -> bool:
+        self.tokens.append(token_id)
+        return False
+
+    def finish(self, reason: str, completion_tokens: int) -> None:
+        self.done.set()
 
 
 def free_port() -> int:

@@ -1,0 +1,116 @@
+"""Serving programs kept between processes (`dew.serve.programs`): an engine that loads them draws the
+tokens the one that compiled them drew, and the key changes with the model, the shapes, the versions,
+the CPU and Dew's code."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew import models
+from dew.sampling import Sampling
+from dew.serve import Engine, Request
+from dew.serve import programs
+from dew.serve.programs import ProgramCache
+from tests.serve.test_engine import Collect
+
+pytestmark = pytest.mark.slow  # engines compile three programs several times (6 to 17 s on 2 shared cores)
+
+SLOTS, CAPACITY, EOS = 2, 16, 7  # three programs: steps over 1 and 2 slots, one-row admissions at width 16
+
+
+@pytest.fixture(scope="module")
+def model_and_variables():
+    model = models.build("causal_transformer", vocab_size=64, emb_features=32, num_layers=1, num_heads=4,
+                         num_kv_heads=2, mlp_features=64, max_seq_len=CAPACITY)
+    variables = jax.tree_util.tree_map(lambda x: x * 6.0, model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+    return model, variables
+
+
+def _served(model, variables, directory) -> tuple[ProgramCache, list]:
+    """(the engine's cache, each request's tokens and reason) after warming up from `directory` and serving
+    a greedy and a sampled request together."""
+    engine = Engine(model, variables, slots=SLOTS, capacity=CAPACITY, eos_token_ids=(EOS,), prefill_rows=1)
+    engine.program_cache = ProgramCache.of(engine, directory)
+    engine.warm_up()
+    engine.start()
+    try:
+        requests = [Request([9, 12, 30], 10, Sampling(temperature=0.0), seed=1, consumer=Collect()),
+                    Request([40, 41], 12, Sampling(temperature=0.9, top_k=8), seed=5, consumer=Collect())]
+        engine.submit(requests)
+        for request in requests:
+            assert request.consumer.done.wait(60)
+    finally:
+        engine.close()
+    engine.program_cache.wait()  # a program JAX's cache gave (where a test before turned it on) is kept after ready
+    return engine.program_cache, [(request.consumer.tokens, request.consumer.reason) for request in requests]
+
+
+def test_loaded_programs_draw_what_compiled_ones_drew(model_and_variables, tmp_path, caplog):
+    model, variables = model_and_variables
+    first, drawn = _served(model, variables, tmp_path)
+    assert (first.stored, first.loaded) == (3, 0) and len(list(tmp_path.iterdir())) == 3
+    assert sum(len(tokens) for tokens, _ in drawn) > 10
+    again, drawn_again = _served(model, variables, tmp_path)
+    assert (again.stored, again.loaded) == (0, 3)
+    assert drawn_again == drawn
+    damaged = sorted(tmp_path.iterdir())[0]
+    damaged.write_bytes(damaged.read_bytes()[:100])  # cut short: compiled again, and kept whole
+    third, drawn_third = _served(model, variables, tmp_path)
+    assert (third.stored, third.loaded) == (1, 2) and drawn_third == drawn
+    assert "could not load the compiled program" in caplog.text
+
+
+def test_a_program_jaxs_cache_gave_back_is_compiled_again_to_be_kept(model_and_variables, tmp_path, monkeypatch):
+    """An executable from JAX's own cache cannot be written out (its copy fails when called): it serves, and
+    a compile JAX's cache cannot answer is kept instead, which the next engine loads."""
+    model, variables = model_and_variables
+    _, drawn = _served(model, variables, tmp_path / "compiled")
+    hits = iter(range(1000))
+    with monkeypatch.context() as patch:
+        patch.setattr(programs, "_hits", lambda: next(hits))  # as if JAX's cache answered every compile
+        cache, drawn_from_jax_cache = _served(model, variables, tmp_path / "kept")
+    assert drawn_from_jax_cache == drawn and (cache.stored, cache.loaded) == (3, 0)
+    again, drawn_again = _served(model, variables, tmp_path / "kept")
+    assert (again.stored, again.loaded) == (0, 3) and drawn_again == drawn
+
+
+def test_the_key_changes_with_what_the_program_is_made_of(model_and_variables, tmp_path, monkeypatch):
+    model, variables = model_and_variables
+    engine = Engine(model, variables, slots=SLOTS, capacity=CAPACITY, eos_token_ids=(EOS,), prefill_rows=1)
+    cache = ProgramCache.of(engine, tmp_path)
+    arguments = (jax.ShapeDtypeStruct((SLOTS, 8), jnp.float32), np.zeros(SLOTS, np.int32))
+    key = cache.key(("step", 2), arguments)
+    assert cache.key(("step", 2), arguments) == key
+    assert cache.key(("step", 1), arguments) != key
+    assert cache.key(("step", 2), (jax.ShapeDtypeStruct((SLOTS, 9), jnp.float32), arguments[1])) != key
+    assert cache.key(("step", 2), (jax.ShapeDtypeStruct((SLOTS, 8), jnp.bfloat16), arguments[1])) != key
+    other_model = models.build("causal_transformer", vocab_size=64, emb_features=32, num_layers=2, num_heads=4,
+                               num_kv_heads=2, mlp_features=64, max_seq_len=CAPACITY)
+    assert ProgramCache.of(Engine(other_model, other_model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)),
+                                  slots=SLOTS, capacity=CAPACITY), tmp_path).key(("step", 2), arguments) != key
+    assert ProgramCache.of(Engine(model, variables, slots=SLOTS, capacity=CAPACITY, eos_token_ids=(EOS, 3)),
+                           tmp_path).key(("step", 2), arguments) != key
+    # The machine and the software, each: what `environment` says changes, and with it every key.
+    described = programs.environment()
+    assert f"jax {jax.__version__}" in described and programs.dew_digest() in described
+    changes = {"_version": lambda name: "0.0.0", "cpu_description": lambda: "another CPU; flags: sse2",
+               "dew_digest": lambda: "another Dew"}
+    for name, replacement in changes.items():
+        with monkeypatch.context() as patch:
+            patch.setattr(programs, name, replacement)
+            changed = programs.environment.__wrapped__()
+            assert changed != described, name
+            patch.setattr(programs, "environment", lambda: changed)
+            assert cache.key(("step", 2), arguments) != key, name
+    with monkeypatch.context() as patch:
+        patch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=false")
+        assert programs.environment.__wrapped__() != described
+    logging_compiles = jax.config.jax_log_compiles  # a JAX setting: any of them
+    jax.config.update("jax_log_compiles", not logging_compiles)
+    try:
+        assert programs.environment.__wrapped__() != described
+    finally:
+        jax.config.update("jax_log_compiles", logging_compiles)
