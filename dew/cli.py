@@ -165,7 +165,7 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
 
 def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], host: str = "127.0.0.1",
           port: int = 8000, slots: int = 32, capacity: int | None = None, queue: int = 256, prefill_rows: int = 4,
-          name: str | None = None, chat_template: str | None = None, special_tokens_in_messages: bool = False,
+          prefill_chunk: int = 256, name: str | None = None, chat_template: str | None = None, special_tokens_in_messages: bool = False,
           max_body_bytes: int = 2**20, read_timeout: float = 30.0, keep_alive_timeout: float = 5.0,
           max_connections: int = 512, live: bool = False, quantize: Literal["int8", "gguf"] | None = None,
           max_images: int = 4, max_image_pixels: int = 4096 * 4096, max_image_bytes: int = 16 * 2**20,
@@ -193,6 +193,8 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
         queue: Requests that may wait for a slot; past that a request is answered 503 (and one that could
             never fit, more rows than slots plus queue, 400).
         prefill_rows: The most new prompts prefilled together.
+        prefill_chunk: A longer prompt is prefilled this many tokens at a time into its slot, one chunk
+            between two decode steps, so the rows already drawing keep drawing (at least 16).
         name: The model id clients send (default: SOURCE as given).
         chat_template: A Jinja chat template file, used instead of the checkpoint's.
         special_tokens_in_messages: Encode special-token text inside a chat message (such as <|im_start|>)
@@ -230,11 +232,15 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
     from dew.serve.audio import AudioLimits
     from dew.serve.images import ImageLimits
     from dew.serve.network import Limits, bind
+    from dew.sampling.generate import PROMPT_BUCKET
     from dew.serve.service import Served
 
     limits = Limits(max_body_bytes, read_timeout, keep_alive_timeout, max_connections)
     images = ImageLimits(max_images, max_image_pixels, max_image_bytes, fetch_images)
     audio = AudioLimits(max_audio_clips, max_audio_seconds, max_audio_bytes)
+    if prefill_chunk < PROMPT_BUCKET:
+        raise ValueError(f"--prefill-chunk is {prefill_chunk}; it must be at least {PROMPT_BUCKET}, the narrowest "
+                         "prompt width")
     log = logging.getLogger("dew.serve")  # lines in uvicorn's format, whatever the root logger holds
     if not log.handlers:
         handler = logging.StreamHandler()
@@ -249,7 +255,7 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
         cache.configure(compilation_cache)
     try:
         served = Served.load(source, slots=slots, capacity=capacity, queue=queue, prefill_rows=prefill_rows,
-                             name=name, chat_template_file=chat_template, live=live, quantize=quantize,
+                             prefill_chunk=prefill_chunk, name=name, chat_template_file=chat_template, live=live, quantize=quantize,
                              special_tokens_in_messages=special_tokens_in_messages, images=images,
                              max_log_probs=max_logprobs, audio=audio, dtype=dtype)
     except BaseException:

@@ -15,7 +15,7 @@ from dew.inference import TextGeneration
 from dew.runs import pipeline
 from dew.interop.processors import Processor, load_reference
 from dew.nn.multimodal import MultimodalTransformer
-from dew.serve.engine import MAX_LOG_PROBS, TOP_K_LIMIT, Engine
+from dew.serve.engine import MAX_LOG_PROBS, PREFILL_CHUNK, TOP_K_LIMIT, Engine
 from dew.serve.audio import AudioLimits
 from dew.serve.images import ImageLimits
 from dew.serve.programs import ProgramCache
@@ -45,7 +45,7 @@ class Served:
 
     @classmethod
     def load(cls, source: str, *, slots: int = 32, capacity: int | None = None, queue: int = 256,
-             prefill_rows: int = 4, name: str | None = None, chat_template_file: str | None = None,
+             prefill_rows: int = 4, prefill_chunk: int = PREFILL_CHUNK, name: str | None = None, chat_template_file: str | None = None,
              live: bool = False, quantize: str | None = None, special_tokens_in_messages: bool = False,
              images: ImageLimits = ImageLimits(), max_log_probs: int = MAX_LOG_PROBS,
              audio: AudioLimits = AudioLimits(), dtype: str | None = None) -> "Served":
@@ -73,7 +73,7 @@ class Served:
         prompts = PromptEncoder(task.tokenizer, special_in_messages=special_tokens_in_messages)
         engine = Engine(task.model, task.params, slots=slots, capacity=capacity, queue_limit=queue,
                         prefill_rows=prefill_rows, eos_token_ids=task.sampling.eos_token_ids,
-                        pad_id=task.sampling.pad_id,
+                        pad_id=task.sampling.pad_id, prefill_chunk=prefill_chunk,
                         top_k_limit=max(task.sampling.top_k or 0, TOP_K_LIMIT), max_log_probs=max_log_probs)
         engine.program_cache = ProgramCache.of(engine)  # None unless JAX's persistent cache is on
         processor = None

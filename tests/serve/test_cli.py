@@ -41,6 +41,7 @@ def test_without_the_serve_extra_the_error_names_it(monkeypatch, capsys):
     (["--host", "192.0.2.1"], 2, "--host 192.0.2.1 is not an address of this machine"),  # TEST-NET-1: no one's
     (["--read-timeout", "0"], 2, "--read-timeout is 0.0; it is a number of seconds above 0"),
     (["--max-body-bytes", "0"], 2, "--max-body-bytes is 0; it must be at least 1"),
+    (["--prefill-chunk", "8"], 2, "--prefill-chunk is 8; it must be at least 16, the narrowest prompt width"),
 ])
 def test_a_bad_address_or_limit_is_refused_before_the_source_is_read(tmp_path, capsys, flags, status, words):
     assert words in _refusal(capsys, ["serve", str(tmp_path / "not-read"), "--port", "0", *flags], status)
@@ -169,3 +170,21 @@ def test_the_port_opens_before_compiling_and_health_says_when_it_is_ready(tiny_c
             health = get(f"{served.url}/health")[1]
     assert "ready: compiled the first 3 programs" in served.text()
     assert len(list(cache.iterdir())) >= health["programs"]  # kept for the next start
+
+
+def test_prefill_chunk_reaches_the_loader(monkeypatch, tmp_path):
+    from dew.serve import service
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def load(source, **options):
+        seen.update(options)
+        raise Stop
+
+    monkeypatch.setattr(service.Served, "load", load)
+    with pytest.raises(Stop):
+        main(["serve", str(tmp_path / "not-read"), "--port", "0", "--prefill-chunk", "64"])
+    assert seen["prefill_chunk"] == 64
