@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "isa.h"
@@ -180,14 +181,22 @@ struct Pieces {
   }
 };
 
+// y = x w[layer]: `w` is a stack of weights [L, K, N] (one weight is a stack of one); a scanned decoder
+// passes its layers' whole stack and the layer's index, so that XLA does not copy the layer's weight out
+// of the stack before every product.
 ffi::Error FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                          ffi::Result<ffi::Buffer<ffi::F32>> y) {
+                          ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
   auto dx = x.dimensions(), dw = w.dimensions(), dy = y->dimensions();
-  if (dx.size() != 2 || dw.size() != 2 || dy.size() != 2 || dx[1] != dw[0] || dy[0] != dx[0] || dy[1] != dw[1])
-    return ffi::Error::InvalidArgument("dew few-rows product: x [M, K], w [K, N], y [M, N]");
+  if (dx.size() != 2 || dw.size() != 3 || dy.size() != 2 || dx[1] != dw[1] || dy[0] != dx[0] || dy[1] != dw[2] ||
+      layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("dew few-rows product: x [M, K], w [L, K, N], layer [] and y [M, N]");
+  int64_t at = *layer.typed_data();
+  if (at < 0 || at >= dw[0])
+    return ffi::Error::InvalidArgument("dew few-rows product: layer " + std::to_string(at) + " outside the stack of " +
+                                       std::to_string(dw[0]));
   auto pieces = std::make_shared<Pieces>();
   Product& p = pieces->p;
-  p = {x.typed_data(), w.typed_data(), y->typed_data(), dx[0], dx[1], dw[1]};
+  p = {x.typed_data(), w.typed_data() + at * dw[1] * dw[2], y->typed_data(), dx[0], dx[1], dw[2]};
   pieces->body = kBodies[g_isa.load(std::memory_order_relaxed)];
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   int64_t blocks = std::max<int64_t>(1, (p.k + kBlockRows - 1) / kBlockRows);
@@ -216,6 +225,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewFewRowsProduct, FewRowsProduct,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 static PyObject* Handler(PyObject*, PyObject*) {

@@ -128,11 +128,11 @@ constexpr int64_t kPiecesPerThread = 2;
 
 // Operands `[..., rows, cols]` with the same leading (batch) dimensions; `transpose_*` says the stored
 // matrix is the transpose of the product's operand. The result is `[..., M, N]` float32.
-template <ffi::DataType T, ffi::DataType Out, typename Elem, typename Fn>
-ffi::Error Gemm(ffi::ThreadPool pool, Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b, ffi::Result<ffi::Buffer<Out>> c,
-                bool transpose_a, bool transpose_b) {
+// `a_data`, `b_data` and `c_data` are the operands' and the result's bytes, `da`, `db` and `dc` their shapes.
+template <ffi::DataType Out, typename Elem, typename Fn, typename Dims>
+ffi::Error GemmOf(ffi::ThreadPool pool, Fn fn, const void* a_data, Dims da, const void* b_data, Dims db,
+                  void* c_data, Dims dc, bool transpose_a, bool transpose_b) {
   if (fn == nullptr) return ffi::Error::Internal("dew gemm: the library's gemm was not set");
-  auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
   size_t rank = da.size();
   if (rank < 2 || db.size() != rank || dc.size() != rank)
     return ffi::Error::InvalidArgument("dew gemm: operands must share one rank >= 2");
@@ -154,12 +154,12 @@ ffi::Error Gemm(ffi::ThreadPool pool, Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b,
   p.trans_a = transpose_a ? 'T' : 'N';
   p.trans_b = transpose_b ? 'T' : 'N';
   p.m = m, p.n = n, p.k = k, p.lda = a_cols, p.ldb = b_cols, p.a_size = a_rows * a_cols, p.b_size = b_rows * b_cols;
-  p.a = reinterpret_cast<const Elem*>(a.untyped_data());
-  p.b = reinterpret_cast<const Elem*>(b.untyped_data());
+  p.a = static_cast<const Elem*>(a_data);
+  p.b = static_cast<const Elem*>(b_data);
   if constexpr (Out == ffi::F32) {
-    p.c = c->typed_data();
+    p.c = static_cast<float*>(c_data);
   } else {
-    p.c_bf16 = reinterpret_cast<uint16_t*>(c->untyped_data());
+    p.c_bf16 = static_cast<uint16_t*>(c_data);
   }
   if (g_omp_set_num_threads != nullptr && g_omp_get_max_threads != nullptr) {
     p.single_thread = g_omp_set_num_threads;
@@ -197,6 +197,50 @@ ffi::Error Gemm(ffi::ThreadPool pool, Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b,
                                 (status == 3 ? " (unimplemented on this CPU)" : ""));
   }
   return ffi::Error::Success();
+}
+
+template <ffi::DataType T, ffi::DataType Out, typename Elem, typename Fn>
+ffi::Error Gemm(ffi::ThreadPool pool, Fn fn, ffi::Buffer<T> a, ffi::Buffer<T> b, ffi::Result<ffi::Buffer<Out>> c,
+                bool transpose_a, bool transpose_b) {
+  return GemmOf<Out, Elem>(pool, fn, a.untyped_data(), a.dimensions(), b.untyped_data(), b.dimensions(),
+                           c->untyped_data(), c->dimensions(), transpose_a, transpose_b);
+}
+
+// a [M, K] times layer `layer` of a stack of weights b [L, K, N] (float32, or bfloat16 as itself or as its
+// uint16 bits), read in place: a scanned decoder passes its layers' whole stack and the layer's index, so
+// that XLA does not copy the layer's weight out of the stack before every product. The product is the
+// same library call, on the same bytes, as that of the layer's weight on its own.
+template <ffi::DataType Out, typename Elem, typename Fn>
+ffi::Error StackedGemm(ffi::ThreadPool pool, Fn fn, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> layer,
+                       ffi::Result<ffi::Buffer<Out>> c) {
+  auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
+  if (da.size() != 2 || db.size() != 3 || dc.size() != 2 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("dew stacked gemm: a [M, K], b [L, K, N], layer [] and c [M, N]");
+  if (ffi::ByteWidth(a.element_type()) != sizeof(Elem) || ffi::ByteWidth(b.element_type()) != sizeof(Elem))
+    return ffi::Error::InvalidArgument("dew stacked gemm: operands of another width than the gemm's elements");
+  int64_t at = *layer.typed_data();
+  if (at < 0 || at >= db[0])
+    return ffi::Error::InvalidArgument("dew stacked gemm: layer " + std::to_string(at) + " outside the stack of " +
+                                       std::to_string(db[0]));
+  const int64_t b_dims[2] = {db[1], db[2]};
+  const auto* b_layer = static_cast<const char*>(b.untyped_data()) + at * db[1] * db[2] * sizeof(Elem);
+  return GemmOf<Out, Elem>(pool, fn, a.untyped_data(), da, b_layer, ffi::Span<const int64_t>(b_dims, 2),
+                           c->untyped_data(), dc, false, false);
+}
+
+ffi::Error StackedF32(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> layer,
+                      ffi::Result<ffi::Buffer<ffi::F32>> c) {
+  return StackedGemm<ffi::F32, float>(pool, g_sgemm, a, b, layer, c);
+}
+
+ffi::Error StackedBF16(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> layer,
+                       ffi::Result<ffi::Buffer<ffi::F32>> c) {
+  return StackedGemm<ffi::F32, uint16_t>(pool, g_bf16_gemm, a, b, layer, c);
+}
+
+ffi::Error StackedBF16ToBF16(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> layer,
+                             ffi::Result<ffi::Buffer<ffi::BF16>> c) {
+  return StackedGemm<ffi::BF16, uint16_t>(pool, g_bf16_gemm, a, b, layer, c);
 }
 
 ffi::Error GemmF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
@@ -245,11 +289,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewGemmBF16ToBF16, GemmBF16ToBF16,
                                   .Attr<bool>("transpose_a")
                                   .Attr<bool>("transpose_b"));
 
-// Python module: handlers() -> {"f32", "bf16", "bf16_to_bf16": capsule}; set_gemm(addresses).
+#define DEW_STACKED_GEMM(name, function, out)                                                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, function,                                                          \
+                                ffi::Ffi::Bind()                                                         \
+                                    .Ctx<ffi::ThreadPool>()                                              \
+                                    .Arg<ffi::AnyBuffer>()                                               \
+                                    .Arg<ffi::AnyBuffer>()                                               \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                                        \
+                                    .Ret<ffi::Buffer<out>>());
+DEW_STACKED_GEMM(DewStackedGemmF32, StackedF32, ffi::F32)
+DEW_STACKED_GEMM(DewStackedGemmBF16, StackedBF16, ffi::F32)
+DEW_STACKED_GEMM(DewStackedGemmBF16ToBF16, StackedBF16ToBF16, ffi::BF16)
+
+// Python module: handlers() -> {"f32", "bf16", "bf16_to_bf16", "stacked_" each: capsule}; set_gemm(addresses).
 static PyObject* Handlers(PyObject*, PyObject*) {
   const dew::HandlerEntry entries[] = {{"f32", reinterpret_cast<void*>(&DewGemmF32)},
                                        {"bf16", reinterpret_cast<void*>(&DewGemmBF16)},
-                                       {"bf16_to_bf16", reinterpret_cast<void*>(&DewGemmBF16ToBF16)}};
+                                       {"bf16_to_bf16", reinterpret_cast<void*>(&DewGemmBF16ToBF16)},
+                                       {"stacked_f32", reinterpret_cast<void*>(&DewStackedGemmF32)},
+                                       {"stacked_bf16", reinterpret_cast<void*>(&DewStackedGemmBF16)},
+                                       {"stacked_bf16_to_bf16", reinterpret_cast<void*>(&DewStackedGemmBF16ToBF16)}};
   return dew::HandlerDict(entries, sizeof entries / sizeof entries[0]);
 }
 

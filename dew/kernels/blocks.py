@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dew.kernels.loader import import_extension
-from dew.kernels.matmul import dot
+from dew.kernels.matmul import dot, layer_index
 from dew.kernels.policy import calls_refused, in_force, note
 
 _TARGET = "dew_blocks_product"
@@ -152,9 +152,9 @@ def kernel_product(x_NK: jax.Array, w: jax.Array, rounded: bool = False, layer: 
                          f"B]), not {x_NK.dtype} {x_NK.shape} and {w.shape}")
     if inputs(w) != x_NK.shape[1]:
         raise ValueError(f"x has {x_NK.shape[1]} inputs and the blocks weight {w.shape} holds {inputs(w)} a row")
-    index = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(())
     out = jax.ShapeDtypeStruct((x_NK.shape[0], stack.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(_ROUNDED_TARGET if rounded else _TARGET, out, vmap_method="sequential")(x_NK, stack, index)
+    call = jax.ffi.ffi_call(_ROUNDED_TARGET if rounded else _TARGET, out, vmap_method="sequential")
+    return call(x_NK, stack, layer_index(layer))
 
 
 def xla_product(x_NK: jax.Array, w: jax.Array, dtype, layer: jax.Array | None = None) -> jax.Array:

@@ -13,6 +13,12 @@ transposes, no batch) may instead run in Dew's own kernel (`few_rows_product`, `
 streams the weight once for all rows, where XLA's CPU matmul of 8 rows reads it at half the memory's rate.
 Each of its outputs is one chain of fused multiply-adds over k in order; the table decides where it runs.
 
+A scanned decoder's layers hold their weights stacked `[L, k, n]`, and XLA's CPU backend copies a layer's
+weight out of the stack before each product, every decode step. `stacked_product` hands the kernel the
+whole stack and the layer's index instead (the few-rows kernel's and oneDNN's stacked handlers read the
+layer in place): the same call on the same bytes, so the same numbers, for products of up to `FEW_ROWS`
+rows; larger ones (a prefill) take `product` of the indexed layer.
+
 On the CPU, under `auto` and `native`, a product that contracts the leading axis of `a` (a weight
 gradient) lays `a^T` out as its own array first: XLA's CPU backend sends such a dot to Eigen, slower than
 its own matmul on the transposed copy. Under `xla`, and on every other backend, the product is a plain
@@ -30,12 +36,13 @@ import numpy as np
 from jax import lax
 
 from dew.kernels.loader import import_extension, onednn_functions, onednn_path, onednn_version
-from dew.kernels.policy import (calls_refused, choose_few_rows, choose_onednn, cpu_tuned, in_force, note,
-                                product_key)
+from dew.kernels.policy import (FEW_ROWS, calls_refused, choose_few_rows, choose_onednn, cpu_tuned, in_force,
+                                note, product_key)
 
 _F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 # (operands' dtype, result's dtype) -> the handler: bfloat16 results are rounded inside the call.
 _TARGETS = {(_F32, _F32): "dew_gemm_f32", (_BF16, _F32): "dew_gemm_bf16", (_BF16, _BF16): "dew_gemm_bf16_to_bf16"}
+_U16 = jnp.dtype(jnp.uint16)  # bfloat16 weights held as their bits (dew.nn.quantize.bfloat16_bits)
 
 
 @functools.cache
@@ -100,18 +107,65 @@ def few_rows_status(policy: str | None = None) -> tuple[bool, str]:
     return (False, refused) if refused else _few_rows()
 
 
-def few_rows_product(a: jax.Array, b: jax.Array) -> jax.Array:
-    """float32 `a @ b` of `a` `[m, k]` and `b` `[k, n]`, float32, in Dew's few-rows kernel: each output is
-    `fma(a[i, k], b[k, j], sum)` over k in order from zero (where `few_rows_status()` allows it)."""
+def few_rows_product(a: jax.Array, b: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+    """float32 `a @ b` of `a` `[m, k]` and `b` `[k, n]` (with `layer`, an int32 scalar, `b[layer]` of a stack
+    `[L, k, n]`, read in place), float32, in Dew's few-rows kernel: each output is `fma(a[i, k], b[k, j],
+    sum)` over k in order from zero (where `few_rows_status()` allows it)."""
     loaded, why = _few_rows()
     if not loaded:
         raise RuntimeError(f"Dew's few-rows kernel is unavailable: {why}; use xla_product")
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0] or a.dtype != _F32 or b.dtype != _F32:
-        raise ValueError(f"few_rows_product takes float32 a [m, k] and b [k, n]; got a {a.dtype} {a.shape}, "
-                         f"b {b.dtype} {b.shape}")
-    call = jax.ffi.ffi_call("dew_few_rows", jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), _F32),
+    stack = b if layer is not None else b[None]
+    if a.ndim != 2 or stack.ndim != 3 or a.shape[1] != stack.shape[1] or a.dtype != _F32 or b.dtype != _F32:
+        raise ValueError(f"few_rows_product takes float32 a [m, k] and b [k, n] (with a layer, [L, k, n]); got a "
+                         f"{a.dtype} {a.shape}, b {b.dtype} {b.shape}")
+    call = jax.ffi.ffi_call("dew_few_rows", jax.ShapeDtypeStruct((a.shape[0], stack.shape[2]), _F32),
                             vmap_method="sequential")
-    return call(a, b)
+    return call(a, stack, layer_index(layer))
+
+
+def layer_index(layer: jax.Array | None) -> jax.Array:
+    """The int32 scalar a kernel's layer operand takes: `layer`, or 0 for a lone weight (a stack of one)."""
+    return jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(())
+
+
+def stacked_takes(a: jax.Array, stack: jax.Array, policy: str | None = None) -> bool:
+    """Whether `stacked_product` reads a layer of `stack` in place for `a` under `policy` (default the one in
+    force) here: `a` `[m, k]` of at most `FEW_ROWS` rows (a decode step's), `stack` `[L, k, n]` of `a`'s
+    dtype (float32, or bfloat16 as itself or as its uint16 bits), and the few-rows kernel or oneDNN
+    available. Elsewhere the caller indexes the layer out (a copy XLA makes) and takes `product`."""
+    weights = _BF16 if stack.dtype == _U16 else stack.dtype
+    if (a.ndim != 2 or stack.ndim != 3 or a.shape[0] > FEW_ROWS or a.dtype != weights or a.dtype not in (_F32, _BF16)
+            or a.shape[1] != stack.shape[1] or min(*a.shape, stack.shape[2]) == 0):
+        return False
+    if a.dtype == _F32 and choose_few_rows(a.shape[0], a.shape[1], stack.shape[2], in_force(policy)):
+        return few_rows_status(policy)[0]
+    return status(a.dtype, policy)[0]
+
+
+def stacked_product(a: jax.Array, stack: jax.Array, layer: jax.Array, out_dtype=jnp.float32,
+                    policy: str | None = None) -> jax.Array:
+    """`a @ stack[layer]` accumulated in float32, returned as `out_dtype` (rounded once), reading the layer
+    in place where `stacked_takes` says so: a scanned decoder's layers hold their weights stacked, and
+    XLA's CPU backend copies a layer's weight out of the stack before each product, every decode step.
+    The product is the call `product` would make for the layer's weight alone (the few-rows kernel where
+    the table chooses it, else oneDNN's gemm, even where the table would keep XLA's dot: that dot comes
+    after the copy), so its numbers are the same. Elsewhere: `product` of the indexed layer."""
+    policy = in_force(policy)
+    if not stacked_takes(a, stack, policy):
+        weight = stack[layer]
+        if weight.dtype == _U16:
+            weight = lax.bitcast_convert_type(weight, jnp.bfloat16)
+        return product(a, weight.astype(a.dtype), out_dtype=out_dtype, policy=policy)
+    (m, k), n = a.shape, stack.shape[2]
+    key = product_key(1, m, k, n, a.dtype, False, False, out_dtype)
+    if a.dtype == _F32 and choose_few_rows(m, k, n, policy):
+        note(key, "dew")
+        return few_rows_product(a, stack, layer).astype(out_dtype)
+    note(key, "onednn")
+    returned = jnp.dtype(out_dtype) if (a.dtype, jnp.dtype(out_dtype)) in _TARGETS else _F32
+    call = jax.ffi.ffi_call(_TARGETS[a.dtype, returned].replace("dew_gemm_", "dew_gemm_stacked_"),
+                            jax.ShapeDtypeStruct((m, n), returned), vmap_method="sequential")
+    return call(a, stack, layer_index(layer)).astype(out_dtype)
 
 
 def xla_product(a: jax.Array, b: jax.Array, transpose_a: bool, transpose_b: bool, out_dtype=_F32,

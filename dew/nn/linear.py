@@ -15,7 +15,7 @@ from flax import linen as nn
 
 from dew.kernels.blocks import blocks_product
 from dew.kernels.int8 import int8_product
-from dew.kernels.matmul import dot
+from dew.kernels.matmul import dot, stacked_product
 
 QUANT_COLLECTION = "quant"  # int8 weights' float32 scales (see dew.nn.quantize), or a GGUF file's blocks
 KERNEL_SCALE = "kernel_scale"
@@ -28,6 +28,11 @@ EMBED_BLOCKS = "embed_tokens_blocks"  # the token embedding's blocks `[vocab, wi
 # layer's index into them: the kernel reads its layer in place where a slice would copy it every step.
 STACKED_BLOCKS = "quant_stacked"
 BLOCKS_LAYER = "kernel_blocks_layer"
+# For generation, a scanned run's float kernels likewise sit whole, `[layers, in, out]`, under `KERNEL` in the
+# `STACKED_BLOCKS` collection (dew.nn.quantize.stacked_in_place), and their layers' indices `[layers]` under
+# `KERNEL` in `STACKED_LAYER`, which the scan slices: a decode step's product reads its layer in place.
+KERNEL = "kernel"
+STACKED_LAYER = "stacked_layer"
 
 
 def matmul(x_ND: jax.Array, w_DF: jax.Array) -> jax.Array:
@@ -65,8 +70,12 @@ class Linear(nn.Module):
             # A GGUF file's blocks, held in place of the float kernel, in Dew's blocks kernel: only their
             # 4.5-8.5 bits a weight stream from memory.
             y_NF = blocks_product(x_ND, self.get_variable(QUANT_COLLECTION, KERNEL_BLOCKS), self.dtype)
+        elif self.has_variable(STACKED_BLOCKS, KERNEL):  # a scanned layer's kernel, read in place (a decode step's)
+            y_NF = stacked_product(x_ND, self.get_variable(STACKED_BLOCKS, KERNEL),
+                                   self.get_variable(STACKED_LAYER, KERNEL),
+                                   out_dtype=jnp.float32 if self.use_bias else self.dtype)
         else:
-            kernel = self.param("kernel", named(self.kernel_init, self.names), (x.shape[-1], self.features),
+            kernel = self.param(KERNEL, named(self.kernel_init, self.names), (x.shape[-1], self.features),
                                 self.param_dtype)
             if self.has_variable(QUANT_COLLECTION, KERNEL_SCALE):
                 # int8 kernel, scales per output and group of inputs (dew.nn.quantize): in Dew's int8 kernel

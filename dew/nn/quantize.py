@@ -34,6 +34,7 @@ from flax import linen as nn
 
 from dew.kernels.int8 import group_size
 from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, Linear
+from dew.nn.stack import lift_kernels
 
 EMBED_SCALE = "embed_tokens_scale"
 # What `quantize=` names where a model is loaded: int8 made here, or a GGUF file's own blocks kept as stored
@@ -137,6 +138,15 @@ def bfloat16_bits(model, variables: Mapping[str, Any]) -> dict[str, Any]:
             module["kernel"] = jax.lax.bitcast_convert_type(module["kernel"], jnp.uint16)
     variables["params"] = params
     return variables
+
+
+def stacked_in_place(model, variables: Mapping[str, Any]) -> dict[str, Any]:
+    """`variables` (in `model`'s own form) with each scanned run's float linear kernels held whole for
+    generation (`dew.nn.stack.lift_kernels`): a decode step's product reads its layer's weight in the
+    stack where XLA would copy it out first, every step. The same values; under the kernel policy `xla`,
+    and for products of more rows than a decode step's, each layer's weight is indexed out as before.
+    Like `bfloat16_bits`, the result is for `model.apply` and generation, not for training or saving."""
+    return lift_kernels(variables, linear_paths(model, variables))
 
 
 def mutable_tree(tree):

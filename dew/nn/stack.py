@@ -21,7 +21,7 @@ from flax import linen as nn
 
 from dew.nn.attention import NO_WINDOW
 from dew.nn.layer import CONSTANTS, DecoderLayer, LayerKnobs, LayerSpec
-from dew.nn.linear import BLOCKS_LAYER, KERNEL_BLOCKS, QUANT_COLLECTION, STACKED_BLOCKS
+from dew.nn.linear import BLOCKS_LAYER, KERNEL, KERNEL_BLOCKS, QUANT_COLLECTION, STACKED_BLOCKS, STACKED_LAYER
 from dew.nn.moe import BIAS_COLLECTION
 from dew.nn.rotary import rotary_angles
 
@@ -139,12 +139,72 @@ def _lower_blocks(quant: Mapping, whole: Mapping) -> dict:
     return lowered
 
 
+def lift_kernels(variables: Mapping, paths) -> dict:
+    """`variables` (in a model's own form) with the float kernel (float32, bfloat16 or its uint16 bits) of
+    every linear at `paths` (module paths) inside a scanned run moved whole to the `STACKED_BLOCKS`
+    collection, which the scan hands every layer unsliced, and its layers' indices `[L]` put in
+    `STACKED_LAYER`, which the scan slices: a decode step's product then reads its layer in place
+    (`dew.kernels.matmul.stacked_product`) where a slice would copy it every step. For generation, not for
+    training (the in-place product has no gradient); `unstack_variables` puts the kernels back."""
+    moved, params = False, dict(variables.get("params", {}))
+    whole, indices = dict(variables.get(STACKED_BLOCKS, {})), dict(variables.get(STACKED_LAYER, {}))
+    for path in paths:
+        if not path or not _RUN.fullmatch(path[0]):
+            continue
+        trail = [params]
+        for name in path:
+            trail.append(trail[-1].get(name) if isinstance(trail[-1], Mapping) else None)
+        kernel = trail[-1].get(KERNEL) if isinstance(trail[-1], Mapping) else None
+        if kernel is None or kernel.ndim != 3 or kernel.dtype not in (jnp.float32, jnp.bfloat16, jnp.uint16):
+            continue  # int8 kernels keep their own kernel's path
+        module = {key: value for key, value in trail[-1].items() if key != KERNEL}
+        for depth in range(len(path) - 1, -1, -1):  # rebuild the containers along the path without the kernel
+            parent = dict(trail[depth])
+            parent[path[depth]] = module
+            module = parent
+        params = module
+        _place(whole, path, kernel)
+        _place(indices, path, jnp.arange(kernel.shape[0], dtype=jnp.int32))
+        moved = True
+    if not moved:
+        return dict(variables)
+    return {**variables, "params": params, STACKED_BLOCKS: whole, STACKED_LAYER: indices}
+
+
+def _place(tree: dict, path, leaf) -> None:
+    """Put `leaf` under `KERNEL` at `path` of `tree`, copying the mappings on the way (they may be shared)."""
+    for name in path:
+        tree[name] = dict(tree.get(name, {}))
+        tree = tree[name]
+    tree[KERNEL] = leaf
+
+
+def _lower_kernels(params: Mapping, whole: Mapping, indices: Mapping) -> tuple[dict, dict]:
+    """`lift_kernels` undone for the kernels `indices` names: (params with each back in place, what else
+    `whole` holds)."""
+    params, whole = dict(params), dict(whole)
+    for key, value in indices.items():
+        if key == KERNEL:
+            params[KERNEL] = whole.pop(KERNEL)
+            continue
+        params[key], whole[key] = _lower_kernels(params.get(key, {}), whole[key], value)
+        if not whole[key]:
+            del whole[key]
+    return params, whole
+
+
 def unstack_variables(variables):
     """The inverse of `stack_variables`: each `layers_{first}to{last}` subtree split into `layers_N`
     subtrees (run names say their layers, so no spec is needed)."""
     if not isinstance(variables, Mapping) or not any(
             isinstance(tree, Mapping) and any(_RUN.fullmatch(key) for key in tree) for tree in variables.values()):
         return variables
+    if STACKED_LAYER in variables:
+        variables = dict(variables)
+        variables["params"], whole = _lower_kernels(variables["params"], variables.pop(STACKED_BLOCKS),
+                                                    variables.pop(STACKED_LAYER))
+        if whole:
+            variables[STACKED_BLOCKS] = whole
     if STACKED_BLOCKS in variables:
         variables = dict(variables)
         variables[QUANT_COLLECTION] = _lower_blocks(variables[QUANT_COLLECTION], variables.pop(STACKED_BLOCKS))
@@ -230,9 +290,9 @@ def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, 
         run_context = context.replace(shared_kv=shared[_kv_kind(specs[start])]) if role == "reuse" else context
         if scan:
             # Every collection a layer holds is stacked by layer: params, a router's balancing bias, int8
-            # weights' scales, frozen output scalars.
+            # weights' scales, frozen output scalars, the indices of kernels read in place.
             scanned = nn.scan(layer_class, variable_axes={"params": 0, BIAS_COLLECTION: 0, QUANT_COLLECTION: 0,
-                                                          CONSTANTS: 0},
+                                                          CONSTANTS: 0, STACKED_LAYER: 0},
                               variable_broadcast=STACKED_BLOCKS,
                               split_rngs={"params": True, "dropout": True},
                               in_axes=(0, nn.broadcast), length=stop - start,

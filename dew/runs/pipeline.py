@@ -16,7 +16,7 @@ from dew.inference.block import BlockGeneration
 from dew.inference.masked import MaskedGeneration
 from dew.inference.text import TextGeneration
 from dew.nn.lora import LoRA, LoRAModel
-from dew.nn.quantize import WEIGHT_FORMATS, bfloat16_bits, quantize_int8
+from dew.nn.quantize import WEIGHT_FORMATS, bfloat16_bits, quantize_int8, stacked_in_place
 from dew.nn.transformer import CausalTransformer, as_dtype
 from dew.runs.run_dir import RunDirectory
 from dew.sampling import Sampling
@@ -49,7 +49,22 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
     `dtype="bfloat16"` also holds the weights in bfloat16 unless `param_dtype` says otherwise (half
     float32's bytes; the products run in oneDNN's bfloat16 gemm where the CPU has it, and the KV cache is
     bfloat16), while norms, softmax and logits stay float32, as transformers runs a bfloat16 model.
+
+    A causal decoder's scanned layers keep their float weights stacked in place for decoding
+    (`dew.nn.quantize.stacked_in_place`): `task.params` is for generation, not for training or saving
+    (`model.unstack_variables` gives the per-layer tree).
     """
+    return _in_place(_task(source, ema=ema, step=step, quantize=quantize, dtype=dtype, **load))
+
+
+def _in_place(task):
+    """`task` with a causal decoder's scanned float kernels held whole, read in place by decode steps."""
+    if isinstance(task, TextGeneration) and isinstance(task.model, CausalTransformer):
+        return dataclasses.replace(task, params=stacked_in_place(task.model, task.params))
+    return task
+
+
+def _task(source, *, ema: bool, step: int | None, quantize: str | None, dtype: str | None, **load):
     path = Path(source)
     run, run_step = run_of(path)
     if dtype is not None:

@@ -1,0 +1,116 @@
+"""A scanned run's float kernels read in place by decode steps (`dew.nn.quantize.stacked_in_place`,
+`dew.kernels.matmul.stacked_product`; the layer operand of native/gemm.cc's stacked handlers and of
+native/few_rows.cc) against the same layers' weights indexed out of the stack, as the scan slices them."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew import models
+from dew.interop.roundings import decoder_ulps
+from dew.kernels import matmul
+from dew.nn.linear import KERNEL, STACKED_BLOCKS, STACKED_LAYER
+from dew.nn.quantize import bfloat16_bits, stacked_in_place
+from dew.sampling import Sampling, generate
+from tests.conftest import TINY
+from tests.tolerances import ulp_bound
+
+RUN = "layers_0to1"
+DECODE = jnp.asarray([[3], [17], [42]], jnp.int32)  # three rows, one position each: a decode step's products
+PREFILL = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, 40)), jnp.int32)  # 40 rows, over FEW_ROWS
+# A kernel's copy out of the stack: a dynamic-slice whose result is one layer's kernel (or a stack of one).
+_COPY = re.compile(r"= (f32|bf16|u16)\[(1,)?(32,32|32,16|32,64|64,32)\]\{[^}]*\} dynamic-slice\(")
+
+pytestmark = pytest.mark.skipif(not matmul.status()[0], reason="oneDNN's gemm is unavailable here")
+
+
+def _with(model, **changes):
+    return model.clone(config=dataclasses.replace(model.config, **changes))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.build("causal_transformer", **{**TINY, "scan_layers": 1})
+
+
+@pytest.fixture(scope="module")
+def variables(model):
+    # Weights of order one, so that the products' roundings show in the logits.
+    init = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), head=False)
+    return jax.tree_util.tree_map(lambda x: x * 20 if x.ndim == 3 else x, init)
+
+
+def _bfloat16(model, variables):
+    model = _with(model, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    return model, bfloat16_bits(model, jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), variables))
+
+
+def test_the_kernels_move_whole_and_come_back(model, variables):
+    lifted = stacked_in_place(model, variables)
+    assert lifted[STACKED_BLOCKS][RUN]["mlp"]["up_proj"][KERNEL].shape == (2, 32, 64)
+    np.testing.assert_array_equal(lifted[STACKED_LAYER][RUN]["self_attn"]["k_proj"][KERNEL], [0, 1])
+    assert KERNEL not in lifted["params"][RUN]["mlp"]["up_proj"] and "lm_head" in lifted["params"]
+    back, per_layer = model.unstack_variables(lifted), model.unstack_variables(variables)
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(per_layer)
+    for ours, theirs in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(per_layer)):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_step_reads_each_layer_in_place_with_the_same_products(model, variables, dtype):
+    model = _with(model, kernels="native")  # every product in oneDNN, scanned or not: the same calls
+    if dtype == "bfloat16":
+        if not matmul.status(jnp.bfloat16)[0]:
+            pytest.skip(matmul.status(jnp.bfloat16)[1])
+        model, variables = _bfloat16(model, variables)
+    lifted = stacked_in_place(model, variables)
+    ours = np.asarray(jax.jit(model.apply)(lifted, DECODE), np.float32)
+    # The same oneDNN call on the same bytes as on the scan's slice of them, only read where they lie: the
+    # same bits. (Against unrolled layers too in float32; in bfloat16 XLA rounds the scan's body's other
+    # operations otherwise than the unrolled layers', 1.2e-3 apart on logits of 0.3, with or without this.)
+    np.testing.assert_array_equal(ours, np.asarray(jax.jit(model.apply)(variables, DECODE), np.float32))
+    if dtype == "float32":
+        unrolled = _with(model, scan_layers=0)
+        per_layer = unrolled.stack_variables(model.unstack_variables(variables))
+        np.testing.assert_array_equal(ours, np.asarray(jax.jit(unrolled.apply)(per_layer, DECODE)))
+    step = jax.jit(model.apply).lower(lifted, DECODE).compile().as_text()
+    assert "dew_gemm_stacked_" in step and not _COPY.search(step)
+    sliced = jax.jit(model.apply).lower(variables, DECODE).compile().as_text()
+    assert _COPY.search(sliced)  # what the stacked operand avoids: each kernel copied out first
+
+
+def test_under_auto_the_logits_and_greedy_tokens_are_float32s(model, variables):
+    lifted = stacked_in_place(model, variables)
+    ours, theirs = (np.asarray(jax.jit(model.apply)(v, DECODE)) for v in (lifted, variables))
+    # The stacked product runs in oneDNN (or the few-rows kernel) where the tiny products of the sliced
+    # weights stay XLA's (under MIN_FLOPS): the same float32 sums in another order, a random walk of
+    # roundings through two layers. Observed: 8.5e-8 on logits of 0.40 (the bound: 2.9e-6).
+    ulps = decoder_ulps(layers=2, width=32, mlp_width=64, heads=4, head_dim=8, seq_len=1, libraries=1)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=ulp_bound(ulps, np.abs(theirs).max()))
+    # A prefill's 40 rows take the indexed layer's product, as the sliced weights do: the same bits.
+    np.testing.assert_array_equal(*(np.asarray(jax.jit(model.apply)(v, PREFILL)) for v in (lifted, variables)))
+    # Under `xla` every product is XLA's dot of the indexed layer: the same bits as the scan's slices.
+    xla = _with(model, kernels="xla")
+    np.testing.assert_array_equal(*(np.asarray(jax.jit(xla.apply)(v, DECODE)) for v in (lifted, variables)))
+    greedy = Sampling(temperature=0.0)
+    prompts = [[5, 9, 14, 2], [7, 1, 33, 60]]
+    tokens = [generate(model, v, prompts, 8, key=jax.random.key(0), sampling=greedy).tokens for v in (lifted, variables)]
+    np.testing.assert_array_equal(*tokens)
+
+
+def test_bfloat16_greedy_tokens_are_the_sliced_weights(model, variables):
+    if not matmul.status(jnp.bfloat16)[0]:
+        pytest.skip(matmul.status(jnp.bfloat16)[1])
+    model, variables = _bfloat16(model, variables)
+    lifted = stacked_in_place(model, variables)
+    # bfloat16 products of a few rows run in oneDNN either way (dew.kernels.policy.choose_onednn): the same bits.
+    np.testing.assert_array_equal(*(np.asarray(jax.jit(model.apply)(v, DECODE), np.float32) for v in (lifted, variables)))
+    greedy, prompts = Sampling(temperature=0.0), [[5, 9, 14, 2]]
+    tokens = [generate(model, v, prompts, 8, key=jax.random.key(0), sampling=greedy).tokens for v in (lifted, variables)]
+    np.testing.assert_array_equal(*tokens)
