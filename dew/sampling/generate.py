@@ -24,6 +24,8 @@ from flax import struct
 
 from dew.data.inputs import MEDIA_FIELDS, ModelInputs, agree_on_mask, text_fields
 from dew.nn.multimodal import MultimodalTransformer
+from dew.nn.quantize import stacked_in_place
+from dew.nn.transformer import CausalTransformer
 from dew.sampling.sampling import Sampling, SamplingParams, draw
 from dew.sampling.scoring import Scores, prompt_scores
 
@@ -324,13 +326,20 @@ def _media_of(media_rows: dict, prompt_ids: np.ndarray, width: int) -> dict:
     return media
 
 
+def _in_place(model, params):
+    """A causal decoder's `params` with its scanned runs' float kernels held whole, so that each decode step
+    reads its layers' weights in place rather than XLA copying them out of the stack every step
+    (`dew.nn.quantize.stacked_in_place`; the same products, so the same numbers)."""
+    return stacked_in_place(model, params) if isinstance(model, CausalTransformer) else params
+
+
 @functools.lru_cache(maxsize=32)
 def _compiled(model, max_new_tokens: int, eos: tuple[int, ...], pad_id: int):
     """Prefill and `max_new_tokens` decode steps as one compiled call (sampling values are arguments)."""
 
     @jax.jit
     def run(params, tokens_BP, valid_BP, keys_B, sampling: SamplingParams, media):
-        params = model.stack_variables(params)  # once, not at every decode step
+        params = _in_place(model, model.stack_variables(params))  # once, not at every decode step
         state = start(model, params, tokens_BP, valid_BP, tokens_BP.shape[1] + max_new_tokens,
                       sampling.use_penalty, media)
 
@@ -346,7 +355,7 @@ def _compiled(model, max_new_tokens: int, eos: tuple[int, ...], pad_id: int):
 @functools.lru_cache(maxsize=32)
 def _pieces(model, capacity: int, eos: tuple[int, ...], pad_id: int):
     """The compiled prefill and decode step a streamed generation loops over on the host."""
-    stack = jax.jit(model.stack_variables)
+    stack = jax.jit(lambda params: _in_place(model, model.stack_variables(params)))
     first = jax.jit(lambda params, tokens, valid, penalty, media: start(model, params, tokens, valid, capacity,
                                                                          penalty, media), static_argnums=3)
     step = jax.jit(lambda params, state, keys, t, sampling: advance(model, params, state, keys, t, sampling, eos,
