@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "isa.h"
@@ -424,6 +425,10 @@ void Plan(Pieces& pieces, int64_t n, int64_t d, int64_t f, int64_t threads) {
   pieces.chunks = (f + pieces.chunk_columns - 1) / pieces.chunk_columns;
 }
 
+// The products' pieces across XLA's intra-op threads, then their slices' sums added.
+ffi::Error RunProducts(ffi::ThreadPool pool, const std::shared_ptr<Pieces>& pieces, int64_t batch, int64_t n,
+                       int64_t d, int64_t f, bool transposed);
+
 ffi::Error Int8Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                        ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> y, bool transposed) {
   auto dx = x.dimensions(), dq = q.dimensions(), ds = scale.dimensions(), dy = y->dimensions();
@@ -473,6 +478,40 @@ ffi::Error Int8Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
                                        scale.typed_data() + os * groups * f, y->typed_data() + b * n * f, n, d, f,
                                        groups, std::max<int64_t>(group, 1)});
   }
+  return RunProducts(pool, pieces, batch, n, d, f, transposed);
+}
+
+// x [N, D] times layer `layer` of a stack of int8 weights q [L, D, F], with that layer's scales [G, F], read
+// in place: a scanned decoder passes its layers' whole stack and the layer's index, so that XLA does not
+// copy the layer's weight out of the stack before every product. The same product as of q[layer] alone.
+ffi::Error Int8StackedProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                              ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer,
+                              ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  auto dx = x.dimensions(), dq = q.dimensions(), ds = scale.dimensions(), dy = y->dimensions();
+  if (dx.size() != 2 || dq.size() != 3 || ds.size() != 2 || dy.size() != 2 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("dew int8 stacked product: x [N, D], q [L, D, F], scale [G, F], layer []");
+  int64_t n = dx[0], d = dx[1], f = dq[2], groups = ds[0], at = *layer.typed_data();
+  if (dq[1] != d || ds[1] != f || dy[0] != n || dy[1] != f)
+    return ffi::Error::InvalidArgument("dew int8 stacked product: operand shapes do not make a product");
+  if (at < 0 || at >= dq[0])
+    return ffi::Error::InvalidArgument("dew int8 stacked product: layer " + std::to_string(at) +
+                                       " outside the stack of " + std::to_string(dq[0]));
+  int64_t group = groups > 0 ? (d + groups - 1) / groups : 0;
+  if (d > 0 && (groups < 1 || (d + group - 1) / group != groups))
+    return ffi::Error::InvalidArgument("dew int8 stacked product: the scales' groups do not divide the inputs");
+  if (n == 0 || f == 0) return ffi::Error::Success();
+  if (d == 0) {
+    std::fill(y->typed_data(), y->typed_data() + n * f, 0.0f);
+    return ffi::Error::Success();
+  }
+  auto pieces = std::make_shared<Pieces>();
+  pieces->products.push_back(Product{x.typed_data(), q.typed_data() + at * d * f, scale.typed_data(),
+                                     y->typed_data(), n, d, f, groups, std::max<int64_t>(group, 1)});
+  return RunProducts(pool, pieces, 1, n, d, f, false);
+}
+
+ffi::Error RunProducts(ffi::ThreadPool pool, const std::shared_ptr<Pieces>& pieces, int64_t batch, int64_t n,
+                       int64_t d, int64_t f, bool transposed) {
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   pieces->transposed = transposed;
   pieces->columns_body = PickColumns();
@@ -505,10 +544,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewInt8Product, Int8Product,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("transposed"));
 
-// Python module: handler() -> capsule; isa() -> the body in use; set_isa(name) lowers it.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewInt8StackedProduct, Int8StackedProduct,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// Python module: handler() -> capsule; stacked_handler() -> the stacked product's; isa() -> the body in use;
+// set_isa(name) lowers it.
 
 static PyObject* Handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DewInt8Product), nullptr, nullptr);
+}
+
+static PyObject* StackedHandler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&DewInt8StackedProduct), nullptr, nullptr);
 }
 
 static PyObject* GetIsa(PyObject*, PyObject*) { return dew::GetIsa(g_isa); }
@@ -517,6 +570,7 @@ static PyObject* SetIsa(PyObject*, PyObject* args) { return dew::SetIsa(args, g_
 
 static PyMethodDef kMethods[] = {
     {"handler", Handler, METH_NOARGS, "The XLA FFI handler of the int8 product, as a capsule."},
+    {"stacked_handler", StackedHandler, METH_NOARGS, "The handler of the product with a layer of a stack."},
     {"isa", GetIsa, METH_NOARGS, "The instruction set the product's bodies use: avx512, avx2 or portable."},
     {"set_isa", SetIsa, METH_VARARGS, "Use a narrower instruction set than the CPU's best (for tests)."},
     {nullptr, nullptr, 0, nullptr}};

@@ -28,10 +28,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from dew.kernels.loader import import_extension
-from dew.kernels.matmul import dot
+from dew.kernels.matmul import dot, layer_index
 from dew.kernels.policy import calls_refused, note
 
 _TARGET = "dew_int8_product"
+_STACKED_TARGET = "dew_int8_stacked_product"  # q [L, D, F] and the layer's index
 # The compute dtypes whose values float32 holds exactly, so the kernel's float32 operand is the XLA
 # form's operand.
 _KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -78,6 +79,7 @@ def _load() -> tuple[bool, str]:
     if _native_int8 is None:
         return False, why
     jax.ffi.register_ffi_target(_TARGET, _native_int8.handler(), platform="cpu")
+    jax.ffi.register_ffi_target(_STACKED_TARGET, _native_int8.stacked_handler(), platform="cpu")
     return True, f"dew._native_int8 with {_native_int8.isa()} loops"
 
 
@@ -120,12 +122,20 @@ def kernel_takes(x_ND: jax.Array, q: jax.Array, dtype, policy: str | None = None
     return taken
 
 
-def int8_product(x_ND: jax.Array, q: jax.Array, scale: jax.Array, dtype, transposed: bool = False) -> jax.Array:
+def int8_product(x_ND: jax.Array, q: jax.Array, scale: jax.Array, dtype, transposed: bool = False,
+                 layer: jax.Array | None = None) -> jax.Array:
     """`x @ (q * scale)` as float32 `[N, F]`, `x` in the compute `dtype`, `q` int8 `[D, F]` and `scale`
-    `[G, F]` (`[F, D]` and `[F, G]` when `transposed`): Dew's kernel where `kernel_takes` says so, else
-    `xla_product`."""
-    if kernel_takes(x_ND, q, dtype):
+    `[G, F]` (`[F, D]` and `[F, G]` when `transposed`), or with `layer` (an int32 scalar) `q[layer]` of a
+    stack `[L, D, F]`, read in place by the kernel (a scanned decoder's weights, which slicing would copy
+    every step): Dew's kernel where `kernel_takes` says so, else `xla_product`."""
+    one = q if layer is None else jax.ShapeDtypeStruct(q.shape[1:], q.dtype)
+    if kernel_takes(x_ND, one, dtype):
         # `dtype` first: the products are those of the compute dtype's x, as in the XLA form.
         x_ND = x_ND.astype(dtype).astype(jnp.float32)
-        return kernel_product(x_ND, q, scale.astype(jnp.float32), transposed)
-    return xla_product(x_ND, q, scale, dtype, transposed)
+        if layer is not None and not transposed:
+            _checked_group(one, scale, axis=-2)
+            out = jax.ShapeDtypeStruct((x_ND.shape[0], q.shape[-1]), jnp.float32)
+            call = jax.ffi.ffi_call(_STACKED_TARGET, out, vmap_method="sequential")
+            return call(x_ND, q, scale.astype(jnp.float32), layer_index(layer))
+        return kernel_product(x_ND, q if layer is None else q[layer], scale.astype(jnp.float32), transposed)
+    return xla_product(x_ND, q if layer is None else q[layer], scale, dtype, transposed)

@@ -71,9 +71,12 @@ class Linear(nn.Module):
             # 4.5-8.5 bits a weight stream from memory.
             y_NF = blocks_product(x_ND, self.get_variable(QUANT_COLLECTION, KERNEL_BLOCKS), self.dtype)
         elif self.has_variable(STACKED_BLOCKS, KERNEL):  # a scanned layer's kernel, read in place (a decode step's)
-            y_NF = stacked_product(x_ND, self.get_variable(STACKED_BLOCKS, KERNEL),
-                                   self.get_variable(STACKED_LAYER, KERNEL),
-                                   out_dtype=jnp.float32 if self.use_bias else self.dtype)
+            stack, layer = self.get_variable(STACKED_BLOCKS, KERNEL), self.get_variable(STACKED_LAYER, KERNEL)
+            if stack.dtype == jnp.int8:
+                y_NF = int8_product(x_ND, stack, self.get_variable(QUANT_COLLECTION, KERNEL_SCALE), self.dtype,
+                                    layer=layer)
+            else:
+                y_NF = stacked_product(x_ND, stack, layer, out_dtype=jnp.float32 if self.use_bias else self.dtype)
         else:
             kernel = self.param(KERNEL, named(self.kernel_init, self.names), (x.shape[-1], self.features),
                                 self.param_dtype)

@@ -140,7 +140,7 @@ def _lower_blocks(quant: Mapping, whole: Mapping) -> dict:
 
 
 def lift_kernels(variables: Mapping, paths) -> dict:
-    """`variables` (in a model's own form) with the float kernel (float32, bfloat16 or its uint16 bits) of
+    """`variables` (in a model's own form) with the kernel (float32, bfloat16 or its uint16 bits, int8) of
     every linear at `paths` (module paths) inside a scanned run moved whole to the `STACKED_BLOCKS`
     collection, which the scan hands every layer unsliced, and its layers' indices `[L]` put in
     `STACKED_LAYER`, which the scan slices: a decode step's product then reads its layer in place
@@ -155,8 +155,8 @@ def lift_kernels(variables: Mapping, paths) -> dict:
         for name in path:
             trail.append(trail[-1].get(name) if isinstance(trail[-1], Mapping) else None)
         kernel = trail[-1].get(KERNEL) if isinstance(trail[-1], Mapping) else None
-        if kernel is None or kernel.ndim != 3 or kernel.dtype not in (jnp.float32, jnp.bfloat16, jnp.uint16):
-            continue  # int8 kernels keep their own kernel's path
+        if kernel is None or kernel.ndim != 3 or kernel.dtype not in (jnp.float32, jnp.bfloat16, jnp.uint16, jnp.int8):
+            continue
         module = {key: value for key, value in trail[-1].items() if key != KERNEL}
         for depth in range(len(path) - 1, -1, -1):  # rebuild the containers along the path without the kernel
             parent = dict(trail[depth])

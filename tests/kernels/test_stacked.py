@@ -16,7 +16,8 @@ from dew import models
 from dew.interop.roundings import decoder_ulps
 from dew.kernels import matmul, policy
 from dew.nn.linear import KERNEL, STACKED_BLOCKS, STACKED_LAYER
-from dew.nn.quantize import bfloat16_bits, stacked_in_place
+from dew.kernels import int8
+from dew.nn.quantize import bfloat16_bits, quantize_int8, stacked_in_place
 from dew.sampling import Sampling, generate
 from tests.conftest import TINY
 from tests.tolerances import ulp_bound
@@ -25,7 +26,7 @@ RUN = "layers_0to1"
 DECODE = jnp.asarray([[3], [17], [42]], jnp.int32)  # three rows, one position each: a decode step's products
 PREFILL = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, 40)), jnp.int32)  # 40 rows, over FEW_ROWS
 # A kernel's copy out of the stack: a dynamic-slice whose result is one layer's kernel (or a stack of one).
-_COPY = re.compile(r"= (f32|bf16|u16)\[(1,)?(32,32|32,16|32,64|64,32)\]\{[^}]*\} dynamic-slice\(")
+_COPY = re.compile(r"= (f32|bf16|u16|s8)\[(1,)?(32,32|32,16|32,64|64,32)\]\{[^}]*\} dynamic-slice\(")
 
 pytestmark = pytest.mark.skipif(not matmul.status()[0], reason="oneDNN's gemm is unavailable here")
 
@@ -119,3 +120,16 @@ def test_bfloat16_logits_are_the_sliced_weights_and_greedy_tokens_xlas(model, va
     # bfloat16 products of a few rows run in oneDNN either way (dew.kernels.policy.choose_onednn): the same bits.
     np.testing.assert_array_equal(*(np.asarray(jax.jit(model.apply)(v, DECODE), np.float32) for v in (lifted, variables)))
     _same_greedy_tokens(model, _with(model, kernels="xla"), variables, [[5, 9, 14, 2]])
+
+
+def test_int8_kernels_are_read_in_place_by_the_int8_kernel(model, variables):
+    if not int8.kernel_status()[0]:
+        pytest.skip(int8.kernel_status()[1])
+    quantized = quantize_int8(model, variables)
+    lifted = stacked_in_place(model, quantized)
+    assert lifted[STACKED_BLOCKS][RUN]["mlp"]["down_proj"][KERNEL].dtype == jnp.int8
+    # The int8 kernel's product of the same bytes and scales, only read where they lie: the same bits.
+    np.testing.assert_array_equal(*(np.asarray(jax.jit(model.apply)(v, DECODE)) for v in (lifted, quantized)))
+    step = jax.jit(model.apply).lower(lifted, DECODE).compile().as_text()
+    assert "dew_int8_stacked_product" in step and not _COPY.search(step)
+    np.testing.assert_array_equal(*(np.asarray(jax.jit(model.apply)(v, PREFILL)) for v in (lifted, quantized)))
