@@ -28,7 +28,7 @@ EMBED_BLOCKS = "embed_tokens_blocks"  # the token embedding's blocks `[vocab, wi
 # layer's index into them: the kernel reads its layer in place where a slice would copy it every step.
 STACKED_BLOCKS = "quant_stacked"
 BLOCKS_LAYER = "kernel_blocks_layer"
-# For generation, a scanned run's float kernels likewise sit whole, `[layers, in, out]`, under `KERNEL` in the
+# For generation, a scanned run's float and int8 kernels likewise sit whole, `[layers, in, out]`, under `KERNEL` in the
 # `STACKED_BLOCKS` collection (dew.nn.quantize.stacked_in_place), and their layers' indices `[layers]` under
 # `KERNEL` in `STACKED_LAYER`, which the scan slices: a decode step's product reads its layer in place.
 KERNEL = "kernel"

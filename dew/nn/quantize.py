@@ -141,7 +141,7 @@ def bfloat16_bits(model, variables: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def stacked_in_place(model, variables: Mapping[str, Any]) -> dict[str, Any]:
-    """`variables` (in `model`'s own form) with each scanned run's float linear kernels held whole for
+    """`variables` (in `model`'s own form) with each scanned run's linear kernels (float or int8) held whole for
     generation (`dew.nn.stack.lift_kernels`): a decode step's product reads its layer's weight in the
     stack where XLA would copy it out first, every step. The same values; under the kernel policy `xla`,
     and for products of more rows than a decode step's, each layer's weight is indexed out as before.

@@ -50,7 +50,7 @@ def pipeline(source: str | os.PathLike, *, ema: bool = True, step: int | None = 
     float32's bytes; the products run in oneDNN's bfloat16 gemm where the CPU has it, and the KV cache is
     bfloat16), while norms, softmax and logits stay float32, as transformers runs a bfloat16 model.
 
-    A causal decoder's scanned layers keep their float weights stacked in place for decoding
+    A causal decoder's scanned layers keep their linear weights stacked, read in place by decoding
     (`dew.nn.quantize.stacked_in_place`): `task.params` is for generation, not for training or saving
     (`model.unstack_variables` gives the per-layer tree).
     """
