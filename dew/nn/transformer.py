@@ -500,6 +500,11 @@ class ModelVariables:
         return nn.get_partition_spec(_variable_shapes(self))
 
     @nn.nowrap
+    def apply(self, variables, *args, **kwargs):
+        """Apply to the model's own (stacked) variables, or to per-layer ones (stacked on the way in)."""
+        return super().apply(self.stack_variables(variables), *args, **kwargs)
+
+    @nn.nowrap
     def variable_shapes(self):
         """`init`'s variables, every collection, as shapes (`jax.ShapeDtypeStruct`), without allocating them."""
         return nn.meta.unbox(_variable_shapes(self))
