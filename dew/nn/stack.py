@@ -120,7 +120,7 @@ def _lift_blocks(tree: Mapping, whole: dict) -> dict:
     for key, value in tree.items():
         if key == KERNEL_BLOCKS:
             whole[key] = value
-            kept[BLOCKS_LAYER] = jnp.arange(value.shape[0], dtype=jnp.int32)
+            kept[BLOCKS_LAYER] = layer_indices(value)
         elif isinstance(value, Mapping):
             inner = whole.setdefault(key, {})
             kept[key] = _lift_blocks(value, inner)
@@ -164,11 +164,22 @@ def lift_kernels(variables: Mapping, paths) -> dict:
             module = parent
         params = module
         _place(whole, path, kernel)
-        _place(indices, path, jnp.arange(kernel.shape[0], dtype=jnp.int32))
+        _place(indices, path, layer_indices(kernel))
         moved = True
     if not moved:
         return dict(variables)
     return {**variables, "params": params, STACKED_BLOCKS: whole, STACKED_LAYER: indices}
+
+
+def layer_indices(stack) -> jax.Array:
+    """`[0, L)` for a stack of L layers, on the devices that hold the stack (replicated over them): a
+    model placed on several devices keeps every variable there."""
+    index = jnp.arange(stack.shape[0], dtype=jnp.int32)
+    if not isinstance(stack, jax.Array) or isinstance(stack, jax.core.Tracer):
+        return index
+    devices = sorted(stack.sharding.device_set, key=lambda device: device.id)
+    mesh = jax.sharding.Mesh(np.array(devices), ("devices",))
+    return jax.device_put(index, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def _place(tree: dict, path, leaf) -> None:
