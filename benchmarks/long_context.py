@@ -70,6 +70,7 @@ from benchmarks.generate import SHAPES, random_llama
 from dew.kernels import decode_attention as decode_kernel
 from dew.kernels import matmul
 from dew.sampling import Sampling
+from dew.nn.quantize import stacked_in_place
 from dew.sampling.generate import DecodeState, advance
 from dew.sampling.sampling import SamplingParams
 
@@ -91,6 +92,8 @@ def dew_decoder(model, steps: int, refuse: tuple[str, ...] = ()):
 
     @functools.partial(jax.jit, donate_argnums=1)
     def run(params, state, keys_B, sampling):
+        params = stacked_in_place(model, params)  # as generate and the serving engine hold them
+
         def step(state, t):
             state, (token_B, _, _) = advance(model, params, state, keys_B, t, sampling, (), 0)
             return state, token_B
