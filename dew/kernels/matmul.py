@@ -36,8 +36,8 @@ import numpy as np
 from jax import lax
 
 from dew.kernels.loader import import_extension, onednn_functions, onednn_path, onednn_version
-from dew.kernels.policy import (FEW_ROWS, calls_refused, choose_few_rows, choose_onednn, cpu_tuned, in_force,
-                                note, product_key)
+from dew.kernels.policy import (FEW_ROWS, calls_refused, choose_few_rows, choose_onednn, choose_stacked_few_rows,
+                                cpu_tuned, in_force, note, product_key)
 
 _F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 # (operands' dtype, result's dtype) -> the handler: bfloat16 results are rounded inside the call.
@@ -137,7 +137,7 @@ def stacked_takes(a: jax.Array, stack: jax.Array, policy: str | None = None) -> 
     if (a.ndim != 2 or stack.ndim != 3 or a.shape[0] > FEW_ROWS or a.dtype != weights or a.dtype not in (_F32, _BF16)
             or a.shape[1] != stack.shape[1] or min(*a.shape, stack.shape[2]) == 0):
         return False
-    if a.dtype == _F32 and choose_few_rows(a.shape[0], a.shape[1], stack.shape[2], in_force(policy)):
+    if a.dtype == _F32 and choose_stacked_few_rows(a.shape[0], a.shape[1], stack.shape[2], in_force(policy)):
         return few_rows_status(policy)[0]
     return status(a.dtype, policy)[0]
 
@@ -158,7 +158,7 @@ def stacked_product(a: jax.Array, stack: jax.Array, layer: jax.Array, out_dtype=
         return product(a, weight.astype(a.dtype), out_dtype=out_dtype, policy=policy)
     (m, k), n = a.shape, stack.shape[2]
     key = product_key(1, m, k, n, a.dtype, False, False, out_dtype)
-    if a.dtype == _F32 and choose_few_rows(m, k, n, policy):
+    if a.dtype == _F32 and choose_stacked_few_rows(m, k, n, policy):
         note(key, "dew")
         return few_rows_product(a, stack, layer).astype(out_dtype)
     note(key, "onednn")

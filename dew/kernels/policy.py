@@ -215,6 +215,16 @@ def choose_few_rows(m: int, k: int, n: int, policy: str, cpu: str | None = None,
     return bool(best and best.get("few_rows"))
 
 
+def choose_stacked_few_rows(m: int, k: int, n: int, policy: str) -> bool:
+    """`choose_few_rows` for a product that reads its layer in place from a scanned run's stack: under
+    `auto` and `exact`, 2 to `FEW_ROWS` rows take the few-rows kernel, which streams the weight once for
+    all of them (oneDNN's gemm of a few rows, read in place, was slower than XLA's dot after its copy);
+    one row as the table says."""
+    if policy in ("auto", "exact") and 2 <= m <= FEW_ROWS:
+        return True
+    return choose_few_rows(m, k, n, policy)
+
+
 @contextlib.contextmanager
 def recording() -> Iterator[dict[str, str]]:
     """Collect the choices made while tracing inside: `{product_key: "onednn" | "xla"}`, and for the
