@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dew.sampling import Sampling
-from dew.sampling.sampling import first_maximum
+from dew.sampling.sampling import categorical, first_maximum
 from tests.tolerances import ulp_bound
 
 torch = pytest.importorskip("torch")
@@ -86,6 +86,22 @@ def test_first_maximum_is_argmax_with_ties_nans_and_infinities():
     rows[4, 49] = np.inf
     rows[5, :] = 0.0
     np.testing.assert_array_equal(np.asarray(jax.jit(first_maximum)(jnp.asarray(rows))), np.argmax(rows, axis=-1))
+
+
+def test_categorical_draws_what_jax_random_categorical_draws():
+    # The same noise from the same keys and the same first maximum: equal tokens, not close ones, over rows
+    # with filtered (-inf) entries, ties of logits and a row of one certain token.
+    rows = np.random.default_rng(3).normal(size=(16, 3000)).astype(np.float32) * 4
+    rows[1, ::3] = -np.inf
+    rows[2, 100:200] = 2.5
+    rows[3, :] = -np.inf
+    rows[3, 17] = 0.0
+    old = jax.jit(jax.vmap(jax.random.categorical))
+    new = jax.jit(categorical)
+    for seed in range(8):
+        keys = jax.random.split(jax.random.key(seed), rows.shape[0])
+        logits = jnp.asarray(rows * (1 + seed % 3))
+        np.testing.assert_array_equal(np.asarray(new(keys, logits)), np.asarray(old(keys, logits)))
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
