@@ -131,16 +131,23 @@ class SamplingParams:
         )
 
 
+def penalise(params: SamplingParams, logits_BV: jax.Array, seen_BV: jax.Array | None = None) -> jax.Array:
+    """float32 logits with each row's repetition penalty applied to the tokens it has seen (what a greedy
+    row chooses from)."""
+    logits_BV = logits_BV.astype(jnp.float32)
+    if not params.use_penalty:
+        return logits_BV
+    if seen_BV is None:
+        raise ValueError("repetition_penalty needs the tokens each row has seen")
+    penalty = jnp.asarray(params.repetition_penalty)[:, None]
+    penalised = jnp.where(logits_BV < 0, logits_BV * penalty, logits_BV / penalty)
+    return jnp.where(seen_BV, penalised, logits_BV)
+
+
 def filter_logits(params: SamplingParams, logits_BV: jax.Array, seen_BV: jax.Array | None = None) -> jax.Array:
     """float32 logits with each row's policy applied (see `Sampling`); greedy rows are only penalised."""
-    logits_BV = logits_BV.astype(jnp.float32)
+    logits_BV = penalise(params, logits_BV, seen_BV)
     column = lambda values: jnp.asarray(values)[:, None]
-    if params.use_penalty:
-        if seen_BV is None:
-            raise ValueError("repetition_penalty needs the tokens each row has seen")
-        penalty = column(params.repetition_penalty)
-        penalised = jnp.where(logits_BV < 0, logits_BV * penalty, logits_BV / penalty)
-        logits_BV = jnp.where(seen_BV, penalised, logits_BV)
     greedy = column(params.temperature) == 0.0
     sampled_BV = logits_BV / jnp.where(greedy, 1.0, column(params.temperature))
     vocab = logits_BV.shape[-1]
@@ -179,7 +186,9 @@ def draw(params: SamplingParams, keys_B: jax.Array, logits_BV: jax.Array, seen_B
     # CPU they cost more than the rest of the sampling together.
     drawn = jax.lax.cond(jnp.all(greedy_B), lambda: jnp.zeros(keys_B.shape, jnp.int32),
                          lambda: categorical(keys_B, filtered))
-    tokens = jnp.where(greedy_B, first_maximum(filtered), drawn)
+    # A greedy row's filtered logits are its penalised ones: its maximum is taken there, so a step whose
+    # log-probabilities go unused never lays the filtered logits out.
+    tokens = jnp.where(greedy_B, first_maximum(penalise(params, logits_BV, seen_BV)), drawn)
     log_probs = jax.nn.log_softmax(filtered, axis=-1)
     return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
 
@@ -195,7 +204,35 @@ def categorical(keys_B: jax.Array, logits_BV: jax.Array) -> jax.Array:
 
 def first_maximum(x_BV: jax.Array) -> jax.Array:
     """`jnp.argmax(x_BV, axis=-1)` as int32 `[B]` (the first maximum; the first NaN where a row holds one),
-    from two plain reductions: XLA's CPU backend runs argmax's paired reduction an element at a time."""
-    top_B1 = jnp.max(x_BV, axis=-1, keepdims=True)
-    hit_BV = (x_BV == top_B1) | jnp.isnan(x_BV)
-    return jnp.min(jnp.where(hit_BV, jnp.arange(x_BV.shape[-1], dtype=jnp.int32), x_BV.shape[-1]), axis=-1)
+    from plain reductions: XLA's CPU backend runs argmax's paired reduction an element at a time."""
+    B, V = x_BV.shape
+
+    def with_nans():
+        # A reduction's maximum need not propagate a NaN (XLA's CPU backend may hand it to a library whose
+        # maximum skips them), so a row holding one is marked by its own reduction.
+        nan_BV = jnp.isnan(x_BV)
+        top_B1 = jnp.max(x_BV, axis=-1, keepdims=True)
+        return _first_hit(jnp.where(jnp.any(nan_BV, axis=-1, keepdims=True), nan_BV, x_BV == top_B1))
+
+    def without_nans():
+        if V % _BLOCK:
+            return _first_hit(x_BV == jnp.max(x_BV, axis=-1, keepdims=True))
+        # In blocks of the vocabulary: the first block whose maximum is the row's, then the first maximum
+        # inside that block alone (the flat form lays out an index per entry).
+        x_BNW = x_BV.reshape(B, V // _BLOCK, _BLOCK)
+        tops_BN = jnp.max(x_BNW, axis=-1)
+        top_B1 = jnp.max(tops_BN, axis=-1, keepdims=True)
+        block_B = _first_hit(tops_BN == top_B1)
+        inside_BW = jnp.take_along_axis(x_BNW, block_B[:, None, None], axis=1)[:, 0]
+        return block_B * _BLOCK + _first_hit(inside_BW == top_B1)
+
+    # A sum holds a NaN where an entry does (or where infinities of both signs meet: the exact branch too).
+    return jax.lax.cond(jnp.isnan(jnp.sum(x_BV)), with_nans, without_nans)
+
+
+_BLOCK = 128  # vocabulary entries per block of `first_maximum`
+
+
+def _first_hit(hit_BV: jax.Array) -> jax.Array:
+    """int32 `[B]`: the first index of each row where `hit_BV` holds (the row's length where none does)."""
+    return jnp.min(jnp.where(hit_BV, jnp.arange(hit_BV.shape[-1], dtype=jnp.int32), hit_BV.shape[-1]), axis=-1)
