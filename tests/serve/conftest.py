@@ -71,6 +71,29 @@ def write_checkpoint(directory, build=tiny_llama):
     return fast
 
 
+def assert_served_as_generated(task, requests, wait: float = 120) -> None:
+    """Serve `requests` (whose consumers are `Tokens`) through an engine of 2 slots and 32 positions, all
+    submitted at once so some wait for a slot, and assert each got what a one-row `generate` of its prompt,
+    policy and seed draws."""
+    from dew.sampling import Sampling, generate
+    from dew.serve import Engine
+
+    engine = Engine(task.model, task.params, slots=2, capacity=32, prefill_rows=2)
+    engine.start()
+    try:
+        engine.submit(requests[:2])
+        engine.submit(requests[2:])
+        for request in requests:
+            assert request.consumer.done.wait(wait), "a request did not finish"
+    finally:
+        engine.close()
+    for request in requests:
+        s = request.sampling
+        solo = generate(task.model, task.params, [list(request.prompt)], request.max_tokens,
+                        key=jax.random.key(request.seed), sampling=Sampling(s.temperature, s.top_k))
+        assert request.consumer.tokens == solo.continuations()[0]
+
+
 class Tokens:
     """A `dew.serve.engine` consumer that keeps a request's tokens."""
 

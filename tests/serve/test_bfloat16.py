@@ -11,8 +11,8 @@ import pytest
 
 import dew
 from dew.sampling import Sampling, generate
-from dew.serve import Engine, Request
-from tests.serve.conftest import Tokens, write_checkpoint
+from dew.serve import Request
+from tests.serve.conftest import Tokens, assert_served_as_generated, write_checkpoint
 
 PROMPT = [5, 17, 42, 99, 3, 250, 61, 8, 120, 33, 7, 201]
 NEW = 8
@@ -81,26 +81,8 @@ def test_logits_and_greedy_tokens_match_transformers_bfloat16(task, torch_logits
 
 def test_the_engine_serves_what_bfloat16_generate_draws(task):
     policies = [Sampling(temperature=0.0), Sampling(temperature=0.9, top_k=20)]
-    engine = Engine(task.model, task.params, slots=2, capacity=32, prefill_rows=2)
-    engine.start()
-    try:
-        requests = []
-        for index in range(4):
-            prompt = PROMPT[index:index + 6 + index]
-            consumer = Tokens()
-            requests.append(Request(prompt, NEW, policies[index % 2], seed=index, consumer=consumer))
-        engine.submit(requests[:2])  # two in flight, two waiting for their slots
-        engine.submit(requests[2:])
-        for request in requests:
-            assert request.consumer.done.wait(120), "a request did not finish"
-    finally:
-        engine.close()
-    for request in requests:
-        s = request.sampling
-        solo = generate(task.model, task.params, [list(request.prompt)], NEW, key=jax.random.key(request.seed),
-                        sampling=Sampling(s.temperature, s.top_k))
-        assert request.consumer.tokens == solo.continuations()[0]
-
+    assert_served_as_generated(task, [Request(PROMPT[index:index + 6 + index], NEW, policies[index % 2], seed=index,
+                                              consumer=Tokens()) for index in range(4)])
 
 
 class Stop(Exception):
