@@ -18,8 +18,15 @@
 // nearest even (the order and roundings Intel's manual gives): the same chain over k in order. It reads
 // denormal inputs (x, w and the running sum) as zero and flushes denormal results to zero, as the FMA
 // bodies do under XLA, whose CPU threads run with MXCSR's FTZ and DAZ set; an odd K's last row goes alone
-// through the widening FMA, and columns past the last whole 16 through the portable body. Every bfloat16
-// body gives the same bits.
+// through the widening FMA, and columns past the last whole 16 through the portable body. These bfloat16
+// bodies give the same bits.
+//
+// A bfloat16 product of 8 rows or more takes AMX's tiles instead where the CPU has them and Linux grants
+// them to the process (arch_prctl(ARCH_REQ_XCOMP_PERM), asked once, when first needed): blocks of 32 of
+// w's rows, 32 columns at a time, are interleaved into tdpbf16ps's pair layout in a 2 KiB buffer and
+// multiplied by x's rows in one or two tiles of 16; each block's products are added into the float32 sums
+// (kept in y between blocks) in the order and with the roundings the hardware chooses, not the chain
+// above: every output is within K - 1 roundings of the exact sum, as the chain is, denormals flushed.
 #include <Python.h>
 
 #include <algorithm>
@@ -29,7 +36,14 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "isa.h"
 #include "xla/ffi/api/ffi.h"
@@ -48,6 +62,11 @@ struct Product {
   // For the vdpbf16ps body: x's rows in pairs [m, ceil(k / 2)], x[m, 2i] in the high half, x[m, 2i + 1] in
   // the low one (zero past k).
   const uint32_t* pairs = nullptr;
+  // For the AMX body: x's bfloat16 bits [m, padded_k], zero past k to whole 32-row blocks, and the tile
+  // configuration for m rows.
+  const uint16_t* padded = nullptr;
+  int64_t padded_k = 0;
+  const void* tiles = nullptr;
 };
 
 inline float Widen(float w) { return w; }
@@ -264,6 +283,124 @@ DEW_BF16_TARGET void BlockPairs(const Product<uint16_t>& p, int64_t k_begin, int
   if (c < c_end) BlockPortable(p, k_begin, k_end, c, c_end, first, sums);
 }
 
+// ---- AMX: 1 to 32 rows by tdpbf16ps, blocks of 32 of w's rows across 32 columns at a time ----
+
+// Rows of w an AMX block reads: one tile's depth (32 bfloat16 pairs' worth of k, 16 pairs).
+constexpr int64_t kAmxBlockRows = 32;
+
+// The tiles: C for rows 0-15 and 16-31 of x against columns 0-15 (tmm0, tmm1) and 16-31 (tmm2, tmm3) of a
+// 32-column group, A for x's two row groups (tmm4, tmm5), B for the two column halves (tmm6, tmm7).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes[16] = {};  // bytes a row, per tile
+  uint8_t rows[16] = {};
+};
+
+TileConfig TilesFor(int64_t m) {
+  TileConfig config;
+  int low = static_cast<int>(std::min<int64_t>(m, 16)), high = static_cast<int>(std::max<int64_t>(m - 16, 1));
+  for (int t : {0, 2, 4}) config.rows[t] = low;
+  for (int t : {1, 3, 5}) config.rows[t] = high;
+  config.rows[6] = config.rows[7] = 16;
+  for (int t = 0; t < 8; ++t) config.bytes[t] = 64;
+  return config;
+}
+
+// Where vpermt2w takes each 16-bit half of a pair of rows' 32 columns for a B tile (row k the first operand,
+// row k + 1 the second, 32 on): lane i of the low vector is column i of row k then of row k + 1 (the layout
+// tdpbf16ps reads), of the high vector column 16 + i.
+alignas(64) constexpr uint16_t kTileLow[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) constexpr uint16_t kTileHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+#define DEW_AMX_TARGET __attribute__((target("avx512f,avx512vl,avx512bw,amx-tile,amx-bf16")))
+
+// Rows [k_begin, k_end) of w (at most 32), columns [c, c + 32) (or 16 where `half`), into B tiles' layout:
+// 16 rows of 64 bytes a half, rows past k_end zero.
+template <bool kHalf>
+DEW_AMX_TARGET void PackTiles(const Product<uint16_t>& p, int64_t k_begin, int64_t k_end, int64_t c,
+                              uint16_t (*packed)[16][32]) {
+  const __m512i low = _mm512_load_si512(kTileLow), high = _mm512_load_si512(kTileHigh);
+  const uint16_t* w = p.w + k_begin * p.n + c;
+  for (int pair = 0; pair < 16; ++pair, w += 2 * p.n) {
+    int64_t k = k_begin + 2 * pair;
+    // The same columns of the next block's rows (one cache line each), 32 rows of w apart.
+    _mm_prefetch(reinterpret_cast<const char*>(w + kAmxBlockRows * p.n), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (kAmxBlockRows + 1) * p.n), _MM_HINT_T0);
+    __m512i row = _mm512_setzero_si512(), next = _mm512_setzero_si512();
+    if constexpr (kHalf) {
+      if (k < k_end) row = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+      if (k + 1 < k_end) next = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p.n)));
+    } else {
+      if (k < k_end) row = _mm512_loadu_si512(w);
+      if (k + 1 < k_end) next = _mm512_loadu_si512(w + p.n);
+    }
+    _mm512_store_si512(packed[0][pair], _mm512_permutex2var_epi16(row, low, next));
+    if constexpr (!kHalf) _mm512_store_si512(packed[1][pair], _mm512_permutex2var_epi16(row, high, next));
+  }
+}
+
+// Columns past the last whole 16 go through the portable body.
+DEW_AMX_TARGET void BlockAmx(const Product<uint16_t>& p, int64_t k_begin, int64_t k_end, int64_t c_begin,
+                             int64_t c_end, bool first, float* sums) {
+  alignas(64) uint16_t packed[2][16][32];
+  _tile_loadconfig(p.tiles);
+  const bool two = p.m > 16;
+  const int64_t stride = p.n * 4;
+  const uint16_t* x = p.padded + k_begin;
+  _tile_loadd(4, x, p.padded_k * 2);
+  if (two) _tile_loadd(5, x + 16 * p.padded_k, p.padded_k * 2);
+  int64_t c = c_begin;
+  for (; c + 16 <= c_end; c += 32) {
+    const bool half = c + 32 > c_end;
+    float* y = sums + c;
+    if (first) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    } else {
+      _tile_loadd(0, y, stride);
+      if (two) _tile_loadd(1, y + 16 * p.n, stride);
+      if (!half) {
+        _tile_loadd(2, y + 16, stride);
+        if (two) _tile_loadd(3, y + 16 * p.n + 16, stride);
+      }
+    }
+    if (half) {
+      PackTiles<true>(p, k_begin, k_end, c, packed);
+    } else {
+      PackTiles<false>(p, k_begin, k_end, c, packed);
+    }
+    _tile_loadd(6, packed[0], 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two) _tile_dpbf16ps(1, 5, 6);
+    _tile_stored(0, y, stride);
+    if (two) _tile_stored(1, y + 16 * p.n, stride);
+    if (!half) {
+      _tile_loadd(7, packed[1], 64);
+      _tile_dpbf16ps(2, 4, 7);
+      if (two) _tile_dpbf16ps(3, 5, 7);
+      _tile_stored(2, y + 16, stride);
+      if (two) _tile_stored(3, y + 16 * p.n + 16, stride);
+    }
+    if (half) c -= 16;
+  }
+  _tile_release();
+  if (c < c_end) BlockPortable(p, k_begin, k_end, c, c_end, first, sums);
+}
+
+// Whether this CPU has AMX's bfloat16 tiles and Linux lets this process use them (asked once:
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
+bool AmxAllowed() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool tiles = (edx >> 24) & 1, bf16 = (edx >> 22) & 1;
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;
+  return tiles && bf16 && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+}
+
 #endif  // DEW_X86
 
 // The bodies by instruction set (native/isa.h's order); the one in use is the CPU's best at load unless
@@ -284,12 +421,26 @@ const BlockBody<uint16_t> kBfloat16Bodies[] = {BlockPortable<uint16_t>};
 bool HasPairs() { return false; }
 #endif
 const bool g_has_pairs = HasPairs();
+// The fewest rows a bfloat16 product takes AMX's tiles for.
+constexpr int64_t kAmxRows = 8;
 std::atomic<bool> g_pairs{g_has_pairs};
 
-BlockBody<float> Body(float*) { return kBodies[g_isa.load(std::memory_order_relaxed)]; }
-BlockBody<uint16_t> Body(uint16_t*) {
+// AMX is asked for on the first bfloat16 product that would use it.
+std::atomic<bool> g_tiles{true};
+bool HasTiles() {
+#ifdef DEW_X86
+  static const bool allowed = g_best_isa == dew::kAvx512 && AmxAllowed();
+  return allowed;
+#else
+  return false;
+#endif
+}
+
+BlockBody<float> Body(float*, int64_t) { return kBodies[g_isa.load(std::memory_order_relaxed)]; }
+BlockBody<uint16_t> Body(uint16_t*, int64_t m) {
   int isa = g_isa.load(std::memory_order_relaxed);
 #ifdef DEW_X86
+  if (isa == dew::kAvx512 && m >= kAmxRows && g_tiles.load(std::memory_order_relaxed) && HasTiles()) return BlockAmx;
   if (isa == dew::kAvx512 && g_pairs.load(std::memory_order_relaxed)) return BlockPairs;
 #endif
   return kBfloat16Bodies[isa];
@@ -308,7 +459,7 @@ template <typename W>
 struct Pieces {
   Product<W> p;
   BlockBody<W> body;
-  int64_t slices = 1, slice_rows = 0;
+  int64_t block_rows = kBlockRows, slices = 1, slice_rows = 0;
   float* partial = nullptr;  // [slices - 1, m, n]: the sums of slices 1 on (slice 0 sums into y)
   std::atomic<int64_t> next{0}, done{0};
 
@@ -316,8 +467,8 @@ struct Pieces {
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < slices;) {
       float* sums = i == 0 ? p.y : partial + (i - 1) * p.m * p.n;
       int64_t k_begin = i * slice_rows, k_end = std::min(k_begin + slice_rows, p.k);
-      for (int64_t k = k_begin; k < k_end; k += kBlockRows)
-        body(p, k, std::min(k + kBlockRows, k_end), 0, p.n, k == k_begin, sums);
+      for (int64_t k = k_begin; k < k_end; k += block_rows)
+        body(p, k, std::min(k + block_rows, k_end), 0, p.n, k == k_begin, sums);
       if (k_begin >= k_end) std::fill(sums, sums + p.m * p.n, 0.0f);
       done.fetch_add(1, std::memory_order_release);
     }
@@ -345,11 +496,17 @@ void Run(ffi::ThreadPool& pool, const Product<W>& product) {
   auto pieces = std::make_shared<Pieces<W>>();
   Product<W>& p = pieces->p;
   p = product;
-  pieces->body = Body(static_cast<W*>(nullptr));
+  pieces->body = Body(static_cast<W*>(nullptr), p.m);
   if (p.m == 0 || p.n == 0) return;
-  int64_t blocks = std::max<int64_t>(1, (p.k + kBlockRows - 1) / kBlockRows);
+#ifdef DEW_X86
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    if (pieces->body == BlockAmx) pieces->block_rows = kAmxBlockRows;
+  }
+#endif
+  const int64_t block_rows = pieces->block_rows;
+  int64_t blocks = std::max<int64_t>(1, (p.k + block_rows - 1) / block_rows);
   int64_t slices = std::clamp<int64_t>(p.k * p.n * static_cast<int64_t>(sizeof(W)) / kSliceBytes, 1, kSlices);
-  pieces->slice_rows = (blocks + slices - 1) / slices * kBlockRows;
+  pieces->slice_rows = (blocks + slices - 1) / slices * block_rows;
   pieces->slices = std::max<int64_t>(1, (p.k + pieces->slice_rows - 1) / pieces->slice_rows);
   // In the calling thread's buffer: every slice that writes it has finished before this call returns.
   thread_local std::vector<float> partial;
@@ -398,6 +555,17 @@ ffi::Error Bfloat16FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
     }
   Product<uint16_t> p{widened.data(), w.typed_data() + at * dw[1] * dw[2], y->typed_data(), m, k, dw[2]};
   p.pairs = pairs.data();
+  // For AMX: x's rows zero past k to whole blocks, 32 rows in all (A tiles read 16 rows each).
+  thread_local std::vector<uint16_t> padded;
+  thread_local TileConfig tiles;
+  p.padded_k = (k + kAmxBlockRows - 1) / kAmxBlockRows * kAmxBlockRows;
+  if (m >= kAmxRows) {
+    padded.assign(static_cast<size_t>(std::max<int64_t>(m, 32) * p.padded_k), 0);
+    for (int64_t r = 0; r < m; ++r) std::copy(bits + r * k, bits + (r + 1) * k, padded.data() + r * p.padded_k);
+    tiles = TilesFor(m);
+    p.padded = padded.data();
+    p.tiles = &tiles;
+  }
   Run<uint16_t>(pool, p);
   return ffi::Error::Success();
 }
@@ -441,6 +609,19 @@ static PyObject* SetPairs(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+static PyObject* GetTiles(PyObject*, PyObject*) { return PyBool_FromLong(g_tiles.load() && HasTiles()); }
+
+static PyObject* SetTiles(PyObject*, PyObject* args) {
+  int on = 0;
+  if (!PyArg_ParseTuple(args, "p", &on)) return nullptr;
+  if (on && !HasTiles()) {
+    PyErr_SetString(PyExc_ValueError, "this CPU has no AMX bfloat16 tiles, or Linux refused them to this process");
+    return nullptr;
+  }
+  g_tiles.store(on);
+  Py_RETURN_NONE;
+}
+
 static PyObject* GetIsa(PyObject*, PyObject*) { return dew::GetIsa(g_isa); }
 
 static PyObject* SetIsa(PyObject*, PyObject* args) { return dew::SetIsa(args, g_best_isa, g_isa); }
@@ -450,6 +631,8 @@ static PyMethodDef kMethods[] = {
     {"bfloat16_handler", Bfloat16Handler, METH_NOARGS, "The bfloat16 XLA FFI handler, as a capsule."},
     {"pairs", GetPairs, METH_NOARGS, "Whether bfloat16 products take vdpbf16ps (under the avx512 set)."},
     {"set_pairs", SetPairs, METH_VARARGS, "Turn vdpbf16ps on (where the CPU has it) or off, for tests."},
+    {"tiles", GetTiles, METH_NOARGS, "Whether bfloat16 products of 8 rows or more take AMX (under avx512)."},
+    {"set_tiles", SetTiles, METH_VARARGS, "Turn AMX on (where the CPU and Linux allow it) or off, for tests."},
     {"isa", GetIsa, METH_NOARGS, "The instruction set the bodies use: avx512, avx2 or portable."},
     {"set_isa", SetIsa, METH_VARARGS, "Use the named instruction set (at most the CPU's best), for tests."},
     {nullptr, nullptr, 0, nullptr}};

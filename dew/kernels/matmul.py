@@ -13,8 +13,9 @@ transposes, no batch) may instead run in Dew's own kernel (`few_rows_product`, `
 streams the weight once for all rows, where XLA's CPU matmul of 8 rows reads it at half the memory's rate
 and oneDNN's bfloat16 gemm of 2-32 rows repacks the weight at every call. Each of its outputs is one chain
 of fused multiply-adds over k in order, in float32 (a bfloat16 product of two bfloat16s is exact in
-float32; AVX512_BF16's `vdpbf16ps` gives the same chain, but reads denormals as zero). In float32 the
-table decides where it runs; in bfloat16 `policy.choose_bfloat16_few_rows` does.
+float32; AVX512_BF16's `vdpbf16ps` gives the same chain; AMX's tiles, which take bfloat16 products of 8
+rows or more where the CPU has them, add in their own order). In float32 the table decides where it runs;
+in bfloat16 `policy.choose_bfloat16_few_rows` does.
 
 A scanned decoder's layers hold their weights stacked `[L, k, n]`, and XLA's CPU backend copies a layer's
 weight out of the stack before each product, every decode step. `stacked_product` hands the kernel the
@@ -102,8 +103,15 @@ def _few_rows() -> tuple[bool, str]:
         return False, why
     jax.ffi.register_ffi_target("dew_few_rows", native.handler(), platform="cpu")
     jax.ffi.register_ffi_target("dew_few_rows_bf16", native.bfloat16_handler(), platform="cpu")
-    pairs = ", vdpbf16ps in bfloat16" if native.pairs() else ""
-    return True, f"Dew's kernel (dew._native_few_rows, {native.isa()}{pairs})"
+    bfloat16 = [name for name, on in (("vdpbf16ps", native.pairs()), ("AMX tiles", native.tiles())) if on]
+    return True, f"Dew's kernel (dew._native_few_rows, {native.isa()}{''.join(', ' + b for b in bfloat16)})"
+
+
+def few_rows_tiles() -> bool:
+    """Whether the few-rows kernel multiplies bfloat16 products of 8 rows or more in AMX's tiles here (the CPU
+    has them and Linux granted them to this process)."""
+    native, _ = import_extension("few_rows")
+    return native is not None and native.tiles()
 
 
 def few_rows_status(policy: str | None = None) -> tuple[bool, str]:
@@ -138,7 +146,7 @@ def _takes_few_rows(m: int, k: int, n: int, dtype, policy: str, stacked: bool) -
     """Whether `[m, k] x [k, n]` of `dtype` operands (a lone weight, or with `stacked` a layer read in place)
     runs in the few-rows kernel under `policy`: the policy's choice, and the kernel allowed here."""
     if jnp.dtype(dtype) == _BF16:
-        chosen = choose_bfloat16_few_rows(m, k, n, policy)
+        chosen = choose_bfloat16_few_rows(m, k, n, policy, few_rows_tiles())
     else:
         chosen = (choose_stacked_few_rows if stacked else choose_few_rows)(m, k, n, policy)
     return chosen and few_rows_status(policy)[0]

@@ -79,37 +79,41 @@ def test_the_policy_sends_only_measured_decode_products_to_it(monkeypatch):
     assert policy.summary(choices | {"1x8x576x192/float32/NN/float32": "dew"}).endswith("1 in Dew's few-rows kernel")
 
 
-def _bfloat16_bodies() -> list[tuple[str, bool]]:
-    """Every bfloat16 body this CPU runs: (instruction set, whether vdpbf16ps), the FMA ones first."""
+def _bfloat16_bodies() -> list[tuple[str, bool, bool]]:
+    """Every bfloat16 body this CPU runs: (instruction set, whether vdpbf16ps, whether AMX), the FMA ones first."""
     from dew import _native_few_rows
 
-    bodies = [(isa, False) for isa in instruction_sets()]
-    try:
-        _native_few_rows.set_pairs(True)
-        bodies.append(("avx512", True))
-    except ValueError:  # no AVX512_BF16 here
-        pass
+    bodies = [(isa, False, False) for isa in instruction_sets()]
+    for pairs, tiles in ((True, False), (False, True)):
+        try:
+            _with_body("avx512", pairs, tiles, lambda: None)
+            bodies.append(("avx512", pairs, tiles))
+        except ValueError:  # no AVX512_BF16, or no AMX, here
+            pass
     return bodies
 
 
-def _with_body(isa: str, pairs: bool, run):
-    """`run()` under the bfloat16 body (`isa`, `pairs`), the CPU's best restored after."""
+def _with_body(isa: str, pairs: bool, tiles: bool, run):
+    """`run()` under the bfloat16 body (`isa`, `pairs`, `tiles`), the CPU's best restored after."""
     from dew import _native_few_rows
 
-    best = instruction_sets()[-1], _native_few_rows.pairs()
+    best = instruction_sets()[-1], _native_few_rows.pairs(), _native_few_rows.tiles()
     try:
         _native_few_rows.set_isa(isa)
         _native_few_rows.set_pairs(pairs)
+        _native_few_rows.set_tiles(tiles)
         return run()
     finally:
         _native_few_rows.set_isa(best[0])
         _native_few_rows.set_pairs(best[1])
+        _native_few_rows.set_tiles(best[2])
 
 
 # Shapes that reach every bfloat16 path: 8-, 4- and 1-row tiles (M = 13), one row's 128-column tiles and the
 # 32- and 16-column ones with a scalar tail (N = 131, 40, 144), K odd (the last row alone in vdpbf16ps), below
-# one block, and a weight of two slices (1031 x 144 bfloat16s; 128 KiB a slice).
-@pytest.mark.parametrize("M,K,N", [(13, 521, 131), (3, 7, 40), (32, 64, 96), (2, 1031, 144)])
+# one block, and a weight of two slices (1031 x 144 bfloat16s; 128 KiB a slice); AMX's tiles of 8 to 16 rows
+# and of 17 to 32 (M = 13, 32, 20), with a 16-column half group (N = 144).
+@pytest.mark.parametrize("M,K,N", [(13, 521, 131), (3, 7, 40), (32, 64, 96), (2, 1031, 144), (20, 1031, 144)])
 def test_bfloat16_bodies_are_one_float32_chain(M, K, N):
     rng = np.random.default_rng(M * K + N)
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
@@ -119,41 +123,46 @@ def test_bfloat16_bodies_are_one_float32_chain(M, K, N):
     exact = x64 @ w64
     # Each product of two bfloat16s is exact in float32, so a chain of K fused multiply-adds from zero rounds
     # only its K - 1 sums, each by at most half an ulp of the sum of the terms' magnitudes (float64's own
-    # roundings are 2^-29 of that).
+    # roundings are 2^-29 of that). AMX adds the same K exact products into float32 sums in its own order,
+    # rounding at most as often.
     bound = ulp_bound(K / 2, np.abs(x64) @ np.abs(w64))
     run = jax.jit(matmul.few_rows_product)
     results = {}
-    for isa, pairs in _bfloat16_bodies():
-        results[isa, pairs] = _with_body(isa, pairs, lambda: np.asarray(run(x, bits)))
+    for body in _bfloat16_bodies():
+        results[body] = _with_body(*body, lambda: np.asarray(run(x, bits)))
         # Observed: at most 2.6e-5 from the exact sums (K = 1,031), 1.8% of the bound at most (K = 64).
-        difference = np.abs(results[isa, pairs] - exact)
-        assert np.all(difference <= bound), f"{isa}, vdpbf16ps {pairs}: {difference.max()}"
+        difference = np.abs(results[body] - exact)
+        assert np.all(difference <= bound), f"{body}: {difference.max()}"
     # vdpbf16ps adds a pair's high half (row k) then its low half (row k + 1), each addition rounded: the FMA
-    # bodies' chain over k in order, the same bits where nothing is denormal.
+    # bodies' chain over k in order, the same bits. AMX (tiles of 8 rows or more) is not that chain.
     for body, result in results.items():
-        np.testing.assert_array_equal(result, results["portable", False], err_msg=str(body))
+        if not (body[2] and M >= 8):
+            np.testing.assert_array_equal(result, results["portable", False, False], err_msg=str(body))
     # A bfloat16 weight as itself is its bits.
     np.testing.assert_array_equal(np.asarray(run(x, w)), np.asarray(run(x, bits)))
 
 
 def test_every_bfloat16_body_flushes_denormals_under_xla():
-    # x = 1, 1 against w's rows 2^-130 (a bfloat16 denormal) and 0. vdpbf16ps reads denormals as zero on its
-    # own; XLA runs its CPU threads with denormals flushed (MXCSR's FTZ and DAZ), so the FMA bodies do too.
-    x = jnp.ones((1, 2), jnp.bfloat16)
+    # x = 1, 1 against w's rows 2^-130 (a bfloat16 denormal) and 0, 8 rows (AMX's fewest). vdpbf16ps and AMX
+    # read denormals as zero on their own; XLA runs its CPU threads with denormals flushed (MXCSR's FTZ and
+    # DAZ), so the FMA bodies do too.
+    x = jnp.ones((8, 2), jnp.bfloat16)
     w = jnp.asarray([[2.0**-130] * 16, [0.0] * 16], jnp.bfloat16)
     assert float(w[0, 0]) == 2.0**-130
     run = jax.jit(matmul.few_rows_product)
-    for isa, pairs in _bfloat16_bodies():
-        result = _with_body(isa, pairs, lambda: np.asarray(run(x, w)))
-        np.testing.assert_array_equal(result, np.zeros((1, 16), np.float32), err_msg=f"{isa}, vdpbf16ps {pairs}")
+    for body in _bfloat16_bodies():
+        result = _with_body(*body, lambda: np.asarray(run(x, w)))
+        np.testing.assert_array_equal(result, np.zeros((8, 16), np.float32), err_msg=str(body))
 
 
 def test_bfloat16_decode_products_take_it_lone_or_stacked():
-    assert [policy.choose_bfloat16_few_rows(m, 576, 1536, "auto") for m in (1, 2, 8, 9, 32)] == [
-        False, True, True, False, False]
-    assert policy.choose_bfloat16_few_rows(4, 576, 1536, "exact")
-    assert not policy.choose_bfloat16_few_rows(4, 576, 1536, "native")  # native: oneDNN's
-    assert not policy.choose_bfloat16_few_rows(4, 576, 1536, "xla")
+    assert [policy.choose_bfloat16_few_rows(m, 576, 1536, "auto", False) for m in (1, 2, 8, 9, 32, 33)] == [
+        False, True, True, False, False, False]
+    assert [policy.choose_bfloat16_few_rows(m, 576, 1536, "auto", True) for m in (1, 2, 8, 9, 32, 33)] == [
+        False, True, True, True, True, False]  # with AMX's tiles
+    assert policy.choose_bfloat16_few_rows(4, 576, 1536, "exact", False)
+    assert not policy.choose_bfloat16_few_rows(4, 576, 1536, "native", True)  # native: oneDNN's
+    assert not policy.choose_bfloat16_few_rows(4, 576, 1536, "xla", True)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
     stack = jax.lax.bitcast_convert_type(jnp.asarray(rng.standard_normal((2, 64, 48)), jnp.bfloat16), jnp.uint16)

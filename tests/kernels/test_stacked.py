@@ -117,7 +117,7 @@ def test_bfloat16_logits_are_the_sliced_weights_and_greedy_tokens_xlas(model, va
         pytest.skip(matmul.status(jnp.bfloat16)[1])
     model, variables = _bfloat16(model, variables)
     lifted = stacked_in_place(model, variables)
-    # bfloat16 products of 2 to 8 rows run in the few-rows kernel either way, stacked or lone
+    # bfloat16 products of a few rows run in the few-rows kernel either way, stacked or lone
     # (dew.kernels.policy.choose_bfloat16_few_rows): the same bits.
     logits = [np.asarray(jax.jit(model.apply)(v, DECODE), np.float32) for v in (lifted, variables)]
     np.testing.assert_array_equal(*logits)
