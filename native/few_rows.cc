@@ -21,12 +21,13 @@
 // through the widening FMA, and columns past the last whole 16 through the portable body. These bfloat16
 // bodies give the same bits.
 //
-// A bfloat16 product of 8 rows or more takes AMX's tiles instead where the CPU has them and Linux grants
-// them to the process (arch_prctl(ARCH_REQ_XCOMP_PERM), asked once, when first needed): blocks of 32 of
-// w's rows, 32 columns at a time, are interleaved into tdpbf16ps's pair layout in a 2 KiB buffer and
-// multiplied by x's rows in one or two tiles of 16; each block's products are added into the float32 sums
-// (kept in y between blocks) in the order and with the roundings the hardware chooses, not the chain
-// above: every output is within K - 1 roundings of the exact sum, as the chain is, denormals flushed.
+// A bfloat16 product of 2 rows or more takes AMX's tiles instead where the CPU has them and Linux grants
+// them to the process (arch_prctl(ARCH_REQ_XCOMP_PERM), asked once, when first needed): 32 of w's rows at
+// a time, 32 columns at a time, are interleaved into tdpbf16ps's pair layout in a 2 KiB buffer and
+// multiplied by x's rows in one or two tiles of 16, into float32 sums held in tiles across blocks of 64
+// rows (in y between blocks). tdpbf16ps adds each step's 32 products into a sum in the order and with the
+// roundings the hardware chooses, not the chain above: every output is within K - 1 roundings of the
+// exact sum, as the chain is, denormals flushed.
 #include <Python.h>
 
 #include <algorithm>
@@ -285,8 +286,8 @@ DEW_BF16_TARGET void BlockPairs(const Product<uint16_t>& p, int64_t k_begin, int
 
 // ---- AMX: 1 to 32 rows by tdpbf16ps, blocks of 32 of w's rows across 32 columns at a time ----
 
-// Rows of w an AMX block reads: one tile's depth (32 bfloat16 pairs' worth of k, 16 pairs).
-constexpr int64_t kAmxBlockRows = 32;
+// Rows of w a tile holds (16 pairs), and rows of w an AMX block reads, the sums held in tiles.
+constexpr int64_t kAmxDepth = 32, kAmxBlockRows = 64;
 
 // The tiles: C for rows 0-15 and 16-31 of x against columns 0-15 (tmm0, tmm1) and 16-31 (tmm2, tmm3) of a
 // 32-column group, A for x's two row groups (tmm4, tmm5), B for the two column halves (tmm6, tmm7).
@@ -318,16 +319,16 @@ alignas(64) constexpr uint16_t kTileHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 
 
 // Rows [k_begin, k_end) of w (at most 32), columns [c, c + 32) (or 16 where `half`), into B tiles' layout:
 // 16 rows of 64 bytes a half, rows past k_end zero.
+// `ahead` is where the next step's 32 rows start (same stride), asked of the memory one cache line a row.
 template <bool kHalf>
 DEW_AMX_TARGET void PackTiles(const Product<uint16_t>& p, int64_t k_begin, int64_t k_end, int64_t c,
-                              uint16_t (*packed)[16][32]) {
+                              const uint16_t* ahead, uint16_t (*packed)[16][32]) {
   const __m512i low = _mm512_load_si512(kTileLow), high = _mm512_load_si512(kTileHigh);
   const uint16_t* w = p.w + k_begin * p.n + c;
-  for (int pair = 0; pair < 16; ++pair, w += 2 * p.n) {
+  for (int pair = 0; pair < 16; ++pair, w += 2 * p.n, ahead += 2 * p.n) {
     int64_t k = k_begin + 2 * pair;
-    // The same columns of the next block's rows (one cache line each), 32 rows of w apart.
-    _mm_prefetch(reinterpret_cast<const char*>(w + kAmxBlockRows * p.n), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + (kAmxBlockRows + 1) * p.n), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + p.n), _MM_HINT_T0);
     __m512i row = _mm512_setzero_si512(), next = _mm512_setzero_si512();
     if constexpr (kHalf) {
       if (k < k_end) row = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
@@ -347,10 +348,7 @@ DEW_AMX_TARGET void BlockAmx(const Product<uint16_t>& p, int64_t k_begin, int64_
   alignas(64) uint16_t packed[2][16][32];
   _tile_loadconfig(p.tiles);
   const bool two = p.m > 16;
-  const int64_t stride = p.n * 4;
-  const uint16_t* x = p.padded + k_begin;
-  _tile_loadd(4, x, p.padded_k * 2);
-  if (two) _tile_loadd(5, x + 16 * p.padded_k, p.padded_k * 2);
+  const int64_t stride = p.n * 4, x_stride = p.padded_k * 2;
   int64_t c = c_begin;
   for (; c + 16 <= c_end; c += 32) {
     const bool half = c + 32 > c_end;
@@ -368,20 +366,31 @@ DEW_AMX_TARGET void BlockAmx(const Product<uint16_t>& p, int64_t k_begin, int64_
         if (two) _tile_loadd(3, y + 16 * p.n + 16, stride);
       }
     }
-    if (half) {
-      PackTiles<true>(p, k_begin, k_end, c, packed);
-    } else {
-      PackTiles<false>(p, k_begin, k_end, c, packed);
+    // The sums stay in the tiles across the block's 32-row steps.
+    for (int64_t k = k_begin; k < k_end; k += kAmxDepth) {
+      const int64_t step_end = std::min(k + kAmxDepth, k_end);
+      // The next step: the block's next 32 rows, else its first 32 in the next 32 columns (the weight's
+      // rows past the block's end are asked for too, harmlessly, where the block is the last).
+      const uint16_t* ahead = p.w + (step_end < k_end ? step_end * p.n + c : k_begin * p.n + c + 32);
+      if (half) {
+        PackTiles<true>(p, k, step_end, c, ahead, packed);
+      } else {
+        PackTiles<false>(p, k, step_end, c, ahead, packed);
+      }
+      _tile_loadd(4, p.padded + k, x_stride);
+      if (two) _tile_loadd(5, p.padded + 16 * p.padded_k + k, x_stride);
+      _tile_loadd(6, packed[0], 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (two) _tile_dpbf16ps(1, 5, 6);
+      if (!half) {
+        _tile_loadd(7, packed[1], 64);
+        _tile_dpbf16ps(2, 4, 7);
+        if (two) _tile_dpbf16ps(3, 5, 7);
+      }
     }
-    _tile_loadd(6, packed[0], 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (two) _tile_dpbf16ps(1, 5, 6);
     _tile_stored(0, y, stride);
     if (two) _tile_stored(1, y + 16 * p.n, stride);
     if (!half) {
-      _tile_loadd(7, packed[1], 64);
-      _tile_dpbf16ps(2, 4, 7);
-      if (two) _tile_dpbf16ps(3, 5, 7);
       _tile_stored(2, y + 16, stride);
       if (two) _tile_stored(3, y + 16 * p.n + 16, stride);
     }
@@ -422,7 +431,7 @@ bool HasPairs() { return false; }
 #endif
 const bool g_has_pairs = HasPairs();
 // The fewest rows a bfloat16 product takes AMX's tiles for.
-constexpr int64_t kAmxRows = 8;
+constexpr int64_t kAmxRows = 2;
 std::atomic<bool> g_pairs{g_has_pairs};
 
 // AMX is asked for on the first bfloat16 product that would use it.
@@ -558,7 +567,7 @@ ffi::Error Bfloat16FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
   // For AMX: x's rows zero past k to whole blocks, 32 rows in all (A tiles read 16 rows each).
   thread_local std::vector<uint16_t> padded;
   thread_local TileConfig tiles;
-  p.padded_k = (k + kAmxBlockRows - 1) / kAmxBlockRows * kAmxBlockRows;
+  p.padded_k = (k + kAmxDepth - 1) / kAmxDepth * kAmxDepth;
   if (m >= kAmxRows) {
     padded.assign(static_cast<size_t>(std::max<int64_t>(m, 32) * p.padded_k), 0);
     for (int64_t r = 0; r < m; ++r) std::copy(bits + r * k, bits + (r + 1) * k, padded.data() + r * p.padded_k);
@@ -631,7 +640,7 @@ static PyMethodDef kMethods[] = {
     {"bfloat16_handler", Bfloat16Handler, METH_NOARGS, "The bfloat16 XLA FFI handler, as a capsule."},
     {"pairs", GetPairs, METH_NOARGS, "Whether bfloat16 products take vdpbf16ps (under the avx512 set)."},
     {"set_pairs", SetPairs, METH_VARARGS, "Turn vdpbf16ps on (where the CPU has it) or off, for tests."},
-    {"tiles", GetTiles, METH_NOARGS, "Whether bfloat16 products of 8 rows or more take AMX (under avx512)."},
+    {"tiles", GetTiles, METH_NOARGS, "Whether bfloat16 products of 2 rows or more take AMX (under avx512)."},
     {"set_tiles", SetTiles, METH_VARARGS, "Turn AMX on (where the CPU and Linux allow it) or off, for tests."},
     {"isa", GetIsa, METH_NOARGS, "The instruction set the bodies use: avx512, avx2 or portable."},
     {"set_isa", SetIsa, METH_VARARGS, "Use the named instruction set (at most the CPU's best), for tests."},

@@ -13,7 +13,7 @@ transposes, no batch) may instead run in Dew's own kernel (`few_rows_product`, `
 streams the weight once for all rows, where XLA's CPU matmul of 8 rows reads it at half the memory's rate
 and oneDNN's bfloat16 gemm of 2-32 rows repacks the weight at every call. Each of its outputs is one chain
 of fused multiply-adds over k in order, in float32 (a bfloat16 product of two bfloat16s is exact in
-float32; AVX512_BF16's `vdpbf16ps` gives the same chain; AMX's tiles, which take bfloat16 products of 8
+float32; AVX512_BF16's `vdpbf16ps` gives the same chain; AMX's tiles, which take bfloat16 products of 2
 rows or more where the CPU has them, add in their own order). In float32 the table decides where it runs;
 in bfloat16 `policy.choose_bfloat16_few_rows` does.
 
@@ -108,7 +108,7 @@ def _few_rows() -> tuple[bool, str]:
 
 
 def few_rows_tiles() -> bool:
-    """Whether the few-rows kernel multiplies bfloat16 products of 8 rows or more in AMX's tiles here (the CPU
+    """Whether the few-rows kernel multiplies bfloat16 products of 2 rows or more in AMX's tiles here (the CPU
     has them and Linux granted them to this process)."""
     native, _ = import_extension("few_rows")
     return native is not None and native.tiles()

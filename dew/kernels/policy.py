@@ -230,7 +230,7 @@ def choose_stacked_few_rows(m: int, k: int, n: int, policy: str) -> bool:
 def choose_bfloat16_few_rows(m: int, k: int, n: int, policy: str, tiles: bool) -> bool:
     """Whether the bfloat16 product `[m, k] x [k, n]` (no transposes; a lone weight or a layer read in place
     from a stack) runs in Dew's few-rows kernel: under `auto` and `exact`, 2 to `BFLOAT16_FEW_ROWS` rows, or
-    to `FEW_ROWS` where the kernel multiplies 8 rows or more in AMX's tiles (`tiles`: the CPU has them and
+    to `FEW_ROWS` where the kernel multiplies 2 rows or more in AMX's tiles (`tiles`: the CPU has them and
     Linux granted them), whatever the shape. oneDNN's bfloat16 gemm of a few rows repacks the weight at every
     call; the kernel streams it once. One row stays with oneDNN's gemv, as fast, and without AMX more than
     `BFLOAT16_FEW_ROWS` rows stay with oneDNN's gemm. Never under `native`, which sends every product to

@@ -110,10 +110,11 @@ def _with_body(isa: str, pairs: bool, tiles: bool, run):
 
 
 # Shapes that reach every bfloat16 path: 8-, 4- and 1-row tiles (M = 13), one row's 128-column tiles and the
-# 32- and 16-column ones with a scalar tail (N = 131, 40, 144), K odd (the last row alone in vdpbf16ps), below
-# one block, and a weight of two slices (1031 x 144 bfloat16s; 128 KiB a slice); AMX's tiles of 8 to 16 rows
-# and of 17 to 32 (M = 13, 32, 20), with a 16-column half group (N = 144).
-@pytest.mark.parametrize("M,K,N", [(13, 521, 131), (3, 7, 40), (32, 64, 96), (2, 1031, 144), (20, 1031, 144)])
+# 32- and 16-column ones with a scalar tail (N = 177, 131, 40, 144), K odd (the last row alone in vdpbf16ps),
+# below one block, and a weight of two slices (1031 x 144 bfloat16s; 128 KiB a slice); AMX's tiles of 2 to 16
+# rows and of 17 to 32 (M = 13, 32, 20), with a 16-column half group (N = 144).
+@pytest.mark.parametrize("M,K,N", [(1, 521, 177), (13, 521, 131), (3, 7, 40), (32, 64, 96), (2, 1031, 144),
+                                   (20, 1031, 144)])
 def test_bfloat16_bodies_are_one_float32_chain(M, K, N):
     rng = np.random.default_rng(M * K + N)
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
@@ -134,18 +135,18 @@ def test_bfloat16_bodies_are_one_float32_chain(M, K, N):
         difference = np.abs(results[body] - exact)
         assert np.all(difference <= bound), f"{body}: {difference.max()}"
     # vdpbf16ps adds a pair's high half (row k) then its low half (row k + 1), each addition rounded: the FMA
-    # bodies' chain over k in order, the same bits. AMX (tiles of 8 rows or more) is not that chain.
+    # bodies' chain over k in order, the same bits. AMX (2 rows or more) is not that chain.
     for body, result in results.items():
-        if not (body[2] and M >= 8):
+        if not (body[2] and M >= 2):
             np.testing.assert_array_equal(result, results["portable", False, False], err_msg=str(body))
     # A bfloat16 weight as itself is its bits.
     np.testing.assert_array_equal(np.asarray(run(x, w)), np.asarray(run(x, bits)))
 
 
 def test_every_bfloat16_body_flushes_denormals_under_xla():
-    # x = 1, 1 against w's rows 2^-130 (a bfloat16 denormal) and 0, 8 rows (AMX's fewest). vdpbf16ps and AMX
-    # read denormals as zero on their own; XLA runs its CPU threads with denormals flushed (MXCSR's FTZ and
-    # DAZ), so the FMA bodies do too.
+    # x = 1, 1 against w's rows 2^-130 (a bfloat16 denormal) and 0, 8 rows. vdpbf16ps and AMX read denormals
+    # as zero on their own; XLA runs its CPU threads with denormals flushed (MXCSR's FTZ and DAZ), so the FMA
+    # bodies do too.
     x = jnp.ones((8, 2), jnp.bfloat16)
     w = jnp.asarray([[2.0**-130] * 16, [0.0] * 16], jnp.bfloat16)
     assert float(w[0, 0]) == 2.0**-130
