@@ -40,7 +40,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -63,7 +63,7 @@ struct Product {
   // For the vdpbf16ps body: x's rows in pairs [m, ceil(k / 2)], x[m, 2i] in the high half, x[m, 2i + 1] in
   // the low one (zero past k).
   const uint32_t* pairs = nullptr;
-  // For the AMX body: x's bfloat16 bits [m, padded_k], zero past k to whole 32-row blocks, and the tile
+  // For the AMX body: x's bfloat16 bits [m, padded_k], zero past k to whole 32-row steps, and the tile
   // configuration for m rows.
   const uint16_t* padded = nullptr;
   int64_t padded_k = 0;
@@ -406,8 +406,12 @@ bool AmxAllowed() {
   unsigned eax, ebx, ecx, edx;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
   const bool tiles = (edx >> 24) & 1, bf16 = (edx >> 22) & 1;
+#ifdef SYS_arch_prctl
   constexpr long kRequestPermission = 0x1023, kTileData = 18;
   return tiles && bf16 && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+#else
+  return false;
+#endif
 }
 
 #endif  // DEW_X86
@@ -564,17 +568,19 @@ ffi::Error Bfloat16FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
     }
   Product<uint16_t> p{widened.data(), w.typed_data() + at * dw[1] * dw[2], y->typed_data(), m, k, dw[2]};
   p.pairs = pairs.data();
-  // For AMX: x's rows zero past k to whole blocks, 32 rows in all (A tiles read 16 rows each).
+#ifdef DEW_X86
+  // For AMX: x's rows, zero past k to whole 32-row steps (an A tile reads 32 of x's columns).
   thread_local std::vector<uint16_t> padded;
   thread_local TileConfig tiles;
-  p.padded_k = (k + kAmxDepth - 1) / kAmxDepth * kAmxDepth;
   if (m >= kAmxRows) {
-    padded.assign(static_cast<size_t>(std::max<int64_t>(m, 32) * p.padded_k), 0);
+    p.padded_k = (k + kAmxDepth - 1) / kAmxDepth * kAmxDepth;
+    padded.assign(static_cast<size_t>(m * p.padded_k), 0);
     for (int64_t r = 0; r < m; ++r) std::copy(bits + r * k, bits + (r + 1) * k, padded.data() + r * p.padded_k);
     tiles = TilesFor(m);
     p.padded = padded.data();
     p.tiles = &tiles;
   }
+#endif
   Run<uint16_t>(pool, p);
   return ffi::Error::Success();
 }
