@@ -1,5 +1,6 @@
-// An XLA FFI handler for float32 products of a few rows against a weight: y [M, N] = x [M, K] w [K, N],
-// all row-major, the shape of a decode step's linears (M the rows being decoded).
+// XLA FFI handlers for products of a few rows against a weight: y [M, N] = x [M, K] w [K, N], all
+// row-major, the shape of a decode step's linears (M the rows being decoded), in float32 (x and w float32)
+// or in bfloat16 (x bfloat16, w bfloat16 held as its uint16 bits), the result float32 either way.
 //
 // A few rows leave the product bound by reading w, which each row shares: the weight is streamed once for
 // all rows, in blocks of kBlockRows whole rows of w (a contiguous region) read across the columns, so the
@@ -8,15 +9,42 @@
 // output is, per slice, one chain of fused multiply-adds over k in order, sum = fma(x[m, k], w[k, n], sum)
 // from zero, and the slices' sums are added in slice order: the AVX-512, AVX2 and portable bodies give the
 // same bits, whatever the threads.
+//
+// In bfloat16 the same bodies widen x and w to float32 (a bfloat16 is the high half of a float32's bits),
+// where a product of two bfloat16s is exact, so each fma rounds only the sum. On a CPU with AVX512_BF16
+// the bfloat16 body is `vdpbf16ps` instead: it takes w's rows in pairs (k, k + 1), each 32-bit lane one
+// column's pair (row k in the high half, row k + 1 in the low one) against x's pair broadcast the same way,
+// and adds the high half's product, then the low half's, into the float32 sum, each addition rounded to
+// nearest even (the order and roundings Intel's manual gives): the same chain over k in order. It reads
+// denormal inputs (x, w and the running sum) as zero and flushes denormal results to zero, as the FMA
+// bodies do under XLA, whose CPU threads run with MXCSR's FTZ and DAZ set; an odd K's last row goes alone
+// through the widening FMA, and columns past the last whole 16 through the portable body. These bfloat16
+// bodies give the same bits.
+//
+// A bfloat16 product of 2 rows or more takes AMX's tiles instead where the CPU has them and Linux grants
+// them to the process (arch_prctl(ARCH_REQ_XCOMP_PERM), asked once, when first needed): 32 of w's rows at
+// a time, 32 columns at a time, are interleaved into tdpbf16ps's pair layout in a 2 KiB buffer and
+// multiplied by x's rows in one or two tiles of 16, into float32 sums held in tiles across blocks of 64
+// rows (in y between blocks). tdpbf16ps adds each step's 32 products into a sum in the order and with the
+// roundings the hardware chooses, not the chain above: every output is within K - 1 roundings of the
+// exact sum, as the chain is, denormals flushed.
 #include <Python.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "isa.h"
 #include "xla/ffi/api/ffi.h"
@@ -25,12 +53,30 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// `W` is float for float32 weights, uint16_t for bfloat16 ones (their bits).
+template <typename W>
 struct Product {
-  const float* x;  // [m, k]
-  const float* w;  // [k, n]
+  const float* x;  // [m, k] (a bfloat16 x widened)
+  const W* w;      // [k, n]
   float* y;        // [m, n]
   int64_t m, k, n;
+  // For the vdpbf16ps body: x's rows in pairs [m, ceil(k / 2)], x[m, 2i] in the high half, x[m, 2i + 1] in
+  // the low one (zero past k).
+  const uint32_t* pairs = nullptr;
+  // For the AMX body: x's bfloat16 bits [m, padded_k], zero past k to whole 32-row steps, and the tile
+  // configuration for m rows.
+  const uint16_t* padded = nullptr;
+  int64_t padded_k = 0;
+  const void* tiles = nullptr;
 };
+
+inline float Widen(float w) { return w; }
+inline float Widen(uint16_t w) {
+  uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // Rows of w a block reads before the sums go back to y: a block of a piece's columns stays in the first
 // cache while each group of rows of x passes over it.
@@ -38,16 +84,18 @@ constexpr int64_t kBlockRows = 16;
 
 // Block [k_begin, k_end) for columns [c_begin, c_end) of every row of x, into `sums` ([m, n], from zero
 // where `first`).
-using BlockBody = void (*)(const Product&, int64_t k_begin, int64_t k_end, int64_t c_begin, int64_t c_end,
+template <typename W>
+using BlockBody = void (*)(const Product<W>&, int64_t k_begin, int64_t k_end, int64_t c_begin, int64_t c_end,
                            bool first, float* sums);
 
-void BlockPortable(const Product& p, int64_t k_begin, int64_t k_end, int64_t c_begin, int64_t c_end, bool first,
+template <typename W>
+void BlockPortable(const Product<W>& p, int64_t k_begin, int64_t k_end, int64_t c_begin, int64_t c_end, bool first,
                    float* sums) {
   for (int64_t r = 0; r < p.m; ++r) {
     float* y = sums + r * p.n;
     for (int64_t c = c_begin; c < c_end; ++c) {
       float sum = first ? 0.0f : y[c];
-      for (int64_t k = k_begin; k < k_end; ++k) sum = std::fma(p.x[r * p.k + k], p.w[k * p.n + c], sum);
+      for (int64_t k = k_begin; k < k_end; ++k) sum = std::fma(p.x[r * p.k + k], Widen(p.w[k * p.n + c]), sum);
       y[c] = sum;
     }
   }
@@ -59,21 +107,35 @@ void BlockPortable(const Product& p, int64_t k_begin, int64_t k_end, int64_t c_b
 // the hardware prefetchers follow poorly across pages).
 constexpr int kAheadRows = 16;
 
+// 16 columns of a weight's row as float32.
+__attribute__((target("avx512f,avx512vl"))) inline __m512 Load16(const float* w) { return _mm512_loadu_ps(w); }
+__attribute__((target("avx512f,avx512vl"))) inline __m512 Load16(const uint16_t* w) {
+  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// 8 columns of a weight's row as float32.
+__attribute__((target("avx2,fma"))) inline __m256 Load8(const float* w) { return _mm256_loadu_ps(w); }
+__attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* w) {
+  __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
 // ---- AVX-512: R rows of x against L vectors of 16 columns, R * L <= 16 accumulators ----
 
-template <int R, int L>
-__attribute__((target("avx512f,avx512vl"))) void TileAvx512(const Product& p, int64_t r0, int64_t c,
+template <typename W, int R, int L>
+__attribute__((target("avx512f,avx512vl"))) void TileAvx512(const Product<W>& p, int64_t r0, int64_t c,
                                                           int64_t k_begin, int64_t k_end, bool first, float* sums) {
   __m512 acc[R][L];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < L; ++j)
       acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + (r0 + r) * p.n + c + 16 * j);
-  const float* w = p.w + k_begin * p.n + c;
+  const W* w = p.w + k_begin * p.n + c;
   const float* x = p.x + r0 * p.k;
   for (int64_t k = k_begin; k < k_end; ++k, w += p.n) {
     for (int j = 0; j < L; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows * p.n + 16 * j), _MM_HINT_T0);
     for (int j = 0; j < L; ++j) {
-      __m512 wj = _mm512_loadu_ps(w + 16 * j);
+      __m512 wj = Load16(w + 16 * j);
       for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * p.k + k]), wj, acc[r][j]);
     }
   }
@@ -82,40 +144,41 @@ __attribute__((target("avx512f,avx512vl"))) void TileAvx512(const Product& p, in
 }
 
 // Rows [r0, r0 + R) across columns [c, end) in whole 16-column vectors; returns where they end.
-template <int R>
-__attribute__((target("avx512f,avx512vl"))) int64_t TilesAvx512(const Product& p, int64_t r0, int64_t c, int64_t end,
+template <typename W, int R>
+__attribute__((target("avx512f,avx512vl"))) int64_t TilesAvx512(const Product<W>& p, int64_t r0, int64_t c, int64_t end,
                                                               int64_t k_begin, int64_t k_end, bool first, float* sums) {
   constexpr int L = 16 / R < 4 ? 16 / R : 4;
-  for (; c + 16 * L <= end; c += 16 * L) TileAvx512<R, L>(p, r0, c, k_begin, k_end, first, sums);
-  for (; c + 16 <= end; c += 16) TileAvx512<R, 1>(p, r0, c, k_begin, k_end, first, sums);
+  for (; c + 16 * L <= end; c += 16 * L) TileAvx512<W, R, L>(p, r0, c, k_begin, k_end, first, sums);
+  for (; c + 16 <= end; c += 16) TileAvx512<W, R, 1>(p, r0, c, k_begin, k_end, first, sums);
   return c;
 }
 
-__attribute__((target("avx512f,avx512vl"))) void BlockAvx512(const Product& p, int64_t k_begin, int64_t k_end,
+template <typename W>
+__attribute__((target("avx512f,avx512vl"))) void BlockAvx512(const Product<W>& p, int64_t k_begin, int64_t k_end,
                                                           int64_t c_begin, int64_t c_end, bool first, float* sums) {
   int64_t r = 0, c = c_end;
-  for (; r + 8 <= p.m; r += 8) c = TilesAvx512<8>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
-  for (; r + 4 <= p.m; r += 4) c = TilesAvx512<4>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
-  for (; r < p.m; ++r) c = TilesAvx512<1>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
+  for (; r + 8 <= p.m; r += 8) c = TilesAvx512<W, 8>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
+  for (; r + 4 <= p.m; r += 4) c = TilesAvx512<W, 4>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
+  for (; r < p.m; ++r) c = TilesAvx512<W, 1>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
   if (c < c_end) BlockPortable(p, k_begin, k_end, c, c_end, first, sums);
 }
 
 // ---- AVX2 with FMA: R rows against L vectors of 8 columns, R * L <= 12 accumulators ----
 
-template <int R, int L>
-__attribute__((target("avx2,fma"))) void TileAvx2(const Product& p, int64_t r0, int64_t c, int64_t k_begin,
+template <typename W, int R, int L>
+__attribute__((target("avx2,fma"))) void TileAvx2(const Product<W>& p, int64_t r0, int64_t c, int64_t k_begin,
                                                  int64_t k_end, bool first, float* sums) {
   __m256 acc[R][L];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < L; ++j)
       acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + (r0 + r) * p.n + c + 8 * j);
-  const float* w = p.w + k_begin * p.n + c;
+  const W* w = p.w + k_begin * p.n + c;
   const float* x = p.x + r0 * p.k;
   for (int64_t k = k_begin; k < k_end; ++k, w += p.n) {
     for (int j = 0; j < L; j += 2)
       _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows * p.n + 8 * j), _MM_HINT_T0);
     for (int j = 0; j < L; ++j) {
-      __m256 wj = _mm256_loadu_ps(w + 8 * j);
+      __m256 wj = Load8(w + 8 * j);
       for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * p.k + k]), wj, acc[r][j]);
     }
   }
@@ -123,35 +186,278 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const Product& p, int64_t r0, 
     for (int j = 0; j < L; ++j) _mm256_storeu_ps(sums + (r0 + r) * p.n + c + 8 * j, acc[r][j]);
 }
 
-template <int R>
-__attribute__((target("avx2,fma"))) int64_t TilesAvx2(const Product& p, int64_t r0, int64_t c, int64_t end,
+template <typename W, int R>
+__attribute__((target("avx2,fma"))) int64_t TilesAvx2(const Product<W>& p, int64_t r0, int64_t c, int64_t end,
                                                      int64_t k_begin, int64_t k_end, bool first, float* sums) {
   constexpr int L = 12 / R < 4 ? 12 / R : 4;
-  for (; c + 8 * L <= end; c += 8 * L) TileAvx2<R, L>(p, r0, c, k_begin, k_end, first, sums);
-  for (; c + 8 <= end; c += 8) TileAvx2<R, 1>(p, r0, c, k_begin, k_end, first, sums);
+  for (; c + 8 * L <= end; c += 8 * L) TileAvx2<W, R, L>(p, r0, c, k_begin, k_end, first, sums);
+  for (; c + 8 <= end; c += 8) TileAvx2<W, R, 1>(p, r0, c, k_begin, k_end, first, sums);
   return c;
 }
 
-__attribute__((target("avx2,fma"))) void BlockAvx2(const Product& p, int64_t k_begin, int64_t k_end, int64_t c_begin,
+template <typename W>
+__attribute__((target("avx2,fma"))) void BlockAvx2(const Product<W>& p, int64_t k_begin, int64_t k_end, int64_t c_begin,
                                                   int64_t c_end, bool first, float* sums) {
   int64_t r = 0, c = c_end;
-  for (; r + 4 <= p.m; r += 4) c = TilesAvx2<4>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
-  for (; r + 2 <= p.m; r += 2) c = TilesAvx2<2>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
-  for (; r < p.m; ++r) c = TilesAvx2<1>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
+  for (; r + 4 <= p.m; r += 4) c = TilesAvx2<W, 4>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
+  for (; r + 2 <= p.m; r += 2) c = TilesAvx2<W, 2>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
+  for (; r < p.m; ++r) c = TilesAvx2<W, 1>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
   if (c < c_end) BlockPortable(p, k_begin, k_end, c, c_end, first, sums);
+}
+
+// ---- AVX512_BF16: R rows against L vectors of 16 columns by vdpbf16ps, w's rows in pairs ----
+
+// Where vpermt2w takes each 16-bit half of a pair of rows' 32 columns (row k the first operand, row k + 1
+// the second, 32 on): lane i of the low vector is column i of row k + 1 then of row k, of the high vector
+// column 16 + i.
+alignas(64) constexpr uint16_t kPairLow[32] = {32, 0,  33, 1,  34, 2,  35, 3,  36, 4,  37, 5,  38, 6,  39, 7,
+                                               40, 8,  41, 9,  42, 10, 43, 11, 44, 12, 45, 13, 46, 14, 47, 15};
+alignas(64) constexpr uint16_t kPairHigh[32] = {48, 16, 49, 17, 50, 18, 51, 19, 52, 20, 53, 21, 54, 22, 55, 23,
+                                                56, 24, 57, 25, 58, 26, 59, 27, 60, 28, 61, 29, 62, 30, 63, 31};
+
+#define DEW_BF16_TARGET __attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16")))
+
+template <int R, int L>
+DEW_BF16_TARGET void TilePairs(const Product<uint16_t>& p, int64_t r0, int64_t c, int64_t k_begin, int64_t k_end,
+                               bool first, float* sums) {
+  static_assert(L == 1 || L % 2 == 0, "pairs of rows interleave 32 columns at a time, or 16 alone");
+  __m512 acc[R][L];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < L; ++j)
+      acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + (r0 + r) * p.n + c + 16 * j);
+  const __m512i low = _mm512_load_si512(kPairLow), high = _mm512_load_si512(kPairHigh);
+  const uint16_t* w = p.w + k_begin * p.n + c;
+  const int64_t half = (p.k + 1) / 2;
+  const uint32_t* x = p.pairs + r0 * half;
+  int64_t k = k_begin;
+  for (; k + 1 < k_end; k += 2, w += 2 * p.n) {
+    for (int j = 0; j < L; j += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows * p.n + 16 * j), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (kAheadRows + 1) * p.n + 16 * j), _MM_HINT_T0);
+    }
+    __m512i pair[L];
+    if constexpr (L == 1) {
+      __m512i row = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+      __m512i next = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p.n)));
+      pair[0] = _mm512_permutex2var_epi16(row, low, next);
+    } else {
+      for (int j = 0; j < L; j += 2) {
+        __m512i row = _mm512_loadu_si512(w + 16 * j), next = _mm512_loadu_si512(w + p.n + 16 * j);
+        pair[j] = _mm512_permutex2var_epi16(row, low, next);
+        pair[j + 1] = _mm512_permutex2var_epi16(row, high, next);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * half + k / 2]));
+      for (int j = 0; j < L; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)pair[j], xr);
+    }
+  }
+  if (k < k_end) {  // an odd K's last row, alone
+    for (int j = 0; j < L; ++j) {
+      __m512 wj = Load16(w + 16 * j);
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(p.x[(r0 + r) * p.k + k]), wj, acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < L; ++j) _mm512_storeu_ps(sums + (r0 + r) * p.n + c + 16 * j, acc[r][j]);
+}
+
+// One row takes 128 columns at a time: 256 bytes of each of w's rows in one run.
+template <int R>
+DEW_BF16_TARGET int64_t TilesPairs(const Product<uint16_t>& p, int64_t r0, int64_t c, int64_t end, int64_t k_begin,
+                                   int64_t k_end, bool first, float* sums) {
+  constexpr int L = R == 1 ? 8 : 16 / R < 4 ? 16 / R : 4;
+  for (; c + 16 * L <= end; c += 16 * L) TilePairs<R, L>(p, r0, c, k_begin, k_end, first, sums);
+  if constexpr (L > 2)
+    for (; c + 32 <= end; c += 32) TilePairs<R, 2>(p, r0, c, k_begin, k_end, first, sums);
+  for (; c + 16 <= end; c += 16) TilePairs<R, 1>(p, r0, c, k_begin, k_end, first, sums);
+  return c;
+}
+
+// Columns past the last whole 16 go through the portable body.
+DEW_BF16_TARGET void BlockPairs(const Product<uint16_t>& p, int64_t k_begin, int64_t k_end, int64_t c_begin,
+                                int64_t c_end, bool first, float* sums) {
+  int64_t r = 0, c = c_end;
+  for (; r + 8 <= p.m; r += 8) c = TilesPairs<8>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
+  for (; r + 4 <= p.m; r += 4) c = TilesPairs<4>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
+  for (; r < p.m; ++r) c = TilesPairs<1>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
+  if (c < c_end) BlockPortable(p, k_begin, k_end, c, c_end, first, sums);
+}
+
+// ---- AMX: 1 to 32 rows by tdpbf16ps, blocks of 32 of w's rows across 32 columns at a time ----
+
+// Rows of w a tile holds (16 pairs), and rows of w an AMX block reads, the sums held in tiles.
+constexpr int64_t kAmxDepth = 32, kAmxBlockRows = 64;
+
+// The tiles: C for rows 0-15 and 16-31 of x against columns 0-15 (tmm0, tmm1) and 16-31 (tmm2, tmm3) of a
+// 32-column group, A for x's two row groups (tmm4, tmm5), B for the two column halves (tmm6, tmm7).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes[16] = {};  // bytes a row, per tile
+  uint8_t rows[16] = {};
+};
+
+TileConfig TilesFor(int64_t m) {
+  TileConfig config;
+  int low = static_cast<int>(std::min<int64_t>(m, 16)), high = static_cast<int>(std::max<int64_t>(m - 16, 1));
+  for (int t : {0, 2, 4}) config.rows[t] = low;
+  for (int t : {1, 3, 5}) config.rows[t] = high;
+  config.rows[6] = config.rows[7] = 16;
+  for (int t = 0; t < 8; ++t) config.bytes[t] = 64;
+  return config;
+}
+
+// Where vpermt2w takes each 16-bit half of a pair of rows' 32 columns for a B tile (row k the first operand,
+// row k + 1 the second, 32 on): lane i of the low vector is column i of row k then of row k + 1 (the layout
+// tdpbf16ps reads), of the high vector column 16 + i.
+alignas(64) constexpr uint16_t kTileLow[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) constexpr uint16_t kTileHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+#define DEW_AMX_TARGET __attribute__((target("avx512f,avx512vl,avx512bw,amx-tile,amx-bf16")))
+
+// Rows [k_begin, k_end) of w (at most 32), columns [c, c + 32) (or 16 where `half`), into B tiles' layout:
+// 16 rows of 64 bytes a half, rows past k_end zero.
+// `ahead` is where the next step's 32 rows start (same stride), asked of the memory one cache line a row.
+template <bool kHalf>
+DEW_AMX_TARGET void PackTiles(const Product<uint16_t>& p, int64_t k_begin, int64_t k_end, int64_t c,
+                              const uint16_t* ahead, uint16_t (*packed)[16][32]) {
+  const __m512i low = _mm512_load_si512(kTileLow), high = _mm512_load_si512(kTileHigh);
+  const uint16_t* w = p.w + k_begin * p.n + c;
+  for (int pair = 0; pair < 16; ++pair, w += 2 * p.n, ahead += 2 * p.n) {
+    int64_t k = k_begin + 2 * pair;
+    _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + p.n), _MM_HINT_T0);
+    __m512i row = _mm512_setzero_si512(), next = _mm512_setzero_si512();
+    if constexpr (kHalf) {
+      if (k < k_end) row = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+      if (k + 1 < k_end) next = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p.n)));
+    } else {
+      if (k < k_end) row = _mm512_loadu_si512(w);
+      if (k + 1 < k_end) next = _mm512_loadu_si512(w + p.n);
+    }
+    _mm512_store_si512(packed[0][pair], _mm512_permutex2var_epi16(row, low, next));
+    if constexpr (!kHalf) _mm512_store_si512(packed[1][pair], _mm512_permutex2var_epi16(row, high, next));
+  }
+}
+
+// Columns past the last whole 16 go through the portable body.
+DEW_AMX_TARGET void BlockAmx(const Product<uint16_t>& p, int64_t k_begin, int64_t k_end, int64_t c_begin,
+                             int64_t c_end, bool first, float* sums) {
+  alignas(64) uint16_t packed[2][16][32];
+  _tile_loadconfig(p.tiles);
+  const bool two = p.m > 16;
+  const int64_t stride = p.n * 4, x_stride = p.padded_k * 2;
+  int64_t c = c_begin;
+  for (; c + 16 <= c_end; c += 32) {
+    const bool half = c + 32 > c_end;
+    float* y = sums + c;
+    if (first) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    } else {
+      _tile_loadd(0, y, stride);
+      if (two) _tile_loadd(1, y + 16 * p.n, stride);
+      if (!half) {
+        _tile_loadd(2, y + 16, stride);
+        if (two) _tile_loadd(3, y + 16 * p.n + 16, stride);
+      }
+    }
+    // The sums stay in the tiles across the block's 32-row steps.
+    for (int64_t k = k_begin; k < k_end; k += kAmxDepth) {
+      const int64_t step_end = std::min(k + kAmxDepth, k_end);
+      // The next step: the block's next 32 rows, else its first 32 in the next 32 columns (the weight's
+      // rows past the block's end are asked for too, harmlessly, where the block is the last).
+      const uint16_t* ahead = p.w + (step_end < k_end ? step_end * p.n + c : k_begin * p.n + c + 32);
+      if (half) {
+        PackTiles<true>(p, k, step_end, c, ahead, packed);
+      } else {
+        PackTiles<false>(p, k, step_end, c, ahead, packed);
+      }
+      _tile_loadd(4, p.padded + k, x_stride);
+      if (two) _tile_loadd(5, p.padded + 16 * p.padded_k + k, x_stride);
+      _tile_loadd(6, packed[0], 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (two) _tile_dpbf16ps(1, 5, 6);
+      if (!half) {
+        _tile_loadd(7, packed[1], 64);
+        _tile_dpbf16ps(2, 4, 7);
+        if (two) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, y, stride);
+    if (two) _tile_stored(1, y + 16 * p.n, stride);
+    if (!half) {
+      _tile_stored(2, y + 16, stride);
+      if (two) _tile_stored(3, y + 16 * p.n + 16, stride);
+    }
+    if (half) c -= 16;
+  }
+  _tile_release();
+  if (c < c_end) BlockPortable(p, k_begin, k_end, c, c_end, first, sums);
+}
+
+// Whether this CPU has AMX's bfloat16 tiles and Linux lets this process use them (asked once:
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
+bool AmxAllowed() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool tiles = (edx >> 24) & 1, bf16 = (edx >> 22) & 1;
+#ifdef SYS_arch_prctl
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;
+  return tiles && bf16 && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+#else
+  return false;
+#endif
 }
 
 #endif  // DEW_X86
 
 // The bodies by instruction set (native/isa.h's order); the one in use is the CPU's best at load unless
-// set_isa lowered it.
+// set_isa lowered it. bfloat16 products take vdpbf16ps on a CPU that has it, unless set_pairs turned it off
+// or set_isa lowered the set below AVX-512.
 const dew::Isa g_best_isa = dew::DetectIsa();
 std::atomic<int> g_isa{static_cast<int>(g_best_isa)};
 #ifdef DEW_X86
-const BlockBody kBodies[] = {BlockPortable, BlockAvx2, BlockAvx512};
+const BlockBody<float> kBodies[] = {BlockPortable<float>, BlockAvx2<float>, BlockAvx512<float>};
+const BlockBody<uint16_t> kBfloat16Bodies[] = {BlockPortable<uint16_t>, BlockAvx2<uint16_t>, BlockAvx512<uint16_t>};
+bool HasPairs() {
+  __builtin_cpu_init();
+  return g_best_isa == dew::kAvx512 && __builtin_cpu_supports("avx512bf16");
+}
 #else
-const BlockBody kBodies[] = {BlockPortable};
+const BlockBody<float> kBodies[] = {BlockPortable<float>};
+const BlockBody<uint16_t> kBfloat16Bodies[] = {BlockPortable<uint16_t>};
+bool HasPairs() { return false; }
 #endif
+const bool g_has_pairs = HasPairs();
+// The fewest rows a bfloat16 product takes AMX's tiles for.
+constexpr int64_t kAmxRows = 2;
+std::atomic<bool> g_pairs{g_has_pairs};
+
+// AMX is asked for on the first bfloat16 product that would use it.
+std::atomic<bool> g_tiles{true};
+bool HasTiles() {
+#ifdef DEW_X86
+  static const bool allowed = g_best_isa == dew::kAvx512 && AmxAllowed();
+  return allowed;
+#else
+  return false;
+#endif
+}
+
+BlockBody<float> Body(float*, int64_t) { return kBodies[g_isa.load(std::memory_order_relaxed)]; }
+BlockBody<uint16_t> Body(uint16_t*, int64_t m) {
+  int isa = g_isa.load(std::memory_order_relaxed);
+#ifdef DEW_X86
+  if (isa == dew::kAvx512 && m >= kAmxRows && g_tiles.load(std::memory_order_relaxed) && HasTiles()) return BlockAmx;
+  if (isa == dew::kAvx512 && g_pairs.load(std::memory_order_relaxed)) return BlockPairs;
+#endif
+  return kBfloat16Bodies[isa];
+}
 
 // The weight's rows split into at most kSlices slices of whole blocks, fixed by the shape alone; each
 // thread that claims a slice streams one contiguous region of w, and the slices' sums are added in slice
@@ -162,10 +468,11 @@ constexpr int64_t kSliceBytes = 128 << 10;
 
 // Slices claimed from `next` by whichever thread is free; shared by pointer, since a pool task may start
 // after the call has returned (it then finds nothing to claim).
+template <typename W>
 struct Pieces {
-  Product p;
-  BlockBody body;
-  int64_t slices = 1, slice_rows = 0;
+  Product<W> p;
+  BlockBody<W> body;
+  int64_t block_rows = kBlockRows, slices = 1, slice_rows = 0;
   float* partial = nullptr;  // [slices - 1, m, n]: the sums of slices 1 on (slice 0 sums into y)
   std::atomic<int64_t> next{0}, done{0};
 
@@ -173,35 +480,46 @@ struct Pieces {
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < slices;) {
       float* sums = i == 0 ? p.y : partial + (i - 1) * p.m * p.n;
       int64_t k_begin = i * slice_rows, k_end = std::min(k_begin + slice_rows, p.k);
-      for (int64_t k = k_begin; k < k_end; k += kBlockRows)
-        body(p, k, std::min(k + kBlockRows, k_end), 0, p.n, k == k_begin, sums);
+      for (int64_t k = k_begin; k < k_end; k += block_rows)
+        body(p, k, std::min(k + block_rows, k_end), 0, p.n, k == k_begin, sums);
       if (k_begin >= k_end) std::fill(sums, sums + p.m * p.n, 0.0f);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-// y = x w[layer]: `w` is a stack of weights [L, K, N] (one weight is a stack of one); a scanned decoder
-// passes its layers' whole stack and the layer's index, so that XLA does not copy the layer's weight out
-// of the stack before every product.
-ffi::Error FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                          ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+// The layer `*at` of w after checking the operands' shapes and the layer; the error names the handler's `what`.
+template <typename X, typename W>
+ffi::Error CheckShapes(const char* what, const X& x, const W& w, const ffi::Buffer<ffi::S32>& layer,
+                       ffi::Result<ffi::Buffer<ffi::F32>>& y, int64_t* at) {
   auto dx = x.dimensions(), dw = w.dimensions(), dy = y->dimensions();
   if (dx.size() != 2 || dw.size() != 3 || dy.size() != 2 || dx[1] != dw[1] || dy[0] != dx[0] || dy[1] != dw[2] ||
       layer.element_count() != 1)
-    return ffi::Error::InvalidArgument("dew few-rows product: x [M, K], w [L, K, N], layer [] and y [M, N]");
-  int64_t at = *layer.typed_data();
-  if (at < 0 || at >= dw[0])
-    return ffi::Error::InvalidArgument("dew few-rows product: layer " + std::to_string(at) + " outside the stack of " +
-                                       std::to_string(dw[0]));
-  auto pieces = std::make_shared<Pieces>();
-  Product& p = pieces->p;
-  p = {x.typed_data(), w.typed_data() + at * dw[1] * dw[2], y->typed_data(), dx[0], dx[1], dw[2]};
-  pieces->body = kBodies[g_isa.load(std::memory_order_relaxed)];
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  int64_t blocks = std::max<int64_t>(1, (p.k + kBlockRows - 1) / kBlockRows);
-  int64_t slices = std::clamp<int64_t>(p.k * p.n * 4 / kSliceBytes, 1, kSlices);
-  pieces->slice_rows = (blocks + slices - 1) / slices * kBlockRows;
+    return ffi::Error::InvalidArgument(std::string(what) + ": x [M, K], w [L, K, N], layer [] and y [M, N]");
+  *at = *layer.typed_data();
+  if (*at < 0 || *at >= dw[0])
+    return ffi::Error::InvalidArgument(std::string(what) + ": layer " + std::to_string(*at) +
+                                       " outside the stack of " + std::to_string(dw[0]));
+  return ffi::Error::Success();
+}
+
+// y = p.x p.w over the pool's threads, slices added in order.
+template <typename W>
+void Run(ffi::ThreadPool& pool, const Product<W>& product) {
+  auto pieces = std::make_shared<Pieces<W>>();
+  Product<W>& p = pieces->p;
+  p = product;
+  pieces->body = Body(static_cast<W*>(nullptr), p.m);
+  if (p.m == 0 || p.n == 0) return;
+#ifdef DEW_X86
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    if (pieces->body == BlockAmx) pieces->block_rows = kAmxBlockRows;
+  }
+#endif
+  const int64_t block_rows = pieces->block_rows;
+  int64_t blocks = std::max<int64_t>(1, (p.k + block_rows - 1) / block_rows);
+  int64_t slices = std::clamp<int64_t>(p.k * p.n * static_cast<int64_t>(sizeof(W)) / kSliceBytes, 1, kSlices);
+  pieces->slice_rows = (blocks + slices - 1) / slices * block_rows;
   pieces->slices = std::max<int64_t>(1, (p.k + pieces->slice_rows - 1) / pieces->slice_rows);
   // In the calling thread's buffer: every slice that writes it has finished before this call returns.
   thread_local std::vector<float> partial;
@@ -215,6 +533,55 @@ ffi::Error FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     const float* slice = partial.data() + (s - 1) * p.m * p.n;
     for (int64_t e = 0; e < p.m * p.n; ++e) p.y[e] += slice[e];
   }
+}
+
+// y = x w[layer]: `w` is a stack of weights [L, K, N] (one weight is a stack of one); a scanned decoder
+// passes its layers' whole stack and the layer's index, so that XLA does not copy the layer's weight out
+// of the stack before every product.
+ffi::Error FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                          ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  int64_t at;
+  if (ffi::Error error = CheckShapes("dew few-rows product", x, w, layer, y, &at); error.failure()) return error;
+  auto dx = x.dimensions(), dw = w.dimensions();
+  Run<float>(pool, {x.typed_data(), w.typed_data() + at * dw[1] * dw[2], y->typed_data(), dx[0], dx[1], dw[2]});
+  return ffi::Error::Success();
+}
+
+// The same in bfloat16: x [M, K] bfloat16, w [L, K, N] bfloat16 as its uint16 bits, y float32.
+ffi::Error Bfloat16FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> w,
+                                  ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  int64_t at;
+  if (ffi::Error error = CheckShapes("dew bfloat16 few-rows product", x, w, layer, y, &at); error.failure())
+    return error;
+  auto dx = x.dimensions(), dw = w.dimensions();
+  const int64_t m = dx[0], k = dx[1], half = (k + 1) / 2;
+  const uint16_t* bits = x.typed_data();
+  // x widened for the FMA bodies and paired for vdpbf16ps, once a call (m * k values, against k * n weights).
+  thread_local std::vector<float> widened;
+  thread_local std::vector<uint32_t> pairs;
+  widened.resize(static_cast<size_t>(m * k));
+  pairs.assign(static_cast<size_t>(m * half), 0);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < k; ++i) {
+      widened[r * k + i] = Widen(bits[r * k + i]);
+      pairs[r * half + i / 2] |= static_cast<uint32_t>(bits[r * k + i]) << (i % 2 == 0 ? 16 : 0);
+    }
+  Product<uint16_t> p{widened.data(), w.typed_data() + at * dw[1] * dw[2], y->typed_data(), m, k, dw[2]};
+  p.pairs = pairs.data();
+#ifdef DEW_X86
+  // For AMX: x's rows, zero past k to whole 32-row steps (an A tile reads 32 of x's columns).
+  thread_local std::vector<uint16_t> padded;
+  thread_local TileConfig tiles;
+  if (m >= kAmxRows) {
+    p.padded_k = (k + kAmxDepth - 1) / kAmxDepth * kAmxDepth;
+    padded.assign(static_cast<size_t>(m * p.padded_k), 0);
+    for (int64_t r = 0; r < m; ++r) std::copy(bits + r * k, bits + (r + 1) * k, padded.data() + r * p.padded_k);
+    tiles = TilesFor(m);
+    p.padded = padded.data();
+    p.tiles = &tiles;
+  }
+#endif
+  Run<uint16_t>(pool, p);
   return ffi::Error::Success();
 }
 
@@ -228,8 +595,46 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewFewRowsProduct, FewRowsProduct,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16FewRowsProduct, Bfloat16FewRowsProduct,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 static PyObject* Handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DewFewRowsProduct), nullptr, nullptr);
+}
+
+static PyObject* Bfloat16Handler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&DewBfloat16FewRowsProduct), nullptr, nullptr);
+}
+
+static PyObject* GetPairs(PyObject*, PyObject*) { return PyBool_FromLong(g_pairs.load()); }
+
+static PyObject* SetPairs(PyObject*, PyObject* args) {
+  int on = 0;
+  if (!PyArg_ParseTuple(args, "p", &on)) return nullptr;
+  if (on && !g_has_pairs) {
+    PyErr_SetString(PyExc_ValueError, "this CPU has no AVX512_BF16 (vdpbf16ps): its bfloat16 products widen to float32");
+    return nullptr;
+  }
+  g_pairs.store(on);
+  Py_RETURN_NONE;
+}
+
+static PyObject* GetTiles(PyObject*, PyObject*) { return PyBool_FromLong(g_tiles.load() && HasTiles()); }
+
+static PyObject* SetTiles(PyObject*, PyObject* args) {
+  int on = 0;
+  if (!PyArg_ParseTuple(args, "p", &on)) return nullptr;
+  if (on && !HasTiles()) {
+    PyErr_SetString(PyExc_ValueError, "this CPU has no AMX bfloat16 tiles, or Linux refused them to this process");
+    return nullptr;
+  }
+  g_tiles.store(on);
+  Py_RETURN_NONE;
 }
 
 static PyObject* GetIsa(PyObject*, PyObject*) { return dew::GetIsa(g_isa); }
@@ -237,12 +642,17 @@ static PyObject* GetIsa(PyObject*, PyObject*) { return dew::GetIsa(g_isa); }
 static PyObject* SetIsa(PyObject*, PyObject* args) { return dew::SetIsa(args, g_best_isa, g_isa); }
 
 static PyMethodDef kMethods[] = {
-    {"handler", Handler, METH_NOARGS, "The XLA FFI handler, as a capsule."},
+    {"handler", Handler, METH_NOARGS, "The float32 XLA FFI handler, as a capsule."},
+    {"bfloat16_handler", Bfloat16Handler, METH_NOARGS, "The bfloat16 XLA FFI handler, as a capsule."},
+    {"pairs", GetPairs, METH_NOARGS, "Whether bfloat16 products take vdpbf16ps (under the avx512 set)."},
+    {"set_pairs", SetPairs, METH_VARARGS, "Turn vdpbf16ps on (where the CPU has it) or off, for tests."},
+    {"tiles", GetTiles, METH_NOARGS, "Whether bfloat16 products of 2 rows or more take AMX (under avx512)."},
+    {"set_tiles", SetTiles, METH_VARARGS, "Turn AMX on (where the CPU and Linux allow it) or off, for tests."},
     {"isa", GetIsa, METH_NOARGS, "The instruction set the bodies use: avx512, avx2 or portable."},
     {"set_isa", SetIsa, METH_VARARGS, "Use the named instruction set (at most the CPU's best), for tests."},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_few_rows",
-                              "Dew's XLA FFI float32 product of a few rows against a weight.", -1, kMethods};
+                              "Dew's XLA FFI float32 and bfloat16 products of a few rows against a weight.", -1, kMethods};
 
 PyMODINIT_FUNC PyInit__native_few_rows(void) { return PyModule_Create(&kModule); }

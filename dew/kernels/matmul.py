@@ -8,10 +8,14 @@ own `dot_general` or a call through `jax.ffi` to oneDNN's row-major gemm (`dnnl_
 bfloat16 gemm needs AVX512-core or AVX2-VNNI-2: it is asked once (`status(jnp.bfloat16)`), and on other
 CPUs bfloat16 products stay XLA's. `dot` is `product` with the gradients a mixed-precision linear needs.
 
-A float32 product of a few rows (at most `policy.FEW_ROWS`, a decode step's linear: `[m, k] x [k, n]`, no
+A product of a few rows (at most `policy.FEW_ROWS`, a decode step's linear: `[m, k] x [k, n]`, no
 transposes, no batch) may instead run in Dew's own kernel (`few_rows_product`, `native/few_rows.cc`): it
-streams the weight once for all rows, where XLA's CPU matmul of 8 rows reads it at half the memory's rate.
-Each of its outputs is one chain of fused multiply-adds over k in order; the table decides where it runs.
+streams the weight once for all rows, where XLA's CPU matmul of 8 rows reads it at half the memory's rate
+and oneDNN's bfloat16 gemm of 2-32 rows repacks the weight at every call. Each of its outputs is one chain
+of fused multiply-adds over k in order, in float32 (a bfloat16 product of two bfloat16s is exact in
+float32; AVX512_BF16's `vdpbf16ps` gives the same chain; AMX's tiles, which take bfloat16 products of 2
+rows or more where the CPU has them, add in their own order). In float32 the table decides where it runs;
+in bfloat16 `policy.choose_bfloat16_few_rows` does.
 
 A scanned decoder's layers hold their weights stacked `[L, k, n]`, and XLA's CPU backend copies a layer's
 weight out of the stack before each product, every decode step. `stacked_product` hands the kernel the
@@ -36,8 +40,8 @@ import numpy as np
 from jax import lax
 
 from dew.kernels.loader import import_extension, onednn_functions, onednn_path, onednn_version
-from dew.kernels.policy import (FEW_ROWS, calls_refused, choose_few_rows, choose_onednn, choose_stacked_few_rows,
-                                cpu_tuned, in_force, note, product_key)
+from dew.kernels.policy import (FEW_ROWS, calls_refused, choose_bfloat16_few_rows, choose_few_rows, choose_onednn,
+                                choose_stacked_few_rows, cpu_tuned, in_force, note, product_key)
 
 _F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 # (operands' dtype, result's dtype) -> the handler: bfloat16 results are rounded inside the call.
@@ -98,7 +102,16 @@ def _few_rows() -> tuple[bool, str]:
     if native is None:
         return False, why
     jax.ffi.register_ffi_target("dew_few_rows", native.handler(), platform="cpu")
-    return True, f"Dew's kernel (dew._native_few_rows, {native.isa()})"
+    jax.ffi.register_ffi_target("dew_few_rows_bf16", native.bfloat16_handler(), platform="cpu")
+    bfloat16 = [name for name, on in (("vdpbf16ps", native.pairs()), ("AMX tiles", native.tiles())) if on]
+    return True, f"Dew's kernel (dew._native_few_rows, {native.isa()}{''.join(', ' + b for b in bfloat16)})"
+
+
+def few_rows_tiles() -> bool:
+    """Whether the few-rows kernel multiplies bfloat16 products of 2 rows or more in AMX's tiles here (the CPU
+    has them and Linux granted them to this process)."""
+    native, _ = import_extension("few_rows")
+    return native is not None and native.tiles()
 
 
 def few_rows_status(policy: str | None = None) -> tuple[bool, str]:
@@ -108,19 +121,35 @@ def few_rows_status(policy: str | None = None) -> tuple[bool, str]:
 
 
 def few_rows_product(a: jax.Array, b: jax.Array, layer: jax.Array | None = None) -> jax.Array:
-    """float32 `a @ b` of `a` `[m, k]` and `b` `[k, n]` (with `layer`, an int32 scalar, `b[layer]` of a stack
+    """`a @ b` of `a` `[m, k]` and `b` `[k, n]` (with `layer`, an int32 scalar, `b[layer]` of a stack
     `[L, k, n]`, read in place), float32, in Dew's few-rows kernel: each output is `fma(a[i, k], b[k, j],
-    sum)` over k in order from zero (where `few_rows_status()` allows it)."""
+    sum)` over k in order from zero, in float32 (where `few_rows_status()` allows it). `a` is float32 with a
+    float32 `b`, or bfloat16 with a bfloat16 `b` (or its uint16 bits, `dew.nn.quantize.bfloat16_bits`)."""
     loaded, why = _few_rows()
     if not loaded:
         raise RuntimeError(f"Dew's few-rows kernel is unavailable: {why}; use xla_product")
     stack = b if layer is not None else b[None]
-    if a.ndim != 2 or stack.ndim != 3 or a.shape[1] != stack.shape[1] or a.dtype != _F32 or b.dtype != _F32:
-        raise ValueError(f"few_rows_product takes float32 a [m, k] and b [k, n] (with a layer, [L, k, n]); got a "
-                         f"{a.dtype} {a.shape}, b {b.dtype} {b.shape}")
-    call = jax.ffi.ffi_call("dew_few_rows", jax.ShapeDtypeStruct((a.shape[0], stack.shape[2]), _F32),
-                            vmap_method="sequential")
+    weights = _BF16 if stack.dtype == _U16 else stack.dtype
+    if (a.ndim != 2 or stack.ndim != 3 or a.shape[1] != stack.shape[1] or a.dtype != weights
+            or a.dtype not in (_F32, _BF16)):
+        raise ValueError(f"few_rows_product takes a [m, k] and b [k, n] (with a layer, [L, k, n]), both float32 or "
+                         f"both bfloat16 (b as itself or its uint16 bits); got a {a.dtype} {a.shape}, b {b.dtype} "
+                         f"{b.shape}")
+    target = "dew_few_rows"
+    if a.dtype == _BF16:
+        target, stack = "dew_few_rows_bf16", lax.bitcast_convert_type(stack, _U16) if stack.dtype == _BF16 else stack
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((a.shape[0], stack.shape[2]), _F32), vmap_method="sequential")
     return call(a, stack, layer_index(layer))
+
+
+def _takes_few_rows(m: int, k: int, n: int, dtype, policy: str, stacked: bool) -> bool:
+    """Whether `[m, k] x [k, n]` of `dtype` operands (a lone weight, or with `stacked` a layer read in place)
+    runs in the few-rows kernel under `policy`: the policy's choice, and the kernel allowed here."""
+    if jnp.dtype(dtype) == _BF16:
+        chosen = choose_bfloat16_few_rows(m, k, n, policy, few_rows_tiles())
+    else:
+        chosen = (choose_stacked_few_rows if stacked else choose_few_rows)(m, k, n, policy)
+    return chosen and few_rows_status(policy)[0]
 
 
 def layer_index(layer: jax.Array | None) -> jax.Array:
@@ -137,9 +166,8 @@ def stacked_takes(a: jax.Array, stack: jax.Array, policy: str | None = None) -> 
     if (a.ndim != 2 or stack.ndim != 3 or a.shape[0] > FEW_ROWS or a.dtype != weights or a.dtype not in (_F32, _BF16)
             or a.shape[1] != stack.shape[1] or min(*a.shape, stack.shape[2]) == 0):
         return False
-    if a.dtype == _F32 and choose_stacked_few_rows(a.shape[0], a.shape[1], stack.shape[2], in_force(policy)):
-        return few_rows_status(policy)[0]
-    return status(a.dtype, policy)[0]
+    return (_takes_few_rows(a.shape[0], a.shape[1], stack.shape[2], a.dtype, in_force(policy), stacked=True)
+            or status(a.dtype, policy)[0])
 
 
 def stacked_product(a: jax.Array, stack: jax.Array, layer: jax.Array, out_dtype=jnp.float32,
@@ -147,9 +175,11 @@ def stacked_product(a: jax.Array, stack: jax.Array, layer: jax.Array, out_dtype=
     """`a @ stack[layer]` accumulated in float32, returned as `out_dtype` (rounded once), reading the layer
     in place where `stacked_takes` says so: a scanned decoder's layers hold their weights stacked, and
     XLA's CPU backend copies a layer's weight out of the stack before each product, every decode step.
-    The product is the call `product` would make for the layer's weight alone (the few-rows kernel where
-    the table chooses it, else oneDNN's gemm, even where the table would keep XLA's dot: that dot comes
-    after the copy), so its numbers are the same. Elsewhere: `product` of the indexed layer."""
+    The product is the few-rows kernel where the policy chooses it for a stacked layer
+    (`choose_stacked_few_rows`, `choose_bfloat16_few_rows`), else oneDNN's gemm, even where the table would
+    keep XLA's dot (that dot comes after the copy): in bfloat16, and in float32 where the table chooses the
+    kernel, the call `product` makes for the layer's weight alone, so the same numbers. Elsewhere: `product`
+    of the indexed layer."""
     policy = in_force(policy)
     if not stacked_takes(a, stack, policy):
         weight = stack[layer]
@@ -158,7 +188,7 @@ def stacked_product(a: jax.Array, stack: jax.Array, layer: jax.Array, out_dtype=
         return product(a, weight.astype(a.dtype), out_dtype=out_dtype, policy=policy)
     (m, k), n = a.shape, stack.shape[2]
     key = product_key(1, m, k, n, a.dtype, False, False, out_dtype)
-    if a.dtype == _F32 and choose_stacked_few_rows(m, k, n, policy):
+    if _takes_few_rows(m, k, n, a.dtype, policy, stacked=True):
         note(key, "dew")
         return few_rows_product(a, stack, layer).astype(out_dtype)
     note(key, "onednn")
@@ -209,10 +239,11 @@ def product(a: jax.Array, b: jax.Array, transpose_a: bool = False, transpose_b: 
     n = b.shape[-2] if transpose_b else b.shape[-1]
     batch = int(np.prod(a.shape[:-2], dtype=np.int64))
     key = product_key(batch, m, k, n, a.dtype, transpose_a, transpose_b, out_dtype)
-    if (a.ndim == 2 and a.dtype == _F32 and jnp.dtype(out_dtype) == _F32 and not (transpose_a or transpose_b)
-            and min(m, k, n) > 0 and choose_few_rows(m, k, n, policy) and few_rows_status(policy)[0]):
+    few_rows_dtype = a.dtype == _BF16 or (a.dtype == _F32 and jnp.dtype(out_dtype) == _F32)
+    if (a.ndim == 2 and few_rows_dtype and not (transpose_a or transpose_b) and min(m, k, n) > 0
+            and _takes_few_rows(m, k, n, a.dtype, policy, stacked=False)):
         note(key, "dew")
-        return few_rows_product(a, b)
+        return few_rows_product(a, b).astype(out_dtype)
     if ((a.dtype, _F32) in _TARGETS and min(batch, m, k, n) > 0 and status(a.dtype, policy)[0]
             and choose_onednn(batch, m, k, n, a.dtype, transpose_a, transpose_b, out_dtype, policy)):
         note(key, "onednn")

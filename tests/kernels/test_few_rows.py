@@ -77,3 +77,104 @@ def test_the_policy_sends_only_measured_decode_products_to_it(monkeypatch):
     bound = ulp_bound(576, np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)))
     assert np.all(np.abs(results["auto"] - results["xla"]) <= bound)
     assert policy.summary(choices | {"1x8x576x192/float32/NN/float32": "dew"}).endswith("1 in Dew's few-rows kernel")
+
+
+def _bfloat16_bodies() -> list[tuple[str, bool, bool]]:
+    """Every bfloat16 body this CPU runs: (instruction set, whether vdpbf16ps, whether AMX), the FMA ones first."""
+    from dew import _native_few_rows
+
+    bodies = [(isa, False, False) for isa in instruction_sets()]
+    for pairs, tiles in ((True, False), (False, True)):
+        try:
+            _with_body("avx512", pairs, tiles, lambda: None)
+            bodies.append(("avx512", pairs, tiles))
+        except ValueError:  # no AVX512_BF16, or no AMX, here
+            pass
+    return bodies
+
+
+def _with_body(isa: str, pairs: bool, tiles: bool, run):
+    """`run()` under the bfloat16 body (`isa`, `pairs`, `tiles`), the CPU's best restored after."""
+    from dew import _native_few_rows
+
+    best = instruction_sets()[-1], _native_few_rows.pairs(), _native_few_rows.tiles()
+    try:
+        _native_few_rows.set_isa(isa)
+        _native_few_rows.set_pairs(pairs)
+        _native_few_rows.set_tiles(tiles)
+        return run()
+    finally:
+        _native_few_rows.set_isa(best[0])
+        _native_few_rows.set_pairs(best[1])
+        _native_few_rows.set_tiles(best[2])
+
+
+# Shapes that reach every bfloat16 path: 8-, 4- and 1-row tiles (M = 13), one row's 128-column tiles and the
+# 32- and 16-column ones with a scalar tail (N = 177, 131, 40, 144), K odd (the last row alone in vdpbf16ps),
+# below one block, and a weight of two slices (1031 x 144 bfloat16s; 128 KiB a slice); AMX's tiles of 2 to 16
+# rows and of 17 to 32 (M = 13, 32, 20), with a 16-column half group (N = 144).
+@pytest.mark.parametrize("M,K,N", [(1, 521, 177), (13, 521, 131), (3, 7, 40), (32, 64, 96), (2, 1031, 144),
+                                   (20, 1031, 144)])
+def test_bfloat16_bodies_are_one_float32_chain(M, K, N):
+    rng = np.random.default_rng(M * K + N)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((K, N)), jnp.bfloat16)
+    bits = jax.lax.bitcast_convert_type(w, jnp.uint16)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    exact = x64 @ w64
+    # Each product of two bfloat16s is exact in float32, so a chain of K fused multiply-adds from zero rounds
+    # only its K - 1 sums, each by at most half an ulp of the sum of the terms' magnitudes (float64's own
+    # roundings are 2^-29 of that). AMX adds the same K exact products into float32 sums in its own order,
+    # rounding at most as often.
+    bound = ulp_bound(K / 2, np.abs(x64) @ np.abs(w64))
+    run = jax.jit(matmul.few_rows_product)
+    results = {}
+    for body in _bfloat16_bodies():
+        results[body] = _with_body(*body, lambda: np.asarray(run(x, bits)))
+        # Observed: at most 2.6e-5 from the exact sums (K = 1,031), 1.8% of the bound at most (K = 64).
+        difference = np.abs(results[body] - exact)
+        assert np.all(difference <= bound), f"{body}: {difference.max()}"
+    # vdpbf16ps adds a pair's high half (row k) then its low half (row k + 1), each addition rounded: the FMA
+    # bodies' chain over k in order, the same bits. AMX (2 rows or more) is not that chain.
+    for body, result in results.items():
+        if not (body[2] and M >= 2):
+            np.testing.assert_array_equal(result, results["portable", False, False], err_msg=str(body))
+    # A bfloat16 weight as itself is its bits.
+    np.testing.assert_array_equal(np.asarray(run(x, w)), np.asarray(run(x, bits)))
+
+
+def test_every_bfloat16_body_flushes_denormals_under_xla():
+    # x = 1, 1 against w's rows 2^-130 (a bfloat16 denormal) and 0, 8 rows. vdpbf16ps and AMX read denormals
+    # as zero on their own; XLA runs its CPU threads with denormals flushed (MXCSR's FTZ and DAZ), so the FMA
+    # bodies do too.
+    x = jnp.ones((8, 2), jnp.bfloat16)
+    w = jnp.asarray([[2.0**-130] * 16, [0.0] * 16], jnp.bfloat16)
+    assert float(w[0, 0]) == 2.0**-130
+    run = jax.jit(matmul.few_rows_product)
+    for body in _bfloat16_bodies():
+        result = _with_body(*body, lambda: np.asarray(run(x, w)))
+        np.testing.assert_array_equal(result, np.zeros((8, 16), np.float32), err_msg=str(body))
+
+
+def test_bfloat16_decode_products_take_it_lone_or_stacked():
+    assert [policy.choose_bfloat16_few_rows(m, 576, 1536, "auto", False) for m in (1, 2, 8, 9, 32, 33)] == [
+        False, True, True, False, False, False]
+    assert [policy.choose_bfloat16_few_rows(m, 576, 1536, "auto", True) for m in (1, 2, 8, 9, 16, 17, 32)] == [
+        False, True, True, True, True, False, False]  # with AMX's tiles
+    assert policy.choose_bfloat16_few_rows(4, 576, 1536, "exact", False)
+    assert not policy.choose_bfloat16_few_rows(4, 576, 1536, "native", True)  # native: oneDNN's
+    assert not policy.choose_bfloat16_few_rows(4, 576, 1536, "xla", True)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
+    stack = jax.lax.bitcast_convert_type(jnp.asarray(rng.standard_normal((2, 64, 48)), jnp.bfloat16), jnp.uint16)
+    weight = jax.lax.bitcast_convert_type(stack[1], jnp.bfloat16)
+    with policy.recording() as choices:
+        stacked = jax.jit(lambda x, s: matmul.stacked_product(x, s, jnp.int32(1), jnp.bfloat16, "auto"))(x, stack)
+        lone = jax.jit(lambda x, w: matmul.product(x, w, out_dtype=jnp.bfloat16, policy="auto"))(x, weight)
+    assert choices == {"1x3x64x48/bfloat16/NN/bfloat16": "dew"}
+    assert matmul.stacked_takes(x, stack, "auto") and not matmul.stacked_takes(x, stack, "xla")
+    # The same kernel on the same bytes, rounded once to bfloat16: the same bits as each other and as the
+    # float32 result rounded.
+    np.testing.assert_array_equal(np.asarray(stacked, np.float32), np.asarray(lone, np.float32))
+    rounded = np.asarray(jax.jit(matmul.few_rows_product)(x, weight).astype(jnp.bfloat16), np.float32)
+    np.testing.assert_array_equal(np.asarray(lone, np.float32), rounded)

@@ -117,7 +117,8 @@ def test_bfloat16_logits_are_the_sliced_weights_and_greedy_tokens_xlas(model, va
         pytest.skip(matmul.status(jnp.bfloat16)[1])
     model, variables = _bfloat16(model, variables)
     lifted = stacked_in_place(model, variables)
-    # bfloat16 products of a few rows run in oneDNN either way (dew.kernels.policy.choose_onednn): the same bits.
+    # bfloat16 products of a few rows run in the few-rows kernel either way, stacked or lone
+    # (dew.kernels.policy.choose_bfloat16_few_rows): the same bits.
     logits = [np.asarray(jax.jit(model.apply)(v, DECODE), np.float32) for v in (lifted, variables)]
     np.testing.assert_array_equal(*logits)
     _same_greedy_tokens(model, _with(model, kernels="xla"), variables, [[5, 9, 14, 2]])
