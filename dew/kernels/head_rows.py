@@ -11,9 +11,11 @@ in theirs, so the logits differ from theirs by the roundings of a sum of E terms
 
 It runs for at most `MAX_ROWS` rows wherever the kernel policy lets a native kernel into the step
 (`dew.kernels.policy`: `auto`, `exact` or `native` on the CPU backend, one device) and the extension
-built: float32 heads in either layout, and bfloat16 ones where AMX takes them (`amx_takes`); elsewhere a
-bfloat16 head stays in oneDNN's gemm, which was faster than the kernel's FMAs at 8 rows and more. Its
-gradient is XLA's products (a few rows are decoding; the kernel is for the forward pass).
+built, for the heads where it measured faster than what ran before: a tied (`[V, E]`) float32 head (XLA's
+dot before), and a tied bfloat16 one where AMX takes it (`amx_takes`; oneDNN's gemm before, which stays
+for other bfloat16 heads: it was faster than the kernel's FMAs at 8 rows and more). An untied float32
+head stays XLA's: the kernel's `[E, V]` body was slower than XLA's dot at 32 rows. Its gradient is XLA's
+products (a few rows are decoding; the kernel is for the forward pass).
 """
 
 from __future__ import annotations
@@ -67,13 +69,13 @@ def amx_takes(weight: jax.Array, transposed: bool) -> bool:
 
 def takes(hidden_NE: jax.Array, weight: jax.Array, transposed: bool, policy: str | None = None) -> bool:
     """Whether `head_logits` of these operands runs in the kernel under `policy` (default the one in force)
-    here: hidden states `[N, E]` of at most `MAX_ROWS` rows, a 2-D head of their dtype (float32, or
-    bfloat16 as itself or its bits where `amx_takes` it) and `status(policy)` on. Noted in
+    here: hidden states `[N, E]` of at most `MAX_ROWS` rows, a tied (`transposed`) head of their dtype
+    (float32, or bfloat16 as itself or its bits where `amx_takes` it) and `status(policy)` on. Noted in
     `dew.kernels.policy.recording()`."""
     dtype = _weights_dtype(weight)
     E = weight.shape[1] if transposed else weight.shape[0]
     taken = (hidden_NE.ndim == 2 and weight.ndim == 2 and hidden_NE.shape[0] <= MAX_ROWS and dtype in (_F32, _BF16)
-             and jnp.dtype(hidden_NE.dtype) == dtype and hidden_NE.shape[1] == E and status(policy)[0]
+             and jnp.dtype(hidden_NE.dtype) == dtype and hidden_NE.shape[1] == E and transposed and status(policy)[0]
              and (dtype == _F32 or amx_takes(weight, transposed)))
     V = weight.shape[0] if transposed else weight.shape[-1]
     note(f"head_rows/{hidden_NE.shape[0]}x{hidden_NE.shape[-1]}x{V}/{dtype.name}", "dew" if taken else "xla")

@@ -95,8 +95,8 @@ def test_the_head_runs_its_few_rows_in_the_kernel_with_the_old_products_numbers(
     # a bfloat16 one ran oneDNN's gemm, which sums in its own order too).
     for transposed in (True, False):
         hidden, weight = _operands(5, 64, 300, dtype, transposed, seed=1)
-        # float32 in either layout; bfloat16 where AMX's tiles take it, else oneDNN's gemm as before.
-        kernel = dtype == jnp.float32 or head_rows.amx_takes(weight, transposed)
+        # Tied heads: float32, and bfloat16 where AMX's tiles take it, else oneDNN's gemm as before.
+        kernel = transposed and (dtype == jnp.float32 or head_rows.amx_takes(weight, transposed))
         logits = {}
         for kernels in ("auto", "xla"):
             with policy.recording() as choices:
@@ -110,15 +110,16 @@ def test_the_head_runs_its_few_rows_in_the_kernel_with_the_old_products_numbers(
 
 
 def test_the_rows_it_takes_and_its_gradient():
-    x32, w32 = _operands(33, 32, 40, jnp.float32, False)
-    assert head_rows.takes(x32[:32], w32, False, "native") and head_rows.takes(x32[:32], w32, False, "exact")
-    assert not head_rows.takes(x32, w32, False, "auto")  # past MAX_ROWS
-    assert not head_rows.takes(x32[:1], w32, False, "xla")
+    x32, w32 = _operands(33, 32, 40, jnp.float32, True)
+    assert head_rows.takes(x32[:32], w32, True, "native") and head_rows.takes(x32[:32], w32, True, "exact")
+    assert not head_rows.takes(x32, w32, True, "auto")  # past MAX_ROWS
+    assert not head_rows.takes(x32[:1], w32, True, "xla")
+    assert not head_rows.takes(x32[:1], w32.T, False, "auto")  # untied: XLA's dot
     x, w = _operands(32, 64, 40, jnp.bfloat16, True)
     assert not head_rows.takes(x[:1].astype(jnp.float32), w, True, "auto")  # dtypes differ
     assert head_rows.takes(x, w, True, "auto") == head_rows.amx_takes(w, True)
     assert not head_rows.takes(x, w.T, False, "auto")  # a bfloat16 [E, V] head: oneDNN's gemm
-    x32, w32 = x32[:32], w32
+    x32, w32 = x32[:32], w32.T
     with pytest.raises(ValueError, match="one dtype"):
         head_rows.head_logits(x32, w, True)
 
