@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from dew.kernels import softmax
+from dew.kernels import head_rows, softmax
 from dew.kernels.blocks import blocks_product
 from dew.kernels.int8 import dequantize, int8_product, kernel_takes
 from dew.kernels.matmul import dot, product
@@ -36,7 +36,11 @@ from dew.kernels.policy import using
 
 
 def vocab_logits(hidden_NE: jax.Array, weight: jax.Array, transposed: bool) -> jax.Array:
-    """float32 logits `[N, V]` from hidden states and the head (`[E, V]`, or `[V, E]` when tied)."""
+    """float32 logits `[N, V]` from hidden states and the head (`[E, V]`, or `[V, E]` when tied) of one
+    dtype: a few rows in Dew's head kernel where the kernel policy in force lets it run
+    (`dew.kernels.head_rows`), else XLA's dot."""
+    if head_rows.takes(hidden_NE, weight, transposed):
+        return head_rows.head_logits(hidden_NE, weight, transposed)
     contract = ((1,), (1,)) if transposed else ((1,), (0,))
     return jax.lax.dot_general(hidden_NE, weight, (contract, ((), ())), preferred_element_type=jnp.float32)
 
@@ -111,9 +115,14 @@ class Head:
                 logits_NV = blocks_product(hidden_NE, self.weight, hidden_NE.dtype)
         elif self.weight.dtype == jnp.bfloat16:  # through the kernel policy: XLA's CPU dot widens the head
             with using(self.kernels):
-                logits_NV = dot(hidden_NE.astype(jnp.bfloat16), self.weight, transpose_b=self.transposed)
+                hidden_NE = hidden_NE.astype(jnp.bfloat16)
+                if head_rows.takes(hidden_NE, self.weight, self.transposed):  # a decode step's few rows
+                    logits_NV = head_rows.head_logits(hidden_NE, self.weight, self.transposed)
+                else:
+                    logits_NV = dot(hidden_NE, self.weight, transpose_b=self.transposed)
         elif self.scale is None:
-            logits_NV = vocab_logits(hidden_NE.astype(self.weight.dtype), self.weight, self.transposed)
+            with using(self.kernels):
+                logits_NV = vocab_logits(hidden_NE.astype(self.weight.dtype), self.weight, self.transposed)
         else:
             with using(self.kernels):
                 logits_NV = _int8_vocab_logits(hidden_NE, self.weight, self.scale, self.transposed)
