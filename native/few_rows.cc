@@ -40,12 +40,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 #include "isa.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -400,20 +394,6 @@ DEW_AMX_TARGET void BlockAmx(const Product<uint16_t>& p, int64_t k_begin, int64_
   if (c < c_end) BlockPortable(p, k_begin, k_end, c, c_end, first, sums);
 }
 
-// Whether this CPU has AMX's bfloat16 tiles and Linux lets this process use them (asked once:
-// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
-bool AmxAllowed() {
-  unsigned eax, ebx, ecx, edx;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  const bool tiles = (edx >> 24) & 1, bf16 = (edx >> 22) & 1;
-#ifdef SYS_arch_prctl
-  constexpr long kRequestPermission = 0x1023, kTileData = 18;
-  return tiles && bf16 && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-#else
-  return false;
-#endif
-}
-
 #endif  // DEW_X86
 
 // The bodies by instruction set (native/isa.h's order); the one in use is the CPU's best at load unless
@@ -442,7 +422,7 @@ std::atomic<bool> g_pairs{g_has_pairs};
 std::atomic<bool> g_tiles{true};
 bool HasTiles() {
 #ifdef DEW_X86
-  static const bool allowed = g_best_isa == dew::kAvx512 && AmxAllowed();
+  static const bool allowed = g_best_isa == dew::kAvx512 && dew::AmxTilesAllowed();
   return allowed;
 #else
   return false;

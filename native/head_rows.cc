@@ -32,11 +32,6 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __linux__
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 #include "isa.h"
 #include "module.h"
 #include "vectors.h"
@@ -142,8 +137,6 @@ inline void ForRowGroups(int64_t m, Tile tile) {
 }
 
 #ifdef DEW_X86
-
-#include <cpuid.h>
 
 #define DEW_AVX512 "avx512f,avx512bw,avx512vl,avx512dq"
 
@@ -484,18 +477,6 @@ __attribute__((target("amx-tile,amx-bf16," DEW_AVX512))) void RowsAmx(const Head
   if (v < v_end) RowsOf<uint16_t, false>(p, v, v_end);
 }
 
-// Whether this CPU has AMX's bfloat16 tiles and the kernel (Linux) lets this process use them.
-bool AmxUsable() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
-#ifdef __linux__
-  constexpr int kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-#else
-  return false;
-#endif
-}
-
 #endif  // DEW_X86
 
 // The instruction sets, narrowest first; the one in use is the CPU's best at load unless set_isa lowered it.
@@ -506,7 +487,7 @@ constexpr int kSets = 5;
 Set DetectSet() {
   Set best = static_cast<Set>(dew::DetectIsa());
 #ifdef DEW_X86
-  if (best == kAvx512 && __builtin_cpu_supports("avx512bf16")) return AmxUsable() ? kAmx : kAvx512Bf16;
+  if (best == kAvx512 && __builtin_cpu_supports("avx512bf16")) return dew::AmxTilesAllowed() ? kAmx : kAvx512Bf16;
 #endif
   return best;
 }

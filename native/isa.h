@@ -13,6 +13,11 @@
 #include <thread>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 // GCC 12's AVX-512 conversion intrinsics start from an undefined register, which its flow analysis
 // reports as a read of an uninitialized value (GCC bug 105593).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -59,6 +64,21 @@ inline PyObject* SetIsa(PyObject* args, Isa best, std::atomic<int>& in_use) {
   in_use.store(isa);
   Py_RETURN_NONE;
 }
+
+#ifdef DEW_X86
+// Whether this CPU has AMX's bfloat16 tiles and Linux lets this process use them: asked of the kernel
+// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) at each call, so callers keep the answer.
+inline bool AmxTilesAllowed() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !((edx >> 22) & 1) || !((edx >> 24) & 1)) return false;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;
+  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+#else
+  return false;
+#endif
+}
+#endif
 
 // Every piece is claimed; wait until `done` reaches `total`, the pieces other threads are still
 // finishing (microseconds).
