@@ -180,9 +180,9 @@ class Engine:
         # stacking would copy every one, and the caller's would stay in memory beside the copies)
         self.params = params if model.stack_variables(params) is params else jax.jit(model.stack_variables)(params)
         self._top_k_bound = _bucket(top_k_limit)
-        # The slots' state, whose KV cache is most of the engine's memory (32 slots of 1,024 positions of a
-        # 30-layer model: 1.5 GB of zeros to write), is made on a thread of its own while the programs load
-        # and the server starts: they need only its shapes. The engine's thread takes it before it is ready.
+        # The slots' state, whose KV cache (every position of every slot and layer) is most of the engine's
+        # memory and of its start, zeros to write, is made on a thread of its own while the programs load and
+        # the server starts: they need only its shapes. The engine's thread takes it before it is ready.
         make_state = jax.jit(lambda: empty_slots(model, slots, capacity, self._top_k_bound),
                              out_shardings=_state_sharding(self.params))
         state = jax.eval_shape(make_state)
