@@ -46,7 +46,7 @@ short prompt, whole) and of a second one. With `--rounds N` it then starts, N ti
 Python: `import jax` with one small program run, and `import dew.serve.app`; it prints each one's median
 seconds from start to ready (a peer's and Dew's first 200, a floor's exit) and the CPU seconds its
 process had used by then, and Dew's ratios. `--baseline DIR` adds another Dew checkout's warm `dew serve`
-(run from DIR, its programs kept in the same cache by one whole start first) to each round, for before and
+(run from DIR, its programs kept in a cache of its own by one whole start first) to each round, for before and
 after in the same run: `git worktree add /tmp/before COMMIT` (with its built native kernels, `dew/*.so`).
 """
 
@@ -478,15 +478,19 @@ def rounds(args: argparse.Namespace, cache: str) -> None:
     dew = dew_server(args.capacity)
     dew = dataclasses.replace(dew, name="dew serve (warm)", command=[*dew.command, "--compilation-cache", cache])
     chosen = [dew] + [server for server in servers(args)[0] if server.name != "dew serve"]
-    if args.baseline:
-        chosen.insert(1, dataclasses.replace(dew, name=f"dew serve (warm, {args.baseline})", cwd=args.baseline))
-    ready: dict[str, list[tuple[float, float]]] = {server.name: [] for server in chosen} | {name: [] for name in FLOORS}
     with tempfile.TemporaryDirectory() as logs:
-        if args.baseline:  # its programs kept: one start, until every program is compiled and it has stopped
+        if args.baseline:
+            # A cache of its own, filled by one start from nothing: its programs are compiled, not given back by
+            # JAX's cache (which this checkout's start filled), so each is kept at once, not later in the background.
+            own = [*dew_server(args.capacity).command, "--compilation-cache", str(Path(logs) / "baseline-cache")]
+            chosen.insert(1, dataclasses.replace(dew, name=f"dew serve (warm, {args.baseline})", cwd=args.baseline,
+                                                 command=own))
             process, url, _ = launch(chosen[1], Path(logs) / "baseline.log")
             settle(url)
             process.terminate()
             process.wait(timeout=600)
+        ready: dict[str, list[tuple[float, float]]] = {server.name: [] for server in chosen} | \
+            {name: [] for name in FLOORS}
         for _ in range(args.rounds):
             for server in chosen:
                 process, _, seconds = launch(server, Path(logs) / "server.log")
