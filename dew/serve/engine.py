@@ -19,6 +19,7 @@ could fail it; should that thread fail anyway, it ends every request as "cancell
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -28,7 +29,7 @@ from typing import Protocol
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from dew.data.inputs import MEDIA_FIELDS
 from dew.sampling.generate import PROMPT_BUCKET, memory_beside, row_bytes
@@ -138,7 +139,8 @@ class Engine:
     Each (rows, width) admission, the chunk and each step width is a program compiled ahead of time.
     `start` compiles the few that serve any request first (the step over every slot, the one-row
     admission at the narrowest prompt width, and the chunk, or where prompts are not chunked the widest
-    admission), sets `ready`, and compiles the rest on a thread of its own meanwhile; until a program
+    admission), takes the slots' state (made on a thread of its own since the engine was made, beside the
+    programs: the KV cache's zeros), sets `ready`, and compiles the rest on a thread of its own; until a program
     is compiled, the engine uses the nearest compiled one that holds the work (a wider step, a wider
     prompt width or a head and chunks, fewer rows per admission), so no request waits on a
     compile (but the first that asks for its prompt's log-probabilities at a width, or brings a new
@@ -178,10 +180,16 @@ class Engine:
         # stacking would copy every one, and the caller's would stay in memory beside the copies)
         self.params = params if model.stack_variables(params) is params else jax.jit(model.stack_variables)(params)
         self._top_k_bound = _bucket(top_k_limit)
-        self._state = _placed_like(empty_slots(model, slots, capacity, self._top_k_bound), self.params)
+        # The slots' state, whose KV cache (every position of every slot and layer) is most of the engine's
+        # memory and of its start, zeros to write, is made on a thread of its own while the programs load and
+        # the server starts: they need only its shapes. The engine's thread takes it before it is ready.
+        make_state = jax.jit(lambda: empty_slots(model, slots, capacity, self._top_k_bound),
+                             out_shardings=_state_sharding(self.params))
+        state = jax.eval_shape(make_state)
+        self._state = None
+        self._state_made = _in_background(make_state, "dew-serve-state")
         # A text attention model prefills a prompt longer than `chunk` in chunks; others prefill it whole.
-        self.chunk = max(w for w in self.widths if w <= prefill_chunk) if chunkable(self._state.decode.cache) \
-            else capacity
+        self.chunk = max(w for w in self.widths if w <= prefill_chunk) if chunkable(state.decode.cache) else capacity
         self.plain_widths = tuple(w for w in self.widths if w <= self.chunk)  # compiled ahead for plain prompts
         self._extend = compile_extend(model)
         self._chunks: list[tuple[int, Request, int]] = []  # (slot, request, tokens in) of prompts going on
@@ -191,7 +199,7 @@ class Engine:
         self._admit = compile_admit(model, max_log_probs)
         self._programs: dict[tuple, Callable] = {}  # ("step", rows), ("admit", rows, width), ("extend", width)
         abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
-        self._abstract = (jax.tree_util.tree_map(abstract, self.params), jax.tree_util.tree_map(abstract, self._state))
+        self._abstract = (jax.tree_util.tree_map(abstract, self.params), state)
         # the first programs serve any prompt: a long one as a head of 16 tokens and chunks after it
         widest = ("extend", self.chunk) if self.chunk < capacity else ("admit", 1, self.chunk)
         first = [("step", self.step_rows[-1]), ("admit", 1, self.widths[0]), widest]
@@ -357,6 +365,7 @@ class Engine:
             for key in self.first_programs:
                 self._compile(key)
             self._first_use()
+            self._state = self._state_made.result()
             self.ready.set()
             logger.info("ready: compiled the first %d programs in %.1f s; compiling %d more meanwhile",
                         len(self.first_programs), self.compile_seconds, len(self.later_programs))
@@ -635,13 +644,27 @@ def _ladder(first: int, last: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def _placed_like(state, params):
-    """`state` replicated over the mesh `params` are placed on (as the compiled calls return it, so the
-    first call does not compile once more for another placement); as it is when they have no mesh."""
+def _state_sharding(params) -> jax.sharding.Sharding:
+    """Where the slots' state lives: replicated over the mesh `params` are placed on (as the compiled calls
+    return it, so the first call does not compile once more for another placement), else on their device."""
     sharding = jax.tree_util.tree_leaves(params)[0].sharding
-    if not isinstance(sharding, NamedSharding):
-        return state
-    return jax.device_put(state, NamedSharding(sharding.mesh, PartitionSpec()))
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec())
+    return SingleDeviceSharding(min(sharding.device_set, key=lambda device: device.id))
+
+
+def _in_background(make: Callable[[], object], name: str) -> concurrent.futures.Future:
+    """`make()` run on a daemon thread named `name`; the future holds its result, or the error it raised."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(make())
+        except BaseException as error:  # noqa: BLE001 - handed to whoever takes the result
+            future.set_exception(error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 def _seed_key(seed: int) -> np.ndarray:

@@ -3,6 +3,7 @@ flight; nothing compiles after warm-up; EOS, budgets, stop requests, cancellatio
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 
@@ -15,6 +16,7 @@ from dew import models
 from dew.sampling import Sampling, generate
 from dew.serve import Engine, QueueFull, Request, TooLong
 from dew.serve.engine import BATCHED_WIDTH, _widths
+from dew.serve.slots import empty_slots
 from dew.training.mesh import Layout, MeshSpec
 
 pytestmark = pytest.mark.slow  # one warm-up compiles 3 admissions, a chunk and 3 steps (about 10 s on 2 cores)
@@ -203,6 +205,39 @@ def test_slots_beyond_the_memory_are_refused_before_any_is_allocated(model_and_v
     with pytest.raises(ValueError, match=r"10000000000 slots of 48 positions would hold .* GiB .*serve at most \d+ "
                                          r"slots \(dew serve --slots\)"):
         Engine(model, variables, slots=10**10, capacity=CAPACITY)
+
+
+def test_the_slots_state_is_made_on_a_thread_as_its_shapes_say_holding_zeros(model_and_variables):
+    """The state made beside the programs has the shapes, dtypes and placements they were compiled for, and
+    the values `empty_slots` makes eagerly: a cache of zeros, every slot done."""
+    model, variables = model_and_variables
+    engine = Engine(model, variables, slots=SLOTS, capacity=CAPACITY)
+    state = engine._state_made.result(60)
+    _, abstract = engine._abstract
+    assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(abstract)
+    for made, shape in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(abstract)):
+        assert (made.shape, made.dtype, made.sharding, getattr(made, "weak_type", False)) == \
+            (shape.shape, shape.dtype, shape.sharding, getattr(shape, "weak_type", False))
+    eager = empty_slots(model, SLOTS, CAPACITY, engine._top_k_bound)
+    data = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x  # noqa: E731
+    for made, expected in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(eager)):
+        np.testing.assert_array_equal(data(made), data(expected))
+    assert not np.any(state.decode.cache.runs[0].keys) and np.all(state.decode.done_B)
+
+
+def test_an_engine_whose_state_cannot_be_made_fails_and_is_never_ready(model_and_variables):
+    model, variables = model_and_variables
+    engine = Engine(model, variables, slots=SLOTS, capacity=CAPACITY)
+    engine._state_made.result(60)
+    engine._state_made = concurrent.futures.Future()
+    engine._state_made.set_exception(MemoryError("no room for the KV cache"))
+    engine.first_programs, engine.later_programs = [], []  # nothing to compile: the state is what fails
+    failed = []
+    engine.start(on_failure=failed.append)
+    engine._thread.join(30)
+    assert isinstance(engine.failure, MemoryError) and failed == [engine.failure] and not engine.ready.is_set()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit([Request([1, 2], 3, Sampling(), seed=0, consumer=Collect())])
 
 
 def test_refusals_and_the_queue_bound(engine):
