@@ -3,12 +3,15 @@ from its bytes (`dew.serve.programs`) calls its kernels by name, where tracing w
 
 from __future__ import annotations
 
-from dew.kernels import blocks, decode_attention, int8, matmul, softmax
+from dew.kernels import blocks, decode_attention, head_rows, int8, matmul, softmax
+
+# Each function that registers a kernel's targets with XLA (tests/kernels/test_registry.py finds them all).
+LOADERS = (matmul._load, matmul._few_rows, softmax._load, softmax._load_attention, int8._load, decode_attention._load,
+           blocks._load, head_rows._load)
 
 
 def register_targets() -> None:
     """Load each kernel this machine built and register its targets (once; a kernel that did not build is
     skipped, as tracing skips it)."""
-    for load in (matmul._load, softmax._load, softmax._load_attention, int8._load, decode_attention._load,
-                 blocks._load):
+    for load in LOADERS:
         load()
