@@ -220,6 +220,7 @@ DEW_AVX512 [[gnu::always_inline]] inline void Prefetch(const T* first, int64_t c
 template <typename T, int G>
 DEW_AVX512 void DotsAvx512(const float* q, const T* k, const T* v, int64_t n, int64_t d, int64_t dv, int64_t padded,
                            float* x) {
+  Prefetch(k, std::min(kAhead, n) * d);
   for (int64_t j = 0; j < n; j += 4) {
     if (j + kAhead < n) Prefetch(k + (j + kAhead) * d, std::min<int64_t>(4, n - j - kAhead) * d);
     Prefetch(v + j * dv, std::min<int64_t>(4, n - j) * dv);
