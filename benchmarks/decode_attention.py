@@ -7,9 +7,10 @@ SmolLM2-135M's attention (30 layers, 9 query heads over 3 key/value heads of 64)
 `[30, rows, 3, capacity, 64]` (capacity 1024, or the filled count rounded up to a power of two above it),
 every row filled to `--filled` slots, read layer after layer in one compiled loop as a decode step reads
 it (each layer's query depends on the previous layer's output, so the layers do not overlap). bfloat16
-caches are held as uint16 bits, as `dew.nn.kv_cache` keeps them. The kernel and XLA's form (`attend`
-under the decode mask, the layer sliced out of the cache) alternate rounds; the medians are printed
-with the rate the kernel reads the filled keys and values at, and XLA's time over the kernel's.
+caches are held as uint16 bits, as `dew.nn.kv_cache` keeps them, and their queries are bfloat16 values,
+as a bfloat16 model's are. The kernel and XLA's form (`attend` under the decode mask, the layer sliced
+out of the cache) alternate rounds; the medians are printed with the rate the kernel reads the filled
+keys and values at, and XLA's time over the kernel's.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ def step_forms(rows: int, filled: int, dtype):
 
     def step(layer_form):
         def run(q, k, v):
-            return jax.lax.fori_loop(0, LAYERS, lambda layer, q: q + 1e-3 * layer_form(q, k, v, layer), q)
+            # the queries in the cache's dtype, as a model of that dtype makes them
+            return jax.lax.fori_loop(0, LAYERS, lambda layer, q: (q + 1e-3 * layer_form(q, k, v, layer))
+                                     .astype(dtype).astype(jnp.float32), q.astype(dtype).astype(jnp.float32))
         return jax.jit(run)
 
     return {"kernel": step(kernel_layer), "XLA": step(xla_layer)}, (q, keys, values)
