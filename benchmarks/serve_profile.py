@@ -87,6 +87,7 @@ def main():
             engine._compile(key)
         if args.admissions:
             engine.warm_up()
+        engine._state = engine._state_made.result()  # the slots' state, made on the engine's own thread
         # fill every slot with a prompt of 128 tokens and a budget that never ends it
         from dew.serve.engine import Request as R
         requests = [R(prompts[0][:20] * 6, 500, Sampling(), 0, None) for _ in range(engine.slots)]

@@ -6,8 +6,8 @@ A policy is one of `POLICIES`:
   nearest measured shape of this CPU class, dtype and transposes, and XLA's otherwise; a float32 product of
   at most `FEW_ROWS` rows (a decode step's linear) runs in Dew's few-rows kernel where the table's nearest
   entry says that was faster (`"few_rows": true`, measured by `python -m benchmarks.long_context
-  --products`); a bfloat16 product of 2 to `BFLOAT16_FEW_ROWS` rows (to
-  `BFLOAT16_TILE_ROWS` with AMX) runs in the few-rows kernel (`choose_bfloat16_few_rows`), any other of at
+  --products`); a bfloat16 product of 2 to `BFLOAT16_FEW_ROWS` rows (1 to `FEW_ROWS` with AMX) runs in
+  the few-rows kernel (`choose_bfloat16_few_rows`), any other of at
   most `FEW_ROWS` rows in oneDNN wherever its bfloat16 gemm runs; attention's softmax, the fused attention, decoding's attention and the int8 decoding products run in
   Dew's own kernels wherever they can. A CPU class the table does not name, a product
   under `MIN_FLOPS` (oneDNN) or a shape far from every measured one stays XLA's.
@@ -49,7 +49,7 @@ REACH = 2.0
 FEW_ROWS = 32  # the most rows of a product Dew's few-rows kernel takes (a decode step's batch)
 # The most rows of a bfloat16 product it takes under `auto`, without AMX's tiles and with them
 # (choose_bfloat16_few_rows).
-BFLOAT16_FEW_ROWS, BFLOAT16_TILE_ROWS = 8, 16
+BFLOAT16_FEW_ROWS = 8
 _RENAMED = {"DEW_FAST_MATMUL": "auto, native or xla", "DEW_INT8_KERNEL": "xla turns the int8 kernel off with the rest"}
 _POLICY = contextvars.ContextVar("dew_kernels_policy", default="auto")
 _RECORDERS: list[dict[str, str]] = []
@@ -231,13 +231,14 @@ def choose_stacked_few_rows(m: int, k: int, n: int, policy: str) -> bool:
 
 def choose_bfloat16_few_rows(m: int, k: int, n: int, policy: str, tiles: bool) -> bool:
     """Whether the bfloat16 product `[m, k] x [k, n]` (no transposes; a lone weight or a layer read in place
-    from a stack) runs in Dew's few-rows kernel: under `auto` and `exact`, 2 to `BFLOAT16_FEW_ROWS` rows, or
-    to `BFLOAT16_TILE_ROWS` where the kernel multiplies them in AMX's tiles (`tiles`: the CPU has them and
-    Linux granted them), whatever the shape. oneDNN's bfloat16 gemm of a few rows repacks the weight at every
-    call; the kernel streams it once. One row stays with oneDNN's gemv, as fast, and more rows with its
-    gemm, as fast or faster there (it multiplies a small weight by many rows in AMX's tiles faster than the
-    kernel). Never under `native`, which sends every product to oneDNN."""
-    return policy in ("auto", "exact") and 2 <= m <= (BFLOAT16_TILE_ROWS if tiles else BFLOAT16_FEW_ROWS)
+    from a stack) runs in Dew's few-rows kernel: under `auto` and `exact`, 1 to `FEW_ROWS` rows where the
+    kernel multiplies them in AMX's tiles (`tiles`: the CPU has them and Linux granted them), else 2 to
+    `BFLOAT16_FEW_ROWS`, whatever the shape. oneDNN's bfloat16 gemm of a few rows repacks the weight at every
+    call; the kernel streams it once (SmolLM2's served step with tiles, in the kernel against oneDNN: 11-12
+    against 20-21 ms at 1 row, 49-56 against 67-71 ms at 32). Without tiles, one row stays with oneDNN's
+    gemv, as fast, and more than `BFLOAT16_FEW_ROWS` with its gemm, as fast there (measured with oneDNN held
+    to AVX-512's bfloat16 instructions). Never under `native`, which sends every product to oneDNN."""
+    return policy in ("auto", "exact") and (1 if tiles else 2) <= m <= (FEW_ROWS if tiles else BFLOAT16_FEW_ROWS)
 
 
 @contextlib.contextmanager

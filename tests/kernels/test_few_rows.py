@@ -159,8 +159,8 @@ def test_every_bfloat16_body_flushes_denormals_under_xla():
 def test_bfloat16_decode_products_take_it_lone_or_stacked():
     assert [policy.choose_bfloat16_few_rows(m, 576, 1536, "auto", False) for m in (1, 2, 8, 9, 32, 33)] == [
         False, True, True, False, False, False]
-    assert [policy.choose_bfloat16_few_rows(m, 576, 1536, "auto", True) for m in (1, 2, 8, 9, 16, 17, 32)] == [
-        False, True, True, True, True, False, False]  # with AMX's tiles
+    assert [policy.choose_bfloat16_few_rows(m, 576, 1536, "auto", True) for m in (1, 2, 8, 9, 16, 17, 32, 33)] == [
+        True, True, True, True, True, True, True, False]  # with AMX's tiles
     assert policy.choose_bfloat16_few_rows(4, 576, 1536, "exact", False)
     assert not policy.choose_bfloat16_few_rows(4, 576, 1536, "native", True)  # native: oneDNN's
     assert not policy.choose_bfloat16_few_rows(4, 576, 1536, "xla", True)
