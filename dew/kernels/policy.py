@@ -221,10 +221,11 @@ def choose_few_rows(m: int, k: int, n: int, policy: str, cpu: str | None = None,
 
 def choose_stacked_few_rows(m: int, k: int, n: int, policy: str) -> bool:
     """`choose_few_rows` for a product that reads its layer in place from a scanned run's stack: under
-    `auto` and `exact`, 2 to `FEW_ROWS` rows take the few-rows kernel, which streams the weight once for
-    all of them (oneDNN's gemm of a few rows, read in place, was slower than XLA's dot after its copy);
-    one row as the table says."""
-    if policy in ("auto", "exact") and 2 <= m <= FEW_ROWS:
+    `auto` and `exact`, 1 to `FEW_ROWS` rows take the few-rows kernel, which streams the weight once for
+    all of them (oneDNN's gemm of a few rows, read in place, was slower than XLA's dot after its copy, and
+    its one-row gemv read the weight at half the kernel's rate: SmolLM2's served step over one row took
+    36-41 ms through it, 21-25 ms through the kernel)."""
+    if policy in ("auto", "exact") and 1 <= m <= FEW_ROWS:
         return True
     return choose_few_rows(m, k, n, policy)
 
