@@ -223,8 +223,7 @@ def choose_stacked_few_rows(m: int, k: int, n: int, policy: str) -> bool:
     """`choose_few_rows` for a product that reads its layer in place from a scanned run's stack: under
     `auto` and `exact`, 1 to `FEW_ROWS` rows take the few-rows kernel, which streams the weight once for
     all of them (oneDNN's gemm of a few rows, read in place, was slower than XLA's dot after its copy, and
-    its one-row gemv read the weight at half the kernel's rate: SmolLM2's served step over one row took
-    36-41 ms through it, 21-25 ms through the kernel)."""
+    its one-row gemv slower than the kernel: docs/performance.md, "The served step's kernels")."""
     if policy in ("auto", "exact") and 1 <= m <= FEW_ROWS:
         return True
     return choose_few_rows(m, k, n, policy)
@@ -235,8 +234,8 @@ def choose_bfloat16_few_rows(m: int, k: int, n: int, policy: str, tiles: bool) -
     from a stack) runs in Dew's few-rows kernel: under `auto` and `exact`, 1 to `FEW_ROWS` rows where the
     kernel multiplies them in AMX's tiles (`tiles`: the CPU has them and Linux granted them), else 2 to
     `BFLOAT16_FEW_ROWS`, whatever the shape. oneDNN's bfloat16 gemm of a few rows repacks the weight at every
-    call; the kernel streams it once (SmolLM2's served step with tiles, in the kernel against oneDNN: 11-12
-    against 20-21 ms at 1 row, 49-56 against 67-71 ms at 32). Without tiles, one row stays with oneDNN's
+    call; the kernel streams it once (with tiles, faster at every row count from 1 to 32 in a served step:
+    docs/performance.md, "The served step's kernels"). Without tiles, one row stays with oneDNN's
     gemv, as fast, and more than `BFLOAT16_FEW_ROWS` with its gemm, as fast there (measured with oneDNN held
     to AVX-512's bfloat16 instructions). Never under `native`, which sends every product to oneDNN."""
     return policy in ("auto", "exact") and (1 if tiles else 2) <= m <= (FEW_ROWS if tiles else BFLOAT16_FEW_ROWS)
