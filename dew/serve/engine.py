@@ -45,9 +45,12 @@ MAX_LOG_PROBS = 20
 """The most alternatives a request may ask for at each position by default (vLLM's `--max-logprobs`)."""
 PREFILL_CHUNK = 256
 """The widest prompt prefilled in one piece by default; a longer one goes on in chunks of this width."""
-BATCHED_WIDTH = 64
-"""The widest prompt width prefilled several rows at a time: from 128 positions up a float32 prefill is
-arithmetic-bound, so rows prefilled together cost what they cost one at a time, and only add programs."""
+BATCHED_WIDTH = PREFILL_CHUNK
+"""The widest prompt width prefilled several rows at a time (a batch holds at most `prefill_rows` times
+as many positions). Rows prefilled together share each layer's weights and the calls around them, which
+costs less than a row at a time at every width up to here, most in bfloat16 (docs/performance.md,
+"dew serve prefill: rows together up to 256 positions"). Wider prompts (only those not chunked: with media,
+asking for their log-probabilities, or of a model whose cache is not text attention's) go one at a time."""
 
 
 class QueueFull(RuntimeError):
@@ -422,6 +425,19 @@ class Engine:
         """The row counts prompts of `width` positions are prefilled in together."""
         return self.prefill_rows if width <= BATCHED_WIDTH else (1,)
 
+    def _batches(self, width: int, count: int, compiled: bool = True) -> list[int]:
+        """The admissions' row counts (padding rows included) that prefill `count` prompts of `width`: the
+        fewest rows of the ladder that hold what is left, at most its top, and with `compiled`, at most the
+        rows of a compiled admission (one row always is)."""
+        ladder, batches = self._rows_at(width), []
+        while count > 0:
+            rows = next((r for r in ladder if r >= count), ladder[-1])
+            if compiled:
+                rows = max(r for r in ladder if r <= rows and ("admit", r, width) in self._programs)
+            batches.append(rows)
+            count -= rows
+        return batches
+
     def _take_waiting(self) -> list[tuple[int, Request]]:
         """Pair free slots with waiting requests, first come first served (under the lock)."""
         free = [slot for slot, owner in enumerate(self._owners) if owner is None]
@@ -436,8 +452,9 @@ class Engine:
 
     def _place(self, admitted: list[tuple[int, Request]]) -> None:
         """Prefill the admitted requests, grouped by prompt width and media shapes (a count or shape not seen
-        before compiles its admission once), in batches of the ladder's sizes. A plain prompt longer than
-        the compiled widths is admitted by its head, and its chunks go on (`_go_on`)."""
+        before compiles its admission once), in batches of the ladder's sizes; a plain width's last batch
+        goes in the padding rows of the next wider one's where they hold it (`_share_padding`). A plain
+        prompt longer than the compiled widths is admitted by its head, and its chunks go on (`_go_on`)."""
         by_width: dict[tuple, list[tuple[int, Request]]] = collections.defaultdict(list)
         heads = {}
         for slot, request in admitted:
@@ -450,12 +467,14 @@ class Engine:
             else:
                 width = next(w for w in self.widths if w >= len(request.prompt))
             by_width[width, request.media_shape, not plain].append((slot, request))
+        counts = {width: len(group) for (width, _, special), group in by_width.items() if not special}
+        for width, (wider, moved) in _share_padding(counts, self._batches).items():
+            narrow, wide = by_width[width, (), False], by_width[wider, (), False]
+            wide.extend(narrow[len(narrow) - moved:])  # the narrow group's last rows fill the wider's padding
+            del narrow[len(narrow) - moved:]
         for (width, shapes, special), group in by_width.items():
             while group:
-                ladder = self._rows_at(width)
-                rows = next((r for r in ladder if r >= len(group)), ladder[-1])
-                if not special:  # at most the rows of a compiled admission (one row always is)
-                    rows = max(r for r in ladder if r <= rows and ("admit", r, width) in self._programs)
+                rows = self._batches(width, len(group), compiled=not special)[0]
                 batch, group = group[:rows], group[rows:]
                 slots = np.full(rows, self.slots, np.int32)
                 slots[: len(batch)] = [slot for slot, _ in batch]
@@ -624,6 +643,21 @@ def _check_memory(model, params, slots: int, capacity: int) -> None:
     raise ValueError(f"{slots} slots of {capacity} positions would hold {gib(slots * per_slot)} ({per_slot:,} bytes a "
                      f"slot), more than the {gib(free)} the weights leave of {where} ({gib(available)}): serve at "
                      f"most {max(free, 0) // per_slot} slots (dew serve --slots) or fewer positions (--capacity)")
+
+
+def _share_padding(counts: dict[int, int], batches: Callable[[int, int], list[int]]) -> dict[int, int]:
+    """Which prompts to admit in the padding rows of a wider width's last admission: `counts` holds the
+    prompts at each width, `batches(width, count)` the row counts of the admissions that take them. A
+    width's last admission moves up whole into the next wider width's last one where that one's padding
+    rows hold it: the same rows prefilled, in one call fewer. {width: (the wider width, prompts moved)}."""
+    counts, moved = dict(counts), {}
+    widths = sorted(width for width, count in counts.items() if count)
+    for width, wider in zip(widths, widths[1:]):
+        last = counts[width] - sum(batches(width, counts[width])[:-1])
+        if last <= sum(batches(wider, counts[wider])) - counts[wider]:
+            counts[width], counts[wider] = counts[width] - last, counts[wider] + last
+            moved[width] = wider, last
+    return moved
 
 
 def _widths(capacity: int) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ import pytest
 from dew import models
 from dew.sampling import Sampling, generate
 from dew.serve import Engine, QueueFull, Request, TooLong
-from dew.serve.engine import BATCHED_WIDTH, _widths
+from dew.serve.engine import BATCHED_WIDTH, _share_padding, _widths
 from dew.serve.slots import empty_slots
 from dew.training.mesh import Layout, MeshSpec
 
@@ -136,13 +136,61 @@ def test_every_request_draws_what_a_one_row_generate_draws_and_nothing_compiles(
     assert engine.load()["busy"] == 0
 
 
-def test_prompt_widths_grow_by_at_most_half_and_only_narrow_ones_batch_rows(engine, model_and_variables):
+def test_prompt_widths_grow_by_at_most_half_and_rows_batch_up_to_the_chunk(engine, model_and_variables):
     assert engine.widths == (16, 32, 48) and engine.plain_widths == (16,) and engine.chunk == CHUNK
     assert _widths(1024) == (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
     assert _widths(100) == (16, 32, 64, 96, 100)
     assert engine._rows_at(BATCHED_WIDTH) == (1, 2, 4) and engine._rows_at(BATCHED_WIDTH + 1) == (1,)
     with pytest.raises(ValueError, match="prefill_chunk 8 is below the narrowest prompt width 16"):
         Engine(*model_and_variables, slots=SLOTS, capacity=CAPACITY, prefill_chunk=8)
+
+
+def _ladder_batches(width: int, count: int) -> list[int]:
+    """Admissions of 4 rows, then the fewest of 1, 2 or 4 that hold the rest: the engine's at prefill_rows=4."""
+    rest = count % 4
+    return [4] * (count // 4) + ([next(r for r in (1, 2, 4) if r >= rest)] if rest else [])
+
+
+def test_a_narrow_widths_last_rows_fill_a_wider_admissions_padding():
+    # the 32 prompts of SmolLM2 in serve_profile: 4, 3, 4, 5, 15 and 1 at widths 32 to 256; the 128s' last
+    # row fills the padding row of the 192s' last admission (3 prompts in 4 rows): 10 admissions become 9
+    counts = {32: 4, 64: 3, 96: 4, 128: 5, 192: 15, 256: 1}
+    assert _share_padding(counts, _ladder_batches) == {128: (192, 1)}
+    assert _share_padding({16: 1, 32: 3}, _ladder_batches) == {16: (32, 1)}  # a whole width moves up
+    assert _share_padding({16: 1, 32: 7}, _ladder_batches) == {16: (32, 1)}
+    assert _share_padding({16: 2, 32: 3, 64: 3}, _ladder_batches) == {}  # two rows never fit one padding row
+    assert _share_padding({16: 1, 32: 2, 64: 3}, _ladder_batches) == {}  # a batch of 2 pads nothing
+    assert _share_padding({16: 1, 64: 3}, _ladder_batches) == {16: (64, 1)}  # the next width with prompts
+
+
+def test_prompts_moved_into_a_wider_admission_draw_what_a_one_row_generate_draws(model_and_variables):
+    """Three prompts at width 32 take an admission of 4 rows; a prompt of width 16 arriving with them is
+    prefilled in its padding row (no admission at 16 runs), and each request draws what it draws alone."""
+    model, variables = model_and_variables
+    engine = Engine(model, variables, slots=SLOTS, capacity=CAPACITY, eos_token_ids=(EOS,), pad_id=0,
+                    prefill_rows=4, prefill_chunk=32)
+    engine.first_programs = [("step", SLOTS), ("admit", 1, 16), ("admit", 1, 32), ("admit", 4, 32)]
+    engine.later_programs = []
+    engine.start()
+    try:
+        assert engine.ready.wait(120)
+        calls = []
+        for key in engine.first_programs[1:]:
+            program = engine._programs[key]
+            engine._programs[key] = lambda *args, key=key, program=program: calls.append(key) or program(*args)
+        rng = np.random.default_rng(1)
+        requests = [Request([int(t) for t in rng.integers(8, 64, length)], 12, POLICIES[i], seed=i, consumer=Collect())
+                    for i, length in enumerate((20, 5, 27, 31))]
+        engine.submit(requests)  # taken together, in one admission
+        for request in requests:
+            assert request.consumer.done.wait(60), "a request did not finish"
+        assert calls == [("admit", 4, 32)]
+        for request in requests:
+            tokens, drawn, ended_by_eos = _solo(model, variables, request)
+            got = request.consumer
+            assert (got.tokens, got.count, got.reason) == (tokens, drawn, "stop" if ended_by_eos else "length")
+    finally:
+        engine.close()
 
 
 def test_eos_ends_a_request_and_frees_its_slot(engine, model_and_variables):
