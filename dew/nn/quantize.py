@@ -74,7 +74,28 @@ def is_quantized(variables: Mapping[str, Any]) -> bool:
 def linear_paths(model, variables) -> list[tuple[str, ...]]:
     """The module path of every `Linear` that `model` calls, in the tree of `variables` (scanned runs
     name their stacked module once). Found by tracing one abstract forward, so the model's own
-    structure says what is a linear, not a table of names."""
+    structure says what is a linear, not a table of names. A load asks more than once (bfloat16 bits,
+    then the stacked kernels), so the trace is kept per model and tree (`_LINEAR_PATHS`)."""
+    leaves, structure = jax.tree_util.tree_flatten(variables)
+    # which linears run depends on the tree and its shapes, not on the leaves' dtypes (bfloat16_bits
+    # changes only those); an unhashable model (a config holding an unhashable value) is traced each time
+    key = (model, structure, tuple(np.shape(leaf) for leaf in leaves))
+    try:
+        hash(key)
+    except TypeError:
+        return _traced_linear_paths(model, variables)
+    if key not in _LINEAR_PATHS:
+        if len(_LINEAR_PATHS) >= _KEPT_TRACES:
+            del _LINEAR_PATHS[next(iter(_LINEAR_PATHS))]
+        _LINEAR_PATHS[key] = tuple(_traced_linear_paths(model, variables))
+    return list(_LINEAR_PATHS[key])
+
+
+_LINEAR_PATHS: dict[tuple, tuple[tuple[str, ...], ...]] = {}
+_KEPT_TRACES = 8
+
+
+def _traced_linear_paths(model, variables) -> list[tuple[str, ...]]:
     seen: dict[tuple[str, ...], None] = {}
 
     def record(call, args, kwargs, context):
@@ -135,9 +156,18 @@ def bfloat16_bits(model, variables: Mapping[str, Any]) -> dict[str, Any]:
         for name in path:  # a linear kept in a GGUF file's blocks holds no params
             module = module.get(name, {})
         if "kernel" in module and module["kernel"].dtype == jnp.bfloat16:
-            module["kernel"] = jax.lax.bitcast_convert_type(module["kernel"], jnp.uint16)
+            module["kernel"] = uint16_bits(module["kernel"])
     variables["params"] = params
     return variables
+
+
+def uint16_bits(kernel: jax.Array) -> jax.Array:
+    """A bfloat16 array's bits as uint16. An array on one CPU device is the same memory viewed as uint16
+    (XLA's bitcast would write a copy of every weight); elsewhere, XLA's bitcast."""
+    if isinstance(kernel, jax.Array) and len(kernel.sharding.device_set) == 1 \
+            and next(iter(kernel.sharding.device_set)).platform == "cpu":
+        return jax.device_put(np.asarray(kernel).view(np.uint16), kernel.sharding, may_alias=True)
+    return jax.lax.bitcast_convert_type(kernel, jnp.uint16)
 
 
 def stacked_in_place(model, variables: Mapping[str, Any]) -> dict[str, Any]:

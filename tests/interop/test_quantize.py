@@ -131,3 +131,32 @@ def test_load_pretrained_int8_generates_and_refuses_saving_and_bad_values(llama_
     with pytest.raises(ValueError, match=r"quantize='int4' is not a weight format Dew builds: use one of "
                                          r"\('int8', 'gguf'\)"):
         load_pretrained(directory, quantize="int4")
+
+
+def test_linear_paths_are_traced_once_per_model_and_tree_whatever_the_dtypes(tied, monkeypatch):
+    # a bfloat16 load asks twice, before and after its kernels become uint16 bits: one trace
+    from dew.nn import quantize
+
+    model, variables, _ = tied
+    trace, traced = quantize._traced_linear_paths, []
+    monkeypatch.setattr(quantize, "_LINEAR_PATHS", {})
+    monkeypatch.setattr(quantize, "_traced_linear_paths", lambda *args: traced.append(args) or trace(*args))
+    first = linear_paths(model, variables)
+    bits = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), variables)
+    assert linear_paths(model, bits) == first == trace(model, variables)
+    assert len(traced) == 1
+    assert first and {path[-1] for path in first} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj"}
+    shallower = models.build("causal_transformer", **{**SHAPE, "num_layers": 2}, tie_embeddings=True)
+    linear_paths(shallower, shallower.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+    assert len(traced) == 2  # another model is traced
+
+
+def test_uint16_bits_are_xla_bitcasts_bits_in_the_same_memory_on_the_cpu():
+    from dew.nn.quantize import uint16_bits
+
+    weights = jax.device_put(np.random.default_rng(0).standard_normal((8, 64), np.float32).astype(jnp.bfloat16))
+    bits = uint16_bits(weights)
+    assert bits.dtype == jnp.uint16 and bits.sharding == weights.sharding
+    np.testing.assert_array_equal(np.asarray(bits), np.asarray(jax.lax.bitcast_convert_type(weights, jnp.uint16)))
+    assert bits.unsafe_buffer_pointer() == weights.unsafe_buffer_pointer()  # a view, not a copy
