@@ -340,7 +340,8 @@ class Attention(nn.Module):
         # element, at several times the cost of the transpose fused into the rotation's reads. (A pass without
         # a cache may be differentiated, where this order would put the slow transpose in the backward.)
         heads_major = not decode and not fused and cache is not None
-        q = self._finish_queries(q_BSHD, rotary, context.positions_BS, heads_major, reuse)  # [B, H, S, D] or [B, S, H, D]
+        # [B, H, S, D] with heads_major, else [B, S, H, D]
+        q = self._finish_queries(q_BSHD, rotary, context.positions_BS, heads_major, reuse)
         report = None
         if context.report_qk:  # whole sequences only: the decoder refuses it with a cache
             # a real query's allowed keys share its segment, so are real too; padding reads only padding
