@@ -48,40 +48,114 @@ typedef uint32_t Words __attribute__((vector_size(4 * kWidth)));
   return (Ints)(((spread >> shifts) & 0xffu) != 0);
 }
 
-// One row of the forward: `p` gets the probabilities, `p_bf16` (when not null) them rounded.
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void ForwardRow(const float* s, const bool* mask, float* p, uint16_t* p_bf16, int64_t t, float scale, float masked) {
-  Vec tops[2] = {Splat(-HUGE_VALF), Splat(-HUGE_VALF)}, sums[2] = {Splat(0.0f), Splat(0.0f)};
+// The forward's rows in AVX-512's 16 lanes: one register holds the kLanes partial results, lane `l`
+// the one two `Vec`s hold in vector l / 8, lane l % 8, so its sums and maxima are theirs, bit for bit.
+typedef float Vec16 __attribute__((vector_size(64)));
+typedef int32_t Ints16 __attribute__((vector_size(64)));
+static_assert(kLanes == 16, "one Vec16 holds the kLanes partial results");
+
+// `LoadMask` of 16 lanes: the bytes widen to 16-bit and then 32-bit lanes, vector instructions in both
+// steps (GCC 12 widens bytes to 32-bit lanes in one `__builtin_convertvector` a lane at a time).
+[[gnu::always_inline]] inline Ints16 LoadMask16(const bool* mask) {
+  typedef uint8_t Bytes __attribute__((vector_size(16)));
+  typedef uint16_t Halves __attribute__((vector_size(32)));
+  typedef uint32_t Words16 __attribute__((vector_size(64)));
+  Bytes bytes;
+  std::memcpy(&bytes, mask, sizeof bytes);
+  return (Ints16)(__builtin_convertvector(__builtin_convertvector(bytes, Halves), Words16) != 0);
+}
+
+// One row of the forward in vectors `V` (`Vec` or `Vec16`): `p` gets the probabilities, `p_bf16` (when
+// not null) them rounded. Where the row's maximum makes a masked score's exponential exactly 0 (always,
+// unless every score is masked), a vector of masked lanes skips the exponential and takes that 0.
+template <typename V>
+[[gnu::always_inline]] inline void ForwardRowOf(const float* s, const bool* mask, float* p, uint16_t* p_bf16,
+                                                int64_t t, float scale, float masked) {
+  constexpr int lanes = sizeof(V) / sizeof(float), parts = kLanes / lanes;
+  auto load = [](const float* x) {
+    V v;
+    std::memcpy(&v, x, sizeof v);
+    return v;
+  };
+  auto store = [](float* x, V v) { std::memcpy(x, &v, sizeof v); };
+  auto load_mask = [](const bool* m) {
+    if constexpr (lanes == 16) {
+      return LoadMask16(m);
+    } else {
+      return LoadMask(m);
+    }
+  };
+  V tops[parts], sums[parts];
+  for (int h = 0; h < parts; ++h) tops[h] = V{} - HUGE_VALF, sums[h] = V{};
   int64_t body = t - t % kLanes;
   for (int64_t j = 0; j < body; j += kLanes)
-    for (int h = 0; h < 2; ++h) {
-      int64_t k = j + h * kWidth;
-      Vec x = LoadMask(mask + k) ? Load(s + k) * scale : Splat(masked);
-      Store(p + k, x);
+    for (int h = 0; h < parts; ++h) {
+      int64_t k = j + h * lanes;
+      V x = load_mask(mask + k) ? load(s + k) * scale : V{} + masked;
+      store(p + k, x);
       tops[h] = tops[h] < x ? x : tops[h];  // std::max(tops, x)
     }
   float top = -HUGE_VALF;
-  for (int l = 0; l < kLanes; ++l) top = std::max(top, tops[l / kWidth][l % kWidth]);
+  for (int l = 0; l < kLanes; ++l) top = std::max(top, tops[l / lanes][l % lanes]);
   for (int64_t j = body; j < t; ++j) {
     p[j] = mask[j] ? s[j] * scale : masked;
     top = std::max(top, p[j]);
   }
+  bool masked_is_zero = masked - top < kExpLowest;
   for (int64_t j = 0; j < body; j += kLanes)
-    for (int h = 0; h < 2; ++h) {
-      int64_t k = j + h * kWidth;
-      Vec e = Exp(Load(p + k) - top);
-      Store(p + k, e);
+    for (int h = 0; h < parts; ++h) {
+      int64_t k = j + h * lanes;
+      uint64_t words[lanes / 8], read = 0;  // the vector's mask bytes, 8 a word
+      std::memcpy(words, mask + k, sizeof words);
+      for (uint64_t word : words) read |= word;
+      if (masked_is_zero && read == 0) {  // sums[h] += 0 would leave it as it is
+        store(p + k, V{});
+        continue;
+      }
+      V e = Exp(load(p + k) - top);
+      store(p + k, e);
       sums[h] += e;
     }
   float sum = 0.0f;
-  for (int l = 0; l < kLanes; ++l) sum += sums[l / kWidth][l % kWidth];
+  for (int l = 0; l < kLanes; ++l) sum += sums[l / lanes][l % lanes];
   for (int64_t j = body; j < t; ++j) {
     p[j] = Exp(p[j] - top);
     sum += p[j];
   }
-  for (int64_t j = 0; j < t; ++j) p[j] = p[j] / sum;
-  if (p_bf16 != nullptr)
-    for (int64_t j = 0; j < t; ++j) p_bf16[j] = RoundToBf16(p[j]);
+  int64_t whole = t - t % lanes;
+  for (int64_t j = 0; j < whole; j += lanes) {
+    V probs = load(p + j) / sum;
+    store(p + j, probs);
+    if (p_bf16 != nullptr) {
+      Vec pieces[lanes / kWidth];  // `StoreBf16` takes kWidth lanes (GCC 12 cannot narrow a templated vector)
+      std::memcpy(pieces, &probs, sizeof pieces);
+      for (int h = 0; h < lanes / kWidth; ++h) StoreBf16(p_bf16 + j + h * kWidth, pieces[h]);
+    }
+  }
+  for (int64_t j = whole; j < t; ++j) {
+    p[j] = p[j] / sum;
+    if (p_bf16 != nullptr) p_bf16[j] = RoundToBf16(p[j]);
+  }
+}
+
+// No fused multiply-adds: GCC contracts `a * b + c` into them for AVX-512's 512-bit vectors (whose
+// instructions include them) and not in the other clones, and the bits would differ between CPUs.
+__attribute__((target("avx512f"), optimize("fp-contract=off")))
+void ForwardRowAvx512(const float* s, const bool* mask, float* p, uint16_t* p_bf16, int64_t t, float scale,
+                      float masked) {
+  ForwardRowOf<Vec16>(s, mask, p, p_bf16, t, scale, masked);
+}
+
+__attribute__((target_clones("avx2", "default")))
+void ForwardRowNarrow(const float* s, const bool* mask, float* p, uint16_t* p_bf16, int64_t t, float scale,
+                      float masked) {
+  ForwardRowOf<Vec>(s, mask, p, p_bf16, t, scale, masked);
+}
+
+// One row of the forward, in 16 lanes where the CPU has AVX-512 (the same results either way).
+void ForwardRow(const float* s, const bool* mask, float* p, uint16_t* p_bf16, int64_t t, float scale, float masked) {
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  (avx512 ? ForwardRowAvx512 : ForwardRowNarrow)(s, mask, p, p_bf16, t, scale, masked);
 }
 
 // One row of the backward, the cotangent `g` in float32 or bfloat16 bits.
@@ -190,6 +264,21 @@ ffi::Error SoftmaxBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scores, ffi::
   int64_t t = scores.dimensions().back();
   return RunRows(pool, scores.dimensions(), mask.dimensions(), [=](int64_t row, int64_t mask_row) {
     ForwardRow(s + row * t, m + mask_row * t, p + row * t, r + row * t, t, scale, masked);
+  });
+}
+
+// The bfloat16 probabilities alone (a pass nothing differentiates): each row's float32 ones stay in a
+// scratch row of the thread's.
+ffi::Error SoftmaxBF16Probs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::PRED> mask,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> rounded, float scale, float masked) {
+  const float* s = scores.typed_data();
+  const bool* m = mask.typed_data();
+  uint16_t* r = reinterpret_cast<uint16_t*>(rounded->untyped_data());
+  int64_t t = scores.dimensions().back();
+  return RunRows(pool, scores.dimensions(), mask.dimensions(), [=](int64_t row, int64_t mask_row) {
+    thread_local std::vector<float> probs;
+    probs.resize(static_cast<size_t>(t));
+    ForwardRow(s + row * t, m + mask_row * t, probs.data(), r + row * t, t, scale, masked);
   });
 }
 
@@ -422,6 +511,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewSoftmaxBF16, SoftmaxBF16,
                                   .Attr<float>("scale")
                                   .Attr<float>("masked"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewSoftmaxBF16Probs, SoftmaxBF16Probs,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("masked"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DewSoftmaxGradF32, SoftmaxGradF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -470,11 +568,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewAttentionGradF32, AttentionGradF32,
                                   .Attr<int64_t>("block")
                                   .Attr<bool>("causal_blocks"));
 
-// Python module: handlers() -> {"f32", "bf16", "grad_f32", "grad_bf16", "first_max", "attention_f32",
+// Python module: handlers() -> {"f32", "bf16", "bf16_probs", "grad_f32", "grad_bf16", "first_max", "attention_f32",
 // "attention_grad_f32": capsule}; set_gemm(addresses) for the attention's products.
 static PyObject* Handlers(PyObject*, PyObject*) {
   const dew::HandlerEntry entries[] = {{"f32", reinterpret_cast<void*>(&DewSoftmaxF32)},
                                        {"bf16", reinterpret_cast<void*>(&DewSoftmaxBF16)},
+                                       {"bf16_probs", reinterpret_cast<void*>(&DewSoftmaxBF16Probs)},
                                        {"grad_f32", reinterpret_cast<void*>(&DewSoftmaxGradF32)},
                                        {"grad_bf16", reinterpret_cast<void*>(&DewSoftmaxGradBF16)},
                                        {"first_max", reinterpret_cast<void*>(&DewFirstMax)},

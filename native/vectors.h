@@ -45,9 +45,11 @@ typedef int32_t Ints __attribute__((vector_size(4 * kWidth)));
 // bits; n rounds to nearest even by adding and subtracting 1.5 * 2^23. Within 2 ulps of the exact
 // result for x in [-87.3, 88.7]; 0 below (XLA's gives a subnormal there, under 1e-38), +inf above, NaN
 // for NaN.
+constexpr float kExpLowest = -87.33654f;  // below it `Exp` gives exactly 0
+
 template <typename V>
 [[gnu::always_inline]] inline V Exp(V x) {
-  const float lo = -87.33654f, hi = 88.72283f, round = 12582912.0f;
+  const float lo = kExpLowest, hi = 88.72283f, round = 12582912.0f;
   V clamped = x < lo ? V{} + lo : x;  // std::max(x, lo), NaN kept
   clamped = hi < clamped ? V{} + hi : clamped;
   V n = (clamped * 1.44269504088896341f + round) - round;
@@ -69,8 +71,9 @@ template <typename V>
     result = x < lo ? 0.0f : result;
     return x > hi ? HUGE_VALF : result;
   } else {
-    Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
-    result = p * (Vec)bits;  // the same bits as floats (a vector cast)
+    using Lanes = decltype(x < x);  // int32 lanes as many as V's
+    Lanes bits = (__builtin_convertvector(n, Lanes) + 127) << 23;
+    result = p * (V)bits;  // the same bits as floats (a vector cast)
     result = x < lo ? V{} : result;
     return x > hi ? V{} + HUGE_VALF : result;
   }
@@ -82,6 +85,18 @@ inline uint16_t RoundToBf16(float value) {
   uint32_t nearest = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
   uint32_t quiet_nan = ((bits >> 16) & 0x8000u) | 0x7fc0u;
   return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : nearest);
+}
+
+// `RoundToBf16` of kWidth lanes at once (the same integer steps, lane by lane), stored to `out`.
+[[gnu::always_inline]] inline void StoreBf16(uint16_t* out, Vec v) {
+  typedef uint32_t Bits __attribute__((vector_size(4 * kWidth)));
+  typedef uint16_t Halves __attribute__((vector_size(2 * kWidth)));
+  Bits bits = (Bits)v;
+  Bits nearest = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  Bits quiet_nan = ((bits >> 16) & 0x8000u) | 0x7fc0u;
+  Bits rounded = (bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : nearest;
+  Halves halves = __builtin_convertvector(rounded, Halves);
+  std::memcpy(out, &halves, sizeof halves);
 }
 
 inline float Bf16ToFloat(uint16_t bits) {

@@ -70,16 +70,27 @@ def reference(scores_BHRT: jax.Array, mask_BRT: jax.Array, scale: float, out_dty
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def masked_softmax(scores_BHRT: jax.Array, mask_BRT: jax.Array, scale: float, out_dtype) -> jax.Array:
     """Softmax over the last axis of float32 `scores * scale` `[B, H, R, T]`, where the boolean
-    `mask` `[B, R, T]` (shared by the H heads) is true, rounded to `out_dtype`."""
+    `mask` `[B, R, T]` (shared by the H heads) is true, rounded to `out_dtype`. Differentiated, the forward
+    also keeps the float32 probabilities for the backward; a bfloat16 call nothing differentiates (a
+    prefill) writes only the rounded ones."""
+    if jnp.dtype(out_dtype) == _BF16:
+        _check(scores_BHRT, mask_BRT)
+        call = jax.ffi.ffi_call("dew_softmax_bf16_probs", jax.ShapeDtypeStruct(scores_BHRT.shape, _BF16),
+                                vmap_method="sequential")
+        return call(scores_BHRT, mask_BRT.astype(jnp.bool_), scale=np.float32(scale), masked=np.float32(MASKED))
     return _forward(scores_BHRT, mask_BRT, scale, out_dtype)[0]
 
 
-def _forward(scores_BHRT, mask_BRT, scale, out_dtype):
-    """(the probabilities in `out_dtype`, the probabilities in float32 for the backward)."""
+def _check(scores_BHRT, mask_BRT):
     if scores_BHRT.dtype != _F32 or scores_BHRT.ndim != 4 or mask_BRT.shape != (
             scores_BHRT.shape[0], *scores_BHRT.shape[2:]):
         raise ValueError(f"masked_softmax takes float32 scores [B, H, R, T] and a mask [B, R, T]; got "
                          f"{scores_BHRT.dtype} {scores_BHRT.shape} and {mask_BRT.shape}")
+
+
+def _forward(scores_BHRT, mask_BRT, scale, out_dtype):
+    """(the probabilities in `out_dtype`, the probabilities in float32 for the backward)."""
+    _check(scores_BHRT, mask_BRT)
     f32 = jax.ShapeDtypeStruct(scores_BHRT.shape, _F32)
     mask_BRT = mask_BRT.astype(jnp.bool_)
     if jnp.dtype(out_dtype) == _BF16:

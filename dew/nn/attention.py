@@ -76,11 +76,12 @@ FUSED_BLOCK = 64
 
 
 def attend(q_BSHD, k_BKTD, v_BKTD, mask_BST, *, causal_blocks: bool = False, scale: float | None = None,
-           softcap: float | None = None, block: int = BLOCK) -> jax.Array:
+           softcap: float | None = None, block: int = BLOCK, heads_major: bool = False) -> jax.Array:
     """Softmax attention in float32 for `H` query heads over `K` shared key/value heads.
 
-    Queries are `[B, S, H, D]`, keys heads-major `[B, K, T, D]` (the KV cache's layout) and values
-    `[B, K, T, Dv]` (latent attention's values are narrower than its keys); the result is `[B, S, H, Dv]`.
+    Queries are `[B, S, H, D]` (with `heads_major`, `[B, H, S, D]`), keys heads-major `[B, K, T, D]` (the
+    KV cache's layout) and values `[B, K, T, Dv]` (latent attention's values are narrower than its keys);
+    the result is `[B, S, H, Dv]`.
 
     Scores are `q . k` times `scale` (default `head_dim ** -0.5`), then, with `softcap`, squashed
     to `softcap * tanh(scores / softcap)` (Gemma 2).
@@ -89,9 +90,13 @@ def attend(q_BSHD, k_BKTD, v_BKTD, mask_BST, *, causal_blocks: bool = False, sca
     blocks of `block`, each scoring only the keys up to its end: the masked upper triangle is mostly
     never computed, and each block's scores stay in cache.
     """
-    B, S, H, D = q_BSHD.shape
     K = k_BKTD.shape[1]
-    q_BKGSD = q_BSHD.reshape(B, S, K, H // K, D).transpose(0, 2, 3, 1, 4)
+    if heads_major:
+        B, H, S, D = q_BSHD.shape
+        q_BKGSD = q_BSHD.reshape(B, K, H // K, S, D)
+    else:
+        B, S, H, D = q_BSHD.shape
+        q_BKGSD = q_BSHD.reshape(B, S, K, H // K, D).transpose(0, 2, 3, 1, 4)
     scale = D**-0.5 if scale is None else scale
     starts = range(0, S, block) if causal_blocks else (0,)
     outputs = []
@@ -287,14 +292,9 @@ class Attention(nn.Module):
             q_BSHD = q_BSF.reshape(B, S, H, D)
             if s.qk_norm:
                 q_BSHD = norm("q_norm")(q_BSHD)
-            if s.rotary:
-                q_BSHD = apply_partial_rotary(q_BSHD, *rotary)
             k_BSKD, v_BSKD = context.shared_kv
         else:
             q_BSHD, k_BSKD, v_BSKD = self._project(x_BSE, q_BSF, rotary, dense, norm)
-        if s.temperature is not None:
-            scale_BS = query_temperature(context.positions_BS, *s.temperature)
-            q_BSHD = (q_BSHD.astype(jnp.float32) * scale_BS[:, :, None, None]).astype(q_BSHD.dtype)
 
         q_groups, k_groups = context.groups_BS, context.groups_BS
         if q_groups is not None and context.sliding_groups:
@@ -325,12 +325,6 @@ class Attention(nn.Module):
         mask_BST = attention_mask(context.slots_BS, k_slots, context.segments_BS, k_segments, causal=s.causal,
                                   window=knobs.window, q_groups_BS=q_groups, k_groups_BT=k_groups,
                                   chunk=s.chunk, q_positions_BS=context.positions_BS, k_positions_BT=k_positions)
-        report = None
-        if context.report_qk:  # whole sequences only: the decoder refuses it with a cache
-            # a real query's allowed keys share its segment, so are real too; padding reads only padding
-            real_BST = mask_BST & (context.segments_BS > 0)[:, :, None]
-            scale = D**-0.5 if s.query_scale is None else s.query_scale
-            report = {"qk_max": score_max(q_BSHD, k_BSKD.transpose(0, 2, 1, 3), real_BST, scale)}
         # An image's tokens read its later tokens too, so no block of queries may skip the keys after it.
         ordered = s.causal and q_groups is None
         # One new token a row, appended to the cache and reading only its filled slots (the decode mask in
@@ -338,13 +332,30 @@ class Attention(nn.Module):
         # reusing an earlier layer's keys and values (Gemma 4) keeps no cache layer of its own to read.
         one_query = (cache is not None and S == 1 and ordered and s.chunk is None and not context.read_only_cache
                      and context.key_slots_BT is None and k_groups is None and not reuse)
-        if one_query and decode_kernel.usable(cache.keys, cache.values):
-            out_BSHD = decode_attend(q_BSHD, cache, knobs, context.slots_BS, context.segments_BS, s)
-        elif cache is None and s.softcap is None and fast_softmax.attention_usable(q_BSHD, k_BSKD, v_BSKD):
+        decode = one_query and decode_kernel.usable(cache.keys, cache.values)
+        fused = (not decode and cache is None and s.softcap is None
+                 and fast_softmax.attention_usable(q_BSHD, k_BSKD, v_BSKD))
+        # With a cache (a prefill), `attend` reads its queries heads-major `[B, H, S, D]`, laid out so before
+        # they are rotated: XLA's CPU backend runs a rotation fused into the transpose after it element by
+        # element, at several times the cost of the transpose fused into the rotation's reads. (A pass without
+        # a cache may be differentiated, where this order would put the slow transpose in the backward.)
+        heads_major = not decode and not fused and cache is not None
+        # [B, H, S, D] with heads_major, else [B, S, H, D]
+        q = self._finish_queries(q_BSHD, rotary, context.positions_BS, heads_major, reuse)
+        report = None
+        if context.report_qk:  # whole sequences only: the decoder refuses it with a cache
+            # a real query's allowed keys share its segment, so are real too; padding reads only padding
+            real_BST = mask_BST & (context.segments_BS > 0)[:, :, None]
+            scale = D**-0.5 if s.query_scale is None else s.query_scale
+            q_seen = q.transpose(0, 2, 1, 3) if heads_major else q
+            report = {"qk_max": score_max(q_seen, k_BSKD.transpose(0, 2, 1, 3), real_BST, scale)}
+        if decode:
+            out_BSHD = decode_attend(q, cache, knobs, context.slots_BS, context.segments_BS, s)
+        elif fused:
             # Training's pass (and any without a cache), float32: scores, softmax and weighted values in one
             # kernel, keys and values as the projections laid them out.
             scale = D**-0.5 if s.query_scale is None else s.query_scale
-            out_BSHD = fast_softmax.attention(q_BSHD, k_BSKD, v_BSKD, mask_BST, scale, ordered, FUSED_BLOCK)
+            out_BSHD = fast_softmax.attention(q, k_BSKD, v_BSKD, mask_BST, scale, ordered, FUSED_BLOCK)
         else:
             if cache is None:
                 keys, values = k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3)
@@ -359,8 +370,8 @@ class Attention(nn.Module):
             # so a causal pass can skip each query block's later keys: the mask holds them out anyway. (A
             # padding query that may read nothing averages the keys it scores; nothing reads its output.)
             blocks = ordered and (cache is None or context.fresh_cache)
-            out_BSHD = attend(q_BSHD, keys, values, mask_BST, causal_blocks=blocks, scale=s.query_scale,
-                              softcap=s.softcap)
+            out_BSHD = attend(q, keys, values, mask_BST, causal_blocks=blocks, scale=s.query_scale,
+                              softcap=s.softcap, heads_major=heads_major)
         if s.output_gate:
             out_BSHD = (out_BSHD.astype(jnp.float32) * jax.nn.sigmoid(gate_BSHD.astype(jnp.float32))).astype(self.dtype)
         if s.shared_kv == "store":
@@ -368,8 +379,24 @@ class Attention(nn.Module):
             report = {**(report or {}), "shared_kv": shared}
         return dense(E, s.o_bias, ("heads", "embed"), "o_proj")(out_BSHD.reshape(B, S, H * D)), cache, report
 
+    def _finish_queries(self, q_BSHD, rotary, positions_BS, heads_major: bool, reuse: bool) -> jax.Array:
+        """The queries `_project` gives (normed, not rotated), rotated, normed after the rotation (`"l2"`) and
+        scaled by their temperature: `[B, S, H, D]`, or `[B, H, S, D]` with `heads_major`."""
+        s = self.spec
+        heads_axis = 1 if heads_major else 2
+        q = q_BSHD.transpose(0, 2, 1, 3) if heads_major else q_BSHD
+        if s.rotary:
+            q = apply_partial_rotary(q, *rotary, heads_axis)
+        if s.qk_norm and s.qk_norm_scope == "l2" and not reuse:
+            q = normalize(q, self.norm_eps)
+        if s.temperature is not None:
+            scale_BS = query_temperature(positions_BS, *s.temperature)
+            q = (q.astype(jnp.float32) * jnp.expand_dims(scale_BS, (heads_axis, 3))).astype(q.dtype)
+        return q
+
     def _project(self, x_BSE, q_BSF, rotary, dense, norm):
-        """This layer's queries `[B, S, H, D]`, keys and values `[B, S, K, D]`, normed and rotated."""
+        """This layer's queries `[B, S, H, D]`, normed (`_finish_queries` rotates them in the layout attention
+        reads), and keys and values `[B, S, K, D]`, normed and rotated."""
         s = self.spec
         B, S, _ = x_BSE.shape
         H, K, D = s.num_heads, s.num_kv_heads, s.head_dim
@@ -384,8 +411,7 @@ class Attention(nn.Module):
         if s.qk_norm and s.qk_norm_scope == "head":
             q_BSHD, k_BSKD = norm("q_norm")(q_BSHD), norm("k_norm")(k_BSKD)
         if s.rotary:
-            q_BSHD = apply_partial_rotary(q_BSHD, *rotary)
             k_BSKD = apply_partial_rotary(k_BSKD, *rotary)
         if s.qk_norm and s.qk_norm_scope == "l2":
-            q_BSHD, k_BSKD = normalize(q_BSHD, self.norm_eps), normalize(k_BSKD, self.norm_eps)
+            k_BSKD = normalize(k_BSKD, self.norm_eps)
         return q_BSHD, k_BSKD, v_BSKD

@@ -5,6 +5,7 @@ transformers computes them."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -225,47 +226,48 @@ def _rotate_half(x: jax.Array) -> jax.Array:
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def _rotate(x_BSHD: jax.Array, cos_BSD: jax.Array, sin_BSD: jax.Array) -> jax.Array:
-    x32 = x_BSHD.astype(jnp.float32)
-    cos, sin = cos_BSD[:, :, None, :], sin_BSD[:, :, None, :]
-    return (x32 * cos + _rotate_half(x32) * sin).astype(x_BSHD.dtype)
+def _rotate(x, cos_BSD: jax.Array, sin_BSD: jax.Array, heads_axis: int = 2) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    cos, sin = jnp.expand_dims(cos_BSD, heads_axis), jnp.expand_dims(sin_BSD, heads_axis)
+    return (x32 * cos + _rotate_half(x32) * sin).astype(x.dtype)
 
 
-def apply_partial_rotary(x_BSHD: jax.Array, cos_BSW: jax.Array, sin_BSW: jax.Array) -> jax.Array:
+def apply_partial_rotary(x: jax.Array, cos_BSW: jax.Array, sin_BSW: jax.Array, heads_axis: int = 2) -> jax.Array:
     """`apply_rotary` on the first `W` features of each head (the tables' width), the others as they are."""
     width = cos_BSW.shape[-1]
-    if width == x_BSHD.shape[-1]:
-        return apply_rotary(x_BSHD, cos_BSW, sin_BSW)
-    return jnp.concatenate([apply_rotary(x_BSHD[..., :width], cos_BSW, sin_BSW), x_BSHD[..., width:]], axis=-1)
+    if width == x.shape[-1]:
+        return apply_rotary(x, cos_BSW, sin_BSW, heads_axis)
+    return jnp.concatenate([apply_rotary(x[..., :width], cos_BSW, sin_BSW, heads_axis), x[..., width:]], axis=-1)
 
 
-@jax.custom_vjp
-def apply_rotary(x_BSHD: jax.Array, cos_BSD: jax.Array, sin_BSD: jax.Array) -> jax.Array:
-    """Rotate `x` by the tables in float32 and round back to `x`'s dtype.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def apply_rotary(x: jax.Array, cos_BSD: jax.Array, sin_BSD: jax.Array, heads_axis: int = 2) -> jax.Array:
+    """Rotate `x` `[B, S, H, D]` (or, with `heads_axis` 1, heads-major `[B, H, S, D]`) by the tables
+    `[B, S, D]` in float32 and round back to `x`'s dtype.
 
     The backward pass rotates the cotangent back (the same tables, `sin` negated: the rotation's
     transpose is its inverse) in one elementwise pass. Differentiated as written, the slices, pads
     and sums of `rotate_half`'s transpose fused with the attention's head transpose into a loop
     XLA's CPU backend runs slowly in bfloat16 (docs/performance.md).
     """
-    return _rotate(x_BSHD, cos_BSD, sin_BSD)
+    return _rotate(x, cos_BSD, sin_BSD, heads_axis)
 
 
-def _apply_rotary_forward(x_BSHD, cos_BSD, sin_BSD):
-    return _rotate(x_BSHD, cos_BSD, sin_BSD), (x_BSHD, cos_BSD, sin_BSD)
+def _apply_rotary_forward(x, cos_BSD, sin_BSD, heads_axis):
+    return _rotate(x, cos_BSD, sin_BSD, heads_axis), (x, cos_BSD, sin_BSD)
 
 
-def _apply_rotary_backward(saved, g_BSHD):
-    x_BSHD, cos_BSD, sin_BSD = saved
-    g32 = g_BSHD.astype(jnp.float32)
-    cos, sin = cos_BSD[:, :, None, :], sin_BSD[:, :, None, :]
-    dx_BSHD = (g32 * cos - _rotate_half(g32) * sin).astype(x_BSHD.dtype)
+def _apply_rotary_backward(heads_axis, saved, g):
+    x, cos_BSD, sin_BSD = saved
+    g32 = g.astype(jnp.float32)
+    cos, sin = jnp.expand_dims(cos_BSD, heads_axis), jnp.expand_dims(sin_BSD, heads_axis)
+    dx = (g32 * cos - _rotate_half(g32) * sin).astype(x.dtype)
     # The tables' own cotangents, summed over heads (unused, and so never computed, when the tables
     # come from integer positions).
-    x32 = x_BSHD.astype(jnp.float32)
-    dcos_BSD = jnp.sum(g32 * x32, axis=2).astype(cos_BSD.dtype)
-    dsin_BSD = jnp.sum(g32 * _rotate_half(x32), axis=2).astype(sin_BSD.dtype)
-    return dx_BSHD, dcos_BSD, dsin_BSD
+    x32 = x.astype(jnp.float32)
+    dcos_BSD = jnp.sum(g32 * x32, axis=heads_axis).astype(cos_BSD.dtype)
+    dsin_BSD = jnp.sum(g32 * _rotate_half(x32), axis=heads_axis).astype(sin_BSD.dtype)
+    return dx, dcos_BSD, dsin_BSD
 
 
 apply_rotary.defvjp(_apply_rotary_forward, _apply_rotary_backward)

@@ -83,6 +83,32 @@ def test_forward_and_backward_match_xla(policy, t, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("t", [12, 37, 256])
+def test_skipped_masked_lanes_and_the_undifferentiated_call_keep_the_bits(policy, t):
+    """A causal mask leaves whole vectors of a row masked, whose exponentials the kernel skips (each is
+    exactly 0 when the row reads anything): the same bits as the same scores unmasked but equal to the
+    masked value, where it computes them all. And the bfloat16 probabilities a pass nothing
+    differentiates asks for alone (`dew_softmax_bf16_probs`) are bit for bit those of the forward that
+    keeps float32 ones for its backward."""
+    policy("native")
+    scores, _ = scores_and_mask(t)
+    causal = np.broadcast_to(np.arange(t) <= 3 * np.arange(5)[:, None] + 1, (2, 5, t)).copy()
+    causal[0, 1, :] = False  # nothing to read: the exponentials are all computed (uniform row)
+    as_masked = jnp.where(jnp.asarray(causal)[:, None], scores, fast_softmax.MASKED)  # scale 1: x is MASKED
+    everything = jnp.ones_like(jnp.asarray(causal))
+    for dtype in (jnp.float32, jnp.bfloat16):
+        skipped = np.asarray(fast_softmax.masked_softmax(scores, jnp.asarray(causal), 1.0, dtype))
+        computed = np.asarray(fast_softmax.masked_softmax(as_masked, everything, 1.0, dtype))
+        np.testing.assert_array_equal(skipped.view(np.uint16 if dtype == jnp.bfloat16 else np.uint32),
+                                      computed.view(np.uint16 if dtype == jnp.bfloat16 else np.uint32))
+    alone = jax.jit(lambda s: fast_softmax.masked_softmax(s, jnp.asarray(causal), 0.125, jnp.bfloat16))
+    assert "dew_softmax_bf16_probs" in alone.lower(scores).as_text()
+    kept = fast_softmax._forward(scores, jnp.asarray(causal), 0.125, jnp.bfloat16)[0]
+    np.testing.assert_array_equal(np.asarray(alone(scores)).view(np.uint16), np.asarray(kept).view(np.uint16))
+    assert np.asarray(alone(scores), np.float32)[0, :, 1] == pytest.approx(1.0 / t, rel=2.0**-8)
+
+
+@needs_kernel
 def test_attention_takes_the_kernel_unless_xla(policy):
     """`attend` calls the kernel under `auto` and `native`, XLA's operations under `xla` or with a softcap,
     and the two agree on a causal pass (within the decoder-step bound of test_matmul)."""

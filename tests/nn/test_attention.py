@@ -43,6 +43,20 @@ def test_causal_blocks_equal_one_full_pass(window):
     np.testing.assert_allclose(np.asarray(blocked), np.asarray(full), atol=bound, rtol=0)
 
 
+def test_heads_major_queries_give_the_same_bits():
+    """`attend` reading its queries heads-major `[B, H, S, D]` (how a prefill lays them out before rotating
+    them) computes what it computes from `[B, S, H, D]`: the same products on the same values, equal."""
+    rng = np.random.default_rng(3)
+    B, S, H, K, D = 2, 11, 4, 2, 8
+    q = jnp.asarray(rng.normal(size=(B, S, H, D)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.normal(size=(B, K, S, D)), jnp.bfloat16) for _ in range(2))
+    mask = jnp.tril(jnp.ones((S, S), bool))[None].repeat(B, 0)
+    run = jax.jit(lambda q, heads_major: attend(q, k, v, mask, causal_blocks=True, block=4, heads_major=heads_major),
+                  static_argnums=1)
+    np.testing.assert_array_equal(np.asarray(run(q.transpose(0, 2, 1, 3), True), np.float32),
+                                  np.asarray(run(q, False), np.float32))
+
+
 def test_mask_rule():
     slots = jnp.arange(5)[None]
     segments = jnp.asarray([[1, 1, 2, 2, 0]])

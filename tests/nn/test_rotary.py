@@ -154,6 +154,30 @@ def test_rotation_backward_matches_autodiff_of_the_rotation():
     np.testing.assert_allclose(np.asarray(dx_bf16, np.float32), np.asarray(ours[0]), rtol=0.02, atol=0.05)
 
 
+def test_rotation_heads_major_is_the_rotation_transposed():
+    """`apply_rotary` with `heads_axis` 1 on `[B, H, S, D]` gives, forward and backward, the bits the
+    default gives on `[B, S, H, D]` transposed: the same elementwise products, in another layout."""
+    import jax
+
+    from dew.nn.rotary import apply_rotary
+
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 6, 3, 8)), jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((2, 6, 3, 8)), jnp.bfloat16)
+    cos, sin = rotary_angles(jnp.broadcast_to(jnp.arange(6), (2, 6)) * 5 + 1, 8, 100.0)
+    seq, seq_vjp = jax.vjp(apply_rotary, x, cos, sin)
+    heads, heads_vjp = jax.vjp(lambda x, c, s: apply_rotary(x, c, s, 1), x.transpose(0, 2, 1, 3), cos, sin)
+    np.testing.assert_array_equal(np.asarray(heads.transpose(0, 2, 1, 3), np.float32), np.asarray(seq, np.float32))
+    (dx_seq, *dtables_seq), (dx_heads, *dtables_heads) = seq_vjp(g), heads_vjp(g.transpose(0, 2, 1, 3))
+    np.testing.assert_array_equal(np.asarray(dx_heads.transpose(0, 2, 1, 3), np.float32),
+                                  np.asarray(dx_seq, np.float32))
+    # the tables' cotangents sum three heads' float32 products: at most 2 roundings of the terms' size apart
+    # (observed: equal)
+    terms = float(np.abs(np.asarray(g, np.float32)).sum(axis=2).max() * np.abs(np.asarray(x, np.float32)).max())
+    for ours, theirs in zip(dtables_heads, dtables_seq):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=0, atol=ulp_bound(2, terms))
+
+
 def test_tables_are_evaluated_once_per_step():
     """The cos and sin tables reach every query and key rotation, forward and backward, as arrays:
     the compiled gradient of two layers' rotations evaluates each function once, on half the head
