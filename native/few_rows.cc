@@ -394,6 +394,156 @@ DEW_AMX_TARGET void BlockAmx(const Product<uint16_t>& p, int64_t k_begin, int64_
   if (c < c_end) BlockPortable(p, k_begin, k_end, c, c_end, first, sums);
 }
 
+
+// ---- AMX for more than kAmxFewRows rows (a prefill's products): one chain of tiles over all of K ----
+
+// The most rows the few-rows AMX body above takes (two row tiles of 16); more go to the body below.
+constexpr int64_t kAmxFewRows = 32;
+// Bytes of x's rows a piece multiplies against each of its panels: they stay in the second cache while
+// the panels pass over them.
+constexpr int64_t kChunkBytes = 1 << 20;
+
+// A product of many rows: w is read once a chunk of rows, 32 columns (a panel) at a time, interleaved into
+// tdpbf16ps's pair layout over all of K; each block of 32 rows then runs the whole of K against the panel
+// with its four sums held in tiles, so each output is one chain of tile products from zero.
+struct ManyRows {
+  const uint16_t* x;  // [m, k], bfloat16 bits
+  const uint16_t* w;  // [k, n]
+  float* y;           // [m, n]
+  int64_t m, k, n;
+  int64_t steps;        // 32-row steps over K: ceil(k / 32)
+  int64_t direct_rows;  // rows of x that A tiles read in place: whole blocks of 32, where k is a multiple of 32
+  // Rows [direct_rows, ceil(m / 32) * 32) of x, zero past k to whole steps and past m: [.., steps * 32].
+  const uint16_t* padded;
+  int64_t chunk_rows, panels, pieces;  // a piece: one panel against one chunk of rows, chunks first
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+// Every tile 16 rows of 64 bytes: C tmm0-3 (rows 0-15 and 16-31 of a block, against columns 0-15 and 16-31
+// of a panel), A tmm4-5 (the block's two row tiles), B tmm6-7 (the panel's two column halves).
+TileConfig WholeTiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.bytes[t] = 64;
+  }
+  return config;
+}
+
+// Columns [c, c + 32) of w (zero past n) over all of K (zero past k), as B tiles: [steps][2][16 pairs][32].
+DEW_AMX_TARGET void PackPanel(const ManyRows& p, int64_t c, uint16_t* panel) {
+  const __m512i low = _mm512_load_si512(kTileLow), high = _mm512_load_si512(kTileHigh);
+  const int64_t columns = std::min<int64_t>(32, p.n - c);
+  const __mmask32 mask = columns == 32 ? ~__mmask32{0} : (__mmask32{1} << columns) - 1;
+  const uint16_t* w = p.w + c;
+  for (int64_t s = 0; s < p.steps; ++s, panel += 1024)
+    for (int64_t pair = 0; pair < 16; ++pair) {
+      const int64_t k = s * kAmxDepth + 2 * pair;
+      // The rows 32 on, asked of the memory a cache line each (rows n apart, a stride the hardware
+      // prefetchers follow poorly across pages).
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAmxDepth) * p.n), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAmxDepth + 1) * p.n), _MM_HINT_T0);
+      __m512i row = k < p.k ? _mm512_maskz_loadu_epi16(mask, w + k * p.n) : _mm512_setzero_si512();
+      __m512i next = k + 1 < p.k ? _mm512_maskz_loadu_epi16(mask, w + (k + 1) * p.n) : _mm512_setzero_si512();
+      _mm512_storeu_si512(panel + 32 * pair, _mm512_permutex2var_epi16(row, low, next));
+      _mm512_storeu_si512(panel + 512 + 32 * pair, _mm512_permutex2var_epi16(row, high, next));
+    }
+}
+
+// Rows [r_begin, r_end) (whole blocks of 32, past m included) against the panel of columns [c, c + 32).
+DEW_AMX_TARGET void MultiplyPanel(const ManyRows& p, const uint16_t* panel, int64_t c, int64_t r_begin,
+                                  int64_t r_end) {
+  alignas(64) float spill[32][32];
+  const int64_t columns = std::min<int64_t>(32, p.n - c), padded_k = p.steps * kAmxDepth;
+  for (int64_t r = r_begin; r < r_end; r += 32) {
+    const bool in_place = r + 32 <= p.direct_rows;
+    const uint16_t* a = in_place ? p.x + r * p.k : p.padded + (r - p.direct_rows) * padded_k;
+    const int64_t a_row = in_place ? p.k : padded_k;  // uint16s from one of x's rows to the next
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t* b = panel;
+    for (int64_t s = 0; s < p.steps; ++s, a += kAmxDepth, b += 1024) {
+      _tile_loadd(4, a, a_row * 2);
+      _tile_loadd(5, a + 16 * a_row, a_row * 2);
+      _tile_loadd(6, b, 64);
+      _tile_loadd(7, b + 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    // A whole block goes straight to y; a ragged one (rows past m, columns past n) through `spill`.
+    const bool whole = r + 32 <= p.m && columns == 32;
+    float* out = whole ? p.y + r * p.n + c : &spill[0][0];
+    const int64_t stride = whole ? p.n : 32;
+    _tile_stored(0, out, stride * 4);
+    _tile_stored(1, out + 16 * stride, stride * 4);
+    _tile_stored(2, out + 16, stride * 4);
+    _tile_stored(3, out + 16 * stride + 16, stride * 4);
+    if (!whole)
+      for (int64_t i = 0; i < std::min<int64_t>(32, p.m - r); ++i)
+        std::copy(spill[i], spill[i] + columns, p.y + (r + i) * p.n + c);
+  }
+}
+
+// Claims pieces until none is left; each packs its panel into this thread's buffer.
+DEW_AMX_TARGET void RunManyRows(ManyRows& p) {
+  static const TileConfig tiles = WholeTiles();
+  thread_local std::vector<uint16_t> panel;
+  bool configured = false;
+  for (int64_t i; (i = p.next.fetch_add(1, std::memory_order_relaxed)) < p.pieces;) {
+    if (!configured) {
+      _tile_loadconfig(&tiles);
+      panel.resize(static_cast<size_t>(p.steps * 1024));
+      configured = true;
+    }
+    const int64_t chunk = i / p.panels, c = (i % p.panels) * 32;
+    const int64_t r_begin = chunk * p.chunk_rows, r_end = std::min(r_begin + p.chunk_rows, (p.m + 31) / 32 * 32);
+    PackPanel(p, c, panel.data());
+    MultiplyPanel(p, panel.data(), c, r_begin, r_end);
+    p.done.fetch_add(1, std::memory_order_release);
+  }
+  if (configured) _tile_release();
+}
+
+// y = x w for more than kAmxFewRows rows, over the pool's threads (w the layer, read in place). Each output
+// is one piece's chain of tile products, so the result does not depend on the threads or the chunks.
+void ManyRowsProduct(ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t m, int64_t k,
+                     int64_t n) {
+  auto p = std::make_shared<ManyRows>();
+  p->x = x;
+  p->w = w;
+  p->y = y;
+  p->m = m;
+  p->k = k;
+  p->n = n;
+  p->steps = (k + kAmxDepth - 1) / kAmxDepth;
+  const int64_t padded_k = p->steps * kAmxDepth, blocks = (m + 31) / 32;
+  // A tiles read x in place where its rows are whole steps long; the last ragged block (and every block,
+  // where they are not) is copied out, zero past k and past m. In the calling thread's buffer: every piece
+  // that reads it has finished before this call returns.
+  p->direct_rows = k % kAmxDepth == 0 ? m / 32 * 32 : 0;
+  thread_local std::vector<uint16_t> padded;
+  padded.assign(static_cast<size_t>((blocks * 32 - p->direct_rows) * padded_k), 0);
+  for (int64_t r = p->direct_rows; r < m; ++r)
+    std::copy(x + r * k, x + (r + 1) * k, padded.data() + (r - p->direct_rows) * padded_k);
+  p->padded = padded.data();
+  // Chunks of rows that fit kChunkBytes, and at least one piece a thread.
+  p->panels = (n + 31) / 32;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t fitting = std::max<int64_t>(1, kChunkBytes / (32 * padded_k * 2));
+  const int64_t chunks = std::min(blocks, std::max((blocks + fitting - 1) / fitting, (threads + p->panels - 1) / p->panels));
+  const int64_t chunk_blocks = (blocks + chunks - 1) / chunks;
+  p->chunk_rows = 32 * chunk_blocks;
+  p->pieces = (blocks + chunk_blocks - 1) / chunk_blocks * p->panels;
+  const int64_t helpers = std::min(threads, p->pieces) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([p] { RunManyRows(*p); });
+  RunManyRows(*p);
+  dew::WaitForPieces(p->done, p->pieces);
+}
+
 #endif  // DEW_X86
 
 // The bodies by instruction set (native/isa.h's order); the one in use is the CPU's best at load unless
@@ -536,6 +686,12 @@ ffi::Error Bfloat16FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
   auto dx = x.dimensions(), dw = w.dimensions();
   const int64_t m = dx[0], k = dx[1], half = (k + 1) / 2;
   const uint16_t* bits = x.typed_data();
+#ifdef DEW_X86
+  if (m > kAmxFewRows && Body(static_cast<uint16_t*>(nullptr), m) == BlockAmx) {
+    ManyRowsProduct(pool, bits, w.typed_data() + at * dw[1] * dw[2], y->typed_data(), m, k, dw[2]);
+    return ffi::Error::Success();
+  }
+#endif
   // x widened for the FMA bodies and paired for vdpbf16ps, once a call (m * k values, against k * n weights).
   thread_local std::vector<float> widened;
   thread_local std::vector<uint32_t> pairs;

@@ -21,7 +21,10 @@ A scanned decoder's layers hold their weights stacked `[L, k, n]`, and XLA's CPU
 weight out of the stack before each product, every decode step. `stacked_product` hands the kernel the
 whole stack and the layer's index instead (the few-rows kernel's and oneDNN's stacked handlers read the
 layer in place): the same call on the same bytes, so the same numbers, for products of up to `FEW_ROWS`
-rows; larger ones (a prefill) take `product` of the indexed layer.
+rows. Larger bfloat16 ones (a prefill's) run in the kernel's AMX body where the CPU has AMX's tiles
+(`policy.choose_bfloat16_prefill`): one chain of tile products over all of k per output, summed in the
+hardware's order, not XLA's, so their numbers differ from the indexed layer's dot by roundings; the others
+take `product` of the indexed layer.
 
 On the CPU, under `auto` and `native`, a product that contracts the leading axis of `a` (a weight
 gradient) lays `a^T` out as its own array first: XLA's CPU backend sends such a dot to Eigen, slower than
@@ -40,8 +43,9 @@ import numpy as np
 from jax import lax
 
 from dew.kernels.loader import import_extension, onednn_functions, onednn_path, onednn_version
-from dew.kernels.policy import (FEW_ROWS, calls_refused, choose_bfloat16_few_rows, choose_few_rows, choose_onednn,
-                                choose_stacked_few_rows, cpu_tuned, in_force, note, product_key)
+from dew.kernels.policy import (FEW_ROWS, calls_refused, choose_bfloat16_few_rows, choose_bfloat16_prefill,
+                                choose_few_rows, choose_onednn, choose_stacked_few_rows, cpu_tuned, in_force, note,
+                                product_key)
 
 _F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 # (operands' dtype, result's dtype) -> the handler: bfloat16 results are rounded inside the call.
@@ -145,7 +149,9 @@ def few_rows_product(a: jax.Array, b: jax.Array, layer: jax.Array | None = None)
 def _takes_few_rows(m: int, k: int, n: int, dtype, policy: str, stacked: bool) -> bool:
     """Whether `[m, k] x [k, n]` of `dtype` operands (a lone weight, or with `stacked` a layer read in place)
     runs in the few-rows kernel under `policy`: the policy's choice, and the kernel allowed here."""
-    if jnp.dtype(dtype) == _BF16:
+    if jnp.dtype(dtype) == _BF16 and m > FEW_ROWS:
+        chosen = stacked and choose_bfloat16_prefill(m, k, n, policy, few_rows_tiles())
+    elif jnp.dtype(dtype) == _BF16:
         chosen = choose_bfloat16_few_rows(m, k, n, policy, few_rows_tiles())
     else:
         chosen = (choose_stacked_few_rows if stacked else choose_few_rows)(m, k, n, policy)
@@ -161,13 +167,14 @@ def stacked_takes(a: jax.Array, stack: jax.Array, policy: str | None = None) -> 
     """Whether `stacked_product` reads a layer of `stack` in place for `a` under `policy` (default the one in
     force) here: `a` `[m, k]` of at most `FEW_ROWS` rows (a decode step's), `stack` `[L, k, n]` of `a`'s
     dtype (float32, or bfloat16 as itself or as its uint16 bits), and the few-rows kernel or oneDNN
-    available. Elsewhere the caller indexes the layer out (a copy XLA makes) and takes `product`."""
+    available; or a bfloat16 `a` of more rows (a prefill's) where `choose_bfloat16_prefill` sends it to the
+    kernel's AMX body. Elsewhere the caller indexes the layer out (a copy XLA makes) and takes `product`."""
     weights = _BF16 if stack.dtype == _U16 else stack.dtype
-    if (a.ndim != 2 or stack.ndim != 3 or a.shape[0] > FEW_ROWS or a.dtype != weights or a.dtype not in (_F32, _BF16)
+    if (a.ndim != 2 or stack.ndim != 3 or a.dtype != weights or a.dtype not in (_F32, _BF16)
             or a.shape[1] != stack.shape[1] or min(*a.shape, stack.shape[2]) == 0):
         return False
-    return (_takes_few_rows(a.shape[0], a.shape[1], stack.shape[2], a.dtype, in_force(policy), stacked=True)
-            or status(a.dtype, policy)[0])
+    takes = _takes_few_rows(a.shape[0], a.shape[1], stack.shape[2], a.dtype, in_force(policy), stacked=True)
+    return takes or (a.shape[0] <= FEW_ROWS and status(a.dtype, policy)[0])
 
 
 def stacked_product(a: jax.Array, stack: jax.Array, layer: jax.Array, out_dtype=jnp.float32,
@@ -176,7 +183,8 @@ def stacked_product(a: jax.Array, stack: jax.Array, layer: jax.Array, out_dtype=
     in place where `stacked_takes` says so: a scanned decoder's layers hold their weights stacked, and
     XLA's CPU backend copies a layer's weight out of the stack before each product, every decode step.
     The product is the few-rows kernel where the policy chooses it for a stacked layer
-    (`choose_stacked_few_rows`, `choose_bfloat16_few_rows`), else oneDNN's gemm, even where the table would
+    (`choose_stacked_few_rows`, `choose_bfloat16_few_rows`, and past `FEW_ROWS` rows
+    `choose_bfloat16_prefill`), else oneDNN's gemm, even where the table would
     keep XLA's dot (that dot comes after the copy): in bfloat16, and in float32 where the table chooses the
     kernel, the call `product` makes for the layer's weight alone, so the same numbers. Elsewhere: `product`
     of the indexed layer."""

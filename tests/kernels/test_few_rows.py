@@ -1,5 +1,5 @@
 """Dew's few-rows kernel (`dew.kernels.matmul.few_rows_product`, native/few_rows.cc) against XLA's product,
-and where the kernel policy sends a decode step's float32 products."""
+and where the kernel policy sends a decode step's products and a prefill's bfloat16 ones."""
 
 from __future__ import annotations
 
@@ -143,17 +143,41 @@ def test_bfloat16_bodies_are_one_float32_chain(M, K, N):
     np.testing.assert_array_equal(np.asarray(run(x, w)), np.asarray(run(x, bits)))
 
 
-def test_every_bfloat16_body_flushes_denormals_under_xla():
-    # x = 1, 1 against w's rows 2^-130 (a bfloat16 denormal) and 0, 8 rows. vdpbf16ps and AMX read denormals
-    # as zero on their own; XLA runs its CPU threads with denormals flushed (MXCSR's FTZ and DAZ), so the FMA
-    # bodies do too.
-    x = jnp.ones((8, 2), jnp.bfloat16)
+@pytest.mark.parametrize("rows", [8, 40])  # 40: AMX's body for many rows
+def test_every_bfloat16_body_flushes_denormals_under_xla(rows):
+    # x = 1, 1 against w's rows 2^-130 (a bfloat16 denormal) and 0. vdpbf16ps and AMX read denormals as zero
+    # on their own; XLA runs its CPU threads with denormals flushed (MXCSR's FTZ and DAZ), so the FMA bodies
+    # do too.
+    x = jnp.ones((rows, 2), jnp.bfloat16)
     w = jnp.asarray([[2.0**-130] * 16, [0.0] * 16], jnp.bfloat16)
     assert float(w[0, 0]) == 2.0**-130
     run = jax.jit(matmul.few_rows_product)
     for body in _bfloat16_bodies():
         result = _with_body(*body, lambda: np.asarray(run(x, w)))
-        np.testing.assert_array_equal(result, np.zeros((8, 16), np.float32), err_msg=str(body))
+        np.testing.assert_array_equal(result, np.zeros((rows, 16), np.float32), err_msg=str(body))
+
+
+TILES = matmul.few_rows_tiles()
+
+
+# AMX's body for more than FEW_ROWS rows (a prefill's): rows read in place in whole blocks of 32 with a tail of
+# one (M = 33, K = 64 a whole number of 32-row steps), whole blocks and whole 32-column panels (M = 64, K =
+# 576), every block copied out for a K off the steps with a tail of 4 rows and a panel of 3 columns (M = 100,
+# K = 521, N = 131), and rows in chunks (a 4,100-long row leaves 96 rows a chunk) with a 16-column panel.
+@pytest.mark.skipif(not TILES, reason="no AMX bfloat16 tiles on this CPU, or Linux refused them to this process")
+@pytest.mark.parametrize("M,K,N", [(33, 64, 48), (64, 576, 96), (100, 521, 131), (257, 4100, 48)])
+def test_the_amx_body_for_many_rows_is_within_k_roundings(M, K, N):
+    rng = np.random.default_rng(M * K + N)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    stack = jnp.asarray(rng.standard_normal((2, K, N)), jnp.bfloat16)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(stack[1], np.float64)
+    # As in test_bfloat16_bodies_are_one_float32_chain: the K products are exact in float32, and tdpbf16ps
+    # adds them into float32 sums in its own order, at most K - 1 roundings of the terms' magnitudes.
+    bound = ulp_bound(K / 2, np.abs(x64) @ np.abs(w64))
+    result = np.asarray(jax.jit(matmul.few_rows_product)(x, stack, jnp.int32(1)))
+    # Observed: at most 8.9e-5 from the exact sums (K = 4,100), 1.1% of the bound at most (K = 64).
+    difference = np.abs(result - x64 @ w64)
+    assert np.all(difference <= bound), difference.max()
 
 
 def test_bfloat16_decode_products_take_it_lone_or_stacked():
@@ -178,3 +202,29 @@ def test_bfloat16_decode_products_take_it_lone_or_stacked():
     np.testing.assert_array_equal(np.asarray(stacked, np.float32), np.asarray(lone, np.float32))
     rounded = np.asarray(jax.jit(matmul.few_rows_product)(x, weight).astype(jnp.bfloat16), np.float32)
     np.testing.assert_array_equal(np.asarray(lone, np.float32), rounded)
+
+
+def test_bfloat16_prefill_products_read_the_layer_in_place_where_there_are_tiles():
+    assert [policy.choose_bfloat16_prefill(m, 576, 1536, "auto", True) for m in (32, 33, 512, 513)] == [
+        False, True, True, False]
+    assert policy.choose_bfloat16_prefill(64, 576, 1536, "exact", True)
+    assert not policy.choose_bfloat16_prefill(64, 576, 1536, "auto", False)  # no tiles: the copy and XLA's dot
+    assert not policy.choose_bfloat16_prefill(64, 576, 1536, "native", True)  # native: oneDNN's
+    assert not policy.choose_bfloat16_prefill(64, 576, 1536, "xla", True)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((40, 64)), jnp.bfloat16)
+    stack = jax.lax.bitcast_convert_type(jnp.asarray(rng.standard_normal((2, 64, 48)), jnp.bfloat16), jnp.uint16)
+    assert matmul.stacked_takes(x, stack, "auto") == TILES and not matmul.stacked_takes(x, stack, "xla")
+    if not TILES:
+        pytest.skip("no AMX bfloat16 tiles here: a prefill's products index the layer out (XLA's copy)")
+    run = jax.jit(lambda x, s: matmul.stacked_product(x, s, jnp.int32(1), jnp.float32, "auto"))
+    with policy.recording() as choices:
+        result = np.asarray(run(x, stack))
+    assert choices == {"1x40x64x48/bfloat16/NN/float32": "dew"}
+    program = run.lower(x, stack).compile().as_text()
+    assert "dew_few_rows_bf16" in program and "dynamic-slice" not in program  # the layer is not copied out
+    x64 = np.asarray(x, np.float64)
+    w64 = np.asarray(jax.lax.bitcast_convert_type(stack[1], jnp.bfloat16), np.float64)
+    # The bound of test_the_amx_body_for_many_rows_is_within_k_roundings. Observed: 1.5e-6 (0.9% of it).
+    difference = np.abs(result - x64 @ w64)
+    assert np.all(difference <= ulp_bound(64 / 2, np.abs(x64) @ np.abs(w64))), difference.max()
