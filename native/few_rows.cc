@@ -28,6 +28,13 @@
 // rows (in y between blocks). tdpbf16ps adds each step's 32 products into a sum in the order and with the
 // roundings the hardware chooses, not the chain above: every output is within K - 1 roundings of the
 // exact sum, as the chain is, denormals flushed.
+//
+// A bfloat16 product of more than 32 rows (a prefill's) takes AMX's tiles in a body of its own, where the
+// weight is no longer the only cost: each piece interleaves its group of 32-column panels of w over the
+// whole of K once, then multiplies every block of 32 rows against each panel with the sums held in tiles
+// over all of K (one chain of tile products an output, whatever the threads). A scanned decoder's prefill
+// reads its layer in place this way, where XLA would copy the layer's weight out of the stack first.
+// A bfloat16 product may return its sums rounded to bfloat16 (to nearest, ties to even, as XLA rounds).
 #include <Python.h>
 
 #include <algorithm>
@@ -309,7 +316,7 @@ alignas(64) constexpr uint16_t kTileLow[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4, 
 alignas(64) constexpr uint16_t kTileHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
 
-#define DEW_AMX_TARGET __attribute__((target("avx512f,avx512vl,avx512bw,amx-tile,amx-bf16")))
+#define DEW_AMX_TARGET __attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16,amx-tile,amx-bf16")))
 
 // Rows [k_begin, k_end) of w (at most 32), columns [c, c + 32) (or 16 where `half`), into B tiles' layout:
 // 16 rows of 64 bytes a half, rows past k_end zero.
@@ -399,23 +406,27 @@ DEW_AMX_TARGET void BlockAmx(const Product<uint16_t>& p, int64_t k_begin, int64_
 
 // The most rows the few-rows AMX body above takes (two row tiles of 16); more go to the body below.
 constexpr int64_t kAmxFewRows = 32;
-// Bytes of x's rows a piece multiplies against each of its panels: they stay in the second cache while
-// the panels pass over them.
-constexpr int64_t kChunkBytes = 1 << 20;
+// Bytes of interleaved weight a piece holds (its panels), and of x's rows it multiplies against each panel
+// in turn (a chunk): both stay in the second cache while the panels pass over the chunks.
+constexpr int64_t kGroupBytes = 1 << 20, kChunkBytes = 256 << 10;
 
-// A product of many rows: w is read once a chunk of rows, 32 columns (a panel) at a time, interleaved into
-// tdpbf16ps's pair layout over all of K; each block of 32 rows then runs the whole of K against the panel
-// with its four sums held in tiles, so each output is one chain of tile products from zero.
+// A product of many rows: w's columns split into groups of panels of 32 columns, one group a piece. A
+// piece reads its columns of w once, whole rows of the group at a time, interleaved into tdpbf16ps's pair
+// layout over all of K; each block of 32 rows then runs the whole of K against each panel with its four sums
+// held in tiles, so each output is one chain of tile products from zero.
 struct ManyRows {
   const uint16_t* x;  // [m, k], bfloat16 bits
   const uint16_t* w;  // [k, n]
-  float* y;           // [m, n]
+  float* y;           // [m, n], float32 results; or null, and
+  uint16_t* rounded;  // [m, n], the results rounded to bfloat16 (their bits)
   int64_t m, k, n;
   int64_t steps;        // 32-row steps over K: ceil(k / 32)
   int64_t direct_rows;  // rows of x that A tiles read in place: whole blocks of 32, where k is a multiple of 32
   // Rows [direct_rows, ceil(m / 32) * 32) of x, zero past k to whole steps and past m: [.., steps * 32].
   const uint16_t* padded;
-  int64_t chunk_rows, panels, pieces;  // a piece: one panel against one chunk of rows, chunks first
+  int64_t chunk_rows;  // rows multiplied against each panel in turn, a whole number of blocks of 32
+  // A piece: a group of `group` panels (the last one may have fewer) against rows [part * part_rows, ...).
+  int64_t group, groups, part_rows, pieces;
   std::atomic<int64_t> next{0}, done{0};
 };
 
@@ -430,23 +441,28 @@ TileConfig WholeTiles() {
   return config;
 }
 
-// Columns [c, c + 32) of w (zero past n) over all of K (zero past k), as B tiles: [steps][2][16 pairs][32].
-DEW_AMX_TARGET void PackPanel(const ManyRows& p, int64_t c, uint16_t* panel) {
+// Panels [first, first + count) of w (columns past n zero) over all of K (rows past k zero), as B tiles:
+// [count][steps][2][16 pairs][32]. Each of w's rows is read across the group's columns in one run.
+DEW_AMX_TARGET void PackPanels(const ManyRows& p, int64_t first, int64_t count, uint16_t* panels) {
   const __m512i low = _mm512_load_si512(kTileLow), high = _mm512_load_si512(kTileHigh);
-  const int64_t columns = std::min<int64_t>(32, p.n - c);
-  const __mmask32 mask = columns == 32 ? ~__mmask32{0} : (__mmask32{1} << columns) - 1;
-  const uint16_t* w = p.w + c;
-  for (int64_t s = 0; s < p.steps; ++s, panel += 1024)
+  const int64_t panel_size = p.steps * 1024, end = std::min(p.n, (first + count) * 32);
+  for (int64_t s = 0; s < p.steps; ++s)
     for (int64_t pair = 0; pair < 16; ++pair) {
       const int64_t k = s * kAmxDepth + 2 * pair;
-      // The rows 32 on, asked of the memory a cache line each (rows n apart, a stride the hardware
-      // prefetchers follow poorly across pages).
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAmxDepth) * p.n), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAmxDepth + 1) * p.n), _MM_HINT_T0);
-      __m512i row = k < p.k ? _mm512_maskz_loadu_epi16(mask, w + k * p.n) : _mm512_setzero_si512();
-      __m512i next = k + 1 < p.k ? _mm512_maskz_loadu_epi16(mask, w + (k + 1) * p.n) : _mm512_setzero_si512();
-      _mm512_storeu_si512(panel + 32 * pair, _mm512_permutex2var_epi16(row, low, next));
-      _mm512_storeu_si512(panel + 512 + 32 * pair, _mm512_permutex2var_epi16(row, high, next));
+      const uint16_t* w = p.w + k * p.n;
+      for (int64_t g = 0; g < count; ++g) {
+        const int64_t c = (first + g) * 32, columns = std::min<int64_t>(32, end - c);
+        // The rows 32 on, asked of the memory a cache line each (rows n apart, a stride the hardware
+        // prefetchers follow poorly across pages).
+        _mm_prefetch(reinterpret_cast<const char*>(w + kAmxDepth * p.n + c), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (kAmxDepth + 1) * p.n + c), _MM_HINT_T0);
+        const __mmask32 mask = columns == 32 ? ~__mmask32{0} : (__mmask32{1} << columns) - 1;
+        __m512i row = k < p.k ? _mm512_maskz_loadu_epi16(mask, w + c) : _mm512_setzero_si512();
+        __m512i next = k + 1 < p.k ? _mm512_maskz_loadu_epi16(mask, w + p.n + c) : _mm512_setzero_si512();
+        uint16_t* step = panels + g * panel_size + s * 1024 + 32 * pair;
+        _mm512_storeu_si512(step, _mm512_permutex2var_epi16(row, low, next));
+        _mm512_storeu_si512(step + 512, _mm512_permutex2var_epi16(row, high, next));
+      }
     }
 }
 
@@ -474,35 +490,46 @@ DEW_AMX_TARGET void MultiplyPanel(const ManyRows& p, const uint16_t* panel, int6
       _tile_dpbf16ps(2, 4, 7);
       _tile_dpbf16ps(3, 5, 7);
     }
-    // A whole block goes straight to y; a ragged one (rows past m, columns past n) through `spill`.
-    const bool whole = r + 32 <= p.m && columns == 32;
+    // A whole block of float32 results goes straight to y; a ragged one (rows past m, columns past n), or
+    // one rounded to bfloat16, through `spill`.
+    const bool whole = p.y && r + 32 <= p.m && columns == 32;
     float* out = whole ? p.y + r * p.n + c : &spill[0][0];
     const int64_t stride = whole ? p.n : 32;
     _tile_stored(0, out, stride * 4);
     _tile_stored(1, out + 16 * stride, stride * 4);
     _tile_stored(2, out + 16, stride * 4);
     _tile_stored(3, out + 16 * stride + 16, stride * 4);
-    if (!whole)
-      for (int64_t i = 0; i < std::min<int64_t>(32, p.m - r); ++i)
+    if (whole) continue;
+    const __mmask32 mask = columns == 32 ? ~__mmask32{0} : (__mmask32{1} << columns) - 1;
+    for (int64_t i = 0; i < std::min<int64_t>(32, p.m - r); ++i) {
+      if (p.y) {
         std::copy(spill[i], spill[i] + columns, p.y + (r + i) * p.n + c);
+      } else {  // to nearest, ties to even (NaN stays a quiet NaN), as XLA rounds float32 to bfloat16
+        __m512bh both = _mm512_cvtne2ps_pbh(_mm512_load_ps(spill[i] + 16), _mm512_load_ps(spill[i]));
+        _mm512_mask_storeu_epi16(p.rounded + (r + i) * p.n + c, mask, (__m512i)both);
+      }
+    }
   }
 }
 
-// Claims pieces until none is left; each packs its panel into this thread's buffer.
+// Claims pieces until none is left; each packs its panels into this thread's buffer.
 DEW_AMX_TARGET void RunManyRows(ManyRows& p) {
   static const TileConfig tiles = WholeTiles();
-  thread_local std::vector<uint16_t> panel;
+  thread_local std::vector<uint16_t> panels;
+  const int64_t panel_size = p.steps * 1024, blocks_end = (p.m + 31) / 32 * 32, all = (p.n + 31) / 32;
   bool configured = false;
   for (int64_t i; (i = p.next.fetch_add(1, std::memory_order_relaxed)) < p.pieces;) {
     if (!configured) {
       _tile_loadconfig(&tiles);
-      panel.resize(static_cast<size_t>(p.steps * 1024));
+      panels.resize(static_cast<size_t>(p.group * panel_size));
       configured = true;
     }
-    const int64_t chunk = i / p.panels, c = (i % p.panels) * 32;
-    const int64_t r_begin = chunk * p.chunk_rows, r_end = std::min(r_begin + p.chunk_rows, (p.m + 31) / 32 * 32);
-    PackPanel(p, c, panel.data());
-    MultiplyPanel(p, panel.data(), c, r_begin, r_end);
+    const int64_t first = (i % p.groups) * p.group, count = std::min(p.group, all - first);
+    const int64_t part_begin = i / p.groups * p.part_rows, part_end = std::min(part_begin + p.part_rows, blocks_end);
+    PackPanels(p, first, count, panels.data());
+    for (int64_t r = part_begin; r < part_end; r += p.chunk_rows)
+      for (int64_t g = 0; g < count; ++g)
+        MultiplyPanel(p, panels.data() + g * panel_size, (first + g) * 32, r, std::min(r + p.chunk_rows, part_end));
     p.done.fetch_add(1, std::memory_order_release);
   }
   if (configured) _tile_release();
@@ -510,12 +537,13 @@ DEW_AMX_TARGET void RunManyRows(ManyRows& p) {
 
 // y = x w for more than kAmxFewRows rows, over the pool's threads (w the layer, read in place). Each output
 // is one piece's chain of tile products, so the result does not depend on the threads or the chunks.
-void ManyRowsProduct(ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t m, int64_t k,
-                     int64_t n) {
+void ManyRowsProduct(ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, uint16_t* rounded,
+                     int64_t m, int64_t k, int64_t n) {
   auto p = std::make_shared<ManyRows>();
   p->x = x;
   p->w = w;
   p->y = y;
+  p->rounded = rounded;
   p->m = m;
   p->k = k;
   p->n = n;
@@ -530,14 +558,18 @@ void ManyRowsProduct(ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w
   for (int64_t r = p->direct_rows; r < m; ++r)
     std::copy(x + r * k, x + (r + 1) * k, padded.data() + (r - p->direct_rows) * padded_k);
   p->padded = padded.data();
-  // Chunks of rows that fit kChunkBytes, and at least one piece a thread.
-  p->panels = (n + 31) / 32;
+  // Groups of panels that fit kGroupBytes, at least one a thread; rows split in parts where there are fewer
+  // groups than threads, and each part multiplied in chunks that fit kChunkBytes.
+  const int64_t all = (n + 31) / 32, panel_bytes = padded_k * 32 * 2;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t fitting = std::max<int64_t>(1, kChunkBytes / (32 * padded_k * 2));
-  const int64_t chunks = std::min(blocks, std::max((blocks + fitting - 1) / fitting, (threads + p->panels - 1) / p->panels));
-  const int64_t chunk_blocks = (blocks + chunks - 1) / chunks;
-  p->chunk_rows = 32 * chunk_blocks;
-  p->pieces = (blocks + chunk_blocks - 1) / chunk_blocks * p->panels;
+  const int64_t fitting = std::max<int64_t>(1, kGroupBytes / panel_bytes);
+  const int64_t groups = std::min(all, threads * ((all + threads * fitting - 1) / (threads * fitting)));
+  p->group = (all + groups - 1) / groups;
+  p->groups = (all + p->group - 1) / p->group;
+  const int64_t parts = std::min(blocks, (threads + p->groups - 1) / p->groups);
+  p->part_rows = 32 * ((blocks + parts - 1) / parts);
+  p->pieces = p->groups * ((blocks * 32 + p->part_rows - 1) / p->part_rows);
+  p->chunk_rows = 32 * std::max<int64_t>(1, kChunkBytes / (32 * padded_k * 2));
   const int64_t helpers = std::min(threads, p->pieces) - 1;
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([p] { RunManyRows(*p); });
   RunManyRows(*p);
@@ -619,9 +651,9 @@ struct Pieces {
 };
 
 // The layer `*at` of w after checking the operands' shapes and the layer; the error names the handler's `what`.
-template <typename X, typename W>
-ffi::Error CheckShapes(const char* what, const X& x, const W& w, const ffi::Buffer<ffi::S32>& layer,
-                       ffi::Result<ffi::Buffer<ffi::F32>>& y, int64_t* at) {
+template <typename X, typename W, typename Y>
+ffi::Error CheckShapes(const char* what, const X& x, const W& w, const ffi::Buffer<ffi::S32>& layer, Y& y,
+                       int64_t* at) {
   auto dx = x.dimensions(), dw = w.dimensions(), dy = y->dimensions();
   if (dx.size() != 2 || dw.size() != 3 || dy.size() != 2 || dx[1] != dw[1] || dy[0] != dx[0] || dy[1] != dw[2] ||
       layer.element_count() != 1)
@@ -677,22 +709,32 @@ ffi::Error FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   return ffi::Error::Success();
 }
 
-// The same in bfloat16: x [M, K] bfloat16, w [L, K, N] bfloat16 as its uint16 bits, y float32.
-ffi::Error Bfloat16FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> w,
-                                  ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  int64_t at;
-  if (ffi::Error error = CheckShapes("dew bfloat16 few-rows product", x, w, layer, y, &at); error.failure())
-    return error;
-  auto dx = x.dimensions(), dw = w.dimensions();
-  const int64_t m = dx[0], k = dx[1], half = (k + 1) / 2;
-  const uint16_t* bits = x.typed_data();
+// float32 to bfloat16's bits, to nearest, ties to even (NaN stays a quiet NaN), as XLA rounds.
+inline uint16_t RoundToBfloat16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if (std::isnan(f)) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// x [m, k] bfloat16 bits against w [k, n] (one layer's bits): the float32 sums into y, or with y null
+// rounded to bfloat16 into `rounded`.
+void Bfloat16Product(ffi::ThreadPool& pool, const uint16_t* bits, const uint16_t* w, float* y, uint16_t* rounded,
+                     int64_t m, int64_t k, int64_t n) {
 #ifdef DEW_X86
   if (m > kAmxFewRows && Body(static_cast<uint16_t*>(nullptr), m) == BlockAmx) {
-    ManyRowsProduct(pool, bits, w.typed_data() + at * dw[1] * dw[2], y->typed_data(), m, k, dw[2]);
-    return ffi::Error::Success();
+    ManyRowsProduct(pool, bits, w, y, rounded, m, k, n);
+    return;
   }
 #endif
+  // The other bodies sum in float32 (here, where the result is rounded) and the sums are rounded after.
+  thread_local std::vector<float> sums;
+  if (!y) {
+    sums.resize(static_cast<size_t>(m * n));
+    y = sums.data();
+  }
   // x widened for the FMA bodies and paired for vdpbf16ps, once a call (m * k values, against k * n weights).
+  const int64_t half = (k + 1) / 2;
   thread_local std::vector<float> widened;
   thread_local std::vector<uint32_t> pairs;
   widened.resize(static_cast<size_t>(m * k));
@@ -702,7 +744,7 @@ ffi::Error Bfloat16FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
       widened[r * k + i] = Widen(bits[r * k + i]);
       pairs[r * half + i / 2] |= static_cast<uint32_t>(bits[r * k + i]) << (i % 2 == 0 ? 16 : 0);
     }
-  Product<uint16_t> p{widened.data(), w.typed_data() + at * dw[1] * dw[2], y->typed_data(), m, k, dw[2]};
+  Product<uint16_t> p{widened.data(), w, y, m, k, n};
   p.pairs = pairs.data();
 #ifdef DEW_X86
   // For AMX: x's rows, zero past k to whole 32-row steps (an A tile reads 32 of x's columns).
@@ -718,6 +760,31 @@ ffi::Error Bfloat16FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
   }
 #endif
   Run<uint16_t>(pool, p);
+  if (rounded)
+    for (int64_t e = 0; e < m * n; ++e) rounded[e] = RoundToBfloat16(y[e]);
+}
+
+// The same in bfloat16: x [M, K] bfloat16, w [L, K, N] bfloat16 as its uint16 bits, y float32.
+ffi::Error Bfloat16FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> w,
+                                  ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  int64_t at;
+  if (ffi::Error error = CheckShapes("dew bfloat16 few-rows product", x, w, layer, y, &at); error.failure())
+    return error;
+  auto dx = x.dimensions(), dw = w.dimensions();
+  Bfloat16Product(pool, x.typed_data(), w.typed_data() + at * dw[1] * dw[2], y->typed_data(), nullptr, dx[0], dx[1],
+                  dw[2]);
+  return ffi::Error::Success();
+}
+
+// The same with y rounded to bfloat16 in the call (once, from the float32 sums).
+ffi::Error Bfloat16RoundedProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> w,
+                                  ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::BF16>> y) {
+  int64_t at;
+  if (ffi::Error error = CheckShapes("dew bfloat16 few-rows product", x, w, layer, y, &at); error.failure())
+    return error;
+  auto dx = x.dimensions(), dw = w.dimensions();
+  Bfloat16Product(pool, x.typed_data(), w.typed_data() + at * dw[1] * dw[2], nullptr,
+                  reinterpret_cast<uint16_t*>(y->typed_data()), dx[0], dx[1], dw[2]);
   return ffi::Error::Success();
 }
 
@@ -739,12 +806,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16FewRowsProduct, Bfloat16FewRowsProduct,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16RoundedProduct, Bfloat16RoundedProduct,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
+
 static PyObject* Handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DewFewRowsProduct), nullptr, nullptr);
 }
 
 static PyObject* Bfloat16Handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DewBfloat16FewRowsProduct), nullptr, nullptr);
+}
+
+static PyObject* RoundedHandler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&DewBfloat16RoundedProduct), nullptr, nullptr);
 }
 
 static PyObject* GetPairs(PyObject*, PyObject*) { return PyBool_FromLong(g_pairs.load()); }
@@ -780,6 +859,8 @@ static PyObject* SetIsa(PyObject*, PyObject* args) { return dew::SetIsa(args, g_
 static PyMethodDef kMethods[] = {
     {"handler", Handler, METH_NOARGS, "The float32 XLA FFI handler, as a capsule."},
     {"bfloat16_handler", Bfloat16Handler, METH_NOARGS, "The bfloat16 XLA FFI handler, as a capsule."},
+    {"rounded_handler", RoundedHandler, METH_NOARGS,
+     "The bfloat16 XLA FFI handler whose results are rounded to bfloat16, as a capsule."},
     {"pairs", GetPairs, METH_NOARGS, "Whether bfloat16 products take vdpbf16ps (under the avx512 set)."},
     {"set_pairs", SetPairs, METH_VARARGS, "Turn vdpbf16ps on (where the CPU has it) or off, for tests."},
     {"tiles", GetTiles, METH_NOARGS, "Whether bfloat16 products of 2 rows or more take AMX (under avx512)."},

@@ -107,6 +107,7 @@ def _few_rows() -> tuple[bool, str]:
         return False, why
     jax.ffi.register_ffi_target("dew_few_rows", native.handler(), platform="cpu")
     jax.ffi.register_ffi_target("dew_few_rows_bf16", native.bfloat16_handler(), platform="cpu")
+    jax.ffi.register_ffi_target("dew_few_rows_bf16_to_bf16", native.rounded_handler(), platform="cpu")
     bfloat16 = [name for name, on in (("vdpbf16ps", native.pairs()), ("AMX tiles", native.tiles())) if on]
     return True, f"Dew's kernel (dew._native_few_rows, {native.isa()}{''.join(', ' + b for b in bfloat16)})"
 
@@ -124,11 +125,13 @@ def few_rows_status(policy: str | None = None) -> tuple[bool, str]:
     return (False, refused) if refused else _few_rows()
 
 
-def few_rows_product(a: jax.Array, b: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+def few_rows_product(a: jax.Array, b: jax.Array, layer: jax.Array | None = None, out_dtype=_F32) -> jax.Array:
     """`a @ b` of `a` `[m, k]` and `b` `[k, n]` (with `layer`, an int32 scalar, `b[layer]` of a stack
     `[L, k, n]`, read in place), float32, in Dew's few-rows kernel: each output is `fma(a[i, k], b[k, j],
     sum)` over k in order from zero, in float32 (where `few_rows_status()` allows it). `a` is float32 with a
-    float32 `b`, or bfloat16 with a bfloat16 `b` (or its uint16 bits, `dew.nn.quantize.bfloat16_bits`)."""
+    float32 `b`, or bfloat16 with a bfloat16 `b` (or its uint16 bits, `dew.nn.quantize.bfloat16_bits`); a
+    bfloat16 product asked for a bfloat16 `out_dtype` rounds its float32 sums once inside the call (as
+    `.astype` would, without writing the float32 sums out), any other is returned float32."""
     loaded, why = _few_rows()
     if not loaded:
         raise RuntimeError(f"Dew's few-rows kernel is unavailable: {why}; use xla_product")
@@ -139,10 +142,13 @@ def few_rows_product(a: jax.Array, b: jax.Array, layer: jax.Array | None = None)
         raise ValueError(f"few_rows_product takes a [m, k] and b [k, n] (with a layer, [L, k, n]), both float32 or "
                          f"both bfloat16 (b as itself or its uint16 bits); got a {a.dtype} {a.shape}, b {b.dtype} "
                          f"{b.shape}")
-    target = "dew_few_rows"
+    target, returned = "dew_few_rows", _F32
     if a.dtype == _BF16:
         target, stack = "dew_few_rows_bf16", lax.bitcast_convert_type(stack, _U16) if stack.dtype == _BF16 else stack
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((a.shape[0], stack.shape[2]), _F32), vmap_method="sequential")
+        if jnp.dtype(out_dtype) == _BF16:
+            target, returned = "dew_few_rows_bf16_to_bf16", _BF16
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((a.shape[0], stack.shape[2]), returned),
+                            vmap_method="sequential")
     return call(a, stack, layer_index(layer))
 
 
@@ -198,7 +204,7 @@ def stacked_product(a: jax.Array, stack: jax.Array, layer: jax.Array, out_dtype=
     key = product_key(1, m, k, n, a.dtype, False, False, out_dtype)
     if _takes_few_rows(m, k, n, a.dtype, policy, stacked=True):
         note(key, "dew")
-        return few_rows_product(a, stack, layer).astype(out_dtype)
+        return few_rows_product(a, stack, layer, out_dtype).astype(out_dtype)
     note(key, "onednn")
     returned = jnp.dtype(out_dtype) if (a.dtype, jnp.dtype(out_dtype)) in _TARGETS else _F32
     call = jax.ffi.ffi_call(_TARGETS[a.dtype, returned].replace("dew_gemm_", "dew_gemm_stacked_"),
@@ -251,7 +257,7 @@ def product(a: jax.Array, b: jax.Array, transpose_a: bool = False, transpose_b: 
     if (a.ndim == 2 and few_rows_dtype and not (transpose_a or transpose_b) and min(m, k, n) > 0
             and _takes_few_rows(m, k, n, a.dtype, policy, stacked=False)):
         note(key, "dew")
-        return few_rows_product(a, b).astype(out_dtype)
+        return few_rows_product(a, b, out_dtype=out_dtype).astype(out_dtype)
     if ((a.dtype, _F32) in _TARGETS and min(batch, m, k, n) > 0 and status(a.dtype, policy)[0]
             and choose_onednn(batch, m, k, n, a.dtype, transpose_a, transpose_b, out_dtype, policy)):
         note(key, "onednn")

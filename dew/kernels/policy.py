@@ -9,8 +9,8 @@ A policy is one of `POLICIES`:
   --products`); a bfloat16 product of 2 to `BFLOAT16_FEW_ROWS` rows (1 to `FEW_ROWS` with AMX) runs in
   the few-rows kernel (`choose_bfloat16_few_rows`), any other of at
   most `FEW_ROWS` rows in oneDNN wherever its bfloat16 gemm runs; a bfloat16 product of a scanned layer
-  read in place, past `FEW_ROWS` rows (a prefill's), runs in the kernel's AMX body where the CPU has
-  AMX's tiles (`choose_bfloat16_prefill`); attention's softmax, the fused attention, decoding's attention and the int8 decoding products run in
+  read in place, of `BFLOAT16_PREFILL_ROWS` rows (a prefill's), runs in the kernel's AMX body where the CPU
+  has AMX's tiles (`choose_bfloat16_prefill`); attention's softmax, the fused attention, decoding's attention and the int8 decoding products run in
   Dew's own kernels wherever they can. A CPU class the table does not name, a product
   under `MIN_FLOPS` (oneDNN) or a shape far from every measured one stays XLA's.
 - `native`: every product oneDNN can take runs there, whatever its size (what the kernels' tests use).
@@ -52,9 +52,9 @@ FEW_ROWS = 32  # the most rows of a product Dew's few-rows kernel takes (a decod
 # The most rows of a bfloat16 product it takes under `auto`, without AMX's tiles and with them
 # (choose_bfloat16_few_rows).
 BFLOAT16_FEW_ROWS = 8
-# The most rows of a bfloat16 prefill product that reads its layer in place in the kernel's AMX body
-# (choose_bfloat16_prefill).
-BFLOAT16_PREFILL_ROWS = 512
+# The fewest and the most rows of a bfloat16 prefill product that reads its layer in place in the kernel's
+# AMX body (choose_bfloat16_prefill).
+BFLOAT16_PREFILL_ROWS = (64, 4096)
 _RENAMED = {"DEW_FAST_MATMUL": "auto, native or xla", "DEW_INT8_KERNEL": "xla turns the int8 kernel off with the rest"}
 _POLICY = contextvars.ContextVar("dew_kernels_policy", default="auto")
 _RECORDERS: list[dict[str, str]] = []
@@ -249,12 +249,14 @@ def choose_bfloat16_few_rows(m: int, k: int, n: int, policy: str, tiles: bool) -
 def choose_bfloat16_prefill(m: int, k: int, n: int, policy: str, tiles: bool) -> bool:
     """Whether the bfloat16 product `[m, k] x [k, n]` of a layer read in place from a scanned run's stack, past
     `FEW_ROWS` rows (a prefill's), runs in the kernel's AMX body: under `auto` and `exact`, where the kernel
-    has AMX's tiles (`tiles`), up to `BFLOAT16_PREFILL_ROWS` rows. Otherwise XLA's CPU backend copies the
-    layer's weight out of the stack before its dot, every product; the kernel reads it in place and ran
-    faster than copy and dot together up to that many rows, not beyond (docs/performance.md, "Prefill's
-    bfloat16 products read in place"). Without tiles the kernel's other bodies are slower than XLA's dot at
-    these sizes. Never under `native`, which sends every product to oneDNN."""
-    return policy in ("auto", "exact") and tiles and FEW_ROWS < m <= BFLOAT16_PREFILL_ROWS
+    has AMX's tiles (`tiles`), for rows within `BFLOAT16_PREFILL_ROWS`. Otherwise XLA's CPU backend copies
+    the layer's weight out of the stack before its dot, every product; the kernel reads it in place, and
+    was faster than the copy and the dot together at those row counts, not measured beyond them, and even
+    with them below (docs/performance.md, "Prefill's bfloat16 products read in place"). Without tiles the
+    kernel's other bodies are slower than XLA's dot at these sizes. Never under `native`, which sends every
+    product to oneDNN."""
+    fewest, most = BFLOAT16_PREFILL_ROWS
+    return policy in ("auto", "exact") and tiles and fewest <= m <= most
 
 
 @contextlib.contextmanager
