@@ -764,27 +764,23 @@ void Bfloat16Product(ffi::ThreadPool& pool, const uint16_t* bits, const uint16_t
     for (int64_t e = 0; e < m * n; ++e) rounded[e] = RoundToBfloat16(y[e]);
 }
 
-// The same in bfloat16: x [M, K] bfloat16, w [L, K, N] bfloat16 as its uint16 bits, y float32.
+// The same in bfloat16: x [M, K] bfloat16, w [L, K, N] bfloat16 as its uint16 bits, y float32 (`Y` F32) or
+// rounded to bfloat16 in the call (`Y` BF16, once, from the float32 sums).
+template <ffi::DataType Y>
 ffi::Error Bfloat16FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> w,
-                                  ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+                                  ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<Y>> y) {
   int64_t at;
   if (ffi::Error error = CheckShapes("dew bfloat16 few-rows product", x, w, layer, y, &at); error.failure())
     return error;
   auto dx = x.dimensions(), dw = w.dimensions();
-  Bfloat16Product(pool, x.typed_data(), w.typed_data() + at * dw[1] * dw[2], y->typed_data(), nullptr, dx[0], dx[1],
-                  dw[2]);
-  return ffi::Error::Success();
-}
-
-// The same with y rounded to bfloat16 in the call (once, from the float32 sums).
-ffi::Error Bfloat16RoundedProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> w,
-                                  ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::BF16>> y) {
-  int64_t at;
-  if (ffi::Error error = CheckShapes("dew bfloat16 few-rows product", x, w, layer, y, &at); error.failure())
-    return error;
-  auto dx = x.dimensions(), dw = w.dimensions();
-  Bfloat16Product(pool, x.typed_data(), w.typed_data() + at * dw[1] * dw[2], nullptr,
-                  reinterpret_cast<uint16_t*>(y->typed_data()), dx[0], dx[1], dw[2]);
+  float* sums = nullptr;
+  uint16_t* rounded = nullptr;
+  if constexpr (Y == ffi::F32) {
+    sums = y->typed_data();
+  } else {
+    rounded = reinterpret_cast<uint16_t*>(y->typed_data());
+  }
+  Bfloat16Product(pool, x.typed_data(), w.typed_data() + at * dw[1] * dw[2], sums, rounded, dx[0], dx[1], dw[2]);
   return ffi::Error::Success();
 }
 
@@ -798,7 +794,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewFewRowsProduct, FewRowsProduct,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16FewRowsProduct, Bfloat16FewRowsProduct,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16FewRowsProduct, Bfloat16FewRowsProduct<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
@@ -806,7 +802,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16FewRowsProduct, Bfloat16FewRowsProduct,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16RoundedProduct, Bfloat16RoundedProduct,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16RoundedProduct, Bfloat16FewRowsProduct<ffi::BF16>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
