@@ -401,7 +401,6 @@ DEW_AMX_TARGET void BlockAmx(const Product<uint16_t>& p, int64_t k_begin, int64_
   if (c < c_end) BlockPortable(p, k_begin, k_end, c, c_end, first, sums);
 }
 
-
 // ---- AMX for more than kAmxFewRows rows (a prefill's products): one chain of tiles over all of K ----
 
 // The most rows the few-rows AMX body above takes (two row tiles of 16); more go to the body below.
