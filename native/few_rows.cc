@@ -405,14 +405,15 @@ DEW_AMX_TARGET void BlockAmx(const Product<uint16_t>& p, int64_t k_begin, int64_
 
 // The most rows the few-rows AMX body above takes (two row tiles of 16); more go to the body below.
 constexpr int64_t kAmxFewRows = 32;
-// Bytes of interleaved weight a piece holds (its panels), and of x's rows it multiplies against each panel
-// in turn (a chunk): both stay in the second cache while the panels pass over the chunks.
-constexpr int64_t kGroupBytes = 1 << 20, kChunkBytes = 256 << 10;
+// Bytes of interleaved weight a piece holds (its panels): they stay in the second cache while each block of
+// x's rows passes over them.
+constexpr int64_t kGroupBytes = 1 << 20;
 
 // A product of many rows: w's columns split into groups of panels of 32 columns, one group a piece. A
 // piece reads its columns of w once, whole rows of the group at a time, interleaved into tdpbf16ps's pair
-// layout over all of K; each block of 32 rows then runs the whole of K against each panel with its four sums
-// held in tiles, so each output is one chain of tile products from zero.
+// layout over all of K; each block of 32 rows then runs the whole of K against each panel in turn (the
+// block's rows stay in the first cache) with its four sums held in tiles, so each output is one chain of
+// tile products from zero.
 struct ManyRows {
   const uint16_t* x;  // [m, k], bfloat16 bits
   const uint16_t* w;  // [k, n]
@@ -423,7 +424,6 @@ struct ManyRows {
   int64_t direct_rows;  // rows of x that A tiles read in place: whole blocks of 32, where k is a multiple of 32
   // Rows [direct_rows, ceil(m / 32) * 32) of x, zero past k to whole steps and past m: [.., steps * 32].
   const uint16_t* padded;
-  int64_t chunk_rows;  // rows multiplied against each panel in turn, a whole number of blocks of 32
   // A piece: a group of `group` panels (the last one may have fewer) against rows [part * part_rows, ...).
   int64_t group, groups, part_rows, pieces;
   std::atomic<int64_t> next{0}, done{0};
@@ -465,20 +465,21 @@ DEW_AMX_TARGET void PackPanels(const ManyRows& p, int64_t first, int64_t count, 
     }
 }
 
-// Rows [r_begin, r_end) (whole blocks of 32, past m included) against the panel of columns [c, c + 32).
-DEW_AMX_TARGET void MultiplyPanel(const ManyRows& p, const uint16_t* panel, int64_t c, int64_t r_begin,
-                                  int64_t r_end) {
+// The block of 32 rows from r (rows past m included) against panels [first, first + count).
+DEW_AMX_TARGET void MultiplyBlock(const ManyRows& p, const uint16_t* panels, int64_t first, int64_t count,
+                                  int64_t r) {
   alignas(64) float spill[32][32];
-  const int64_t columns = std::min<int64_t>(32, p.n - c), padded_k = p.steps * kAmxDepth;
-  for (int64_t r = r_begin; r < r_end; r += 32) {
-    const bool in_place = r + 32 <= p.direct_rows;
-    const uint16_t* a = in_place ? p.x + r * p.k : p.padded + (r - p.direct_rows) * padded_k;
-    const int64_t a_row = in_place ? p.k : padded_k;  // uint16s from one of x's rows to the next
+  const int64_t padded_k = p.steps * kAmxDepth;
+  const bool in_place = r + 32 <= p.direct_rows;
+  const uint16_t* rows = in_place ? p.x + r * p.k : p.padded + (r - p.direct_rows) * padded_k;
+  const int64_t a_row = in_place ? p.k : padded_k;  // uint16s from one of x's rows to the next
+  for (int64_t g = 0; g < count; ++g) {
+    const int64_t c = (first + g) * 32, columns = std::min<int64_t>(32, p.n - c);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    const uint16_t* b = panel;
+    const uint16_t *a = rows, *b = panels + g * p.steps * 1024;
     for (int64_t s = 0; s < p.steps; ++s, a += kAmxDepth, b += 1024) {
       _tile_loadd(4, a, a_row * 2);
       _tile_loadd(5, a + 16 * a_row, a_row * 2);
@@ -526,9 +527,7 @@ DEW_AMX_TARGET void RunManyRows(ManyRows& p) {
     const int64_t first = (i % p.groups) * p.group, count = std::min(p.group, all - first);
     const int64_t part_begin = i / p.groups * p.part_rows, part_end = std::min(part_begin + p.part_rows, blocks_end);
     PackPanels(p, first, count, panels.data());
-    for (int64_t r = part_begin; r < part_end; r += p.chunk_rows)
-      for (int64_t g = 0; g < count; ++g)
-        MultiplyPanel(p, panels.data() + g * panel_size, (first + g) * 32, r, std::min(r + p.chunk_rows, part_end));
+    for (int64_t r = part_begin; r < part_end; r += 32) MultiplyBlock(p, panels.data(), first, count, r);
     p.done.fetch_add(1, std::memory_order_release);
   }
   if (configured) _tile_release();
@@ -558,7 +557,7 @@ void ManyRowsProduct(ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w
     std::copy(x + r * k, x + (r + 1) * k, padded.data() + (r - p->direct_rows) * padded_k);
   p->padded = padded.data();
   // Groups of panels that fit kGroupBytes, at least one a thread; rows split in parts where there are fewer
-  // groups than threads, and each part multiplied in chunks that fit kChunkBytes.
+  // groups than threads.
   const int64_t all = (n + 31) / 32, panel_bytes = padded_k * 32 * 2;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t fitting = std::max<int64_t>(1, kGroupBytes / panel_bytes);
@@ -568,7 +567,6 @@ void ManyRowsProduct(ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w
   const int64_t parts = std::min(blocks, (threads + p->groups - 1) / p->groups);
   p->part_rows = 32 * ((blocks + parts - 1) / parts);
   p->pieces = p->groups * ((blocks * 32 + p->part_rows - 1) / p->part_rows);
-  p->chunk_rows = 32 * std::max<int64_t>(1, kChunkBytes / (32 * padded_k * 2));
   const int64_t helpers = std::min(threads, p->pieces) - 1;
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([p] { RunManyRows(*p); });
   RunManyRows(*p);

@@ -162,11 +162,10 @@ TILES = matmul.few_rows_tiles()
 
 # AMX's body for more than FEW_ROWS rows (a prefill's): rows read in place in whole blocks of 32 with a tail of
 # one (M = 33, K = 64 a whole number of 32-row steps), whole blocks and whole 32-column panels (M = 64, K =
-# 576), every block copied out for a K off the steps with a tail of 4 rows and a panel of 3 columns (M = 100,
-# K = 521, N = 131), and rows in chunks (a 4,100-long row leaves one block of 32 a chunk) with a 16-column
-# panel.
+# 576), every block copied out for a K off the steps with a tail of 4 rows, and groups of 3 and 2 panels, the
+# last of 3 columns (M = 100, K = 521, N = 131), and one 16-column panel whose rows split between threads.
 @pytest.mark.skipif(not TILES, reason="no AMX bfloat16 tiles on this CPU, or Linux refused them to this process")
-@pytest.mark.parametrize("M,K,N", [(33, 64, 48), (64, 576, 96), (100, 521, 131), (257, 4100, 48)])
+@pytest.mark.parametrize("M,K,N", [(33, 64, 48), (64, 576, 96), (100, 521, 131), (257, 4100, 16)])
 def test_the_amx_body_for_many_rows_is_within_k_roundings(M, K, N):
     rng = np.random.default_rng(M * K + N)
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
@@ -176,7 +175,7 @@ def test_the_amx_body_for_many_rows_is_within_k_roundings(M, K, N):
     # adds them into float32 sums in its own order, at most K - 1 roundings of the terms' magnitudes.
     bound = ulp_bound(K / 2, np.abs(x64) @ np.abs(w64))
     result = np.asarray(jax.jit(matmul.few_rows_product)(x, stack, jnp.int32(1)))
-    # Observed: at most 8.9e-5 from the exact sums (K = 4,100), 1.1% of the bound at most (K = 64).
+    # Observed: at most 8.1e-5 from the exact sums (K = 4,100), 1.1% of the bound at most (K = 64).
     difference = np.abs(result - x64 @ w64)
     assert np.all(difference <= bound), difference.max()
 
