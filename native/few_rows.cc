@@ -479,14 +479,15 @@ DEW_AMX_TARGET void MultiplyBlock(const ManyRows& p, const uint16_t* panels, int
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
+    // Each product issued as soon as its tiles are loaded, so that loads and products overlap.
     const uint16_t *a = rows, *b = panels + g * p.steps * 1024;
     for (int64_t s = 0; s < p.steps; ++s, a += kAmxDepth, b += 1024) {
       _tile_loadd(4, a, a_row * 2);
-      _tile_loadd(5, a + 16 * a_row, a_row * 2);
       _tile_loadd(6, b, 64);
-      _tile_loadd(7, b + 512, 64);
       _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, a + 16 * a_row, a_row * 2);
       _tile_dpbf16ps(1, 5, 6);
+      _tile_loadd(7, b + 512, 64);
       _tile_dpbf16ps(2, 4, 7);
       _tile_dpbf16ps(3, 5, 7);
     }
