@@ -1,4 +1,4 @@
-"""A scanned run's float kernels read in place by decode steps (`dew.nn.quantize.stacked_in_place`,
+"""A scanned run's float kernels read in place by decode steps (and by a bfloat16 prefill with AMX) (`dew.nn.quantize.stacked_in_place`,
 `dew.kernels.matmul.stacked_product`; the layer operand of native/gemm.cc's stacked handlers and of
 native/few_rows.cc) against the same layers' weights indexed out of the stack, as the scan slices them."""
 
@@ -122,6 +122,26 @@ def test_bfloat16_logits_are_the_sliced_weights_and_greedy_tokens_xlas(model, va
     logits = [np.asarray(jax.jit(model.apply)(v, DECODE), np.float32) for v in (lifted, variables)]
     np.testing.assert_array_equal(*logits)
     _same_greedy_tokens(model, _with(model, kernels="xla"), variables, [[5, 9, 14, 2]])
+
+
+def test_a_bfloat16_prefill_reads_each_layer_in_place_where_there_are_tiles(model, variables):
+    if not matmul.few_rows_tiles():
+        pytest.skip("no AMX bfloat16 tiles here: a prefill's products index the layer out (XLA's copy)")
+    # 64 positions: every linear's product has 64 rows, within policy.BFLOAT16_PREFILL_ROWS.
+    prompt = jnp.asarray(np.random.default_rng(1).integers(0, 64, (1, 64)), jnp.int32)
+    exact = np.asarray(jax.jit(model.apply)(jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), variables), prompt))
+    model, variables = _bfloat16(model, variables)
+    lifted = stacked_in_place(model, variables)
+    step = jax.jit(model.apply).lower(lifted, prompt).compile().as_text()
+    assert "dew_few_rows_bf16_to_bf16" in step and not _COPY.search(step)
+    ours, theirs = (np.asarray(jax.jit(model.apply)(v, prompt)) for v in (lifted, variables))
+    # The kernel's sums and XLA's dot after the copy add the same products in other orders, and each rounds
+    # its sums to bfloat16: two evaluations of one bfloat16 network, each within bfloat16's error of the
+    # float32 one on the same weights, so apart by at most twice the sliced weights' distance from it plus
+    # one bfloat16 rounding of the largest logit. Observed: the same bits (bound 5.3e-2; logits up to 0.46).
+    bound = 2 * np.max(np.abs(theirs - exact)) + 2.0**-8 * np.max(np.abs(exact))
+    assert np.max(np.abs(ours - theirs)) <= bound, (np.max(np.abs(ours - theirs)), bound)
 
 
 def test_int8_kernels_are_read_in_place_by_the_int8_kernel(model, variables):
