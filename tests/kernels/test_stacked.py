@@ -1,6 +1,7 @@
-"""A scanned run's float kernels read in place by decode steps (and by a bfloat16 prefill with AMX) (`dew.nn.quantize.stacked_in_place`,
-`dew.kernels.matmul.stacked_product`; the layer operand of native/gemm.cc's stacked handlers and of
-native/few_rows.cc) against the same layers' weights indexed out of the stack, as the scan slices them."""
+"""A scanned run's float kernels read in place by decode steps, and by a bfloat16 prefill with AMX
+(`dew.nn.quantize.stacked_in_place`, `dew.kernels.matmul.stacked_product`; the layer operand of
+native/gemm.cc's stacked handlers and of native/few_rows.cc) against the same layers' weights indexed out
+of the stack, as the scan slices them."""
 
 from __future__ import annotations
 
