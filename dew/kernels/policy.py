@@ -7,12 +7,12 @@ A policy is one of `POLICIES`:
   at most `FEW_ROWS` rows (a decode step's linear) runs in Dew's few-rows kernel where the table's nearest
   entry says that was faster (`"few_rows": true`, measured by `python -m benchmarks.long_context
   --products`); a bfloat16 product of 2 to `BFLOAT16_FEW_ROWS` rows (1 to `FEW_ROWS` with AMX) runs in
-  the few-rows kernel (`choose_bfloat16_few_rows`), any other of at
-  most `FEW_ROWS` rows in oneDNN wherever its bfloat16 gemm runs; a bfloat16 product of a scanned layer
-  read in place, of `BFLOAT16_PREFILL_ROWS` rows (a prefill's), runs in the kernel's AMX body where the CPU
-  has AMX's tiles (`choose_bfloat16_prefill`); attention's softmax, the fused attention, decoding's attention and the int8 decoding products run in
-  Dew's own kernels wherever they can. A CPU class the table does not name, a product
-  under `MIN_FLOPS` (oneDNN) or a shape far from every measured one stays XLA's.
+  the few-rows kernel (`choose_bfloat16_few_rows`), any other of at most `FEW_ROWS` rows in oneDNN
+  wherever its bfloat16 gemm runs; a bfloat16 product of a scanned layer read in place, of
+  `BFLOAT16_PREFILL_ROWS` rows (a prefill's), runs in the kernel's AMX body where the CPU has AMX's tiles
+  (`choose_bfloat16_prefill`); attention's softmax, the fused attention, decoding's attention and the int8
+  decoding products run in Dew's own kernels wherever they can. A CPU class the table does not name, a
+  product under `MIN_FLOPS` (oneDNN) or a shape far from every measured one stays XLA's.
 - `native`: every product oneDNN can take runs there, whatever its size (what the kernels' tests use).
 - `xla`: XLA's own `dot_general` for every product, with nothing around it: no custom call, no barrier.
 - `exact`: as `auto`, except that no kernel rounds a product's operands: the GGUF blocks kernel
