@@ -204,7 +204,10 @@ def stacked_product(a: jax.Array, stack: jax.Array, layer: jax.Array, out_dtype=
     key = product_key(1, m, k, n, a.dtype, False, False, out_dtype)
     if _takes_few_rows(m, k, n, a.dtype, policy, stacked=True):
         note(key, "dew")
-        return few_rows_product(a, stack, layer, out_dtype).astype(out_dtype)
+        # A prefill's many rows round their sums inside the call rather than write float32 sums out for XLA to
+        # read back; a decode step's few rows keep float32 sums, rounded inside XLA's next fusion.
+        inside = out_dtype if m > FEW_ROWS else _F32
+        return few_rows_product(a, stack, layer, inside).astype(out_dtype)
     note(key, "onednn")
     returned = jnp.dtype(out_dtype) if (a.dtype, jnp.dtype(out_dtype)) in _TARGETS else _F32
     call = jax.ffi.ffi_call(_TARGETS[a.dtype, returned].replace("dew_gemm_", "dew_gemm_stacked_"),
@@ -257,7 +260,7 @@ def product(a: jax.Array, b: jax.Array, transpose_a: bool = False, transpose_b: 
     if (a.ndim == 2 and few_rows_dtype and not (transpose_a or transpose_b) and min(m, k, n) > 0
             and _takes_few_rows(m, k, n, a.dtype, policy, stacked=False)):
         note(key, "dew")
-        return few_rows_product(a, b, out_dtype=out_dtype).astype(out_dtype)
+        return few_rows_product(a, b).astype(out_dtype)
     if ((a.dtype, _F32) in _TARGETS and min(batch, m, k, n) > 0 and status(a.dtype, policy)[0]
             and choose_onednn(batch, m, k, n, a.dtype, transpose_a, transpose_b, out_dtype, policy)):
         note(key, "onednn")
