@@ -191,9 +191,9 @@ def stacked_product(a: jax.Array, stack: jax.Array, layer: jax.Array, out_dtype=
     The product is the few-rows kernel where the policy chooses it for a stacked layer
     (`choose_stacked_few_rows`, `choose_bfloat16_few_rows`, and past `FEW_ROWS` rows
     `choose_bfloat16_prefill`), else oneDNN's gemm, even where the table would
-    keep XLA's dot (that dot comes after the copy): in bfloat16, and in float32 where the table chooses the
-    kernel, the call `product` makes for the layer's weight alone, so the same numbers. Elsewhere: `product`
-    of the indexed layer."""
+    keep XLA's dot (that dot comes after the copy): up to `FEW_ROWS` rows in bfloat16, and in float32 where
+    the table chooses the kernel, the call `product` makes for the layer's weight alone, so the same numbers
+    (past them, the AMX body's own order of the same sums). Elsewhere: `product` of the indexed layer."""
     policy = in_force(policy)
     if not stacked_takes(a, stack, policy):
         weight = stack[layer]
