@@ -37,6 +37,32 @@ def timed_wall_and_cpu(run, repeats: int, warmup: int = 2) -> tuple[float, float
     return statistics.median(walls), statistics.median(cpus)
 
 
+def alternating(sides: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each of `sides` (`{name: run}`, each `run()` blocking until its work is done) in `rounds`
+    rounds that run every side once, back to back, after one call each to warm up: on a shared machine the
+    sides see the same load."""
+    for run in sides.values():
+        run()
+    times = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, run in sides.items():
+            started = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - started)
+    return times
+
+
+def compared(times: dict[str, list[float]], unit: str, work: float, per_second: str) -> str:
+    """`alternating`'s seconds of a "before" and a "kernel" side in a line: each side's median and fastest
+    in `unit` ("ms" or "us"), the kernel's rate at its median (`work` a call, billions a second as
+    `per_second` names them: "GB/s", "GFLOP/s"), the ratio of the medians, and the load average."""
+    scale = {"ms": 1e3, "us": 1e6}[unit]
+    before, kernel = (statistics.median(times[name]) for name in ("before", "kernel"))
+    return (f"before {before * scale:7.2f} {unit} (fastest {min(times['before']) * scale:.2f}), kernel "
+            f"{kernel * scale:7.2f} {unit} (fastest {min(times['kernel']) * scale:.2f}, {work / kernel / 1e9:.1f} "
+            f"{per_second}): {before / kernel:.2f}x; load average {os.getloadavg()[0]:.2f}")
+
+
 def matmul_peak(dtype, size: int = 2048) -> float:
     """FLOP/s of one `size`-square XLA matmul in `dtype` (float32 accumulation)."""
     a = jnp.ones((size, size), dtype)

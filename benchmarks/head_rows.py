@@ -12,15 +12,12 @@ and the load average.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import machine
+from benchmarks.common import alternating, compared, machine
 from dew.kernels import head_rows
 from dew.kernels.matmul import dot
 from dew.kernels.policy import using
@@ -53,19 +50,10 @@ def main():
                 continue
             sides = {"before": jax.jit(replaced),
                      "kernel": jax.jit(lambda h, w: head_rows.head_logits(h, w, True))}
-            times = {name: [] for name in sides}
-            for run in sides.values():
-                jax.block_until_ready(run(hidden, weight))
-            for _ in range(args.rounds):
-                for name, run in sides.items():
-                    started = time.perf_counter()
-                    jax.block_until_ready(run(hidden, weight))
-                    times[name].append(time.perf_counter() - started)
-            before, kernel = (statistics.median(times[name]) * 1e3 for name in sides)
-            print(f"{jnp.dtype(dtype).name:8s} {rows:2d} rows: before {before:6.2f} ms (fastest "
-                  f"{min(times['before']) * 1e3:.2f}), kernel {kernel:6.2f} ms (fastest {min(times['kernel']) * 1e3:.2f}, "
-                  f"{weight.nbytes / kernel / 1e6:.1f} GB/s): {before / kernel:.2f}x; load average "
-                  f"{os.getloadavg()[0]:.2f}", flush=True)
+            times = alternating({name: lambda run=run: jax.block_until_ready(run(hidden, weight))
+                                 for name, run in sides.items()}, args.rounds)
+            print(f"{jnp.dtype(dtype).name:8s} {rows:2d} rows: {compared(times, 'ms', weight.nbytes, 'GB/s')}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,71 @@
+"""A bfloat16 prefill's linears against a scanned run's stacked weights (SmolLM2-135M's shapes, 30 layers):
+each layer's weight read in place by Dew's kernel (`dew.kernels.matmul.stacked_product`, AMX's tiles) against
+the path it replaced, XLA's copy of the layer out of the stack and the product after it, in alternating rounds.
+
+    PYTHONPATH=. python -m benchmarks.prefill_products [--rows 64 128 512 1024] [--rounds 9]
+
+Each side runs one `lax.scan` over the 30 layers, as a scanned decoder's prefill does; the figures are per
+layer. Prints each side's median and fastest microseconds over rounds in which both run back to back, the
+ratio of the medians, the kernel's GFLOP/s at its median, and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from benchmarks.common import alternating, compared, machine
+from dew.kernels import matmul
+
+LAYERS = 30
+SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # [K, N]: q and o, k and v, gate and up, down
+
+
+def scanned(product):
+    """One product a layer over a stack `[LAYERS, K, N]` of uint16 bits, as a scanned prefill runs them."""
+    def run(x, stack):
+        def layer(total, index):
+            return total + product(x, stack, index)[0, 0].astype(jnp.float32), None
+        return lax.scan(layer, jnp.float32(0), jnp.arange(LAYERS))[0]
+    return jax.jit(run)
+
+
+def copied(x, stack, index):
+    """The path the kernel replaced: the layer indexed out of the stack (XLA's copy), then `product`."""
+    weight = lax.bitcast_convert_type(stack[index], jnp.bfloat16)
+    return matmul.product(x, weight, out_dtype=jnp.bfloat16, policy="auto")
+
+
+def in_place(x, stack, index):
+    return matmul.stacked_product(x, stack, index, jnp.bfloat16, "auto")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 128, 512, 1024])
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    print(machine())
+    print(f"few-rows kernel: {matmul.few_rows_status('auto')[1]}")
+    rng = np.random.default_rng(0)
+    for k, n in SHAPES:
+        weights = jnp.asarray(rng.standard_normal((LAYERS, k, n), np.float32) * 0.05, jnp.bfloat16)
+        stack = lax.bitcast_convert_type(weights, jnp.uint16)
+        for rows in args.rows:
+            x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
+            if not matmul.stacked_takes(x, stack, "auto"):
+                print(f"{k}x{n} {rows:4d} rows: the kernel does not read this layer in place here")
+                continue
+            sides = {"before": scanned(copied), "kernel": scanned(in_place)}
+            times = alternating({name: lambda run=run: jax.block_until_ready(run(x, stack))
+                                 for name, run in sides.items()}, args.rounds)
+            times = {name: [seconds / LAYERS for seconds in samples] for name, samples in times.items()}
+            print(f"{k}x{n} {rows:4d} rows: {compared(times, 'us', 2 * rows * k * n, 'GFLOP/s')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
