@@ -2,7 +2,10 @@
 each layer's weight read in place by Dew's kernel (`dew.kernels.matmul.stacked_product`, AMX's tiles) against
 the path it replaced, XLA's copy of the layer out of the stack and the product after it, in alternating rounds.
 
-    PYTHONPATH=. python -m benchmarks.prefill_products [--rows 64 128 512 1024] [--rounds 9]
+    PYTHONPATH=. python -m benchmarks.prefill_products [--rows 64 128 512 1024] [--rounds 9] [--float32]
+
+`--float32` compares, for float32 products, the same copy and product against oneDNN's stacked gemm
+reading the layer in place (`matmul.onednn_stacked_product`), which float32 prefills do not take yet.
 
 Each side runs one `lax.scan` over the 30 layers, as a scanned decoder's prefill does; the figures are per
 layer. Prints each side's median and fastest microseconds over rounds in which both run back to back, the
@@ -36,31 +39,43 @@ def scanned(product):
 
 def copied(x, stack, index):
     """The path the kernel replaced: the layer indexed out of the stack (XLA's copy), then `product`."""
-    weight = lax.bitcast_convert_type(stack[index], jnp.bfloat16)
-    return matmul.product(x, weight, out_dtype=jnp.bfloat16, policy="auto")
+    weight = stack[index]
+    if weight.dtype == jnp.uint16:
+        weight = lax.bitcast_convert_type(weight, jnp.bfloat16)
+    return matmul.product(x, weight, out_dtype=x.dtype, policy="auto")
 
 
 def in_place(x, stack, index):
     return matmul.stacked_product(x, stack, index, jnp.bfloat16, "auto")
 
 
+def onednn_in_place(x, stack, index):
+    return matmul.onednn_stacked_product(x, stack, index, x.dtype)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 128, 512, 1024])
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--float32", action="store_true",
+                        help="float32 products: the copy and product against oneDNN's stacked gemm in place")
     args = parser.parse_args()
     print(machine())
-    print(f"few-rows kernel: {matmul.few_rows_status('auto')[1]}")
+    dtype = jnp.float32 if args.float32 else jnp.bfloat16
+    reader = matmul.status(dtype, "auto") if args.float32 else matmul.few_rows_status("auto")
+    print(f"{'oneDNN' if args.float32 else 'few-rows kernel'}: {reader[1]}")
+    if not reader[0]:
+        raise SystemExit("nothing to compare here")
     rng = np.random.default_rng(0)
     for k, n in SHAPES:
-        weights = jnp.asarray(rng.standard_normal((LAYERS, k, n), np.float32) * 0.05, jnp.bfloat16)
-        stack = lax.bitcast_convert_type(weights, jnp.uint16)
+        weights = jnp.asarray(rng.standard_normal((LAYERS, k, n), np.float32) * 0.05, dtype)
+        stack = weights if args.float32 else lax.bitcast_convert_type(weights, jnp.uint16)
         for rows in args.rows:
-            x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
-            if not matmul.stacked_takes(x, stack, "auto"):
+            x = jnp.asarray(rng.standard_normal((rows, k), np.float32), dtype)
+            if not args.float32 and not matmul.stacked_takes(x, stack, "auto"):
                 print(f"{k}x{n} {rows:4d} rows: the kernel does not read this layer in place here")
                 continue
-            sides = {"before": scanned(copied), "kernel": scanned(in_place)}
+            sides = {"before": scanned(copied), "kernel": scanned(onednn_in_place if args.float32 else in_place)}
             times = alternating({name: lambda run=run: jax.block_until_ready(run(x, stack))
                                  for name, run in sides.items()}, args.rounds)
             times = {name: [seconds / LAYERS for seconds in samples] for name, samples in times.items()}

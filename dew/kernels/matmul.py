@@ -209,9 +209,16 @@ def stacked_product(a: jax.Array, stack: jax.Array, layer: jax.Array, out_dtype=
         inside = out_dtype if m > FEW_ROWS else _F32
         return few_rows_product(a, stack, layer, inside).astype(out_dtype)
     note(key, "onednn")
+    return onednn_stacked_product(a, stack, layer, out_dtype)
+
+
+def onednn_stacked_product(a: jax.Array, stack: jax.Array, layer: jax.Array, out_dtype=_F32) -> jax.Array:
+    """`a @ stack[layer]` in oneDNN's gemm reading the layer where it lies in `stack` (`[L, k, n]` of `a`'s
+    dtype, bfloat16 as itself or its uint16 bits), whatever the rows (where `status()` allows it): the call
+    `onednn_product` makes for the layer's weight alone."""
     returned = jnp.dtype(out_dtype) if (a.dtype, jnp.dtype(out_dtype)) in _TARGETS else _F32
     call = jax.ffi.ffi_call(_TARGETS[a.dtype, returned].replace("dew_gemm_", "dew_gemm_stacked_"),
-                            jax.ShapeDtypeStruct((m, n), returned), vmap_method="sequential")
+                            jax.ShapeDtypeStruct((a.shape[0], stack.shape[2]), returned), vmap_method="sequential")
     return call(a, stack, layer_index(layer)).astype(out_dtype)
 
 
