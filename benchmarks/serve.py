@@ -5,6 +5,7 @@ server process of its own on 127.0.0.1 driven by the same streaming client; with
     python -m benchmarks.serve [--requests 64] [--solo-requests 8] [--new 64] [--capacity 320]
         [--llama-cpp-python VENV/bin/python] [--llama-server PATH/llama-server]
         [--vllm-python VENV/bin/python --vllm-dtype float32,bfloat16] [--transformers] [--dew-dtype float32,bfloat16]
+        [--prompt-cache]
     python -m benchmarks.serve --startup [--capacity 1024] [--rounds N [--baseline DIR]]
         [--dew-dtype float32,bfloat16]
 
@@ -30,10 +31,13 @@ Peers, each run only when its flag is given (one line says which were skipped):
   `--gpu-memory-utilization 0.15 --max-model-len 1024`, VLLM_HOST_IP=127.0.0.1 (its internal queue
   stays on loopback), its own thread binding (VLLM_CPU_OMP_THREADS_BIND passes through).
 
-Dew keeps no prompt's keys and values past its request, and each number of streams sends the same
-prompts again, so the peers' caches across requests are off (llama-server `--no-cache-prompt
---cache-ram 0`, vLLM `--no-enable-prefix-caching`); llama-cpp-python's server still reuses the shared
-start of the previous prompt (the chat template's system turn, about 30 tokens), which it cannot turn off.
+Each number of streams sends the same prompts again, so by default every engine's reuse of cached
+prompts is off (`dew serve --no-reuse-prefixes`, llama-server `--no-cache-prompt --cache-ram 0`, vLLM
+`--no-enable-prefix-caching`); llama-cpp-python's server still reuses the shared start of the previous
+prompt (the chat template's system turn, about 30 tokens), which it cannot turn off. `--prompt-cache`
+turns it on in every engine that has it (Dew's default, llama-server's default `--cache-prompt`, vLLM
+`--enable-prefix-caching`), and then each number of streams sends prompts of its own ("Session N." before
+the notes), which share with earlier ones only the system turn, and with each other what they share.
 - `--transformers`: the floor, transformers' `generate` in this process (sdpa, KV cache) one request at
   a time and in static left-padded batches of 8 and 32; its first token is timed from its batch's start.
 
@@ -98,10 +102,10 @@ NOTES = [
 ]
 
 
-def prompts(count: int) -> tuple[list[str], list[int]]:
+def prompts(count: int, session: str = "") -> tuple[list[str], list[int]]:
     """`count` chat prompts as text (the checkpoint's template, a generation prompt) and their lengths in
     tokens: question `i % 16` after `(7 i + i // 16) % 8` sentences of notes (from sentence `i // 16` on), so
-    no two are alike and lengths spread over 20-200."""
+    no two are alike and lengths spread over 20-200; `session`, when given, begins each user turn."""
     from dew.runs import pipeline
     from dew.serve.service import _find_chat_template
 
@@ -114,6 +118,7 @@ def prompts(count: int) -> tuple[list[str], list[int]]:
         notes = " ".join(NOTES[(turn + line) % len(NOTES)] for line in range(count))
         question = QUESTIONS[index % len(QUESTIONS)]
         content = f"Some notes first. {notes}\n\n{question}" if notes else question
+        content = f"{session} {content}" if session else content
         texts.append(template.render([{"role": "user", "content": content}]))
     lengths = [len(task.tokenizer.encode(text)) for text in texts]
     if not 20 <= min(lengths) <= max(lengths) <= 200:
@@ -150,11 +155,12 @@ def settle(url: str) -> None:
         time.sleep(0.5)
 
 
-def dew_server(capacity: int, dtype: str = "float32") -> Server:
+def dew_server(capacity: int, dtype: str = "float32", prompt_cache: bool = False) -> Server:
     """`dew serve` in `dtype`: named "dew serve" in float32, "dew serve bfloat16" in bfloat16."""
     return Server("dew serve" + ("" if dtype == "float32" else f" {dtype}"),
                   [sys.executable, "-m", "dew.cli", "serve", str(Path(smollm2_directory()) / GGUF), "--port", "{port}",
-                   "--slots", str(SLOTS), "--capacity", str(capacity), "--name", NAME, "--dtype", dtype],
+                   "--slots", str(SLOTS), "--capacity", str(capacity), "--name", NAME, "--dtype", dtype,
+                   "--reuse-prefixes" if prompt_cache else "--no-reuse-prefixes"],
                   f"XLA's default (its pool over all {os.cpu_count()} cores)", after_ready=settle)
 
 
@@ -168,20 +174,20 @@ def llama_cpp_python_server(python: str, capacity: int) -> Server:
         {"OMP_WAIT_POLICY": "PASSIVE"})
 
 
-def llama_server(path: str, capacity: int) -> Server:
+def llama_server(path: str, capacity: int, prompt_cache: bool = False) -> Server:
     threads = str(os.cpu_count())
     return Server(f"llama-server -np {SLOTS}", [
         path, "--model", str(Path(smollm2_directory()) / GGUF), "--host", "127.0.0.1", "--port", "{port}",
         "--alias", NAME, "--parallel", str(SLOTS), "--ctx-size", str(SLOTS * capacity), "--threads", threads,
-        "--threads-batch", threads, "--poll", "0", "--no-cache-prompt", "--cache-ram", "0"],
+        "--threads-batch", threads, "--poll", "0", *(() if prompt_cache else ("--no-cache-prompt", "--cache-ram", "0"))],
         f"-t {threads} -tb {threads} --poll 0, OMP_WAIT_POLICY=PASSIVE", env={"OMP_WAIT_POLICY": "PASSIVE"})
 
 
-def vllm_server(python: str, directory: Path, dtype: str) -> Server:
+def vllm_server(python: str, directory: Path, dtype: str, prompt_cache: bool = False) -> Server:
     return Server(f"vLLM CPU {dtype}", [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory), "--served-model-name", NAME,
         "--host", "127.0.0.1", "--port", "{port}", "--dtype", dtype, "--gpu-memory-utilization", "0.15",
-        "--max-model-len", "1024", "--no-enable-prefix-caching"],
+        "--max-model-len", "1024", "--enable-prefix-caching" if prompt_cache else "--no-enable-prefix-caching"],
         "vLLM's own (VLLM_CPU_OMP_THREADS_BIND " + os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "unset: auto") + ")",
         env={"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
 
@@ -254,16 +260,18 @@ async def streamed(url: str, texts: list[str], new: int, streams: int) -> tuple[
     return sum(counts) / seconds, firsts, sum(counts)
 
 
-def measure(server: Server, texts: list[str], new: int, solo: int, logs: Path) -> dict:
-    """Start `server`, warm it with one short request, run the workload at each number of streams."""
+def measure(server: Server, texts: dict[int, list[str]], new: int, solo: int, logs: Path) -> dict:
+    """Start `server`, warm it with one short request, run the workload at each number of streams (`texts`
+    for each)."""
     process, url, ready = launch(server, logs / f"{server.name.replace(' ', '_')}.log")
     figures = {"ready": ready, "load": os.getloadavg()[0]}
     try:
         if server.after_ready is not None:
             server.after_ready(url)
-        asyncio.run(streamed(url, texts[:1], 4, 1))
+        asyncio.run(streamed(url, ["Hello there."], 4, 1))
         for streams in STREAMS:
-            figures[streams] = asyncio.run(streamed(url, texts[:solo] if streams == 1 else texts, new, streams))
+            sent = texts[streams][:solo] if streams == 1 else texts[streams]
+            figures[streams] = asyncio.run(streamed(url, sent, new, streams))
             print(f"  {server.name}, {streams} streams: {figures[streams][0]:.1f} tokens/s "
                   f"(load {os.getloadavg()[0]:.2f})", flush=True)
     finally:
@@ -374,6 +382,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-directory", type=Path, default=Path(tempfile.gettempdir()) / "dew-bench-smollm2-hf",
                         help="where SmolLM2's float32 safetensors checkpoint for vLLM is written (kept)")
     parser.add_argument("--transformers", action="store_true", help="add transformers' generate, the floor")
+    parser.add_argument("--prompt-cache", action="store_true",
+                        help="every engine reuses cached prompts (off by default), each number of streams its own prompts")
     parser.add_argument("--dew-dtype", default="float32",
                         help="comma-separated dtypes dew serve runs in (--dtype), one server each")
     args = parser.parse_args(argv)
@@ -397,17 +407,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
     """The servers the flags ask for, Dew's first, and a line for each peer left out."""
-    chosen, skipped = [dew_server(args.capacity, dtype) for dtype in args.dew_dtype], []
+    chosen, skipped = [dew_server(args.capacity, dtype, args.prompt_cache) for dtype in args.dew_dtype], []
     if args.llama_cpp_python:
         chosen.append(llama_cpp_python_server(args.llama_cpp_python, args.capacity))
     else:
         skipped.append("llama-cpp-python server (--llama-cpp-python PYTHON)")
     if args.llama_server:
-        chosen.append(llama_server(args.llama_server, args.capacity))
+        chosen.append(llama_server(args.llama_server, args.capacity, args.prompt_cache))
     else:
         skipped.append("llama-server (--llama-server PATH)")
     if args.vllm_python:
-        chosen += [vllm_server(args.vllm_python, args.hf_directory, dtype) for dtype in args.vllm_dtype]
+        chosen += [vllm_server(args.vllm_python, args.hf_directory, dtype, args.prompt_cache) for dtype in args.vllm_dtype]
     else:
         skipped.append("vLLM CPU (--vllm-python PYTHON)")
     if not args.transformers:
@@ -540,6 +550,11 @@ def main():
                 rounds(args, cache)
         return
     texts, lengths = prompts(args.requests)
+    sent = {streams: texts for streams in STREAMS}
+    if args.prompt_cache:  # each number of streams its own prompts, sharing only the system turn with the others
+        sessions = {streams: prompts(args.requests, f"Session {streams}.") for streams in STREAMS}
+        sent = {streams: session[0] for streams, session in sessions.items()}
+        lengths = [length for _, session in sessions.values() for length in session]
     if max(lengths) + args.new > args.capacity:
         raise SystemExit(f"--capacity {args.capacity} is below the longest prompt ({max(lengths)} tokens) plus "
                          f"--new {args.new}: raise --capacity")
@@ -555,7 +570,7 @@ def main():
     with tempfile.TemporaryDirectory() as logs:
         for server in chosen:
             try:
-                results[server.name] = measure(server, texts, args.new, args.solo_requests, Path(logs))
+                results[server.name] = measure(server, sent, args.new, args.solo_requests, Path(logs))
                 threads[server.name] = server.threads
             except RuntimeError as error:  # a peer that cannot start is reported, the others still run
                 print(f"skipped {server.name}: {error}", flush=True)

@@ -171,7 +171,7 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
           max_images: int = 4, max_image_pixels: int = 4096 * 4096, max_image_bytes: int = 16 * 2**20,
           fetch_images: bool = False, max_audio_clips: int = 4, max_audio_seconds: float = 30.0,
           max_audio_bytes: int = 16 * 2**20, max_logprobs: int = 20, compilation_cache: str | None = None,
-          dtype: Literal["float32", "bfloat16"] | None = None) -> None:
+          dtype: Literal["float32", "bfloat16"] | None = None, reuse_prefixes: bool = True) -> None:
     """Serve a model over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health)
     with continuous batching, until interrupted. Needs the serve extra (pip install 'dew-ml[serve]').
 
@@ -195,6 +195,10 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
         prefill_rows: The most new prompts prefilled together.
         prefill_chunk: A longer prompt is prefilled this many tokens at a time into its slot, one chunk
             between two decode steps, so the rows already drawing keep drawing (at least 16).
+        reuse_prefixes: A prompt (of at most prefill_chunk tokens) that begins with tokens a slot's cache
+            holds (a conversation going on, a shared system prompt, another prompt of the same arrival) is
+            prefilled after a copy of their keys and values. Its numbers then differ from a whole prefill's in
+            the last bits (the same sums in another order), as rows batched differently do.
         name: The model id clients send (default: SOURCE as given).
         chat_template: A Jinja chat template file, used instead of the checkpoint's.
         special_tokens_in_messages: Encode special-token text inside a chat message (such as <|im_start|>)
@@ -256,7 +260,7 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
         served = Served.load(source, slots=slots, capacity=capacity, queue=queue, prefill_rows=prefill_rows,
                              prefill_chunk=prefill_chunk, name=name, chat_template_file=chat_template, live=live, quantize=quantize,
                              special_tokens_in_messages=special_tokens_in_messages, images=images,
-                             max_log_probs=max_logprobs, audio=audio, dtype=dtype)
+                             max_log_probs=max_logprobs, audio=audio, dtype=dtype, reuse_prefixes=reuse_prefixes)
     except BaseException:
         listener.close()
         raise

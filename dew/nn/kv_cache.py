@@ -58,6 +58,10 @@ class AttentionCache:
         step over a server's first rows reads and `write`s a larger cache in place)."""
         return loaded(self.keys[layer, :rows]), loaded(self.values[layer, :rows])
 
+    def take_rows(self, rows_R: jax.Array, width: int) -> "AttentionCache":
+        """A cache of rows `rows_R` of this one, their first `width` slots (what `put_rows` puts back)."""
+        return AttentionCache(keys=self.keys[:, rows_R, :, :width], values=self.values[:, rows_R, :, :width])
+
     def put_rows(self, rows_R: jax.Array, new: "AttentionCache") -> "AttentionCache":
         """This cache with rows `rows_R` replaced by the rows of `new` (a cache of `R` rows and at most
         this capacity, filling the first slots); a row index past the last is dropped."""

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from dew.data.inputs import MEDIA_FIELDS
 from dew.sampling.generate import PROMPT_BUCKET, memory_beside, row_bytes
 from dew.sampling.sampling import Sampling, SamplingParams, _bucket, check_seed
-from dew.serve.slots import (Admission, chunkable, compile_admit, compile_extend, compile_step, empty_slots,
+from dew.serve.slots import (Admission, Reuse, chunkable, compile_admit, compile_extend, compile_step, empty_slots,
                               plain_sampling)
 
 logger = logging.getLogger("dew.serve")
@@ -46,6 +46,9 @@ MAX_LOG_PROBS = 20
 PREFILL_CHUNK = 256
 """The widest prompt prefilled in one piece by default; a longer one goes on in chunks of this width."""
 BATCHED_WIDTH = PREFILL_CHUNK
+WAVES = 3
+"""The most rounds of admissions one arrival of prompts is prefilled in, so that a prompt may begin with a
+copy of another's beginning prefilled in an earlier round."""
 """The widest prompt width prefilled several rows at a time (a batch holds at most `prefill_rows` times
 as many positions). Rows prefilled together share each layer's weights and the calls around them, which
 costs less than a row at a time at every width up to here, most in bfloat16 (docs/performance.md,
@@ -157,7 +160,7 @@ class Engine:
 
     def __init__(self, model, params, *, slots: int, capacity: int, eos_token_ids: Sequence[int] = (),
                  pad_id: int = 0, queue_limit: int = 256, prefill_rows: int = 4, top_k_limit: int = TOP_K_LIMIT,
-                 max_log_probs: int = MAX_LOG_PROBS, prefill_chunk: int = PREFILL_CHUNK):
+                 max_log_probs: int = MAX_LOG_PROBS, prefill_chunk: int = PREFILL_CHUNK, reuse_prefixes: bool = True):
         config = model.config
         if slots < 1:
             raise ValueError(f"slots is {slots}; the engine needs at least one")
@@ -194,6 +197,12 @@ class Engine:
         # A text attention model prefills a prompt longer than `chunk` in chunks; others prefill it whole.
         self.chunk = max(w for w in self.widths if w <= prefill_chunk) if chunkable(state.decode.cache) else capacity
         self.plain_widths = tuple(w for w in self.widths if w <= self.chunk)  # compiled ahead for plain prompts
+        # A plain prompt that fits a chunk may begin with tokens some slot's cache holds: those are copied
+        # (text attention only: a recurrent state holds no positions to copy).
+        self.reuse_prefixes = reuse_prefixes and chunkable(state.decode.cache)
+        self._held = np.full((slots, capacity), -1, np.int32)  # each slot's cached tokens from position 0, as known
+        self._held_lengths = np.zeros(slots, np.int32)
+        self.reused = 0  # prompt tokens whose prefill a copied beginning saved
         self._extend = compile_extend(model)
         self._chunks: list[tuple[int, Request, int]] = []  # (slot, request, tokens in) of prompts going on
         self.step_rows = _ladder(1, slots)
@@ -208,7 +217,8 @@ class Engine:
         first = [("step", self.step_rows[-1]), ("admit", 1, self.widths[0]), widest]
         rest = [("step", rows) for rows in self.step_rows] + [("admit", 1, width) for width in self.plain_widths] + \
             [("admit", rows, width) for width in self.plain_widths for rows in self._rows_at(width)[1:]] + \
-            ([widest] if self.chunk < capacity else [])
+            ([widest] if self.chunk < capacity else []) + \
+            [("reuse", rows, width) for width in self.plain_widths[:-1] if self.reuse_prefixes for rows in self._rows_at(width)]
         self.first_programs = first
         self.later_programs = [key for key in dict.fromkeys(rest) if key not in first]
         self.ready = threading.Event()
@@ -317,7 +327,8 @@ class Engine:
                          jax.ShapeDtypeStruct((1,), bool))
         else:
             rows, width = key[1:]
-            padding = self._admission([None] * rows, width, np.full(rows, self.slots, np.int32))
+            reuse = [(0, 0)] * rows if key[0] == "reuse" else None
+            padding = self._admission([None] * rows, width, np.full(rows, self.slots, np.int32), reuse=reuse)
             jitted, options = self._admit.jitted, {"prompt_scores": False}
             arguments = (params, state, *padding.arguments())
         if self.program_cache is None:
@@ -425,15 +436,15 @@ class Engine:
         """The row counts prompts of `width` positions are prefilled in together."""
         return self.prefill_rows if width <= BATCHED_WIDTH else (1,)
 
-    def _batches(self, width: int, count: int, compiled: bool = True) -> list[int]:
+    def _batches(self, width: int, count: int, compiled: bool = True, kind: str = "admit") -> list[int]:
         """The admissions' row counts (padding rows included) that prefill `count` prompts of `width`: the
         fewest rows of the ladder that hold what is left, at most its top, and with `compiled`, at most the
-        rows of a compiled admission (one row always is)."""
+        rows of a compiled admission of `kind` (one row always is, of a plain admission)."""
         ladder, batches = self._rows_at(width), []
         while count > 0:
             rows = next((r for r in ladder if r >= count), ladder[-1])
             if compiled:
-                rows = max(r for r in ladder if r <= rows and ("admit", r, width) in self._programs)
+                rows = max(r for r in ladder if r <= rows and (kind, r, width) in self._programs)
             batches.append(rows)
             count -= rows
         return batches
@@ -454,7 +465,14 @@ class Engine:
         """Prefill the admitted requests, grouped by prompt width and media shapes (a count or shape not seen
         before compiles its admission once), in batches of the ladder's sizes; a plain width's last batch
         goes in the padding rows of the next wider one's where they hold it (`_share_padding`). A plain
-        prompt longer than the compiled widths is admitted by its head, and its chunks go on (`_go_on`)."""
+        prompt longer than the compiled widths is admitted by its head, and its chunks go on (`_go_on`). A
+        prompt that begins with what a slot's cache holds, or will once others are in, is prefilled after a
+        copy of that beginning (`_waves`)."""
+        for whole, reusing in self._waves(self._own_slots(admitted)):
+            self._place_whole(whole)
+            self._place_after(reusing)
+
+    def _place_whole(self, admitted: list[tuple[int, Request]]) -> None:
         by_width: dict[tuple, list[tuple[int, Request]]] = collections.defaultdict(list)
         heads = {}
         for slot, request in admitted:
@@ -491,6 +509,120 @@ class Engine:
                 self._state, scores = self._admit(self.params, self._state, admission, prompt_scores=True)
                 self._hand_prompt_scores([request for _, request in batch], width, jax.device_get(scores))
 
+    def _place_after(self, reusing: dict[int, list]) -> None:
+        """Prefill each of `reusing`'s prompts after the beginning copied from a slot, {width: [(slot, request,
+        the slot copied from, the tokens copied)]}."""
+        for width, group in reusing.items():
+            while group:
+                rows = self._batches(width, len(group), kind="reuse")[0]
+                batch, group = group[:rows], group[rows:]
+                slots = np.full(rows, self.slots, np.int32)
+                slots[: len(batch)] = [slot for slot, *_ in batch]
+                requests = [request for _, request, *_ in batch] + [None] * (rows - len(batch))
+                reuse = [(source, prefix) for *_, source, prefix in batch] + [(0, 0)] * (rows - len(batch))
+                admission = self._admission(requests, width, slots, reuse=reuse)
+                self._state = self._programs["reuse", rows, width](self.params, self._state, *admission.arguments())
+                self.reused += sum(prefix for *_, prefix in batch)
+
+    def _own_slots(self, admitted: list[tuple[int, Request]]) -> list[tuple[int, Request]]:
+        """The admitted requests over the same slots, reassigned so that one whose prompt begins with what a
+        slot's cache holds takes that slot (a conversation going on), longest beginning first; the others take
+        what is left in order."""
+        if not self.reuse_prefixes or len(admitted) < 2:
+            return admitted
+        free = sorted(slot for slot, _ in admitted)
+        matches = sorted(((self._common(request.prompt, slot), -index, slot, index)
+                          for index, (_, request) in enumerate(admitted) for slot in free), reverse=True)
+        placed: dict[int, int] = {}  # request index -> slot
+        for common, _, slot, index in matches:
+            if common and index not in placed and slot in free:
+                placed[index] = slot
+                free.remove(slot)
+        rest = iter(free)
+        assigned = [(placed[index] if index in placed else next(rest), request)
+                    for index, (_, request) in enumerate(admitted)]
+        with self._lock:
+            for slot, request in assigned:
+                self._owners[slot] = request
+        return assigned
+
+    def _common(self, prompt: Sequence[int], slot: int) -> int:
+        """How many of `prompt`'s tokens but its last `slot`'s cache holds from its first position."""
+        held = int(self._held_lengths[slot])
+        tokens = np.asarray(prompt[: min(len(prompt) - 1, held)], np.int32)
+        same = self._held[slot, : len(tokens)] == tokens
+        return len(tokens) if same.all() else int(same.argmin())
+
+    def _waves(self, admitted: list[tuple[int, Request]]) -> list[tuple[list, dict]]:
+        """The admitted requests in waves, each (those prefilled whole, those prefilled after a copied
+        beginning: `_place_after`'s), a wave's whole ones first; this records what each slot will hold.
+
+        A prompt is prefilled after a copied beginning where that leaves it a narrower width (a compiled
+        one): the longest held by a slot not admitted to now, by its own slot still, or by a prompt placed
+        earlier (longest prompts first; whole ones this wave, any the wave before). It waits a wave where a
+        prompt placed before it this wave begins with more of it than that (at most `WAVES` waves)."""
+        own = self._held_lengths.copy()  # a slot's own earlier tokens may begin its new prompt
+        for slot, _ in admitted:  # the rest of what they held is written over
+            self._held_lengths[slot] = 0
+        pending, waves = sorted(admitted, key=lambda pair: -len(pair[1].prompt)), []
+        for wave in range(WAVES):
+            whole, reusing, later, before = [], collections.defaultdict(list), [], []
+            for slot, request in pending:
+                length = len(request.prompt)
+                plain = request.media is None and request.prompt_log_probs is None
+                if self.reuse_prefixes and plain and length <= self.chunk:
+                    source, prefix = self._longest_held(request.prompt, slot, own[slot])
+                    width = self._narrowest(length - prefix, "reuse")
+                    if wave < WAVES - 1 and any(self._narrower(length, _shared(request.prompt, other), width)
+                                                for other in before):
+                        later.append((slot, request))
+                        before.append(request.prompt)
+                        continue
+                    before.append(request.prompt)
+                    if width is not None and width < (self._narrowest(length, "admit") or self.chunk + 1):
+                        reusing[width].append((slot, request, source, prefix))
+                        continue
+                whole.append((slot, request))
+                if request.media is None:  # its head is in the slot once its admission has run
+                    self._hold(slot, request.prompt[: self._head(length) if plain else length])
+            for group in reusing.values():
+                for slot, request, *_ in group:
+                    self._hold(slot, request.prompt)
+            waves.append((whole, reusing))
+            if not later:
+                break
+            pending = later
+        return waves
+
+    def _narrower(self, length: int, shared: int, width: int | None) -> bool:
+        """Whether a copied beginning of `shared` tokens leaves a `length`-token prompt a narrower compiled
+        width than `width` (None: its whole width)."""
+        narrower = self._narrowest(length - min(shared, length - 1), "reuse")
+        return narrower is not None and narrower < (width or self._narrowest(length, "admit") or self.chunk + 1)
+
+    def _longest_held(self, prompt: Sequence[int], slot: int, own: int) -> tuple[int, int]:
+        """The slot whose cache holds the longest beginning of `prompt` (`slot` itself holding its first `own`
+        tokens still) and that beginning's length, leaving the prompt's last token to prefill."""
+        tokens = np.asarray(prompt[:-1], np.int32)
+        if not len(tokens):
+            return slot, 0
+        same = self._held[:, : len(tokens)] == tokens
+        common = np.where(same.all(axis=1), len(tokens), same.argmin(axis=1))
+        held = self._held_lengths.copy()
+        held[slot] = own
+        common = np.minimum(common, held)
+        source = int(np.argmax(common))
+        return source, int(common[source])
+
+    def _narrowest(self, length: int, kind: str) -> int | None:
+        """The narrowest plain width holding `length` tokens whose one-row program of `kind` is compiled."""
+        return next((w for w in self.plain_widths if w >= length and (kind, 1, w) in self._programs), None)
+
+    def _hold(self, slot: int, tokens: Sequence[int], start: int = 0) -> None:
+        """Record that `slot`'s cache holds `tokens` from position `start` on (and nothing known after)."""
+        self._held[slot, start: start + len(tokens)] = tokens
+        self._held_lengths[slot] = start + len(tokens)
+
     def _head(self, length: int) -> int:
         """How many of a plain prompt's `length` tokens its admission prefills (the rest go on in chunks):
         all that fit a compiled width, else what leaves whole chunks after it, in the narrowest compiled
@@ -514,14 +646,18 @@ class Engine:
             last = done + len(piece) == len(request.prompt)
             self._state = self._programs["extend", self.chunk](self.params, self._state, tokens, valid,
                                                                np.array([slot], np.int32), np.array([last]))
+            if self._held_lengths[slot] == done:
+                self._hold(slot, piece, done)
             if not last:
                 going_on.append((slot, request, done + len(piece)))
         self._chunks = going_on
 
     def _admission(self, requests: list[Request | None], width: int, slots: np.ndarray,
-                   media: bool = False, heads: list[int] | None = None) -> Admission:
+                   media: bool = False, heads: list[int] | None = None,
+                   reuse: list[tuple[int, int]] | None = None) -> Admission:
         """The admission of `requests` (None: a padding row) at `width`, of the first `heads[r]` tokens of
-        row r's prompt (all when not given; fewer hold the row back for its chunks)."""
+        row r's prompt (all when not given; fewer hold the row back for its chunks). With `reuse`, row r's
+        first `reuse[r][1]` tokens are copied from slot `reuse[r][0]`'s cache, and the rest are prefilled."""
         rows = len(requests)
         tokens, valid = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32)
         held = np.zeros(rows, bool)
@@ -535,15 +671,24 @@ class Engine:
                 continue
             length = len(request.prompt) if heads is None or heads[r] is None else heads[r]
             held[r] = length < len(request.prompt)
-            tokens[r, width - length:], valid[r, width - length:] = request.prompt[:length], 1
+            begun = 0 if reuse is None else reuse[r][1]
+            tokens[r, width - length + begun:], valid[r, width - length + begun:] = request.prompt[begun:length], 1
             seed_keys[r] = _seed_key(request.seed)
             prompt_index[r], continuation[r], budget[r] = request.prompt_index, request.continuation, request.max_tokens
             scored[r] = request.log_probs is not None
             policies.append(request.sampling)
         sampling = plain_sampling(SamplingParams.of(policies))  # only the values travel; the flags stay fixed
         media = _media(requests, width) if media else None
+        begun = None
+        if reuse is not None:
+            prompts, prompts_valid = np.zeros((rows, self.chunk), np.int32), np.zeros((rows, self.chunk), np.int32)
+            for r, request in enumerate(requests):
+                if request is not None:
+                    prompts[r, : len(request.prompt)], prompts_valid[r, : len(request.prompt)] = request.prompt, 1
+            sources, prefix = (np.array(column, np.int32) for column in zip(*reuse))
+            begun = Reuse(sources, prefix, prompts, prompts_valid)
         return Admission(tokens, valid, slots, seed_keys, prompt_index, continuation, sampling, budget, scored, held,
-                         media)
+                         media, begun)
 
     def _hand_prompt_scores(self, requests: list[Request], width: int, scores) -> None:
         """Give each request its prompt positions' scores (row r of `scores`, host arrays `[rows, width]`)."""
@@ -570,6 +715,8 @@ class Engine:
             if request is None or request.ended or not live_B[slot]:
                 continue
             token = int(tokens_B[slot])
+            if self._held_lengths[slot] == len(request.prompt) + request.drawn < self.capacity:
+                self._hold(slot, (token,), int(self._held_lengths[slot]))  # fed back: its keys are in the cache
             request.drawn += 1
             if request.log_probs is not None:
                 self._give_scores(request, [_scored(scores, (slot,), request.log_probs, token)])
@@ -599,6 +746,13 @@ class Engine:
             request.consumer.finish(reason, request.drawn)
         except Exception:  # noqa: BLE001 - one consumer's fault must not stop the others
             logger.exception("a request's consumer failed")
+
+
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` begin with alike."""
+    n = min(len(a), len(b))
+    same = np.asarray(a[:n]) == np.asarray(b[:n])
+    return n if same.all() else int(same.argmin())
 
 
 def _scored(scores, where: tuple[int, ...], alternatives: int, token: int) -> Scored:

@@ -48,7 +48,7 @@ class Served:
              prefill_rows: int = 4, prefill_chunk: int = PREFILL_CHUNK, name: str | None = None, chat_template_file: str | None = None,
              live: bool = False, quantize: str | None = None, special_tokens_in_messages: bool = False,
              images: ImageLimits = ImageLimits(), max_log_probs: int = MAX_LOG_PROBS,
-             audio: AudioLimits = AudioLimits(), dtype: str | None = None) -> "Served":
+             audio: AudioLimits = AudioLimits(), dtype: str | None = None, reuse_prefixes: bool = True) -> "Served":
         """Load `source` (whatever `dew.pipeline` reads), find and check its chat template (before any
         compiling, so a broken one is refused at once), and make an engine (which compiles as it starts). With
         `special_tokens_in_messages`, special-token text in a chat message is the token (see `PromptEncoder`).
@@ -74,7 +74,8 @@ class Served:
         engine = Engine(task.model, task.params, slots=slots, capacity=capacity, queue_limit=queue,
                         prefill_rows=prefill_rows, eos_token_ids=task.sampling.eos_token_ids,
                         pad_id=task.sampling.pad_id, prefill_chunk=prefill_chunk,
-                        top_k_limit=max(task.sampling.top_k or 0, TOP_K_LIMIT), max_log_probs=max_log_probs)
+                        top_k_limit=max(task.sampling.top_k or 0, TOP_K_LIMIT), max_log_probs=max_log_probs,
+                        reuse_prefixes=reuse_prefixes)
         engine.program_cache = ProgramCache.of(engine)  # None unless JAX's persistent cache is on
         processor = None
         if isinstance(task.model, MultimodalTransformer):

@@ -157,7 +157,8 @@ class Admission:
     audio indices, image groups, Qwen 3.5's `rotary_positions`) and conditioning `[rows, ...]` (images,
     their grids or patch positions, audio frames and their masks; `dew.serve.engine.Request.media`);
     None for text. `held` marks rows whose prompt goes on in chunks (`compile_extend`): they stay done,
-    drawing nothing, until the last chunk is in."""
+    drawing nothing, until the last chunk is in. `reuse`, for prompts whose beginnings some slots' caches
+    already hold, says where (`Reuse`): `tokens` then holds only what follows each beginning."""
 
     tokens: np.ndarray
     valid: np.ndarray
@@ -170,11 +171,25 @@ class Admission:
     scored: np.ndarray
     held: np.ndarray
     media: dict | None = None
+    reuse: "Reuse | None" = None
 
     def arguments(self) -> tuple:
         """The arrays in the order `compile_admit`'s compiled function takes them, after params and slots."""
         return (self.tokens, self.valid, self.slots, self.seed_keys, self.prompt_index, self.continuation,
-                self.sampling, self.budget, self.scored, self.held, self.media)
+                self.sampling, self.budget, self.scored, self.held, self.media, self.reuse)
+
+
+@struct.dataclass
+class Reuse:
+    """Where an admission's rows begin: row r's first `prefix[r]` prompt tokens are the first positions
+    of slot `sources[r]`'s cache (copied, the slot unchanged), and its whole prompt is `prompts[r]`
+    (int32 `[rows, C]`, left-aligned, `prompts_valid` marking it: the seen tokens of a repetition
+    penalty). The rows are prefilled after their beginnings in a cache of `C` positions."""
+
+    sources: np.ndarray
+    prefix: np.ndarray
+    prompts: np.ndarray
+    prompts_valid: np.ndarray
 
 
 def compile_admit(model, top: int):
@@ -185,9 +200,12 @@ def compile_admit(model, top: int):
     position's log-probability with the `top` most likely tokens (a form compiled of its own)."""
 
     def admit(params, slots: Slots, tokens_RW, valid_RW, slot_R, seed_keys_R, prompt_R, continuation_R,
-              sampling_R: SamplingParams, budget_R, scored_R, held_R, media, prompt_scores):
+              sampling_R: SamplingParams, budget_R, scored_R, held_R, media, reuse, prompt_scores):
         W = tokens_RW.shape[1]
-        if prompt_scores:
+        if reuse is not None:
+            new = _after_beginnings(model, params, slots.decode.cache, tokens_RW, valid_RW, reuse)
+            W = reuse.prompts.shape[1]
+        elif prompt_scores:
             new, scores = start_scored(model, params, tokens_RW, valid_RW, W, penalty=True, top=top, media=media)
         else:
             new = start(model, params, tokens_RW, valid_RW, W, penalty=True, media=media)
@@ -218,6 +236,17 @@ def compile_admit(model, top: int):
 
     run.jitted = jitted
     return run
+
+
+def _after_beginnings(model, params, cache, tokens_RW, valid_RW, reuse: Reuse) -> DecodeState:
+    """Prefill each row's tokens after the beginning `reuse` says some slot holds, into a cache of those
+    beginnings (copied from the slots' cache, `reuse.prompts`' width)."""
+    C = reuse.prompts.shape[1]
+    rows = cache.replace(runs=tuple(run.take_rows(reuse.sources, C) for run in cache.runs), lengths=reuse.prefix)
+    logits_RV, rows = prefill(model, params, tokens_RW, valid_RW, rows)
+    R = tokens_RW.shape[0]
+    seen_RV = jnp.zeros(logits_RV.shape, bool).at[jnp.arange(R)[:, None], reuse.prompts].max(reuse.prompts_valid > 0)
+    return DecodeState(rows, logits_RV, jnp.zeros((R,), bool), jnp.zeros((R,), jnp.int32), seen_RV)
 
 
 def chunkable(cache) -> bool:

@@ -91,6 +91,14 @@ def _solo(model, variables, request: Request) -> tuple[list[int], int, bool]:
     return [t for t in drawn if t != EOS], int(generation.new_tokens[row]), bool(generation.terminated[row])
 
 
+def _draw_alone(model, variables, requests: list[Request]) -> None:
+    """Each finished request drew what a one-row `generate` draws, and ended as it ends."""
+    for request in requests:
+        tokens, drawn, ended_by_eos = _solo(model, variables, request)
+        got = request.consumer
+        assert (got.tokens, got.count, got.reason) == (tokens, drawn, "stop" if ended_by_eos else "length")
+
+
 POLICIES = [Sampling(temperature=0.0), Sampling(temperature=0.9), Sampling(temperature=1.0, top_k=5),
             Sampling(temperature=0.8, top_p=0.9, repetition_penalty=1.3), Sampling(temperature=0.0, min_p=0.1)]
 
@@ -129,10 +137,7 @@ def test_every_request_draws_what_a_one_row_generate_draws_and_nothing_compiles(
     long = sum(len(request.prompt) > CHUNK for request in requests)
     assert long >= 5 and sum(last for _, last in chunks) == long  # each long prompt ended its chunks once
     assert len(chunks) == sum((len(request.prompt) - 1) // CHUNK for request in requests)
-    for index, request in enumerate(requests):
-        tokens, drawn, ended_by_eos = _solo(model, variables, request)
-        got = request.consumer
-        assert (got.tokens, got.count, got.reason) == (tokens, drawn, "stop" if ended_by_eos else "length"), index
+    _draw_alone(model, variables, requests)
     assert engine.load()["busy"] == 0
 
 
@@ -163,21 +168,27 @@ def test_a_narrow_widths_last_rows_fill_a_wider_admissions_padding():
     assert _share_padding({16: 1, 64: 3}, _ladder_batches) == {16: (64, 1)}  # the next width with prompts
 
 
+def _started(engine: Engine, programs: list[tuple]) -> list[tuple]:
+    """Start `engine` with only `programs` (a step first), once ready; the list it returns records the
+    key of each admission program called after."""
+    engine.first_programs, engine.later_programs = programs, []
+    engine.start()
+    assert engine.ready.wait(120)
+    calls = []
+    for key in programs[1:]:
+        program = engine._programs[key]
+        engine._programs[key] = lambda *args, key=key, program=program: calls.append(key) or program(*args)
+    return calls
+
+
 def test_prompts_moved_into_a_wider_admission_draw_what_a_one_row_generate_draws(model_and_variables):
     """Three prompts at width 32 take an admission of 4 rows; a prompt of width 16 arriving with them is
     prefilled in its padding row (no admission at 16 runs), and each request draws what it draws alone."""
     model, variables = model_and_variables
     engine = Engine(model, variables, slots=SLOTS, capacity=CAPACITY, eos_token_ids=(EOS,), pad_id=0,
                     prefill_rows=4, prefill_chunk=32)
-    engine.first_programs = [("step", SLOTS), ("admit", 1, 16), ("admit", 1, 32), ("admit", 4, 32)]
-    engine.later_programs = []
-    engine.start()
+    calls = _started(engine, [("step", SLOTS), ("admit", 1, 16), ("admit", 1, 32), ("admit", 4, 32)])
     try:
-        assert engine.ready.wait(120)
-        calls = []
-        for key in engine.first_programs[1:]:
-            program = engine._programs[key]
-            engine._programs[key] = lambda *args, key=key, program=program: calls.append(key) or program(*args)
         rng = np.random.default_rng(1)
         requests = [Request([int(t) for t in rng.integers(8, 64, length)], 12, POLICIES[i], seed=i, consumer=Collect())
                     for i, length in enumerate((20, 5, 27, 31))]
@@ -185,10 +196,7 @@ def test_prompts_moved_into_a_wider_admission_draw_what_a_one_row_generate_draws
         for request in requests:
             assert request.consumer.done.wait(60), "a request did not finish"
         assert calls == [("admit", 4, 32)]
-        for request in requests:
-            tokens, drawn, ended_by_eos = _solo(model, variables, request)
-            got = request.consumer
-            assert (got.tokens, got.count, got.reason) == (tokens, drawn, "stop" if ended_by_eos else "length")
+        _draw_alone(model, variables, requests)
     finally:
         engine.close()
 
@@ -343,3 +351,43 @@ def test_log_probabilities_are_the_models_float32_log_softmax_whatever_the_sampl
                                    [row[entry.token], *row[top_ids]], atol=1e-4, rtol=0)
         if entry.token == top_ids[0]:  # the same value, bit for bit, as a harness's greedy check needs
             assert entry.log_prob == entry.top[0][1]
+
+
+def test_prompts_that_begin_alike_are_prefilled_after_a_copy_and_draw_what_a_one_row_generate_draws(
+        model_and_variables):
+    """A conversation that goes on begins with what its slot's cache holds (its prompt and the tokens it
+    drew); prompts arriving together that begin alike are prefilled after a copy of the first's beginning,
+    in a later wave where they begin with more of it than of anything held; each draws what it draws alone
+    (sampled, with a repetition penalty reading the copied tokens too)."""
+    model, variables = model_and_variables
+    engine = Engine(model, variables, slots=SLOTS, capacity=64, eos_token_ids=(EOS,), pad_id=0, prefill_rows=2,
+                    prefill_chunk=32)
+    assert engine.plain_widths == (16, 32)
+    calls = _started(engine, [("step", SLOTS), ("admit", 1, 16), ("admit", 1, 32), ("reuse", 1, 16), ("reuse", 2, 16)])
+    try:
+        rng = np.random.default_rng(2)
+        tokens = lambda count: [int(t) for t in rng.integers(8, 64, count)]  # noqa: E731
+        system, notes = tokens(12), tokens(14)
+        first = Request(system + tokens(4), 6, Sampling(temperature=0.0), seed=0, consumer=Collect())
+        engine.submit([first])
+        assert first.consumer.done.wait(60)
+        assert calls == [("admit", 1, 16)]
+        drawn = first.consumer.tokens + ([EOS] if first.consumer.reason == "stop" else [])
+        going_on = Request(first.prompt + drawn + tokens(3), 6, POLICIES[3], seed=1, consumer=Collect())
+        same_system = Request(system + tokens(10), 6, POLICIES[1], seed=2, consumer=Collect())
+        notes_a = Request(notes + tokens(10), 6, POLICIES[3], seed=3, consumer=Collect())
+        notes_b = Request(notes + tokens(9), 6, POLICIES[2], seed=4, consumer=Collect())
+        requests = [same_system, going_on, notes_a, notes_b]
+        assert len(going_on.prompt) <= 32 and all(len(r.prompt) > 16 for r in requests)
+        calls.clear()
+        engine.submit(requests)
+        for request in requests:
+            assert request.consumer.done.wait(60), "a request did not finish"
+        # going_on takes its own slot and copies its 16 + drawn tokens; notes_a is prefilled whole at 32, then
+        # notes_b copies its 14 notes; same_system waits a wave for going_on's 12 system tokens
+        assert calls == [("admit", 1, 32), ("reuse", 2, 16), ("reuse", 1, 16)]
+        assert engine.reused == (16 + len(drawn)) + 14 + 12
+        assert engine._owners == [None] * SLOTS
+        _draw_alone(model, variables, requests)
+    finally:
+        engine.close()

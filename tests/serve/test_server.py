@@ -266,7 +266,11 @@ def test_chat_logprobs_in_openais_shape_streamed_or_whole(server):
     chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0.8, seed=2,
                                                  logprobs=True, top_logprobs=3, stream=True))
     streamed = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
-    assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in content]
+    assert [i.token for i in streamed] == [i.token for i in content]
+    # The second request's prompt is the first's, which a slot's cache still holds: it is prefilled after a
+    # copy of all but its last token, whose keys and logits round in another order than a whole prefill's
+    # (float32 sums of the same terms: a few ulps of logits near 10, observed 1.5e-6)
+    assert [i.logprob for i in streamed] == pytest.approx([i.logprob for i in content], abs=1e-5)
 
 
 def test_tokenizer_endpoints_answer_as_vllms(server):
