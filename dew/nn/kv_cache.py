@@ -59,8 +59,23 @@ class AttentionCache:
         return loaded(self.keys[layer, :rows]), loaded(self.values[layer, :rows])
 
     def take_rows(self, rows_R: jax.Array, width: int) -> "AttentionCache":
-        """A cache of rows `rows_R` of this one, their first `width` slots (what `put_rows` puts back)."""
-        return AttentionCache(keys=self.keys[:, rows_R, :, :width], values=self.values[:, rows_R, :, :width])
+        """A cache of rows `rows_R` of this one, their first `width` slots (what `put_row_slices` puts back).
+        Each row is a slice of its own, laid out as it is here (a gather would put the rows outermost, and
+        lay them out again)."""
+        def take(big):
+            L, _, K, _, D = big.shape
+            return jnp.concatenate([jax.lax.dynamic_slice(big, (0, rows_R[r], 0, 0, 0), (L, 1, K, width, D))
+                                    for r in range(rows_R.shape[0])], axis=1)
+        return AttentionCache(keys=take(self.keys), values=take(self.values))
+
+    def put_row_slices(self, rows_R: jax.Array, new: "AttentionCache") -> "AttentionCache":
+        """This cache with the first slots of rows `rows_R` replaced by the rows of `new` (each row in place,
+        the last first: a row named twice keeps the earlier one's)."""
+        def put(big, rows):
+            for r in reversed(range(rows_R.shape[0])):
+                big = jax.lax.dynamic_update_slice(big, stored(rows[:, r: r + 1], big.dtype), (0, rows_R[r], 0, 0, 0))
+            return big
+        return AttentionCache(keys=put(self.keys, new.keys), values=put(self.values, new.values))
 
     def put_rows(self, rows_R: jax.Array, new: "AttentionCache") -> "AttentionCache":
         """This cache with rows `rows_R` replaced by the rows of `new` (a cache of `R` rows and at most

@@ -212,8 +212,12 @@ def compile_admit(model, top: int):
         put = lambda big, rows: big.at[slot_R].set(rows.astype(big.dtype), mode="drop")
         # Each run's cache lays out its rows its own way (a recurrent state has no slots): it puts them.
         cache = slots.decode.cache
-        cache = cache.replace(runs=tuple(run.put_rows(slot_R, rows) for run, rows in zip(cache.runs, new.cache.runs)),
-                              lengths=put(cache.lengths, new.cache.lengths))
+        if reuse is None:
+            runs = tuple(run.put_rows(slot_R, rows) for run, rows in zip(cache.runs, new.cache.runs))
+        else:  # each row in place; a padding row puts back what it took from its source, unchanged
+            rows_R = jnp.where(slot_R < cache.rows, slot_R, reuse.sources)
+            runs = tuple(run.put_row_slices(rows_R, rows) for run, rows in zip(cache.runs, new.cache.runs))
+        cache = cache.replace(runs=runs, lengths=put(cache.lengths, new.cache.lengths))
         if cache.groups is not None:  # which slots hold an image's tokens, for a multimodal model
             cache = cache.replace(groups=cache.groups.at[slot_R, :W].set(new.cache.groups, mode="drop"))
         if cache.rotary_delta is not None:  # where a three-axis rotary continues each row (Qwen 3.5's)

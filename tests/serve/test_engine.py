@@ -360,10 +360,10 @@ def test_prompts_that_begin_alike_are_prefilled_after_a_copy_and_draw_what_a_one
     in a later wave where they begin with more of it than of anything held; each draws what it draws alone
     (sampled, with a repetition penalty reading the copied tokens too)."""
     model, variables = model_and_variables
-    engine = Engine(model, variables, slots=SLOTS, capacity=64, eos_token_ids=(EOS,), pad_id=0, prefill_rows=2,
+    engine = Engine(model, variables, slots=8, capacity=64, eos_token_ids=(EOS,), pad_id=0, prefill_rows=4,
                     prefill_chunk=32)
     assert engine.plain_widths == (16, 32)
-    calls = _started(engine, [("step", SLOTS), ("admit", 1, 16), ("admit", 1, 32), ("reuse", 1, 16), ("reuse", 2, 16)])
+    calls = _started(engine, [("step", 8), ("admit", 1, 16), ("admit", 1, 32), ("reuse", 1, 16), ("reuse", 4, 16)])
     try:
         rng = np.random.default_rng(2)
         tokens = lambda count: [int(t) for t in rng.integers(8, 64, count)]  # noqa: E731
@@ -377,17 +377,20 @@ def test_prompts_that_begin_alike_are_prefilled_after_a_copy_and_draw_what_a_one
         same_system = Request(system + tokens(10), 6, POLICIES[1], seed=2, consumer=Collect())
         notes_a = Request(notes + tokens(10), 6, POLICIES[3], seed=3, consumer=Collect())
         notes_b = Request(notes + tokens(9), 6, POLICIES[2], seed=4, consumer=Collect())
-        requests = [same_system, going_on, notes_a, notes_b]
+        notes_c = Request(notes + tokens(8), 6, POLICIES[0], seed=5, consumer=Collect())
+        requests = [same_system, going_on, notes_a, notes_b, notes_c]
         assert len(going_on.prompt) <= 32 and all(len(r.prompt) > 16 for r in requests)
         calls.clear()
         engine.submit(requests)
         for request in requests:
             assert request.consumer.done.wait(60), "a request did not finish"
-        # going_on takes its own slot and copies its 16 + drawn tokens; notes_a is prefilled whole at 32, then
-        # notes_b copies its 14 notes; same_system waits a wave for going_on's 12 system tokens
-        assert calls == [("admit", 1, 32), ("reuse", 2, 16), ("reuse", 1, 16)]
-        assert engine.reused == (16 + len(drawn)) + 14 + 12
-        assert engine._owners == [None] * SLOTS
+        # going_on takes back its slot (0) and copies its 16 + drawn tokens; notes_a is prefilled whole at 32,
+        # then notes_b and notes_c copy its 14 notes, beside going_on in an admission of 4 rows whose padding
+        # row takes slot 0 as it was and puts it back before going_on's row goes in; same_system waits a
+        # wave for going_on's 12 system tokens
+        assert calls == [("admit", 1, 32), ("reuse", 4, 16), ("reuse", 1, 16)]
+        assert engine.reused == (16 + len(drawn)) + 14 + 14 + 12
+        assert engine._owners == [None] * 8
         _draw_alone(model, variables, requests)
     finally:
         engine.close()
