@@ -218,7 +218,8 @@ class Engine:
         rest = [("step", rows) for rows in self.step_rows] + [("admit", 1, width) for width in self.plain_widths] + \
             [("admit", rows, width) for width in self.plain_widths for rows in self._rows_at(width)[1:]] + \
             ([widest] if self.chunk < capacity else []) + \
-            [("reuse", rows, width) for width in self.plain_widths[:-1] if self.reuse_prefixes for rows in self._rows_at(width)]
+            [("reuse", rows, width) for width in self.plain_widths[:-1] if self.reuse_prefixes for rows in self._rows_at(width)] + \
+            ([("resume", 1, self.chunk)] if self.reuse_prefixes and self.chunk < capacity else [])
         self.first_programs = first
         self.later_programs = [key for key in dict.fromkeys(rest) if key not in first]
         self.ready = threading.Event()
@@ -327,8 +328,9 @@ class Engine:
                          jax.ShapeDtypeStruct((1,), bool))
         else:
             rows, width = key[1:]
-            reuse = [(0, 0)] * rows if key[0] == "reuse" else None
-            padding = self._admission([None] * rows, width, np.full(rows, self.slots, np.int32), reuse=reuse)
+            reuse = [(0, 0)] * rows if key[0] in ("reuse", "resume") else None
+            padding = self._admission([None] * rows, width, np.full(rows, self.slots, np.int32), reuse=reuse,
+                                      kind=key[0])
             jitted, options = self._admit.jitted, {"prompt_scores": False}
             arguments = (params, state, *padding.arguments())
         if self.program_cache is None:
@@ -509,20 +511,23 @@ class Engine:
                 self._state, scores = self._admit(self.params, self._state, admission, prompt_scores=True)
                 self._hand_prompt_scores([request for _, request in batch], width, jax.device_get(scores))
 
-    def _place_after(self, reusing: dict[int, list]) -> None:
-        """Prefill each of `reusing`'s prompts after the beginning copied from a slot, {width: [(slot, request,
-        the slot copied from, the tokens copied)]}."""
-        for width, group in reusing.items():
+    def _place_after(self, reusing: dict[tuple[str, int], list]) -> None:
+        """Prefill each of `reusing`'s prompts after the beginning copied from a slot, {(kind, width): [(slot,
+        request, the slot copied from, the tokens copied, the tokens in after it)]}: "reuse" for a prompt
+        that fits a chunk, "resume" for a longer one, whose chunks go on after (`_go_on`)."""
+        for (kind, width), group in reusing.items():
             while group:
-                rows = self._batches(width, len(group), kind="reuse")[0]
+                rows = self._batches(width, len(group), kind=kind)[0]
                 batch, group = group[:rows], group[rows:]
                 slots = np.full(rows, self.slots, np.int32)
                 slots[: len(batch)] = [slot for slot, *_ in batch]
                 requests = [request for _, request, *_ in batch] + [None] * (rows - len(batch))
-                reuse = [(source, prefix) for *_, source, prefix in batch] + [(0, 0)] * (rows - len(batch))
-                admission = self._admission(requests, width, slots, reuse=reuse)
-                self._state = self._programs["reuse", rows, width](self.params, self._state, *admission.arguments())
-                self.reused += sum(prefix for *_, prefix in batch)
+                reuse = [(source, prefix) for _, _, source, prefix, _ in batch] + [(0, 0)] * (rows - len(batch))
+                heads = [end for *_, end in batch] + [None] * (rows - len(batch))
+                admission = self._admission(requests, width, slots, heads=heads, reuse=reuse, kind=kind)
+                self._state = self._programs[kind, rows, width](self.params, self._state, *admission.arguments())
+                self.reused += sum(prefix for _, _, _, prefix, _ in batch)
+                self._chunks += [(slot, request, end) for slot, request, _, _, end in batch if end < len(request.prompt)]
 
     def _own_slots(self, admitted: list[tuple[int, Request]]) -> list[tuple[int, Request]]:
         """The admitted requests over the same slots, reassigned so that one whose prompt begins with what a
@@ -560,7 +565,9 @@ class Engine:
         A prompt is prefilled after a copied beginning where that leaves it a narrower width (a compiled
         one): the longest held by a slot not admitted to now, by its own slot still, or by a prompt placed
         earlier (longest prompts first; whole ones this wave, any the wave before). It waits a wave where a
-        prompt placed before it this wave begins with more of it than that (at most `WAVES` waves)."""
+        prompt placed before it this wave begins with more of it than that (at most `WAVES` waves). A prompt
+        longer than a chunk goes on after a copied beginning of at least a chunk, its first piece making the
+        rest whole chunks."""
         own = self._held_lengths.copy()  # a slot's own earlier tokens may begin its new prompt
         for slot, _ in admitted:  # the rest of what they held is written over
             self._held_lengths[slot] = 0
@@ -570,7 +577,13 @@ class Engine:
             for slot, request in pending:
                 length = len(request.prompt)
                 plain = request.media is None and request.prompt_log_probs is None
-                if self.reuse_prefixes and plain and length <= self.chunk:
+                if self.reuse_prefixes and plain and length > self.chunk and ("resume", 1, self.chunk) in self._programs:
+                    source, prefix = self._longest_held(request.prompt, slot, own[slot])
+                    if prefix >= self.chunk:  # at least a chunk saved: the first piece after it makes whole chunks
+                        end = length - self.chunk * ((length - prefix - 1) // self.chunk)
+                        reusing["resume", self.chunk].append((slot, request, source, prefix, end))
+                        continue
+                elif self.reuse_prefixes and plain and length <= self.chunk:
                     source, prefix = self._longest_held(request.prompt, slot, own[slot])
                     width = self._narrowest(length - prefix, "reuse")
                     if wave < WAVES - 1 and any(self._narrower(length, _shared(request.prompt, other), width)
@@ -580,14 +593,14 @@ class Engine:
                         continue
                     before.append(request.prompt)
                     if width is not None and width < (self._narrowest(length, "admit") or self.chunk + 1):
-                        reusing[width].append((slot, request, source, prefix))
+                        reusing["reuse", width].append((slot, request, source, prefix, length))
                         continue
                 whole.append((slot, request))
                 if request.media is None:  # its head is in the slot once its admission has run
                     self._hold(slot, request.prompt[: self._head(length) if plain else length])
             for group in reusing.values():
-                for slot, request, *_ in group:
-                    self._hold(slot, request.prompt)
+                for slot, request, *_, end in group:
+                    self._hold(slot, request.prompt[:end])
             waves.append((whole, reusing))
             if not later:
                 break
@@ -654,10 +667,11 @@ class Engine:
 
     def _admission(self, requests: list[Request | None], width: int, slots: np.ndarray,
                    media: bool = False, heads: list[int] | None = None,
-                   reuse: list[tuple[int, int]] | None = None) -> Admission:
+                   reuse: list[tuple[int, int]] | None = None, kind: str = "admit") -> Admission:
         """The admission of `requests` (None: a padding row) at `width`, of the first `heads[r]` tokens of
         row r's prompt (all when not given; fewer hold the row back for its chunks). With `reuse`, row r's
-        first `reuse[r][1]` tokens are copied from slot `reuse[r][0]`'s cache, and the rest are prefilled."""
+        first `reuse[r][1]` tokens are copied from slot `reuse[r][0]`'s cache, and the rest are prefilled, in
+        a cache of the chunk's positions ("reuse") or every position ("resume")."""
         rows = len(requests)
         tokens, valid = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32)
         held = np.zeros(rows, bool)
@@ -681,7 +695,8 @@ class Engine:
         media = _media(requests, width) if media else None
         begun = None
         if reuse is not None:
-            prompts, prompts_valid = np.zeros((rows, self.chunk), np.int32), np.zeros((rows, self.chunk), np.int32)
+            positions = self.capacity if kind == "resume" else self.chunk
+            prompts, prompts_valid = np.zeros((rows, positions), np.int32), np.zeros((rows, positions), np.int32)
             for r, request in enumerate(requests):
                 if request is not None:
                     prompts[r, : len(request.prompt)], prompts_valid[r, : len(request.prompt)] = request.prompt, 1

@@ -363,7 +363,8 @@ def test_prompts_that_begin_alike_are_prefilled_after_a_copy_and_draw_what_a_one
     engine = Engine(model, variables, slots=8, capacity=64, eos_token_ids=(EOS,), pad_id=0, prefill_rows=4,
                     prefill_chunk=32)
     assert engine.plain_widths == (16, 32)
-    calls = _started(engine, [("step", 8), ("admit", 1, 16), ("admit", 1, 32), ("reuse", 1, 16), ("reuse", 4, 16)])
+    calls = _started(engine, [("step", 8), ("admit", 1, 16), ("admit", 1, 32), ("reuse", 1, 16), ("reuse", 4, 16),
+                              ("extend", 32), ("resume", 1, 32)])
     try:
         rng = np.random.default_rng(2)
         tokens = lambda count: [int(t) for t in rng.integers(8, 64, count)]  # noqa: E731
@@ -392,5 +393,15 @@ def test_prompts_that_begin_alike_are_prefilled_after_a_copy_and_draw_what_a_one
         assert engine.reused == (16 + len(drawn)) + 14 + 14 + 12
         assert engine._owners == [None] * 8
         _draw_alone(model, variables, requests)
+        # a prompt longer than the chunk (32) goes on after the 40 tokens of another's that a slot holds
+        long = Request(tokens(45), 4, POLICIES[3], seed=6, consumer=Collect())
+        engine.submit([long])
+        assert long.consumer.done.wait(60)
+        longer = Request(long.prompt[:40] + tokens(12), 6, POLICIES[1], seed=7, consumer=Collect())
+        calls.clear()
+        engine.submit([longer])
+        assert longer.consumer.done.wait(60)
+        assert calls == [("resume", 1, 32)] and engine.reused == (16 + len(drawn)) + 14 + 14 + 12 + 40
+        _draw_alone(model, variables, [long, longer])
     finally:
         engine.close()
