@@ -202,7 +202,7 @@ class Engine:
         self.reuse_prefixes = reuse_prefixes and chunkable(state.decode.cache)
         self._held = np.full((slots, capacity), -1, np.int32)  # each slot's cached tokens from position 0, as known
         self._held_lengths = np.zeros(slots, np.int32)
-        self.reused = 0  # prompt tokens whose prefill a copied beginning saved
+        self.prompt_tokens = self.reused = 0  # prompt tokens admitted, and those a copied beginning held
         self._extend = compile_extend(model)
         self._chunks: list[tuple[int, Request, int]] = []  # (slot, request, tokens in) of prompts going on
         self.step_rows = _ladder(1, slots)
@@ -297,13 +297,15 @@ class Engine:
 
     def load(self) -> dict:
         """Whether the engine's thread runs and is `ready`, the programs compiled of all, and how busy it
-        is: occupied slots, waiting requests, steps run."""
+        is: occupied slots, waiting requests, steps run, prompt tokens admitted and of those the ones copied
+        from a slot's cache instead of prefilled."""
         with self._lock:
             running = not self._closing and self._thread is not None and self._thread.is_alive()
             return {"running": running, "ready": self.ready.is_set(), "compiled": len(self._programs),
                     "programs": len(self.first_programs) + len(self.later_programs), "slots": self.slots,
                     "busy": sum(owner is not None for owner in self._owners), "waiting": len(self._waiting),
-                    "capacity": self.capacity, "steps": self.steps}
+                    "capacity": self.capacity, "steps": self.steps, "prompt_tokens": self.prompt_tokens,
+                    "reused_prompt_tokens": self.reused}
 
     # -- life cycle ---------------------------------------------------------------------------------
 
@@ -470,6 +472,7 @@ class Engine:
         prompt longer than the compiled widths is admitted by its head, and its chunks go on (`_go_on`). A
         prompt that begins with what a slot's cache holds, or will once others are in, is prefilled after a
         copy of that beginning (`_waves`)."""
+        self.prompt_tokens += sum(len(request.prompt) for _, request in admitted)
         for whole, reusing in self._waves(self._own_slots(admitted)):
             self._place_whole(whole)
             self._place_after(reusing)

@@ -402,6 +402,9 @@ def test_prompts_that_begin_alike_are_prefilled_after_a_copy_and_draw_what_a_one
         engine.submit([longer])
         assert longer.consumer.done.wait(60)
         assert calls == [("resume", 1, 32)] and engine.reused == (16 + len(drawn)) + 14 + 14 + 12 + 40
+        load = engine.load()
+        assert load["reused_prompt_tokens"] == engine.reused
+        assert load["prompt_tokens"] == sum(len(r.prompt) for r in [first, *requests, long, longer])
         _draw_alone(model, variables, [long, longer])
     finally:
         engine.close()
