@@ -137,8 +137,10 @@ class Engine:
     admitted by its head (what leaves whole chunks after it) and goes on in chunks of `prefill_chunk`
     tokens into its slot's cache, one chunk between two steps; its row draws once the last is in (a model
     whose cache is not text attention's, a prompt with media or asking for its log-probabilities, is
-    prefilled whole, at widths of the same ladder up to `capacity`). Requests take the lowest free
-    slots, and a step runs over the first 1, 2, 4 ... `slots` rows, the fewest that hold every
+    prefilled whole, at widths of the same ladder up to `capacity`). With `reuse_prefixes`, a plain prompt
+    that begins with tokens a slot's cache holds is prefilled after a copy of their keys and values
+    (`_waves`). Requests take the lowest free slots (one going on with a slot's tokens, that slot), and a
+    step runs over the first 1, 2, 4 ... `slots` rows, the fewest that hold every
     occupied slot. `eos_token_ids` end a row, `pad_id` fills. `top_k_limit` bounds a request's
     `top_k`, `max_log_probs` the alternatives it may ask for.
 
