@@ -2,10 +2,13 @@
 each layer's weight read in place by Dew's kernel (`dew.kernels.matmul.stacked_product`, AMX's tiles) against
 the path it replaced, XLA's copy of the layer out of the stack and the product after it, in alternating rounds.
 
-    PYTHONPATH=. python -m benchmarks.prefill_products [--rows 64 128 512 1024] [--rounds 9] [--float32]
+    PYTHONPATH=. python -m benchmarks.prefill_products [--rows 64 128 512 1024] [--rounds 9] [--float32 | --gated]
 
 `--float32` compares, for float32 products, the same copy and product against oneDNN's stacked gemm
 reading the layer in place (`matmul.onednn_stacked_product`), which float32 prefills do not take yet.
+`--gated` compares a gated feed-forward's `silu(x gate) * up` (the gate and up shapes): the two products read
+in place and XLA's fusion of the activation after them (the "before" side) against the kernel's one call
+(`matmul.stacked_gated_product`), the same bits.
 
 Each side runs one `lax.scan` over the 30 layers, as a scanned decoder's prefill does; the figures are per
 layer. Prints each side's median and fastest microseconds over rounds in which both run back to back, the
@@ -29,10 +32,10 @@ SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # [K, N]: q and o, 
 
 
 def scanned(product):
-    """One product a layer over a stack `[LAYERS, K, N]` of uint16 bits, as a scanned prefill runs them."""
-    def run(x, stack):
+    """One product a layer over stacks `[LAYERS, K, N]` of uint16 bits, as a scanned prefill runs them."""
+    def run(x, *stacks):
         def layer(total, index):
-            return total + product(x, stack, index)[0, 0].astype(jnp.float32), None
+            return total + product(x, *stacks, index)[0, 0].astype(jnp.float32), None
         return lax.scan(layer, jnp.float32(0), jnp.arange(LAYERS))[0]
     return jax.jit(run)
 
@@ -49,6 +52,16 @@ def in_place(x, stack, index):
     return matmul.stacked_product(x, stack, index, jnp.bfloat16, "auto")
 
 
+def gated_apart(x, gate, up, index):
+    """A gated feed-forward's path before the gated call: both products in place, XLA's activation after them."""
+    act = jax.nn.silu(in_place(x, gate, index).astype(jnp.float32)).astype(x.dtype)
+    return act * in_place(x, up, index)
+
+
+def gated(x, gate, up, index):
+    return matmul.stacked_gated_product(x, gate, index, up, index, "silu", "auto")
+
+
 def onednn_in_place(x, stack, index):
     return matmul.onednn_stacked_product(x, stack, index, x.dtype)
 
@@ -57,8 +70,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 128, 512, 1024])
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--float32", action="store_true",
+    chosen = parser.add_mutually_exclusive_group()
+    chosen.add_argument("--float32", action="store_true",
                         help="float32 products: the copy and product against oneDNN's stacked gemm in place")
+    chosen.add_argument("--gated", action="store_true",
+                        help="silu(x gate) * up: two products in place and XLA's activation against one call")
     args = parser.parse_args()
     print(machine())
     dtype = jnp.float32 if args.float32 else jnp.bfloat16
@@ -67,6 +83,8 @@ def main():
     if not reader[0]:
         raise SystemExit("nothing to compare here")
     rng = np.random.default_rng(0)
+    if args.gated:
+        return compare_gated(args, rng)
     for k, n in SHAPES:
         weights = jnp.asarray(rng.standard_normal((LAYERS, k, n), np.float32) * 0.05, dtype)
         stack = weights if args.float32 else lax.bitcast_convert_type(weights, jnp.uint16)
@@ -80,6 +98,22 @@ def main():
                                  for name, run in sides.items()}, args.rounds)
             times = {name: [seconds / LAYERS for seconds in samples] for name, samples in times.items()}
             print(f"{k}x{n} {rows:4d} rows: {compared(times, 'us', 2 * rows * k * n, 'GFLOP/s')}", flush=True)
+
+
+def compare_gated(args, rng):
+    k, n = SHAPES[2]
+    gate, up = (lax.bitcast_convert_type(jnp.asarray(rng.standard_normal((LAYERS, k, n), np.float32) * 0.05,
+                                                     jnp.bfloat16), jnp.uint16) for _ in range(2))
+    for rows in args.rows:
+        x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
+        if not matmul.gated_takes(x, gate, up, "silu", "auto"):
+            print(f"gated {k}x{n} {rows:4d} rows: the kernel does not compute this gated product here")
+            continue
+        sides = {"before": scanned(gated_apart), "kernel": scanned(gated)}
+        times = alternating({name: lambda run=run: jax.block_until_ready(run(x, gate, up))
+                             for name, run in sides.items()}, args.rounds)
+        times = {name: [seconds / LAYERS for seconds in samples] for name, samples in times.items()}
+        print(f"gated {k}x{n} {rows:4d} rows: {compared(times, 'us', 4 * rows * k * n, 'GFLOP/s')}", flush=True)
 
 
 if __name__ == "__main__":

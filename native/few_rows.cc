@@ -34,6 +34,10 @@
 // whole of K once, then multiplies every block of 32 rows against each panel with the sums held in tiles
 // over all of K (one chain of tile products an output, whatever the threads). A scanned decoder's prefill
 // reads its layer in place this way, where XLA would copy the layer's weight out of the stack first.
+// A gated feed-forward's two products (gate and up, the same rows against two weights of one shape) may run
+// in one call of that body, which holds both weights' panels and finishes each block with silu(gate) * up,
+// each product rounded to bfloat16 first and the activation's roundings XLA's, so that the result is the
+// bits of the two products and XLA's fusion of the activation after them.
 // A bfloat16 product may return its sums rounded to bfloat16 (to nearest, ties to even, as XLA rounds).
 #include <Python.h>
 
@@ -419,6 +423,10 @@ struct ManyRows {
   const uint16_t* w;  // [k, n]
   float* y;           // [m, n], float32 results; or null, and
   uint16_t* rounded;  // [m, n], the results rounded to bfloat16 (their bits)
+  // With `up` ([k, n], y null), `rounded` is silu(x w) * (x up), each product rounded to bfloat16 first
+  // (GatedRows): a gated feed-forward's two products and its activation in one pass.
+  const uint16_t* up = nullptr;
+  const uint16_t* silu = nullptr;  // with `up`: SiluTable()
   int64_t m, k, n;
   int64_t steps;        // 32-row steps over K: ceil(k / 32)
   int64_t direct_rows;  // rows of x that A tiles read in place: whole blocks of 32, where k is a multiple of 32
@@ -442,13 +450,14 @@ TileConfig WholeTiles() {
 
 // Panels [first, first + count) of w (columns past n zero) over all of K (rows past k zero), as B tiles:
 // [count][steps][2][16 pairs][32]. Each of w's rows is read across the group's columns in one run.
-DEW_AMX_TARGET void PackPanels(const ManyRows& p, int64_t first, int64_t count, uint16_t* panels) {
+DEW_AMX_TARGET void PackPanels(const ManyRows& p, const uint16_t* weight, int64_t first, int64_t count,
+                                uint16_t* panels) {
   const __m512i low = _mm512_load_si512(kTileLow), high = _mm512_load_si512(kTileHigh);
   const int64_t panel_size = p.steps * 1024, end = std::min(p.n, (first + count) * 32);
   for (int64_t s = 0; s < p.steps; ++s)
     for (int64_t pair = 0; pair < 16; ++pair) {
       const int64_t k = s * kAmxDepth + 2 * pair;
-      const uint16_t* w = p.w + k * p.n;
+      const uint16_t* w = weight + k * p.n;
       for (int64_t g = 0; g < count; ++g) {
         const int64_t c = (first + g) * 32, columns = std::min<int64_t>(32, end - c);
         // The rows 32 on, asked of the memory a cache line each (rows n apart, a stride the hardware
@@ -465,84 +474,198 @@ DEW_AMX_TARGET void PackPanels(const ManyRows& p, int64_t first, int64_t count, 
     }
 }
 
-// The block of 32 rows from r (rows past m included) against panels [first, first + count).
-DEW_AMX_TARGET void MultiplyBlock(const ManyRows& p, const uint16_t* panels, int64_t first, int64_t count,
-                                  int64_t r) {
-  alignas(64) float spill[32][32];
+// The sums of the block of 32 rows `rows` (`a_row` uint16s from one row to the next) against one panel over
+// all of K, into `out` (32 rows of `stride` floats).
+DEW_AMX_TARGET void PanelSums(const ManyRows& p, const uint16_t* rows, int64_t a_row, const uint16_t* panel,
+                              float* out, int64_t stride) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  // Each product issued as soon as its tiles are loaded, so that loads and products overlap.
+  const uint16_t *a = rows, *b = panel;
+  for (int64_t s = 0; s < p.steps; ++s, a += kAmxDepth, b += 1024) {
+    _tile_loadd(4, a, a_row * 2);
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, a + 16 * a_row, a_row * 2);
+    _tile_dpbf16ps(1, 5, 6);
+    _tile_loadd(7, b + 512, 64);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, out, stride * 4);
+  _tile_stored(1, out + 16 * stride, stride * 4);
+  _tile_stored(2, out + 16, stride * 4);
+  _tile_stored(3, out + 16 * stride + 16, stride * 4);
+}
+
+// ---- silu(gate) * up as XLA's CPU fusion computes it from two bfloat16 products ----
+//
+// XLA's loop fusion of `(silu(float32(gate)) rounded to bfloat16) * up`, rounded to bfloat16, computes
+// silu(g) = (1 / (1 + exp(-g))) * g in float32 with its own exp (Cephes' polynomial after clamping), every
+// product and sum rounded on its own (no fused multiply-add), under FTZ and DAZ. The same operations in the
+// same order give the same bits; the `_round` forms keep the compiler from contracting them into FMAs.
+constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+DEW_AMX_TARGET inline __m512 Splat(uint32_t bits) { return _mm512_castsi512_ps(_mm512_set1_epi32(bits)); }
+DEW_AMX_TARGET inline __m512 Mul(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, kNearest); }
+DEW_AMX_TARGET inline __m512 Add(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, kNearest); }
+DEW_AMX_TARGET inline __m512 Sub(__m512 a, __m512 b) { return _mm512_sub_round_ps(a, b, kNearest); }
+// `x < floor ? floor : x`, then `x > ceiling ? ceiling : x` (a NaN passes, as XLA's selects let it).
+DEW_AMX_TARGET inline __m512 Clamp(__m512 x, float floor, float ceiling) {
+  x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(floor), _CMP_LT_OQ), x, _mm512_set1_ps(floor));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(ceiling), _CMP_GT_OQ), x,
+                              _mm512_set1_ps(ceiling));
+}
+
+DEW_AMX_TARGET __m512 XlaExp(__m512 x) {
+  x = Clamp(x, -87.8f, 88.8f);
+  __m512 n = Add(Mul(x, Splat(0x3FB8AA3B)), _mm512_set1_ps(0.5f));  // x log2(e) + 1/2
+  n = Clamp(_mm512_roundscale_ps(n, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), -127.0f, 127.0f);
+  // x - n ln(2), ln(2) in two parts
+  __m512 z = Sub(Sub(x, Mul(n, Splat(0x3F318000))), Mul(n, Splat(0xB95E8083)));
+  __m512 y = Mul(z, Splat(0x39506967));
+  for (uint32_t c : {0x3AB743CEu, 0x3C088908u, 0x3D2AA9C1u, 0x3E2AAAAAu}) y = Mul(Add(y, Splat(c)), z);
+  y = Add(y, _mm512_set1_ps(0.5f));
+  y = Add(Add(z, Mul(y, Mul(z, z))), _mm512_set1_ps(1.0f));
+  __m512i scale = _mm512_add_epi32(_mm512_slli_epi32(_mm512_cvttps_epi32(n), 23), _mm512_set1_epi32(0x3F800000));
+  return Mul(y, _mm512_castsi512_ps(scale));
+}
+
+// float32 to bfloat16 as XLA's convert rounds: to nearest, ties to even; a NaN keeps its sign and exponent
+// and turns quiet. The bits sit in the float32's high half.
+DEW_AMX_TARGET inline __m512i XlaRound(__m512 f) {
+  __m512i bits = _mm512_castps_si512(f), one = _mm512_set1_epi32(1);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+  __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))),
+                                     _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  __m512i quiet = _mm512_or_si512(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFF800000u))),
+                                  _mm512_set1_epi32(0x400000));
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), rounded, quiet);
+}
+
+// 16 float32 sums rounded to bfloat16 as the product's rounded output is (vcvtneps2bf16), their bits.
+DEW_AMX_TARGET inline __m512i ProductBits(const float* sums) {
+  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sums)));
+}
+
+// silu of each bfloat16 (its bits, one a lane, in a float32's high half), rounded to bfloat16, as XLA computes it.
+DEW_AMX_TARGET __m512i Silu(__m512i bits) {
+  __m512 g = _mm512_castsi512_ps(bits);
+  __m512 e = XlaExp(_mm512_castsi512_ps(_mm512_xor_si512(bits, _mm512_set1_epi32(INT32_MIN))));
+  return XlaRound(Mul(_mm512_div_round_ps(_mm512_set1_ps(1.0f), Add(e, _mm512_set1_ps(1.0f)), kNearest), g));
+}
+
+// The rounded silu of every bfloat16, by its bits: a gate rounded to bfloat16 has only these 65,536 values, and
+// a lookup costs a fraction of computing XLA's exp and division. Two entries past the end let a 32-bit
+// gather read the last one. Built once, under FTZ and DAZ.
+DEW_AMX_TARGET void FillSiluTable(uint16_t* values) {
+  const unsigned int csr = _mm_getcsr();
+  _mm_setcsr(csr | 0x8040);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int32_t first = 0; first < 65536; first += 16) {
+    __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(first), lanes);
+    __m512i act = _mm512_srli_epi32(Silu(_mm512_slli_epi32(bits, 16)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(values + first), _mm512_cvtepi32_epi16(act));
+  }
+  _mm_setcsr(csr);
+}
+
+const uint16_t* SiluTable() {
+  static const std::vector<uint16_t> table = [] {
+    std::vector<uint16_t> values(65536 + 2, 0);
+    FillSiluTable(values.data());
+    return values;
+  }();
+  return table.data();
+}
+
+// silu(gate) * up of 16 columns, rounded to bfloat16 as XLA rounds (their bits): `silu` is SiluTable().
+DEW_AMX_TARGET inline __m256i GatedColumns(const float* gate, const float* up, const uint16_t* silu) {
+  __m512i act = _mm512_slli_epi32(_mm512_i32gather_epi32(ProductBits(gate), silu, 2), 16);
+  __m512 both = Mul(_mm512_castsi512_ps(act), _mm512_castsi512_ps(_mm512_slli_epi32(ProductBits(up), 16)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(XlaRound(both), 16));
+}
+
+// The block of 32 rows from r (rows past m included) against panels [first, first + count) (with `up`, the
+// up projection's panels `up_panels` too).
+DEW_AMX_TARGET void MultiplyBlock(const ManyRows& p, const uint16_t* panels, const uint16_t* up_panels,
+                                  int64_t first, int64_t count, int64_t r) {
+  alignas(64) float spill[32][32], up_spill[32][32];
   const int64_t padded_k = p.steps * kAmxDepth;
   const bool in_place = r + 32 <= p.direct_rows;
   const uint16_t* rows = in_place ? p.x + r * p.k : p.padded + (r - p.direct_rows) * padded_k;
   const int64_t a_row = in_place ? p.k : padded_k;  // uint16s from one of x's rows to the next
   for (int64_t g = 0; g < count; ++g) {
     const int64_t c = (first + g) * 32, columns = std::min<int64_t>(32, p.n - c);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    // Each product issued as soon as its tiles are loaded, so that loads and products overlap.
-    const uint16_t *a = rows, *b = panels + g * p.steps * 1024;
-    for (int64_t s = 0; s < p.steps; ++s, a += kAmxDepth, b += 1024) {
-      _tile_loadd(4, a, a_row * 2);
-      _tile_loadd(6, b, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(5, a + 16 * a_row, a_row * 2);
-      _tile_dpbf16ps(1, 5, 6);
-      _tile_loadd(7, b + 512, 64);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
     // A whole block of float32 results goes straight to y; a ragged one (rows past m, columns past n), or
     // one rounded to bfloat16, through `spill`.
     const bool whole = p.y && r + 32 <= p.m && columns == 32;
-    float* out = whole ? p.y + r * p.n + c : &spill[0][0];
-    const int64_t stride = whole ? p.n : 32;
-    _tile_stored(0, out, stride * 4);
-    _tile_stored(1, out + 16 * stride, stride * 4);
-    _tile_stored(2, out + 16, stride * 4);
-    _tile_stored(3, out + 16 * stride + 16, stride * 4);
+    PanelSums(p, rows, a_row, panels + g * p.steps * 1024, whole ? p.y + r * p.n + c : &spill[0][0],
+              whole ? p.n : 32);
     if (whole) continue;
+    if (p.up) PanelSums(p, rows, a_row, up_panels + g * p.steps * 1024, &up_spill[0][0], 32);
     const __mmask32 mask = columns == 32 ? ~__mmask32{0} : (__mmask32{1} << columns) - 1;
     for (int64_t i = 0; i < std::min<int64_t>(32, p.m - r); ++i) {
+      uint16_t* out = p.rounded + (r + i) * p.n + c;
       if (p.y) {
         std::copy(spill[i], spill[i] + columns, p.y + (r + i) * p.n + c);
+      } else if (p.up) {
+        __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(GatedColumns(spill[i], up_spill[i], p.silu)),
+                                          GatedColumns(spill[i] + 16, up_spill[i] + 16, p.silu), 1);
+        _mm512_mask_storeu_epi16(out, mask, both);
       } else {  // to nearest, ties to even (NaN stays a quiet NaN), as XLA rounds float32 to bfloat16
         __m512bh both = _mm512_cvtne2ps_pbh(_mm512_load_ps(spill[i] + 16), _mm512_load_ps(spill[i]));
-        _mm512_mask_storeu_epi16(p.rounded + (r + i) * p.n + c, mask, (__m512i)both);
+        _mm512_mask_storeu_epi16(out, mask, (__m512i)both);
       }
     }
   }
 }
 
-// Claims pieces until none is left; each packs its panels into this thread's buffer.
+// Claims pieces until none is left; each packs its panels (and the up projection's) into this thread's buffer.
 DEW_AMX_TARGET void RunManyRows(ManyRows& p) {
   static const TileConfig tiles = WholeTiles();
   thread_local std::vector<uint16_t> panels;
   const int64_t panel_size = p.steps * 1024, blocks_end = (p.m + 31) / 32 * 32, all = (p.n + 31) / 32;
+  const int64_t weights = p.up ? 2 : 1;
   bool configured = false;
+  unsigned int csr = 0;
   for (int64_t i; (i = p.next.fetch_add(1, std::memory_order_relaxed)) < p.pieces;) {
     if (!configured) {
       _tile_loadconfig(&tiles);
-      panels.resize(static_cast<size_t>(p.group * panel_size));
+      panels.resize(static_cast<size_t>(weights * p.group * panel_size));
+      // The activation runs under FTZ and DAZ, as XLA's fusions do, whatever this thread had set.
+      csr = _mm_getcsr();
+      if (p.up) _mm_setcsr(csr | 0x8040);
       configured = true;
     }
     const int64_t first = (i % p.groups) * p.group, count = std::min(p.group, all - first);
     const int64_t part_begin = i / p.groups * p.part_rows, part_end = std::min(part_begin + p.part_rows, blocks_end);
-    PackPanels(p, first, count, panels.data());
-    for (int64_t r = part_begin; r < part_end; r += 32) MultiplyBlock(p, panels.data(), first, count, r);
+    uint16_t* up_panels = panels.data() + p.group * panel_size;
+    PackPanels(p, p.w, first, count, panels.data());
+    if (p.up) PackPanels(p, p.up, first, count, up_panels);
+    for (int64_t r = part_begin; r < part_end; r += 32) MultiplyBlock(p, panels.data(), up_panels, first, count, r);
     p.done.fetch_add(1, std::memory_order_release);
   }
-  if (configured) _tile_release();
+  if (configured) {
+    _mm_setcsr(csr);
+    _tile_release();
+  }
 }
 
-// y = x w for more than kAmxFewRows rows, over the pool's threads (w the layer, read in place). Each output
-// is one piece's chain of tile products, so the result does not depend on the threads or the chunks.
+// y = x w for more than kAmxFewRows rows, over the pool's threads (w the layer, read in place); with `up`,
+// the rounded silu(x w) * (x up) instead (y null). Each output is one piece's chain of tile products, so the
+// result does not depend on the threads or the chunks.
 void ManyRowsProduct(ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, uint16_t* rounded,
-                     int64_t m, int64_t k, int64_t n) {
+                     int64_t m, int64_t k, int64_t n, const uint16_t* up = nullptr) {
   auto p = std::make_shared<ManyRows>();
   p->x = x;
   p->w = w;
   p->y = y;
   p->rounded = rounded;
+  p->up = up;
+  if (up) p->silu = SiluTable();
   p->m = m;
   p->k = k;
   p->n = n;
@@ -557,9 +680,9 @@ void ManyRowsProduct(ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w
   for (int64_t r = p->direct_rows; r < m; ++r)
     std::copy(x + r * k, x + (r + 1) * k, padded.data() + (r - p->direct_rows) * padded_k);
   p->padded = padded.data();
-  // Groups of panels that fit kGroupBytes, at least one a thread; rows split in parts where there are fewer
-  // groups than threads.
-  const int64_t all = (n + 31) / 32, panel_bytes = padded_k * 32 * 2;
+  // Groups of panels that fit kGroupBytes (the gate's and the up projection's together), at least one a
+  // thread; rows split in parts where there are fewer groups than threads.
+  const int64_t all = (n + 31) / 32, panel_bytes = padded_k * 32 * 2 * (up ? 2 : 1);
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t fitting = std::max<int64_t>(1, kGroupBytes / panel_bytes);
   const int64_t groups = std::min(all, threads * ((all + threads * fitting - 1) / (threads * fitting)));
@@ -782,6 +905,32 @@ ffi::Error Bfloat16FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
   return ffi::Error::Success();
 }
 
+// A gated feed-forward's silu(x gate[gate_layer]) * (x up[up_layer]) for a prefill's rows, rounded to
+// bfloat16 as the two rounded products and XLA's fusion of the activation after them give it: x [M, K]
+// bfloat16, gate and up [L, K, N] bfloat16 as their uint16 bits, read in place. Only the AMX body of more
+// than kAmxFewRows rows computes it.
+ffi::Error Bfloat16SiluGatedProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> gate,
+                                    ffi::Buffer<ffi::S32> gate_layer, ffi::Buffer<ffi::U16> up,
+                                    ffi::Buffer<ffi::S32> up_layer, ffi::Result<ffi::Buffer<ffi::BF16>> y) {
+  int64_t at, up_at;
+  if (ffi::Error error = CheckShapes("dew gated product (gate)", x, gate, gate_layer, y, &at); error.failure())
+    return error;
+  if (ffi::Error error = CheckShapes("dew gated product (up)", x, up, up_layer, y, &up_at); error.failure())
+    return error;
+  auto dx = x.dimensions(), dw = gate.dimensions();
+  const int64_t m = dx[0], k = dx[1], n = dw[2], layer_size = k * n;
+#ifdef DEW_X86
+  if (m > kAmxFewRows && Body(static_cast<uint16_t*>(nullptr), m) == BlockAmx) {
+    ManyRowsProduct(pool, x.typed_data(), gate.typed_data() + at * layer_size, nullptr,
+                    reinterpret_cast<uint16_t*>(y->typed_data()), m, k, n, up.typed_data() + up_at * layer_size);
+    return ffi::Error::Success();
+  }
+#endif
+  return ffi::Error::InvalidArgument("dew gated product: " + std::to_string(m) + " rows; it takes more than " +
+                                     std::to_string(kAmxFewRows) + " with AMX's tiles on (dew.kernels.matmul "
+                                     "routes other products to two products and XLA's activation)");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DewFewRowsProduct, FewRowsProduct,
@@ -808,6 +957,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16RoundedProduct, Bfloat16FewRowsProduct<
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16SiluGatedProduct, Bfloat16SiluGatedProduct,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
+
 static PyObject* Handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DewFewRowsProduct), nullptr, nullptr);
 }
@@ -818,6 +977,10 @@ static PyObject* Bfloat16Handler(PyObject*, PyObject*) {
 
 static PyObject* RoundedHandler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DewBfloat16RoundedProduct), nullptr, nullptr);
+}
+
+static PyObject* SiluGatedHandler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&DewBfloat16SiluGatedProduct), nullptr, nullptr);
 }
 
 static PyObject* GetPairs(PyObject*, PyObject*) { return PyBool_FromLong(g_pairs.load()); }
@@ -855,6 +1018,8 @@ static PyMethodDef kMethods[] = {
     {"bfloat16_handler", Bfloat16Handler, METH_NOARGS, "The bfloat16 XLA FFI handler, as a capsule."},
     {"rounded_handler", RoundedHandler, METH_NOARGS,
      "The bfloat16 XLA FFI handler whose results are rounded to bfloat16, as a capsule."},
+    {"silu_gated_handler", SiluGatedHandler, METH_NOARGS,
+     "The bfloat16 XLA FFI handler of silu(x gate) * (x up) for more than 32 rows, in AMX's tiles, as a capsule."},
     {"pairs", GetPairs, METH_NOARGS, "Whether bfloat16 products take vdpbf16ps (under the avx512 set)."},
     {"set_pairs", SetPairs, METH_VARARGS, "Turn vdpbf16ps on (where the CPU has it) or off, for tests."},
     {"tiles", GetTiles, METH_NOARGS, "Whether bfloat16 products of 2 rows or more take AMX (under avx512)."},
