@@ -35,9 +35,9 @@
 // over all of K (one chain of tile products an output, whatever the threads). A scanned decoder's prefill
 // reads its layer in place this way, where XLA would copy the layer's weight out of the stack first.
 // A gated feed-forward's two products (gate and up, the same rows against two weights of one shape) may run
-// in one call of that body, which holds both weights' panels and finishes each block with silu(gate) * up,
-// each product rounded to bfloat16 first and the activation's roundings XLA's, so that the result is the
-// bits of the two products and XLA's fusion of the activation after them.
+// in one call of that body, which holds both weights' panels and finishes each block with act(gate) * up,
+// each product rounded to bfloat16 first and the activation looked up in a table XLA computed, so that the
+// result is the bits of the two products and XLA's fusion of the activation after them.
 // A bfloat16 product may return its sums rounded to bfloat16 (to nearest, ties to even, as XLA rounds).
 #include <Python.h>
 
@@ -423,10 +423,12 @@ struct ManyRows {
   const uint16_t* w;  // [k, n]
   float* y;           // [m, n], float32 results; or null, and
   uint16_t* rounded;  // [m, n], the results rounded to bfloat16 (their bits)
-  // With `up` ([k, n], y null), `rounded` is silu(x w) * (x up), each product rounded to bfloat16 first
-  // (GatedRows): a gated feed-forward's two products and its activation in one pass.
+  // With `up` ([k, n], y null), `rounded` is act(x w) * (x up), each product rounded to bfloat16 first
+  // (GatedColumns): a gated feed-forward's two products and its activation in one pass.
   const uint16_t* up = nullptr;
-  const uint16_t* silu = nullptr;  // with `up`: SiluTable()
+  // With `up`: the activation's rounded value for every bfloat16 gate, by its bits, and two zeros past the end
+  // (a 32-bit gather reads the last entry and the next).
+  const uint16_t* act = nullptr;
   int64_t m, k, n;
   int64_t steps;        // 32-row steps over K: ceil(k / 32)
   int64_t direct_rows;  // rows of x that A tiles read in place: whole blocks of 32, where k is a multiple of 32
@@ -500,38 +502,7 @@ DEW_AMX_TARGET void PanelSums(const ManyRows& p, const uint16_t* rows, int64_t a
   _tile_stored(3, out + 16 * stride + 16, stride * 4);
 }
 
-// ---- silu(gate) * up as XLA's CPU fusion computes it from two bfloat16 products ----
-//
-// XLA's loop fusion of `(silu(float32(gate)) rounded to bfloat16) * up`, rounded to bfloat16, computes
-// silu(g) = (1 / (1 + exp(-g))) * g in float32 with its own exp (Cephes' polynomial after clamping), every
-// product and sum rounded on its own (no fused multiply-add), under FTZ and DAZ. The same operations in the
-// same order give the same bits; the `_round` forms keep the compiler from contracting them into FMAs.
-constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-
-DEW_AMX_TARGET inline __m512 Splat(uint32_t bits) { return _mm512_castsi512_ps(_mm512_set1_epi32(bits)); }
-DEW_AMX_TARGET inline __m512 Mul(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, kNearest); }
-DEW_AMX_TARGET inline __m512 Add(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, kNearest); }
-DEW_AMX_TARGET inline __m512 Sub(__m512 a, __m512 b) { return _mm512_sub_round_ps(a, b, kNearest); }
-// `x < floor ? floor : x`, then `x > ceiling ? ceiling : x` (a NaN passes, as XLA's selects let it).
-DEW_AMX_TARGET inline __m512 Clamp(__m512 x, float floor, float ceiling) {
-  x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(floor), _CMP_LT_OQ), x, _mm512_set1_ps(floor));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(ceiling), _CMP_GT_OQ), x,
-                              _mm512_set1_ps(ceiling));
-}
-
-DEW_AMX_TARGET __m512 XlaExp(__m512 x) {
-  x = Clamp(x, -87.8f, 88.8f);
-  __m512 n = Add(Mul(x, Splat(0x3FB8AA3B)), _mm512_set1_ps(0.5f));  // x log2(e) + 1/2
-  n = Clamp(_mm512_roundscale_ps(n, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), -127.0f, 127.0f);
-  // x - n ln(2), ln(2) in two parts
-  __m512 z = Sub(Sub(x, Mul(n, Splat(0x3F318000))), Mul(n, Splat(0xB95E8083)));
-  __m512 y = Mul(z, Splat(0x39506967));
-  for (uint32_t c : {0x3AB743CEu, 0x3C088908u, 0x3D2AA9C1u, 0x3E2AAAAAu}) y = Mul(Add(y, Splat(c)), z);
-  y = Add(y, _mm512_set1_ps(0.5f));
-  y = Add(Add(z, Mul(y, Mul(z, z))), _mm512_set1_ps(1.0f));
-  __m512i scale = _mm512_add_epi32(_mm512_slli_epi32(_mm512_cvttps_epi32(n), 23), _mm512_set1_epi32(0x3F800000));
-  return Mul(y, _mm512_castsi512_ps(scale));
-}
+// ---- act(gate) * up as XLA's CPU fusion computes it from two bfloat16 products ----
 
 // float32 to bfloat16 as XLA's convert rounds: to nearest, ties to even; a NaN keeps its sign and exponent
 // and turns quiet. The bits sit in the float32's high half.
@@ -550,41 +521,13 @@ DEW_AMX_TARGET inline __m512i ProductBits(const float* sums) {
   return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sums)));
 }
 
-// silu of each bfloat16 (its bits, one a lane, in a float32's high half), rounded to bfloat16, as XLA computes it.
-DEW_AMX_TARGET __m512i Silu(__m512i bits) {
-  __m512 g = _mm512_castsi512_ps(bits);
-  __m512 e = XlaExp(_mm512_castsi512_ps(_mm512_xor_si512(bits, _mm512_set1_epi32(INT32_MIN))));
-  return XlaRound(Mul(_mm512_div_round_ps(_mm512_set1_ps(1.0f), Add(e, _mm512_set1_ps(1.0f)), kNearest), g));
-}
-
-// The rounded silu of every bfloat16, by its bits: a gate rounded to bfloat16 has only these 65,536 values, and
-// a lookup costs a fraction of computing XLA's exp and division. Two entries past the end let a 32-bit
-// gather read the last one. Built once, under FTZ and DAZ.
-DEW_AMX_TARGET void FillSiluTable(uint16_t* values) {
-  const unsigned int csr = _mm_getcsr();
-  _mm_setcsr(csr | 0x8040);
-  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int32_t first = 0; first < 65536; first += 16) {
-    __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(first), lanes);
-    __m512i act = _mm512_srli_epi32(Silu(_mm512_slli_epi32(bits, 16)), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(values + first), _mm512_cvtepi32_epi16(act));
-  }
-  _mm_setcsr(csr);
-}
-
-const uint16_t* SiluTable() {
-  static const std::vector<uint16_t> table = [] {
-    std::vector<uint16_t> values(65536 + 2, 0);
-    FillSiluTable(values.data());
-    return values;
-  }();
-  return table.data();
-}
-
-// silu(gate) * up of 16 columns, rounded to bfloat16 as XLA rounds (their bits): `silu` is SiluTable().
-DEW_AMX_TARGET inline __m256i GatedColumns(const float* gate, const float* up, const uint16_t* silu) {
-  __m512i act = _mm512_slli_epi32(_mm512_i32gather_epi32(ProductBits(gate), silu, 2), 16);
-  __m512 both = Mul(_mm512_castsi512_ps(act), _mm512_castsi512_ps(_mm512_slli_epi32(ProductBits(up), 16)));
+// act(gate) * up of 16 columns, rounded to bfloat16 as XLA rounds (their bits). A gate rounded to bfloat16
+// has only 65,536 values: `act` holds the activation's rounded value for each, by its bits, as XLA computes
+// it (dew.kernels.matmul.activation_table), and a lookup costs a fraction of computing it. The product of two
+// bfloat16s is exact in float32 but for overflow and underflow, flushed to zero under FTZ as in XLA's fusion.
+DEW_AMX_TARGET inline __m256i GatedColumns(const float* gate, const float* up, const uint16_t* act) {
+  __m512i looked_up = _mm512_slli_epi32(_mm512_i32gather_epi32(ProductBits(gate), act, 2), 16);
+  __m512 both = _mm512_mul_ps(_mm512_castsi512_ps(looked_up), _mm512_castsi512_ps(_mm512_slli_epi32(ProductBits(up), 16)));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(XlaRound(both), 16));
 }
 
@@ -612,8 +555,8 @@ DEW_AMX_TARGET void MultiplyBlock(const ManyRows& p, const uint16_t* panels, con
       if (p.y) {
         std::copy(spill[i], spill[i] + columns, p.y + (r + i) * p.n + c);
       } else if (p.up) {
-        __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(GatedColumns(spill[i], up_spill[i], p.silu)),
-                                          GatedColumns(spill[i] + 16, up_spill[i] + 16, p.silu), 1);
+        __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(GatedColumns(spill[i], up_spill[i], p.act)),
+                                          GatedColumns(spill[i] + 16, up_spill[i] + 16, p.act), 1);
         _mm512_mask_storeu_epi16(out, mask, both);
       } else {  // to nearest, ties to even (NaN stays a quiet NaN), as XLA rounds float32 to bfloat16
         __m512bh both = _mm512_cvtne2ps_pbh(_mm512_load_ps(spill[i] + 16), _mm512_load_ps(spill[i]));
@@ -635,7 +578,7 @@ DEW_AMX_TARGET void RunManyRows(ManyRows& p) {
     if (!configured) {
       _tile_loadconfig(&tiles);
       panels.resize(static_cast<size_t>(weights * p.group * panel_size));
-      // The activation runs under FTZ and DAZ, as XLA's fusions do, whatever this thread had set.
+      // The gated product's multiply runs under FTZ and DAZ, as XLA's fusions do, whatever this thread had set.
       csr = _mm_getcsr();
       if (p.up) _mm_setcsr(csr | 0x8040);
       configured = true;
@@ -654,18 +597,19 @@ DEW_AMX_TARGET void RunManyRows(ManyRows& p) {
   }
 }
 
-// y = x w for more than kAmxFewRows rows, over the pool's threads (w the layer, read in place); with `up`,
-// the rounded silu(x w) * (x up) instead (y null). Each output is one piece's chain of tile products, so the
+// y = x w for more than kAmxFewRows rows, over the pool's threads (w the layer, read in place); with `up`
+// and `act`, the rounded act(x w) * (x up) instead (y null). Each output is one piece's chain of tile products, so the
 // result does not depend on the threads or the chunks.
 void ManyRowsProduct(ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, uint16_t* rounded,
-                     int64_t m, int64_t k, int64_t n, const uint16_t* up = nullptr) {
+                     int64_t m, int64_t k, int64_t n, const uint16_t* up = nullptr,
+                     const uint16_t* act = nullptr) {
   auto p = std::make_shared<ManyRows>();
   p->x = x;
   p->w = w;
   p->y = y;
   p->rounded = rounded;
   p->up = up;
-  if (up) p->silu = SiluTable();
+  p->act = act;
   p->m = m;
   p->k = k;
   p->n = n;
@@ -905,24 +849,30 @@ ffi::Error Bfloat16FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
   return ffi::Error::Success();
 }
 
-// A gated feed-forward's silu(x gate[gate_layer]) * (x up[up_layer]) for a prefill's rows, rounded to
+// A gated feed-forward's act(x gate[gate_layer]) * (x up[up_layer]) for a prefill's rows, rounded to
 // bfloat16 as the two rounded products and XLA's fusion of the activation after them give it: x [M, K]
-// bfloat16, gate and up [L, K, N] bfloat16 as their uint16 bits, read in place. Only the AMX body of more
-// than kAmxFewRows rows computes it.
-ffi::Error Bfloat16SiluGatedProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> gate,
-                                    ffi::Buffer<ffi::S32> gate_layer, ffi::Buffer<ffi::U16> up,
-                                    ffi::Buffer<ffi::S32> up_layer, ffi::Result<ffi::Buffer<ffi::BF16>> y) {
+// bfloat16, gate and up [L, K, N] bfloat16 as their uint16 bits, read in place, and `act` the activation's
+// rounded value for each bfloat16 by its bits [65538] (two zeros past the end). Only the AMX body of more than
+// kAmxFewRows rows computes it.
+ffi::Error Bfloat16GatedProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> gate,
+                                ffi::Buffer<ffi::S32> gate_layer, ffi::Buffer<ffi::U16> up,
+                                ffi::Buffer<ffi::S32> up_layer, ffi::Buffer<ffi::U16> act,
+                                ffi::Result<ffi::Buffer<ffi::BF16>> y) {
   int64_t at, up_at;
   if (ffi::Error error = CheckShapes("dew gated product (gate)", x, gate, gate_layer, y, &at); error.failure())
     return error;
   if (ffi::Error error = CheckShapes("dew gated product (up)", x, up, up_layer, y, &up_at); error.failure())
     return error;
+  if (act.element_count() != 65536 + 2)
+    return ffi::Error::InvalidArgument("dew gated product: the activation's table holds 65538 entries, not " +
+                                       std::to_string(act.element_count()));
   auto dx = x.dimensions(), dw = gate.dimensions();
   const int64_t m = dx[0], k = dx[1], n = dw[2], layer_size = k * n;
 #ifdef DEW_X86
   if (m > kAmxFewRows && Body(static_cast<uint16_t*>(nullptr), m) == BlockAmx) {
     ManyRowsProduct(pool, x.typed_data(), gate.typed_data() + at * layer_size, nullptr,
-                    reinterpret_cast<uint16_t*>(y->typed_data()), m, k, n, up.typed_data() + up_at * layer_size);
+                    reinterpret_cast<uint16_t*>(y->typed_data()), m, k, n, up.typed_data() + up_at * layer_size,
+                    act.typed_data());
     return ffi::Error::Success();
   }
 #endif
@@ -957,7 +907,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16RoundedProduct, Bfloat16FewRowsProduct<
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16SiluGatedProduct, Bfloat16SiluGatedProduct,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16GatedProduct, Bfloat16GatedProduct,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
@@ -965,6 +915,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16SiluGatedProduct, Bfloat16SiluGatedProd
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>());
 
 static PyObject* Handler(PyObject*, PyObject*) {
@@ -979,8 +930,8 @@ static PyObject* RoundedHandler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DewBfloat16RoundedProduct), nullptr, nullptr);
 }
 
-static PyObject* SiluGatedHandler(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&DewBfloat16SiluGatedProduct), nullptr, nullptr);
+static PyObject* GatedHandler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&DewBfloat16GatedProduct), nullptr, nullptr);
 }
 
 static PyObject* GetPairs(PyObject*, PyObject*) { return PyBool_FromLong(g_pairs.load()); }
@@ -1018,8 +969,8 @@ static PyMethodDef kMethods[] = {
     {"bfloat16_handler", Bfloat16Handler, METH_NOARGS, "The bfloat16 XLA FFI handler, as a capsule."},
     {"rounded_handler", RoundedHandler, METH_NOARGS,
      "The bfloat16 XLA FFI handler whose results are rounded to bfloat16, as a capsule."},
-    {"silu_gated_handler", SiluGatedHandler, METH_NOARGS,
-     "The bfloat16 XLA FFI handler of silu(x gate) * (x up) for more than 32 rows, in AMX's tiles, as a capsule."},
+    {"gated_handler", GatedHandler, METH_NOARGS,
+     "The bfloat16 XLA FFI handler of act(x gate) * (x up) for more than 32 rows, in AMX's tiles, as a capsule."},
     {"pairs", GetPairs, METH_NOARGS, "Whether bfloat16 products take vdpbf16ps (under the avx512 set)."},
     {"set_pairs", SetPairs, METH_VARARGS, "Turn vdpbf16ps on (where the CPU has it) or off, for tests."},
     {"tiles", GetTiles, METH_NOARGS, "Whether bfloat16 products of 2 rows or more take AMX (under avx512)."},

@@ -76,9 +76,10 @@ class GatedMLP(nn.Module):
         if gate is None or up is None or self.use_bias or self.sparsity:
             return None
         x_ND = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        if not gated_takes(x_ND, gate[0], up[0], self.activation):
+        if not gated_takes(x_ND, gate[0], up[0]):
             return None
-        return stacked_gated_product(x_ND, *gate, *up, self.activation).reshape(*x.shape[:-1], self.features)
+        return stacked_gated_product(x_ND, *gate, *up, ACTIVATIONS[self.activation]).reshape(*x.shape[:-1],
+                                                                                             self.features)
 
 
 def _gaussian_top(gate, sparsity: float):
