@@ -476,32 +476,6 @@ DEW_AMX_TARGET void PackPanels(const ManyRows& p, const uint16_t* weight, int64_
     }
 }
 
-// The sums of the block of 32 rows `rows` (`a_row` uint16s from one row to the next) against one panel over
-// all of K, into `out` (32 rows of `stride` floats).
-DEW_AMX_TARGET void PanelSums(const ManyRows& p, const uint16_t* rows, int64_t a_row, const uint16_t* panel,
-                              float* out, int64_t stride) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  // Each product issued as soon as its tiles are loaded, so that loads and products overlap.
-  const uint16_t *a = rows, *b = panel;
-  for (int64_t s = 0; s < p.steps; ++s, a += kAmxDepth, b += 1024) {
-    _tile_loadd(4, a, a_row * 2);
-    _tile_loadd(6, b, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(5, a + 16 * a_row, a_row * 2);
-    _tile_dpbf16ps(1, 5, 6);
-    _tile_loadd(7, b + 512, 64);
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  _tile_stored(0, out, stride * 4);
-  _tile_stored(1, out + 16 * stride, stride * 4);
-  _tile_stored(2, out + 16, stride * 4);
-  _tile_stored(3, out + 16 * stride + 16, stride * 4);
-}
-
 // ---- act(gate) * up as XLA's CPU fusion computes it from two bfloat16 products ----
 
 // float32 to bfloat16 as XLA's convert rounds: to nearest, ties to even; a NaN keeps its sign and exponent
@@ -531,11 +505,58 @@ DEW_AMX_TARGET inline __m256i GatedColumns(const float* gate, const float* up, c
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(XlaRound(both), 16));
 }
 
-// The block of 32 rows from r (rows past m included) against panels [first, first + count) (with `up`, the
-// up projection's panels `up_panels` too).
-DEW_AMX_TARGET void MultiplyBlock(const ManyRows& p, const uint16_t* panels, const uint16_t* up_panels,
-                                  int64_t first, int64_t count, int64_t r) {
-  alignas(64) float spill[32][32], up_spill[32][32];
+// A gated block's rows still to finish (the previous panel's), while the tiles compute the next panel.
+struct Pending {
+  const float* gate = nullptr;  // its sums [32][32], null where nothing is pending
+  const float* up = nullptr;
+  uint16_t* out = nullptr;  // where row 0's first column goes in `rounded`
+  int64_t n = 0, rows = 0;  // the stride of `out`; rows past m are not written
+  __mmask32 columns = 0;
+  const uint16_t* act = nullptr;
+};
+
+DEW_AMX_TARGET inline void FinishRow(const Pending& pending, int64_t i) {
+  if (!pending.gate || i >= pending.rows) return;
+  const float *gate = pending.gate + 32 * i, *up = pending.up + 32 * i;
+  __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(GatedColumns(gate, up, pending.act)),
+                                    GatedColumns(gate + 16, up + 16, pending.act), 1);
+  _mm512_mask_storeu_epi16(pending.out + i * pending.n, pending.columns, both);
+}
+
+// The sums of the block of 32 rows `rows` (`a_row` uint16s from one row to the next) against one panel over
+// all of K, into `out` (32 rows of `stride` floats). With `pending`, step s also finishes its row
+// `first_pending + s` (s < 16): the vector units work while the tiles do.
+DEW_AMX_TARGET void PanelSums(const ManyRows& p, const uint16_t* rows, int64_t a_row, const uint16_t* panel,
+                              float* out, int64_t stride, const Pending* pending = nullptr, int64_t first_pending = 0) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  // Each product issued as soon as its tiles are loaded, so that loads and products overlap.
+  const uint16_t *a = rows, *b = panel;
+  for (int64_t s = 0; s < p.steps; ++s, a += kAmxDepth, b += 1024) {
+    _tile_loadd(4, a, a_row * 2);
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, a + 16 * a_row, a_row * 2);
+    _tile_dpbf16ps(1, 5, 6);
+    _tile_loadd(7, b + 512, 64);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+    if (pending && s < 16) FinishRow(*pending, first_pending + s);
+  }
+  if (pending)
+    for (int64_t s = p.steps; s < 16; ++s) FinishRow(*pending, first_pending + s);
+  _tile_stored(0, out, stride * 4);
+  _tile_stored(1, out + 16 * stride, stride * 4);
+  _tile_stored(2, out + 16, stride * 4);
+  _tile_stored(3, out + 16 * stride + 16, stride * 4);
+}
+
+// The block of 32 rows from r (rows past m included) against panels [first, first + count).
+DEW_AMX_TARGET void MultiplyBlock(const ManyRows& p, const uint16_t* panels, int64_t first, int64_t count,
+                                  int64_t r) {
+  alignas(64) float spill[32][32];
   const int64_t padded_k = p.steps * kAmxDepth;
   const bool in_place = r + 32 <= p.direct_rows;
   const uint16_t* rows = in_place ? p.x + r * p.k : p.padded + (r - p.direct_rows) * padded_k;
@@ -548,20 +569,39 @@ DEW_AMX_TARGET void MultiplyBlock(const ManyRows& p, const uint16_t* panels, con
     PanelSums(p, rows, a_row, panels + g * p.steps * 1024, whole ? p.y + r * p.n + c : &spill[0][0],
               whole ? p.n : 32);
     if (whole) continue;
-    if (p.up) PanelSums(p, rows, a_row, up_panels + g * p.steps * 1024, &up_spill[0][0], 32);
     const __mmask32 mask = columns == 32 ? ~__mmask32{0} : (__mmask32{1} << columns) - 1;
     for (int64_t i = 0; i < std::min<int64_t>(32, p.m - r); ++i) {
-      uint16_t* out = p.rounded + (r + i) * p.n + c;
       if (p.y) {
         std::copy(spill[i], spill[i] + columns, p.y + (r + i) * p.n + c);
-      } else if (p.up) {
-        __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(GatedColumns(spill[i], up_spill[i], p.act)),
-                                          GatedColumns(spill[i] + 16, up_spill[i] + 16, p.act), 1);
-        _mm512_mask_storeu_epi16(out, mask, both);
       } else {  // to nearest, ties to even (NaN stays a quiet NaN), as XLA rounds float32 to bfloat16
         __m512bh both = _mm512_cvtne2ps_pbh(_mm512_load_ps(spill[i] + 16), _mm512_load_ps(spill[i]));
-        _mm512_mask_storeu_epi16(out, mask, (__m512i)both);
+        _mm512_mask_storeu_epi16(p.rounded + (r + i) * p.n + c, mask, (__m512i)both);
       }
+    }
+  }
+}
+
+// The gated product's block of 32 rows from r against the gate's panels and the up projection's
+// [first, first + count): each panel's two sums into one of two spills, and the previous panel's rows
+// finished while the tiles compute them.
+DEW_AMX_TARGET void GatedBlock(const ManyRows& p, const uint16_t* panels, const uint16_t* up_panels, int64_t first,
+                               int64_t count, int64_t r) {
+  alignas(64) float spills[2][2][32][32];  // [panel's parity][gate, up][row][column]
+  const int64_t padded_k = p.steps * kAmxDepth, panel_size = p.steps * 1024;
+  const bool in_place = r + 32 <= p.direct_rows;
+  const uint16_t* rows = in_place ? p.x + r * p.k : p.padded + (r - p.direct_rows) * padded_k;
+  const int64_t a_row = in_place ? p.k : padded_k;
+  Pending pending;
+  for (int64_t g = 0; g <= count; ++g) {
+    if (g < count) {
+      float(*spill)[32][32] = spills[g % 2];
+      PanelSums(p, rows, a_row, panels + g * panel_size, &spill[0][0][0], 32, &pending, 0);
+      PanelSums(p, rows, a_row, up_panels + g * panel_size, &spill[1][0][0], 32, &pending, 16);
+      const int64_t c = (first + g) * 32, columns = std::min<int64_t>(32, p.n - c);
+      pending = {&spill[0][0][0], &spill[1][0][0], p.rounded + r * p.n + c, p.n, std::min<int64_t>(32, p.m - r),
+                 columns == 32 ? ~__mmask32{0} : (__mmask32{1} << columns) - 1, p.act};
+    } else {
+      for (int64_t i = 0; i < 32; ++i) FinishRow(pending, i);
     }
   }
 }
@@ -588,7 +628,13 @@ DEW_AMX_TARGET void RunManyRows(ManyRows& p) {
     uint16_t* up_panels = panels.data() + p.group * panel_size;
     PackPanels(p, p.w, first, count, panels.data());
     if (p.up) PackPanels(p, p.up, first, count, up_panels);
-    for (int64_t r = part_begin; r < part_end; r += 32) MultiplyBlock(p, panels.data(), up_panels, first, count, r);
+    for (int64_t r = part_begin; r < part_end; r += 32) {
+      if (p.up) {
+        GatedBlock(p, panels.data(), up_panels, first, count, r);
+      } else {
+        MultiplyBlock(p, panels.data(), first, count, r);
+      }
+    }
     p.done.fetch_add(1, std::memory_order_release);
   }
   if (configured) {
