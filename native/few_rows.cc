@@ -501,7 +501,8 @@ DEW_AMX_TARGET inline __m512i ProductBits(const float* sums) {
 // bfloat16s is exact in float32 but for overflow and underflow, flushed to zero under FTZ as in XLA's fusion.
 DEW_AMX_TARGET inline __m256i GatedColumns(const float* gate, const float* up, const uint16_t* act) {
   __m512i looked_up = _mm512_slli_epi32(_mm512_i32gather_epi32(ProductBits(gate), act, 2), 16);
-  __m512 both = _mm512_mul_ps(_mm512_castsi512_ps(looked_up), _mm512_castsi512_ps(_mm512_slli_epi32(ProductBits(up), 16)));
+  __m512 widened_up = _mm512_castsi512_ps(_mm512_slli_epi32(ProductBits(up), 16));
+  __m512 both = _mm512_mul_ps(_mm512_castsi512_ps(looked_up), widened_up);
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(XlaRound(both), 16));
 }
 
@@ -527,7 +528,8 @@ DEW_AMX_TARGET inline void FinishRow(const Pending& pending, int64_t i) {
 // all of K, into `out` (32 rows of `stride` floats). With `pending`, step s also finishes its row
 // `first_pending + s` (s < 16): the vector units work while the tiles do.
 DEW_AMX_TARGET void PanelSums(const ManyRows& p, const uint16_t* rows, int64_t a_row, const uint16_t* panel,
-                              float* out, int64_t stride, const Pending* pending = nullptr, int64_t first_pending = 0) {
+                              float* out, int64_t stride, const Pending* pending = nullptr,
+                              int64_t first_pending = 0) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -644,8 +646,8 @@ DEW_AMX_TARGET void RunManyRows(ManyRows& p) {
 }
 
 // y = x w for more than kAmxFewRows rows, over the pool's threads (w the layer, read in place); with `up`
-// and `act`, the rounded act(x w) * (x up) instead (y null). Each output is one piece's chain of tile products, so the
-// result does not depend on the threads or the chunks.
+// and `act`, the rounded act(x w) * (x up) instead (y null). Each output is one piece's chain of tile
+// products, so the result does not depend on the threads or the chunks.
 void ManyRowsProduct(ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, uint16_t* rounded,
                      int64_t m, int64_t k, int64_t n, const uint16_t* up = nullptr,
                      const uint16_t* act = nullptr) {
