@@ -34,6 +34,10 @@
 // whole of K once, then multiplies every block of 32 rows against each panel with the sums held in tiles
 // over all of K (one chain of tile products an output, whatever the threads). A scanned decoder's prefill
 // reads its layer in place this way, where XLA would copy the layer's weight out of the stack first.
+// A gated feed-forward's two products (gate and up, the same rows against two weights of one shape) may run
+// in one call of that body, which holds both weights' panels and finishes each block with act(gate) * up,
+// each product rounded to bfloat16 first and the activation looked up in a table XLA computed, so that the
+// result is the bits of the two products and XLA's fusion of the activation after them.
 // A bfloat16 product may return its sums rounded to bfloat16 (to nearest, ties to even, as XLA rounds).
 #include <Python.h>
 
@@ -419,6 +423,12 @@ struct ManyRows {
   const uint16_t* w;  // [k, n]
   float* y;           // [m, n], float32 results; or null, and
   uint16_t* rounded;  // [m, n], the results rounded to bfloat16 (their bits)
+  // With `up` ([k, n], y null), `rounded` is act(x w) * (x up), each product rounded to bfloat16 first
+  // (GatedColumns): a gated feed-forward's two products and its activation in one pass.
+  const uint16_t* up = nullptr;
+  // With `up`: the activation's rounded value for every bfloat16 gate, by its bits, and two zeros past the end
+  // (a 32-bit gather reads the last entry and the next).
+  const uint16_t* act = nullptr;
   int64_t m, k, n;
   int64_t steps;        // 32-row steps over K: ceil(k / 32)
   int64_t direct_rows;  // rows of x that A tiles read in place: whole blocks of 32, where k is a multiple of 32
@@ -442,13 +452,14 @@ TileConfig WholeTiles() {
 
 // Panels [first, first + count) of w (columns past n zero) over all of K (rows past k zero), as B tiles:
 // [count][steps][2][16 pairs][32]. Each of w's rows is read across the group's columns in one run.
-DEW_AMX_TARGET void PackPanels(const ManyRows& p, int64_t first, int64_t count, uint16_t* panels) {
+DEW_AMX_TARGET void PackPanels(const ManyRows& p, const uint16_t* weight, int64_t first, int64_t count,
+                                uint16_t* panels) {
   const __m512i low = _mm512_load_si512(kTileLow), high = _mm512_load_si512(kTileHigh);
   const int64_t panel_size = p.steps * 1024, end = std::min(p.n, (first + count) * 32);
   for (int64_t s = 0; s < p.steps; ++s)
     for (int64_t pair = 0; pair < 16; ++pair) {
       const int64_t k = s * kAmxDepth + 2 * pair;
-      const uint16_t* w = p.w + k * p.n;
+      const uint16_t* w = weight + k * p.n;
       for (int64_t g = 0; g < count; ++g) {
         const int64_t c = (first + g) * 32, columns = std::min<int64_t>(32, end - c);
         // The rows 32 on, asked of the memory a cache line each (rows n apart, a stride the hardware
@@ -465,6 +476,85 @@ DEW_AMX_TARGET void PackPanels(const ManyRows& p, int64_t first, int64_t count, 
     }
 }
 
+// ---- act(gate) * up as XLA's CPU fusion computes it from two bfloat16 products ----
+
+// float32 to bfloat16 as XLA's convert rounds: to nearest, ties to even; a NaN keeps its sign and exponent
+// and turns quiet. The bits sit in the float32's high half.
+DEW_AMX_TARGET inline __m512i XlaRound(__m512 f) {
+  __m512i bits = _mm512_castps_si512(f), one = _mm512_set1_epi32(1);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+  __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))),
+                                     _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  __m512i quiet = _mm512_or_si512(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFF800000u))),
+                                  _mm512_set1_epi32(0x400000));
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), rounded, quiet);
+}
+
+// 16 float32 sums rounded to bfloat16 as the product's rounded output is (vcvtneps2bf16), their bits.
+DEW_AMX_TARGET inline __m512i ProductBits(const float* sums) {
+  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sums)));
+}
+
+// act(gate) * up of 16 columns, rounded to bfloat16 as XLA rounds (their bits). A gate rounded to bfloat16
+// has only 65,536 values: `act` holds the activation's rounded value for each, by its bits, as XLA computes
+// it (dew.kernels.matmul.activation_table), and a lookup costs a fraction of computing it. The product of two
+// bfloat16s is exact in float32 but for overflow and underflow, flushed to zero under FTZ as in XLA's fusion.
+DEW_AMX_TARGET inline __m256i GatedColumns(const float* gate, const float* up, const uint16_t* act) {
+  __m512i looked_up = _mm512_slli_epi32(_mm512_i32gather_epi32(ProductBits(gate), act, 2), 16);
+  __m512 widened_up = _mm512_castsi512_ps(_mm512_slli_epi32(ProductBits(up), 16));
+  __m512 both = _mm512_mul_ps(_mm512_castsi512_ps(looked_up), widened_up);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(XlaRound(both), 16));
+}
+
+// A gated block's rows still to finish (the previous panel's), while the tiles compute the next panel.
+struct Pending {
+  const float* gate = nullptr;  // its sums [32][32], null where nothing is pending
+  const float* up = nullptr;
+  uint16_t* out = nullptr;  // where row 0's first column goes in `rounded`
+  int64_t n = 0, rows = 0;  // the stride of `out`; rows past m are not written
+  __mmask32 columns = 0;
+  const uint16_t* act = nullptr;
+};
+
+DEW_AMX_TARGET inline void FinishRow(const Pending& pending, int64_t i) {
+  if (!pending.gate || i >= pending.rows) return;
+  const float *gate = pending.gate + 32 * i, *up = pending.up + 32 * i;
+  __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(GatedColumns(gate, up, pending.act)),
+                                    GatedColumns(gate + 16, up + 16, pending.act), 1);
+  _mm512_mask_storeu_epi16(pending.out + i * pending.n, pending.columns, both);
+}
+
+// The sums of the block of 32 rows `rows` (`a_row` uint16s from one row to the next) against one panel over
+// all of K, into `out` (32 rows of `stride` floats). With `pending`, step s also finishes its row
+// `first_pending + s` (s < 16): the vector units work while the tiles do.
+DEW_AMX_TARGET void PanelSums(const ManyRows& p, const uint16_t* rows, int64_t a_row, const uint16_t* panel,
+                              float* out, int64_t stride, const Pending* pending = nullptr,
+                              int64_t first_pending = 0) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  // Each product issued as soon as its tiles are loaded, so that loads and products overlap.
+  const uint16_t *a = rows, *b = panel;
+  for (int64_t s = 0; s < p.steps; ++s, a += kAmxDepth, b += 1024) {
+    _tile_loadd(4, a, a_row * 2);
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, a + 16 * a_row, a_row * 2);
+    _tile_dpbf16ps(1, 5, 6);
+    _tile_loadd(7, b + 512, 64);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+    if (pending && s < 16) FinishRow(*pending, first_pending + s);
+  }
+  if (pending)
+    for (int64_t s = p.steps; s < 16; ++s) FinishRow(*pending, first_pending + s);
+  _tile_stored(0, out, stride * 4);
+  _tile_stored(1, out + 16 * stride, stride * 4);
+  _tile_stored(2, out + 16, stride * 4);
+  _tile_stored(3, out + 16 * stride + 16, stride * 4);
+}
+
 // The block of 32 rows from r (rows past m included) against panels [first, first + count).
 DEW_AMX_TARGET void MultiplyBlock(const ManyRows& p, const uint16_t* panels, int64_t first, int64_t count,
                                   int64_t r) {
@@ -475,31 +565,11 @@ DEW_AMX_TARGET void MultiplyBlock(const ManyRows& p, const uint16_t* panels, int
   const int64_t a_row = in_place ? p.k : padded_k;  // uint16s from one of x's rows to the next
   for (int64_t g = 0; g < count; ++g) {
     const int64_t c = (first + g) * 32, columns = std::min<int64_t>(32, p.n - c);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    // Each product issued as soon as its tiles are loaded, so that loads and products overlap.
-    const uint16_t *a = rows, *b = panels + g * p.steps * 1024;
-    for (int64_t s = 0; s < p.steps; ++s, a += kAmxDepth, b += 1024) {
-      _tile_loadd(4, a, a_row * 2);
-      _tile_loadd(6, b, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(5, a + 16 * a_row, a_row * 2);
-      _tile_dpbf16ps(1, 5, 6);
-      _tile_loadd(7, b + 512, 64);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
     // A whole block of float32 results goes straight to y; a ragged one (rows past m, columns past n), or
     // one rounded to bfloat16, through `spill`.
     const bool whole = p.y && r + 32 <= p.m && columns == 32;
-    float* out = whole ? p.y + r * p.n + c : &spill[0][0];
-    const int64_t stride = whole ? p.n : 32;
-    _tile_stored(0, out, stride * 4);
-    _tile_stored(1, out + 16 * stride, stride * 4);
-    _tile_stored(2, out + 16, stride * 4);
-    _tile_stored(3, out + 16 * stride + 16, stride * 4);
+    PanelSums(p, rows, a_row, panels + g * p.steps * 1024, whole ? p.y + r * p.n + c : &spill[0][0],
+              whole ? p.n : 32);
     if (whole) continue;
     const __mmask32 mask = columns == 32 ? ~__mmask32{0} : (__mmask32{1} << columns) - 1;
     for (int64_t i = 0; i < std::min<int64_t>(32, p.m - r); ++i) {
@@ -513,36 +583,81 @@ DEW_AMX_TARGET void MultiplyBlock(const ManyRows& p, const uint16_t* panels, int
   }
 }
 
-// Claims pieces until none is left; each packs its panels into this thread's buffer.
+// The gated product's block of 32 rows from r against the gate's panels and the up projection's
+// [first, first + count): each panel's two sums into one of two spills, and the previous panel's rows
+// finished while the tiles compute them.
+DEW_AMX_TARGET void GatedBlock(const ManyRows& p, const uint16_t* panels, const uint16_t* up_panels, int64_t first,
+                               int64_t count, int64_t r) {
+  alignas(64) float spills[2][2][32][32];  // [panel's parity][gate, up][row][column]
+  const int64_t padded_k = p.steps * kAmxDepth, panel_size = p.steps * 1024;
+  const bool in_place = r + 32 <= p.direct_rows;
+  const uint16_t* rows = in_place ? p.x + r * p.k : p.padded + (r - p.direct_rows) * padded_k;
+  const int64_t a_row = in_place ? p.k : padded_k;
+  Pending pending;
+  for (int64_t g = 0; g <= count; ++g) {
+    if (g < count) {
+      float(*spill)[32][32] = spills[g % 2];
+      PanelSums(p, rows, a_row, panels + g * panel_size, &spill[0][0][0], 32, &pending, 0);
+      PanelSums(p, rows, a_row, up_panels + g * panel_size, &spill[1][0][0], 32, &pending, 16);
+      const int64_t c = (first + g) * 32, columns = std::min<int64_t>(32, p.n - c);
+      pending = {&spill[0][0][0], &spill[1][0][0], p.rounded + r * p.n + c, p.n, std::min<int64_t>(32, p.m - r),
+                 columns == 32 ? ~__mmask32{0} : (__mmask32{1} << columns) - 1, p.act};
+    } else {
+      for (int64_t i = 0; i < 32; ++i) FinishRow(pending, i);
+    }
+  }
+}
+
+// Claims pieces until none is left; each packs its panels (and the up projection's) into this thread's buffer.
 DEW_AMX_TARGET void RunManyRows(ManyRows& p) {
   static const TileConfig tiles = WholeTiles();
   thread_local std::vector<uint16_t> panels;
   const int64_t panel_size = p.steps * 1024, blocks_end = (p.m + 31) / 32 * 32, all = (p.n + 31) / 32;
+  const int64_t weights = p.up ? 2 : 1;
   bool configured = false;
+  unsigned int csr = 0;
   for (int64_t i; (i = p.next.fetch_add(1, std::memory_order_relaxed)) < p.pieces;) {
     if (!configured) {
       _tile_loadconfig(&tiles);
-      panels.resize(static_cast<size_t>(p.group * panel_size));
+      panels.resize(static_cast<size_t>(weights * p.group * panel_size));
+      // The gated product's multiply runs under FTZ and DAZ, as XLA's fusions do, whatever this thread had set.
+      csr = _mm_getcsr();
+      if (p.up) _mm_setcsr(csr | 0x8040);
       configured = true;
     }
     const int64_t first = (i % p.groups) * p.group, count = std::min(p.group, all - first);
     const int64_t part_begin = i / p.groups * p.part_rows, part_end = std::min(part_begin + p.part_rows, blocks_end);
-    PackPanels(p, first, count, panels.data());
-    for (int64_t r = part_begin; r < part_end; r += 32) MultiplyBlock(p, panels.data(), first, count, r);
+    uint16_t* up_panels = panels.data() + p.group * panel_size;
+    PackPanels(p, p.w, first, count, panels.data());
+    if (p.up) PackPanels(p, p.up, first, count, up_panels);
+    for (int64_t r = part_begin; r < part_end; r += 32) {
+      if (p.up) {
+        GatedBlock(p, panels.data(), up_panels, first, count, r);
+      } else {
+        MultiplyBlock(p, panels.data(), first, count, r);
+      }
+    }
     p.done.fetch_add(1, std::memory_order_release);
   }
-  if (configured) _tile_release();
+  if (configured) {
+    _mm_setcsr(csr);
+    _tile_release();
+  }
 }
 
-// y = x w for more than kAmxFewRows rows, over the pool's threads (w the layer, read in place). Each output
-// is one piece's chain of tile products, so the result does not depend on the threads or the chunks.
+// y = x w for more than kAmxFewRows rows, over the pool's threads (w the layer, read in place); with `up`
+// and `act`, the rounded act(x w) * (x up) instead (y null). Each output is one piece's chain of tile
+// products, so the result does not depend on the threads or the chunks.
 void ManyRowsProduct(ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, uint16_t* rounded,
-                     int64_t m, int64_t k, int64_t n) {
+                     int64_t m, int64_t k, int64_t n, const uint16_t* up = nullptr,
+                     const uint16_t* act = nullptr) {
   auto p = std::make_shared<ManyRows>();
   p->x = x;
   p->w = w;
   p->y = y;
   p->rounded = rounded;
+  p->up = up;
+  p->act = act;
   p->m = m;
   p->k = k;
   p->n = n;
@@ -557,9 +672,9 @@ void ManyRowsProduct(ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w
   for (int64_t r = p->direct_rows; r < m; ++r)
     std::copy(x + r * k, x + (r + 1) * k, padded.data() + (r - p->direct_rows) * padded_k);
   p->padded = padded.data();
-  // Groups of panels that fit kGroupBytes, at least one a thread; rows split in parts where there are fewer
-  // groups than threads.
-  const int64_t all = (n + 31) / 32, panel_bytes = padded_k * 32 * 2;
+  // Groups of panels that fit kGroupBytes (the gate's and the up projection's together), at least one a
+  // thread; rows split in parts where there are fewer groups than threads.
+  const int64_t all = (n + 31) / 32, panel_bytes = padded_k * 32 * 2 * (up ? 2 : 1);
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t fitting = std::max<int64_t>(1, kGroupBytes / panel_bytes);
   const int64_t groups = std::min(all, threads * ((all + threads * fitting - 1) / (threads * fitting)));
@@ -782,6 +897,38 @@ ffi::Error Bfloat16FewRowsProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
   return ffi::Error::Success();
 }
 
+// A gated feed-forward's act(x gate[gate_layer]) * (x up[up_layer]) for a prefill's rows, rounded to
+// bfloat16 as the two rounded products and XLA's fusion of the activation after them give it: x [M, K]
+// bfloat16, gate and up [L, K, N] bfloat16 as their uint16 bits, read in place, and `act` the activation's
+// rounded value for each bfloat16 by its bits [65538] (two zeros past the end). Only the AMX body of more than
+// kAmxFewRows rows computes it.
+ffi::Error Bfloat16GatedProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> gate,
+                                ffi::Buffer<ffi::S32> gate_layer, ffi::Buffer<ffi::U16> up,
+                                ffi::Buffer<ffi::S32> up_layer, ffi::Buffer<ffi::U16> act,
+                                ffi::Result<ffi::Buffer<ffi::BF16>> y) {
+  int64_t at, up_at;
+  if (ffi::Error error = CheckShapes("dew gated product (gate)", x, gate, gate_layer, y, &at); error.failure())
+    return error;
+  if (ffi::Error error = CheckShapes("dew gated product (up)", x, up, up_layer, y, &up_at); error.failure())
+    return error;
+  if (act.element_count() != 65536 + 2)
+    return ffi::Error::InvalidArgument("dew gated product: the activation's table holds 65538 entries, not " +
+                                       std::to_string(act.element_count()));
+  auto dx = x.dimensions(), dw = gate.dimensions();
+  const int64_t m = dx[0], k = dx[1], n = dw[2], layer_size = k * n;
+#ifdef DEW_X86
+  if (m > kAmxFewRows && Body(static_cast<uint16_t*>(nullptr), m) == BlockAmx) {
+    ManyRowsProduct(pool, x.typed_data(), gate.typed_data() + at * layer_size, nullptr,
+                    reinterpret_cast<uint16_t*>(y->typed_data()), m, k, n, up.typed_data() + up_at * layer_size,
+                    act.typed_data());
+    return ffi::Error::Success();
+  }
+#endif
+  return ffi::Error::InvalidArgument("dew gated product: " + std::to_string(m) + " rows; it takes more than " +
+                                     std::to_string(kAmxFewRows) + " with AMX's tiles on (dew.kernels.matmul "
+                                     "routes other products to two products and XLA's activation)");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DewFewRowsProduct, FewRowsProduct,
@@ -808,6 +955,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16RoundedProduct, Bfloat16FewRowsProduct<
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBfloat16GatedProduct, Bfloat16GatedProduct,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
+
 static PyObject* Handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DewFewRowsProduct), nullptr, nullptr);
 }
@@ -818,6 +976,10 @@ static PyObject* Bfloat16Handler(PyObject*, PyObject*) {
 
 static PyObject* RoundedHandler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DewBfloat16RoundedProduct), nullptr, nullptr);
+}
+
+static PyObject* GatedHandler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&DewBfloat16GatedProduct), nullptr, nullptr);
 }
 
 static PyObject* GetPairs(PyObject*, PyObject*) { return PyBool_FromLong(g_pairs.load()); }
@@ -855,6 +1017,8 @@ static PyMethodDef kMethods[] = {
     {"bfloat16_handler", Bfloat16Handler, METH_NOARGS, "The bfloat16 XLA FFI handler, as a capsule."},
     {"rounded_handler", RoundedHandler, METH_NOARGS,
      "The bfloat16 XLA FFI handler whose results are rounded to bfloat16, as a capsule."},
+    {"gated_handler", GatedHandler, METH_NOARGS,
+     "The bfloat16 XLA FFI handler of act(x gate) * (x up) for more than 32 rows, in AMX's tiles, as a capsule."},
     {"pairs", GetPairs, METH_NOARGS, "Whether bfloat16 products take vdpbf16ps (under the avx512 set)."},
     {"set_pairs", SetPairs, METH_VARARGS, "Turn vdpbf16ps on (where the CPU has it) or off, for tests."},
     {"tiles", GetTiles, METH_NOARGS, "Whether bfloat16 products of 2 rows or more take AMX (under avx512)."},

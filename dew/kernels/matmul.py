@@ -24,7 +24,9 @@ layer in place): the same call on the same bytes, so the same numbers, for produ
 rows. Larger bfloat16 ones (a prefill's) run in the kernel's AMX body where the CPU has AMX's tiles
 (`policy.choose_bfloat16_prefill`): one chain of tile products over all of k per output, summed in the
 hardware's order, not XLA's, so their numbers differ from the indexed layer's dot by roundings; the others
-take `product` of the indexed layer.
+take `product` of the indexed layer. A gated feed-forward's gate and up products of a prefill take one call of
+that body (`stacked_gated_product`), which applies the activation too, with the same bits as the two products
+and XLA's activation after them.
 
 On the CPU, under `auto` and `native`, a product that contracts the leading axis of `a` (a weight
 gradient) lays `a^T` out as its own array first: XLA's CPU backend sends such a dot to Eigen, slower than
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +111,7 @@ def _few_rows() -> tuple[bool, str]:
     jax.ffi.register_ffi_target("dew_few_rows", native.handler(), platform="cpu")
     jax.ffi.register_ffi_target("dew_few_rows_bf16", native.bfloat16_handler(), platform="cpu")
     jax.ffi.register_ffi_target("dew_few_rows_bf16_to_bf16", native.rounded_handler(), platform="cpu")
+    jax.ffi.register_ffi_target("dew_few_rows_bf16_gated", native.gated_handler(), platform="cpu")
     bfloat16 = [name for name, on in (("vdpbf16ps", native.pairs()), ("AMX tiles", native.tiles())) if on]
     return True, f"Dew's kernel (dew._native_few_rows, {native.isa()}{''.join(', ' + b for b in bfloat16)})"
 
@@ -210,6 +214,48 @@ def stacked_product(a: jax.Array, stack: jax.Array, layer: jax.Array, out_dtype=
         return few_rows_product(a, stack, layer, inside).astype(out_dtype)
     note(key, "onednn")
     return onednn_stacked_product(a, stack, layer, out_dtype)
+
+
+def gated_takes(a: jax.Array, gate_stack: jax.Array, up_stack: jax.Array, policy: str | None = None) -> bool:
+    """Whether `stacked_gated_product` computes a gated feed-forward's `act(a @ gate) * (a @ up)` in one call
+    under `policy` (default the one in force) here: a bfloat16 `a` of more than `FEW_ROWS` rows (a
+    prefill's), both products read in place in the kernel's AMX body (`stacked_takes`,
+    `policy.choose_bfloat16_prefill`) from stacks of one shape."""
+    return (a.ndim == 2 and a.dtype == _BF16 and a.shape[0] > FEW_ROWS and gate_stack.shape == up_stack.shape
+            and stacked_takes(a, gate_stack, policy) and stacked_takes(a, up_stack, policy))
+
+
+@functools.cache
+def activation_table(activation: Callable[[jax.Array], jax.Array]) -> np.ndarray:
+    """`activation(float32(b))` rounded to bfloat16 for each of the 65,536 bfloat16s `b`, by their bits, as
+    uint16 `[65538]` (two zeros past the end, which the kernel's 32-bit gather reads), computed by XLA on this
+    CPU: the values XLA's fusion of the activation gives a rounded gate, whatever XLA's elementwise code is."""
+    with jax.ensure_compile_time_eval():
+        gates = lax.bitcast_convert_type(jnp.arange(65536, dtype=jnp.uint32).astype(jnp.uint16), jnp.bfloat16)
+        values = activation(gates.astype(jnp.float32)).astype(jnp.bfloat16)
+        bits = np.asarray(jax.device_get(lax.bitcast_convert_type(values, jnp.uint16)))
+    return np.concatenate([bits, np.zeros(2, np.uint16)])
+
+
+def stacked_gated_product(a: jax.Array, gate_stack: jax.Array, gate_layer: jax.Array, up_stack: jax.Array,
+                          up_layer: jax.Array, activation: Callable[[jax.Array], jax.Array],
+                          policy: str | None = None) -> jax.Array:
+    """`activation(a @ gate_stack[gate_layer]) * (a @ up_stack[up_layer])` in bfloat16 `[m, n]`, each layer read
+    in place, in one call of the kernel's AMX body where `gated_takes` says so: the same bits as the two
+    `stacked_product`s rounded to bfloat16 and XLA's elementwise `activation` (float32 in, rounded to bfloat16)
+    times up, rounded (`dew.nn.mlp.GatedMLP`), without writing the two products out and reading them back. The
+    activation is looked up by the rounded gate's bits in `activation_table(activation)`."""
+    policy = in_force(policy)
+    if not gated_takes(a, gate_stack, up_stack, policy):
+        raise ValueError(f"the gated product of a {a.dtype} {a.shape} and stacks {gate_stack.dtype} "
+                         f"{gate_stack.shape}, {up_stack.dtype} {up_stack.shape} does not run in the kernel here "
+                         f"(gated_takes): take two stacked_products and the activation after them")
+    (m, k), n = a.shape, gate_stack.shape[2]
+    note(product_key(1, m, k, n, a.dtype, False, False, a.dtype), "dew")
+    bits = [lax.bitcast_convert_type(s, _U16) if s.dtype == _BF16 else s for s in (gate_stack, up_stack)]
+    call = jax.ffi.ffi_call("dew_few_rows_bf16_gated", jax.ShapeDtypeStruct((m, n), _BF16), vmap_method="sequential")
+    return call(a, bits[0], layer_index(gate_layer), bits[1], layer_index(up_layer),
+                jnp.asarray(activation_table(activation)))
 
 
 def onednn_stacked_product(a: jax.Array, stack: jax.Array, layer: jax.Array, out_dtype=_F32) -> jax.Array:

@@ -41,6 +41,14 @@ def matmul(x_ND: jax.Array, w_DF: jax.Array) -> jax.Array:
     return dot(x_ND, w_DF)
 
 
+def stacked_kernel(module: nn.Module, name: str) -> tuple[jax.Array, jax.Array] | None:
+    """(the stack `[layers, in, out]`, the layer's index) of `module`'s Linear `name` where a scanned run reads
+    its float or int8 kernel in place (`STACKED_BLOCKS`), None elsewhere."""
+    stack = module.variables.get(STACKED_BLOCKS, {}).get(name, {}).get(KERNEL)
+    layer = module.variables.get(STACKED_LAYER, {}).get(name, {}).get(KERNEL)
+    return None if stack is None or layer is None else (stack, layer)
+
+
 def named(init: nn.initializers.Initializer, names: tuple[str, ...] | None):
     """`init` whose parameter carries logical axis `names` (see `dew.sharding.Rules`), or `init` as is."""
     return init if names is None else nn.with_logical_partitioning(init, names)

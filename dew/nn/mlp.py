@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from dew.nn.linear import Linear
+from dew.kernels.matmul import gated_takes, stacked_gated_product
+from dew.nn.linear import Linear, stacked_kernel
 
 ACTIVATIONS = {
     "silu": nn.silu,
@@ -55,6 +56,9 @@ class GatedMLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dense = lambda features, names, name: Linear(features, use_bias=self.use_bias, dtype=self.dtype,
                                                      param_dtype=self.param_dtype, names=names, name=name)
+        fused = self._fused_gate(x)
+        if fused is not None:
+            return dense(x.shape[-1], ("mlp", "embed"), "down_proj")(fused)
         gate = dense(self.features, ("embed", "mlp"), "gate_proj")(x)
         if self.sparsity:
             gate = _gaussian_top(gate, self.sparsity)
@@ -63,6 +67,19 @@ class GatedMLP(nn.Module):
         # elementwise passes of a bfloat16 chain, which XLA's CPU backend runs slowly).
         act = ACTIVATIONS[self.activation](gate.astype(jnp.float32)).astype(gate.dtype)
         return dense(x.shape[-1], ("mlp", "embed"), "down_proj")(act * up)
+
+    def _fused_gate(self, x: jax.Array) -> jax.Array | None:
+        """`act(gate(x)) * up(x)` in one kernel call where a scanned prefill reads both layers in place in the
+        kernel's AMX body (`dew.kernels.matmul.gated_takes`): the same bits as the two products and the
+        activation after them, without writing the products out. None elsewhere."""
+        gate, up = stacked_kernel(self, "gate_proj"), stacked_kernel(self, "up_proj")
+        if gate is None or up is None or self.use_bias or self.sparsity:
+            return None
+        x_ND = x.reshape(-1, x.shape[-1]).astype(self.dtype)
+        if not gated_takes(x_ND, gate[0], up[0]):
+            return None
+        return stacked_gated_product(x_ND, *gate, *up, ACTIVATIONS[self.activation]).reshape(*x.shape[:-1],
+                                                                                             self.features)
 
 
 def _gaussian_top(gate, sparsity: float):

@@ -16,6 +16,7 @@ import pytest
 from dew import models
 from dew.interop.roundings import decoder_ulps
 from dew.kernels import matmul, policy
+from dew.nn import mlp
 from dew.nn.linear import KERNEL, STACKED_BLOCKS, STACKED_LAYER
 from dew.kernels import int8
 from dew.nn.quantize import bfloat16_bits, quantize_int8, stacked_in_place
@@ -143,6 +144,26 @@ def test_a_bfloat16_prefill_reads_each_layer_in_place_where_there_are_tiles(mode
     # one bfloat16 rounding of the largest logit. Observed: the same bits (bound 5.3e-2; logits up to 0.46).
     bound = 2 * np.max(np.abs(theirs - exact)) + 2.0**-8 * np.max(np.abs(exact))
     assert np.max(np.abs(ours - theirs)) <= bound, (np.max(np.abs(ours - theirs)), bound)
+
+
+def test_a_bfloat16_prefill_gates_its_mlp_in_one_call_with_the_same_bits(model, variables, monkeypatch):
+    if not matmul.few_rows_tiles():
+        pytest.skip("no AMX bfloat16 tiles here: a prefill's products index the layer out (XLA's copy)")
+    prompt = jnp.asarray(np.random.default_rng(1).integers(0, 64, (1, 64)), jnp.int32)
+    model, variables = _bfloat16(model, variables)
+    lifted = stacked_in_place(model, variables)
+
+    def run():
+        apply = jax.jit(lambda v, p: model.apply(v, p))
+        return apply.lower(lifted, prompt).compile().as_text(), np.asarray(apply(lifted, prompt))
+
+    step, gated = run()
+    assert "dew_few_rows_bf16_gated" in step
+    # The same model with the gate and up products apart and XLA's activation after them: the same bits.
+    monkeypatch.setattr(mlp, "gated_takes", lambda *args, **kwargs: False)
+    step, apart = run()
+    assert "dew_few_rows_bf16_gated" not in step
+    np.testing.assert_array_equal(gated, apart)
 
 
 def test_int8_kernels_are_read_in_place_by_the_int8_kernel(model, variables):
