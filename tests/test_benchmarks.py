@@ -55,6 +55,12 @@ def test_serve_starts_each_peer_its_flag_names():
     assert llama_server.command[llama_server.command.index("--parallel") + 1] == "32"
     assert llama_server.command[llama_server.command.index("--ctx-size") + 1] == str(32 * 320)
     assert "--no-cache-prompt" in llama_server.command and "--no-enable-prefix-caching" in vllm.command
+    assert "--no-reuse-prefixes" in dew.command
+    # --prompt-cache: every engine's reuse of cached prompts on (llama-server's by its default), like for like
+    cached = serve.servers(serve.parse(["--prompt-cache", "--llama-server", "bin/llama-server", "--vllm-python",
+                                        "venv/bin/python", "--vllm-dtype", "bfloat16"]))[0]
+    assert "--reuse-prefixes" in cached[0].command and "--enable-prefix-caching" in cached[2].command
+    assert "--no-cache-prompt" not in cached[1].command and "--cache-ram" not in cached[1].command
     assert vllm.env["VLLM_HOST_IP"] == "127.0.0.1" and "--gpu-memory-utilization" in vllm.command
     assert all("{port}" in server.command for server in chosen)
     assert len(serve.servers(serve.parse([]))[1]) == 4  # every peer skipped, each with its line
