@@ -452,7 +452,7 @@ def startup(capacity: int, cache: str) -> dict:
                 figures.setdefault("port", time.perf_counter() - started)
                 if answer[0] == 200:
                     figures["ready"] = time.perf_counter() - started
-            time.sleep(0.05)
+            time.sleep(0.02)  # as `launch` polls: the interval is part of the figure
         body = json.dumps({"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 16,
                            "temperature": 0}).encode()
         for name in ("first request", "second request"):
@@ -499,8 +499,11 @@ def rounds(args: argparse.Namespace, cache: str) -> None:
                 # is kept at once, not later in the background.
                 filled = cache if checkout is None and dtype == "float32" else None
                 own = filled or str(Path(logs) / f"cache-{len(chosen)}")
+                # The baseline keeps its derived files (a GGUF file's tokenizer, stamped with the source that built
+                # it) apart, so that neither checkout rebuilds the other's at every start.
+                env = {**dew.env, "XDG_CACHE_HOME": str(Path(logs) / "baseline-cache")} if checkout else dew.env
                 server = dataclasses.replace(dew, name=f"{dew.name} (warm{f', {checkout}' if checkout else ''})",
-                                             cwd=checkout, command=[*dew.command, "--compilation-cache", own])
+                                             cwd=checkout, env=env, command=[*dew.command, "--compilation-cache", own])
                 if filled is None:
                     process, url, _ = launch(server, Path(logs) / "fill.log")
                     settle(url)

@@ -17,12 +17,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+# huggingface_hub and its utils import their names at first use: a local tokenizer.json reads none of its client,
+# which imports httpx, so its names below are read as a Hub name is looked up.
 import huggingface_hub
 import tokenizers
-from huggingface_hub import constants, try_to_load_from_cache
-from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HFValidationError, LocalEntryNotFoundError,
-                                    RepositoryNotFoundError, RevisionNotFoundError)
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub import constants
+from huggingface_hub import utils as hub_utils
 
 BYTE = "byte"
 TOKENIZER_JSON = "tokenizer.json"
@@ -129,8 +129,8 @@ def _hub_repository(text: str) -> tuple[str, str | None] | None:
     `@revision`); None for anything else."""
     repo, _, revision = text.partition("@")
     try:
-        validate_repo_id(repo)
-    except HFValidationError:
+        hub_utils.validate_repo_id(repo)
+    except hub_utils.HFValidationError:
         return None
     return repo, revision or None
 
@@ -144,25 +144,25 @@ def _download(name: str, repo: str, revision: str | None) -> Path:
     named = f"{repo}{'@' + revision if revision else ''}"
     try:
         path = Path(huggingface_hub.hf_hub_download(repo, TOKENIZER_JSON, revision=revision))
-    except GatedRepoError:
+    except hub_utils.GatedRepoError:
         raise FileNotFoundError(_missing_message(name, f"{named} is gated: accept its terms on the Hub and log in "
                                                        "(hf auth login)")) from None
-    except RepositoryNotFoundError:
+    except hub_utils.RepositoryNotFoundError:
         raise FileNotFoundError(_missing_message(name, f"it has no repository {repo} (or it is private)")) from None
-    except RevisionNotFoundError:
+    except hub_utils.RevisionNotFoundError:
         raise FileNotFoundError(_missing_message(name, f"{repo} has no revision {revision}")) from None
-    except LocalEntryNotFoundError as error:  # the Hub did not answer, and the cache lacks the file
+    except hub_utils.LocalEntryNotFoundError as error:  # the Hub did not answer, and the cache lacks the file
         raise ConnectionError(f"the Hugging Face Hub ({constants.ENDPOINT}) could not be reached for {named}'s "
                               f"{TOKENIZER_JSON} ({error}), and it is not in the cache {constants.HF_HUB_CACHE}: check "
                               "the network (or HF_ENDPOINT), or pass a local tokenizer directory") from None
-    except EntryNotFoundError:
+    except hub_utils.EntryNotFoundError:
         raise FileNotFoundError(_missing_message(name, f"{named} holds no {TOKENIZER_JSON} (a slow tokenizer's "
                                                        "vocab.json/merges.txt alone is not enough)")) from None
     commit = path.parent.name  # the cache keeps each file under snapshots/<commit>/: the companions match it
     for companion in _HUB_COMPANIONS:
         try:
             huggingface_hub.hf_hub_download(repo, companion, revision=commit)
-        except EntryNotFoundError:
+        except hub_utils.EntryNotFoundError:
             pass
     return Path(os.path.abspath(path))
 
@@ -203,7 +203,7 @@ def tokenizer_file(name_or_path: str | os.PathLike) -> Path | None:
     if hub is None:
         raise FileNotFoundError(_missing_message(text, "not asked, since the name is not a Hub repository id"))
     repo, revision = hub
-    cached = try_to_load_from_cache(repo_id=repo, filename=TOKENIZER_JSON, revision=revision)
+    cached = huggingface_hub.try_to_load_from_cache(repo_id=repo, filename=TOKENIZER_JSON, revision=revision)
     if isinstance(cached, str):
         return Path(os.path.abspath(cached))
     return _download(text, repo, revision)

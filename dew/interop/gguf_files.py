@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from dew.files import write_atomically
-from dew.interop.families import FAMILIES, gguf_architectures, gguf_family
+from dew.interop.families import gguf_architectures, gguf_families
 from dew.interop.hf_decoders import expected
 from dew.kernels.blocks import BYTES
 
@@ -457,13 +457,10 @@ def _family(architecture: str, metadata: dict):
     """The family that reads a GGUF file: llama.cpp writes Mixtral as a llama with `expert_count` experts,
     so among the families of one architecture, the one whose metadata table reads an expert count
     exactly when the file has one."""
-    family = gguf_family(architecture)
+    families = gguf_families(architecture)
     experts = bool(metadata.get(f"{architecture}.expert_count"))
-    if family is None or ("expert_count" in family.gguf.metadata) == experts:
-        return family
-    return next((converter for converter in FAMILIES.values() if converter.gguf is not None
-                 and converter.gguf.architecture == architecture
-                 and ("expert_count" in converter.gguf.metadata) == experts), family)
+    return next((converter for converter in families if ("expert_count" in converter.gguf.metadata) == experts),
+                families[0] if families else None)
 
 
 def write_tokenizer(checkpoint: GGUFCheckpoint, directory: Path) -> bool:

@@ -20,17 +20,18 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import importlib
 import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
-from huggingface_hub.errors import (EntryNotFoundError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
-                                    OfflineModeIsEnabled)
-from huggingface_hub.file_download import repo_folder_name
-from huggingface_hub.utils import httpx, validate_repo_id
+# huggingface_hub and its utils import their names at first use: a local checkpoint reads none of its client,
+# which imports httpx (0.09 s of a server's start), so every name below is read as the Hub is asked.
+import huggingface_hub
+from huggingface_hub import constants
+from huggingface_hub import utils as hub_utils
 
 from dew.interop import torch_files
 from dew.interop.safetensors_files import INDEX, SINGLE, read_index, weight_files
@@ -44,8 +45,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 CONVERSION_BOT = "SFconvertbot"
 HUB_PREFIX = "hf://"
-# What a request that never reached the Hub raises (huggingface_hub retries these for a minute).
-_UNREACHABLE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
 logger = logging.getLogger("dew.interop")
 
@@ -85,8 +84,8 @@ def locate(source: str | os.PathLike) -> Path | HubSource:
     if text.startswith(HUB_PREFIX):
         repo, _, revision = text.removeprefix(HUB_PREFIX).partition("@")
         try:
-            validate_repo_id(repo)
-        except HFValidationError as error:
+            hub_utils.validate_repo_id(repo)
+        except hub_utils.HFValidationError as error:
             raise ValueError(f"{text} names no Hub repository: {error}") from None
         return HubSource(repo, revision or None)
     path = Path(text).expanduser()
@@ -112,8 +111,8 @@ def _local_reason(source: str | os.PathLike, text: str, repo: str) -> str | None
     if len(parts) > 2:
         return f"it has {len(parts)} parts where a Hub id has at most two, 'owner/name'"
     try:
-        validate_repo_id(repo)
-    except HFValidationError:
+        hub_utils.validate_repo_id(repo)
+    except hub_utils.HFValidationError:
         return "it is not a valid Hub id"
     if len(parts) == 2 and Path(parts[0]).expanduser().is_dir():
         return f"{parts[0]}/ is a local directory"
@@ -194,10 +193,11 @@ class _Hub:
         if constants.HF_HUB_OFFLINE:
             return cls(repo)
         try:
-            get_hf_file_metadata(hf_hub_url(repo, first, revision=revision), timeout=constants.HF_HUB_ETAG_TIMEOUT)
-        except _UNREACHABLE as error:
+            huggingface_hub.get_hf_file_metadata(huggingface_hub.hf_hub_url(repo, first, revision=revision),
+                                                 timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        except _unreachable() as error:
             return cls(repo, unreachable=str(error) or type(error).__name__)
-        except HfHubHTTPError:
+        except hub_utils.HfHubHTTPError:
             pass  # the Hub answered; the download says what it lacks
         return cls(repo)
 
@@ -206,26 +206,26 @@ class _Hub:
         return self.unreachable is not None or constants.HF_HUB_OFFLINE
 
     def download(self, filename: str, revision: str | None) -> Path:
-        return Path(hf_hub_download(self.repo, filename, revision=revision,
-                                    local_files_only=self.unreachable is not None))
+        return Path(huggingface_hub.hf_hub_download(self.repo, filename, revision=revision,
+                                                    local_files_only=self.unreachable is not None))
 
     def fetch(self, filename: str, revision: str | None) -> Path | None:
         """One file; None when the repository (or, reading only the cache, the cache) has no such file."""
         try:
             return self.download(filename, revision)
-        except EntryNotFoundError:
+        except hub_utils.EntryNotFoundError:
             return None
 
     def require(self, filename: str, revision: str | None) -> Path:
         """The first file a load needs; reading only the cache, a miss says why the Hub was not asked."""
         try:
             path = self.download(filename, revision)
-        except LocalEntryNotFoundError:
+        except hub_utils.LocalEntryNotFoundError:
             if not self.cache_only:
                 raise
             named = f"{self.repo}{'@' + revision if revision else ''}'s {filename}"
             if self.unreachable is None:
-                raise LocalEntryNotFoundError(
+                raise hub_utils.LocalEntryNotFoundError(
                     f"HF_HUB_OFFLINE is set and {named} is not in the local cache {constants.HF_HUB_CACHE}: fetch it "
                     "once online (unset HF_HUB_OFFLINE), or pass a local checkpoint directory") from None
             raise ConnectionError(
@@ -237,6 +237,12 @@ class _Hub:
             logger.warning("the Hub (%s) could not be reached (%s): reading %s from the local cache",
                            constants.ENDPOINT, self.unreachable, self.repo)
         return path
+
+
+def _unreachable() -> tuple[type[Exception], ...]:
+    """What a request that never reached the Hub raises (huggingface_hub retries these for a minute)."""
+    httpx = hub_utils.httpx
+    return httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError
 
 
 def converted_directory(*paths: Path) -> Path:
@@ -312,7 +318,7 @@ def _hub_config(hub: _Hub, revision: str | None) -> Path:
     GGUF files."""
     try:
         return hub.require(CONFIG, revision)
-    except (EntryNotFoundError, ConnectionError):
+    except (hub_utils.EntryNotFoundError, ConnectionError):
         names = _repo_file_names(hub, revision)
         if any(name.endswith(".gguf") for name in names):
             raise FileNotFoundError(_no_weights_message(f"Hub repository {hub.repo}", names)) from None
@@ -338,14 +344,14 @@ def _hub_weights(hub: _Hub, commit: str, index_name: str, single_name: str) -> t
 def _conversion_pull_request(repo: str, commit: str) -> str | None:
     """The revision (`refs/pr/N`) of an open SFconvertbot pull request whose parent is `commit`; None when
     there is none, or when the Hub cannot be asked (offline, unreachable)."""
-    api = HfApi()
+    api = huggingface_hub.HfApi()
     try:
         for discussion in api.get_repo_discussions(repo, author=CONVERSION_BOT, discussion_type="pull_request",
                                                    discussion_status="open"):
             commits = api.list_repo_commits(repo, revision=discussion.git_reference)  # newest first
             if len(commits) > 1 and commits[1].commit_id == commit:
                 return discussion.git_reference
-    except (OfflineModeIsEnabled, httpx.HTTPError) as error:
+    except (hub_utils.OfflineModeIsEnabled, hub_utils.httpx.HTTPError) as error:
         logger.debug("no lookup of %s pull requests on %s (%s): converting its PyTorch pickles instead",
                      CONVERSION_BOT, repo, error)
     return None
@@ -354,8 +360,9 @@ def _conversion_pull_request(repo: str, commit: str) -> str | None:
 def _repo_file_names(hub: _Hub, revision: str | None) -> list[str]:
     """The file names of a Hub revision; from the cache, those of its cached snapshot (the files fetched so far)."""
     if not hub.cache_only:
-        return sorted(HfApi().list_repo_files(hub.repo, revision=revision))
-    folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=hub.repo, repo_type="model")
+        return sorted(huggingface_hub.HfApi().list_repo_files(hub.repo, revision=revision))
+    file_download = importlib.import_module("huggingface_hub.file_download")
+    folder = Path(constants.HF_HUB_CACHE) / file_download.repo_folder_name(repo_id=hub.repo, repo_type="model")
     ref = folder / "refs" / (revision or "main")
     commit = ref.read_text().strip() if ref.is_file() else revision
     snapshot = folder / "snapshots" / commit if commit else None

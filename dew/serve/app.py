@@ -413,9 +413,9 @@ def run(served: Served, listener: socket.socket, limits: Limits, log_level: str 
         server.should_exit = True
 
     served.engine.start(on_failure=stop)
-    # once ready, what the first chat prompt would otherwise make (the ready state does not wait for it)
-    threading.Thread(target=lambda: served.engine.ready.wait() and served.prompts.prepare(), daemon=True,
-                     name="dew-serve-prepare-chat").start()
+    # what the first chat prompt would otherwise make, made while the engine waits for its KV cache's zeros:
+    # made once ready, it held Python's lock (tokenizers keeps it) as /health first answered 200
+    threading.Thread(target=served.prompts.prepare, daemon=True, name="dew-serve-prepare-chat").start()
     try:
         server.run(sockets=[listener])
     finally:

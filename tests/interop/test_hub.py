@@ -5,13 +5,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import huggingface_hub
 import huggingface_hub.constants as constants
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from huggingface_hub.errors import LocalEntryNotFoundError
 
-import dew.interop.hub as hub
 from dew.interop import load_pretrained
 
 MAIN, OLD = "a" * 40, "b" * 40
@@ -38,8 +38,8 @@ def cached_repo(llama_checkpoint):
 def test_hub_id_fetches_configs_index_and_named_shards(cached_repo, monkeypatch):
     bundle, _ = cached_repo
     requested = []
-    fetch = hub.hf_hub_download
-    monkeypatch.setattr(hub, "hf_hub_download", lambda repo, name, **kw: requested.append(name) or fetch(repo, name, **kw))
+    fetch = huggingface_hub.hf_hub_download
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name, **kw: requested.append(name) or fetch(repo, name, **kw))
     loaded = load_pretrained("dew-tests/tiny")
     assert loaded.revision == MAIN
     assert requested[0] == "config.json" and "model.safetensors.index.json" in requested

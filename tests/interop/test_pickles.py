@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import huggingface_hub
 import huggingface_hub.constants as constants
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,6 @@ import numpy as np
 import pytest
 from huggingface_hub.errors import EntryNotFoundError
 
-import dew.interop.hub as hub
 from dew.interop import load_pretrained
 from tests.interop.conftest import save_checkpoint, torch, torch_model
 
@@ -165,7 +165,7 @@ class ConversionPullRequests:
 
 
 def test_hub_pickles_load_from_the_conversion_pull_request(pickle_repo, monkeypatch, caplog, dew_cache):
-    monkeypatch.setattr(hub, "HfApi", ConversionPullRequests)
+    monkeypatch.setattr(huggingface_hub, "HfApi", ConversionPullRequests)
     monkeypatch.setitem(sys.modules, "torch", None)  # the pull request's safetensors need no torch
     caplog.set_level(logging.INFO, logger="dew.interop")
     loaded = load_pretrained("dew-tests/pickles")
@@ -178,8 +178,8 @@ def test_hub_pickles_load_from_the_conversion_pull_request(pickle_repo, monkeypa
 def test_hub_pickles_offline_are_converted(pickle_repo, monkeypatch, caplog, dew_cache):
     caplog.set_level(logging.DEBUG, logger="dew.interop")
     requested = []
-    fetch = hub.hf_hub_download
-    monkeypatch.setattr(hub, "hf_hub_download",
+    fetch = huggingface_hub.hf_hub_download
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
                         lambda repo, name, **kw: requested.append(name) or fetch(repo, name, **kw))
     loaded = load_pretrained("dew-tests/pickles")  # offline: no pull request lookup, the pickles are converted
     assert loaded.revision == MAIN
@@ -206,9 +206,9 @@ def test_gguf_only_hub_repo_names_its_files_and_the_argument(monkeypatch):
 
     listing = SimpleNamespace(list_repo_files=lambda repo_id, revision: ["README.md", "Model-Q4_K_M.gguf"])
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(hub, "get_hf_file_metadata", lambda *args, **kwargs: None)  # the Hub answers
-    monkeypatch.setattr(hub, "hf_hub_download", no_config)
-    monkeypatch.setattr(hub, "HfApi", lambda: listing)
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", lambda *args, **kwargs: None)  # the Hub answers
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_config)
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda: listing)
     with pytest.raises(FileNotFoundError, match=expected):  # online: the Hub lists the repository
         load_pretrained("dew-tests/gguf-only")
 

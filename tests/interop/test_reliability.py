@@ -19,6 +19,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import huggingface_hub
 import huggingface_hub.constants as constants
 import jax
 import numpy as np
@@ -134,8 +135,8 @@ def test_mistyped_path_fails_at_once_without_the_network(workdir, closed_hub, mo
     def no_network(*args, **kwargs):
         raise AssertionError("the Hub was asked about a local path")
 
-    monkeypatch.setattr(hub, "hf_hub_download", no_network)
-    monkeypatch.setattr(hub, "get_hf_file_metadata", no_network)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_network)
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", no_network)
     for load in (load_pretrained, dew.pipeline):
         with pytest.raises(FileNotFoundError, match="runs/sigg is neither .* the nearest is runs/sig"):
             load("runs/sigg")
@@ -174,7 +175,7 @@ def test_unreachable_hub_reads_the_cache(cached_repo, closed_hub, caplog):
 
 
 def test_offline_mode_reads_only_the_cache(cached_repo, monkeypatch):
-    monkeypatch.setattr(hub, "get_hf_file_metadata", lambda *args, **kwargs: pytest.fail("asked the Hub offline"))
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", lambda *args, **kwargs: pytest.fail("asked the Hub offline"))
     assert hub.resolve("dew-tests/cached").revision == "c" * 40
     with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE is set and dew-tests/cached@v2's config.json is not "
                                                 r"in the local cache .* \(unset HF_HUB_OFFLINE\)"):
