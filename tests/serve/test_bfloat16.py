@@ -85,6 +85,31 @@ def test_the_engine_serves_what_bfloat16_generate_draws(task):
                                               consumer=Tokens()) for index in range(4)])
 
 
+def test_a_prompt_after_a_copied_bfloat16_beginning_draws_what_generate_draws(task):
+    """The bfloat16 cache holds its values' bits: a beginning copied from one slot to another (and back,
+    for the padding row a 2-row admission would carry) goes over as they are."""
+    from dew.serve import Engine
+
+    engine = Engine(task.model, task.params, slots=2, capacity=32, prefill_rows=1)
+    engine.first_programs, engine.later_programs = [("step", 2), ("admit", 1, 32), ("reuse", 1, 16)], []
+    engine.start()
+    try:
+        assert engine.ready.wait(120)
+        first = Request(PROMPT + PROMPT[:8], NEW, Sampling(temperature=0.0), seed=0, consumer=Tokens())
+        engine.submit([first])
+        assert first.consumer.done.wait(60)
+        second = Request(PROMPT + PROMPT[:6] + [77, 78], NEW, Sampling(temperature=0.0), seed=1, consumer=Tokens())
+        engine.submit([second])
+        assert second.consumer.done.wait(60)
+        assert engine.reused == len(PROMPT) + 6
+    finally:
+        engine.close()
+    for request in (first, second):
+        solo = generate(task.model, task.params, [list(request.prompt)], NEW, key=jax.random.key(request.seed),
+                        sampling=Sampling(temperature=0.0))
+        assert request.consumer.tokens == solo.continuations()[0]
+
+
 class Stop(Exception):
     """Raised by a stand-in loader once it has seen its arguments."""
 
