@@ -24,7 +24,6 @@
 #include <thread>
 #include <vector>
 
-#include "isa.h"
 #include "module.h"
 #include "vectors.h"
 #include "xla/ffi/api/ffi.h"
@@ -485,291 +484,6 @@ ffi::Error AttentionGradF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   return ffi::Error::Success();
 }
 
-// ---- A prefill's attention over a run's cache, read in place ----
-//
-// Queries heads-major `[B, H, S, D]`; keys `[L, C, K, T, D]` and values `[L, C, K, T, Dv]` of a run's cache
-// (layer `layer`, rows 0..B-1 of C), float32 or bfloat16 bits; the mask `[B, S, T]`. A task is one row's key/value
-// head and a block of kPrefillBlock query rows: the G query heads sharing that key/value head score those rows
-// against the keys between the block's first and last allowed ones (a prefill at an offset reads only the filled
-// keys, a fresh one only the keys up to the block's end), the masked softmax of each query row is `ForwardRow`'s,
-// its probabilities rounded to the cache's dtype as `attend` rounds them, and the values are weighted in float32.
-// Products are float32 fused multiply-adds in AVX-512 (a bfloat16 operand widens exactly, and a product of two
-// bfloat16 values is exact in float32), so only the order of the sums differs from `attend`'s.
-constexpr int64_t kPrefillBlock = 16;  // query rows a task
-constexpr int kKeyTile = 32;           // keys a tile of the scores' panel (two vectors)
-
-#ifdef DEW_X86
-#define DEW_PREFILL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-#define DEW_PREFILL_INLINE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"), always_inline)) inline
-
-// 16 values from float32 or bfloat16 bits, as float32.
-template <typename E>
-DEW_PREFILL_INLINE __m512 Load16(const E* x) {
-  if constexpr (std::is_same_v<E, float>) {
-    return _mm512_loadu_ps(x);
-  } else {
-    __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-  }
-}
-
-// 16 float32 values stored as float32 or rounded to bfloat16 (`RoundToBf16`'s steps, lane by lane).
-template <typename E>
-DEW_PREFILL_INLINE void Store16(E* out, __m512 x) {
-  if constexpr (std::is_same_v<E, float>) {
-    _mm512_storeu_ps(out, x);
-  } else {
-    __m512i bits = _mm512_castps_si512(x);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i nearest = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd), 16);
-    __m512i quiet = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x8000)),
-                                    _mm512_set1_epi32(0x7fc0));
-    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                            _mm512_set1_epi32(0x7f800000));
-    __m512i rounded = _mm512_mask_blend_epi32(nan, nearest, quiet);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(rounded));
-  }
-}
-
-// Transposes 16 rows of 16 floats in place: shuffles within 128-bit lanes gather each lane's 4 x 4 blocks,
-// then shuffles of whole lanes put each column's four blocks together.
-DEW_PREFILL_INLINE void Transpose16(__m512 r[16]) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[4i + j]: column 4L + j of rows 4i..4i+3, in lane L
-    u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int j = 0; j < 4; ++j) {
-    __m512 v01 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44), w01 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
-    __m512 v23 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xee), w23 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xee);
-    r[j] = _mm512_shuffle_f32x4(v01, w01, 0x88);
-    r[4 + j] = _mm512_shuffle_f32x4(v01, w01, 0xdd);
-    r[8 + j] = _mm512_shuffle_f32x4(v23, w23, 0x88);
-    r[12 + j] = _mm512_shuffle_f32x4(v23, w23, 0xdd);
-  }
-}
-
-// Scores of `MR` query rows (`q`, `d` floats each) against a tile of kKeyTile keys (`panel`: `[d][kKeyTile]`),
-// stored to `s` (rows `stride` apart).
-template <int MR>
-DEW_PREFILL_TARGET void ScoreTile(const float* q, int64_t d, const float* panel, float* s, int64_t stride) {
-  __m512 acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t x = 0; x < d; ++x) {
-    __m512 k0 = _mm512_loadu_ps(panel + x * kKeyTile), k1 = _mm512_loadu_ps(panel + x * kKeyTile + 16);
-    for (int r = 0; r < MR; ++r) {
-      __m512 qr = _mm512_set1_ps(q[r * d + x]);
-      acc[r][0] = _mm512_fmadd_ps(qr, k0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(qr, k1, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    _mm512_storeu_ps(s + r * stride, acc[r][0]);
-    _mm512_storeu_ps(s + r * stride + 16, acc[r][1]);
-  }
-}
-
-// `MR` rows of probabilities (`p`, rows `stride` apart) times `n` value rows (`v`, rows `dv` apart), 16 NZ
-// columns of them, into `o` (rows `dv` apart).
-template <int MR, int NZ>
-DEW_PREFILL_TARGET void ValueTile(const float* p, int64_t stride, const float* v, int64_t dv, int64_t n, float* o) {
-  __m512 acc[MR][NZ];
-  for (int r = 0; r < MR; ++r)
-    for (int z = 0; z < NZ; ++z) acc[r][z] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; ++t) {
-    __m512 vz[NZ];
-    for (int z = 0; z < NZ; ++z) vz[z] = _mm512_loadu_ps(v + t * dv + 16 * z);
-    for (int r = 0; r < MR; ++r) {
-      __m512 pr = _mm512_set1_ps(p[r * stride + t]);
-      for (int z = 0; z < NZ; ++z) acc[r][z] = _mm512_fmadd_ps(pr, vz[z], acc[r][z]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int z = 0; z < NZ; ++z) _mm512_storeu_ps(o + r * dv + 16 * z, acc[r][z]);
-}
-
-// `ScoreTile<MR>` and `ValueTile<MR, NZ>` for a runtime `MR` (at most 8, 4) and `NZ` (at most 4).
-template <int MR = 8>
-DEW_PREFILL_TARGET void ScoreRows(int mr, const float* q, int64_t d, const float* panel, float* s, int64_t stride) {
-  if constexpr (MR > 1) {
-    if (mr < MR) return ScoreRows<MR - 1>(mr, q, d, panel, s, stride);
-  }
-  ScoreTile<MR>(q, d, panel, s, stride);
-}
-
-template <int MR = 4, int NZ = 4>
-DEW_PREFILL_TARGET void ValueRows(int mr, int nz, const float* p, int64_t stride, const float* v, int64_t dv, int64_t n,
-                                  float* o) {
-  if constexpr (MR > 1) {
-    if (mr < MR) return ValueRows<MR - 1, NZ>(mr, nz, p, stride, v, dv, n, o);
-  }
-  if constexpr (NZ > 1) {
-    if (nz < NZ) return ValueRows<MR, NZ - 1>(mr, nz, p, stride, v, dv, n, o);
-  }
-  ValueTile<MR, NZ>(p, stride, v, dv, n, o);
-}
-
-struct PrefillShape {
-  int64_t b, h, s, d, layers, c, k, t, dv, blocks;
-};
-
-// One task: row `bi`'s key/value head `kh`, query rows [start, start + rows). `ranges` holds each mask row's
-// first and last allowed key (first > last where it allows none). Q and C are float or uint16_t (bfloat16 bits).
-template <typename Q, typename C>
-DEW_PREFILL_TARGET void PrefillTask(const PrefillShape& a, const Q* qp, const C* kp, const C* vp, int64_t layer,
-                                    const bool* mp, const int32_t* ranges, Q* op, float scale, float masked,
-                                    int64_t bi, int64_t kh, int64_t start, int64_t rows) {
-  int64_t group = a.h / a.k, gr = group * rows, lo = a.t, hi = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int32_t* range = ranges + 2 * (bi * a.s + start + r);
-    if (range[0] <= range[1]) lo = std::min<int64_t>(lo, range[0]), hi = std::max<int64_t>(hi, range[1] + 1);
-  }
-  auto out_row = [&](int64_t i) { return op + ((bi * a.s + start + i % rows) * a.h + kh * group + i / rows) * a.dv; };
-  if (hi <= lo) {  // no query of the block reads a key: zeros
-    for (int64_t i = 0; i < gr; ++i)
-      for (int64_t z = 0; z < a.dv; z += 16) Store16(out_row(i) + z, _mm512_setzero_ps());
-    return;
-  }
-  int64_t n = hi - lo, tiles = (n + kKeyTile - 1) / kKeyTile, tp = tiles * kKeyTile;
-  thread_local std::vector<float> queries, panel, scores, widened, outs;
-  thread_local std::vector<uint16_t> rounded;
-  queries.resize(static_cast<size_t>(gr * a.d));
-  panel.resize(static_cast<size_t>(tp * a.d));
-  scores.resize(static_cast<size_t>(gr * tp));
-  outs.resize(static_cast<size_t>(gr * a.dv));
-  // The block's queries as float32 `[G * rows, D]`, head by head.
-  for (int64_t i = 0; i < gr; ++i) {
-    const Q* row = qp + ((bi * a.h + kh * group + i / rows) * a.s + start + i % rows) * a.d;
-    for (int64_t x = 0; x < a.d; x += 16) _mm512_storeu_ps(queries.data() + i * a.d + x, Load16(row + x));
-  }
-  // The keys [lo, hi) transposed into tiles `[tiles][D][kKeyTile]` (keys past `hi` as zeros).
-  int64_t head = ((layer * a.c + bi) * a.k + kh) * a.t;
-  const C* keys = kp + (head + lo) * a.d;
-  for (int64_t t0 = 0; t0 < tp; t0 += 16) {
-    float* tile = panel.data() + t0 / kKeyTile * a.d * kKeyTile + t0 % kKeyTile;
-    for (int64_t x0 = 0; x0 < a.d; x0 += 16) {
-      __m512 block[16];
-      for (int j = 0; j < 16; ++j) block[j] = t0 + j < n ? Load16(keys + (t0 + j) * a.d + x0) : _mm512_setzero_ps();
-      Transpose16(block);
-      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(tile + (x0 + j) * kKeyTile, block[j]);
-    }
-  }
-  for (int64_t tile = 0; tile < tiles; ++tile)
-    for (int64_t i = 0; i < gr; i += 8)
-      ScoreRows(static_cast<int>(std::min<int64_t>(8, gr - i)), queries.data() + i * a.d, a.d,
-                panel.data() + tile * a.d * kKeyTile, scores.data() + i * tp + tile * kKeyTile, tp);
-  // Each query row's masked softmax over [lo, hi), rounded to the values' dtype; a row that reads nothing
-  // weighs nothing (its output is zeros: a padding query's, which nothing reads).
-  if constexpr (!std::is_same_v<C, float>) rounded.resize(static_cast<size_t>(n));
-  for (int64_t i = 0; i < gr; ++i) {
-    int64_t srow = bi * a.s + start + i % rows;
-    float* p = scores.data() + i * tp;
-    if (ranges[2 * srow] > ranges[2 * srow + 1]) {
-      std::fill(p, p + n, 0.0f);
-      continue;
-    }
-    if constexpr (std::is_same_v<C, float>) {
-      ForwardRow(p, mp + srow * a.t + lo, p, nullptr, n, scale, masked);
-    } else {
-      ForwardRow(p, mp + srow * a.t + lo, p, rounded.data(), n, scale, masked);
-      for (int64_t j = 0; j < n; ++j) p[j] = Bf16ToFloat(rounded[j]);
-    }
-  }
-  // The values [lo, hi) as float32, in place for a float32 cache.
-  const float* values;
-  if constexpr (std::is_same_v<C, float>) {
-    values = vp + (head + lo) * a.dv;
-  } else {
-    widened.resize(static_cast<size_t>(n * a.dv));
-    const C* source = vp + (head + lo) * a.dv;
-    for (int64_t j = 0; j < n * a.dv; j += 16) _mm512_storeu_ps(widened.data() + j, Load16(source + j));
-    values = widened.data();
-  }
-  for (int64_t i = 0; i < gr; i += 4)
-    for (int64_t z = 0; z < a.dv; z += 64)
-      ValueRows(static_cast<int>(std::min<int64_t>(4, gr - i)), static_cast<int>(std::min<int64_t>(4, (a.dv - z) / 16)),
-                scores.data() + i * tp, tp, values + z, a.dv, n, outs.data() + i * a.dv + z);
-  for (int64_t i = 0; i < gr; ++i)
-    for (int64_t z = 0; z < a.dv; z += 16) Store16(out_row(i) + z, _mm512_loadu_ps(outs.data() + i * a.dv + z));
-}
-#endif
-
-// Each mask row's first and last allowed key (`t` and -1 where it allows none), scanned 8 bytes at a time.
-void MaskRange(const bool* m, int64_t t, int32_t* range) {
-  auto word = [m](int64_t j) {
-    uint64_t w;
-    std::memcpy(&w, m + j, sizeof w);
-    return w;
-  };
-  int64_t first = 0, last = t - 1;
-  while (first + 8 <= t && word(first) == 0) first += 8;
-  while (first < t && !m[first]) ++first;
-  if (first == t) {
-    range[0] = static_cast<int32_t>(t), range[1] = -1;
-    return;
-  }
-  while (last - 7 > first && word(last - 7) == 0) last -= 8;
-  while (!m[last]) --last;
-  range[0] = static_cast<int32_t>(first), range[1] = static_cast<int32_t>(last);
-}
-
-bool PrefillAttentionSupported() {
-#ifdef DEW_X86
-  static const bool supported = DetectIsa() == kAvx512 && __builtin_cpu_supports("avx512dq");
-  return supported;
-#else
-  return false;
-#endif
-}
-
-template <ffi::DataType QType, ffi::DataType CType>
-ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<QType> q, ffi::Buffer<CType> keys,
-                            ffi::Buffer<CType> values, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::PRED> mask,
-                            ffi::Result<ffi::Buffer<QType>> out, float scale, float masked) {
-  if (!PrefillAttentionSupported())
-    return ffi::Error::InvalidArgument("dew prefill attention: this CPU lacks AVX-512; use dew.nn.attention.attend");
-  auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions(), md = mask.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || md.size() != 3)
-    return ffi::Error::InvalidArgument(
-        "dew prefill attention: q [B, H, S, D], keys [L, C, K, T, D], values [L, C, K, T, Dv], mask [B, S, T]");
-  PrefillShape a{qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], kd[3], vd[4], 0};
-  if (kd[4] != a.d || vd[0] != a.layers || vd[1] != a.c || vd[2] != a.k || vd[3] != a.t || a.c < a.b || a.k == 0 ||
-      a.h % a.k != 0 || a.d % 16 != 0 || a.dv % 16 != 0 || md[0] != a.b || md[1] != a.s || md[2] != a.t)
-    return ffi::Error::InvalidArgument("dew prefill attention: q, keys, values and mask shapes do not agree");
-  int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= a.layers) return ffi::Error::InvalidArgument("dew prefill attention: the layer is outside the cache");
-  if (a.s == 0 || a.b == 0 || a.h == 0) return ffi::Error::Success();
-#ifdef DEW_X86
-  using Q = std::conditional_t<QType == ffi::F32, float, uint16_t>;
-  using C = std::conditional_t<CType == ffi::F32, float, uint16_t>;
-  const Q* qp = reinterpret_cast<const Q*>(q.untyped_data());
-  const C* kp = reinterpret_cast<const C*>(keys.untyped_data());
-  const C* vp = reinterpret_cast<const C*>(values.untyped_data());
-  const bool* mp = mask.typed_data();
-  Q* op = reinterpret_cast<Q*>(out->untyped_data());
-  std::vector<int32_t> ranges(static_cast<size_t>(2 * a.b * a.s));
-  int32_t* rp = ranges.data();
-  ForEach(pool, a.b * a.s, 64, [=](int64_t row) { MaskRange(mp + row * a.t, a.t, rp + 2 * row); });
-  a.blocks = (a.s + kPrefillBlock - 1) / kPrefillBlock;
-  int64_t heads = a.b * a.k;
-  // Tasks (block, row, key/value head), the last blocks (the most keys, in a causal pass) first.
-  ForEach(pool, heads * a.blocks, 1, [=](int64_t task) {
-    int64_t blk = a.blocks - 1 - task / heads, bi = task % heads / a.k, kh = task % a.k;
-    int64_t start = blk * kPrefillBlock, rows = std::min(kPrefillBlock, a.s - start);
-    PrefillTask<Q, C>(a, qp, kp, vp, l, mp, rp, op, scale, masked, bi, kh, start, rows);
-  });
-  return ffi::Error::Success();
-#else
-  return ffi::Error::InvalidArgument("dew prefill attention: x86-64 only; use dew.nn.attention.attend");
-#endif
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DewFirstMax, FirstMax,
@@ -854,24 +568,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DewAttentionGradF32, AttentionGradF32,
                                   .Attr<int64_t>("block")
                                   .Attr<bool>("causal_blocks"));
 
-#define DEW_PREFILL_HANDLER(name, q_type, cache_type)                                           \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (PrefillAttention<q_type, cache_type>),               \
-                                ffi::Ffi::Bind()                                            \
-                                    .Ctx<ffi::ThreadPool>()                                 \
-                                    .Arg<ffi::Buffer<q_type>>()                             \
-                                    .Arg<ffi::Buffer<cache_type>>()                         \
-                                    .Arg<ffi::Buffer<cache_type>>()                         \
-                                    .Arg<ffi::Buffer<ffi::S32>>()                           \
-                                    .Arg<ffi::Buffer<ffi::PRED>>()                          \
-                                    .Ret<ffi::Buffer<q_type>>()                             \
-                                    .Attr<float>("scale")                                   \
-                                    .Attr<float>("masked"));
-DEW_PREFILL_HANDLER(DewPrefillAttentionF32, ffi::F32, ffi::F32)
-DEW_PREFILL_HANDLER(DewPrefillAttentionBF16, ffi::BF16, ffi::U16)
-
 // Python module: handlers() -> {"f32", "bf16", "bf16_probs", "grad_f32", "grad_bf16", "first_max", "attention_f32",
-// "attention_grad_f32", "prefill_attention_f32", "prefill_attention_bf16": capsule}; set_gemm(addresses) for the
-// attention's products; prefill_attention_supported() whether this CPU runs the prefill's attention.
+// "attention_grad_f32": capsule}; set_gemm(addresses) for the attention's products.
 static PyObject* Handlers(PyObject*, PyObject*) {
   const dew::HandlerEntry entries[] = {{"f32", reinterpret_cast<void*>(&DewSoftmaxF32)},
                                        {"bf16", reinterpret_cast<void*>(&DewSoftmaxBF16)},
@@ -880,9 +578,7 @@ static PyObject* Handlers(PyObject*, PyObject*) {
                                        {"grad_bf16", reinterpret_cast<void*>(&DewSoftmaxGradBF16)},
                                        {"first_max", reinterpret_cast<void*>(&DewFirstMax)},
                                        {"attention_f32", reinterpret_cast<void*>(&DewAttentionF32)},
-                                       {"attention_grad_f32", reinterpret_cast<void*>(&DewAttentionGradF32)},
-                                       {"prefill_attention_f32", reinterpret_cast<void*>(&DewPrefillAttentionF32)},
-                                       {"prefill_attention_bf16", reinterpret_cast<void*>(&DewPrefillAttentionBF16)}};
+                                       {"attention_grad_f32", reinterpret_cast<void*>(&DewAttentionGradF32)}};
   return dew::HandlerDict(entries, sizeof entries / sizeof entries[0]);
 }
 
@@ -895,14 +591,10 @@ static PyObject* SetGemm(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-static PyObject* PrefillSupported(PyObject*, PyObject*) { return PyBool_FromLong(PrefillAttentionSupported()); }
-
 static PyMethodDef kMethods[] = {
     {"handlers", Handlers, METH_NOARGS, "The XLA FFI handlers, as capsules keyed by dtype and direction."},
     {"set_gemm", SetGemm, METH_VARARGS,
      "Set the addresses of the float32 gemm and of its library's omp_set_num_threads and omp_get_max_threads."},
-    {"prefill_attention_supported", PrefillSupported, METH_NOARGS,
-     "Whether this CPU runs the prefill attention kernel (AVX-512)."},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_softmax", "Dew's XLA FFI attention softmax.", -1,
