@@ -9,11 +9,10 @@
 // in float32 over its own first to last allowed keys, its probabilities rounded to the cache's dtype, and the
 // values weighted in float32, each tile of rows over the keys its rows read.
 //
-// The products run on 32-bit units: float32 values through fused multiply-adds, or pairs of bfloat16 values
-// through `vdpbf16ps` (AVX512_BF16), which adds both halves' products (exact in float32) to the float32 sum,
-// reading denormals as zero, as XLA's CPU threads do. Keys are transposed into panels of kKeyTile keys, so
-// a query unit broadcast meets 32 keys at a time; a bfloat16 cache's values are interleaved in pairs of keys,
-// so a pair of probabilities broadcast meets 16 columns of two keys at a time. What differs from
+// The products are float32 fused multiply-adds in AVX-512 (a bfloat16 value widens exactly, and a product of
+// two bfloat16 values is exact in float32, so each rounds only the sum, as `vdpbf16ps` would: the same
+// roundings, and every AVX-512 CPU runs them, not only those with AVX512_BF16). Keys are transposed into panels of kKeyTile keys, so a query value broadcast
+// meets 32 keys at a time, and a probability broadcast meets 16 value columns at a time. What differs from
 // `dew.nn.attention.attend` is the order of the sums and the normalizer's reciprocal (a product where
 // `attend` divides); a query whose mask allows no key gets zeros.
 #include <Python.h>
@@ -59,9 +58,20 @@ void MaskRange(const bool* m, int64_t t, int32_t* range) {
 }
 
 #ifdef DEW_X86
-#define DEW_PREFILL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define DEW_PREFILL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
-// Transposes 16 rows of 16 32-bit units in place: shuffles within 128-bit lanes gather each lane's 4 x 4
+// 16 values from float32 or bfloat16 bits, as float32.
+template <typename E>
+DEW_PREFILL_TARGET [[gnu::always_inline]] inline __m512 Load16(const E* x) {
+  if constexpr (std::is_same_v<E, float>) {
+    return _mm512_loadu_ps(x);
+  } else {
+    __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+  }
+}
+
+// Transposes 16 rows of 16 floats in place: shuffles within 128-bit lanes gather each lane's 4 x 4
 // blocks, then shuffles of whole lanes put each column's four blocks together.
 DEW_PREFILL_TARGET inline void Transpose16(__m512 r[16]) {
   __m512 t[16], u[16];
@@ -85,28 +95,18 @@ DEW_PREFILL_TARGET inline void Transpose16(__m512 r[16]) {
   }
 }
 
-// acc + a * b over 16 lanes of units: float32 values, or pairs of bfloat16 values (`kPairs`).
-template <bool kPairs>
-DEW_PREFILL_TARGET [[gnu::always_inline]] inline __m512 MultiplyAdd(__m512 acc, __m512i a, __m512i b) {
-  if constexpr (kPairs) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-  } else {
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
-  }
-}
-
-// Scores of `MR` query rows (`q`, `units` each) against a tile of kKeyTile keys (`panel`: `[units][kKeyTile]`),
+// Scores of `MR` query rows (`q`, `d` floats each) against a tile of kKeyTile keys (`panel`: `[d][kKeyTile]`),
 // stored to `s` (rows `stride` apart).
-template <bool kPairs, int MR>
-DEW_PREFILL_TARGET void ScoreTile(const uint32_t* q, int64_t units, const uint32_t* panel, float* s, int64_t stride) {
+template <int MR>
+DEW_PREFILL_TARGET void ScoreTile(const float* q, int64_t d, const float* panel, float* s, int64_t stride) {
   __m512 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t x = 0; x < units; ++x) {
-    __m512i k0 = _mm512_loadu_si512(panel + x * kKeyTile), k1 = _mm512_loadu_si512(panel + x * kKeyTile + 16);
+  for (int64_t x = 0; x < d; ++x) {
+    __m512 k0 = _mm512_loadu_ps(panel + x * kKeyTile), k1 = _mm512_loadu_ps(panel + x * kKeyTile + 16);
     for (int r = 0; r < MR; ++r) {
-      __m512i qr = _mm512_set1_epi32(static_cast<int>(q[r * units + x]));
-      acc[r][0] = MultiplyAdd<kPairs>(acc[r][0], qr, k0);
-      acc[r][1] = MultiplyAdd<kPairs>(acc[r][1], qr, k1);
+      __m512 qr = _mm512_set1_ps(q[r * d + x]);
+      acc[r][0] = _mm512_fmadd_ps(qr, k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(qr, k1, acc[r][1]);
     }
   }
   for (int r = 0; r < MR; ++r) {
@@ -115,20 +115,19 @@ DEW_PREFILL_TARGET void ScoreTile(const uint32_t* q, int64_t units, const uint32
   }
 }
 
-// `MR` rows of probability units (`p`, rows `stride` units apart) times `steps` rows of value units (`v`,
-// rows `dv` apart), 16 NZ columns of them, into `o` (rows `dv` apart).
-template <bool kPairs, int MR, int NZ>
-DEW_PREFILL_TARGET void ValueTile(const uint32_t* p, int64_t stride, const uint32_t* v, int64_t dv, int64_t steps,
-                                  float* o) {
+// `MR` rows of probabilities (`p`, rows `stride` apart) times `n` value rows (`v`, rows `dv` apart), 16 NZ
+// columns of them, into `o` (rows `dv` apart).
+template <int MR, int NZ>
+DEW_PREFILL_TARGET void ValueTile(const float* p, int64_t stride, const float* v, int64_t dv, int64_t n, float* o) {
   __m512 acc[MR][NZ];
   for (int r = 0; r < MR; ++r)
     for (int z = 0; z < NZ; ++z) acc[r][z] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < steps; ++t) {
-    __m512i vz[NZ];
-    for (int z = 0; z < NZ; ++z) vz[z] = _mm512_loadu_si512(v + t * dv + 16 * z);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 vz[NZ];
+    for (int z = 0; z < NZ; ++z) vz[z] = _mm512_loadu_ps(v + t * dv + 16 * z);
     for (int r = 0; r < MR; ++r) {
-      __m512i pr = _mm512_set1_epi32(static_cast<int>(p[r * stride + t]));
-      for (int z = 0; z < NZ; ++z) acc[r][z] = MultiplyAdd<kPairs>(acc[r][z], pr, vz[z]);
+      __m512 pr = _mm512_set1_ps(p[r * stride + t]);
+      for (int z = 0; z < NZ; ++z) acc[r][z] = _mm512_fmadd_ps(pr, vz[z], acc[r][z]);
     }
   }
   for (int r = 0; r < MR; ++r)
@@ -136,44 +135,37 @@ DEW_PREFILL_TARGET void ValueTile(const uint32_t* p, int64_t stride, const uint3
 }
 
 // `ScoreTile` and `ValueTile` for a runtime `mr` (at most 8, 4) and `nz` (at most 4).
-template <bool kPairs, int MR = 8>
-DEW_PREFILL_TARGET void ScoreRows(int mr, const uint32_t* q, int64_t units, const uint32_t* panel, float* s,
-                                  int64_t stride) {
+template <int MR = 8>
+DEW_PREFILL_TARGET void ScoreRows(int mr, const float* q, int64_t d, const float* panel, float* s, int64_t stride) {
   if constexpr (MR > 1) {
-    if (mr < MR) return ScoreRows<kPairs, MR - 1>(mr, q, units, panel, s, stride);
+    if (mr < MR) return ScoreRows<MR - 1>(mr, q, d, panel, s, stride);
   }
-  ScoreTile<kPairs, MR>(q, units, panel, s, stride);
+  ScoreTile<MR>(q, d, panel, s, stride);
 }
 
-template <bool kPairs, int MR = 4, int NZ = 4>
-DEW_PREFILL_TARGET void ValueRows(int mr, int nz, const uint32_t* p, int64_t stride, const uint32_t* v, int64_t dv,
-                                  int64_t steps, float* o) {
+template <int MR = 4, int NZ = 4>
+DEW_PREFILL_TARGET void ValueRows(int mr, int nz, const float* p, int64_t stride, const float* v, int64_t dv, int64_t n,
+                                  float* o) {
   if constexpr (MR > 1) {
-    if (mr < MR) return ValueRows<kPairs, MR - 1, NZ>(mr, nz, p, stride, v, dv, steps, o);
+    if (mr < MR) return ValueRows<MR - 1, NZ>(mr, nz, p, stride, v, dv, n, o);
   }
   if constexpr (NZ > 1) {
-    if (nz < NZ) return ValueRows<kPairs, MR, NZ - 1>(mr, nz, p, stride, v, dv, steps, o);
+    if (nz < NZ) return ValueRows<MR, NZ - 1>(mr, nz, p, stride, v, dv, n, o);
   }
-  ValueTile<kPairs, MR, NZ>(p, stride, v, dv, steps, o);
+  ValueTile<MR, NZ>(p, stride, v, dv, n, o);
 }
 
-// One query row's probabilities from its scores `s` (padded with finite values to a multiple of 16 past `n`):
-// the softmax of `scale * s` over the keys its mask row `m` allows, which lie in [first, end), zeros elsewhere
-// up to `width`, stored as float32 to `p` or (`kPairs`) rounded to bfloat16 bits (to nearest even) to `bits`.
-// Masked keys' exponentials are zeros outright (as `attend`'s are wherever a row allows a key); no fused
+// One query row's probabilities, in place over its scores `p` (padded with finite values to a multiple of 16
+// past `n`): the softmax of `scale * s` over the keys its mask row `m` allows, which lie in [first, end), zeros
+// elsewhere up to `width`, with `kRound` each rounded to bfloat16 (to nearest even, kept as float32). Masked
+// keys' exponentials are zeros outright (as `attend`'s are wherever a row allows a key); no fused
 // multiply-adds, so the exponential's bits are the softmax kernel's.
-template <bool kPairs>
+template <bool kRound>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), optimize("fp-contract=off")))
-void ProbabilityRow(const float* s, const bool* m, int64_t n, int64_t first, int64_t end, int64_t width, float scale,
-                    float* p, uint16_t* bits) {
+void ProbabilityRow(float* p, const bool* m, int64_t n, int64_t first, int64_t end, int64_t width, float scale) {
   int64_t from = first & ~int64_t{15}, to = (end + 15) & ~int64_t{15};
-  if constexpr (kPairs) {
-    std::fill(bits, bits + from, uint16_t{0});
-    std::fill(bits + to, bits + width, uint16_t{0});
-  } else {
-    std::fill(p, p + from, 0.0f);
-    std::fill(p + to, p + width, 0.0f);
-  }
+  std::fill(p, p + from, 0.0f);
+  std::fill(p + to, p + width, 0.0f);
   auto allowed = [&](int64_t j) {  // the mask's lanes, none read past the row's n keys
     __mmask16 inside = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
     __m128i bytes = _mm_maskz_loadu_epi8(inside, m + j);
@@ -182,26 +174,23 @@ void ProbabilityRow(const float* s, const bool* m, int64_t n, int64_t first, int
   const __m512 scales = _mm512_set1_ps(scale);
   __m512 tops = _mm512_set1_ps(-HUGE_VALF);
   for (int64_t j = from; j < to; j += 16)
-    tops = _mm512_mask_max_ps(tops, allowed(j), tops, _mm512_mul_ps(_mm512_loadu_ps(s + j), scales));
+    tops = _mm512_mask_max_ps(tops, allowed(j), tops, _mm512_mul_ps(_mm512_loadu_ps(p + j), scales));
   __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(tops)), sums = _mm512_setzero_ps();
-  thread_local std::vector<float> exps;
-  exps.resize(static_cast<size_t>(to));
   for (int64_t j = from; j < to; j += 16) {
-    __m512 e = _mm512_maskz_mov_ps(allowed(j), Exp(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), scales), top)));
+    __m512 e = _mm512_maskz_mov_ps(allowed(j), Exp(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(p + j), scales), top)));
     sums = _mm512_add_ps(sums, e);
-    _mm512_storeu_ps(exps.data() + j, e);
+    _mm512_storeu_ps(p + j, e);
   }
   const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums));
   for (int64_t j = from; j < to; j += 16) {
-    __m512 probs = _mm512_mul_ps(_mm512_loadu_ps(exps.data() + j), inverse);
-    if constexpr (kPairs) {  // probabilities are finite: no NaN to keep
-      __m512i units = _mm512_castps_si512(probs);
-      __m512i odd = _mm512_and_si512(_mm512_srli_epi32(units, 16), _mm512_set1_epi32(1));
-      units = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(units, _mm512_set1_epi32(0x7fff)), odd), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits + j), _mm512_cvtepi32_epi16(units));
-    } else {
-      _mm512_storeu_ps(p + j, probs);
+    __m512 probs = _mm512_mul_ps(_mm512_loadu_ps(p + j), inverse);
+    if constexpr (kRound) {  // probabilities are finite: no NaN to keep
+      __m512i bits = _mm512_castps_si512(probs);
+      __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      bits = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+      probs = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(int32_t(0xffff0000u))));
     }
+    _mm512_storeu_ps(p + j, probs);
   }
 }
 
@@ -223,27 +212,18 @@ DEW_PREFILL_TARGET [[gnu::always_inline]] inline void Store16(Q* out, __m512 x) 
   }
 }
 
-// Where vpermt2w takes each half of a pair of keys' 32 value columns (key t the first operand, t + 1 the
-// second): unit i of the low vector is column i of key t (low half) and of key t + 1 (high half), of the
-// high vector column 16 + i.
-alignas(64) constexpr uint16_t kPairLow[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
-                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-alignas(64) constexpr uint16_t kPairHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-
 struct Shape {
   int64_t b, h, s, d, layers, c, k, t, dv, blocks;
 };
 
 // One task: row `bi`'s key/value head `kh`, query rows [start, start + rows). `ranges` holds each mask row's
 // first and last allowed key (first > last where it allows none). Q is float (float32 queries over a float32
-// cache) or uint16_t (bfloat16 bits over a bfloat16 cache: kPairs).
+// cache) or uint16_t (bfloat16 bits over a bfloat16 cache, widened).
 template <typename Q>
 DEW_PREFILL_TARGET void Task(const Shape& a, const Q* qp, const Q* kp, const Q* vp, int64_t layer, const bool* mp,
                              const int32_t* ranges, Q* op, float scale, int64_t bi, int64_t kh, int64_t start,
                              int64_t rows) {
-  constexpr bool kPairs = std::is_same_v<Q, uint16_t>;
-  constexpr int64_t per_unit = kPairs ? 2 : 1;  // values a 32-bit unit holds
+  constexpr bool kWiden = !std::is_same_v<Q, float>;
   int64_t group = a.h / a.k, gr = group * rows, lo = a.t, hi = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int32_t* range = ranges + 2 * (bi * a.s + start + r);
@@ -255,101 +235,74 @@ DEW_PREFILL_TARGET void Task(const Shape& a, const Q* qp, const Q* kp, const Q* 
       for (int64_t z = 0; z < a.dv; z += 16) Store16(out_row(i) + z, _mm512_setzero_ps());
     return;
   }
-  int64_t n = hi - lo, tiles = (n + kKeyTile - 1) / kKeyTile, width = tiles * kKeyTile, units = a.d / per_unit;
-  thread_local std::vector<uint32_t> queries, panel, pairs;
-  thread_local std::vector<float> scores, probs, outs;
-  thread_local std::vector<uint16_t> probs16;
+  int64_t n = hi - lo, tiles = (n + kKeyTile - 1) / kKeyTile, width = tiles * kKeyTile;
+  thread_local std::vector<float> queries, panel, scores, widened, outs;
   thread_local std::vector<int64_t> spans;  // each query row's allowed keys [first, last + 1) from lo
-  queries.resize(static_cast<size_t>(gr * units));
-  panel.resize(static_cast<size_t>(width * units));
+  queries.resize(static_cast<size_t>(gr * a.d));
+  panel.resize(static_cast<size_t>(width * a.d));
   scores.resize(static_cast<size_t>(gr * width));
   outs.resize(static_cast<size_t>(gr * a.dv));
   spans.resize(static_cast<size_t>(2 * gr));
-  // The block's queries `[G * rows, units]`, head by head.
-  for (int64_t i = 0; i < gr; ++i)
-    std::memcpy(queries.data() + i * units,
-                qp + ((bi * a.h + kh * group + i / rows) * a.s + start + i % rows) * a.d, a.d * sizeof(Q));
-  // The keys [lo, hi) transposed into tiles `[tiles][units][kKeyTile]` (keys past `hi` as zeros).
+  // The block's queries as float32 `[G * rows, D]`, head by head.
+  for (int64_t i = 0; i < gr; ++i) {
+    const Q* row = qp + ((bi * a.h + kh * group + i / rows) * a.s + start + i % rows) * a.d;
+    for (int64_t x = 0; x < a.d; x += 16) _mm512_storeu_ps(queries.data() + i * a.d + x, Load16(row + x));
+  }
+  // The keys [lo, hi) transposed into tiles `[tiles][D][kKeyTile]` (keys past `hi` as zeros).
   int64_t head = ((layer * a.c + bi) * a.k + kh) * a.t;
-  const uint32_t* keys = reinterpret_cast<const uint32_t*>(kp + (head + lo) * a.d);
+  const Q* keys = kp + (head + lo) * a.d;
   for (int64_t t0 = 0; t0 < width; t0 += 16) {
-    uint32_t* tile = panel.data() + t0 / kKeyTile * units * kKeyTile + t0 % kKeyTile;
-    for (int64_t x0 = 0; x0 < units; x0 += 16) {
-      int64_t count = std::min<int64_t>(16, units - x0);
-      __mmask16 inside = count == 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
+    float* tile = panel.data() + t0 / kKeyTile * a.d * kKeyTile + t0 % kKeyTile;
+    for (int64_t x0 = 0; x0 < a.d; x0 += 16) {
       __m512 block[16];
-      for (int j = 0; j < 16; ++j)
-        block[j] = t0 + j < n ? _mm512_maskz_loadu_ps(inside, keys + (t0 + j) * units + x0) : _mm512_setzero_ps();
+      for (int j = 0; j < 16; ++j) block[j] = t0 + j < n ? Load16(keys + (t0 + j) * a.d + x0) : _mm512_setzero_ps();
       Transpose16(block);
-      for (int j = 0; j < count; ++j) _mm512_storeu_ps(tile + (x0 + j) * kKeyTile, block[j]);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(tile + (x0 + j) * kKeyTile, block[j]);
     }
   }
   for (int64_t tile = 0; tile < tiles; ++tile)
     for (int64_t i = 0; i < gr; i += 8)
-      ScoreRows<kPairs>(static_cast<int>(std::min<int64_t>(8, gr - i)), queries.data() + i * units, units,
-                        panel.data() + tile * units * kKeyTile, scores.data() + i * width + tile * kKeyTile, width);
+      ScoreRows(static_cast<int>(std::min<int64_t>(8, gr - i)), queries.data() + i * a.d, a.d,
+                panel.data() + tile * a.d * kKeyTile, scores.data() + i * width + tile * kKeyTile, width);
   // Each query row's probabilities over its own allowed keys, a row that reads nothing weighing nothing.
-  if constexpr (kPairs) {
-    probs16.resize(static_cast<size_t>(gr * width));
-  } else {
-    probs.resize(static_cast<size_t>(gr * width));
-  }
   for (int64_t i = 0; i < gr; ++i) {
     const int32_t* range = ranges + 2 * (bi * a.s + start + i % rows);
     int64_t first = range[0] <= range[1] ? range[0] - lo : 0, end = range[0] <= range[1] ? range[1] + 1 - lo : 0;
     spans[2 * i] = first, spans[2 * i + 1] = end;
-    ProbabilityRow<kPairs>(scores.data() + i * width, mp + (bi * a.s + start + i % rows) * a.t + lo, n, first, end,
-                           width, scale, probs.data() + (kPairs ? 0 : i * width),
-                           probs16.data() + (kPairs ? i * width : 0));
+    ProbabilityRow<kWiden>(scores.data() + i * width, mp + (bi * a.s + start + i % rows) * a.t + lo, n, first, end,
+                           width, scale);
   }
-  // The values [lo, hi) as units: a float32 cache's in place, a bfloat16 one's interleaved in pairs of keys
-  // (the last key of an odd count beside zeros).
-  const uint32_t* values;
-  if constexpr (kPairs) {
-    pairs.resize(static_cast<size_t>((n + 1) / 2 * a.dv));
-    const __m512i low = _mm512_load_si512(kPairLow), high = _mm512_load_si512(kPairHigh);
-    const uint16_t* source = vp + (head + lo) * a.dv;
-    for (int64_t t = 0; t < n; t += 2) {
-      for (int64_t z = 0; z < a.dv; z += 32) {
-        int64_t count = std::min<int64_t>(32, a.dv - z);
-        __mmask32 inside = count == 32 ? __mmask32(0xffffffffu) : __mmask32((1u << count) - 1);
-        __m512i row = _mm512_maskz_loadu_epi16(inside, source + t * a.dv + z);
-        __m512i next = t + 1 < n ? _mm512_maskz_loadu_epi16(inside, source + (t + 1) * a.dv + z) : _mm512_setzero_si512();
-        uint32_t* into = pairs.data() + t / 2 * a.dv + z;
-        _mm512_storeu_si512(into, _mm512_permutex2var_epi16(row, low, next));
-        if (count > 16) _mm512_storeu_si512(into + 16, _mm512_permutex2var_epi16(row, high, next));
-      }
-    }
-    values = pairs.data();
+  // The values [lo, hi) as float32, in place for a float32 cache.
+  const float* values;
+  if constexpr (kWiden) {
+    widened.resize(static_cast<size_t>(n * a.dv));
+    const Q* source = vp + (head + lo) * a.dv;
+    for (int64_t j = 0; j < n * a.dv; j += 16) _mm512_storeu_ps(widened.data() + j, Load16(source + j));
+    values = widened.data();
   } else {
-    values = reinterpret_cast<const uint32_t*>(vp + (head + lo) * a.dv);
+    values = vp + (head + lo) * a.dv;
   }
-  const uint32_t* weights = kPairs ? reinterpret_cast<const uint32_t*>(probs16.data())
-                                   : reinterpret_cast<const uint32_t*>(probs.data());
-  int64_t stride = width / per_unit;
   for (int64_t i = 0; i < gr; i += 4) {
     int64_t mr = std::min<int64_t>(4, gr - i), first = n, end = 0;  // the keys any of the tile's rows reads
     for (int64_t r = i; r < i + mr; ++r)
       if (spans[2 * r] < spans[2 * r + 1]) first = std::min(first, spans[2 * r]), end = std::max(end, spans[2 * r + 1]);
-    first = std::min(first, end) / per_unit, end = (end + per_unit - 1) / per_unit;  // in steps (keys or pairs)
+    first = std::min(first, end);
     for (int64_t z = 0; z < a.dv; z += 64)
-      ValueRows<kPairs>(static_cast<int>(mr), static_cast<int>(std::min<int64_t>(4, (a.dv - z) / 16)),
-                        weights + i * stride + first, stride, values + first * a.dv + z, a.dv, end - first,
-                        outs.data() + i * a.dv + z);
+      ValueRows(static_cast<int>(mr), static_cast<int>(std::min<int64_t>(4, (a.dv - z) / 16)),
+                scores.data() + i * width + first, width, values + first * a.dv + z, a.dv, end - first,
+                outs.data() + i * a.dv + z);
   }
   for (int64_t i = 0; i < gr; ++i)
     for (int64_t z = 0; z < a.dv; z += 16) Store16(out_row(i) + z, _mm512_loadu_ps(outs.data() + i * a.dv + z));
 }
 #endif
 
-// Whether this CPU runs the kernel: AVX-512 (F, BW, VL, DQ) for float32, and AVX512_BF16 for bfloat16.
-bool Supported(bool bfloat16) {
+// Whether this CPU runs the kernel: AVX-512 (F, BW, VL, DQ).
+bool Supported() {
 #ifdef DEW_X86
   static const bool avx512 = DetectIsa() == kAvx512 && __builtin_cpu_supports("avx512dq");
-  static const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
-  return bfloat16 ? bf16 : avx512;
+  return avx512;
 #else
-  (void)bfloat16;
   return false;
 #endif
 }
@@ -359,8 +312,7 @@ template <ffi::DataType DType, ffi::DataType CType>
 ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<DType> q, ffi::Buffer<CType> keys,
                             ffi::Buffer<CType> values, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::PRED> mask,
                             ffi::Result<ffi::Buffer<DType>> out, float scale) {
-  if (!Supported(DType == ffi::BF16))
-    return ffi::Error::InvalidArgument("dew prefill attention: this CPU lacks the AVX-512 sets it needs");
+  if (!Supported()) return ffi::Error::InvalidArgument("dew prefill attention: this CPU lacks AVX-512");
   auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions(), md = mask.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || md.size() != 3)
     return ffi::Error::InvalidArgument(
@@ -412,23 +364,18 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<DType> q, ffi::Buf
 DEW_PREFILL_HANDLER(DewPrefillAttentionF32, ffi::F32, ffi::F32)
 DEW_PREFILL_HANDLER(DewPrefillAttentionBF16, ffi::BF16, ffi::U16)
 
-// Python module: handlers() -> {"f32", "bf16": capsule}; supported(bfloat16) whether this CPU runs the kernel
-// for that dtype.
+// Python module: handlers() -> {"f32", "bf16": capsule}; supported() whether this CPU runs the kernel.
 static PyObject* Handlers(PyObject*, PyObject*) {
   const dew::HandlerEntry entries[] = {{"f32", reinterpret_cast<void*>(&DewPrefillAttentionF32)},
                                        {"bf16", reinterpret_cast<void*>(&DewPrefillAttentionBF16)}};
   return dew::HandlerDict(entries, sizeof entries / sizeof entries[0]);
 }
 
-static PyObject* IsSupported(PyObject*, PyObject* args) {
-  int bfloat16 = 0;
-  if (!PyArg_ParseTuple(args, "p", &bfloat16)) return nullptr;
-  return PyBool_FromLong(Supported(bfloat16 != 0));
-}
+static PyObject* IsSupported(PyObject*, PyObject*) { return PyBool_FromLong(Supported()); }
 
 static PyMethodDef kMethods[] = {
     {"handlers", Handlers, METH_NOARGS, "The XLA FFI handlers, as capsules keyed by dtype."},
-    {"supported", IsSupported, METH_VARARGS, "Whether this CPU runs the kernel, for bfloat16 (True) or float32."},
+    {"supported", IsSupported, METH_NOARGS, "Whether this CPU runs the kernel (AVX-512)."},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native_prefill_attention",

@@ -13,9 +13,8 @@ softmax's normalizer (its reciprocal multiplies, where `attend` divides); a quer
 gets zeros (`attend` averages the keys it scores: a padding query, which nothing reads).
 
 It runs wherever the kernel policy lets a native kernel into the step (`dew.kernels.policy`: `auto` or
-`native` on the CPU backend, one device) and the extension built, for float32 queries over a float32 cache
-where the CPU has AVX-512 and bfloat16 queries over a bfloat16 one where it also has AVX512_BF16, head widths
-multiples of `LANES`; one pass that reads fewer keys costs less on any such CPU, so no table decides it.
+`native` on the CPU backend, one device), the extension built and the CPU has AVX-512, for float32 queries
+over a float32 cache and bfloat16 queries over a bfloat16 one, head widths multiples of `LANES`; one pass that reads fewer keys costs less on any such CPU, so no table decides it.
 Elsewhere `attend` runs. A prefill only: it has no gradient.
 """
 
@@ -47,21 +46,20 @@ def _load() -> tuple[bool, str]:
 
 
 @functools.cache
-def _cpu(dtype) -> tuple[bool, str]:
+def _cpu() -> tuple[bool, str]:
     loaded, why = _load()
     if not loaded:
         return False, why
-    if not import_extension("prefill_attention")[0].supported(jnp.dtype(dtype) == _BF16):
-        return False, ("this CPU lacks AVX-512 (F, BW, VL, DQ" + (", and AVX512_BF16 for bfloat16" if jnp.dtype(dtype) ==
-                                                                  _BF16 else "") + "), which the kernel needs")
+    if not import_extension("prefill_attention")[0].supported():
+        return False, "this CPU lacks AVX-512 (F, BW, VL and DQ), which the prefill attention kernel needs"
     return True, "Dew's kernel (dew._native_prefill_attention)"
 
 
-def status(dtype=jnp.float32, policy: str | None = None) -> tuple[bool, str]:
-    """(whether the prefill attention kernel may run for `dtype` (float32 or bfloat16) under `policy` (default the
-    one in force) here, why or why not)."""
+def status(policy: str | None = None) -> tuple[bool, str]:
+    """(whether the prefill attention kernel may run under `policy` (default the one in force) here, why or why
+    not)."""
     refused = calls_refused(policy)
-    return (False, refused) if refused else _cpu(jnp.dtype(dtype))
+    return (False, refused) if refused else _cpu()
 
 
 def usable(q_BHSD: jax.Array, keys_LCKTD: jax.Array, values_LCKTD: jax.Array, policy: str | None = None) -> bool:
@@ -69,7 +67,7 @@ def usable(q_BHSD: jax.Array, keys_LCKTD: jax.Array, values_LCKTD: jax.Array, po
     float32 cache or bfloat16 ones over a bfloat16 (or uint16 bits) one, head widths multiples of `LANES`."""
     dtype = jnp.dtype(q_BHSD.dtype)
     taken = (keys_LCKTD.dtype in _PAIRS.get(dtype, ()) and values_LCKTD.dtype == keys_LCKTD.dtype
-             and q_BHSD.shape[-1] % LANES == 0 and values_LCKTD.shape[-1] % LANES == 0 and status(dtype, policy)[0])
+             and q_BHSD.shape[-1] % LANES == 0 and values_LCKTD.shape[-1] % LANES == 0 and status(policy)[0])
     note(f"prefill_attention/{dtype.name}", "dew" if taken else "xla")
     return taken
 
@@ -80,7 +78,7 @@ def prefill_attention(q_BHSD: jax.Array, keys_LCKTD: jax.Array, values_LCKTD: ja
     or int32 scalar, may be traced) of a cache, keys `[L, C, K, T, D]`, values `[L, C, K, T, Dv]` (query row `b`
     reads cache row `b` of `C >= B`), where the boolean `mask_BST` `[B, S, T]` allows; query head `h` reads
     key/value head `h // (H // K)`. Raises where the kernel is unavailable or the operands do not fit."""
-    loaded, why = status(q_BHSD.dtype)
+    loaded, why = status()
     if not loaded:
         raise RuntimeError(f"Dew's prefill attention kernel is unavailable: {why}; use dew.nn.attention.attend")
     B, H, S, D = q_BHSD.shape

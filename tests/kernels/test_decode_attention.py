@@ -176,6 +176,6 @@ def test_greedy_decoding_through_the_kernel_keeps_xla_tokens(dtype):
     theirs, chose_xla = decoded("xla", dtype, prompts, **config)
     assert chose[f"decode_attention/{jnp.dtype(dtype).name}"] == "dew"
     assert chose_xla[f"decode_attention/{jnp.dtype(dtype).name}"] == "xla"
-    prefill, name = "dew" if prefill_kernel.status(dtype, "auto")[0] else "xla", f"prefill_attention/{jnp.dtype(dtype).name}"
+    prefill, name = "dew" if prefill_kernel.status("auto")[0] else "xla", f"prefill_attention/{jnp.dtype(dtype).name}"
     assert (chose[name], chose_xla[name]) == (prefill, "xla")
     np.testing.assert_array_equal(ours, theirs)

@@ -7,15 +7,14 @@ Bound per output element, float32 (u = 2^-24, one unit of float32 rounding), as 
 scores lie within 2 D u A apart (A = scale * sum_d |q_d k_d|, the row's largest); a score difference d moves a
 probability by a factor within exp(2 d), each side's exponential is within 2 ulps, each normalizer sums n terms
 (n u each, n the keys a row scores) and the weighted values sum n terms on each side (n u each, of
-sum p |v| <= max |v|): (4 D A + 4 n + 16) u max |v| (the kernel's float32 products are fused multiply-adds,
-its bfloat16 ones `vdpbf16ps`, two exact products added to the sum one after the other, denormals read as
-zero: each within the same count of roundings; its normalizer's reciprocal multiplies where `attend` divides,
-one rounding more, inside the 16). Both sides score, exponentiate and sum the same keys (those the mask
+sum p |v| <= max |v|): (4 D A + 4 n + 16) u max |v| (the kernel's products are fused multiply-adds, one rounding
+where `attend`'s may take two: within the same count; its normalizer's reciprocal multiplies where `attend`
+divides, one rounding more, inside the 16). Both sides score, exponentiate and sum the same keys (those the mask
 allows; a masked key's exponential is exactly 0 on both), so n is the capacity at most. bfloat16: both sides
 round the probabilities to bfloat16 (each within 2^-8 of its own, so 2^-7 of sum p |v| apart) and the result
 (2^-7 of |out| apart): 2^-6 max |v| more. Against float64, the same bound holds (one side's roundings only).
-Largest differences observed (Intel Xeon with AVX512-BF16; max |v| about 4): float32 4.8e-7 against `attend`
-and 8.0e-7 against float64, where the smallest bound is 3.6e-4; bfloat16 9.5e-7 against `attend` and 7.6e-3
+Largest differences observed (Intel Xeon, AVX-512; max |v| about 4): float32 4.8e-7 against `attend`
+and 8.0e-7 against float64, where the smallest bound is 3.6e-4; bfloat16 6.1e-5 against `attend` and 7.6e-3
 against float64 (the result's rounding to bfloat16), where the smallest bound is 5.2e-2.
 """
 
@@ -30,11 +29,8 @@ from dew.kernels import prefill_attention as prefill_kernel
 from dew.nn.attention import attend, attention_mask
 from tests.tolerances import assert_within, ulp_bound
 
-AVAILABLE = {dtype: prefill_kernel.status(dtype, "native") for dtype in (jnp.float32, jnp.bfloat16)}
-
-
-def needs_kernel(dtype):
-    return pytest.mark.skipif(not AVAILABLE[dtype][0], reason=f"Dew's kernel is off here: {AVAILABLE[dtype][1]}")
+AVAILABLE, WHY = prefill_kernel.status("native")
+needs_kernel = pytest.mark.skipif(not AVAILABLE, reason=f"Dew's prefill attention kernel is off here: {WHY}")
 
 L, B, C, T, S = 2, 3, 4, 96, 40  # 40 queries: blocks of 16, 16 and 8; a cache of 4 rows, the first 3 read
 
@@ -91,7 +87,8 @@ def float64_attention(q, keys_BKTD, values_BKTD, mask, scale, dtype):
     return np.einsum("bhst,bhtd->bshd", probs, v_BHTD)
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(dtype, marks=needs_kernel(dtype)) for dtype in (jnp.float32, jnp.bfloat16)])
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("heads,D", [((9, 3), 64), ((2, 2), 32)], ids=["gqa-9-3", "mha-2"])
 def test_the_kernel_matches_attend_fresh_and_at_an_offset(policy, dtype, heads, D):
     """SmolLM2's 9 query heads over 3 key/value heads and 2 over 2; a fresh cache (`attend`'s causal blocks)
@@ -120,7 +117,7 @@ def test_the_kernel_matches_attend_fresh_and_at_an_offset(policy, dtype, heads, 
         assert not np.asarray(ours[0, S - 1], np.float32).any(), "a query reading nothing gets zeros"
 
 
-@needs_kernel(jnp.float32)
+@needs_kernel
 def test_bad_operands_are_refused(policy):
     policy("native")
     keys = jnp.zeros((1, 2, 2, 16, 16), jnp.float32)
@@ -144,6 +141,5 @@ def test_off_under_xla_and_for_operands_it_cannot_take(policy):
     assert not prefill_kernel.usable(q[..., :8], keys[..., :8], keys[..., :8])
     assert not prefill_kernel.usable(q, keys.astype(jnp.bfloat16), keys.astype(jnp.bfloat16))
     assert not prefill_kernel.usable(q.astype(jnp.float16), keys.astype(jnp.float16), keys.astype(jnp.float16))
-    assert prefill_kernel.usable(q.astype(jnp.bfloat16), keys.astype(jnp.uint16),
-                                 keys.astype(jnp.uint16)) == AVAILABLE[jnp.bfloat16][0]
-    assert prefill_kernel.usable(q, keys, keys) == AVAILABLE[jnp.float32][0]
+    assert prefill_kernel.usable(q.astype(jnp.bfloat16), keys.astype(jnp.uint16), keys.astype(jnp.uint16)) == AVAILABLE
+    assert prefill_kernel.usable(q, keys, keys) == AVAILABLE
