@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -307,6 +309,21 @@ bool Supported() {
 #endif
 }
 
+// `run(task)` for each of `total` tasks, claimed one at a time by the caller and XLA's threads: a task takes tens
+// of microseconds and the tasks differ in size, so single claims keep every thread busy to the end, even
+// where one is preempted while the others finish.
+void ForEachTask(ffi::ThreadPool pool, int64_t total, std::function<void(int64_t)> run) {
+  if (total == 0) return;
+  auto work = std::make_shared<Pieces>();
+  work->total = work->pieces = total;
+  work->per_piece = 1;
+  work->run = std::move(run);
+  int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), total) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work->Work(); });
+  work->Work();
+  WaitForPieces(work->done, work->pieces);
+}
+
 // DType is the queries' and the result's, CType the cache's (F32, or U16 holding bfloat16 bits).
 template <ffi::DataType DType, ffi::DataType CType>
 ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<DType> q, ffi::Buffer<CType> keys,
@@ -337,7 +354,7 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<DType> q, ffi::Buf
   a.blocks = (a.s + kBlock - 1) / kBlock;
   int64_t heads = a.b * a.k;
   // Tasks (block, row, key/value head), the last blocks (the most keys, in a causal pass) first.
-  ForEach(pool, heads * a.blocks, 1, [=](int64_t task) {
+  ForEachTask(pool, heads * a.blocks, [=](int64_t task) {
     int64_t blk = a.blocks - 1 - task / heads, bi = task % heads / a.k, kh = task % a.k;
     int64_t start = blk * kBlock, rows = std::min(kBlock, a.s - start);
     Task<Q>(a, qp, kp, vp, l, mp, rp, op, scale, bi, kh, start, rows);
