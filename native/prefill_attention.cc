@@ -218,17 +218,19 @@ struct Shape {
   int64_t b, h, s, d, layers, c, k, t, dv, blocks;
 };
 
-// One task: row `bi`'s key/value head `kh`, query rows [start, start + rows). `ranges` holds each mask row's
-// first and last allowed key (first > last where it allows none). Q is float (float32 queries over a float32
+// One task: row `bi`'s key/value head `kh`, query rows [start, start + rows) (at most kBlock), whose mask rows
+// it scans for their first and last allowed keys (each task of the block scans them again: a few microseconds,
+// where one more pass over the threads would cost more). Q is float (float32 queries over a float32
 // cache) or uint16_t (bfloat16 bits over a bfloat16 cache, widened).
 template <typename Q>
 DEW_PREFILL_TARGET void Task(const Shape& a, const Q* qp, const Q* kp, const Q* vp, int64_t layer, const bool* mp,
-                             const int32_t* ranges, Q* op, float scale, int64_t bi, int64_t kh, int64_t start,
-                             int64_t rows) {
+                             Q* op, float scale, int64_t bi, int64_t kh, int64_t start, int64_t rows) {
   constexpr bool kWiden = !std::is_same_v<Q, float>;
+  int32_t ranges[2 * kBlock];  // each query row's first and last allowed key (first > last: none)
+  for (int64_t r = 0; r < rows; ++r) MaskRange(mp + (bi * a.s + start + r) * a.t, a.t, ranges + 2 * r);
   int64_t group = a.h / a.k, gr = group * rows, lo = a.t, hi = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    const int32_t* range = ranges + 2 * (bi * a.s + start + r);
+    const int32_t* range = ranges + 2 * r;
     if (range[0] <= range[1]) lo = std::min<int64_t>(lo, range[0]), hi = std::max<int64_t>(hi, range[1] + 1);
   }
   auto out_row = [&](int64_t i) { return op + ((bi * a.s + start + i % rows) * a.h + kh * group + i / rows) * a.dv; };
@@ -268,7 +270,7 @@ DEW_PREFILL_TARGET void Task(const Shape& a, const Q* qp, const Q* kp, const Q* 
                 panel.data() + tile * a.d * kKeyTile, scores.data() + i * width + tile * kKeyTile, width);
   // Each query row's probabilities over its own allowed keys, a row that reads nothing weighing nothing.
   for (int64_t i = 0; i < gr; ++i) {
-    const int32_t* range = ranges + 2 * (bi * a.s + start + i % rows);
+    const int32_t* range = ranges + 2 * (i % rows);
     int64_t first = range[0] <= range[1] ? range[0] - lo : 0, end = range[0] <= range[1] ? range[1] + 1 - lo : 0;
     spans[2 * i] = first, spans[2 * i + 1] = end;
     ProbabilityRow<kWiden>(scores.data() + i * width, mp + (bi * a.s + start + i % rows) * a.t + lo, n, first, end,
@@ -348,16 +350,13 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<DType> q, ffi::Buf
   const Q* vp = reinterpret_cast<const Q*>(values.untyped_data());
   const bool* mp = mask.typed_data();
   Q* op = reinterpret_cast<Q*>(out->untyped_data());
-  std::vector<int32_t> ranges(static_cast<size_t>(2 * a.b * a.s));
-  int32_t* rp = ranges.data();
-  ForEach(pool, a.b * a.s, 64, [=](int64_t row) { MaskRange(mp + row * a.t, a.t, rp + 2 * row); });
   a.blocks = (a.s + kBlock - 1) / kBlock;
   int64_t heads = a.b * a.k;
   // Tasks (block, row, key/value head), the last blocks (the most keys, in a causal pass) first.
   ForEachTask(pool, heads * a.blocks, [=](int64_t task) {
     int64_t blk = a.blocks - 1 - task / heads, bi = task % heads / a.k, kh = task % a.k;
     int64_t start = blk * kBlock, rows = std::min(kBlock, a.s - start);
-    Task<Q>(a, qp, kp, vp, l, mp, rp, op, scale, bi, kh, start, rows);
+    Task<Q>(a, qp, kp, vp, l, mp, op, scale, bi, kh, start, rows);
   });
   return ffi::Error::Success();
 #else
