@@ -18,6 +18,7 @@ import numpy as np
 from flax import linen as nn
 
 from dew.kernels import decode_attention as decode_kernel
+from dew.kernels import prefill_attention as prefill_kernel
 from dew.kernels import softmax as fast_softmax
 from dew.kernels.matmul import dot
 from dew.kernels.softmax import MASKED
@@ -343,10 +344,10 @@ class Attention(nn.Module):
         # [B, H, S, D] with heads_major, else [B, S, H, D]
         q = self._finish_queries(q_BSHD, rotary, context.positions_BS, heads_major, reuse)
         report = None
+        scale = D**-0.5 if s.query_scale is None else s.query_scale
         if context.report_qk:  # whole sequences only: the decoder refuses it with a cache
             # a real query's allowed keys share its segment, so are real too; padding reads only padding
             real_BST = mask_BST & (context.segments_BS > 0)[:, :, None]
-            scale = D**-0.5 if s.query_scale is None else s.query_scale
             q_seen = q.transpose(0, 2, 1, 3) if heads_major else q
             report = {"qk_max": score_max(q_seen, k_BSKD.transpose(0, 2, 1, 3), real_BST, scale)}
         if decode:
@@ -354,8 +355,12 @@ class Attention(nn.Module):
         elif fused:
             # Training's pass (and any without a cache), float32: scores, softmax and weighted values in one
             # kernel, keys and values as the projections laid them out.
-            scale = D**-0.5 if s.query_scale is None else s.query_scale
             out_BSHD = fast_softmax.attention(q, k_BSKD, v_BSKD, mask_BST, scale, ordered, FUSED_BLOCK)
+        elif (cache is not None and not reuse and not context.read_only_cache and s.softcap is None
+              and prefill_kernel.usable(q, cache.keys, cache.values)):
+            # A prefill over this layer's cache, read in place: each block of queries scores only the keys its
+            # mask allows, from the first to the last (the filled slots at an offset, not the capacity).
+            out_BSHD = prefill_kernel.prefill_attention(q, cache.keys, cache.values, knobs.local, mask_BST, scale)
         else:
             if cache is None:
                 keys, values = k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3)

@@ -23,6 +23,7 @@ import pytest
 
 from dew import kernels, models
 from dew.kernels import decode_attention as decode_kernel
+from dew.kernels import prefill_attention as prefill_kernel
 from dew.nn.attention import attend
 from dew.sampling import Sampling, generate
 from tests.tolerances import assert_within, ulp_bound
@@ -167,11 +168,14 @@ def decoded(kernel_policy: str, dtype, prompts, **config):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_greedy_decoding_through_the_kernel_keeps_xla_tokens(dtype):
     """Rows of prompts 1, 5 and 19 tokens long decode 12 tokens each, with a sliding window of 6 on
-    the second layer: the cached steps read the kernel under `auto`, and the greedy tokens are XLA's."""
+    the second layer: the cached steps read the kernel under `auto` (and the prefill Dew's prefill attention
+    kernel, where this CPU runs it), and the greedy tokens are XLA's."""
     prompts = [[3], [5, 9, 11, 2, 7], list(range(1, 20))]
     config = dict(layer_types=("full_attention", "sliding_attention"), sliding_window=6)
     ours, chose = decoded("auto", dtype, prompts, **config)
     theirs, chose_xla = decoded("xla", dtype, prompts, **config)
     assert chose[f"decode_attention/{jnp.dtype(dtype).name}"] == "dew"
     assert chose_xla[f"decode_attention/{jnp.dtype(dtype).name}"] == "xla"
+    prefill, name = "dew" if prefill_kernel.status("auto")[0] else "xla", f"prefill_attention/{jnp.dtype(dtype).name}"
+    assert (chose[name], chose_xla[name]) == (prefill, "xla")
     np.testing.assert_array_equal(ours, theirs)
