@@ -15,7 +15,8 @@ gets zeros (`attend` averages the keys it scores: a padding query, which nothing
 It runs wherever the kernel policy lets a native kernel into the step (`dew.kernels.policy`: `auto` or
 `native` on the CPU backend, one device), the extension built and the CPU has AVX-512, for float32 queries
 over a float32 cache and bfloat16 queries over a bfloat16 one, head widths multiples of `LANES`; one pass that reads fewer keys costs less on any such CPU, so no table decides it.
-Elsewhere `attend` runs. A prefill only: it has no gradient.
+Elsewhere `attend` runs. The kernel has no backward: `dew.nn.attention` differentiates its call as `attend`'s
+(a cached pass trained through, as block diffusion's encoder is).
 """
 
 from __future__ import annotations

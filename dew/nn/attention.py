@@ -11,6 +11,7 @@ positions fall in the same chunk of `chunk` positions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from dew.kernels import prefill_attention as prefill_kernel
 from dew.kernels import softmax as fast_softmax
 from dew.kernels.matmul import dot
 from dew.kernels.softmax import MASKED
-from dew.nn.kv_cache import AttentionCache
+from dew.nn.kv_cache import AttentionCache, loaded
 from dew.nn.linear import Linear
 from dew.nn.norms import RMSNorm, normalize
 from dew.nn.rotary import RopeScaling, apply_partial_rotary, rotated_width
@@ -74,6 +75,29 @@ BLOCK = 128  # query rows a block of a causal pass (`attend`'s `block`)
 # however many of them a block computes. (A padding query may score other keys with 64 than with 128;
 # nothing reads it.)
 FUSED_BLOCK = 64
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _prefill_attention(q_BHSD, keys, values, layer, mask_BST, scale: float) -> jax.Array:
+    """`prefill_kernel.prefill_attention`, differentiated as `attend` over layer `layer` of the cache (the
+    kernel has no backward; a cached pass may be trained through, as block diffusion's encoder is)."""
+    return prefill_kernel.prefill_attention(q_BHSD, keys, values, layer, mask_BST, scale)
+
+
+def _prefill_attention_forward(q_BHSD, keys, values, layer, mask_BST, scale):
+    return _prefill_attention(q_BHSD, keys, values, layer, mask_BST, scale), (q_BHSD, keys, values, layer, mask_BST)
+
+
+def _prefill_attention_backward(scale, saved, out_BSHD):
+    q_BHSD, keys, values, layer, mask_BST = saved
+    B = q_BHSD.shape[0]
+    reference = lambda q, k, v: attend(q, loaded(k[layer, :B]), loaded(v[layer, :B]), mask_BST, scale=scale,  # noqa: E731
+                                       heads_major=True)
+    _, pull = jax.vjp(reference, q_BHSD, keys, values)
+    return (*pull(out_BSHD), None, None)
+
+
+_prefill_attention.defvjp(_prefill_attention_forward, _prefill_attention_backward)
 
 
 def attend(q_BSHD, k_BKTD, v_BKTD, mask_BST, *, causal_blocks: bool = False, scale: float | None = None,
@@ -360,7 +384,7 @@ class Attention(nn.Module):
               and prefill_kernel.usable(q, cache.keys, cache.values)):
             # A prefill over this layer's cache, read in place: each block of queries scores only the keys its
             # mask allows, from the first to the last (the filled slots at an offset, not the capacity).
-            out_BSHD = prefill_kernel.prefill_attention(q, cache.keys, cache.values, knobs.local, mask_BST, scale)
+            out_BSHD = _prefill_attention(q, cache.keys, cache.values, knobs.local, mask_BST, scale)
         else:
             if cache is None:
                 keys, values = k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3)

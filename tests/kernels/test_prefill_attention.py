@@ -143,3 +143,23 @@ def test_off_under_xla_and_for_operands_it_cannot_take(policy):
     assert not prefill_kernel.usable(q.astype(jnp.float16), keys.astype(jnp.float16), keys.astype(jnp.float16))
     assert prefill_kernel.usable(q.astype(jnp.bfloat16), keys.astype(jnp.uint16), keys.astype(jnp.uint16)) == AVAILABLE
     assert prefill_kernel.usable(q, keys, keys) == AVAILABLE
+
+
+@needs_kernel
+def test_a_cached_pass_is_differentiated_as_attend(policy):
+    """The kernel has no backward: `dew.nn.attention` gives its call `attend`'s (block diffusion's encoder
+    trains through a cached pass). The forward is the kernel's; the gradients are exactly those of `attend`
+    over the layer's cache, as its vjp computes them."""
+    from dew.nn.attention import _prefill_attention
+
+    policy("native")
+    q, keys, values, mask = operands(jnp.float32, 4, 2, 16, 37)
+    weights = jnp.asarray(np.random.default_rng(1).standard_normal((B, S, 4, 16)), jnp.float32)
+    loss = lambda attention: jax.jit(jax.grad(  # noqa: E731
+        lambda q, k, v: jnp.sum(attention(q, k, v) * weights), argnums=(0, 1, 2)))(q, keys, values)
+    ours = loss(lambda q, k, v: _prefill_attention(q, k, v, jnp.int32(1), mask, 0.25))
+    theirs = loss(lambda q, k, v: attend(q, k[1, :B], v[1, :B], mask, scale=0.25, heads_major=True))
+    for got, expected in zip(ours, theirs):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    assert "dew_prefill_attention_f32" in jax.jit(
+        lambda q, k, v: _prefill_attention(q, k, v, jnp.int32(1), mask, 0.25)).lower(q, keys, values).as_text()
