@@ -541,8 +541,9 @@ class Engine:
         if not self.reuse_prefixes or len(admitted) < 2:
             return admitted
         free = sorted(slot for slot, _ in admitted)
+        holding = [slot for slot in free if self._held_lengths[slot]]
         matches = sorted(((self._common(request.prompt, slot), -index, slot, index)
-                          for index, (_, request) in enumerate(admitted) for slot in free), reverse=True)
+                          for index, (_, request) in enumerate(admitted) for slot in holding), reverse=True)
         placed: dict[int, int] = {}  # request index -> slot
         for common, _, slot, index in matches:
             if common and index not in placed and slot in free:
@@ -558,10 +559,7 @@ class Engine:
 
     def _common(self, prompt: Sequence[int], slot: int) -> int:
         """How many of `prompt`'s tokens but its last `slot`'s cache holds from its first position."""
-        held = int(self._held_lengths[slot])
-        tokens = np.asarray(prompt[: min(len(prompt) - 1, held)], np.int32)
-        same = self._held[slot, : len(tokens)] == tokens
-        return len(tokens) if same.all() else int(same.argmin())
+        return _shared(prompt[:-1], self._held[slot, : self._held_lengths[slot]])
 
     def _waves(self, admitted: list[tuple[int, Request]]) -> list[tuple[list, dict]]:
         """The admitted requests in waves, each (those prefilled whole, those prefilled after a copied

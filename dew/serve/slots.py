@@ -203,8 +203,7 @@ def compile_admit(model, top: int):
               sampling_R: SamplingParams, budget_R, scored_R, held_R, media, reuse, prompt_scores):
         W = tokens_RW.shape[1]
         if reuse is not None:
-            new = _after_beginnings(model, params, slots.decode.cache, tokens_RW, valid_RW, reuse)
-            W = reuse.prompts.shape[1]
+            new = _after_beginnings(model, params, slots.decode.cache, tokens_RW, valid_RW, reuse)  # text only
         elif prompt_scores:
             new, scores = start_scored(model, params, tokens_RW, valid_RW, W, penalty=True, top=top, media=media)
         else:
