@@ -115,6 +115,18 @@ def greedy_continuations(model, bundle, prompt, tokens: int = 16) -> tuple[list[
     return [int(token) for token in ours.continuations()[0]], theirs
 
 
+def in_torch_memory(model):
+    """`model` with every parameter and buffer copied into torch's own allocations, returned for chaining.
+    `from_pretrained` maps safetensors files, so a reloaded tensor starts wherever the file puts it (8-byte
+    offsets); torch's AVX2 kernels sum such a tensor in another order than an aligned one, and the logits then
+    differ in the last bits (up to 1.9e-6 seen on an AVX2 EPYC) though every weight is equal. A comparison of a
+    reload bit for bit is about the weights, so both sides compute from aligned copies."""
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            tensor.data = tensor.data.clone()
+    return model
+
+
 def torch_model(case: str, seed: int = 0, **overrides):
     """A transformers model of `case` with random weights of order one, so a wrong convention shows."""
     config_class, model_class, options = CASES[case]

@@ -19,7 +19,9 @@ from dew.interop.families.mamba2 import port_config
 from dew.nn.mamba2 import Mamba2
 from dew.nn.transformer import LINEAR, CausalTransformer, DecoderConfig
 from dew.sampling import Sampling
-from tests.interop.conftest import check_training_resumes_bit_exactly, save_checkpoint, torch, transformers
+from tests.interop.conftest import (
+    check_training_resumes_bit_exactly, in_torch_memory, save_checkpoint, torch, transformers,
+)
 from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound
 
 VOCAB = 64  # the training stream draws ids below 64
@@ -109,7 +111,7 @@ def test_save_reloads_in_transformers_with_equal_logits(checkpoint, bundle, tmp_
     """Saved weights are the loaded ones, bit for bit: transformers computes what it computed before."""
     _, model = checkpoint
     directory = bundle.save(tmp_path / "export")
-    again = transformers.Mamba2ForCausalLM.from_pretrained(directory).eval()
+    again = in_torch_memory(transformers.Mamba2ForCausalLM.from_pretrained(directory).eval())
     with torch.no_grad():
         before = model(torch.from_numpy(TOKENS)).logits.numpy()
         after = again(torch.from_numpy(TOKENS)).logits.numpy()
@@ -177,7 +179,7 @@ def test_a_mamba_ssm_checkpoint_loads_as_the_port_and_saves_it(native_checkpoint
         theirs = model(torch.from_numpy(TOKENS)).logits.numpy()
     ours = np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(TOKENS, jnp.int32)))
     assert_within(ours, theirs, bound(model.config, TOKENS.shape[1], float(np.abs(theirs).max())), "logits")
-    again = transformers.Mamba2ForCausalLM.from_pretrained(bundle.save(tmp_path / "port")).eval()
+    again = in_torch_memory(transformers.Mamba2ForCausalLM.from_pretrained(bundle.save(tmp_path / "port")).eval())
     with torch.no_grad():
         np.testing.assert_array_equal(again(torch.from_numpy(TOKENS)).logits.numpy(), theirs)
 

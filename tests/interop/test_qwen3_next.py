@@ -15,7 +15,7 @@ from dew.interop import load_pretrained
 from dew.interop.families import FAMILIES, decoder_kwargs, family_for, family_of
 from dew.nn.gated_deltanet import GatedDeltaNet
 from tests.interop.conftest import (
-    check_training_resumes_bit_exactly, greedy_continuations, save_checkpoint, torch, transformers,
+    check_training_resumes_bit_exactly, greedy_continuations, in_torch_memory, save_checkpoint, torch, transformers,
 )
 from tests.tolerances import LIBRARY_ULPS, assert_within, transformers_decoder_ulps, ulp_bound
 
@@ -116,7 +116,7 @@ def test_save_reloads_in_transformers_with_equal_logits(checkpoint, bundle, tmp_
     """Saved weights are the loaded ones, bit for bit: transformers computes what it computed before."""
     _, model = checkpoint
     directory = bundle.save(tmp_path / "export")
-    again = type(model).from_pretrained(directory).eval()
+    again = in_torch_memory(type(model).from_pretrained(directory).eval())
     tokens = torch.from_numpy(np.random.default_rng(5).integers(3, VOCAB, (2, 13)))
     with torch.no_grad():
         np.testing.assert_array_equal(again(tokens).logits.numpy(), model(tokens).logits.numpy())
