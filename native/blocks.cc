@@ -662,12 +662,22 @@ __attribute__((target("avx2,fma"))) inline void WidenAvx2(const uint8_t* block, 
   }
 }
 
+// The first 4 bytes (d, then Q4_1's m; Q4_0's and Q8_0's first integers, unused) of block b of C <= 4
+// rows of w as floats, F16C converting all at once: lane 2c holds row c's d, lane 2c + 1 its m.
+template <int C>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 ScalesAvx2(const uint8_t* block, int64_t row_bytes) {
+  int32_t h[4] = {};
+  for (int c = 0; c < C; ++c) std::memcpy(&h[c], block + c * row_bytes, 4);
+  return _mm256_cvtph_ps(_mm_setr_epi32(h[0], h[1], h[2], h[3]));
+}
+
 template <Kind K, int C>
 __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2(const Product& p, int64_t r, int64_t c0) {
+  static_assert(C <= 4, "ScalesAvx2 reads 4 rows of w at most");
   const Rounded& x = p.rounded;
   __m256 acc[C];
-  float rest[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps(), rest[c] = 0.0f;
+  __m256 rest = _mm256_setzero_ps();  // lane 2c + 1: row c's sum of m times d2 sum x16 (other lanes unused)
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
   const int64_t row_bytes = p.blocks * p.bytes;
   const uint8_t* w = p.w + c0 * row_bytes;
   const int16_t* x16 = x.x16 + r * x.padded * kSub;
@@ -677,6 +687,12 @@ __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2(const Product& p, int6
     __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + b * kSub));
     __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + b * kSub + 16));
     __m256i zero = ZeroPointAvx2<K>(xa, xb);
+    // Each row's d_w d2 in lane 2c (each an exact product rounded once, as a scalar multiply rounds it),
+    // read back by broadcasting loads.
+    const __m256 halves = ScalesAvx2<C>(w + b * p.bytes, row_bytes);
+    alignas(32) float scale[8];
+    _mm256_store_ps(scale, _mm256_mul_ps(halves, _mm256_set1_ps(d2[b])));
+    if constexpr (K == kQ4_1) rest = _mm256_fmadd_ps(halves, _mm256_set1_ps(dsum[b]), rest);
     for (int c = 0; c < C; ++c) {
       const uint8_t* block = w + c * row_bytes + b * p.bytes;
       _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * p.bytes), _MM_HINT_T0);
@@ -684,11 +700,12 @@ __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2(const Product& p, int6
       WidenAvx2<K>(block, lo, hi);
       __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, xa), _mm256_madd_epi16(hi, xb));
       if constexpr (K == kQ4_0) dot = _mm256_add_epi32(dot, zero);
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(HalfF16c(block) * d2[b]), acc[c]);
-      if constexpr (K == kQ4_1) rest[c] = std::fma(HalfF16c(block + 2), dsum[b], rest[c]);
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(scale + 2 * c), acc[c]);
     }
   }
-  for (int c = 0; c < C; ++c) p.y[r * p.f + c0 + c] = Sum256(acc[c]) + rest[c];
+  alignas(32) float rests[8];
+  _mm256_store_ps(rests, rest);
+  for (int c = 0; c < C; ++c) p.y[r * p.f + c0 + c] = Sum256(acc[c]) + (K == kQ4_1 ? rests[2 * c + 1] : 0.0f);
 }
 
 // A Q4_K block read: the block `ahead` blocks on asked for (144 bytes, three cache lines), this one's
