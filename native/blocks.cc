@@ -678,24 +678,25 @@ __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2(const Product& p, int6
   __m256 acc[C];
   __m256 rest = _mm256_setzero_ps();  // lane 2c + 1: row c's sum of m times d2 sum x16 (other lanes unused)
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-  const int64_t row_bytes = p.blocks * p.bytes;
+  constexpr int64_t kBytes = K == kQ4_0 ? 18 : K == kQ4_1 ? 20 : 34;
+  const int64_t row_bytes = p.blocks * kBytes;
   const uint8_t* w = p.w + c0 * row_bytes;
   const int16_t* x16 = x.x16 + r * x.padded * kSub;
   const float* d2 = x.d2 + r * x.padded;
   const float* dsum = x.dsum + r * x.padded;
-  for (int64_t b = 0; b < p.blocks; ++b) {
+  for (int64_t b = 0; b < p.blocks; ++b, w += kBytes) {
     __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + b * kSub));
     __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + b * kSub + 16));
     __m256i zero = ZeroPointAvx2<K>(xa, xb);
     // Each row's d_w d2 in lane 2c (each an exact product rounded once, as a scalar multiply rounds it),
     // read back by broadcasting loads.
-    const __m256 halves = ScalesAvx2<C>(w + b * p.bytes, row_bytes);
+    const __m256 halves = ScalesAvx2<C>(w, row_bytes);
     alignas(32) float scale[8];
     _mm256_store_ps(scale, _mm256_mul_ps(halves, _mm256_set1_ps(d2[b])));
     if constexpr (K == kQ4_1) rest = _mm256_fmadd_ps(halves, _mm256_set1_ps(dsum[b]), rest);
     for (int c = 0; c < C; ++c) {
-      const uint8_t* block = w + c * row_bytes + b * p.bytes;
-      _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * p.bytes), _MM_HINT_T0);
+      const uint8_t* block = w + c * row_bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * kBytes), _MM_HINT_T0);
       __m256i lo, hi;
       WidenAvx2<K>(block, lo, hi);
       __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, xa), _mm256_madd_epi16(hi, xb));
