@@ -138,11 +138,12 @@ inline int SubBlocks(Kind kind, const uint8_t* b, Sub* out) {
 }
 
 struct Rounded {
-  const int8_t* q1;     // [n, padded * 32] in the body's layout
+  const int8_t* q1;     // [n, padded * 32] in the body's layout (layered scheme)
   const int8_t* q2;     // [n, padded * 32] likewise
+  const int16_t* x16;   // [n, padded * 32]: 254 q1 + q2, natural layout (combined scheme)
   const float* d;       // [n, padded]
   const float* d2;      // [n, padded]: d / 254
-  const float* dsum;    // [n, padded]: d sum q1 + d2 sum q2
+  const float* dsum;    // [n, padded]: d sum q1 + d2 sum q2 (layered), d2 sum x16 (combined)
   int64_t padded;       // sub-blocks a row, rounded up to a multiple of 4 (the extra ones zero)
 };
 
@@ -420,7 +421,8 @@ __attribute__((target("avx2,fma"))) void ColumnsAvx2(const Product& p, int64_t c
 // the nearest integer (ties to even: llama.cpp's rounding of activations), then the remainder once more,
 // q2 = (s - q1) * 254 rounded, so the sub-block is taken as d * q1 + d2 * q2 with d2 = d / 254: within
 // d / 508 of x a value, where one layer alone leaves d / 2 (that layer alone changes SmolLM2's greedy
-// text; docs/performance.md). A sub-block's products with the weight's integers are exact in int32:
+// text; docs/performance.md). Two schemes multiply them. The layered one (the AVX-512 VNNI loops)
+// takes each layer's products with the weight's integers, exact in int32:
 //   y = sum over sub-blocks of (d_w d) (q_w . q1 - z sum q1) + (d_w d2) (q_w . q2 - z sum q2)
 //       + m_w (d sum q1 + d2 sum q2)
 // where z is a zero point kept in the integers (Q4_0's 8; Q8_0's 128 in the AVX-512 loops, which read
@@ -428,8 +430,18 @@ __attribute__((target("avx2,fma"))) void ColumnsAvx2(const Product& p, int64_t c
 // each sub-block's products over several int32 lanes and take z's term lane by lane (z times the lane's
 // own q), so every lane holds its exact share of the products and no float sum cancels large lanes.
 // The result is the float32 product of the dequantized weights with the rounded x, up to the order of
-// float32 roundings: only x's rounding separates it from the exact path above. A sub-block holding a
-// NaN or an infinity gets d = NaN, so the outputs it reaches are NaN rather than a silent number.
+// float32 roundings: only x's rounding separates it from the exact path above.
+//
+// The combined one (AVX2 and portable loops) joins the layers into one int16 a value, x16 = 254 q1 + q2
+// (|q1|, |q2| <= 127, so |x16| <= 32385), x taken as d2 x16: the same integers, scaled by d2 where the
+// layered scheme scales q1 by d, and 254 d2 differs from d by d2's one rounding (relative 2^-24). Each
+// int32 lane sums 4 products w x16 exactly (|w| <= 15, or 128 for Q8_0: at most 16,581,120 < 2^24), so
+// its conversion to float32 is exact too, and one multiply-add by the sub-block's d_w d2 (one rounding)
+// adds it to the lane's float sum; m_w's term takes d2 sum x16. The portable loops keep the same 8 lanes
+// and sums, so the two agree bit for bit.
+//
+// A sub-block holding a NaN or an infinity gets d = NaN, so the outputs it reaches are NaN rather than
+// a silent number.
 
 // Where value t (0-31) of sub-block j sits in a row of q1 or q2. Natural: j * 32 + t. Grouped (the
 // AVX-512 loops of Q4_0 and Q4_1): sub-blocks in groups of 4, each group's values 0-15 first
@@ -519,12 +531,16 @@ __attribute__((target("avx2,fma"))) void RoundAvx2(const float* x, RoundedSub& o
 // Every row of x rounded into `rounded`'s buffers, in the natural or the grouped layout.
 struct RoundedBuffers {
   std::vector<int8_t> q1, q2;
+  std::vector<int16_t> x16;
   std::vector<float> d, d2, dsum;
 
-  Rounded Fill(const float* x, int64_t n, int64_t k, Layout layout, bool vectors) {
+  // `combined`: the combined scheme's x16 (natural layout), else the layered one's q1 and q2.
+  Rounded Fill(const float* x, int64_t n, int64_t k, Layout layout, bool vectors, bool combined) {
     int64_t subs = k / kSub, padded = (subs + 3) / 4 * 4;
-    q1.assign(static_cast<size_t>(n * padded * kSub), 0);
+    size_t values = static_cast<size_t>(n * padded * kSub);
+    q1.assign(combined ? 0 : values, 0);
     q2.assign(q1.size(), 0);
+    x16.assign(combined ? values : 0, 0);
     // 4 more than the rows need: the AVX-512 loops read 4 entries from a group's first sub-block.
     d.assign(static_cast<size_t>(n * padded + 4), 0.0f);
     d2.assign(d.size(), 0.0f);
@@ -540,6 +556,13 @@ struct RoundedBuffers {
           RoundPortable(x + r * k + j * kSub, sub);
         int64_t e = r * padded + j;
         d[e] = sub.d, d2[e] = sub.d / kSecond;
+        if (combined) {
+          int16_t* row = x16.data() + (r * padded + j) * kSub;
+          for (int i = 0; i < kSub; ++i) row[i] = static_cast<int16_t>(254 * sub.q1[i] + sub.q2[i]);
+          // |sum x16| <= 32 * 32385 < 2^24: exact in float32.
+          dsum[e] = d2[e] * static_cast<float>(254 * sub.sum1 + sub.sum2);
+          continue;
+        }
         dsum[e] = sub.d * static_cast<float>(sub.sum1) + d2[e] * static_cast<float>(sub.sum2);
         for (auto [from, to] : {std::pair{sub.q1, q1.data()}, std::pair{sub.q2, q2.data()}}) {
           int8_t* row = to + r * padded * kSub;
@@ -547,11 +570,23 @@ struct RoundedBuffers {
           std::memcpy(row + Place(layout, j, 16), from + 16, 16);
         }
       }
-    return Rounded{q1.data(), q2.data(), d.data(), d2.data(), dsum.data(), padded};
+    return Rounded{q1.data(), q2.data(), x16.data(), d.data(), d2.data(), dsum.data(), padded};
   }
 };
 
-// The portable body: each sub-block's integer values times q1 and q2, summed in int.
+// The 8 float lanes of the combined scheme's vector loops summed as Sum256 sums a register: lanes l and
+// l + 4, then those pairs 2 apart, then the last two.
+inline float SumLanes(const float* a) {
+  float s[4];
+  for (int l = 0; l < 4; ++l) s[l] = a[l] + a[l + 4];
+  float t0 = s[0] + s[2], t1 = s[1] + s[3];
+  return t0 + t1;
+}
+
+// The portable body, the combined scheme as the AVX2 loops take it: value t of a sub-block lands in
+// int32 lane ((t mod 16) / 2) (where vpmaddwd puts it), each lane's sum converted and multiplied-added
+// by the sub-block's d_w d2 into the lane's float sum; the offsets' terms are multiply-added into one
+// float (Q4_1) or one a sub-block of the block (Q4_K, 8 lanes as its vector loop keeps them).
 void IntPortable(const Product& p, int64_t c_begin, int64_t c_end) {
   const Rounded& x = p.rounded;
   const int64_t per_block = ValuesOf(p.kind) / kSub;
@@ -559,30 +594,27 @@ void IntPortable(const Product& p, int64_t c_begin, int64_t c_end) {
   for (int64_t c = c_begin; c < c_end; ++c) {
     const uint8_t* row = p.w + c * p.blocks * p.bytes;
     for (int64_t r = 0; r < p.n; ++r) {
-      const int8_t* q1 = x.q1 + r * x.padded * kSub;
-      const int8_t* q2 = x.q2 + r * x.padded * kSub;
-      float total = 0.0f, rest = 0.0f;
+      const int16_t* x16 = x.x16 + r * x.padded * kSub;
+      float acc[8] = {}, rest[8] = {};
       for (int64_t b = 0; b < p.blocks; ++b) {
         int count = SubBlocks(p.kind, row + b * p.bytes, subs);
         for (int j = 0; j < count; ++j) {
           const Sub& s = subs[j];
           const int64_t sub = b * per_block + j;
-          int32_t dot1 = 0, dot2 = 0;
-          for (int h = 0; h < 2; ++h)
-            for (int i = 0; i < 16; ++i) {
-              int v = s.shift[h] < 0 ? static_cast<int8_t>(s.half[h][i]) : (s.half[h][i] >> s.shift[h]) & 0xF;
-              int64_t at = Place(kNatural, sub, 16 * h + i);
-              dot1 += (s.minus8 ? v - 8 : v) * q1[at];
-              dot2 += (s.minus8 ? v - 8 : v) * q2[at];
-            }
-          int64_t e = r * x.padded + sub;
-          // Multiply-adds as the vector loops take them (one rounding each).
-          total = std::fma(s.scale * x.d[e], static_cast<float>(dot1), total);
-          total = std::fma(s.scale * x.d2[e], static_cast<float>(dot2), total);
-          rest += s.offset * x.dsum[e];
+          int32_t lanes[8] = {};
+          for (int t = 0; t < kSub; ++t) {
+            const int h = t / 16, i = t % 16;
+            int v = s.shift[h] < 0 ? static_cast<int8_t>(s.half[h][i]) : (s.half[h][i] >> s.shift[h]) & 0xF;
+            lanes[i / 2] += (s.minus8 ? v - 8 : v) * x16[sub * kSub + t];
+          }
+          const int64_t e = r * x.padded + sub;
+          const float scale = s.scale * x.d2[e];
+          for (int l = 0; l < 8; ++l) acc[l] = std::fma(static_cast<float>(lanes[l]), scale, acc[l]);
+          float& into = rest[p.kind == kQ4_K ? j : 0];
+          if (p.kind == kQ4_1 || p.kind == kQ4_K) into = std::fma(s.offset, x.dsum[e], into);
         }
       }
-      p.y[r * p.f + c] = total + rest;
+      p.y[r * p.f + c] = SumLanes(acc) + (p.kind == kQ4_K ? SumLanes(rest) : rest[0]);
     }
   }
 }
@@ -601,60 +633,80 @@ inline void ScalesK(const uint8_t* b, float* scale, float* offset) {
 
 #ifdef DEW_X86
 
-// ---- AVX2: a sub-block's 32 values in one 256-bit register of bytes, multiplied with q by
-// vpmaddubsw (unsigned times signed bytes, pairs summed to 16 bits) and vpmaddwd (pairs to 32). Q8_0's
-// signed values go in as their magnitudes, q taking their signs: |w| * (sign(w) q) = w q, and at most
-// 2 * 128 * 127 a pair, inside 16 bits. F16C converts the scales (every AVX2 CPU has it). ----
+// ---- AVX2, the combined scheme: a sub-block's 32 weight integers widened to int16 in two registers
+// (values 0-15 and 16-31), multiplied with x16 by vpmaddwd (pairs summed to int32) and the two added:
+// each int32 lane holds 4 products, exact, converted exactly and multiply-added by d_w d2. F16C
+// converts the scales (every AVX2 CPU has it). ----
 
-// -8 times each lane's 4 values of q for Q4_0, 0 for the other kinds.
+// -8 times each lane's 4 values of x16 for Q4_0 (its zero point, shared by every column), 0 for the
+// other kinds: |8 * 32385| is past int16, but vpmaddwd's products are 32-bit.
 template <Kind K>
-__attribute__((target("avx2,fma"))) inline __m256i ZeroPointAvx2(__m256i q) {
+__attribute__((target("avx2,fma"))) inline __m256i ZeroPointAvx2(__m256i xa, __m256i xb) {
   if constexpr (K != kQ4_0) return _mm256_setzero_si256();
-  __m256i eights = _mm256_maddubs_epi16(_mm256_set1_epi8(8), q);
-  return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(eights, _mm256_set1_epi16(1)));
+  const __m256i minus8 = _mm256_set1_epi16(-8);
+  return _mm256_add_epi32(_mm256_madd_epi16(minus8, xa), _mm256_madd_epi16(minus8, xb));
+}
+
+// The 32 integers of a Q4_0, Q4_1 or Q8_0 block as int16: values 0-15 in `lo`, 16-31 in `hi`. A nibble
+// byte widened first holds its low nibble (value i) under the mask and its high one (value 16 + i)
+// after the shift.
+template <Kind K>
+__attribute__((target("avx2,fma"))) inline void WidenAvx2(const uint8_t* block, __m256i& lo, __m256i& hi) {
+  if constexpr (K == kQ8_0) {
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18)));
+  } else {
+    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (K == kQ4_1 ? 4 : 2))));
+    lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+    hi = _mm256_srli_epi16(v, 4);
+  }
+}
+
+// The first 4 bytes (d, then Q4_1's m; Q4_0's and Q8_0's first integers, unused) of block b of C <= 4
+// rows of w as floats, F16C converting all at once: lane 2c holds row c's d, lane 2c + 1 its m.
+template <int C>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 ScalesAvx2(const uint8_t* block, int64_t row_bytes) {
+  int32_t h[4] = {};
+  for (int c = 0; c < C; ++c) std::memcpy(&h[c], block + c * row_bytes, 4);
+  return _mm256_cvtph_ps(_mm_setr_epi32(h[0], h[1], h[2], h[3]));
 }
 
 template <Kind K, int C>
 __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2(const Product& p, int64_t r, int64_t c0) {
+  static_assert(C <= 4, "ScalesAvx2 reads 4 rows of w at most");
   const Rounded& x = p.rounded;
   __m256 acc[C];
-  float rest[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps(), rest[c] = 0.0f;
-  const int64_t row_bytes = p.blocks * p.bytes;
+  __m256 rest = _mm256_setzero_ps();  // lane 2c + 1: row c's sum of m times d2 sum x16 (other lanes unused)
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  constexpr int64_t kBytes = K == kQ4_0 ? 18 : K == kQ4_1 ? 20 : 34;
+  const int64_t row_bytes = p.blocks * kBytes;
   const uint8_t* w = p.w + c0 * row_bytes;
-  const int8_t* q1 = x.q1 + r * x.padded * kSub;
-  const int8_t* q2 = x.q2 + r * x.padded * kSub;
-  const float* d = x.d + r * x.padded;
+  const int16_t* x16 = x.x16 + r * x.padded * kSub;
   const float* d2 = x.d2 + r * x.padded;
   const float* dsum = x.dsum + r * x.padded;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < p.blocks; ++b) {
-    __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q1 + b * kSub));
-    __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q2 + b * kSub));
-    __m256i zero1 = ZeroPointAvx2<K>(x1), zero2 = ZeroPointAvx2<K>(x2);
+  for (int64_t b = 0; b < p.blocks; ++b, w += kBytes) {
+    __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + b * kSub));
+    __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + b * kSub + 16));
+    __m256i zero = ZeroPointAvx2<K>(xa, xb);
+    // Each row's d_w d2 in lane 2c (each an exact product rounded once, as a scalar multiply rounds it),
+    // read back by broadcasting loads.
+    const __m256 halves = ScalesAvx2<C>(w, row_bytes);
+    alignas(32) float scale[8];
+    _mm256_store_ps(scale, _mm256_mul_ps(halves, _mm256_set1_ps(d2[b])));
+    if constexpr (K == kQ4_1) rest = _mm256_fmadd_ps(halves, _mm256_set1_ps(dsum[b]), rest);
     for (int c = 0; c < C; ++c) {
-      const uint8_t* block = w + c * row_bytes + b * p.bytes;
-      _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * p.bytes), _MM_HINT_T0);
-      __m256i pairs1, pairs2;
-      if constexpr (K == kQ8_0) {
-        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2)), magnitudes = _mm256_abs_epi8(v);
-        pairs1 = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(x1, v));
-        pairs2 = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(x2, v));
-      } else {
-        __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (K == kQ4_1 ? 4 : 2)));
-        __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low4);
-        pairs1 = _mm256_maddubs_epi16(v, x1);
-        pairs2 = _mm256_maddubs_epi16(v, x2);
-      }
-      __m256i dot1 = _mm256_add_epi32(_mm256_madd_epi16(pairs1, ones), zero1);
-      __m256i dot2 = _mm256_add_epi32(_mm256_madd_epi16(pairs2, ones), zero2);
-      float scale = HalfF16c(block);
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_set1_ps(scale * d[b]), acc[c]);
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_set1_ps(scale * d2[b]), acc[c]);
-      if constexpr (K == kQ4_1) rest[c] += HalfF16c(block + 2) * dsum[b];
+      const uint8_t* block = w + c * row_bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * kBytes), _MM_HINT_T0);
+      __m256i lo, hi;
+      WidenAvx2<K>(block, lo, hi);
+      __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, xa), _mm256_madd_epi16(hi, xb));
+      if constexpr (K == kQ4_0) dot = _mm256_add_epi32(dot, zero);
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(scale + 2 * c), acc[c]);
     }
   }
-  for (int c = 0; c < C; ++c) p.y[r * p.f + c0 + c] = Sum256(acc[c]) + rest[c];
+  alignas(32) float rests[8];
+  _mm256_store_ps(rests, rest);
+  for (int c = 0; c < C; ++c) p.y[r * p.f + c0 + c] = Sum256(acc[c]) + (K == kQ4_1 ? rests[2 * c + 1] : 0.0f);
 }
 
 // A Q4_K block read: the block `ahead` blocks on asked for (144 bytes, three cache lines), this one's
@@ -669,8 +721,9 @@ __attribute__((target("avx2,fma"))) inline __m256 OpenBlockK(const uint8_t* bloc
   return _mm256_fmadd_ps(_mm256_load_ps(offset), dsum, rest);
 }
 
-// Q4_K: each 32 bytes of nibbles hold sub-block 2i (low) and 2i + 1 (high), one register of 32 values
-// each; the sub-blocks' offsets times their sums of x go in 8 lanes beside.
+// Q4_K: each 32 bytes of nibbles hold sub-block 2i (low nibbles) and 2i + 1 (high), widened to int16 in
+// two registers (bytes 0-15 and 16-31, the sub-blocks' values 0-15 and 16-31); the sub-blocks' offsets
+// times their sums of x go in 8 lanes beside.
 template <int C>
 __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2K(const Product& p, int64_t r, int64_t c0) {
   const Rounded& x = p.rounded;
@@ -678,29 +731,30 @@ __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2K(const Product& p, int
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps(), rest[c] = _mm256_setzero_ps();
   const int64_t row_bytes = p.blocks * p.bytes;
   const uint8_t* w = p.w + c0 * row_bytes;
-  const int8_t* q1 = x.q1 + r * x.padded * kSub;
-  const int8_t* q2 = x.q2 + r * x.padded * kSub;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int16_t* x16 = x.x16 + r * x.padded * kSub;
+  const __m256i low4 = _mm256_set1_epi16(0x0F);
   alignas(32) float scale[8];
   for (int64_t b = 0; b < p.blocks; ++b) {
     const int64_t e = r * x.padded + b * 8;
-    const __m256 d1 = _mm256_loadu_ps(x.d + e), d2 = _mm256_loadu_ps(x.d2 + e), dsum = _mm256_loadu_ps(x.dsum + e);
+    const __m256 d2 = _mm256_loadu_ps(x.d2 + e), dsum = _mm256_loadu_ps(x.dsum + e);
     for (int c = 0; c < C; ++c) {
       const uint8_t* block = w + c * row_bytes + b * p.bytes;
       rest[c] = OpenBlockK(block, 2, dsum, rest[c], scale);
-      alignas(32) float s1[8], s2[8];
-      _mm256_store_ps(s1, _mm256_mul_ps(_mm256_load_ps(scale), d1));
+      alignas(32) float s2[8];
       _mm256_store_ps(s2, _mm256_mul_ps(_mm256_load_ps(scale), d2));
-      for (int j = 0; j < 8; ++j) {
-        __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * (j / 2)));
-        __m256i v = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
-        const int64_t at = (b * 8 + j) * kSub;
-        __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q1 + at));
-        __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q2 + at));
-        __m256i dot1 = _mm256_madd_epi16(_mm256_maddubs_epi16(v, x1), ones);
-        __m256i dot2 = _mm256_madd_epi16(_mm256_maddubs_epi16(v, x2), ones);
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_set1_ps(s1[j]), acc[c]);
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_set1_ps(s2[j]), acc[c]);
+      for (int i = 0; i < 4; ++i) {
+        const __m128i* bytes = reinterpret_cast<const __m128i*>(block + 16 + 32 * i);
+        __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128(bytes)), z = _mm256_cvtepu8_epi16(_mm_loadu_si128(bytes + 1));
+        for (int high = 0; high < 2; ++high) {
+          const int j = 2 * i + high;
+          __m256i lo = high ? _mm256_srli_epi16(a, 4) : _mm256_and_si256(a, low4);
+          __m256i hi = high ? _mm256_srli_epi16(z, 4) : _mm256_and_si256(z, low4);
+          const int16_t* at = x16 + (b * 8 + j) * kSub;
+          __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+          __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 16));
+          __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, xa), _mm256_madd_epi16(hi, xb));
+          acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s2[j]), acc[c]);
+        }
       }
     }
   }
@@ -1015,7 +1069,7 @@ ffi::Error Multiply(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     thread_local RoundedBuffers buffers;
     IntIsa isa = IntIsaInUse();
     Layout layout = isa != kIntAvx512Vnni || kind == kQ8_0 ? kNatural : kind == kQ4_K ? kPaired : kGrouped;
-    pieces->product.rounded = buffers.Fill(xs, n, k, layout, isa != kIntPortable);
+    pieces->product.rounded = buffers.Fill(xs, n, k, layout, isa != kIntPortable, isa != kIntAvx512Vnni);
     pieces->body = PickInt(kind, isa);
   } else {
     // Each sub-block's sum of x, for the offsets.

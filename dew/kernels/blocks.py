@@ -20,9 +20,10 @@ Decoding-shaped products of every kind take the kernel's integer path under the 
 (the default) and `native`: each block of 32 values of a row of x (a Q4_K sub-block's) is rounded to two
 layers of 8-bit integers, `d = max|x| / 127`, `q1 = round(x / d)` (ties to even: llama.cpp's rounding of
 activations) and `q2 = round((x / d - q1) * 254)`, x taken as `d q1 + d / 254 q2`, within 1/64,516 of
-the block's largest |x| a value; each layer's product with the weight's integers is exact in int32
-(AVX-512 VNNI, AVX2's byte multiply-adds or portable loops, by the CPU), then scaled in float32. That is
-the float32 product of the dequantized weight with the rounded x, up to the order of float32 roundings.
+the block's largest |x| a value; the products with the weight's integers are exact in int32, then scaled
+in float32: each layer's apart (AVX-512 VNNI loops), or the two joined into one int16 a value,
+`254 q1 + q2`, scaled by `d / 254` (AVX2 and portable loops, by the CPU). That is the float32 product of
+the dequantized weight with the rounded x, up to the order of float32 roundings.
 (The first layer alone, llama.cpp's arithmetic, changed SmolLM2's greedy text from float32's after five
 tokens; the second keeps it: docs/performance.md.) The policy `exact` (`DecoderConfig.kernels`,
 `load_pretrained(..., kernels="exact")` or `DEW_KERNELS=exact`) keeps x in float32 in the kernel, the
