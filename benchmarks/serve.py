@@ -54,7 +54,8 @@ short prompt, whole) and of a second one. With `--rounds N` it then starts, N ti
 peer given (`--llama-server`, `--llama-cpp-python`), and two floors in Python: `import jax` with one small
 program run, and `import dew.serve.app`; it prints each one's median seconds from start to ready (a peer's
 and Dew's first 200, a floor's exit) and the CPU seconds its process had used by then, and Dew's ratios.
-`--baseline DIR` adds another Dew checkout's warm `dew serve` in each `--dew-dtype` (run from DIR, its
+`--dew-gguf` adds warm `dew serve --quantize gguf` starts, with a cache of their own. `--baseline DIR`
+adds another Dew checkout's warm `dew serve` in each `--dew-dtype` and with `--dew-gguf` (run from DIR, its
 programs kept in a cache of its own by one whole start first) to each round, for before and after in the
 same run: `git worktree add /tmp/before COMMIT` (with its built native kernels, `dew/*.so`).
 """
@@ -510,16 +511,16 @@ FLOORS = {"python: import jax, one small program": "import jax, jax.numpy as jnp
 def rounds(args: argparse.Namespace, cache: str) -> None:
     """Warm starts of dew serve in each `--dew-dtype` (float32 from `cache`), the baseline's, the peers asked for
     and the floors, in turn, `args.rounds` times."""
-    peers = [server for server in servers(args)[0] if not server.name.startswith("dew serve")]
+    everyone = servers(args)[0]
+    peers = [server for server in everyone if not server.name.startswith("dew serve")]
     with tempfile.TemporaryDirectory() as logs:
         chosen = []
-        for dtype in args.dew_dtype:
-            dew = dew_server(args.capacity, dtype)
+        for dew in (server for server in everyone if server.name.startswith("dew serve")):
             for checkout in (None, args.baseline) if args.baseline else (None,):
                 # Any but this checkout's float32 start gets a cache of its own, filled by one start from nothing:
                 # its programs are compiled, not given back by JAX's cache (which another start filled), so each
                 # is kept at once, not later in the background.
-                filled = cache if checkout is None and dtype == "float32" else None
+                filled = cache if checkout is None and dew.name == "dew serve" else None
                 own = filled or str(Path(logs) / f"cache-{len(chosen)}")
                 # The baseline keeps its derived files (a GGUF file's tokenizer, stamped with the source that built
                 # it) apart, so that neither checkout rebuilds the other's at every start.

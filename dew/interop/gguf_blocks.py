@@ -14,10 +14,10 @@ and multiply integers (`dew.kernels.blocks`); under the kernel policy `exact` th
 dequantized float32 model computes, up to the order of float32 roundings. Tensors of other types (float ones, K-quants other than Q4_K) stay float.
 
 The family's GGUF rules say which tensor is which leaf (`tensors.plan`), with llama's query and key
-rows put back in transformers' order as whole rows of blocks. The load reads the float32 model first
-and then swaps the blocks in, so it takes the float load's time and peak memory; the model it returns
-holds only the blocks. Like int8 variables, these are for
-generation only: objectives and `save` refuse them.
+rows put back in transformers' order as whole rows of blocks. The load finds the leaves kept as blocks
+first (`stored_blocks`, from the model's shapes) and reads only the other leaves as floats, so a kept
+tensor is never dequantized: the load reads the file's bytes once and holds about their size, not the
+float32 model's. Like int8 variables, these are for generation only: objectives and `save` refuse them.
 """
 
 from __future__ import annotations
@@ -30,36 +30,58 @@ import numpy as np
 
 from dew.interop import tensors
 from dew.nn.linear import EMBED_BLOCKS, KERNEL_BLOCKS, QUANT_COLLECTION
+from dew.interop.export import merge_collections
 from dew.nn.quantize import is_quantized, linear_paths, mutable_tree, subtree
 
 _EMBEDDING = ("embed_tokens", "embedding")
 _HEAD = ("lm_head", "kernel")
 
 
-def keep_gguf_blocks(model, variables: Mapping[str, Any], checkpoint, rules, model_type: str) -> dict[str, Any]:
-    """`variables` (loaded from `checkpoint`, a `GGUFCheckpoint`, through `rules`) with every linear kernel,
-    the embedding and an untied head the file stores in blocks Dew multiplies replaced by those blocks
-    (see the module). Refuses variables already quantized, and a file with no such tensor."""
+Blocks = dict[tuple[str, ...], np.ndarray]
+"""The leaves a load keeps as a GGUF file's blocks: a float leaf's path to its blocks `[..., rows, blocks, bytes]`."""
+
+
+def stored_blocks(model, checkpoint, rules, model_type: str) -> Blocks:
+    """Every linear kernel, the embedding and an untied head of `model` that `checkpoint` (a
+    `GGUFCheckpoint`, read through `rules`) stores in blocks Dew multiplies, with those blocks; found from
+    the model's shapes, before any float leaf is read. Refuses a file with no such tensor, and blocks
+    whose scales hold a NaN or an infinity (what the float load refuses in their dequantized values)."""
+    shapes = model.variable_shapes()
+    leaves = {leaf.path: leaf for leaf in tensors.plan(rules, merge_collections(shapes), model_type).leaves}
+    found: Blocks = {}
+    for path, transpose in [*(((*module, "kernel"), (1, 0)) for module in [*linear_paths(model, shapes), _HEAD[:1]]),
+                            (_EMBEDDING, None)]:
+        kept = _leaf_blocks(checkpoint, leaves.get(path), transpose)
+        if kept is not None:
+            found[path] = kept
+    if not found:
+        raise ValueError(f"{checkpoint.path.name} stores none of its linears in blocks Dew's kernel multiplies "
+                         "(Q4_0, Q4_1, Q8_0, Q4_K): load it without quantize (float32), or with quantize='int8'")
+    return found
+
+
+def without_blocks(variables: Mapping[str, Any], blocks: Blocks) -> dict[str, Any]:
+    """`variables` (or their shapes) without the float leaves `blocks` replace."""
+    params = mutable_tree(variables["params"])
+    for path in blocks:
+        _drop(params, path)
+    return {**variables, "params": params}
+
+
+def with_blocks(model, variables: Mapping[str, Any], blocks: Blocks) -> dict[str, Any]:
+    """`variables` (the float leaves `without_blocks` leaves) with `blocks` in the `quant` collection at
+    their modules' paths, in the model's own form: a scanned run's blocks whole in their collection
+    (`dew.nn.stack`)."""
     if is_quantized(variables):
         raise ValueError("these variables are already quantized (they hold a 'quant' collection): keep a GGUF "
                          "file's blocks on the float variables loaded from it")
-    params = mutable_tree(variables["params"])
-    leaves = {leaf.path: leaf for leaf in tensors.plan(rules, params, model_type).leaves}
     quant: dict[str, Any] = {}
-    for path in [*linear_paths(model, variables), _HEAD[:1]]:
-        kept = _leaf_blocks(checkpoint, leaves.get((*path, "kernel")), transpose=(1, 0))
-        if kept is not None:
-            _drop(params, (*path, "kernel"))
-            subtree(quant, path, create=True)[KERNEL_BLOCKS] = jnp.asarray(kept)
-    kept = _leaf_blocks(checkpoint, leaves.get(_EMBEDDING), transpose=None)
-    if kept is not None:
-        _drop(params, _EMBEDDING)
-        quant[EMBED_BLOCKS] = jnp.asarray(kept)
-    if not quant:
-        raise ValueError(f"{checkpoint.path.name} stores none of its linears in blocks Dew's kernel multiplies "
-                         "(Q4_0, Q4_1, Q8_0, Q4_K): load it without quantize (float32), or with quantize='int8'")
-    # The model's own form: a scanned run's blocks whole in their collection (`dew.nn.stack`).
-    return model.stack_variables({**variables, "params": params, QUANT_COLLECTION: quant})
+    for path, kept in blocks.items():
+        if path == _EMBEDDING:
+            quant[EMBED_BLOCKS] = jnp.asarray(kept)
+        else:
+            subtree(quant, path[:-1], create=True)[KERNEL_BLOCKS] = jnp.asarray(kept)
+    return model.stack_variables({**variables, QUANT_COLLECTION: quant})
 
 
 def _leaf_blocks(checkpoint, leaf: tensors.LeafPlan | None, transpose) -> np.ndarray | None:
@@ -77,10 +99,28 @@ def _leaf_blocks(checkpoint, leaf: tensors.LeafPlan | None, transpose) -> np.nda
         found = checkpoint.blocks(link.name.format(**leaf.values(position)))
         if found is None:
             return None
+        _check_scales(found, link.name.format(**leaf.values(position)), checkpoint.path)
         if link.permute is not None:  # llama.cpp's per-head interleave of the rows, undone row by row
             found = found[tensors.interleaved_rows(found.shape[0], link.permute)]
         stacked.append(found)
     return np.stack(stacked).reshape(*leaf.shape[:len(leaf.stacked)], *stacked[0].shape)
+
+
+# The float16 scales at the start of each kind's block (`dew.kernels.blocks`): d, and Q4_1's m or Q4_K's dmin.
+_SCALE_BYTES = {18: 2, 20: 4, 34: 2, 144: 4}
+
+
+def _check_scales(blocks: np.ndarray, name: str, file) -> None:
+    """Refuse blocks `[rows, blocks, bytes]` one of whose float16 scales is a NaN or an infinity: every value
+    the block holds would be one, which the float load refuses (`tensors.check_finite`)."""
+    scales = np.ascontiguousarray(blocks[..., :_SCALE_BYTES[blocks.shape[-1]]]).view(np.uint16)
+    bad = (scales & 0x7C00) == 0x7C00
+    if bad.any():
+        row, block = (int(i) for i in np.argwhere(bad.any(axis=-1))[0])
+        raise ValueError(f"tensor {name!r} in {file.name} holds {int(bad.any(axis=-1).sum()):,} block(s) of its "
+                         f"{bad.shape[0] * bad.shape[1]:,} whose scale is NaN or infinite (the first, block {block} of "
+                         f"row {row}), so every value they hold is one: the file is damaged, or was written from a run "
+                         "that diverged")
 
 
 def _drop(tree: dict, path: tuple[str, ...]) -> None:

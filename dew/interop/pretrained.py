@@ -13,7 +13,7 @@ import functools
 import json
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from dew.interop import gguf_files, hf_decoders, tensors, torchax_fallback, veri
 from dew.interop.export import model_params, model_variables, split_collections, write_export
 from dew.interop.families import FAMILIES, Converter, family_of, ported
 from dew.interop.families import diffusion_gemma as block_diffusion
-from dew.interop.gguf_blocks import keep_gguf_blocks
+from dew.interop.gguf_blocks import stored_blocks, with_blocks, without_blocks
 from dew.interop.gguf_files import GGUFCheckpoint
 from dew.interop.gguf_out import write_gguf
 from dew.interop.hub import (
@@ -301,11 +301,13 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         else:
             rules = family.tensor_rules(model.config, reader.names())
             ignorable = lambda name: family.ignorable(name, model.config)
+        # the leaves kept as a GGUF file's blocks are found first, and never read as floats
+        blocks = stored_blocks(model, reader, rules, family.model_type) if quantize == "gguf" else {}
         params = _read_params(reader, model, family.model_type, rules, ignorable, device_mesh, layout,
-                              label=f"loading {source}")
-        variables = split_collections(params, model_variables(model))
-        if quantize == "gguf":
-            variables = keep_gguf_blocks(model, variables, reader, rules, family.model_type)
+                              label=f"loading {source}", skip=blocks)
+        variables = split_collections(params, without_blocks(model_variables(model), blocks))
+        if blocks:
+            variables = with_blocks(model, variables, blocks)
     tokenizer = HFTokenizer(directory) if (directory / "tokenizer.json").is_file() else None
     if quantize == "int8":
         variables = quantize_int8(model, variables)
@@ -484,9 +486,11 @@ def _first_float_dtype(reader: SafetensorsReader) -> str:
 
 
 def _read_params(reader, model: CausalTransformer, model_type: str, rules, ignorable: Callable[[str], bool],
-                 mesh: Mesh | None = None, layout: Layout = Layout(), label: str = "loading") -> dict:
+                 mesh: Mesh | None = None, layout: Layout = Layout(), label: str = "loading",
+                 skip: Collection[tuple[str, ...]] = ()) -> dict:
     """The model's parameters in its own form from the checkpoint's tensors through `rules`, checking
-    names, shapes and dtypes first; tensors `ignorable` names may be present and are not read.
+    names, shapes and dtypes first; tensors `ignorable` names may be present and are not read, and
+    neither are the leaves at the paths in `skip` (left out of the tree: kept otherwise, as blocks).
 
     On a `mesh`, each leaf is placed shard by shard with the sharding `layout` gives it, each shard
     reading its own region; without one, each leaf is filled on the host tensor by tensor and handed
@@ -519,10 +523,13 @@ def _read_params(reader, model: CausalTransformer, model_type: str, rules, ignor
             raise ValueError(f"tensor {name!r} in {reader.location[name].name} is stored as {reader.dtype(name)}: "
                              "Dew reads float16, bfloat16 and float32 weights; load the unquantized checkpoint")
     params: dict = {}
+    leaves = [leaf for leaf in plan.leaves if leaf.path not in skip]
+    read = {link.name.format(**leaf.values(position)) for leaf in leaves for position in leaf.positions()
+            for link in leaf.links}
     total = sum(math.prod(reader.shape(name)) * jnp.dtype(_STORED_DTYPES[reader.dtype(name)]).itemsize
-                for name in plan.tensors)
+                for name in plan.tensors if name in read)
     with byte_progress(label, total) as advance:
-        for leaf in plan.leaves:
+        for leaf in leaves:
             if shardings is None:
                 # on the CPU backend the aligned host leaf becomes the parameter itself: one copy, not two
                 value = jax.device_put(tensors.read_region(reader, leaf, None, config.param_dtype, advance),

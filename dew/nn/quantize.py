@@ -34,7 +34,7 @@ from flax import linen as nn
 
 from dew.kernels.int8 import group_size
 from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, Linear
-from dew.nn.stack import lift_kernels
+from dew.nn.stack import lift_kernels, stacked_kernels
 
 EMBED_SCALE = "embed_tokens_scale"
 # What `quantize=` names where a model is loaded: int8 made here, or a GGUF file's own blocks kept as stored
@@ -176,6 +176,8 @@ def stacked_in_place(model, variables: Mapping[str, Any]) -> dict[str, Any]:
     stack where XLA would copy it out first, every step. The same values; under the kernel policy `xla`,
     and for products of more rows than a decode step's, each layer's weight is indexed out as before.
     Like `bfloat16_bits`, the result is for `model.apply` and generation, not for training or saving."""
+    if not stacked_kernels(variables):  # nothing to move: spare tracing the model for its linears
+        return dict(variables)
     return lift_kernels(variables, linear_paths(model, variables))
 
 

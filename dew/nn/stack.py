@@ -171,6 +171,17 @@ def lift_kernels(variables: Mapping, paths) -> dict:
     return {**variables, "params": params, STACKED_BLOCKS: whole, STACKED_LAYER: indices}
 
 
+def stacked_kernels(variables: Mapping) -> bool:
+    """Whether `variables` hold a kernel `lift_kernels` could move: a 3-D `KERNEL` leaf inside a scanned
+    run's params (a GGUF file's blocks sit in their own collections, so a file kept whole in blocks has none)."""
+
+    def holds(tree) -> bool:
+        return isinstance(tree, Mapping) and any(
+            (key == KERNEL and getattr(value, "ndim", 0) == 3) or holds(value) for key, value in tree.items())
+
+    return any(_RUN.fullmatch(name) and holds(tree) for name, tree in variables.get("params", {}).items())
+
+
 def layer_indices(stack) -> jax.Array:
     """`[0, L)` for a stack of L layers, on the devices that hold the stack (replicated over them): a
     model placed on several devices keeps every variable there."""

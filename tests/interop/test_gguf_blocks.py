@@ -180,3 +180,34 @@ def test_smollm2_in_its_own_q4_1_blocks_says_what_float32_says():
         ids = jnp.asarray([floats.tokenizer.encode(stream.read()[-20_000:])[:513]], jnp.int32)
     ratio = chunked_perplexity(kept.model, kept.variables, ids) / chunked_perplexity(floats.model, floats.variables, ids)
     assert abs(ratio - 1) < 0.01  # the goal; observed: +2.2e-5 (11.72855 against 11.72829)
+
+
+def test_the_kept_tensors_are_never_read_as_floats(tiny_file, monkeypatch):
+    """The leaves kept as blocks are found from the model's shapes first, so the load dequantizes only the
+    float leaves: it reads the file's bytes once, and never holds the float32 copy of a kept weight."""
+    from dew.interop.gguf_files import GGUFCheckpoint
+
+    read = []
+    dequantize = GGUFCheckpoint.read
+    monkeypatch.setattr(GGUFCheckpoint, "read", lambda self, name, *index: read.append(name) or dequantize(self, name, *index))
+    load_pretrained(tiny_file.parent, gguf_file=tiny_file.name, quantize="gguf")
+    kept = {f"blk.{layer}.{name}.weight" for layer in (0, 1) for name in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                                            "ffn_gate", "ffn_up")}
+    assert not kept & set(read) and not {"token_embd.weight", "output.weight", "blk.0.ffn_down.weight"} & set(read)
+    assert {"blk.1.ffn_down.weight", "blk.0.attn_norm.weight", "output_norm.weight"} <= set(read)
+
+
+def test_blocks_with_a_nan_scale_are_refused_as_the_float_load_refuses_them(tmp_path):
+    model = torch_model("llama", intermediate_size=64)
+    tensors = []
+    for name, array, kind in mixed_tensors(model):
+        if name == "blk.1.attn_q.weight":  # Q4_0, a block a row: its float16 d first; row 2's made NaN
+            array = array.copy()
+            array[2, 0:2] = np.array([np.nan], np.float16).view(np.uint8)
+        tensors.append((name, array, kind))
+    damaged = write_gguf(model, tmp_path / "damaged.gguf", tensors=tensors)
+    with pytest.raises(ValueError, match=r"'blk.1.attn_q.weight' in damaged.gguf holds 1 block\(s\) of its 32 whose "
+                                         r"scale is NaN or infinite \(the first, block 0 of row 2\)"):
+        load_pretrained(tmp_path, gguf_file=damaged.name, quantize="gguf")
+    with pytest.raises(ValueError, match="'blk.1.attn_q.weight' in damaged.gguf holds 32 NaN or infinite value"):
+        load_pretrained(tmp_path, gguf_file=damaged.name)
