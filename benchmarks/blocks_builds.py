@@ -1,6 +1,6 @@
 """The 4-bit decode products of two builds of Dew's blocks kernel, in one process, in alternating rounds.
 
-    python -m benchmarks.blocks_builds --baseline DIR [--exact] [--rounds 15] [--steps 10]
+    python -m benchmarks.blocks_builds --baseline DIR [--exact] [--rows 1] [--rounds 15] [--steps 10]
 
 Loads `dew._native_blocks` twice, this checkout's build and the one in DIR (another checkout with its
 native kernels built: `git worktree add DIR COMMIT`, then `python setup.py build_ext --inplace --force`
@@ -10,7 +10,8 @@ o, gate, up and down products (a scan over the stacked blocks, read in place as 
 then the tied Q8_0 head, with only the few operations that give each product its input between them.
 Each round times `--steps` such steps with each build in turn; printed are each build's median step,
 the median of the rounds' ratios (this build's time over the baseline's) and how far apart the two
-builds' outputs are. `--exact` times the exact path (x in float32) instead of the integer one.
+builds' outputs are. `--exact` times the exact path (x in float32) instead of the integer one, and
+`--rows N` a step of N rows (a served step over N streams: the kernel takes up to 32) instead of one.
 Both builds in one process, round by round, is what makes a change of a few percent visible on a
 shared machine whose speed moves twofold from one minute to the next.
 """
@@ -66,9 +67,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--baseline", type=Path, required=True, help="another checkout with its kernels built")
     parser.add_argument("--exact", action="store_true", help="the exact path (x in float32), not the integer one")
+    parser.add_argument("--rows", type=int, default=1, help="rows of x a step multiplies (1 to 32)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=10, help="steps timed per build and round")
     args = parser.parse_args()
+    if not 1 <= args.rows <= 32:
+        parser.error(f"--rows {args.rows}: the blocks kernel takes products of 1 to 32 rows")
 
     from dew.interop import load_pretrained
 
@@ -79,11 +83,11 @@ def main() -> None:
     handler = "product" if args.exact else "rounded_product"
     steps = {"this": build_step(Path(__file__).resolve().parents[1], "dew_ab_this", handler, layers, head),
              "baseline": build_step(args.baseline.resolve(), "dew_ab_baseline", handler, layers, head)}
-    x = jax.random.normal(jax.random.key(0), (1, layers[0].shape[2] * 32))
+    x = jax.random.normal(jax.random.key(0), (args.rows, layers[0].shape[2] * 32))
     outputs = {name: np.asarray(step(x)) for name, step in steps.items()}
     gap = float(np.abs(outputs["this"] - outputs["baseline"]).max())
     print(f"machine: {machine()}")
-    print(f"{'exact' if args.exact else 'integer'} path; outputs apart by at most {gap:g} "
+    print(f"{'exact' if args.exact else 'integer'} path, {args.rows} row(s); outputs apart by at most {gap:g} "
           f"(largest |y| {float(np.abs(outputs['baseline']).max()):.3g})")
     seconds = {name: [] for name in steps}
     for _ in range(args.rounds):

@@ -195,7 +195,8 @@ void Portable(const Product& p, int64_t c_begin, int64_t c_end) {
 }
 
 // The columns [c_begin, c_end) in tiles of C = 4 rows of w (then single ones) by R = kRows rows of x
-// (then, for kRows 3, a tile of 2 or 1): tile(R, C, r0, c0) with R and C as integral constants.
+// (then, for kRows 3, a tile of 2 or 1; for kRows 2, of 1): tile(R, C, r0, c0) with R and C as integral
+// constants.
 template <int kRows, typename Tile>
 inline void InTiles(const Product& p, int64_t c_begin, int64_t c_end, Tile tile) {
   auto rows = [&](auto C, int64_t c) {
@@ -203,6 +204,8 @@ inline void InTiles(const Product& p, int64_t c_begin, int64_t c_end, Tile tile)
     for (; r + kRows <= p.n; r += kRows) tile(std::integral_constant<int, kRows>(), C, r, c);
     if constexpr (kRows == 3) {
       if (p.n - r == 2) tile(std::integral_constant<int, 2>(), C, r, c);
+      if (p.n - r == 1) tile(std::integral_constant<int, 1>(), C, r, c);
+    } else if constexpr (kRows == 2) {
       if (p.n - r == 1) tile(std::integral_constant<int, 1>(), C, r, c);
     }
   };
@@ -681,42 +684,54 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 ScalesAvx2(const uint8_t*
   return _mm256_cvtph_ps(_mm_setr_epi32(h[0], h[1], h[2], h[3]));
 }
 
-template <Kind K, int C>
+// R <= 2 rows of x against C <= 4 rows of w: each block's integers widened once for the R rows, each
+// row's sums taken in the same order as a tile of one row takes them, so R does not change a bit.
+template <Kind K, int R, int C>
 __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2(const Product& p, int64_t r, int64_t c0) {
   static_assert(C <= 4, "ScalesAvx2 reads 4 rows of w at most");
   const Rounded& x = p.rounded;
-  __m256 acc[C];
-  __m256 rest = _mm256_setzero_ps();  // lane 2c + 1: row c's sum of m times d2 sum x16 (other lanes unused)
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  __m256 acc[R][C];
+  __m256 rest[R];  // lane 2c + 1: row c's sum of m times d2 sum x16 (other lanes unused)
+  for (int i = 0; i < R; ++i) {
+    rest[i] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
+  }
   constexpr int64_t kBytes = K == kQ4_0 ? 18 : K == kQ4_1 ? 20 : 34;
   const int64_t row_bytes = p.blocks * kBytes;
-  const uint8_t* w = p.w + c0 * row_bytes;
-  const int16_t* x16 = x.x16 + r * x.padded * kSub;
-  const float* d2 = x.d2 + r * x.padded;
-  const float* dsum = x.dsum + r * x.padded;
+  const uint8_t* tile = p.w + c0 * row_bytes;
+  const uint8_t* w = tile;
   for (int64_t b = 0; b < p.blocks; ++b, w += kBytes) {
-    __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + b * kSub));
-    __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + b * kSub + 16));
-    __m256i zero = ZeroPointAvx2<K>(xa, xb);
+    __m256i xa[R], xb[R], zero[R];
     // Each row's d_w d2 in lane 2c (each an exact product rounded once, as a scalar multiply rounds it),
     // read back by broadcasting loads.
     const __m256 halves = ScalesAvx2<C>(w, row_bytes);
-    alignas(32) float scale[8];
-    _mm256_store_ps(scale, _mm256_mul_ps(halves, _mm256_set1_ps(d2[b])));
-    if constexpr (K == kQ4_1) rest = _mm256_fmadd_ps(halves, _mm256_set1_ps(dsum[b]), rest);
-    AskAhead(p.w + c0 * row_bytes + b * C * kBytes, C * kBytes);
+    alignas(32) float scale[R][8];
+    for (int i = 0; i < R; ++i) {
+      const int64_t row = (r + i) * x.padded;
+      const int16_t* x16 = x.x16 + (row + b) * kSub;
+      xa[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16));
+      xb[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + 16));
+      zero[i] = ZeroPointAvx2<K>(xa[i], xb[i]);
+      _mm256_store_ps(scale[i], _mm256_mul_ps(halves, _mm256_set1_ps(x.d2[row + b])));
+      if constexpr (K == kQ4_1) rest[i] = _mm256_fmadd_ps(halves, _mm256_set1_ps(x.dsum[row + b]), rest[i]);
+    }
+    AskAhead(tile + b * C * kBytes, C * kBytes);
     for (int c = 0; c < C; ++c) {
-      const uint8_t* block = w + c * row_bytes;
       __m256i lo, hi;
-      WidenAvx2<K>(block, lo, hi);
-      __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, xa), _mm256_madd_epi16(hi, xb));
-      if constexpr (K == kQ4_0) dot = _mm256_add_epi32(dot, zero);
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(scale + 2 * c), acc[c]);
+      WidenAvx2<K>(w + c * row_bytes, lo, hi);
+      for (int i = 0; i < R; ++i) {
+        __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, xa[i]), _mm256_madd_epi16(hi, xb[i]));
+        if constexpr (K == kQ4_0) dot = _mm256_add_epi32(dot, zero[i]);
+        acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(scale[i] + 2 * c), acc[i][c]);
+      }
     }
   }
-  alignas(32) float rests[8];
-  _mm256_store_ps(rests, rest);
-  for (int c = 0; c < C; ++c) p.y[r * p.f + c0 + c] = Sum256(acc[c]) + (K == kQ4_1 ? rests[2 * c + 1] : 0.0f);
+  for (int i = 0; i < R; ++i) {
+    alignas(32) float rests[8];
+    _mm256_store_ps(rests, rest[i]);
+    for (int c = 0; c < C; ++c)
+      p.y[(r + i) * p.f + c0 + c] = Sum256(acc[i][c]) + (K == kQ4_1 ? rests[2 * c + 1] : 0.0f);
+  }
 }
 
 // A Q4_K block read: the block `ahead` blocks on asked for (144 bytes, three cache lines), this one's
@@ -776,7 +791,9 @@ __attribute__((target("avx2,fma,f16c"))) void IntColumnsAvx2(const Product& p, i
   if constexpr (K == kQ4_K)
     InTiles<1>(p, c_begin, c_end, [&p](auto, auto C, int64_t r, int64_t c) { IntTileAvx2K<decltype(C)::value>(p, r, c); });
   else
-    InTiles<1>(p, c_begin, c_end, [&p](auto, auto C, int64_t r, int64_t c) { IntTileAvx2<K, decltype(C)::value>(p, r, c); });
+    InTiles<2>(p, c_begin, c_end, [&p](auto R, auto C, int64_t r, int64_t c) {
+      IntTileAvx2<K, decltype(R)::value, decltype(C)::value>(p, r, c);
+    });
 }
 
 // ---- AVX-512 VNNI: a register holds 4 blocks' 16 nibble bytes (Q4_0, Q4_1) or 2 blocks' 32 int8
