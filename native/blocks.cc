@@ -700,6 +700,12 @@ __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2(const Product& p, int6
   const int64_t row_bytes = p.blocks * kBytes;
   const uint8_t* tile = p.w + c0 * row_bytes;
   const uint8_t* w = tile;
+  const int16_t* x16[R];  // each row's rounded x, its scales and its sums, held apart from `x` (stores of
+  const float *d2[R], *dsum[R];  // vectors may alias it, which would reload its fields in the loop)
+  for (int i = 0; i < R; ++i) {
+    x16[i] = x.x16 + (r + i) * x.padded * kSub;
+    d2[i] = x.d2 + (r + i) * x.padded, dsum[i] = x.dsum + (r + i) * x.padded;
+  }
   for (int64_t b = 0; b < p.blocks; ++b, w += kBytes) {
     __m256i xa[R], xb[R], zero[R];
     // Each row's d_w d2 in lane 2c (each an exact product rounded once, as a scalar multiply rounds it),
@@ -707,13 +713,11 @@ __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2(const Product& p, int6
     const __m256 halves = ScalesAvx2<C>(w, row_bytes);
     alignas(32) float scale[R][8];
     for (int i = 0; i < R; ++i) {
-      const int64_t row = (r + i) * x.padded;
-      const int16_t* x16 = x.x16 + (row + b) * kSub;
-      xa[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16));
-      xb[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + 16));
+      xa[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16[i] + b * kSub));
+      xb[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16[i] + b * kSub + 16));
       zero[i] = ZeroPointAvx2<K>(xa[i], xb[i]);
-      _mm256_store_ps(scale[i], _mm256_mul_ps(halves, _mm256_set1_ps(x.d2[row + b])));
-      if constexpr (K == kQ4_1) rest[i] = _mm256_fmadd_ps(halves, _mm256_set1_ps(x.dsum[row + b]), rest[i]);
+      _mm256_store_ps(scale[i], _mm256_mul_ps(halves, _mm256_set1_ps(d2[i][b])));
+      if constexpr (K == kQ4_1) rest[i] = _mm256_fmadd_ps(halves, _mm256_set1_ps(dsum[i][b]), rest[i]);
     }
     AskAhead(tile + b * C * kBytes, C * kBytes);
     for (int c = 0; c < C; ++c) {
@@ -735,61 +739,79 @@ __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2(const Product& p, int6
 }
 
 // A Q4_K block read: the block `ahead` blocks on asked for (144 bytes, three cache lines), this one's
-// sub-block scales written to `scale` and its offsets times x's sums of the sub-blocks (`dsum`) added
-// to `rest`.
-__attribute__((target("avx2,fma"))) inline __m256 OpenBlockK(const uint8_t* block, int64_t ahead, __m256 dsum,
-                                                           __m256 rest, float* scale) {
+// sub-block scales written to `scale` and its offsets to `offset`.
+inline void ReadBlockK(const uint8_t* block, int64_t ahead, float* scale, float* offset) {
   for (int line = 0; line < 3; ++line)
     _mm_prefetch(reinterpret_cast<const char*>(block + ahead * 144 + 64 * line), _MM_HINT_T0);
-  alignas(32) float offset[8];
   ScalesK(block, scale, offset);
+}
+
+// `ReadBlockK`, with the block's offsets times x's sums of the sub-blocks (`dsum`) added to `rest`.
+__attribute__((target("avx2,fma"))) inline __m256 OpenBlockK(const uint8_t* block, int64_t ahead, __m256 dsum,
+                                                           __m256 rest, float* scale) {
+  alignas(32) float offset[8];
+  ReadBlockK(block, ahead, scale, offset);
   return _mm256_fmadd_ps(_mm256_load_ps(offset), dsum, rest);
 }
 
 // Q4_K: each 32 bytes of nibbles hold sub-block 2i (low nibbles) and 2i + 1 (high), widened to int16 in
 // two registers (bytes 0-15 and 16-31, the sub-blocks' values 0-15 and 16-31); the sub-blocks' offsets
-// times their sums of x go in 8 lanes beside.
-template <int C>
+// times their sums of x go in 8 lanes beside. R <= 2 rows of x share each block's scales and integers,
+// each row's sums taken in the order a tile of one row takes them.
+template <int R, int C>
 __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2K(const Product& p, int64_t r, int64_t c0) {
   const Rounded& x = p.rounded;
-  __m256 acc[C], rest[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps(), rest[c] = _mm256_setzero_ps();
+  __m256 acc[R][C], rest[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps(), rest[i][c] = _mm256_setzero_ps();
   const int64_t row_bytes = p.blocks * p.bytes;
   const uint8_t* w = p.w + c0 * row_bytes;
-  const int16_t* x16 = x.x16 + r * x.padded * kSub;
   const __m256i low4 = _mm256_set1_epi16(0x0F);
-  alignas(32) float scale[8];
+  const int16_t* x16[R];  // each row's rounded x, its scales and its sums, held apart from `x` (stores of
+  const float *d2s[R], *dsums[R];  // vectors may alias it, which would reload its fields in the loop)
+  for (int i = 0; i < R; ++i) {
+    x16[i] = x.x16 + (r + i) * x.padded * kSub;
+    d2s[i] = x.d2 + (r + i) * x.padded, dsums[i] = x.dsum + (r + i) * x.padded;
+  }
   for (int64_t b = 0; b < p.blocks; ++b) {
-    const int64_t e = r * x.padded + b * 8;
-    const __m256 d2 = _mm256_loadu_ps(x.d2 + e), dsum = _mm256_loadu_ps(x.dsum + e);
+    __m256 d2[R], dsum[R];
+    for (int i = 0; i < R; ++i) d2[i] = _mm256_loadu_ps(d2s[i] + b * 8), dsum[i] = _mm256_loadu_ps(dsums[i] + b * 8);
     for (int c = 0; c < C; ++c) {
       const uint8_t* block = w + c * row_bytes + b * p.bytes;
-      rest[c] = OpenBlockK(block, 2, dsum, rest[c], scale);
-      alignas(32) float s2[8];
-      _mm256_store_ps(s2, _mm256_mul_ps(_mm256_load_ps(scale), d2));
-      for (int i = 0; i < 4; ++i) {
-        const __m128i* bytes = reinterpret_cast<const __m128i*>(block + 16 + 32 * i);
+      alignas(32) float scale[8], offset[8], s2[R][8];
+      ReadBlockK(block, 2, scale, offset);
+      for (int i = 0; i < R; ++i) {
+        rest[i][c] = _mm256_fmadd_ps(_mm256_load_ps(offset), dsum[i], rest[i][c]);
+        _mm256_store_ps(s2[i], _mm256_mul_ps(_mm256_load_ps(scale), d2[i]));
+      }
+      for (int q = 0; q < 4; ++q) {
+        const __m128i* bytes = reinterpret_cast<const __m128i*>(block + 16 + 32 * q);
         __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128(bytes)), z = _mm256_cvtepu8_epi16(_mm_loadu_si128(bytes + 1));
         for (int high = 0; high < 2; ++high) {
-          const int j = 2 * i + high;
+          const int j = 2 * q + high;
           __m256i lo = high ? _mm256_srli_epi16(a, 4) : _mm256_and_si256(a, low4);
           __m256i hi = high ? _mm256_srli_epi16(z, 4) : _mm256_and_si256(z, low4);
-          const int16_t* at = x16 + (b * 8 + j) * kSub;
-          __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
-          __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 16));
-          __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, xa), _mm256_madd_epi16(hi, xb));
-          acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s2[j]), acc[c]);
+          for (int i = 0; i < R; ++i) {
+            const int16_t* at = x16[i] + (b * 8 + j) * kSub;
+            __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+            __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 16));
+            __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, xa), _mm256_madd_epi16(hi, xb));
+            acc[i][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s2[i][j]), acc[i][c]);
+          }
         }
       }
     }
   }
-  for (int c = 0; c < C; ++c) p.y[r * p.f + c0 + c] = Sum256(acc[c]) + Sum256(rest[c]);
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) p.y[(r + i) * p.f + c0 + c] = Sum256(acc[i][c]) + Sum256(rest[i][c]);
 }
 
 template <Kind K>
 __attribute__((target("avx2,fma,f16c"))) void IntColumnsAvx2(const Product& p, int64_t c_begin, int64_t c_end) {
   if constexpr (K == kQ4_K)
-    InTiles<1>(p, c_begin, c_end, [&p](auto, auto C, int64_t r, int64_t c) { IntTileAvx2K<decltype(C)::value>(p, r, c); });
+    InTiles<2>(p, c_begin, c_end, [&p](auto R, auto C, int64_t r, int64_t c) {
+      IntTileAvx2K<decltype(R)::value, decltype(C)::value>(p, r, c);
+    });
   else
     InTiles<2>(p, c_begin, c_end, [&p](auto R, auto C, int64_t r, int64_t c) {
       IntTileAvx2<K, decltype(R)::value, decltype(C)::value>(p, r, c);
