@@ -151,11 +151,12 @@ class Server:
 
 
 def settle(url: str) -> None:
-    """Wait until `dew serve` compiled every program (it answers ready once the first few are)."""
+    """Wait until `dew serve` compiled every program (it answers ready once the first few are), and kept
+    every one JAX's cache gave (compiled once more beside the serving, after Dew or the software changed)."""
     while True:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
             health = json.loads(answer.read())
-        if health["compiled"] == health["programs"]:
+        if health["compiled"] == health["programs"] and not health.get("keeping"):
             return
         time.sleep(0.5)
 

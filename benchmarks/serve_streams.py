@@ -8,7 +8,7 @@ A real `dew serve` process on SmolLM2-135M-Instruct (the Q4_1 GGUF of the `llm-s
 defaults plus the server arguments given, driven over loopback by the `openai` client, streaming:
 `--requests` completion prompts of 20 to 200 tokens (a fixed passage cut at seeded lengths, then a
 question), greedy, `--new` new tokens each (EOS on), at most N in flight. Start-to-ready runs from the
-process's start until `/health` answers 200; the rounds start once every program is compiled. Each setting runs `--rounds` times, in turn, on one server;
+process's start until `/health` answers 200; the rounds start once every program is compiled and kept. Each setting runs `--rounds` times, in turn, on one server;
 the medians are printed, with the load average.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import smollm2_directory
-from benchmarks.serve import GGUF, QUESTIONS, cpu_model, free_port
+from benchmarks.serve import GGUF, QUESTIONS, cpu_model, free_port, settle
 
 PASSAGE = (
     "The river rises in the hills to the north, where rain falls on most days of the year and the streams run "
@@ -120,13 +119,8 @@ def main():
     print(f"start to ready: {ready:.1f} s; load average {os.getloadavg()[0]:.2f}", flush=True)
     figures = {streams: [] for streams in args.streams}
     try:
-        while True:  # the programs compiled in the background, so the rounds time serving alone
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
-                health = json.loads(answer.read())
-            if health["compiled"] == health["programs"]:
-                break
-            time.sleep(0.5)
-        print(f"all {health['programs']} programs compiled at {time.perf_counter() - began:.1f} s", flush=True)
+        settle(url)  # the programs compiled (and kept) in the background, so the rounds time serving alone
+        print(f"all programs compiled at {time.perf_counter() - began:.1f} s", flush=True)
         asyncio.run(run(url, rows[:2], 4, 2))  # the first requests of a process
         for _ in range(args.rounds):
             for streams in args.streams:

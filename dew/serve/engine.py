@@ -216,7 +216,8 @@ class Engine:
         self._abstract = (jax.tree_util.tree_map(abstract, self.params), state)
         # the first programs serve any prompt: a long one as a head of 16 tokens and chunks after it
         widest = ("extend", self.chunk) if self.chunk < capacity else ("admit", 1, self.chunk)
-        first = [("step", self.step_rows[-1]), ("admit", 1, self.widths[0]), widest]
+        # (one program, where the narrowest width is the widest: a capacity of one prompt width)
+        first = list(dict.fromkeys([("step", self.step_rows[-1]), ("admit", 1, self.widths[0]), widest]))
         rest = [("step", rows) for rows in self.step_rows] + [("admit", 1, width) for width in self.plain_widths] + \
             [("admit", rows, width) for width in self.plain_widths for rows in self._rows_at(width)[1:]] + \
             ([widest] if self.chunk < capacity else []) + \
@@ -298,13 +299,16 @@ class Engine:
                              f"{self.slots} at once and queues {self.queue_limit} more, {self.max_rows} in all")
 
     def load(self) -> dict:
-        """Whether the engine's thread runs and is `ready`, the programs compiled of all, and how busy it
+        """Whether the engine's thread runs and is `ready`, the programs compiled of all, those still to be
+        compiled once more to keep for the next start (`keeping`: `ProgramCache.keeping`), and how busy it
         is: occupied slots, waiting requests, steps run, prompt tokens admitted and of those the ones copied
         from a slot's cache instead of prefilled."""
+        keeping = self.program_cache.keeping() if self.program_cache is not None else 0
         with self._lock:
             running = not self._closing and self._thread is not None and self._thread.is_alive()
             return {"running": running, "ready": self.ready.is_set(), "compiled": len(self._programs),
-                    "programs": len(self.first_programs) + len(self.later_programs), "slots": self.slots,
+                    "programs": len(self.first_programs) + len(self.later_programs), "keeping": keeping,
+                    "slots": self.slots,
                     "busy": sum(owner is not None for owner in self._owners), "waiting": len(self._waiting),
                     "capacity": self.capacity, "steps": self.steps, "prompt_tokens": self.prompt_tokens,
                     "reused_prompt_tokens": self.reused}

@@ -57,6 +57,7 @@ class ProgramCache:
         self.stored = 0
         self._lock = threading.Lock()
         self._waiting: list[tuple] = []  # (program, arguments, lowered) to compile and keep
+        self._compiling = False  # the keeper is compiling one of them
         self._keeper: threading.Thread | None = None
         self._stopped_at_exit = False  # stop() registered to run at the process's exit
         self._stopping = False
@@ -136,6 +137,12 @@ class ProgramCache:
         if keeper is not None:
             keeper.join()
 
+    def keeping(self) -> int:
+        """How many programs are still to be compiled and kept (those JAX's cache gave): while any is, a
+        thread compiles beside the serving."""
+        with self._lock:
+            return len(self._waiting) + self._compiling
+
     def wait(self) -> None:
         """Return once every program waiting to be compiled and kept is kept."""
         with self._lock:
@@ -154,13 +161,18 @@ class ProgramCache:
                     self._keeper = None
                     return
                 program, arguments, lowered = self._waiting.pop(0)
+                self._compiling = True
             try:
                 compiled = lowered.compile(_uncached())
             except Exception as error:  # noqa: BLE001 - the served program is the one compiled already
                 logger.warning("could not compile the program %s to keep it for the next start (%s: %s)", program,
                                type(error).__name__, error)
                 continue
-            self._store(program, arguments, compiled)
+            else:
+                self._store(program, arguments, compiled)
+            finally:
+                with self._lock:
+                    self._compiling = False
 
     def _store(self, program: tuple, arguments, compiled: jax.stages.Compiled) -> None:
         """Keep `compiled` under its key (a program that cannot be serialized is left out, logged)."""

@@ -114,3 +114,23 @@ def test_the_key_changes_with_what_the_program_is_made_of(model_and_variables, t
         assert programs.environment.__wrapped__() != described
     finally:
         jax.config.update("jax_log_compiles", logging_compiles)
+
+
+def test_the_load_counts_the_programs_still_to_keep(model_and_variables, tmp_path, monkeypatch):
+    """`/health`'s `keeping`: programs JAX's cache gave, still to be compiled once more beside the serving (a
+    benchmark waits for none, so that it times serving alone)."""
+    model, variables = model_and_variables
+    hits = iter(range(1000))
+    monkeypatch.setattr(programs, "_hits", lambda: next(hits))  # as if JAX's cache answered every compile
+    engine = Engine(model, variables, slots=SLOTS, capacity=CAPACITY, eos_token_ids=(EOS,), prefill_rows=1)
+    engine.program_cache = ProgramCache.of(engine, tmp_path)
+    engine.warm_up()  # each program waits to be kept until the engine is ready
+    load = engine.load()
+    assert load["keeping"] == load["compiled"] == load["programs"] == 3
+    engine.start()
+    try:
+        assert engine.ready.wait(60)
+        engine.program_cache.wait()
+        assert engine.load()["keeping"] == 0 and engine.program_cache.stored == 3
+    finally:
+        engine.close()
