@@ -11,6 +11,12 @@ os.environ["XLA_FLAGS"] = suite_flags(os.environ.get("XLA_FLAGS", ""))
 # No test reaches the network: huggingface_hub reads only its cache (a test of a download mocks it and
 # turns this off); subprocesses inherit it.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# No test process, and no process a test starts, uses JAX's persistent compilation cache unless its test names
+# a directory: Dew's commands turn the cache on where they start (`dew.compilation_cache`), and a test that
+# calls one in its own process would leave it on for the rest of the worker, which then wrote every later
+# program of half a second's compile into ~/.cache/dew/jax (one that closes over a 135M model's weights spent
+# 100 s compressing them) and read programs an earlier run had left there.
+os.environ["DEW_COMPILATION_CACHE"] = "0"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

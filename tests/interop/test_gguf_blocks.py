@@ -150,7 +150,7 @@ def chunked_perplexity(model, variables, ids, chunk: int = 32) -> float:
     tokens = ids.shape[1] - 1
 
     @jax.jit
-    def scored(cache, chunk_ids):
+    def scored(variables, cache, chunk_ids):  # the weights an argument, not constants of the program
         output, cache = model.apply(variables, chunk_ids[:, :-1], attention_mask=jnp.ones((1, chunk), bool),
                                     cache=cache, head=False)
         log_probs = jax.nn.log_softmax(output.head.logits(output.hidden[0]).astype(jnp.float32), axis=-1)
@@ -158,7 +158,7 @@ def chunked_perplexity(model, variables, ids, chunk: int = 32) -> float:
 
     cache, total = model.init_cache(1, tokens), 0.0
     for start in range(0, tokens, chunk):
-        part, cache = scored(cache, ids[:, start:start + chunk + 1])
+        part, cache = scored(variables, cache, ids[:, start:start + chunk + 1])
         total += float(part)
     return float(np.exp(-total / tokens))
 
