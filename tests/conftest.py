@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 from tests.compile_flags import suite_flags
 
@@ -11,12 +14,17 @@ os.environ["XLA_FLAGS"] = suite_flags(os.environ.get("XLA_FLAGS", ""))
 # No test reaches the network: huggingface_hub reads only its cache (a test of a download mocks it and
 # turns this off); subprocesses inherit it.
 os.environ["HF_HUB_OFFLINE"] = "1"
-# No test process, and no process a test starts, uses JAX's persistent compilation cache unless its test names
-# a directory: Dew's commands turn the cache on where they start (`dew.compilation_cache`), and a test that
-# calls one in its own process would leave it on for the rest of the worker, which then wrote every later
-# program of half a second's compile into ~/.cache/dew/jax (one that closes over a 135M model's weights spent
-# 100 s compressing them) and read programs an earlier run had left there.
-os.environ["DEW_COMPILATION_CACHE"] = "0"
+# One persistent compilation cache for the whole run, empty at its start, shared by the workers and every
+# process a test starts (a second `dew train` that resumes, `dew serve`), and never the user's ~/.cache/dew/jax:
+# Dew's commands leave a configured cache alone, so a test that calls one in its own process no longer turns
+# the home cache on for the rest of its worker, and no run reads programs an earlier run left. A size bound
+# makes JAX lock the directory, so no process reads an entry another is still writing.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="dew-suite-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")  # Dew's own floor
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
