@@ -160,6 +160,7 @@ def test_two_fresh_processes_with_empty_caches_run_the_same_kernels_to_the_same_
         home.mkdir()
         environment = devices_environment(1, HOME=str(home), XDG_CACHE_HOME=str(home / "cache"), PYTHONPATH=str(ROOT))
         environment.pop("DEW_KERNELS", None)
+        environment.pop("JAX_COMPILATION_CACHE_DIR", None)  # nor the suite's compilation cache
         done = subprocess.run([sys.executable, "-c", FRESH_PROCESS], env=environment, capture_output=True, text=True,
                               timeout=600, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-2000:]
