@@ -244,9 +244,17 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
     if prefill_chunk < PROMPT_BUCKET:
         raise ValueError(f"--prefill-chunk is {prefill_chunk}; it must be at least {PROMPT_BUCKET}, the narrowest "
                          "prompt width")
+    class Stderr(logging.StreamHandler):
+        """Writes each line to sys.stderr as it is when the line is logged, not as it was when made: a stderr
+        replaced later (a program that runs `dew serve` in its own process, a test's capture) gets the lines."""
+
+        def emit(self, record: logging.LogRecord) -> None:  # under the handler's lock
+            self.stream = sys.stderr
+            super().emit(record)
+
     log = logging.getLogger("dew.serve")  # lines in uvicorn's format, whatever the root logger holds
     if not log.handlers:
-        handler = logging.StreamHandler()
+        handler = Stderr()
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
         log.addHandler(handler)
     log.setLevel(logging.INFO)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import json
+import logging
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -188,3 +191,21 @@ def test_prefill_chunk_reaches_the_loader(monkeypatch, tmp_path):
     with pytest.raises(Stop):
         main(["serve", str(tmp_path / "not-read"), "--port", "0", "--prefill-chunk", "64"])
     assert seen["prefill_chunk"] == 64
+
+
+def test_the_servers_lines_go_to_stderr_as_it_is_when_each_is_logged(monkeypatch, tmp_path):
+    """`dew serve` run in a process's own thread logs through a handler that looks up sys.stderr at each
+    line: a stderr replaced after the command started gets the engine's later lines (the one it started
+    with may be closed by then, as a test's capture is)."""
+    from dew.serve import service
+
+    class Stop(Exception):
+        pass
+
+    monkeypatch.setattr(service.Served, "load", lambda source, **options: (_ for _ in ()).throw(Stop()))
+    with pytest.raises(Stop):
+        main(["serve", str(tmp_path / "not-read"), "--port", "0"])
+    later = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", later)
+    logging.getLogger("dew.serve.engine").info("ready: a line logged after the start")
+    assert later.getvalue() == "INFO:     ready: a line logged after the start\n"
