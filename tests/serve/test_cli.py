@@ -202,7 +202,10 @@ def test_the_servers_lines_go_to_stderr_as_it_is_when_each_is_logged(monkeypatch
     class Stop(Exception):
         pass
 
-    monkeypatch.setattr(service.Served, "load", lambda source, **options: (_ for _ in ()).throw(Stop()))
+    def load(source, **options):
+        raise Stop
+
+    monkeypatch.setattr(service.Served, "load", load)
     with pytest.raises(Stop):
         main(["serve", str(tmp_path / "not-read"), "--port", "0"])
     later = io.StringIO()
