@@ -420,6 +420,8 @@ COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "launch": ("run a command with a preloaded allocator or glibc's huge-page tunable (-- COMMAND ...)", _launch),
 }
 
+COMPILING = ("train", "generate", "export", "serve")
+
 
 def version() -> str:
     """The installed dew-ml's version (the source tree's pyproject.toml is what `pip install -e` reads)."""
@@ -457,8 +459,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: dew has no command {argv[0]!r}: the commands are {', '.join(COMMANDS)} (dew --help)",
               file=sys.stderr)
         return 2
-    # Dew's own commands keep compiled programs for the next process (a library import changes no setting).
-    compilation_cache.configure()
+    # The commands that compile keep their programs for the next process (a library import changes no
+    # setting); the others (tokenize, runs, plot, launch's exec) never import jax for it.
+    if argv[0] in COMPILING:
+        compilation_cache.configure()
     try:
         return COMMANDS[argv[0]][1](argv[1:])
     except Exception as error:  # noqa: BLE001 - `report` re-raises what is not a refusal or a fault

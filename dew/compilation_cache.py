@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 
-import jax
-
 
 def configure(directory: str | os.PathLike | None = None) -> None:
     """Point JAX's cache at `directory`, or by default at `$XDG_CACHE_HOME/dew/jax` (`~/.cache/dew/jax`).
@@ -17,6 +15,8 @@ def configure(directory: str | os.PathLike | None = None) -> None:
     Without `directory`, a cache directory the user already configured (`JAX_COMPILATION_CACHE_DIR`
     or `jax.config.update`) is left alone, and `DEW_COMPILATION_CACHE=0` turns this off.
     """
+    import jax  # here, so that a command that never compiles does not import it for this
+
     if directory is None:
         if os.environ.get("DEW_COMPILATION_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
             return

@@ -151,3 +151,26 @@ def test_a_bad_input_gets_one_line_and_its_exit_status(outcomes, places, name, a
         assert f"process {places['holder']} on here" in found[0]
     if name != "train-different-run":  # the one refusal that lists the differing settings below its line
         assert all(line.startswith(("error: ", "warning: ")) for line in lines), done.stderr[-3000:]
+
+
+def test_the_commands_that_never_compile_never_import_jax(tmp_path):
+    """`dew --help`, `--version`, a mistyped command, `tokenize`, `runs` and `plot` answer without importing
+    jax (about a second of start-up each), nor turning on JAX's cache; `dew.pipeline` still imports on use."""
+    script = (
+        "import contextlib, io, sys\n"
+        "from dew.cli import main\n"
+        "work = sys.argv[1]\n"
+        "calls = [['--help'], ['--version'], ['fly'], ['runs', work], ['plot', work, '--out', work + '/c.png'],\n"
+        "         ['tokenize', '--input', work + '/missing.txt', '--out', work + '/t', '--tokenizer', 'byte']]\n"
+        "codes = []\n"
+        "for argv in calls:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "        codes.append(main(argv))\n"
+        "print(codes, 'jax' in sys.modules)\n"
+        "from dew.runs import pipeline\n"
+        "print(callable(pipeline), pipeline.__module__, 'jax' in sys.modules)\n")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["[0, 0, 2, 0, 2, 2] False", "True dew.runs.generation True"], done.stdout

@@ -22,7 +22,7 @@ from dew.interop.gguf_out import write_gguf
 from dew.interop.hub import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES
 from dew.inference import BlockGeneration, MaskedGeneration
 from dew.interop.safetensors_files import INDEX, SINGLE, read_index
-from dew.runs.pipeline import pipeline, run_of
+from dew.runs.generation import pipeline, run_of
 from dew.runs.run_dir import CHECKPOINTS, RUN_JSON
 
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
