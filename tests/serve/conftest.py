@@ -199,17 +199,26 @@ class Server:
         return get(f"{self.url}/health")[1]
 
     def solo(self, prompt_ids, max_tokens, seed=0, n=1, **sampling):
-        """The texts, finish reasons and token counts of a one-row `generate` of this request."""
+        """The texts, finish reasons and token counts of a one-row `generate` of this request.
+
+        The generate runs as long as the model allows after the prompt's bucket of `PROMPT_BUCKET`
+        positions and is cut to `max_tokens`: a row draws step t from `fold_in` of its key and t, whatever
+        the length, so the requests of a prompt bucket share one program rather than one per length."""
         from dew.sampling import generate
+        from dew.sampling.generate import PROMPT_BUCKET
 
         policy = dataclasses.replace(self.pretrained.generation, **sampling)
-        generation = generate(self.pretrained.model, self.pretrained.variables, [prompt_ids], max_tokens,
-                              key=jax.random.key(seed), sampling=policy, n=n)
+        model = self.pretrained.model
+        width = -(-len(prompt_ids) // PROMPT_BUCKET) * PROMPT_BUCKET
+        longest = max(model.config.max_seq_len - width, max_tokens)  # near the model's end: its own length
+        generation = generate(model, self.pretrained.variables, [prompt_ids], longest, key=jax.random.key(seed),
+                              sampling=policy, n=n)
         eos = set(policy.eos_token_ids)
-        texts = [self.hf_tokenizer.decode([t for t in row if t not in eos], skip_special_tokens=True)
-                 for row in generation.continuations()]
-        reasons = ["stop" if done else "length" for done in generation.terminated]
-        return texts, reasons, [int(count) for count in generation.new_tokens]
+        rows = [row[:max_tokens] for row in generation.continuations()]
+        texts = [self.hf_tokenizer.decode([t for t in row if t not in eos], skip_special_tokens=True) for row in rows]
+        reasons = ["stop" if done and count <= max_tokens else "length"
+                   for done, count in zip(generation.terminated, generation.new_tokens)]
+        return texts, reasons, [len(row) for row in rows]
 
     def chat_ids(self, messages) -> list[int]:
         return list(self.hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,

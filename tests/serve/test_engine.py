@@ -14,6 +14,7 @@ import pytest
 
 from dew import models
 from dew.sampling import Sampling, generate
+from dew.sampling.generate import PROMPT_BUCKET
 from dew.serve import Engine, QueueFull, Request, TooLong
 from dew.serve.engine import BATCHED_WIDTH, _share_padding, _widths
 from dew.serve.slots import empty_slots
@@ -81,14 +82,26 @@ def engine(model_and_variables):
 
 
 def _solo(model, variables, request: Request) -> tuple[list[int], int, bool]:
-    """(tokens before any EOS, tokens drawn, whether EOS ended it) of a one-row `generate`."""
+    """(tokens before any EOS, tokens drawn, whether EOS ended it) of a one-row `generate`.
+
+    The generate runs as long as the model allows after the prompt's bucket of `PROMPT_BUCKET` positions,
+    with two continuations, and is cut to the request's own: a row draws step t from `fold_in` of its key
+    (the seed's, folded with the prompt's index and the row's continuation) and t, whatever the length or
+    the row count. So requests share one program per prompt bucket and sampling filters, not one each.
+    A prompt within a bucket of the model's end runs at the request's own length.
+    """
     s = request.sampling
     policy = Sampling(s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty, eos_token_ids=(EOS,))
-    generation = generate(model, variables, [list(request.prompt)], request.max_tokens,
-                          key=jax.random.key(request.seed), sampling=policy, n=request.continuation + 1)
+    width = -(-len(request.prompt) // PROMPT_BUCKET) * PROMPT_BUCKET
+    # a prompt too long for the bucket's length (one within a bucket of the model's end) draws its own
+    longest = max(model.config.max_seq_len - width, request.max_tokens)
+    assert request.continuation < 2
+    generation = generate(model, variables, [list(request.prompt)], longest, key=jax.random.key(request.seed),
+                          sampling=policy, n=2)
     row = request.continuation
-    drawn = generation.continuations()[row]
-    return [t for t in drawn if t != EOS], int(generation.new_tokens[row]), bool(generation.terminated[row])
+    drawn = generation.continuations()[row][:request.max_tokens]
+    ended_by_eos = bool(generation.terminated[row]) and int(generation.new_tokens[row]) <= request.max_tokens
+    return [t for t in drawn if t != EOS], len(drawn), ended_by_eos
 
 
 def _draw_alone(model, variables, requests: list[Request]) -> None:
