@@ -183,6 +183,26 @@ def running(directory, *flags: str, log: Path, prelude: str | None = None, ready
                 process.wait()
 
 
+def generated_alone(model, variables, prompt, max_tokens: int, *, seed: int, sampling, n: int = 1):
+    """(each continuation's tokens, whether EOS ended it) of a one-row `generate` of `prompt`, `max_tokens` long.
+
+    The generate runs as long as the model allows after the prompt's bucket of `PROMPT_BUCKET` positions (a
+    prompt within a bucket of the model's end: `max_tokens`) and is cut to `max_tokens`: a row draws step t
+    from `fold_in` of its key (the seed's, folded with the prompt's index and the row's continuation) and t,
+    whatever the length or the row count. So the requests of a test share one program per prompt bucket and
+    sampling filters, not one per length."""
+    from dew.sampling import generate
+    from dew.sampling.generate import PROMPT_BUCKET
+
+    width = -(-len(prompt) // PROMPT_BUCKET) * PROMPT_BUCKET
+    longest = max(model.config.max_seq_len - width, max_tokens)
+    generation = generate(model, variables, [list(prompt)], longest, key=jax.random.key(seed), sampling=sampling,
+                          n=n)
+    rows = [row[:max_tokens] for row in generation.continuations()]
+    ended = [bool(done) and int(count) <= max_tokens for done, count in zip(generation.terminated, generation.new_tokens)]
+    return rows, ended
+
+
 @dataclasses.dataclass
 class Server:
     url: str
@@ -199,26 +219,14 @@ class Server:
         return get(f"{self.url}/health")[1]
 
     def solo(self, prompt_ids, max_tokens, seed=0, n=1, **sampling):
-        """The texts, finish reasons and token counts of a one-row `generate` of this request.
-
-        The generate runs as long as the model allows after the prompt's bucket of `PROMPT_BUCKET`
-        positions and is cut to `max_tokens`: a row draws step t from `fold_in` of its key and t, whatever
-        the length, so the requests of a prompt bucket share one program rather than one per length."""
-        from dew.sampling import generate
-        from dew.sampling.generate import PROMPT_BUCKET
-
+        """The texts, finish reasons and token counts of a one-row `generate` of this request
+        (`generated_alone`)."""
         policy = dataclasses.replace(self.pretrained.generation, **sampling)
-        model = self.pretrained.model
-        width = -(-len(prompt_ids) // PROMPT_BUCKET) * PROMPT_BUCKET
-        longest = max(model.config.max_seq_len - width, max_tokens)  # near the model's end: its own length
-        generation = generate(model, self.pretrained.variables, [prompt_ids], longest, key=jax.random.key(seed),
-                              sampling=policy, n=n)
+        rows, ended = generated_alone(self.pretrained.model, self.pretrained.variables, prompt_ids, max_tokens,
+                                      seed=seed, sampling=policy, n=n)
         eos = set(policy.eos_token_ids)
-        rows = [row[:max_tokens] for row in generation.continuations()]
         texts = [self.hf_tokenizer.decode([t for t in row if t not in eos], skip_special_tokens=True) for row in rows]
-        reasons = ["stop" if done and count <= max_tokens else "length"
-                   for done, count in zip(generation.terminated, generation.new_tokens)]
-        return texts, reasons, [len(row) for row in rows]
+        return texts, ["stop" if end else "length" for end in ended], [len(row) for row in rows]
 
     def chat_ids(self, messages) -> list[int]:
         return list(self.hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from dew import models
-from dew.sampling import Sampling, generate
-from dew.sampling.generate import PROMPT_BUCKET
+from dew.sampling import Sampling
 from dew.serve import Engine, QueueFull, Request, TooLong
 from dew.serve.engine import BATCHED_WIDTH, _share_padding, _widths
 from dew.serve.slots import empty_slots
 from dew.training.mesh import Layout, MeshSpec
+from tests.serve.conftest import generated_alone
 
 pytestmark = pytest.mark.slow  # one warm-up compiles 3 admissions, a chunk and 3 steps (about 10 s on 2 cores)
 
@@ -82,26 +82,15 @@ def engine(model_and_variables):
 
 
 def _solo(model, variables, request: Request) -> tuple[list[int], int, bool]:
-    """(tokens before any EOS, tokens drawn, whether EOS ended it) of a one-row `generate`.
-
-    The generate runs as long as the model allows after the prompt's bucket of `PROMPT_BUCKET` positions,
-    with two continuations, and is cut to the request's own: a row draws step t from `fold_in` of its key
-    (the seed's, folded with the prompt's index and the row's continuation) and t, whatever the length or
-    the row count. So requests share one program per prompt bucket and sampling filters, not one each.
-    A prompt within a bucket of the model's end runs at the request's own length.
-    """
+    """(tokens before any EOS, tokens drawn, whether EOS ended it) of a one-row `generate`, two continuations
+    long so that both rows' requests share its program (`generated_alone`)."""
     s = request.sampling
     policy = Sampling(s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty, eos_token_ids=(EOS,))
-    width = -(-len(request.prompt) // PROMPT_BUCKET) * PROMPT_BUCKET
-    # a prompt too long for the bucket's length (one within a bucket of the model's end) draws its own
-    longest = max(model.config.max_seq_len - width, request.max_tokens)
     assert request.continuation < 2
-    generation = generate(model, variables, [list(request.prompt)], longest, key=jax.random.key(request.seed),
-                          sampling=policy, n=2)
-    row = request.continuation
-    drawn = generation.continuations()[row][:request.max_tokens]
-    ended_by_eos = bool(generation.terminated[row]) and int(generation.new_tokens[row]) <= request.max_tokens
-    return [t for t in drawn if t != EOS], len(drawn), ended_by_eos
+    rows, ended = generated_alone(model, variables, request.prompt, request.max_tokens, seed=request.seed,
+                                  sampling=policy, n=2)
+    drawn = rows[request.continuation]
+    return [t for t in drawn if t != EOS], len(drawn), ended[request.continuation]
 
 
 def _draw_alone(model, variables, requests: list[Request]) -> None:
