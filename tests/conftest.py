@@ -31,6 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
 from dew import models  # noqa: E402
+from tests.compiled import compiled  # noqa: E402
 
 TINY = dict(vocab_size=64, emb_features=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_features=64, max_seq_len=64)
 
@@ -42,7 +43,7 @@ def tiny_model():
 
 @pytest.fixture(scope="session")
 def tiny_variables(tiny_model):
-    return tiny_model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), head=False)
+    return compiled(tiny_model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32), head=False)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import numpy as np
 from dew.nn.layer import LayerContext, LayerKnobs
 from dew.nn.recurrent import RecurrentCache
 from dew.sampling import Sampling, generate
+from tests.compiled import compiled
 from tests.tolerances import assert_within
 
 KNOBS = LayerKnobs(window=None, rope=jnp.int32(0), index=jnp.int32(0), local=jnp.int32(0))
@@ -108,8 +109,8 @@ def check_packed_documents_do_not_see_each_other(mixer, params, width: int, boun
     convolution reads no tap of the first, and the state restarts)."""
     tokens = jnp.asarray(np.random.default_rng(9).normal(size=(1, 11, width)).astype(np.float32))
     segments = np.asarray([[1] * 6 + [2] * 5])
-    packed, _, _ = mixer.apply(params, tokens, None, context(np.ones((1, 11)), segments), KNOBS)
-    alone, _, _ = mixer.apply(params, tokens[:, 6:], None, context(np.ones((1, 5))), KNOBS)
+    packed, _, _ = compiled(mixer.apply, params, tokens, None, context(np.ones((1, 11)), segments), KNOBS)
+    alone, _, _ = compiled(mixer.apply, params, tokens[:, 6:], None, context(np.ones((1, 5))), KNOBS)
     assert_within(packed[0, 6:], alone[0], bound(11, float(np.abs(alone).max())), "second document")
 
 

@@ -13,6 +13,7 @@ import pytest
 from dew.runs import pipeline
 from dew.sampling import Sampling
 from dew.serve import Request
+from tests.compiled import compiled
 from tests.interop.conftest import torch_model
 from tests.serve.conftest import Tokens, assert_served_as_generated
 
@@ -40,7 +41,7 @@ def logits(tiny_file):
     for quantize in (None, "int8", "gguf"):
         for dtype in ("float32", "bfloat16"):
             task = pipeline(tiny_file, dtype=dtype, quantize=quantize)
-            found[dtype, quantize] = np.asarray(task.model.apply(task.params, jnp.asarray([PROMPT]))[0])
+            found[dtype, quantize] = np.asarray(compiled(task.model.apply, task.params, jnp.asarray([PROMPT]))[0])
             if dtype == "bfloat16" and quantize is not None:
                 tasks[quantize] = task
     return found, tasks

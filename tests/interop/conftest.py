@@ -94,9 +94,10 @@ def assert_logits_match(bundle, model, tokens) -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from tests.compiled import compiled
     from tests.tolerances import transformers_decoder_ulps, ulp_bound
 
-    ours = np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(tokens, jnp.int32)))
+    ours = np.asarray(compiled(bundle.model.apply, bundle.variables, jnp.asarray(tokens, jnp.int32)))
     with torch.no_grad():
         theirs = model(torch.from_numpy(np.asarray(tokens))).logits.numpy()
     bound = ulp_bound(transformers_decoder_ulps(model.config, tokens.shape[1]), np.abs(theirs).max())

@@ -13,6 +13,7 @@ from dew import Trainer
 from dew.data.dataset import Dataset
 from dew.interop import load_pretrained
 from dew.objectives.lm import LMObjective
+from tests.compiled import compiled
 from tests.interop.conftest import save_checkpoint, torch_model
 from tests.tolerances import transformers_decoder_ulps, ulp_bound
 
@@ -29,7 +30,7 @@ def test_one_sgd_step_matches_torch(case, tmp_path):
     objective = LMObjective(bundle.model, 12, pretrained=bundle.variables, ema_decay=None)
     data = Dataset(train=lambda partition: iter([{"text": tokens}]), val=None, records=4, batch=4)
     state = Trainer(objective, optax.sgd(0.05), key=jax.random.key(0)).fit(data, steps=1, verbose=False)
-    ours = np.asarray(bundle.model.apply(state.params, tokens))
+    ours = np.asarray(compiled(bundle.model.apply, state.params, tokens))
 
     theirs_model = copy.deepcopy(model).train()
     optimizer = torch.optim.SGD(theirs_model.parameters(), lr=0.05)
@@ -38,7 +39,7 @@ def test_one_sgd_step_matches_torch(case, tmp_path):
     optimizer.step()
     with torch.no_grad():
         theirs = theirs_model.eval()(input_ids=ids).logits.numpy()
-    before = np.asarray(bundle.model.apply(bundle.variables, tokens))
+    before = np.asarray(compiled(bundle.model.apply, bundle.variables, tokens))
     # fp32 logits (up to 6.3) of the stepped weights: the forward pass's rounding (transformers_decoder_ulps),
     # plus the step's move of the logits (up to 4.7) off by its gradient's relative error: a forward and
     # a backward pass (twice those ulps) and a 48-token sum. Bounds 1.2e-3 to 1.3e-3; observed 1.3e-5

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dew.interop import load_pretrained, save_pretrained
+from tests.compiled import compiled
 from tests.interop.conftest import greedy_continuations, torch, transformers
 from tests.tolerances import LIBRARY_ULPS, decoder_ulps, ulp_bound
 
@@ -126,7 +127,7 @@ def deepseek_ulps(config, seq_len: int) -> float:
 def test_logits_match_transformers(loaded):
     case, model, _, bundle = loaded
     tokens = np.random.default_rng(0).integers(0, 97, (2, 12))
-    ours = np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(tokens, jnp.int32)))
+    ours = np.asarray(compiled(bundle.model.apply, bundle.variables, jnp.asarray(tokens, jnp.int32)))
     with torch.no_grad():
         theirs = model(torch.from_numpy(tokens)).logits.numpy()
     assert np.abs(theirs).max() > 2.0

@@ -15,6 +15,7 @@ import pytest
 
 from dew.interop import load_pretrained
 from dew.nn.diffusion_gemma import PrefixCache
+from tests.compiled import compiled
 from tests.tolerances import LIBRARY_ULPS, decoder_ulps, ulp_bound
 
 torch = pytest.importorskip("torch")
@@ -186,9 +187,10 @@ def test_padding_before_a_prompt_changes_nothing(bundle):
 
     def run(tokens, valid, capacity):
         cache = PrefixCache.empty(model.config, 1, capacity)
-        hidden, cache = model.apply(variables, jnp.asarray(tokens), jnp.asarray(valid), cache, 0, method=model.encode)
-        last = np.asarray(model.apply(variables, hidden[:, -1:], method=model.logits))
-        return last, np.asarray(model.apply(variables, canvas, cache, method=model.denoise))
+        hidden, cache = compiled(model.apply, variables, jnp.asarray(tokens), jnp.asarray(valid), cache, 0,
+                                 method=model.encode)
+        last = np.asarray(compiled(model.apply, variables, hidden[:, -1:], method=model.logits))
+        return last, np.asarray(compiled(model.apply, variables, canvas, cache, method=model.denoise))
 
     alone = run(prompt, np.ones((1, 7), bool), 7)
     padded = run(np.concatenate([np.zeros((1, 5), int), prompt], 1), np.arange(12)[None] >= 5, 16)

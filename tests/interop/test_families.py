@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from dew.interop import load_pretrained
+from tests.compiled import compiled
 from tests.interop.conftest import CASES, greedy_continuations, save_checkpoint, torch, torch_model
 from tests.tolerances import transformers_decoder_ulps, ulp_bound
 
@@ -31,7 +32,7 @@ def loaded(request, tmp_path_factory):
 def test_logits_match_transformers(loaded):
     case, model, bundle = loaded
     tokens = np.random.default_rng(0).integers(0, 97, (2, 12))
-    ours = np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(tokens, jnp.int32)))
+    ours = np.asarray(compiled(bundle.model.apply, bundle.variables, jnp.asarray(tokens, jnp.int32)))
     with torch.no_grad():
         theirs = model(torch.from_numpy(tokens)).logits.numpy()
     assert np.abs(theirs).max() > 2.0  # the weights are large enough for a wrong convention to show
@@ -57,7 +58,7 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(case, tmp_path
     bundle = load_pretrained(directory, dtype="bfloat16")
     assert bundle.model.config.param_dtype == jnp.bfloat16  # param_dtype="auto" reads config.json's dtype
     tokens = np.random.default_rng(0).integers(0, 97, (2, 12))
-    ours = np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(tokens, jnp.int32)), np.float32)
+    ours = np.asarray(compiled(bundle.model.apply, bundle.variables, jnp.asarray(tokens, jnp.int32)), np.float32)
     with torch.no_grad():
         theirs = model(torch.from_numpy(tokens)).logits.float().numpy()
         truth = model.float()(torch.from_numpy(tokens)).logits.numpy()

@@ -21,6 +21,7 @@ from dew.interop import load_pretrained
 from dew.objectives.lm import LMObjective
 from dew.sampling import Sampling
 from dew.training import Layout, MeshSpec, Trainer
+from tests.compiled import compiled
 from tests.interop.conftest import in_torch_memory
 from tests.tolerances import LIBRARY_ULPS, assert_within, decoder_ulps, ulp_bound
 
@@ -118,7 +119,7 @@ def test_placeholders_and_images_must_agree(bundle, images):
 def test_logits_match_transformers(bundle, reference, hf_processor, images, with_images):
     prompts = PROMPTS if with_images else TEXT
     inputs = bundle.processor(prompts, images=images if with_images else None)
-    ours = np.asarray(bundle.model.apply(bundle.variables, inputs.tokens, **inputs.kwargs()))
+    ours = np.asarray(compiled(bundle.model.apply, bundle.variables, inputs.tokens, **inputs.kwargs()))
     mask = inputs.token_fields.get("attention_mask", np.ones(inputs.shape, bool))
     for row, prompt in enumerate(prompts):
         theirs = _their_logits(reference, _their_row(hf_processor, prompt, images[row] if with_images else None))
@@ -179,7 +180,7 @@ def test_pixel_gradient_matches_transformers(bundle, reference, images):
         ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(tokens[:, 1:, None]), axis=-1)[..., 0]
         return jnp.sum(ce * weights) / weights.sum()
 
-    ours = np.asarray(jax.grad(loss)(jnp.asarray(inputs.conditioning["pixel_values"])))
+    ours = np.asarray(compiled(jax.grad(loss), jnp.asarray(inputs.conditioning["pixel_values"])))
     flat, counts = _flat_pixels(inputs)
     pixels = torch.tensor(flat, requires_grad=True)
     _their_loss(reference, inputs, pixels).backward()
@@ -208,8 +209,8 @@ def test_one_sgd_step_matches_transformers(bundle, reference, images):
         for parameter in stepped.parameters():
             if parameter.grad is not None:
                 parameter -= 1e-2 * parameter.grad
-    ours = np.asarray(bundle.model.apply(state.params, inputs.tokens, **inputs.kwargs()))
-    before = np.asarray(bundle.model.apply(bundle.variables, inputs.tokens, **inputs.kwargs()))
+    ours = np.asarray(compiled(bundle.model.apply, state.params, inputs.tokens, **inputs.kwargs()))
+    before = np.asarray(compiled(bundle.model.apply, bundle.variables, inputs.tokens, **inputs.kwargs()))
     mask = np.asarray(inputs.token_fields["attention_mask"])
     hf = transformers.AutoProcessor.from_pretrained(FIXTURE, local_files_only=True, backend="pil")
     for row, prompt in enumerate(PROMPTS):
@@ -229,8 +230,8 @@ def test_save_reloads_in_transformers(bundle, reference, hf_processor, images, t
                                   _their_logits(in_torch_memory(reference), row))
     reloaded = load_pretrained(saved, dtype="float32", max_seq_len=64)
     inputs = reloaded.processor(PROMPTS, images=images)
-    np.testing.assert_array_equal(np.asarray(reloaded.model.apply(reloaded.variables, inputs.tokens, **inputs.kwargs())),
-                                  np.asarray(bundle.model.apply(bundle.variables, inputs.tokens, **inputs.kwargs())))
+    np.testing.assert_array_equal(np.asarray(compiled(reloaded.model.apply, reloaded.variables, inputs.tokens, **inputs.kwargs())),
+                                  np.asarray(compiled(bundle.model.apply, bundle.variables, inputs.tokens, **inputs.kwargs())))
 
 
 def test_unknown_field_refused_by_name(tmp_path):
@@ -266,9 +267,9 @@ def test_lora_on_the_language_model(bundle, images):
                     layout=Layout(min_shard=2**30)).fit(data, steps=1, log_every=1)
     tower = lambda variables: variables["params"]["tower"]
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, tower(state.params), tower(bundle.variables)))
-    trained = np.asarray(adapted.apply(state.params, inputs.tokens, **inputs.kwargs()))
-    merged = np.asarray(bundle.model.apply(adapted.merge(state.params), inputs.tokens, **inputs.kwargs()))
-    base = np.asarray(bundle.model.apply(bundle.variables, inputs.tokens, **inputs.kwargs()))
+    trained = np.asarray(compiled(adapted.apply, state.params, inputs.tokens, **inputs.kwargs()))
+    merged = np.asarray(compiled(bundle.model.apply, adapted.merge(state.params), inputs.tokens, **inputs.kwargs()))
+    base = np.asarray(compiled(bundle.model.apply, bundle.variables, inputs.tokens, **inputs.kwargs()))
     assert np.abs(trained - base).max() > 1e-4  # the adapters moved
     # merging folds x A B into x W, which rounds each adapted product once more or less: at most the
     # decoder's own chain of roundings in another order (one library; largest observed 4.2e-6 on logits to 9.8)

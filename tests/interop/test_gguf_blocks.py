@@ -18,6 +18,7 @@ from dew.kernels import policy
 from dew.nn.linear import BLOCKS_LAYER, EMBED_BLOCKS, KERNEL_BLOCKS, QUANT_COLLECTION, STACKED_BLOCKS
 from dew.runs import pipeline
 from dew.sampling import Sampling, generate
+from tests.compiled import compiled
 from tests.interop.conftest import torch_model
 from tests.interop.test_gguf import SMOLLM2, _gguf_name, permuted, smollm2_directory, write_gguf
 from tests.tolerances import decoder_ulps, ulp_bound
@@ -77,7 +78,7 @@ def test_the_files_blocks_replace_the_float_kernels(both):
 def test_blocks_compute_what_the_dequantized_float32_model_computes(both):
     floats, kept = both
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 10)), jnp.int32)
-    reference = np.asarray(floats.model.apply(floats.variables, tokens))
+    reference = np.asarray(compiled(floats.model.apply, floats.variables, tokens))
     with policy.recording() as choices:
         ours = np.asarray(exact(kept.model).apply(kept.variables, tokens))
     assert choices and all(not key.startswith("blocks-q8") for key in choices)
@@ -90,7 +91,7 @@ def test_blocks_compute_what_the_dequantized_float32_model_computes(both):
 def test_by_default_decoding_products_round_x_to_two_8_bit_layers(both):
     floats, kept = both
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 10)), jnp.int32)
-    reference = np.asarray(floats.model.apply(floats.variables, tokens))
+    reference = np.asarray(compiled(floats.model.apply, floats.variables, tokens))
     with policy.recording() as choices:
         ours = np.asarray(kept.model.apply(kept.variables, tokens))
     rounded = sorted({key.split("/")[1] for key in choices if key.startswith("blocks-q8/")})
@@ -120,7 +121,7 @@ def test_a_scanned_run_reads_its_layers_blocks_in_place(tiny_file, both):
         with policy.recording() as choices:
             ours = np.asarray(scanned.model.apply(scanned.variables, tokens))
         assert any(key.startswith(path) for key in choices)
-        reference = np.asarray(unrolled.apply(per_layer, tokens))
+        reference = np.asarray(compiled(unrolled.apply, per_layer, tokens))
         # The same products of the same blocks and x; only XLA's other operations may round in another
         # order inside the scan's body. Observed: 0 at both lengths (logits of 5.9).
         ulps = decoder_ulps(layers=2, width=32, mlp_width=64, heads=4, head_dim=8, seq_len=length, libraries=1)

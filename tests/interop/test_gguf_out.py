@@ -14,6 +14,7 @@ import pytest
 from dew.interop import load_pretrained
 from dew.interop.gguf_files import GGUFCheckpoint
 from dew.sampling import Sampling
+from tests.compiled import compiled
 from tests.interop.conftest import torch_model
 from tests.interop.test_gguf import SMOLLM2, TOKENS, TOKENS_IN, write_gguf
 from tests.interop.test_gguf_tokenizer import TEXTS, _write_vocabulary
@@ -24,7 +25,7 @@ Q8_0, F16, F32 = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16,
 
 
 def logits(bundle, ids=TOKENS_IN) -> np.ndarray:
-    return np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(ids, jnp.int32)))
+    return np.asarray(compiled(bundle.model.apply, bundle.variables, jnp.asarray(ids, jnp.int32)))
 
 
 def greedy(bundle, tokens: int = 8) -> list[int]:

@@ -28,6 +28,7 @@ from dew.objectives.lm import LMObjective
 from dew.sampling import Sampling
 from dew.serve import Engine, Request
 from dew.training import Layout, MeshSpec, Trainer
+from tests.compiled import compiled
 from tests.interop.multimodal_checks import (check_greedy_matches_generate, check_row_logits, check_save_reloads,
                                              check_stepped_logits, targets)
 from tests.interop.test_llama4_text import llama4_ulps
@@ -147,7 +148,7 @@ def test_a_missing_torchvision_is_named(bundle):
 def test_logits_match_transformers(bundle, processor, hf_processor, reference, images, with_images):
     prompts = PROMPTS if with_images else TEXT
     inputs = processor(prompts, images=images if with_images else None)
-    ours = np.asarray(bundle.model.apply(bundle.variables, inputs.tokens, **inputs.kwargs()))
+    ours = np.asarray(compiled(bundle.model.apply, bundle.variables, inputs.tokens, **inputs.kwargs()))
     their_rows = [_their_row(hf_processor, prompt, images[row] if with_images else None)
                   for row, prompt in enumerate(prompts)]
     # largest differences observed: 7.8e-6 with images (logits up to 5.5, bound 2.0e-3), 3.2e-6 text only
@@ -231,7 +232,7 @@ def test_pixel_gradient_matches_transformers(bundle, processor, reference, image
         ce = -jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), jnp.asarray(tokens[:, 1:, None]), axis=-1)[..., 0]
         return jnp.sum(ce * weights) / weights.sum()
 
-    ours = np.asarray(jax.grad(loss)(jnp.asarray(inputs.conditioning["pixel_values"])))
+    ours = np.asarray(compiled(jax.grad(loss), jnp.asarray(inputs.conditioning["pixel_values"])))
     flat, counts = _tiles(inputs)
     pixels = torch.tensor(flat, requires_grad=True)
     _their_loss(reference, inputs, pixels).backward()
@@ -253,8 +254,8 @@ def test_one_sgd_step_matches_transformers(bundle, processor, hf_processor, imag
     stepped = transformers.Llama4ForConditionalGeneration.from_pretrained(FIXTURE, dtype=torch.float32,
                                                                           attn_implementation="eager")
     _their_loss(stepped, inputs, torch.tensor(_tiles(inputs)[0])).backward()
-    ours = np.asarray(bundle.model.apply(state.params, inputs.tokens, **inputs.kwargs()))
-    before = np.asarray(bundle.model.apply(bundle.variables, inputs.tokens, **inputs.kwargs()))
+    ours = np.asarray(compiled(bundle.model.apply, state.params, inputs.tokens, **inputs.kwargs()))
+    before = np.asarray(compiled(bundle.model.apply, bundle.variables, inputs.tokens, **inputs.kwargs()))
     check_stepped_logits(stepped, ours, before, inputs, [_their_row(hf_processor, prompt, images[row])
                                                          for row, prompt in enumerate(PROMPTS)],
                          lambda magnitude, seq_len: logit_bound(bundle, magnitude, seq_len))

@@ -19,6 +19,7 @@ from dew.interop.families.mamba2 import port_config
 from dew.nn.mamba2 import Mamba2
 from dew.nn.transformer import LINEAR, CausalTransformer, DecoderConfig
 from dew.sampling import Sampling
+from tests.compiled import compiled
 from tests.interop.conftest import (
     check_training_resumes_bit_exactly, in_torch_memory, save_checkpoint, torch, transformers,
 )
@@ -84,7 +85,7 @@ def test_logits_match_transformers(checkpoint, bundle, seq_len):
     tokens = np.random.default_rng(seq_len).integers(3, VOCAB, (2, seq_len))
     with torch.no_grad():
         theirs = model(torch.from_numpy(tokens)).logits.numpy()
-    ours = np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(tokens, jnp.int32)))
+    ours = np.asarray(compiled(bundle.model.apply, bundle.variables, jnp.asarray(tokens, jnp.int32)))
     magnitude = float(np.abs(theirs).max())
     assert magnitude > 2.0
     assert_within(ours, theirs, bound(model.config, seq_len, magnitude), "logits")
@@ -126,12 +127,12 @@ def test_a_dew_mamba2_model_saves_as_the_port(tmp_path):
                            norm_eps=1e-5, layer_types=(LINEAR,) * 2,
                            recurrent=Mamba2(num_heads=8, head_dim=8, state_size=8, chunk_size=8))
     model = CausalTransformer(config)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    variables = compiled(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
     directory = save_pretrained(model, variables, tmp_path / "fresh")
     theirs = transformers.Mamba2ForCausalLM.from_pretrained(directory).eval()
     with torch.no_grad():
         expected = theirs(torch.from_numpy(TOKENS)).logits.numpy()
-    ours = np.asarray(model.apply(variables, jnp.asarray(TOKENS, jnp.int32)))
+    ours = np.asarray(compiled(model.apply, variables, jnp.asarray(TOKENS, jnp.int32)))
     assert_within(ours, expected, bound(theirs.config, TOKENS.shape[1], max(1.0, float(np.abs(expected).max()))),
                   "logits")
 
@@ -177,7 +178,7 @@ def test_a_mamba_ssm_checkpoint_loads_as_the_port_and_saves_it(native_checkpoint
     assert bundle.config["model_type"] == "mamba2" and bundle.model.config.vocab_size == 64
     with torch.no_grad():
         theirs = model(torch.from_numpy(TOKENS)).logits.numpy()
-    ours = np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(TOKENS, jnp.int32)))
+    ours = np.asarray(compiled(bundle.model.apply, bundle.variables, jnp.asarray(TOKENS, jnp.int32)))
     assert_within(ours, theirs, bound(model.config, TOKENS.shape[1], float(np.abs(theirs).max())), "logits")
     again = in_torch_memory(transformers.Mamba2ForCausalLM.from_pretrained(bundle.save(tmp_path / "port")).eval())
     with torch.no_grad():

@@ -14,6 +14,7 @@ import pytest
 from dew.interop import load_pretrained
 from dew.interop.families import FAMILIES, decoder_kwargs, family_for, family_of
 from dew.nn.gated_deltanet import GatedDeltaNet
+from tests.compiled import compiled
 from tests.interop.conftest import (
     check_training_resumes_bit_exactly, greedy_continuations, in_torch_memory, save_checkpoint, torch, transformers,
 )
@@ -89,7 +90,7 @@ def test_logits_match_transformers(checkpoint, bundle, seq_len):
     tokens = np.random.default_rng(seq_len).integers(3, VOCAB, (2, seq_len))
     with torch.no_grad():
         theirs = model(torch.from_numpy(tokens)).logits.numpy()
-    ours = np.asarray(bundle.model.apply(bundle.variables, tokens.astype(np.int32)))
+    ours = np.asarray(compiled(bundle.model.apply, bundle.variables, tokens.astype(np.int32)))
     magnitude = float(np.abs(theirs).max())
     assert magnitude > 2.0
     assert_within(ours, theirs, bound(model.config, seq_len, magnitude), "logits")
@@ -175,7 +176,7 @@ def test_qwen3_5_moe_text_matches_transformers_and_saves_back(tmp_path):
     tokens = np.random.default_rng(1).integers(3, VOCAB, (2, 13))
     with torch.no_grad():
         theirs = model(torch.from_numpy(tokens)).logits.numpy()
-    ours = np.asarray(bundle.model.apply(bundle.variables, tokens.astype(np.int32)))
+    ours = np.asarray(compiled(bundle.model.apply, bundle.variables, tokens.astype(np.int32)))
     # counted as a dense decoder as wide as the widest expert (the shared one)
     counted = transformers.Qwen3_5TextConfig(**{**SHAPE, "num_hidden_layers": 2, "intermediate_size": 24},
                                              layer_types=["linear_attention", "full_attention"])

@@ -26,6 +26,7 @@ from dew.kernels import decode_attention as decode_kernel
 from dew.kernels import prefill_attention as prefill_kernel
 from dew.nn.attention import attend
 from dew.sampling import Sampling, generate
+from tests.compiled import compiled
 from tests.tolerances import assert_within, ulp_bound
 
 AVAILABLE, WHY = decode_kernel._load()
@@ -158,7 +159,7 @@ def decoded(kernel_policy: str, dtype, prompts, **config):
     model = models.build("causal_transformer", vocab_size=96, emb_features=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, mlp_features=96, max_seq_len=64, dtype=dtype, kernels=kernel_policy,
                          **config)
-    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), head=False)
+    params = compiled(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32), head=False)
     with kernels.recording() as choices:
         out = generate(model, params, prompts, 12, key=jax.random.key(1), sampling=Sampling(temperature=0.0))
     return out.tokens, choices

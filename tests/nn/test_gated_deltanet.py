@@ -20,6 +20,7 @@ from dew.nn.gated_deltanet import GatedDeltaNet, GatedDeltaNetMixer, gated_delta
 from dew.nn.rotary import RopeScaling
 from dew.nn.transformer import LINEAR, CausalTransformer, DecoderConfig
 from dew.run_config import to_json
+from tests.compiled import compiled
 from tests.recurrent_cases import (
     KNOBS, check_a_reset_row_starts_from_zeros, check_gradients_match_torch, check_greedy_mixed_batch,
     check_packed_documents_do_not_see_each_other, check_padded_prefill_then_decode, context, order_one,
@@ -64,7 +65,7 @@ def test_chunked_rule_equals_the_recurrence(x64, seq_len, chunk):
     starts = np.zeros((Bn, seq_len), bool)
     starts[0, seq_len // 2] = True
     state = rng.normal(size=(Bn, H, K, V))
-    o, final = gated_delta_rule(*(jnp.asarray(t) for t in (q, k, v, g, beta, starts, state)), chunk)
+    o, final = compiled(gated_delta_rule, *(jnp.asarray(t) for t in (q, k, v, g, beta, starts, state)), chunk)
     o_ref, final_ref = reference_rule(q, k, v, g, beta, starts, state)
     assert o.dtype == jnp.float64
     np.testing.assert_allclose(np.asarray(o), o_ref, rtol=0, atol=1e-12)
@@ -235,5 +236,5 @@ def test_greedy_cached_generation_of_a_hybrid_mixed_batch_equals_the_uncached_ar
                            recurrent=dataclasses.replace(SHAPE, chunk_size=4), norm_style="gemma", qk_norm=True,
                            attn_output_gate=True, rope_scaling=RopeScaling(rotated_fraction=0.25))
     model = CausalTransformer(config)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    variables = compiled(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     check_greedy_mixed_batch(model, jax.tree_util.tree_map(lambda x: x * 3.0, variables))

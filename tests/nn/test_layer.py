@@ -16,6 +16,7 @@ from dew.nn.layer import CONSTANTS, DecoderLayer, LayerContext, LayerKnobs, Laye
 from dew.nn.mlp import DenseSpec
 from dew.nn.moe import DenseSparseSpec, Mixture, SparseSpec
 from dew.nn.rotary import rotary_angles
+from tests.compiled import compiled
 from tests.tolerances import LIBRARY_ULPS, decoder_ulps, rotary_frequency_ulps, ulp_bound
 
 torch = pytest.importorskip("torch")
@@ -69,11 +70,11 @@ def test_gemma4_layer_matches_transformers(layer_type):
                            segments_BS=jnp.ones((B, S), jnp.int32))
     knobs = LayerKnobs(window=spec.mixer.window, rope=0, index=0, local=0)
     layer = DecoderLayer(spec)
-    variables = nn.meta.unbox(layer.init(jax.random.key(1), (x_BSE, None, ()), knobs, context))
+    variables = nn.meta.unbox(compiled(layer.init, jax.random.key(1), (x_BSE, None, ()), knobs, context))
     assert set(variables) == {"params", CONSTANTS} and set(variables[CONSTANTS]) == {"layer_scalar"}
     assert {"mlp", "router", "experts", *_NORMS} <= set(variables["params"])
     variables = random_gemma4_weights(variables, seed=10 + index)
-    (ours, _, _), (record, _) = layer.apply(variables, (x_BSE, None, ()), knobs, context)
+    (ours, _, _), (record, _) = compiled(layer.apply, variables, (x_BSE, None, ()), knobs, context)
 
     reference = Gemma4TextDecoderLayer(config, index).eval()
     missing, unexpected = reference.load_state_dict(_layer_state(variables), strict=True)

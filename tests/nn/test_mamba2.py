@@ -20,6 +20,7 @@ from dew.nn.transformer import LINEAR, CausalTransformer, DecoderConfig
 from dew.run_config import to_json
 from dew.sharding import with_names
 from dew.training.mesh import Layout, MeshSpec
+from tests.compiled import compiled
 from tests.recurrent_cases import (
     KNOBS, check_a_reset_row_starts_from_zeros, check_gradients_match_torch, check_greedy_mixed_batch,
     check_packed_documents_do_not_see_each_other, check_padded_prefill_then_decode, context, order_one,
@@ -61,7 +62,7 @@ def test_chunked_scan_equals_the_recurrence(x64, seq_len, chunk):
     starts = np.zeros((Bn, seq_len), bool)
     starts[0, seq_len // 2] = True
     state = rng.normal(size=(Bn, H, P, N))
-    y, final = ssd(*(jnp.asarray(t) for t in (x, dt, A, B, C, starts, state)), chunk)
+    y, final = compiled(ssd, *(jnp.asarray(t) for t in (x, dt, A, B, C, starts, state)), chunk)
     y_ref, final_ref = reference_scan(x, dt, A, B, C, starts, state)
     assert y.dtype == jnp.float64
     np.testing.assert_allclose(np.asarray(y), y_ref, rtol=0, atol=1e-12)
@@ -198,7 +199,7 @@ def decoder():
     config = DecoderConfig(vocab_size=64, emb_features=WIDTH, num_layers=3, mlp_features=0, max_seq_len=64,
                            layer_types=(LINEAR,) * 3, recurrent=RECURRENT, norm_eps=1e-5, scan_layers=2)
     model = CausalTransformer(config)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    variables = compiled(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     # Larger weights make the argmax depend on the context, so a state error would show.
     return model, jax.tree_util.tree_map(lambda x: x * 3.0, variables)
 
@@ -209,7 +210,7 @@ def hybrid():
     config = DecoderConfig(vocab_size=64, emb_features=WIDTH, num_layers=3, num_heads=4, mlp_features=48,
                            max_seq_len=64, layer_types=(LINEAR, "full_attention", LINEAR), recurrent=RECURRENT)
     model = CausalTransformer(config)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    variables = compiled(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     return model, jax.tree_util.tree_map(lambda x: x * 3.0, variables)
 
 

@@ -14,6 +14,7 @@ import pytest
 from dew.nn.mla import LatentAttention, yarn_query_scale
 from dew.nn.rotary import RopeScaling
 from dew.nn.transformer import CausalTransformer, DecoderConfig
+from tests.compiled import compiled
 from tests.tolerances import decoder_ulps, ulp_bound
 
 LATENT = LatentAttention(kv_rank=16, q_rank=24, nope_dim=8, rope_dim=4, value_dim=6)
@@ -28,7 +29,7 @@ def build(absorb: str, **overrides) -> CausalTransformer:
 @pytest.fixture(scope="module")
 def variables():
     """Weights of order one, so a wrong product shows (the parameters do not depend on the form)."""
-    fresh = build("never").init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    fresh = compiled(build("never").init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     leaves, tree = jax.tree_util.tree_flatten(fresh)
     keys = jax.random.split(jax.random.key(1), len(leaves))
     return jax.tree_util.tree_unflatten(tree, [jax.random.normal(k, x.shape) * 0.3 for k, x in zip(keys, leaves)])
@@ -52,8 +53,8 @@ TOKENS = np.random.default_rng(0).integers(0, 61, (2, 12))
 def test_absorbed_form_equals_expanded_form(variables):
     """The whole sequence in both forms (observed 1.9e-6 on logits up to 6)."""
     tokens = jnp.asarray(TOKENS, jnp.int32)
-    expanded = np.asarray(build("never").apply(variables, tokens))
-    absorbed = np.asarray(build("always").apply(variables, tokens))
+    expanded = np.asarray(compiled(build("never").apply, variables, tokens))
+    absorbed = np.asarray(compiled(build("always").apply, variables, tokens))
     assert np.abs(expanded).max() > 1.0
     np.testing.assert_allclose(absorbed, expanded, atol=bound(expanded, 12), rtol=0)
 
@@ -65,19 +66,19 @@ def test_cached_decode_equals_full_forward(variables, absorb):
     a step through the latent cache: each row's logits equal its own full forward (observed 2.4e-6)."""
     model = build(absorb)
     tokens = jnp.asarray(TOKENS, jnp.int32)
-    full = np.asarray(model.apply(variables, tokens))
+    full = np.asarray(compiled(model.apply, variables, tokens))
     mask = np.ones((2, 7), bool)
     mask[0, :2] = False
     prompt = np.concatenate([np.zeros((1, 2), np.int64), TOKENS[:1, :5]], axis=1), TOKENS[1:, :7]
     prompt = jnp.asarray(np.concatenate(prompt), jnp.int32)
     cache = model.init_cache(2, 16)
-    logits, cache = model.apply(variables, prompt, cache=cache, attention_mask=jnp.asarray(mask))
+    logits, cache = compiled(model.apply, variables, prompt, cache=cache, attention_mask=jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(logits)[0, 2:], full[0, :5], atol=bound(full, 12), rtol=0)
     np.testing.assert_allclose(np.asarray(logits)[1], full[1, :7], atol=bound(full, 12), rtol=0)
     columns = [5, 7]
     for _ in range(4):
         step = jnp.asarray([[TOKENS[row, columns[row]]] for row in range(2)], jnp.int32)
-        logits, cache = model.apply(variables, step, cache=cache)
+        logits, cache = compiled(model.apply, variables, step, cache=cache)
         for row in range(2):
             np.testing.assert_allclose(np.asarray(logits)[row, 0], full[row, columns[row]], atol=bound(full, 12),
                                        rtol=0)

@@ -17,6 +17,7 @@ from dew import models
 from dew.nn import grouped
 from dew.nn.moe import Mixture, Router, Routes, SparseMLP, SparseSpec, drop_overflow
 from tests.compile_flags import devices_environment
+from tests.compiled import compiled
 from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound
 
 torch = pytest.importorskip("torch")
@@ -67,7 +68,7 @@ def _block(mixture: Mixture, x_BSD, seed: int = 0):
     whose logits stay under 1 in size (so their rounding stays far below the weights' tolerance), and
     a nonzero balancing bias."""
     block = SparseMLP(SparseSpec(mixture, FEATURES))
-    variables = nn.meta.unbox(block.init(jax.random.key(seed), x_BSD))
+    variables = nn.meta.unbox(compiled(block.init, jax.random.key(seed), x_BSD))
 
     def widen(path, leaf):
         name = jax.tree_util.keystr(path)
@@ -133,7 +134,7 @@ def test_block_matches_transformers(family):
     mixture = BLOCKS[family]["mixture"]
     x_BSD = jax.random.normal(jax.random.key(7), (2, 24, WIDTH))
     block, variables = _block(mixture, x_BSD)
-    y_BSD, record = block.apply(variables, x_BSD)
+    y_BSD, record = compiled(block.apply, variables, x_BSD)
     reference = _torch_block(family).eval()
     _copy_into(reference, variables, family)
     x_torch = torch.from_numpy(np.asarray(x_BSD))
@@ -272,12 +273,12 @@ def test_routes_replay_the_recorded_experts_and_the_router_keeps_its_gradient():
                          mlp_features=FEATURES, max_seq_len=16, scan_layers=2,
                          mixture=dict(experts=EXPERTS, top_k=TOP_K, layers=[1, 2]))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 8)), jnp.int32)
-    variables = model.init(jax.random.key(0), tokens)
+    variables = compiled(model.init, jax.random.key(0), tokens)
     ids = jnp.asarray(np.random.default_rng(1).permuted(np.tile(np.arange(EXPERTS), (2, 8, 2, 1)), axis=-1)[..., :TOP_K],
                       jnp.int32)
     covered = jnp.arange(8)[None, :].repeat(2, 0) < 5
-    out = model.apply(variables, tokens, head=False, routes=Routes(ids, covered))
-    own = model.apply(variables, tokens, head=False)
+    out = compiled(model.apply, variables, tokens, head=False, routes=Routes(ids, covered))
+    own = compiled(model.apply, variables, tokens, head=False)
     chosen = np.moveaxis(np.asarray(out.aux["routing"].experts), 0, 2)  # [B, S, L, K]
     np.testing.assert_array_equal(chosen[:, :5], np.asarray(ids)[:, :5])
     np.testing.assert_array_equal(chosen[:, 5:], np.moveaxis(np.asarray(own.aux["routing"].experts), 0, 2)[:, 5:])
@@ -286,7 +287,7 @@ def test_routes_replay_the_recorded_experts_and_the_router_keeps_its_gradient():
         output = model.apply({**variables, "params": params}, tokens, head=False, routes=Routes(ids))
         return jnp.sum(output.logits() ** 2)
 
-    grads = jax.grad(loss)(variables["params"])
+    grads = compiled(jax.grad(loss), variables["params"])
     router = grads["layers_1to2"]["mlp"]["gate"]["kernel"]
     assert router.shape == (2, WIDTH, EXPERTS) and bool(jnp.all(jnp.any(router != 0, axis=(1, 2))))
 
@@ -298,10 +299,10 @@ def test_scanned_and_unrolled_sparse_runs_agree():
     scanned = models.build("causal_transformer", scan_layers=2, **kwargs)
     unrolled = models.build("causal_transformer", scan_layers=0, **kwargs)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 8)), jnp.int32)
-    variables = scanned.init(jax.random.key(0), tokens)
+    variables = compiled(scanned.init, jax.random.key(0), tokens)
     assert variables["moe"]["layers_0to2"]["mlp"]["gate"]["e_score_correction_bias"].shape == (3, 4)
-    a = scanned.apply(variables, tokens, head=False)
-    b = unrolled.apply(unrolled.unstack_variables(variables), tokens, head=False)
+    a = compiled(scanned.apply, variables, tokens, head=False)
+    b = compiled(unrolled.apply, unrolled.unstack_variables(variables), tokens, head=False)
     # One program scanned, one unrolled: XLA may fuse them differently (3 layers, width 32): 1e-5 at ~1.
     np.testing.assert_allclose(a.logits(), b.logits(), atol=1e-5, rtol=0)
     np.testing.assert_array_equal(a.aux["routing"].experts, b.aux["routing"].experts)
@@ -340,7 +341,7 @@ def test_routes_of_the_wrong_shape_are_refused():
     model = models.build("causal_transformer", vocab_size=64, emb_features=WIDTH, num_layers=2, num_heads=4,
                          mixture=dict(experts=4, top_k=2))
     tokens = jnp.zeros((2, 8), jnp.int32)
-    variables = model.init(jax.random.key(0), tokens)
+    variables = compiled(model.init, jax.random.key(0), tokens)
     with pytest.raises(ValueError, match=r"routes experts have shape \(2, 8, 2, 1\); this model reads \[B, S, L, K\] "
                                          r"= \[2, 8, 2, 2\]"):
         model.apply(variables, tokens, routes=Routes(jnp.zeros((2, 8, 2, 1), jnp.int32)))
@@ -355,12 +356,12 @@ def test_greedy_generation_follows_the_full_forward():
     model = models.build("causal_transformer", vocab_size=64, emb_features=WIDTH, num_layers=2, num_heads=4,
                          mlp_features=FEATURES, max_seq_len=32,
                          mixture=dict(experts=4, top_k=2, shared_features=16, shared_gate=True))
-    variables = _widened(model.init(jax.random.key(5), jnp.zeros((1, 4), jnp.int32)))
+    variables = _widened(compiled(model.init, jax.random.key(5), jnp.zeros((1, 4), jnp.int32)))
     prompt = [3, 14, 15, 9]
     generation = generate(model, variables, [prompt], 6, key=jax.random.key(0), sampling=Sampling(temperature=0.0))
     tokens = [int(t) for t in generation.host().continuations()[0]]
     assert len(tokens) == 6
-    logits = model.apply(variables, jnp.asarray([prompt + tokens[:-1]], jnp.int32))
+    logits = compiled(model.apply, variables, jnp.asarray([prompt + tokens[:-1]], jnp.int32))
     assert list(np.argmax(np.asarray(logits)[0, len(prompt) - 1:], axis=-1)) == tokens
 
 

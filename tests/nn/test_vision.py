@@ -19,6 +19,7 @@ from dew.interop.vision import (PROJECTOR_PREFIXES, TOWER_PREFIXES, projector_pr
                                 tower_prefix, tower_rules)
 from dew.nn.vision import (PROJECTORS, TOWERS, GemmaProjectorConfig, SiglipConfig, projector_config, tower_config)
 from dew.sharding import Layout, MeshSpec
+from tests.compiled import compiled
 from tests.interop.test_tensors import ArrayReader
 from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound, vision_tower_ulps
 
@@ -118,7 +119,7 @@ def test_pixel_gradient_matches_torch_autograd(siglip):
     shape = (3, config.geometry().patches, config.hidden_size)
     weights = np.random.default_rng(2).normal(size=shape).astype(np.float32)
     tower = config.build()
-    ours = np.asarray(jax.grad(lambda x: jnp.sum(tower.apply({"params": params}, x) * weights))(jnp.asarray(pixels)))
+    ours = np.asarray(compiled(jax.grad(lambda x: jnp.sum(tower.apply({"params": params}, x) * weights)), jnp.asarray(pixels)))
     pixels_torch = torch.from_numpy(pixels).requires_grad_()
     (model(pixel_values=pixels_torch).last_hidden_state * torch.from_numpy(weights)).sum().backward()
     theirs = pixels_torch.grad.numpy()

@@ -15,6 +15,7 @@ import pytest
 from dew.interop import tensors
 from dew.interop.vision import projector_prefix, projector_rules, tower_prefix, tower_rules
 from dew.nn.vision import Llama4ProjectorConfig, Llama4VisionConfig, projector_config, tower_config
+from tests.compiled import compiled
 from tests.nn.test_vision import _randomize, _read, _shapes
 from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound, vision_tower_ulps
 
@@ -84,7 +85,7 @@ def test_pixel_gradient_matches_torch_autograd(tower):
     pixels = _pixels(config)
     weights = np.random.default_rng(2).normal(size=(3, config.tokens, config.projector_output_dim)).astype(np.float32)
     module = config.build()
-    ours = np.asarray(jax.grad(lambda x: jnp.sum(module.apply({"params": params}, x) * weights))(jnp.asarray(pixels)))
+    ours = np.asarray(compiled(jax.grad(lambda x: jnp.sum(module.apply({"params": params}, x) * weights)), jnp.asarray(pixels)))
     pixels_torch = torch.from_numpy(pixels).requires_grad_()
     (model(pixel_values=pixels_torch).last_hidden_state * torch.from_numpy(weights)).sum().backward()
     theirs = pixels_torch.grad.numpy()
@@ -145,7 +146,7 @@ def test_projector_matches_transformers():
     states = np.random.default_rng(4).normal(size=(3, 4, 24)).astype(np.float32)
     arrays = {name: value.numpy() for name, value in module.state_dict().items()}
     params = _read(projector_rules("llama4", config, ""), _shapes(config.build(), states), arrays)
-    ours = np.asarray(config.build().apply({"params": params}, jnp.asarray(states)))
+    ours = np.asarray(compiled(config.build().apply, {"params": params}, jnp.asarray(states)))
     with torch.no_grad():
         theirs = module(torch.from_numpy(states)).numpy()
     magnitude = np.abs(states) @ np.abs(arrays["linear_1.weight"].T)

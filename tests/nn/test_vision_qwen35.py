@@ -15,6 +15,7 @@ from dew.interop import tensors
 from dew.interop.vision import projector_rules, tower_rules
 from dew.nn.vision import Qwen35MergerConfig, Qwen35VisionConfig
 from dew.nn.vision.qwen35 import patch_layout
+from tests.compiled import compiled
 from tests.nn.test_vision import _randomize, _read, _shapes
 from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound, vision_tower_ulps
 
@@ -63,8 +64,8 @@ def test_tower_and_merger_match_transformers(qwen_tower):
     pixels = np.zeros((len(images), X, config.patch_features), np.float32)
     for n, patches in enumerate(images):
         pixels[n, :len(patches)] = patches
-    states = config.build().apply({"params": tower_params}, pixels, np.asarray(GRIDS, np.int32))
-    tokens = np.asarray(merger.build().apply({"params": merger_params}, states))
+    states = compiled(config.build().apply, {"params": tower_params}, pixels, np.asarray(GRIDS, np.int32))
+    tokens = np.asarray(compiled(merger.build().apply, {"params": merger_params}, states))
     states = np.asarray(states)
     ours_states = np.concatenate([states[n, :len(p)] for n, p in enumerate(images)])
     ours_tokens = np.concatenate([tokens[n, :len(p) // 4] for n, p in enumerate(images)])

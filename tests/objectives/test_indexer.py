@@ -16,6 +16,7 @@ from dew.nn.mla import KL_EPS, LatentAttention, indexer_kl
 from dew.nn.transformer import CausalTransformer, DecoderConfig
 from dew.objectives.base import Step
 from dew.objectives.lm import IndexerTraining, LMObjective
+from tests.compiled import compiled
 
 LATENT = LatentAttention(kv_rank=16, q_rank=24, nope_dim=8, rope_dim=4, value_dim=6, index_heads=2, index_head_dim=8)
 SHAPE = dict(vocab_size=40, emb_features=32, num_layers=2, num_heads=4, mlp_features=48, max_seq_len=32)
@@ -54,7 +55,7 @@ def _reached(objective, variables, term) -> tuple[set, set]:
     def loss(params):
         return term(objective.loss({**variables, "params": params}, batch, STEP)[0])
 
-    grads = _leaves(jax.grad(loss)(variables["params"]))
+    grads = _leaves(compiled(jax.grad(loss), variables["params"]))
     moved = {path for path, grad in grads.items() if np.any(grad != 0)}
     return {p for p in moved if "['indexer']" in p}, {p for p in moved if "['indexer']" not in p}
 
@@ -62,7 +63,7 @@ def _reached(objective, variables, term) -> tuple[set, set]:
 @pytest.mark.slow
 def test_warmup_kl_reaches_only_the_indexers():
     objective = LMObjective(model(None), SEQ, indexer=IndexerTraining("warmup"))
-    variables = objective.init(jax.random.key(0))
+    variables = compiled(objective.init, jax.random.key(0))
     indexed, others = _reached(objective, variables, lambda stats: stats.terms["indexer_kl"].total)
     assert others == set()
     assert len(indexed) == 2 * 5  # wq_b, wk, weights_proj, k_norm's scale and bias, in both layers
@@ -73,7 +74,7 @@ def test_warmup_kl_reaches_only_the_indexers():
 @pytest.mark.slow
 def test_sparse_cross_entropy_skips_the_indexers_and_the_kl_reaches_only_them():
     objective = LMObjective(model(3), SEQ, indexer=IndexerTraining("sparse", weight=0.5))
-    variables = objective.init(jax.random.key(0))
+    variables = compiled(objective.init, jax.random.key(0))
     indexed, others = _reached(objective, variables, lambda stats: stats.ce.total)
     assert indexed == set() and len(others) > 10
     indexed, others = _reached(objective, variables, lambda stats: stats.terms["indexer_kl"].total)
@@ -99,7 +100,7 @@ def test_warmup_leaves_every_frozen_weight_bit_identical():
     """Three optimizer steps from a checkpoint without indexer weights (a DeepSeek-V3 one): they start
     fresh, they train, and every other weight, the balancing bias included, is what it was, bit for bit."""
     decoder = model(None)
-    full = decoder.init(jax.random.key(3), jnp.zeros((1, SEQ), jnp.int32))
+    full = compiled(decoder.init, jax.random.key(3), jnp.zeros((1, SEQ), jnp.int32))
     without = jax.tree_util.tree_map(lambda x: x, full)
     for layer in ("layers_0", "layers_1"):
         del without["params"][layer]["self_attn"]["indexer"]
@@ -109,7 +110,7 @@ def test_warmup_leaves_every_frozen_weight_bit_identical():
     assert {p for p in after if "['indexer']" in p} and not {p for p in before if "['indexer']" in p}
     for path, old in before.items():
         np.testing.assert_array_equal(after[path], old, err_msg=path)
-    fresh = _leaves(objective.init(jax.random.key(2), without))
+    fresh = _leaves(compiled(objective.init, jax.random.key(2), without))
     assert any(not np.array_equal(after[p], fresh[p]) for p in after if "['indexer']" in p)
 
 

@@ -11,6 +11,7 @@ import pytest
 from dew.nn.transformer import CausalTransformer, DecoderConfig
 from dew.objectives.base import Mean, Step
 from dew.objectives.lm import LMObjective
+from tests.compiled import compiled
 
 CONFIG = dict(vocab_size=40, emb_features=32, num_layers=2, num_heads=4, mlp_features=48, max_seq_len=32, mtp_depths=2,
               latent=dict(kv_rank=16, q_rank=24, nope_dim=8, rope_dim=4, value_dim=6),
@@ -26,7 +27,7 @@ SEGMENTS = np.array([[1] * 6 + [2] * 5, [1] * 8 + [0] * 3])
 def setup():
     model = CausalTransformer(DecoderConfig(**CONFIG))
     objective = LMObjective(model, SEQ, mtp_weight=0.3)
-    return model, objective, objective.init(jax.random.key(0))
+    return model, objective, compiled(objective.init, jax.random.key(0))
 
 
 def test_depth_weights_follow_documents_and_padding(setup):

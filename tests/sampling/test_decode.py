@@ -11,6 +11,7 @@ import pytest
 from dew import models
 from dew.sampling import Sampling, generate
 from dew.sampling.generate import decode_step, prefill
+from tests.compiled import compiled
 from tests.tolerances import ulp_bound
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7], [1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5, 2, 3, 5, 3, 6]]
@@ -22,7 +23,7 @@ def decoder(request):
     knobs = dict(sliding_window=4, scan_layers=1) if request.param == "sliding-scanned" else dict(scan_layers=0)
     model = models.build("causal_transformer", vocab_size=64, emb_features=32, num_layers=2, num_heads=4,
                          num_kv_heads=2, mlp_features=64, max_seq_len=64, **knobs)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    variables = compiled(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     # Larger weights make the argmax depend on the context, so a slot error would show.
     return model, jax.tree_util.tree_map(lambda x: x * 6.0, variables)
 
@@ -42,10 +43,10 @@ def test_padding_takes_no_cache_slot(decoder):
     valid = np.zeros((2, 8), np.int32)
     tokens[0, 5:], valid[0, 5:] = [4, 5, 6], 1  # left padding
     tokens[1, :3], valid[1, :3] = [4, 5, 6], 1  # right padding
-    logits, cache = prefill(model, variables, jnp.asarray(tokens), jnp.asarray(valid), model.init_cache(2, 12))
+    logits, cache = compiled(prefill, model, variables, jnp.asarray(tokens), jnp.asarray(valid), model.init_cache(2, 12))
     np.testing.assert_array_equal(np.asarray(cache.lengths), [3, 3])
-    alone_logits, alone = prefill(model, variables, jnp.asarray([[4, 5, 6]]), jnp.ones((1, 3), jnp.int32),
-                                  model.init_cache(1, 12))
+    alone_logits, alone = compiled(prefill, model, variables, jnp.asarray([[4, 5, 6]]), jnp.ones((1, 3), jnp.int32),
+                                   model.init_cache(1, 12))
     # Layer 0's cache: the first run, its first (or only) layer.
     keys, alone_keys = np.asarray(cache.runs[0].keys[:1]), np.asarray(alone.runs[0].keys[:1])
     for row in range(2):
@@ -57,9 +58,9 @@ def test_padding_takes_no_cache_slot(decoder):
 
 def test_a_finished_row_writes_nothing(decoder):
     model, variables = decoder
-    _, cache = prefill(model, variables, jnp.asarray([[4, 5, 6], [7, 8, 9]]), jnp.ones((2, 3), jnp.int32),
+    _, cache = compiled(prefill, model, variables, jnp.asarray([[4, 5, 6], [7, 8, 9]]), jnp.ones((2, 3), jnp.int32),
                        model.init_cache(2, 8))
-    _, after = decode_step(model, variables, jnp.asarray([1, 2]), jnp.asarray([True, False]), cache)
+    _, after = compiled(decode_step, model, variables, jnp.asarray([1, 2]), jnp.asarray([True, False]), cache)
     np.testing.assert_array_equal(np.asarray(after.lengths), [4, 3])
     np.testing.assert_array_equal(np.asarray(after.runs[0].keys[:, 1]), np.asarray(cache.runs[0].keys[:, 1]))
     assert np.asarray(after.runs[0].keys[:, 0, :, 3]).any()
@@ -81,7 +82,7 @@ def test_a_fresh_cache_prefills_in_causal_blocks_to_the_same_logits():
     # marked fresh, the prefill scores each query block against the keys up to its end only.
     model = models.build("causal_transformer", vocab_size=64, emb_features=32, num_layers=2, num_heads=4,
                          num_kv_heads=2, mlp_features=64, max_seq_len=320)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    variables = compiled(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 64, (2, 260)).astype(np.int32)
     valid = np.ones((2, 260), np.int32)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from dew.sampling import generate
+from tests.compiled import compiled
 from tests.serve.conftest import CAPACITY, NAME, QUEUE, SLOTS, WORDS, get, post_raw
 
 openai = pytest.importorskip("openai")
@@ -211,7 +212,7 @@ def test_special_token_text_in_a_message_is_plain_text(server):
 def _log_softmax(server, ids):
     """The float32 log-softmax of the served weights' logits over `ids`, in one pass `[len(ids), V]`."""
     model, variables = server.pretrained.model, server.pretrained.variables
-    return np.asarray(jax.nn.log_softmax(model.apply(variables, jnp.asarray([ids]))[0].astype(jnp.float32), axis=-1))
+    return np.asarray(jax.nn.log_softmax(compiled(model.apply, variables, jnp.asarray([ids]))[0].astype(jnp.float32), axis=-1))
 
 
 def test_echo_and_logprobs_score_token_id_prompts_as_lm_eval_asks(server):
