@@ -21,6 +21,7 @@ from dew.interop.tensors import Rule
 from dew.nn.rotary import RopeScaling
 from dew.nn.stack import unstack_variables
 from dew.sampling import Sampling
+from tests.compiled import compiled
 from tests.interop.conftest import torch, transformers
 from tests.tolerances import transformers_decoder_ulps, ulp_bound
 
@@ -52,7 +53,7 @@ TOKENS = np.random.default_rng(4).integers(0, 97, (2, 12))
 def _model(case: str, seed: int = 0):
     """A from-scratch model of `case` with weights of order one (so a wrong convention shows) and its variables."""
     model = models.build("causal_transformer", **SHAPE, **CASES[case])
-    variables = model.init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))
+    variables = compiled(model.init, jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))
     rng = np.random.default_rng(seed)
     noisy = lambda x: jnp.asarray(np.asarray(x) + rng.normal(0.0, 0.3, x.shape), x.dtype)
     return model, jax.tree_util.tree_map(noisy, variables)
@@ -77,7 +78,7 @@ def test_transformers_loads_the_export_with_equal_logits(case, tmp_path):
     theirs_model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     with torch.no_grad():
         theirs = theirs_model(torch.from_numpy(TOKENS)).logits.numpy()
-    ours = np.asarray(model.apply(variables, jnp.asarray(TOKENS, jnp.int32)))
+    ours = np.asarray(compiled(model.apply, variables, jnp.asarray(TOKENS, jnp.int32)))
     assert np.abs(theirs).max() > 2.0
     bound = ulp_bound(transformers_decoder_ulps(theirs_model.config, TOKENS.shape[1]), np.abs(theirs).max())
     np.testing.assert_allclose(ours, theirs, atol=bound, rtol=0, err_msg=case)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from dew.interop import load_pretrained
+from tests.compiled import compiled
 from tests.interop.conftest import save_checkpoint, torch
 from tests.interop.test_mamba2 import bound, torch_mamba2
 from tests.tolerances import assert_within, ulp_bound
@@ -117,7 +118,7 @@ def dequantized(model):
 
 
 def logits(bundle, ids=IDS) -> np.ndarray:
-    return np.asarray(bundle.model.apply(bundle.variables, jnp.asarray(ids, jnp.int32)))
+    return np.asarray(compiled(bundle.model.apply, bundle.variables, jnp.asarray(ids, jnp.int32)))
 
 
 def fields(path) -> dict:
@@ -170,7 +171,8 @@ def test_f32_export_reads_back_as_the_model(source, exported):
     for scope in ours:
         if scope.startswith("layers"):
             with_file_a["params"][scope]["self_attn"]["A_log"] = ours[scope]["self_attn"]["A_log"]
-    np.testing.assert_array_equal(logits(back), np.asarray(bundle.model.apply(with_file_a, jnp.asarray(IDS))))
+    np.testing.assert_array_equal(logits(back), np.asarray(compiled(bundle.model.apply, with_file_a,
+                                                                          jnp.asarray(IDS, jnp.int32))))
     reference = logits(bundle)
     magnitude = float(np.abs(reference).max())
     assert_within(logits(back), reference, bound(model.config, IDS.shape[1], magnitude)

@@ -18,6 +18,7 @@ from dew.interop import load_pretrained
 from dew.interop.families import family_for
 from dew.nn.transformer import CausalTransformer
 from dew.sampling import Sampling
+from tests.compiled import compiled
 from tests.interop.conftest import save_checkpoint, scatter_weights, torch, transformers
 from tests.tolerances import LIBRARY_ULPS, assert_within, decoder_ulps, rotary_frequency_ulps, ulp_bound
 
@@ -106,7 +107,7 @@ def test_logits_match_transformers(loaded):
     if c.qk_norm:
         changes["qk_norm"] = dict(qk_norm=False)
     for name, change in changes.items():
-        changed = np.asarray(CausalTransformer(dataclasses.replace(c, **change)).apply(bundle.variables, TOKENS))
+        changed = np.asarray(compiled(CausalTransformer(dataclasses.replace(c, **change)).apply, bundle.variables, TOKENS))
         assert np.abs(changed - theirs).max() > 10 * _bound(model, theirs, TOKENS.shape[1]), name
 
 
@@ -119,7 +120,7 @@ def test_left_padded_rows_match_transformers_fed_singly(loaded):
     mask = tokens != 0
     mask[0] = True
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
-    ours = np.asarray(bundle.model.apply(bundle.variables, tokens, attention_mask=mask, positions=positions))
+    ours = np.asarray(compiled(bundle.model.apply, bundle.variables, tokens, attention_mask=mask, positions=positions))
     for row, alone in enumerate([TOKENS[0], short]):
         theirs = _theirs(model, alone[None])[0]
         assert_within(ours[row][mask[row]], theirs, _bound(model, theirs, TOKENS.shape[1]), f"{case} row {row}")

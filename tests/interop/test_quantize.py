@@ -15,6 +15,7 @@ from dew.interop import load_pretrained
 from dew.kernels.int8 import dequantize
 from dew.nn.quantize import EMBED_SCALE, GROUP, QUANT_COLLECTION, int8_groups, linear_paths, quantize_int8
 from dew.sampling import Sampling, generate
+from tests.compiled import compiled
 from tests.tolerances import decoder_ulps, ulp_bound
 
 SHAPE = dict(vocab_size=96, emb_features=32, num_layers=9, num_heads=4, num_kv_heads=2, mlp_features=64,
@@ -43,7 +44,7 @@ def dequantized_params(model, quantized) -> dict:
 @functools.cache
 def built(tie_embeddings: bool):
     model = models.build("causal_transformer", **SHAPE, tie_embeddings=tie_embeddings)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    variables = compiled(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
     return model, variables, quantize_int8(model, variables, group=TINY_GROUP)
 
 
@@ -79,15 +80,15 @@ def test_the_int8_model_computes_its_dequantized_weights(tiny):
                if jax.tree_util.keystr(path).endswith(("['kernel']", "['embedding']"))]
     assert weights and all(leaf.dtype == jnp.int8 for leaf in weights)
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, SHAPE["vocab_size"])
-    ours = np.asarray(model.apply(quantized, tokens))
-    reference = np.asarray(model.apply(dequantized_params(model, quantized), tokens))
+    ours = np.asarray(compiled(model.apply, quantized, tokens))
+    reference = np.asarray(compiled(model.apply, dequantized_params(model, quantized), tokens))
     # The same function as float32 weights q * scale, rounded in another order: every product term
     # takes one more rounding (q * scale, or the scale on the sum), at most doubling each sum's
     # roundings, so twice one library's own reordering allowance. Observed: about 2e-7 on logits of 0.5.
     ulps = 2 * decoder_ulps(layers=9, width=32, mlp_width=64, heads=4, head_dim=8, seq_len=12, libraries=1)
     np.testing.assert_allclose(ours, reference, rtol=0, atol=ulp_bound(ulps, np.abs(reference).max()))
     # And it is not the float model: int8 rounding moves the logits by far more than that allowance.
-    floats = np.asarray(model.apply(variables, tokens))
+    floats = np.asarray(compiled(model.apply, variables, tokens))
     assert np.abs(ours - floats).max() > 10 * ulp_bound(ulps, np.abs(reference).max())
 
 

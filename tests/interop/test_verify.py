@@ -15,6 +15,7 @@ import pytest
 
 from dew.interop import load_pretrained
 from dew.interop.verify import VerifiedMappingWarning, shrink
+from tests.compiled import compiled
 from tests.interop.conftest import assert_logits_match, save_checkpoint, scatter_weights, torch, transformers
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -65,8 +66,8 @@ def test_a_verified_load_saves_as_its_own_type_and_loads_again(cwm, tmp_path):
     with pytest.warns(VerifiedMappingWarning):
         again = load_pretrained(saved)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (1, 9)), jnp.int32)
-    np.testing.assert_array_equal(np.asarray(again.model.apply(again.variables, tokens)),
-                                  np.asarray(bundle.model.apply(bundle.variables, tokens)))
+    np.testing.assert_array_equal(np.asarray(compiled(again.model.apply, again.variables, tokens)),
+                                  np.asarray(compiled(bundle.model.apply, bundle.variables, tokens)))
 
 
 # Refusals of types that stay unregistered, each with what sets it apart: ERNIE 4.5 turns its rotary features

@@ -22,6 +22,7 @@ import pytest
 
 from dew.kernels import softmax as fast_softmax
 from dew.nn.attention import attend
+from tests.compiled import compiled
 from tests.tolerances import LIBRARY_ULPS, ulp_bound
 
 AVAILABLE, WHY = fast_softmax._load()
@@ -284,7 +285,7 @@ def test_the_decoder_takes_fused_attention_in_float32_without_a_cache(policy, mo
         model = models.build("causal_transformer", vocab_size=32, max_seq_len=16, num_layers=1, emb_features=16,
                              num_heads=2, num_kv_heads=1, mlp_features=32, dtype=dtype, **config)
         tokens = jnp.zeros((2, 16), jnp.int32)
-        params = model.init(jax.random.key(0), tokens)
+        params = compiled(model.init, jax.random.key(0), tokens)
         return jax.jit(lambda p: jax.grad(lambda p: model.apply(p, tokens).astype(jnp.float32).sum())(p)).lower(
             params).as_text()
 

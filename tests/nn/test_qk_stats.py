@@ -12,6 +12,7 @@ import pytest
 
 from dew.nn.mla import LatentAttention
 from dew.nn.transformer import CausalTransformer, DecoderConfig
+from tests.compiled import compiled
 from tests.tolerances import assert_within, ulp_bound
 
 SHAPE = dict(vocab_size=61, emb_features=32, num_layers=3, num_heads=4, max_seq_len=64, scan_layers=0)
@@ -22,7 +23,8 @@ SEGMENTS = np.asarray([[1] * 7 + [2] * 5, [0] * 3 + [1] * 9], np.int32)
 
 def _large_weights(model):
     """Random weights of order one, so the logits spread over several units and a wrong pair would show."""
-    leaves, tree = jax.tree_util.tree_flatten(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), head=False))
+    leaves, tree = jax.tree_util.tree_flatten(compiled(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32),
+                                                       head=False))
     keys = jax.random.split(jax.random.key(1), len(leaves))
     return jax.tree_util.tree_unflatten(tree, [jax.random.normal(k, x.shape) * 0.5 for k, x in zip(keys, leaves)])
 

@@ -12,6 +12,7 @@ from dew import models
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tests.compiled import compiled
 from tests.hf_llama import copy_into_torch  # noqa: E402
 from tests.tolerances import decoder_ulps, ulp_bound  # noqa: E402
 
@@ -63,9 +64,9 @@ def test_logits_match_transformers(case):
     kwargs = dict(vocab_size=97, emb_features=32, num_layers=2, num_heads=4, mlp_features=48, max_seq_len=32, **options)
     model = models.build("causal_transformer", **kwargs)
     tokens = np.random.default_rng(0).integers(0, 97, (2, 12)).astype(np.int32)
-    variables = model.init(jax.random.key(1), jnp.asarray(tokens))
+    variables = compiled(model.init, jax.random.key(1), jnp.asarray(tokens))
     variables = _widen(variables)
-    ours = np.asarray(model.apply(variables, jnp.asarray(tokens)))
+    ours = np.asarray(compiled(model.apply, variables, jnp.asarray(tokens)))
 
     torch_model = _torch_model(family, kwargs).eval()
     copy_into_torch(variables, torch_model, kwargs["num_layers"])
@@ -96,8 +97,8 @@ def test_packed_documents_do_not_see_each_other(tiny_model, tiny_variables):
     # Each document alone gives the same logits as inside the packed row: the same fp32 computation and
     # library over 16 keys against 6 or 7, reduced in other orders (decoder_ulps with one library): 64
     # ulps of the largest logit, 2.7e-6 at 0.36. Observed: 6.0e-8.
-    alone_first = np.asarray(tiny_model.apply(tiny_variables, jnp.asarray(first[None].astype(np.int32))))
-    alone_second = np.asarray(tiny_model.apply(tiny_variables, jnp.asarray(second[None].astype(np.int32))))
+    alone_first = np.asarray(compiled(tiny_model.apply, tiny_variables, jnp.asarray(first[None].astype(np.int32))))
+    alone_second = np.asarray(compiled(tiny_model.apply, tiny_variables, jnp.asarray(second[None].astype(np.int32))))
     ulps = decoder_ulps(layers=2, width=32, mlp_width=64, heads=4, head_dim=8, seq_len=16, libraries=1)
     for alone, inside in ((alone_first[0], packed[0, :6]), (alone_second[0], packed[0, 6:13])):
         np.testing.assert_allclose(inside, alone, atol=ulp_bound(ulps, np.abs(alone).max()), rtol=0)

@@ -18,6 +18,7 @@ from dew.data.tokenizers import ByteTokenizer
 from dew.nn.lora import LoRA
 from dew.objectives.base import Step
 from dew.objectives.preference import DPOObjective, dpo_losses, pair_dataset, read_pairs
+from tests.compiled import compiled
 from tests.tolerances import LIBRARY_ULPS, assert_within, ulp_bound
 
 SEQ = 8
@@ -52,7 +53,7 @@ def _pairs(seed: int, rows: int = 3) -> dict[str, np.ndarray]:
 
 def _by_hand(model, variables, tokens, response) -> np.ndarray:
     """Each row's response log-likelihood from the model's whole logits, log-softmax in float64."""
-    logits = np.asarray(model.apply(variables, jnp.asarray(tokens[:, :-1])), np.float64)
+    logits = np.asarray(compiled(model.apply, variables, jnp.asarray(tokens[:, :-1])), np.float64)
     log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
         - logits.max(-1, keepdims=True)
     picked = np.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
@@ -62,7 +63,7 @@ def _by_hand(model, variables, tokens, response) -> np.ndarray:
 def test_the_loss_equals_trls_formula_on_the_same_log_likelihoods(tiny_model, tiny_variables):
     beta, smoothing = 0.3, 0.2
     objective = DPOObjective(tiny_model, SEQ, beta=beta, label_smoothing=smoothing)
-    reference = tiny_model.init(jax.random.key(7), jnp.zeros((1, SEQ), jnp.int32), head=False)
+    reference = compiled(tiny_model.init, jax.random.key(7), jnp.zeros((1, SEQ), jnp.int32), head=False)
     batch = _pairs(0)
     objective.check_batch(batch)
     stats = objective.evaluate(tiny_variables, {k: jnp.asarray(v) for k, v in batch.items()},
@@ -80,7 +81,7 @@ def test_the_loss_equals_trls_formula_on_the_same_log_likelihoods(tiny_model, ti
     # reward move by at most beta per unit of each of the four log-likelihoods, and the log-sigmoids
     # add LIBRARY_ULPS each. Summed over the 3 pairs: bound 4.7e-4 for the losses (observed 3.2e-7) and
     # for the margins (observed 7.8e-7, of a summed margin of 1.7e-2).
-    logit = max(float(np.abs(np.asarray(tiny_model.apply(params, jnp.asarray(batch[side][:, :-1])))).max())
+    logit = max(float(np.abs(np.asarray(compiled(tiny_model.apply, params, jnp.asarray(batch[side][:, :-1])))).max())
                 for params in (tiny_variables, reference) for side in ("chosen", "rejected"))
     size = math.log(64) + 2 * logit
     per_sequence = SEQ * (ulp_bound(66, 1.0) + ulp_bound(34, 2 * logit) + ulp_bound(1, size)) + ulp_bound(SEQ, SEQ * size)

@@ -14,6 +14,7 @@ from dew.data.dataset import Dataset
 from dew.nn.moe import RouterRecord
 from dew.objectives.lm import LMObjective
 from dew.objectives.lm.routing import RouterTerms, bias_steps
+from tests.compiled import compiled
 from tests.tolerances import ulp_bound
 
 SEQ, EXPERTS, TOP_K = 8, 4, 2
@@ -90,7 +91,7 @@ def test_the_bias_step_by_hand():
 
 def test_apply_effects_moves_each_layers_bias_once(moe_model):
     objective = LMObjective(moe_model, SEQ, balance_rate=0.5, ema_decay=None)
-    variables = objective.init(jax.random.key(0))
+    variables = compiled(objective.init, jax.random.key(0))
     counts = jnp.asarray([[4, 0, 2, 2], [0, 0, 1, 7]], jnp.int32)
     moved = objective.apply_effects(variables, {"counts": counts})
     biases = np.asarray(moved["moe"]["layers_0"]["mlp"]["gate"]["e_score_correction_bias"]), np.asarray(
@@ -160,9 +161,9 @@ def test_a_window_of_no_counted_target_still_updates_with_a_router_loss(moe_mode
 
 def test_token_scores_report_routing_and_replay_routes(moe_model):
     objective = LMObjective(moe_model, SEQ)
-    variables = objective.init(jax.random.key(0))
+    variables = compiled(objective.init, jax.random.key(0))
     tokens = jnp.asarray(_rows(3, 2))
-    scores = objective.token_scores(variables, tokens, routing=True)
+    scores = compiled(objective.token_scores, variables, tokens, routing=True)
     assert scores.routing.experts.shape == (2, SEQ, 2, TOP_K) and scores.routing.weights.shape == (2, SEQ, 2, TOP_K)
     # Replay every token's experts reversed in rank, and a different pick where covered.
     ids = np.zeros((2, SEQ + 1, 2, TOP_K), np.int32)
@@ -170,7 +171,7 @@ def test_token_scores_report_routing_and_replay_routes(moe_model):
     ids[0, 0, 0] = [(int(ids[0, 0, 0, 0]) + 1) % EXPERTS, int(ids[0, 0, 0, 0])]
     covered = np.ones((2, SEQ + 1), bool)
     covered[1] = False
-    replayed = objective.token_scores(variables, tokens, routing=True, routes=(ids, covered))
+    replayed = compiled(objective.token_scores, variables, tokens, routing=True, routes=(ids, covered))
     np.testing.assert_array_equal(replayed.routing.experts[0], ids[0, :SEQ])
     np.testing.assert_array_equal(replayed.routing.experts[1], scores.routing.experts[1])
     assert not np.allclose(replayed.losses[0, 0], scores.losses[0, 0])
@@ -185,7 +186,7 @@ def test_token_scores_report_routing_and_replay_routes(moe_model):
 ])
 def test_bad_routes_are_refused_by_name(moe_model, routes, message):
     objective = LMObjective(moe_model, SEQ)
-    variables = objective.init(jax.random.key(0))
+    variables = compiled(objective.init, jax.random.key(0))
     with pytest.raises(ValueError, match=message):
         objective.token_scores(variables, jnp.asarray(_rows(3, 2)), routes=routes)
 
