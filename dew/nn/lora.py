@@ -26,6 +26,7 @@ from flax import linen as nn
 
 from dew import trees
 from dew.nn.linear import Linear, matmul, named
+from dew.nn.transformer import boxed_shapes
 
 ADAPTER_LEAVES = ("lora_A", "lora_B")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -171,8 +172,13 @@ class LoRAModel:
             return self.model.apply(variables, *args, **kwargs)
 
     def logical_names(self):
-        with nn.intercept_methods(self._adapter):
-            return self.model.logical_names()
+        """The axis names of the decoder's variables and the adapters' (the decoder's own cache of its
+        shapes holds no adapters, so the adapted model's are traced and kept apart)."""
+        return nn.get_partition_spec(boxed_shapes(self))
+
+    def variable_shapes(self):
+        """`init`'s variables, adapters included, as shapes."""
+        return nn.meta.unbox(boxed_shapes(self))
 
     def stack_variables(self, variables):
         return self.model.stack_variables(variables)

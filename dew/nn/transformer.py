@@ -497,7 +497,7 @@ class ModelVariables:
     @nn.nowrap
     def logical_names(self):
         """The logical axis names of every parameter: a tree of `PartitionSpec`s like `init`'s."""
-        return nn.get_partition_spec(_variable_shapes(self))
+        return nn.get_partition_spec(boxed_shapes(self))
 
     @nn.nowrap
     def apply(self, variables, *args, **kwargs):
@@ -507,14 +507,15 @@ class ModelVariables:
     @nn.nowrap
     def variable_shapes(self):
         """`init`'s variables, every collection, as shapes (`jax.ShapeDtypeStruct`), without allocating them."""
-        return nn.meta.unbox(_variable_shapes(self))
+        return nn.meta.unbox(boxed_shapes(self))
 
 
-def _variable_shapes(model):
-    """The model's boxed variables as shapes. Tracing `init` takes a fraction of a second and a
-    checkpoint's load asks several times (the shapes to read into, their axis names, the collections),
-    so a model (equal modules are the same model) is traced once; one whose config holds an unhashable
-    value each time."""
+def boxed_shapes(model):
+    """`model.init`'s variables, boxed with their logical axis names, as shapes. Tracing `init` takes a
+    fraction of a second and a checkpoint's load or a fit asks several times (the shapes to read into,
+    their axis names, the collections, the FLOPs), so a model (equal models are the same model: modules
+    compare by their fields, a LoRA model by its decoder and adapters) is traced once; one whose config
+    holds an unhashable value each time."""
     try:
         hash(model)
     except TypeError:

@@ -40,8 +40,7 @@ def flops_per_position(model, seq_len: int) -> float | None:
         return None
     config = model.config
     specs = config.layer_specs
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
-    names = model.logical_names()["params"]
+    shapes, names = model.variable_shapes()["params"], model.logical_names()["params"]  # one trace, kept
     if isinstance(decoder, MultimodalTransformer):
         shapes, names = shapes[LANGUAGE_MODEL], names[LANGUAGE_MODEL]
     mixture = getattr(config, "mixture", None)

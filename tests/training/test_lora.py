@@ -121,6 +121,23 @@ def test_only_adapters_train_and_only_they_have_optimizer_state_and_an_ema(adapt
     assert not np.array_equal(adapted_logits, np.asarray(base.apply(variables, tokens)))
 
 
+def test_the_adapted_models_shapes_and_names_hold_the_adapters_and_the_decoders_do_not():
+    """Each model keeps the shapes it traced once: asking the decoder first, the adapted model second, or
+    the other way round, gives each its own (adapters on the adapted model only), its names leaf for leaf
+    with its shapes (what placement and the FLOPs count pair up)."""
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    paths = lambda tree: [jax.tree_util.keystr(path)  # noqa: E731
+                          for path, _ in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_spec)]
+    for adapted_first in (False, True):
+        base = models.build("causal_transformer", **{**TINY, "num_layers": 1 + adapted_first})
+        model = LORA.adapt(base)
+        for each in ([model, base] if adapted_first else [base, model]):
+            names, shapes = paths(each.logical_names()), paths(each.variable_shapes())
+            adapters = [path for path in names if "lora_" in path]
+            assert bool(adapters) == (each is model), (adapted_first, adapters[:2])
+            assert names == shapes
+
+
 def test_dropout_applies_only_with_a_dropout_key(tiny_model):
     variables = tiny_model.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32), head=False)
     model = LoRA(rank=4, alpha=8.0, dropout=0.5).adapt(tiny_model)
