@@ -33,7 +33,8 @@ def setup():
 def test_depth_weights_follow_documents_and_padding(setup):
     """Depth d at position p scores token p + d + 1: counted only where columns p to p + d + 1 are one document."""
     _, objective, variables = setup
-    scores = objective.token_scores(variables, jnp.asarray(TOKENS), segment_ids=jnp.asarray(SEGMENTS), depths=True)
+    scores = compiled(objective.token_scores, variables, jnp.asarray(TOKENS), segment_ids=jnp.asarray(SEGMENTS),
+                      depths=True)
     weights = np.asarray(scores.depths.weights)
     assert weights.shape == (2, 2, SEQ)
     segments = SEGMENTS
@@ -52,10 +53,11 @@ def test_mtp_weight_is_the_mean_over_depths_over_the_main_target_mass(setup):
     the same 22 per-token losses of size ~4, so 1e-5 relative covers their different order."""
     model, objective, variables = setup
     tokens, segments = jnp.asarray(TOKENS), jnp.asarray(SEGMENTS)
-    stats, _ = objective.loss(variables, {"text": tokens, "text_segment_ids": segments}, STEP)
+    stats, _ = compiled(objective.loss, variables, {"text": tokens, "text_segment_ids": segments}, STEP)
     output = model.apply(variables, tokens[:, :-1], segment_ids=segments[:, :-1], head=False, depths=True)
     log_probs = jax.nn.log_softmax(np.asarray(output.head.logits(output.aux["depths"]), np.float64), axis=-1)
-    weights = np.asarray(objective.token_scores(variables, tokens, segment_ids=segments, depths=True).depths.weights)
+    weights = np.asarray(compiled(objective.token_scores, variables, tokens, segment_ids=segments,
+                                  depths=True).depths.weights)
     sums = []
     for depth in (1, 2):
         total = 0.0
@@ -77,8 +79,8 @@ def test_two_micro_batches_equal_one_batch(setup):
     and together give one loss (fp32 sums in another order: 1e-6 relative)."""
     _, objective, variables = setup
     batch = {"text": jnp.asarray(TOKENS), "text_segment_ids": jnp.asarray(SEGMENTS)}
-    whole, _ = objective.loss(variables, batch, STEP)
-    parts = [objective.loss(variables, {k: v[i:i + 1] for k, v in batch.items()}, STEP)[0] for i in range(2)]
+    whole, _ = compiled(objective.loss, variables, batch, STEP)
+    parts = [compiled(objective.loss, variables, {k: v[i:i + 1] for k, v in batch.items()}, STEP)[0] for i in range(2)]
     totals = objective.totals_of(whole)
     accumulated = sum(float(objective.window_loss(part, totals)[0]) for part in parts)
     np.testing.assert_allclose(accumulated, float(objective.window_loss(whole, totals)[0]), rtol=1e-6)
