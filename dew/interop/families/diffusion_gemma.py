@@ -14,6 +14,7 @@ unchanged (`Pretrained.variables["media"]`, by checkpoint name) so that a save w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -337,16 +338,29 @@ def config_text(config: Mapping[str, Any], dtype: str) -> str:
     return json.dumps(written, indent=2, sort_keys=True) + "\n"
 
 
-def check_shapes(model, variables: Mapping, where: str) -> None:
-    """Refuse variables whose tree or shapes differ from what `model` (a `DiffusionGemma`) builds."""
+@functools.lru_cache(maxsize=4)
+def _built_shapes(model):
+    """The variables `model` (a `DiffusionGemma`) builds, as shapes: traced once a model (equal modules are
+    the same model), as a process that loads one checkpoint several times asks each time."""
     import jax
     import jax.numpy as jnp
+    from flax.core import meta
 
     tokens = jnp.zeros((1, 1), jnp.int32)
     canvas = jnp.zeros((1, model.config.canvas_length), jnp.int32)
-    from flax.core import meta
+    return meta.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, canvas)))
 
-    want = meta.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, canvas)))
+
+def check_shapes(model, variables: Mapping, where: str) -> None:
+    """Refuse variables whose tree or shapes differ from what `model` (a `DiffusionGemma`) builds."""
+    import jax
+
+    try:
+        hash(model)
+    except TypeError:  # a config holding an unhashable value: traced each time
+        want = _built_shapes.__wrapped__(model)
+    else:
+        want = _built_shapes(model)
     for collection in ("params", CONSTANTS):
         have_leaves = dict(jax.tree_util.tree_leaves_with_path(variables[collection]))
         for path, spec in jax.tree_util.tree_leaves_with_path(want[collection]):
