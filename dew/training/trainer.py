@@ -3,6 +3,7 @@ checkpoints and logging the same way for every objective."""
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import threading
@@ -139,6 +140,7 @@ class Trainer:
         self._check_reference()
         self.history: list[dict[str, float]] = []
         self._compiled: dict[tuple, Any] = {}
+        self._boxed = None  # `_boxed_init`'s jitted function
         # What the last compiled train step runs each product and kernel with (`dew.kernels.recording`).
         self.kernel_choices: dict[str, str] = {}
 
@@ -179,19 +181,27 @@ class Trainer:
             step=jnp.zeros((), jnp.int32), updates=jnp.zeros((), jnp.int32), key=jax.random.key_data(run_key),
         )
 
+    def _boxed_init(self):
+        """`_init(held, boxed=True)` as one jitted function, made once: `state_shardings` reads its shapes
+        and `init_state` runs it, both from one trace of the objective's init."""
+        if self._boxed is None:
+            self._boxed = jax.jit(functools.partial(self._init, boxed=True))
+        return self._boxed
+
     def state_shardings(self, held=None):
         """The state's shapes and its shardings: parameters placed by their logical names through the
         layout's rules (`dew.sharding`), anything unnamed by the layout's size rule."""
-        abstract = jax.eval_shape(lambda held: self._init(held, boxed=True), held)
+        abstract = jax.eval_shape(self._boxed_init(), held)
         return logical_names(abstract)[0], self.layout.shardings(self.mesh, abstract)
 
     def init_state(self) -> TrainState:
         """A fresh state, each leaf created directly on its devices."""
         held = self.objective.held_variables()
         _, shardings = self.state_shardings(held)
+        boxed = self._boxed_init()
         # The pretrained variables enter as an argument: read inside a nullary trace they would be
         # compiled into the executable as constants.
-        return jax.jit(self._init, out_shardings=shardings)(held)
+        return jax.jit(lambda held: logical_names(boxed(held))[0], out_shardings=shardings)(held)
 
     # -- the compiled step -----------------------------------------------------------------------
     def _train_step(self, accumulation: int):
