@@ -89,6 +89,19 @@ def test_without_ema_the_state_refuses_averaged(tiny_model):
         state.averaged
 
 
+def test_a_trainer_whose_key_changes_inits_from_the_new_key(tiny_model):
+    """The state's shapes and its first values come from one trace of the init, made again when the key
+    changes: the state then equals a fresh trainer's with that key, bit for bit."""
+    first = lambda state: np.asarray(jax.tree_util.tree_leaves(state.params)[0])  # noqa: E731
+    trainer = Trainer(LMObjective(tiny_model, 8), optax.adamw(1e-3), key=jax.random.key(0))
+    before = trainer.init_state()
+    trainer.key = jax.random.key_data(jax.random.key(1))
+    after = trainer.init_state()
+    fresh = Trainer(LMObjective(tiny_model, 8), optax.adamw(1e-3), key=jax.random.key(1)).init_state()
+    assert not np.array_equal(first(before), first(after))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, after, fresh)
+
+
 def test_resume_is_bit_identical(tiny_model, tmp_path):
     objective = LMObjective(tiny_model, SEQ)
     data = _stream(4)
