@@ -140,7 +140,7 @@ class Trainer:
         self._check_reference()
         self.history: list[dict[str, float]] = []
         self._compiled: dict[tuple, Any] = {}
-        self._boxed = None  # `_boxed_init`'s (what it was made from, jitted function)
+        self._boxed = None  # `_boxed_init`'s (key bytes, (objective, optimizer, filter), jitted function)
         # What the last compiled train step runs each product and kernel with (`dew.kernels.recording`).
         self.kernel_choices: dict[str, str] = {}
 
@@ -186,10 +186,11 @@ class Trainer:
         `init_state` runs it, both from one trace of the objective's init. It is made again when the
         trainer's key, objective, optimizer or filter is no longer the one it was traced with (a trace
         reads them as constants)."""
-        made = (np.asarray(self.key).tobytes(), id(self.objective), id(self.optimizer), self.trainable)
-        if self._boxed is None or self._boxed[0] != made:
-            self._boxed = made, jax.jit(functools.partial(self._init, boxed=True))
-        return self._boxed[1]
+        key, made = np.asarray(self.key).tobytes(), (self.objective, self.optimizer, self.trainable)
+        if (self._boxed is None or self._boxed[0] != key
+                or any(old is not new for old, new in zip(self._boxed[1], made))):
+            self._boxed = key, made, jax.jit(functools.partial(self._init, boxed=True))
+        return self._boxed[2]
 
     def state_shardings(self, held=None):
         """The state's shapes and its shardings: parameters placed by their logical names through the
