@@ -1,8 +1,10 @@
-"""A package's names imported from their modules when first used (PEP 562), so that importing the package
-for one piece does not import every other piece's dependencies."""
+"""Work done when first asked for: a package's names imported from their modules when first used (PEP 562),
+so that importing the package for one piece does not import every other piece's dependencies; and a
+function's results kept per argument (`kept`), so that a trace asked for again is not made again."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
@@ -30,3 +32,24 @@ def lazy_names(package: str, names: dict[str, str]) -> tuple[Callable[[str], obj
         return sorted({*namespace, *names})
 
     return getattr_, dir_
+
+
+def kept(maxsize: int):
+    """Decorate a function to keep its result per arguments (the `maxsize` most recent), as
+    `functools.lru_cache` does, and to compute it again for arguments that cannot be hashed (a model whose
+    config holds a list) instead of failing."""
+
+    def decorate(function):
+        cached = functools.lru_cache(maxsize=maxsize)(function)
+
+        @functools.wraps(function)
+        def call(*args):
+            try:
+                hash(args)
+            except TypeError:
+                return function(*args)
+            return cached(*args)
+
+        return call
+
+    return decorate

@@ -7,10 +7,10 @@ a fraction of that. A test that compares what a call returns runs it through `co
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
+
+from dew.lazy import kept
 
 
 class _Traced:
@@ -35,13 +35,10 @@ def compiled(function, *args, **kwargs):
     something unhashable among them gets a program of its own."""
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
     fixed = tuple(_TRACED if _is_array(leaf) else leaf for leaf in leaves)
-    try:
-        program = _shared(function, tree, fixed)
-    except TypeError:  # unhashable: lru_cache hashes the key before calling
-        program = _program(function, tree, fixed)
-    return program([leaf for leaf in leaves if _is_array(leaf)])
+    return _program(function, tree, fixed)([leaf for leaf in leaves if _is_array(leaf)])
 
 
+@kept(maxsize=64)  # a test's programs, not the whole suite's
 def _program(function, tree, fixed):
     def run(arrays):
         given = iter(arrays)
@@ -51,5 +48,3 @@ def _program(function, tree, fixed):
 
     return jax.jit(run)
 
-
-_shared = functools.lru_cache(maxsize=64)(_program)  # a test's programs, not the whole suite's

@@ -23,6 +23,7 @@ from dew.data.inputs import ModelInputs, text_fields
 from dew.kernels import policy as kernel_policy
 from dew.kernels import blocks
 from dew.kernels.int8 import dequantize
+from dew.lazy import kept
 
 from dew.nn.attention import AttentionSpec, NoPE
 from dew.nn.head import Head
@@ -510,21 +511,13 @@ class ModelVariables:
         return nn.meta.unbox(boxed_shapes(self))
 
 
+@kept(maxsize=8)
 def boxed_shapes(model):
     """`model.init`'s variables, boxed with their logical axis names, as shapes. Tracing `init` takes a
     fraction of a second and a checkpoint's load or a fit asks several times (the shapes to read into,
     their axis names, the collections, the FLOPs), so a model (equal models are the same model: modules
     compare by their fields, a LoRA model by its decoder and adapters) is traced once; one whose config
     holds an unhashable value each time."""
-    try:
-        hash(model)
-    except TypeError:
-        return _traced_variable_shapes.__wrapped__(model)
-    return _traced_variable_shapes(model)
-
-
-@functools.lru_cache(maxsize=8)
-def _traced_variable_shapes(model):
     return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32), boxed=True))
 
 

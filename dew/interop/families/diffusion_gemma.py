@@ -14,7 +14,6 @@ unchanged (`Pretrained.variables["media"]`, by checkpoint name) so that a save w
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -22,6 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dew.interop.families.converter import Converter
+from dew.lazy import kept
 from dew.interop.hf_decoders import _BASE_FIELDS, _DROPPED_ON_LOAD, _LEGACY_FIELDS, _METADATA_FIELDS
 from dew.nn.diffusion_gemma import CONSTANTS, FULL, SLIDING, DiffusionGemmaConfig
 from dew.nn.rotary import RopeScaling
@@ -338,10 +338,11 @@ def config_text(config: Mapping[str, Any], dtype: str) -> str:
     return json.dumps(written, indent=2, sort_keys=True) + "\n"
 
 
-@functools.lru_cache(maxsize=4)
+@kept(maxsize=4)
 def _built_shapes(model):
     """The variables `model` (a `DiffusionGemma`) builds, as shapes: traced once a model (equal modules are
-    the same model), as a process that loads one checkpoint several times asks each time."""
+    the same model; an unhashable one each time), as a process that loads one checkpoint several times asks
+    each time."""
     import jax
     import jax.numpy as jnp
     from flax.core import meta
@@ -355,12 +356,7 @@ def check_shapes(model, variables: Mapping, where: str) -> None:
     """Refuse variables whose tree or shapes differ from what `model` (a `DiffusionGemma`) builds."""
     import jax
 
-    try:
-        hash(model)
-    except TypeError:  # a config holding an unhashable value: traced each time
-        want = _built_shapes.__wrapped__(model)
-    else:
-        want = _built_shapes(model)
+    want = _built_shapes(model)
     for collection in ("params", CONSTANTS):
         have_leaves = dict(jax.tree_util.tree_leaves_with_path(variables[collection]))
         for path, spec in jax.tree_util.tree_leaves_with_path(want[collection]):
