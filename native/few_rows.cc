@@ -4,8 +4,10 @@
 //
 // A few rows leave the product bound by reading w, which each row shares: the weight is streamed once for
 // all rows, in blocks of kBlockRows whole rows of w (a contiguous region) read across the columns, so the
-// memory sees long runs of consecutive bytes; the rows' sums wait in a buffer between blocks. w's rows
-// split into a fixed number of slices, claimed by XLA's intra-op threads (the FFI's ThreadPool). Each
+// memory sees long runs of consecutive bytes; the rows' sums wait in a buffer between blocks. With AVX2 and
+// 16 rows or more, the multiply-adds weigh more than the reading: a slice runs in strips of 32 columns
+// instead, each copied a panel of 128 rows at a time into a buffer that stays in the first cache while every
+// group of x's rows runs the panel with its sums in registers. w's rows split into a fixed number of slices, claimed by XLA's intra-op threads (the FFI's ThreadPool). Each
 // output is, per slice, one chain of fused multiply-adds over k in order, sum = fma(x[m, k], w[k, n], sum)
 // from zero, and the slices' sums are added in slice order: the AVX-512, AVX2 and portable bodies give the
 // same bits, whatever the threads.
@@ -93,6 +95,11 @@ template <typename W>
 using BlockBody = void (*)(const Product<W>&, int64_t k_begin, int64_t k_end, int64_t c_begin, int64_t c_end,
                            bool first, float* sums);
 
+// Columns [c_begin, c_end) over rows [k_begin, k_end) of w for every row of x, into `sums` from zero.
+template <typename W>
+using StripBody = void (*)(const Product<W>&, int64_t k_begin, int64_t k_end, int64_t c_begin, int64_t c_end,
+                           float* sums);
+
 template <typename W>
 void BlockPortable(const Product<W>& p, int64_t k_begin, int64_t k_end, int64_t c_begin, int64_t c_end, bool first,
                    float* sums) {
@@ -169,19 +176,24 @@ __attribute__((target("avx512f,avx512vl"))) void BlockAvx512(const Product<W>& p
 }
 
 // ---- AVX2 with FMA: R rows against L vectors of 8 columns, R * L <= 12 accumulators ----
+// Groups of 3 rows by 4 vectors: 12 sums, one vector of w and 3 broadcasts of x fill the 16 registers. The
+// compiler hoists a k's R broadcasts, so 4 rows by 3 vectors needed 17 and kept a sum in memory, whose
+// store and reload then bound every k.
 
-template <typename W, int R, int L>
+// Rows [k_begin, k_end) of the weight's columns from `w` (row k_begin's column c), rows `stride` apart.
+// `kAhead`: ask the memory for the rows kAheadRows on (w read in place; a packed panel is in cache).
+template <typename W, int R, int L, bool kAhead = true>
 __attribute__((target("avx2,fma"))) void TileAvx2(const Product<W>& p, int64_t r0, int64_t c, int64_t k_begin,
-                                                 int64_t k_end, bool first, float* sums) {
+                                                 int64_t k_end, bool first, float* sums, const W* w, int64_t stride) {
   __m256 acc[R][L];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < L; ++j)
       acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + (r0 + r) * p.n + c + 8 * j);
-  const W* w = p.w + k_begin * p.n + c;
   const float* x = p.x + r0 * p.k;
-  for (int64_t k = k_begin; k < k_end; ++k, w += p.n) {
-    for (int j = 0; j < L; j += 2)
-      _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows * p.n + 8 * j), _MM_HINT_T0);
+  for (int64_t k = k_begin; k < k_end; ++k, w += stride) {
+    if constexpr (kAhead)
+      for (int j = 0; j < L; j += 2)
+        _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows * stride + 8 * j), _MM_HINT_T0);
     for (int j = 0; j < L; ++j) {
       __m256 wj = Load8(w + 8 * j);
       for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * p.k + k]), wj, acc[r][j]);
@@ -195,8 +207,9 @@ template <typename W, int R>
 __attribute__((target("avx2,fma"))) int64_t TilesAvx2(const Product<W>& p, int64_t r0, int64_t c, int64_t end,
                                                      int64_t k_begin, int64_t k_end, bool first, float* sums) {
   constexpr int L = 12 / R < 4 ? 12 / R : 4;
-  for (; c + 8 * L <= end; c += 8 * L) TileAvx2<W, R, L>(p, r0, c, k_begin, k_end, first, sums);
-  for (; c + 8 <= end; c += 8) TileAvx2<W, R, 1>(p, r0, c, k_begin, k_end, first, sums);
+  const W* w = p.w + k_begin * p.n;
+  for (; c + 8 * L <= end; c += 8 * L) TileAvx2<W, R, L>(p, r0, c, k_begin, k_end, first, sums, w + c, p.n);
+  for (; c + 8 <= end; c += 8) TileAvx2<W, R, 1>(p, r0, c, k_begin, k_end, first, sums, w + c, p.n);
   return c;
 }
 
@@ -204,10 +217,57 @@ template <typename W>
 __attribute__((target("avx2,fma"))) void BlockAvx2(const Product<W>& p, int64_t k_begin, int64_t k_end, int64_t c_begin,
                                                   int64_t c_end, bool first, float* sums) {
   int64_t r = 0, c = c_end;
-  for (; r + 4 <= p.m; r += 4) c = TilesAvx2<W, 4>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
+  for (; r + 3 <= p.m; r += 3) c = TilesAvx2<W, 3>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
   for (; r + 2 <= p.m; r += 2) c = TilesAvx2<W, 2>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
   for (; r < p.m; ++r) c = TilesAvx2<W, 1>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
   if (c < c_end) BlockPortable(p, k_begin, k_end, c, c_end, first, sums);
+}
+
+// From this many rows of x the AVX2 body runs a slice in strips of columns: each weight element then serves
+// enough rows that the multiply-adds bound the time, not the reading of w, and a panel in the first cache
+// feeds them faster than whole rows of w with the sums going to memory between blocks. With fewer rows the
+// blocks are as fast or faster: they read w as one stream (docs/performance.md, "The AVX2 few-rows body").
+constexpr int64_t kStripRows = 16;
+// Columns of a strip: one tile of 32 columns for every group of rows.
+constexpr int64_t kStripColumns = 32;
+// Rows of w a panel holds: with its 32 columns, 16 KiB of float32, which stay in the first cache.
+constexpr int64_t kPanelRows = 128;
+
+template <typename W, int R>
+__attribute__((target("avx2,fma"))) int64_t PanelTilesAvx2(const Product<W>& p, int64_t r0, int64_t c_begin,
+                                                          int64_t c_end, int64_t k_begin, int64_t k_end, bool first,
+                                                          float* sums, const W* panel, int64_t width) {
+  constexpr int L = 12 / R < 4 ? 12 / R : 4;
+  int64_t c = c_begin;
+  for (; c + 8 * L <= c_end; c += 8 * L)
+    TileAvx2<W, R, L, false>(p, r0, c, k_begin, k_end, first, sums, panel + (c - c_begin), width);
+  for (; c + 8 <= c_end; c += 8)
+    TileAvx2<W, R, 1, false>(p, r0, c, k_begin, k_end, first, sums, panel + (c - c_begin), width);
+  return c;
+}
+
+// A strip of whole 8-column vectors [c_begin, c_end) over rows [k_begin, k_end) of w, every row of x, from
+// zero: kPanelRows rows of the strip at a time are copied into a contiguous panel, which stays in the first
+// cache while each group of x's rows runs them, its sums in registers (in `sums` between panels).
+template <typename W>
+__attribute__((target("avx2,fma"))) void StripAvx2(const Product<W>& p, int64_t k_begin, int64_t k_end, int64_t c_begin,
+                                                  int64_t c_end, float* sums) {
+  const int64_t width = c_end - c_begin;
+  alignas(64) W panel[kPanelRows * kStripColumns];
+  for (int64_t kb = k_begin; kb < k_end; kb += kPanelRows) {
+    const int64_t ke = std::min(kb + kPanelRows, k_end);
+    const W* w = p.w + kb * p.n + c_begin;
+    for (int64_t k = kb; k < ke; ++k, w += p.n) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows * p.n), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows * p.n + width - 1), _MM_HINT_T0);
+      std::memcpy(panel + (k - kb) * width, w, static_cast<size_t>(width) * sizeof(W));
+    }
+    const bool first = kb == k_begin;
+    int64_t r = 0;
+    for (; r + 3 <= p.m; r += 3) PanelTilesAvx2<W, 3>(p, r, c_begin, c_end, kb, ke, first, sums, panel, width);
+    for (; r + 2 <= p.m; r += 2) PanelTilesAvx2<W, 2>(p, r, c_begin, c_end, kb, ke, first, sums, panel, width);
+    for (; r < p.m; ++r) PanelTilesAvx2<W, 1>(p, r, c_begin, c_end, kb, ke, first, sums, panel, width);
+  }
 }
 
 // ---- AVX512_BF16: R rows against L vectors of 16 columns by vdpbf16ps, w's rows in pairs ----
@@ -747,6 +807,7 @@ template <typename W>
 struct Pieces {
   Product<W> p;
   BlockBody<W> body;
+  StripBody<W> strip = nullptr;  // where set, a slice runs in strips of columns instead of blocks of rows
   int64_t block_rows = kBlockRows, slices = 1, slice_rows = 0;
   float* partial = nullptr;  // [slices - 1, m, n]: the sums of slices 1 on (slice 0 sums into y)
   std::atomic<int64_t> next{0}, done{0};
@@ -755,8 +816,15 @@ struct Pieces {
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < slices;) {
       float* sums = i == 0 ? p.y : partial + (i - 1) * p.m * p.n;
       int64_t k_begin = i * slice_rows, k_end = std::min(k_begin + slice_rows, p.k);
-      for (int64_t k = k_begin; k < k_end; k += block_rows)
-        body(p, k, std::min(k + block_rows, k_end), 0, p.n, k == k_begin, sums);
+      if (strip && k_begin < k_end) {
+        const int64_t whole = p.n / 8 * 8;  // whole 8-column vectors; the rest through the portable body
+        for (int64_t c = 0; c < whole; c += kStripColumns)
+          strip(p, k_begin, k_end, c, std::min(c + kStripColumns, whole), sums);
+        if (whole < p.n) BlockPortable(p, k_begin, k_end, whole, p.n, true, sums);
+      } else {
+        for (int64_t k = k_begin; k < k_end; k += block_rows)
+          body(p, k, std::min(k + block_rows, k_end), 0, p.n, k == k_begin, sums);
+      }
       if (k_begin >= k_end) std::fill(sums, sums + p.m * p.n, 0.0f);
       done.fetch_add(1, std::memory_order_release);
     }
@@ -787,6 +855,7 @@ void Run(ffi::ThreadPool& pool, const Product<W>& product) {
   pieces->body = Body(static_cast<W*>(nullptr), p.m);
   if (p.m == 0 || p.n == 0) return;
 #ifdef DEW_X86
+  if (pieces->body == BlockBody<W>(BlockAvx2<W>) && p.m >= kStripRows) pieces->strip = StripAvx2<W>;
   if constexpr (std::is_same_v<W, uint16_t>) {
     if (pieces->body == BlockAmx) pieces->block_rows = kAmxBlockRows;
   }

@@ -26,8 +26,11 @@ def instruction_sets() -> list[str]:
 # Shapes that reach every path: 8-, 4-, 2- and 1-row tiles and their remainders (M = 13 = 8 + 4 + 1; 3; 2;
 # 32), the widest column tiles, the single 16- and 8-column ones and the scalar tail (N = 131, 40, 130), K
 # below one block of 16, off the blocks, and weights large enough for two and four slices (520 x 131, 1030
-# x 130 floats; 128 KiB a slice).
-@pytest.mark.parametrize("M,K,N", [(13, 520, 131), (3, 7, 40), (32, 64, 96), (2, 1030, 130)])
+# x 130 floats; 128 KiB a slice). AVX2's tiles are of 3, 2 and 1 rows (13 = 3 * 4 + 1), and from 16 rows
+# its strips of 32 columns: one panel (32 x 64 x 96), panels of 128 rows continued and a strip of 24 columns
+# then the scalar tail (17 x 300 x 155), four slices of strips (20 x 1030 x 72).
+@pytest.mark.parametrize("M,K,N", [(13, 520, 131), (3, 7, 40), (32, 64, 96), (2, 1030, 130), (17, 300, 155),
+                                   (20, 1030, 72)])
 def test_the_kernel_is_the_xla_product_in_another_order(M, K, N):
     from dew import _native_few_rows
 
@@ -112,9 +115,10 @@ def _with_body(isa: str, pairs: bool, tiles: bool, run):
 # Shapes that reach every bfloat16 path: 8-, 4- and 1-row tiles (M = 13), one row's 128-column tiles and the
 # 32- and 16-column ones with a scalar tail (N = 177, 131, 40, 144), K odd (the last row alone in vdpbf16ps),
 # below one block, and a weight of two slices (1031 x 144 bfloat16s; 128 KiB a slice); AMX's tiles of 2 to 16
-# rows and of 17 to 32 (M = 13, 32, 20), with a 16-column half group (N = 144).
-@pytest.mark.parametrize("M,K,N", [(1, 521, 177), (13, 521, 131), (3, 7, 40), (32, 64, 96), (2, 1031, 144),
-                                   (20, 1031, 144)])
+# rows and of 17 to 32 (M = 13, 32, 20), with a 16-column half group (N = 144); AVX2's strips from 16 rows
+# (M = 17, 32, 20: panels continued, a 24-column strip and a scalar tail).
+@pytest.mark.parametrize("M,K,N", [(1, 521, 177), (13, 521, 131), (17, 300, 155), (3, 7, 40), (32, 64, 96),
+                                   (2, 1031, 144), (20, 1031, 144)])
 def test_bfloat16_bodies_are_one_float32_chain(M, K, N):
     rng = np.random.default_rng(M * K + N)
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
