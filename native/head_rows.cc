@@ -356,9 +356,62 @@ __attribute__((target("avx2,fma"))) inline void LoadHalves(const W* w, __m256* o
   }
 }
 
+// float32 [V, E]: a tile of NV vocabulary rows by NR hidden rows, each logit's 16 lanes as two halves of
+// 8 (2 x 3 tiles: 12 sums, 2 vectors of w and one of x in the 16 registers).
+template <int NV, int NR>
+__attribute__((target("avx2,fma"))) void RowsTileAvx2(const Head<float>& p, int64_t v0, int64_t r0, int64_t whole) {
+  __m256 acc[NV][NR][2];
+  for (auto& a : acc)
+    for (auto& b : a) b[0] = b[1] = _mm256_setzero_ps();
+  const float* w = p.w + v0 * p.e;
+  const float* x = p.x + r0 * p.e;
+  for (int64_t k = 0; k < whole; k += 16)
+    for (int i = 0; i < 2; ++i) {
+      __m256 wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = _mm256_loadu_ps(w + v * p.e + k + 8 * i);
+      for (int h = 0; h < NR; ++h) {
+        const __m256 xh = _mm256_loadu_ps(x + h * p.e + k + 8 * i);
+        for (int v = 0; v < NV; ++v) acc[v][h][i] = _mm256_fmadd_ps(wv[v], xh, acc[v][h][i]);
+      }
+    }
+  for (int v = 0; v < NV; ++v)
+    for (int h = 0; h < NR; ++h) {
+      float s[16];
+      _mm256_storeu_ps(s, acc[v][h][0]);
+      _mm256_storeu_ps(s + 8, acc[v][h][1]);
+      if (whole < p.e) {
+        Tail<float> tail(p.w + (v0 + v) * p.e, p.x + (r0 + h) * p.e, whole, p.e);
+        LanesStep(tail.w, tail.x, s);
+      }
+      p.y[(r0 + h) * p.v + v0 + v] = Reduce16(s);
+    }
+}
+
+// Vocabulary rows of a float32 block: their 8 rows stay in the first cache while every group of hidden rows
+// (read from it too) passes over them.
+constexpr int64_t kRowsBlock = 8;
+
+template <int NR>
+__attribute__((target("avx2,fma"))) void RowsBlockAvx2(const Head<float>& p, int64_t v_begin, int64_t v_end,
+                                                      int64_t r0, int64_t whole) {
+  int64_t v0 = v_begin;
+  for (; v0 + 2 <= v_end; v0 += 2) RowsTileAvx2<2, NR>(p, v0, r0, whole);
+  if (v0 < v_end) RowsTileAvx2<1, NR>(p, v0, r0, whole);
+}
+
 template <typename W>
 __attribute__((target("avx2,fma"))) void RowsAvx2(const Head<W>& p, int64_t v_begin, int64_t v_end) {
   int64_t whole = p.e / kStep<W> * kStep<W>;
+  if constexpr (std::is_same_v<W, float>) {
+    for (int64_t block = v_begin; block < v_end; block += kRowsBlock) {
+      const int64_t end = std::min(block + kRowsBlock, v_end);
+      int64_t r0 = 0;
+      for (; r0 + 3 <= p.m; r0 += 3) RowsBlockAvx2<3>(p, block, end, r0, whole);
+      if (p.m - r0 == 2) RowsBlockAvx2<2>(p, block, end, r0, whole);
+      if (p.m - r0 == 1) RowsBlockAvx2<1>(p, block, end, r0, whole);
+    }
+    return;
+  }
   for (int64_t v0 = v_begin; v0 < v_end; v0 += 2)
     for (int64_t r0 = 0; r0 < p.m; r0 += 2) {
       int nv = std::min<int64_t>(2, v_end - v0), nr = std::min<int64_t>(2, p.m - r0);

@@ -11,8 +11,9 @@ in theirs, so the logits differ from theirs by the roundings of a sum of E terms
 
 It runs for at most `MAX_ROWS` rows wherever the kernel policy lets a native kernel into the step
 (`dew.kernels.policy`: `auto`, `exact` or `native` on the CPU backend, one device) and the extension
-built, for the heads where it measured faster than what ran before: a tied (`[V, E]`) float32 head (XLA's
-dot before), and a tied bfloat16 one where AMX takes it (`amx_takes`; oneDNN's gemm before, which stays
+built, for the heads where it measured faster than what ran before: a tied (`[V, E]`) float32 head where
+the kernel's loops are AVX-512's (XLA's dot before, and still with AVX2's loops, where the dot is the
+faster: `wide_takes`), and a tied bfloat16 one where AMX takes it (`amx_takes`; oneDNN's gemm before, which stays
 for other bfloat16 heads: it was faster than the kernel's FMAs at 8 rows and more). An untied float32
 head stays XLA's: the kernel's `[E, V]` body was slower than XLA's dot at 32 rows. Its gradient is XLA's
 products (a few rows are decoding; the kernel is for the forward pass).
@@ -67,16 +68,27 @@ def amx_takes(weight: jax.Array, transposed: bool) -> bool:
     return _native_head_rows.isa() == "amx"
 
 
+def wide_takes() -> bool:
+    """Whether a float32 head runs in the kernel here: where its loops are AVX-512's (`isa()` avx512,
+    avx512_bf16 or amx). With AVX2's 8-lane loops (an AVX2 EPYC) XLA's dot was the faster at every row
+    count from 1 to 32 (docs/performance.md, "The AVX2 few-rows body"), so the head stays XLA's there."""
+    if not _load()[0]:
+        return False
+    from dew import _native_head_rows
+
+    return _native_head_rows.isa() not in ("avx2", "portable")
+
+
 def takes(hidden_NE: jax.Array, weight: jax.Array, transposed: bool, policy: str | None = None) -> bool:
     """Whether `head_logits` of these operands runs in the kernel under `policy` (default the one in force)
     here: hidden states `[N, E]` of at most `MAX_ROWS` rows, a tied (`transposed`) head of their dtype
-    (float32, or bfloat16 as itself or its bits where `amx_takes` it) and `status(policy)` on. Noted in
-    `dew.kernels.policy.recording()`."""
+    (float32 where `wide_takes`, or bfloat16 as itself or its bits where `amx_takes` it) and `status(policy)`
+    on. Noted in `dew.kernels.policy.recording()`."""
     dtype = _weights_dtype(weight)
     E = weight.shape[1] if transposed else weight.shape[0]
     taken = (hidden_NE.ndim == 2 and weight.ndim == 2 and hidden_NE.shape[0] <= MAX_ROWS and dtype in (_F32, _BF16)
              and jnp.dtype(hidden_NE.dtype) == dtype and hidden_NE.shape[1] == E and transposed and status(policy)[0]
-             and (dtype == _F32 or amx_takes(weight, transposed)))
+             and (wide_takes() if dtype == _F32 else amx_takes(weight, transposed)))
     V = weight.shape[0] if transposed else weight.shape[-1]
     note(f"head_rows/{hidden_NE.shape[0]}x{hidden_NE.shape[-1]}x{V}/{dtype.name}", "dew" if taken else "xla")
     return taken

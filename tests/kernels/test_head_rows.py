@@ -95,8 +95,9 @@ def test_the_head_runs_its_few_rows_in_the_kernel_with_the_old_products_numbers(
     # a bfloat16 one ran oneDNN's gemm, which sums in its own order too).
     for transposed in (True, False):
         hidden, weight = _operands(5, 64, 300, dtype, transposed, seed=1)
-        # Tied heads: float32, and bfloat16 where AMX's tiles take it, else oneDNN's gemm as before.
-        kernel = transposed and (dtype == jnp.float32 or head_rows.amx_takes(weight, transposed))
+        # Tied heads: float32 where the kernel's loops are AVX-512's, and bfloat16 where AMX's tiles take it;
+        # else XLA's dot or oneDNN's gemm as before.
+        kernel = transposed and (head_rows.wide_takes() if dtype == jnp.float32 else head_rows.amx_takes(weight, transposed))
         logits = {}
         for kernels in ("auto", "xla"):
             with policy.recording() as choices:
@@ -111,7 +112,19 @@ def test_the_head_runs_its_few_rows_in_the_kernel_with_the_old_products_numbers(
 
 def test_the_rows_it_takes_and_its_gradient():
     x32, w32 = _operands(33, 32, 40, jnp.float32, True)
-    assert head_rows.takes(x32[:32], w32, True, "native") and head_rows.takes(x32[:32], w32, True, "exact")
+    # A float32 head only where the kernel's loops are AVX-512's: with AVX2's, XLA's dot is the faster.
+    assert head_rows.takes(x32[:32], w32, True, "native") == head_rows.takes(x32[:32], w32, True, "exact") \
+        == head_rows.wide_takes()
+    from dew import _native_head_rows as native
+
+    best = native.isa()
+    try:
+        for isa in ("portable", "avx2"):
+            native.set_isa(isa)
+            assert not head_rows.wide_takes() and not head_rows.takes(x32[:8], w32, True, "auto")
+    finally:
+        native.set_isa(best)
+    assert head_rows.wide_takes() == (best in ("avx512", "avx512_bf16", "amx"))
     assert not head_rows.takes(x32, w32, True, "auto")  # past MAX_ROWS
     assert not head_rows.takes(x32[:1], w32, True, "xla")
     assert not head_rows.takes(x32[:1], w32.T, False, "auto")  # untied: XLA's dot
