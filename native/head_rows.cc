@@ -356,6 +356,20 @@ __attribute__((target("avx2,fma"))) inline void LoadHalves(const W* w, __m256* o
   }
 }
 
+// A logit's 16 lane sums from two halves of 8, the steps past `whole` added, then reduced into y.
+template <typename W>
+__attribute__((target("avx2,fma"))) inline void StoreLogitAvx2(const Head<W>& p, __m256 low, __m256 high, int64_t v,
+                                                              int64_t r, int64_t whole) {
+  float s[16];
+  _mm256_storeu_ps(s, low);
+  _mm256_storeu_ps(s + 8, high);
+  if (whole < p.e) {
+    Tail<W> tail(p.w + v * p.e, p.x + r * p.e, whole, p.e);
+    LanesStep(tail.w, tail.x, s);
+  }
+  p.y[r * p.v + v] = Reduce16(s);
+}
+
 // float32 [V, E]: a tile of NV vocabulary rows by NR hidden rows, each logit's 16 lanes as two halves of
 // 8 (2 x 3 tiles: 12 sums, 2 vectors of w and one of x in the 16 registers).
 template <int NV, int NR>
@@ -375,16 +389,7 @@ __attribute__((target("avx2,fma"))) void RowsTileAvx2(const Head<float>& p, int6
       }
     }
   for (int v = 0; v < NV; ++v)
-    for (int h = 0; h < NR; ++h) {
-      float s[16];
-      _mm256_storeu_ps(s, acc[v][h][0]);
-      _mm256_storeu_ps(s + 8, acc[v][h][1]);
-      if (whole < p.e) {
-        Tail<float> tail(p.w + (v0 + v) * p.e, p.x + (r0 + h) * p.e, whole, p.e);
-        LanesStep(tail.w, tail.x, s);
-      }
-      p.y[(r0 + h) * p.v + v0 + v] = Reduce16(s);
-    }
+    for (int h = 0; h < NR; ++h) StoreLogitAvx2(p, acc[v][h][0], acc[v][h][1], v0 + v, r0 + h, whole);
 }
 
 // Vocabulary rows of a float32 block: their 8 rows stay in the first cache while every group of hidden rows
@@ -432,16 +437,7 @@ __attribute__((target("avx2,fma"))) void RowsAvx2(const Head<W>& p, int64_t v_be
         }
       }
       for (int v = 0; v < nv; ++v)
-        for (int h = 0; h < nr; ++h) {
-          float s[16];
-          _mm256_storeu_ps(s, acc[v][h][0]);
-          _mm256_storeu_ps(s + 8, acc[v][h][1]);
-          if (whole < p.e) {
-            Tail<W> tail(p.w + (v0 + v) * p.e, p.x + (r0 + h) * p.e, whole, p.e);
-            LanesStep(tail.w, tail.x, s);
-          }
-          p.y[(r0 + h) * p.v + v0 + v] = Reduce16(s);
-        }
+        for (int h = 0; h < nr; ++h) StoreLogitAvx2(p, acc[v][h][0], acc[v][h][1], v0 + v, r0 + h, whole);
     }
 }
 
