@@ -97,7 +97,8 @@ def test_the_head_runs_its_few_rows_in_the_kernel_with_the_old_products_numbers(
         hidden, weight = _operands(5, 64, 300, dtype, transposed, seed=1)
         # Tied heads: float32 where the kernel's loops are AVX-512's, and bfloat16 where AMX's tiles take it;
         # else XLA's dot or oneDNN's gemm as before.
-        kernel = transposed and (head_rows.wide_takes() if dtype == jnp.float32 else head_rows.amx_takes(weight, transposed))
+        kernel = transposed and (head_rows.wide_takes() if dtype == jnp.float32
+                                 else head_rows.amx_takes(weight, transposed))
         logits = {}
         for kernels in ("auto", "xla"):
             with policy.recording() as choices:
