@@ -338,21 +338,16 @@ __attribute__((target(DEW_AVX512))) void ColumnsAvx512(const Head<W>& p, int64_t
   });
 }
 
-// ---- AVX2: [V, E] in tiles of 2 x 2 logits, 16 lanes each as two 8-lane halves; [E, V] in R hidden rows x
-// 2 vectors of 8 columns. The portable body takes the last steps and columns. ----
+// ---- AVX2: [V, E] in tiles of logits, 16 lanes each as two 8-lane halves (float32 2 x 3, bfloat16 2 x 2);
+// [E, V] in R hidden rows x 2 vectors of 8 columns. The portable body takes the last steps and columns. ----
 
-template <typename W>
-__attribute__((target("avx2,fma"))) inline void LoadHalves(const W* w, __m256* odd, __m256* even) {
-  if constexpr (std::is_same_v<W, float>) {
-    even[0] = _mm256_loadu_ps(w);
-    even[1] = _mm256_loadu_ps(w + 8);
-  } else {
-    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-    for (int i = 0; i < 2; ++i) {
-      __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * i));
-      odd[i] = _mm256_castsi256_ps(_mm256_and_si256(bits, high));
-      even[i] = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
-    }
+// A bfloat16 step of 32 elements as its odd and even terms widened, two halves of 8 lanes each.
+__attribute__((target("avx2,fma"))) inline void LoadHalves(const uint16_t* w, __m256* odd, __m256* even) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int i = 0; i < 2; ++i) {
+    __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * i));
+    odd[i] = _mm256_castsi256_ps(_mm256_and_si256(bits, high));
+    even[i] = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
   }
 }
 
@@ -415,30 +410,30 @@ __attribute__((target("avx2,fma"))) void RowsAvx2(const Head<W>& p, int64_t v_be
       if (p.m - r0 == 2) RowsBlockAvx2<2>(p, block, end, r0, whole);
       if (p.m - r0 == 1) RowsBlockAvx2<1>(p, block, end, r0, whole);
     }
-    return;
-  }
-  for (int64_t v0 = v_begin; v0 < v_end; v0 += 2)
-    for (int64_t r0 = 0; r0 < p.m; r0 += 2) {
-      int nv = std::min<int64_t>(2, v_end - v0), nr = std::min<int64_t>(2, p.m - r0);
-      __m256 acc[2][2][2];  // [v][h][half]
-      for (auto& a : acc)
-        for (auto& b : a) b[0] = b[1] = _mm256_setzero_ps();
-      for (int64_t k = 0; k < whole; k += kStep<W>) {
-        __m256 x_odd[2][2], x_even[2][2];
-        for (int h = 0; h < nr; ++h) LoadHalves(p.x + (r0 + h) * p.e + k, x_odd[h], x_even[h]);
-        for (int v = 0; v < nv; ++v) {
-          __m256 w_odd[2], w_even[2];
-          LoadHalves(p.w + (v0 + v) * p.e + k, w_odd, w_even);
-          for (int h = 0; h < nr; ++h)
-            for (int i = 0; i < 2; ++i) {
-              if constexpr (!std::is_same_v<W, float>) acc[v][h][i] = _mm256_fmadd_ps(w_odd[i], x_odd[h][i], acc[v][h][i]);
-              acc[v][h][i] = _mm256_fmadd_ps(w_even[i], x_even[h][i], acc[v][h][i]);
-            }
+  } else {
+    for (int64_t v0 = v_begin; v0 < v_end; v0 += 2)
+      for (int64_t r0 = 0; r0 < p.m; r0 += 2) {
+        int nv = std::min<int64_t>(2, v_end - v0), nr = std::min<int64_t>(2, p.m - r0);
+        __m256 acc[2][2][2];  // [v][h][half]
+        for (auto& a : acc)
+          for (auto& b : a) b[0] = b[1] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < whole; k += kStep<W>) {
+          __m256 x_odd[2][2], x_even[2][2];
+          for (int h = 0; h < nr; ++h) LoadHalves(p.x + (r0 + h) * p.e + k, x_odd[h], x_even[h]);
+          for (int v = 0; v < nv; ++v) {
+            __m256 w_odd[2], w_even[2];
+            LoadHalves(p.w + (v0 + v) * p.e + k, w_odd, w_even);
+            for (int h = 0; h < nr; ++h)
+              for (int i = 0; i < 2; ++i) {
+                acc[v][h][i] = _mm256_fmadd_ps(w_odd[i], x_odd[h][i], acc[v][h][i]);
+                acc[v][h][i] = _mm256_fmadd_ps(w_even[i], x_even[h][i], acc[v][h][i]);
+              }
+          }
         }
+        for (int v = 0; v < nv; ++v)
+          for (int h = 0; h < nr; ++h) StoreLogitAvx2(p, acc[v][h][0], acc[v][h][1], v0 + v, r0 + h, whole);
       }
-      for (int v = 0; v < nv; ++v)
-        for (int h = 0; h < nr; ++h) StoreLogitAvx2(p, acc[v][h][0], acc[v][h][1], v0 + v, r0 + h, whole);
-    }
+  }
 }
 
 template <typename W>
