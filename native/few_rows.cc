@@ -7,10 +7,10 @@
 // memory sees long runs of consecutive bytes; the rows' sums wait in a buffer between blocks. With AVX2 and
 // 16 rows or more, the multiply-adds weigh more than the reading: a slice runs in strips of 32 columns
 // instead, each copied a panel of 128 rows at a time into a buffer that stays in the first cache while every
-// group of x's rows runs the panel with its sums in registers. w's rows split into a fixed number of slices, claimed by XLA's intra-op threads (the FFI's ThreadPool). Each
-// output is, per slice, one chain of fused multiply-adds over k in order, sum = fma(x[m, k], w[k, n], sum)
-// from zero, and the slices' sums are added in slice order: the AVX-512, AVX2 and portable bodies give the
-// same bits, whatever the threads.
+// group of x's rows runs the panel with its sums in registers. w's rows split into a fixed number of slices,
+// claimed by XLA's intra-op threads (the FFI's ThreadPool). Each output is, per slice, one chain of fused
+// multiply-adds over k in order, sum = fma(x[m, k], w[k, n], sum) from zero, and the slices' sums are added
+// in slice order: the AVX-512, AVX2 and portable bodies give the same bits, whatever the threads.
 //
 // In bfloat16 the same bodies widen x and w to float32 (a bfloat16 is the high half of a float32's bits),
 // where a product of two bfloat16s is exact, so each fma rounds only the sum. On a CPU with AVX512_BF16
@@ -203,23 +203,28 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const Product<W>& p, int64_t r
     for (int j = 0; j < L; ++j) _mm256_storeu_ps(sums + (r0 + r) * p.n + c + 8 * j, acc[r][j]);
 }
 
-template <typename W, int R>
+// Rows [r0, r0 + R) across columns [c, end) in whole 8-column vectors; returns where they end. Column c of
+// row k_begin is at `w + (c - origin)`, rows `stride` apart: w itself (origin 0) or a panel of it.
+template <typename W, int R, bool kAhead = true>
 __attribute__((target("avx2,fma"))) int64_t TilesAvx2(const Product<W>& p, int64_t r0, int64_t c, int64_t end,
-                                                     int64_t k_begin, int64_t k_end, bool first, float* sums) {
+                                                     int64_t k_begin, int64_t k_end, bool first, float* sums,
+                                                     const W* w, int64_t origin, int64_t stride) {
   constexpr int L = 12 / R < 4 ? 12 / R : 4;
-  const W* w = p.w + k_begin * p.n;
-  for (; c + 8 * L <= end; c += 8 * L) TileAvx2<W, R, L>(p, r0, c, k_begin, k_end, first, sums, w + c, p.n);
-  for (; c + 8 <= end; c += 8) TileAvx2<W, R, 1>(p, r0, c, k_begin, k_end, first, sums, w + c, p.n);
+  for (; c + 8 * L <= end; c += 8 * L)
+    TileAvx2<W, R, L, kAhead>(p, r0, c, k_begin, k_end, first, sums, w + (c - origin), stride);
+  for (; c + 8 <= end; c += 8)
+    TileAvx2<W, R, 1, kAhead>(p, r0, c, k_begin, k_end, first, sums, w + (c - origin), stride);
   return c;
 }
 
 template <typename W>
 __attribute__((target("avx2,fma"))) void BlockAvx2(const Product<W>& p, int64_t k_begin, int64_t k_end, int64_t c_begin,
                                                   int64_t c_end, bool first, float* sums) {
+  const W* w = p.w + k_begin * p.n;
   int64_t r = 0, c = c_end;
-  for (; r + 3 <= p.m; r += 3) c = TilesAvx2<W, 3>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
-  for (; r + 2 <= p.m; r += 2) c = TilesAvx2<W, 2>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
-  for (; r < p.m; ++r) c = TilesAvx2<W, 1>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
+  for (; r + 3 <= p.m; r += 3) c = TilesAvx2<W, 3>(p, r, c_begin, c_end, k_begin, k_end, first, sums, w, 0, p.n);
+  for (; r + 2 <= p.m; r += 2) c = TilesAvx2<W, 2>(p, r, c_begin, c_end, k_begin, k_end, first, sums, w, 0, p.n);
+  for (; r < p.m; ++r) c = TilesAvx2<W, 1>(p, r, c_begin, c_end, k_begin, k_end, first, sums, w, 0, p.n);
   if (c < c_end) BlockPortable(p, k_begin, k_end, c, c_end, first, sums);
 }
 
@@ -232,19 +237,6 @@ constexpr int64_t kStripRows = 16;
 constexpr int64_t kStripColumns = 32;
 // Rows of w a panel holds: with its 32 columns, 16 KiB of float32, which stay in the first cache.
 constexpr int64_t kPanelRows = 128;
-
-template <typename W, int R>
-__attribute__((target("avx2,fma"))) int64_t PanelTilesAvx2(const Product<W>& p, int64_t r0, int64_t c_begin,
-                                                          int64_t c_end, int64_t k_begin, int64_t k_end, bool first,
-                                                          float* sums, const W* panel, int64_t width) {
-  constexpr int L = 12 / R < 4 ? 12 / R : 4;
-  int64_t c = c_begin;
-  for (; c + 8 * L <= c_end; c += 8 * L)
-    TileAvx2<W, R, L, false>(p, r0, c, k_begin, k_end, first, sums, panel + (c - c_begin), width);
-  for (; c + 8 <= c_end; c += 8)
-    TileAvx2<W, R, 1, false>(p, r0, c, k_begin, k_end, first, sums, panel + (c - c_begin), width);
-  return c;
-}
 
 // A strip of whole 8-column vectors [c_begin, c_end) over rows [k_begin, k_end) of w, every row of x, from
 // zero: kPanelRows rows of the strip at a time are copied into a contiguous panel, which stays in the first
@@ -264,9 +256,12 @@ __attribute__((target("avx2,fma"))) void StripAvx2(const Product<W>& p, int64_t 
     }
     const bool first = kb == k_begin;
     int64_t r = 0;
-    for (; r + 3 <= p.m; r += 3) PanelTilesAvx2<W, 3>(p, r, c_begin, c_end, kb, ke, first, sums, panel, width);
-    for (; r + 2 <= p.m; r += 2) PanelTilesAvx2<W, 2>(p, r, c_begin, c_end, kb, ke, first, sums, panel, width);
-    for (; r < p.m; ++r) PanelTilesAvx2<W, 1>(p, r, c_begin, c_end, kb, ke, first, sums, panel, width);
+    // The panel is in the first cache: no rows asked for ahead.
+    for (; r + 3 <= p.m; r += 3)
+      TilesAvx2<W, 3, false>(p, r, c_begin, c_end, kb, ke, first, sums, panel, c_begin, width);
+    for (; r + 2 <= p.m; r += 2)
+      TilesAvx2<W, 2, false>(p, r, c_begin, c_end, kb, ke, first, sums, panel, c_begin, width);
+    for (; r < p.m; ++r) TilesAvx2<W, 1, false>(p, r, c_begin, c_end, kb, ke, first, sums, panel, c_begin, width);
   }
 }
 
