@@ -251,13 +251,11 @@ async def streamed(url: str, texts: list[str], new: int, streams: int) -> tuple[
     one, else its streamed chunks (one a token)."""
     import openai
 
-    # A new connection for every request: a server that closes an idle kept-alive connection just as the
-    # client reuses it (llama-server does, at 8 streams here) would otherwise end a request unanswered.
-    import httpx2
-
+    # A new connection for every request ("Connection: close"): a server that closes an idle kept-alive
+    # connection just as the client reuses it (llama-server does, at 8 streams here) would otherwise end a
+    # request unanswered.
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600,
-                                http_client=httpx2.AsyncClient(limits=httpx2.Limits(max_keepalive_connections=0),
-                                                               timeout=3600))
+                                default_headers={"Connection": "close"})
     gate = asyncio.Semaphore(streams)
     firsts, counts = [], []
 
