@@ -216,15 +216,12 @@ inline void InTiles(const Product& p, int64_t c_begin, int64_t c_end, Tile tile)
 
 #ifdef DEW_X86
 
-// How many blocks ahead of the ones being read the bodies ask the memory for, per weight row.
-constexpr int kAheadBlocks = 8;
-
-// The AVX2 loops' prefetch for blocks of 32 (the integer path's Q4_0, Q4_1 and Q8_0, and the exact
-// path's every kind): a tile's C rows of w are contiguous and read at the same pace, so its blocks are
-// one stream, asked for `kAheadBytes` ahead of the point `at` the loop has reached in it, a cache line
-// for every 64 of the `bytes` the loop takes a step. That, not 8 blocks ahead in each row, made the
-// integer path's products a quarter faster on the AVX2 EPYC (docs/performance.md); for Q4_K's integer
-// loop it was slower there, which keeps its own.
+// The loops' prefetch (every one but AVX2's integer loop of Q4_K): a tile's C rows of w are contiguous and
+// read at the same pace, so its blocks are one stream, asked for `kAheadBytes` ahead of the point `at` the
+// loop has reached in it, a cache line for every 64 of the `bytes` the loop takes a step. That, not 8
+// blocks ahead in each row, made the integer path's products a quarter faster on the AVX2 EPYC and a third
+// faster on the Zen 4 (docs/performance.md); AVX2's Q4_K integer loop was slower with it there and keeps its
+// own, 4 blocks ahead in each row.
 constexpr int64_t kAheadBytes = 4096;
 
 inline void AskAhead(const uint8_t* at, int64_t bytes) {
@@ -256,12 +253,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void TileAvx512(const Produ
   const uint8_t* w = p.w + c0 * row_bytes;
   Sub subs[C][8];
   for (int64_t b = 0; b < p.blocks; ++b) {
+    AskAhead(w + b * C * p.bytes, C * p.bytes);
     for (int c = 0; c < C; ++c) {
-      const uint8_t* block = w + c * row_bytes + b * p.bytes;
-      _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * p.bytes), _MM_HINT_T0);
-      if (p.bytes > 64) _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * p.bytes + 64), _MM_HINT_T0);
-      if (p.bytes > 128) _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * p.bytes + 128), _MM_HINT_T0);
-      SubBlocks(K, block, subs[c]);
+      SubBlocks(K, w + c * row_bytes + b * p.bytes, subs[c]);
     }
     for (int j = 0; j < kPerBlock; ++j) {
       int64_t sub = b * kPerBlock + j;
@@ -324,15 +318,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void SmallTileAvx512(c
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps(), rest[r][c] = 0.0f;
   const int64_t row_bytes = p.blocks * p.bytes;
-  const uint8_t* w = p.w + c0 * row_bytes;
+  const uint8_t* tile = p.w + c0 * row_bytes;
+  const uint8_t* w = tile;
   const float* x = p.x + r0 * p.k;
   const float* xsum = p.xsum + r0 * p.blocks;
   for (int64_t b = 0; b < p.blocks; ++b, w += p.bytes, x += kSub, ++xsum) {
     __m512 lo[C], hi[C], scale[C];
     float offset[C];
+    AskAhead(tile + b * C * p.bytes, C * p.bytes);
     for (int c = 0; c < C; ++c) {
       const uint8_t* block = w + c * row_bytes;
-      _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBlocks * p.bytes), _MM_HINT_T0);
       WidenAvx512<K>(block, lo[c], hi[c]);
       scale[c] = _mm512_set1_ps(HalfF16c(block));
       if constexpr (K == kQ4_1) offset[c] = HalfF16c(block + 2);
@@ -738,10 +733,10 @@ __attribute__((target("avx2,fma,f16c"))) void IntTileAvx2(const Product& p, int6
   }
 }
 
-// A Q4_K block read: the block `ahead` blocks on asked for (144 bytes, three cache lines), this one's
-// sub-block scales written to `scale` and its offsets to `offset`.
+// A Q4_K block read: the block `ahead` blocks on asked for (144 bytes, three cache lines; none for 0), this
+// one's sub-block scales written to `scale` and its offsets to `offset`.
 inline void ReadBlockK(const uint8_t* block, int64_t ahead, float* scale, float* offset) {
-  for (int line = 0; line < 3; ++line)
+  for (int line = 0; ahead > 0 && line < 3; ++line)
     _mm_prefetch(reinterpret_cast<const char*>(block + ahead * 144 + 64 * line), _MM_HINT_T0);
   ScalesK(block, scale, offset);
 }
@@ -874,9 +869,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c"))) 
     const __mmask64 tail = bytes > 64 ? (1ull << (bytes - 64)) - 1 : 0;
     __m512i lo[C], hi[C];
     __m512 dw[C], mw[C];
+    AskAhead(w + first * C * kBytes, C * bytes);
     for (int c = 0; c < C; ++c) {
       const uint8_t* at = w + c * row_bytes + first * kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(at + 8 * 64), _MM_HINT_T0);
       __m512i v0 = head == ~0ull ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi8(head, at);
       __m512i v1 = _mm512_maskz_loadu_epi8(tail, at + 64);
       __m512i picked = _mm512_permutex2var_epi8(v0, values_at, v1);
@@ -954,9 +949,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c"))) void In
     __m512i q[2][4];  // x's two layers, slots of 2 sub-blocks: (0, 2), (1, 3), (4, 6), (5, 7)
     for (int layer = 0; layer < 2; ++layer)
       for (int i = 0; i < 4; ++i) q[layer][i] = _mm512_loadu_si512((layer ? x.q2 : x.q1) + at + 64 * i);
+    AskAhead(w + b * C * p.bytes, C * p.bytes);
     for (int c = 0; c < C; ++c) {
       const uint8_t* block = w + c * row_bytes + b * p.bytes;
-      rest[c] = OpenBlockK(block, 4, dsum, rest[c], scale);
+      rest[c] = OpenBlockK(block, 0, dsum, rest[c], scale);
       const __m256 sc = _mm256_load_ps(scale);
       const __m512 s1 = _mm512_castps256_ps512(_mm256_mul_ps(sc, d1)), s2 = _mm512_castps256_ps512(_mm256_mul_ps(sc, d2));
       for (int h = 0; h < 2; ++h) {
