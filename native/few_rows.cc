@@ -4,8 +4,8 @@
 //
 // A few rows leave the product bound by reading w, which each row shares: the weight is streamed once for
 // all rows, in blocks of kBlockRows whole rows of w (a contiguous region) read across the columns, so the
-// memory sees long runs of consecutive bytes; the rows' sums wait in a buffer between blocks. With AVX2 and
-// 16 rows or more, the multiply-adds weigh more than the reading: a slice runs in strips of 32 columns
+// memory sees long runs of consecutive bytes; the rows' sums wait in a buffer between blocks. With AVX2 or
+// AVX-512 and 16 rows or more, the multiply-adds weigh more than the reading: a slice runs in strips of 32 columns
 // instead, each copied a panel of 128 rows at a time into a buffer that stays in the first cache while every
 // group of x's rows runs the panel with its sums in registers. w's rows split into a fixed number of slices,
 // claimed by XLA's intra-op threads (the FFI's ThreadPool). Each output is, per slice, one chain of fused
@@ -135,17 +135,21 @@ __attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* w) {
 
 // ---- AVX-512: R rows of x against L vectors of 16 columns, R * L <= 16 accumulators ----
 
-template <typename W, int R, int L>
-__attribute__((target("avx512f,avx512vl"))) void TileAvx512(const Product<W>& p, int64_t r0, int64_t c,
-                                                          int64_t k_begin, int64_t k_end, bool first, float* sums) {
+// Rows [k_begin, k_end) of the weight's columns from `w` (row k_begin's column c), rows `stride` apart.
+// `kAhead`: ask the memory for the rows kAheadRows on (w read in place; a packed panel is in cache).
+template <typename W, int R, int L, bool kAhead = true>
+__attribute__((target("avx512f,avx512vl"))) void TileAvx512(const Product<W>& p, int64_t r0, int64_t c, int64_t k_begin,
+                                                          int64_t k_end, bool first, float* sums, const W* w,
+                                                          int64_t stride) {
   __m512 acc[R][L];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < L; ++j)
       acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + (r0 + r) * p.n + c + 16 * j);
-  const W* w = p.w + k_begin * p.n + c;
   const float* x = p.x + r0 * p.k;
-  for (int64_t k = k_begin; k < k_end; ++k, w += p.n) {
-    for (int j = 0; j < L; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows * p.n + 16 * j), _MM_HINT_T0);
+  for (int64_t k = k_begin; k < k_end; ++k, w += stride) {
+    if constexpr (kAhead)
+      for (int j = 0; j < L; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows * stride + 16 * j), _MM_HINT_T0);
     for (int j = 0; j < L; ++j) {
       __m512 wj = Load16(w + 16 * j);
       for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * p.k + k]), wj, acc[r][j]);
@@ -155,24 +159,41 @@ __attribute__((target("avx512f,avx512vl"))) void TileAvx512(const Product<W>& p,
     for (int j = 0; j < L; ++j) _mm512_storeu_ps(sums + (r0 + r) * p.n + c + 16 * j, acc[r][j]);
 }
 
-// Rows [r0, r0 + R) across columns [c, end) in whole 16-column vectors; returns where they end.
-template <typename W, int R>
+// Rows [r0, r0 + R) across columns [c, end) in whole 16-column vectors; returns where they end. Column c of
+// row k_begin is at `w + (c - origin)`, rows `stride` apart: w itself (origin 0) or a panel of it.
+template <typename W, int R, bool kAhead = true>
 __attribute__((target("avx512f,avx512vl"))) int64_t TilesAvx512(const Product<W>& p, int64_t r0, int64_t c, int64_t end,
-                                                              int64_t k_begin, int64_t k_end, bool first, float* sums) {
+                                                              int64_t k_begin, int64_t k_end, bool first, float* sums,
+                                                              const W* w, int64_t origin, int64_t stride) {
   constexpr int L = 16 / R < 4 ? 16 / R : 4;
-  for (; c + 16 * L <= end; c += 16 * L) TileAvx512<W, R, L>(p, r0, c, k_begin, k_end, first, sums);
-  for (; c + 16 <= end; c += 16) TileAvx512<W, R, 1>(p, r0, c, k_begin, k_end, first, sums);
+  for (; c + 16 * L <= end; c += 16 * L)
+    TileAvx512<W, R, L, kAhead>(p, r0, c, k_begin, k_end, first, sums, w + (c - origin), stride);
+  for (; c + 16 <= end; c += 16)
+    TileAvx512<W, R, 1, kAhead>(p, r0, c, k_begin, k_end, first, sums, w + (c - origin), stride);
   return c;
 }
 
 template <typename W>
 __attribute__((target("avx512f,avx512vl"))) void BlockAvx512(const Product<W>& p, int64_t k_begin, int64_t k_end,
                                                           int64_t c_begin, int64_t c_end, bool first, float* sums) {
+  const W* w = p.w + k_begin * p.n;
   int64_t r = 0, c = c_end;
-  for (; r + 8 <= p.m; r += 8) c = TilesAvx512<W, 8>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
-  for (; r + 4 <= p.m; r += 4) c = TilesAvx512<W, 4>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
-  for (; r < p.m; ++r) c = TilesAvx512<W, 1>(p, r, c_begin, c_end, k_begin, k_end, first, sums);
+  for (; r + 8 <= p.m; r += 8) c = TilesAvx512<W, 8>(p, r, c_begin, c_end, k_begin, k_end, first, sums, w, 0, p.n);
+  for (; r + 4 <= p.m; r += 4) c = TilesAvx512<W, 4>(p, r, c_begin, c_end, k_begin, k_end, first, sums, w, 0, p.n);
+  for (; r < p.m; ++r) c = TilesAvx512<W, 1>(p, r, c_begin, c_end, k_begin, k_end, first, sums, w, 0, p.n);
   if (c < c_end) BlockPortable(p, k_begin, k_end, c, c_end, first, sums);
+}
+
+// Every row of x over the panel's rows [kb, ke) of the strip [c_begin, c_end), `width` columns a row: groups of
+// 8 rows by 2 vectors (16 sums, 2 of w, 8 broadcasts: 26 of the 32 registers), then 4 and 1.
+template <typename W>
+__attribute__((target("avx512f,avx512vl"))) void PanelAvx512(const Product<W>& p, int64_t kb, int64_t ke, int64_t c_begin,
+                                                          int64_t c_end, bool first, float* sums, const W* panel,
+                                                          int64_t width) {
+  int64_t r = 0;
+  for (; r + 8 <= p.m; r += 8) TilesAvx512<W, 8, false>(p, r, c_begin, c_end, kb, ke, first, sums, panel, c_begin, width);
+  for (; r + 4 <= p.m; r += 4) TilesAvx512<W, 4, false>(p, r, c_begin, c_end, kb, ke, first, sums, panel, c_begin, width);
+  for (; r < p.m; ++r) TilesAvx512<W, 1, false>(p, r, c_begin, c_end, kb, ke, first, sums, panel, c_begin, width);
 }
 
 // ---- AVX2 with FMA: R rows against L vectors of 8 columns, R * L <= 12 accumulators ----
@@ -228,22 +249,38 @@ __attribute__((target("avx2,fma"))) void BlockAvx2(const Product<W>& p, int64_t 
   if (c < c_end) BlockPortable(p, k_begin, k_end, c, c_end, first, sums);
 }
 
-// From this many rows of x the AVX2 body runs a slice in strips of columns: each weight element then serves
-// enough rows that the multiply-adds bound the time, not the reading of w, and a panel in the first cache
-// feeds them faster than whole rows of w with the sums going to memory between blocks. With fewer rows the
-// blocks are as fast or faster: they read w as one stream (docs/performance.md, "The AVX2 few-rows body").
+// From this many rows of x the AVX2 and AVX-512 bodies run a slice in strips of columns: each weight element
+// then serves enough rows that the multiply-adds bound the time, not the reading of w, and a panel in the first
+// cache feeds them faster than whole rows of w with the sums going to memory between blocks. With fewer rows
+// the blocks are as fast or faster: they read w as one stream (docs/performance.md, "The AVX2 few-rows body";
+// on the Zen 4, 64-column strips measured the same as 32).
 constexpr int64_t kStripRows = 16;
 // Columns of a strip: one tile of 32 columns for every group of rows.
 constexpr int64_t kStripColumns = 32;
 // Rows of w a panel holds: with its 32 columns, 16 KiB of float32, which stay in the first cache.
 constexpr int64_t kPanelRows = 128;
 
-// A strip of whole 8-column vectors [c_begin, c_end) over rows [k_begin, k_end) of w, every row of x, from
-// zero: kPanelRows rows of the strip at a time are copied into a contiguous panel, which stays in the first
-// cache while each group of x's rows runs them, its sums in registers (in `sums` between panels).
+// Every row of x over the panel's rows [kb, ke) of the strip [c_begin, c_end), `width` columns a row: groups of
+// 3 rows by 4 vectors, then 2 and 1.
 template <typename W>
-__attribute__((target("avx2,fma"))) void StripAvx2(const Product<W>& p, int64_t k_begin, int64_t k_end, int64_t c_begin,
-                                                  int64_t c_end, float* sums) {
+__attribute__((target("avx2,fma"))) void PanelAvx2(const Product<W>& p, int64_t kb, int64_t ke, int64_t c_begin,
+                                                  int64_t c_end, bool first, float* sums, const W* panel, int64_t width) {
+  int64_t r = 0;
+  for (; r + 3 <= p.m; r += 3) TilesAvx2<W, 3, false>(p, r, c_begin, c_end, kb, ke, first, sums, panel, c_begin, width);
+  for (; r + 2 <= p.m; r += 2) TilesAvx2<W, 2, false>(p, r, c_begin, c_end, kb, ke, first, sums, panel, c_begin, width);
+  for (; r < p.m; ++r) TilesAvx2<W, 1, false>(p, r, c_begin, c_end, kb, ke, first, sums, panel, c_begin, width);
+}
+
+template <typename W>
+using PanelBody = void (*)(const Product<W>&, int64_t kb, int64_t ke, int64_t c_begin, int64_t c_end, bool first,
+                           float* sums, const W* panel, int64_t width);
+
+// A strip of whole vectors [c_begin, c_end) over rows [k_begin, k_end) of w, every row of x, from zero:
+// kPanelRows rows of the strip at a time are copied into a contiguous panel, which stays in the first cache
+// while `kPanel` runs each group of x's rows over it, its sums in registers (in `sums` between panels; the
+// panel is in the first cache, so no rows are asked for ahead there).
+template <typename W, PanelBody<W> kPanel>
+void Strip(const Product<W>& p, int64_t k_begin, int64_t k_end, int64_t c_begin, int64_t c_end, float* sums) {
   const int64_t width = c_end - c_begin;
   alignas(64) W panel[kPanelRows * kStripColumns];
   for (int64_t kb = k_begin; kb < k_end; kb += kPanelRows) {
@@ -254,14 +291,7 @@ __attribute__((target("avx2,fma"))) void StripAvx2(const Product<W>& p, int64_t 
       _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows * p.n + width - 1), _MM_HINT_T0);
       std::memcpy(panel + (k - kb) * width, w, static_cast<size_t>(width) * sizeof(W));
     }
-    const bool first = kb == k_begin;
-    int64_t r = 0;
-    // The panel is in the first cache: no rows asked for ahead.
-    for (; r + 3 <= p.m; r += 3)
-      TilesAvx2<W, 3, false>(p, r, c_begin, c_end, kb, ke, first, sums, panel, c_begin, width);
-    for (; r + 2 <= p.m; r += 2)
-      TilesAvx2<W, 2, false>(p, r, c_begin, c_end, kb, ke, first, sums, panel, c_begin, width);
-    for (; r < p.m; ++r) TilesAvx2<W, 1, false>(p, r, c_begin, c_end, kb, ke, first, sums, panel, c_begin, width);
+    kPanel(p, kb, ke, c_begin, c_end, kb == k_begin, sums, panel, width);
   }
 }
 
@@ -803,6 +833,7 @@ struct Pieces {
   Product<W> p;
   BlockBody<W> body;
   StripBody<W> strip = nullptr;  // where set, a slice runs in strips of columns instead of blocks of rows
+  int64_t strip_vector = 8;       // the strip body's columns a vector
   int64_t block_rows = kBlockRows, slices = 1, slice_rows = 0;
   float* partial = nullptr;  // [slices - 1, m, n]: the sums of slices 1 on (slice 0 sums into y)
   std::atomic<int64_t> next{0}, done{0};
@@ -812,7 +843,7 @@ struct Pieces {
       float* sums = i == 0 ? p.y : partial + (i - 1) * p.m * p.n;
       int64_t k_begin = i * slice_rows, k_end = std::min(k_begin + slice_rows, p.k);
       if (strip && k_begin < k_end) {
-        const int64_t whole = p.n / 8 * 8;  // whole 8-column vectors; the rest through the portable body
+        const int64_t whole = p.n / strip_vector * strip_vector;  // whole vectors; the rest through the portable body
         for (int64_t c = 0; c < whole; c += kStripColumns)
           strip(p, k_begin, k_end, c, std::min(c + kStripColumns, whole), sums);
         if (whole < p.n) BlockPortable(p, k_begin, k_end, whole, p.n, true, sums);
@@ -850,7 +881,9 @@ void Run(ffi::ThreadPool& pool, const Product<W>& product) {
   pieces->body = Body(static_cast<W*>(nullptr), p.m);
   if (p.m == 0 || p.n == 0) return;
 #ifdef DEW_X86
-  if (pieces->body == BlockBody<W>(BlockAvx2<W>) && p.m >= kStripRows) pieces->strip = StripAvx2<W>;
+  if (p.m >= kStripRows && pieces->body == BlockBody<W>(BlockAvx2<W>)) pieces->strip = Strip<W, PanelAvx2<W>>;
+  if (p.m >= kStripRows && pieces->body == BlockBody<W>(BlockAvx512<W>))
+    pieces->strip = Strip<W, PanelAvx512<W>>, pieces->strip_vector = 16;
   if constexpr (std::is_same_v<W, uint16_t>) {
     if (pieces->body == BlockAmx) pieces->block_rows = kAmxBlockRows;
   }
