@@ -1,7 +1,7 @@
 """Decoding at long contexts: Dew against transformers (sdpa, KV cache on), batch 8, same weights.
 
     python -m benchmarks.long_context [--contexts 512 2048 8192] [--new 16] [--rounds 5] [--batch 8]
-        [--llama-server PATH/llama-server [--llama-kv f32|f16]]
+        [--llama-server PATH/llama-server [--llama-kv f32|f16] [--llama-wait passive|default]]
     python -m benchmarks.long_context --one-layer     (the attention kernel alone against XLA's form)
     python -m benchmarks.long_context --products [--rows 1 8 32] [--write-table]
                                       (a step's float32 products: XLA, oneDNN and Dew's few-rows kernel)
@@ -21,8 +21,9 @@ and "in a capacity of" the shortest context in a cache of `--slot` slots (a serv
 With `--llama-server`, llama.cpp's server is a third side: the same weights written as an F32 GGUF by Dew's
 own writer (`dew.interop.gguf_out.write_gguf`), served with `--batch` parallel slots of context plus new
 tokens each (`-np`, `-c` their sum), 2 threads waiting without spinning (`-t 2 -tb 2 --poll 0`,
-OMP_WAIT_POLICY=PASSIVE), its keys and values in `--llama-kv` (float32 by default, as Dew and transformers
-keep them; llama.cpp's own default is f16). Its cache is filled once per context by a prompt of `context`
+OMP_WAIT_POLICY=PASSIVE; with `--llama-wait default`, OpenMP's and ggml's own wait: spinning briefly, its
+fastest on a quiet machine), its keys and values in `--llama-kv` (float32 by default, as Dew and
+transformers keep them; llama.cpp's own default is f16). Its cache is filled once per context by a prompt of `context`
 random token ids in one slot, saved and restored into the others (a prefill of 8 x 8,192 tokens would take
 many minutes); each round then sends that prompt to every slot at once through `/completion` (token ids,
 greedy, `ignore_eos`, `n_predict` = `--new`), and the server reuses the slot's keys and values for all but
@@ -166,17 +167,22 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 
 
 @contextlib.contextmanager
-def llama_server(path: str, gguf: Path, vocab: int, batch: int, context: int, new: int, kv: str, logs: Path):
+def llama_server(path: str, gguf: Path, vocab: int, batch: int, context: int, new: int, kv: str, logs: Path,
+                 wait: str = "passive"):
     """llama.cpp's server on `gguf` with `batch` slots of `context + new` positions, keys and values in `kv`,
     every slot's cache filled with the same `context` random ids below `vocab` (one prefill, saved and
-    restored into the other slots); yields (its base URL, the prompt) and stops it on leaving."""
-    from benchmarks.serve import Server, launch
+    restored into the other slots), its threads waiting as `wait` says (`benchmarks.serve.llama_wait`);
+    yields (its base URL, the prompt) and stops it on leaving."""
+    from benchmarks.serve import Server, launch, llama_wait
 
     slot = context + new
+    env, words = llama_wait(wait)
+    poll = ("--poll", "0") if env else ()
     server = Server("llama-server", [
         path, "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}", "-np", str(batch), "-c", str(batch * slot),
-        "-t", "2", "-tb", "2", "--poll", "0", "--cache-ram", "0", "-ctk", kv, "-ctv", kv,
-        "--slot-save-path", str(logs)], "-t 2 -tb 2 --poll 0", env={"OMP_WAIT_POLICY": "PASSIVE"})
+        "-t", "2", "-tb", "2", *poll, "--cache-ram", "0", "-ctk", kv, "-ctv", kv,
+        "--slot-save-path", str(logs)], f"-t 2 -tb 2{' --poll 0' if poll else ''}, {words}", env=env,
+        unset=not env)
     log = logs / f"llama-server-{context}.log"
     process, url, _ = launch(server, log)
     try:
@@ -306,6 +312,9 @@ def main():
     parser.add_argument("--xla-products", action="store_true",
                         help="also time Dew with every float32 product XLA's (the few-rows kernel refused)")
     parser.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary: adds it as a side")
+    parser.add_argument("--llama-wait", choices=["passive", "default"], default="passive",
+                        help="llama-server's threads: OMP_WAIT_POLICY=PASSIVE with --poll 0, or OpenMP's and ggml's own "
+                             "wait (spin, then sleep), its fastest on a quiet machine")
     parser.add_argument("--llama-kv", choices=["f32", "f16"], default="f32",
                         help="llama-server's key and value type (-ctk/-ctv; its own default is f16)")
     parser.add_argument("--products", action="store_true",
@@ -353,7 +362,7 @@ def main():
             llama = None
             if gguf is not None and with_torch:
                 llama = stack.enter_context(llama_server(args.llama_server, gguf, c.vocab_size, B, context, args.new,
-                                                         args.llama_kv, Path(scratch.name)))
+                                                         args.llama_kv, Path(scratch.name), args.llama_wait))
             run_case(args, model, params, torch_model, context, capacity, with_torch, llama, weight_bytes, bandwidth,
                      sides={"dew": ours, **({"dew, XLA attention": before}
                                             if capacity <= args.xla_up_to + args.new else {}),

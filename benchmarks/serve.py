@@ -171,7 +171,7 @@ def dew_server(capacity: int, dtype: str = "float32", prompt_cache: bool = False
                   f"XLA's default (its pool over all {os.cpu_count()} cores)", after_ready=settle)
 
 
-def _llama_wait(wait: str) -> tuple[dict[str, str], str]:
+def llama_wait(wait: str) -> tuple[dict[str, str], str]:
     """llama.cpp's environment for `wait` ("passive" or "default", OpenMP's own) and its words for the table."""
     if wait == "passive":
         return {"OMP_WAIT_POLICY": "PASSIVE"}, "OMP_WAIT_POLICY=PASSIVE"
@@ -180,7 +180,7 @@ def _llama_wait(wait: str) -> tuple[dict[str, str], str]:
 
 def llama_cpp_python_server(python: str, capacity: int, wait: str = "passive") -> Server:
     threads = str(os.cpu_count())
-    env, words = _llama_wait(wait)
+    env, words = llama_wait(wait)
     return Server("llama-cpp-python server", [
         python, "-m", "llama_cpp.server", "--model", str(Path(smollm2_directory()) / GGUF), "--host", "127.0.0.1",
         "--port", "{port}", "--model_alias", NAME, "--n_ctx", str(capacity), "--n_threads", threads,
@@ -190,7 +190,7 @@ def llama_cpp_python_server(python: str, capacity: int, wait: str = "passive") -
 
 def llama_server(path: str, capacity: int, prompt_cache: bool = False, wait: str = "passive") -> Server:
     threads = str(os.cpu_count())
-    env, words = _llama_wait(wait)
+    env, words = llama_wait(wait)
     poll = ("--poll", "0") if env else ()
     return Server(f"llama-server -np {SLOTS}", [
         path, "--model", str(Path(smollm2_directory()) / GGUF), "--host", "127.0.0.1", "--port", "{port}",
