@@ -28,7 +28,9 @@ def instruction_sets() -> list[str]:
 # below one block of 16, off the blocks, and weights large enough for two and four slices (520 x 131, 1030
 # x 130 floats; 128 KiB a slice). AVX2's tiles are of 3, 2 and 1 rows (13 = 3 * 4 + 1), and from 16 rows
 # its strips of 32 columns: one panel (32 x 64 x 96), panels of 128 rows continued and a strip of 24 columns
-# then the scalar tail (17 x 300 x 155), four slices of strips (20 x 1030 x 72).
+# then the scalar tail (17 x 300 x 155), four slices of strips (20 x 1030 x 72). AVX-512's strips take the
+# same shapes in 8-, 4- and 1-row tiles (17 = 8 + 8 + 1, 20 = 8 + 8 + 4, 32), with a 16-column strip before
+# the tail (155) and a tail of 8 columns after whole strips (72).
 @pytest.mark.parametrize("M,K,N", [(13, 520, 131), (3, 7, 40), (32, 64, 96), (2, 1030, 130), (17, 300, 155),
                                    (20, 1030, 72)])
 def test_the_kernel_is_the_xla_product_in_another_order(M, K, N):
@@ -115,8 +117,8 @@ def _with_body(isa: str, pairs: bool, tiles: bool, run):
 # Shapes that reach every bfloat16 path: 8-, 4- and 1-row tiles (M = 13), one row's 128-column tiles and the
 # 32- and 16-column ones with a scalar tail (N = 177, 131, 40, 144), K odd (the last row alone in vdpbf16ps),
 # below one block, and a weight of two slices (1031 x 144 bfloat16s; 128 KiB a slice); AMX's tiles of 2 to 16
-# rows and of 17 to 32 (M = 13, 32, 20), with a 16-column half group (N = 144); AVX2's strips from 16 rows
-# (M = 17, 32, 20: panels continued, a 24-column strip and a scalar tail).
+# rows and of 17 to 32 (M = 13, 32, 20), with a 16-column half group (N = 144); AVX2's and AVX-512's strips
+# from 16 rows (M = 17, 32, 20: panels continued, a 24- or 16-column strip and a scalar tail).
 @pytest.mark.parametrize("M,K,N", [(1, 521, 177), (13, 521, 131), (17, 300, 155), (3, 7, 40), (32, 64, 96),
                                    (2, 1031, 144), (20, 1031, 144)])
 def test_bfloat16_bodies_are_one_float32_chain(M, K, N):
