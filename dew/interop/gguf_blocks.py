@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from dew.interop import tensors
@@ -74,10 +74,11 @@ def with_blocks(model, variables: Mapping[str, Any], blocks: Blocks) -> dict[str
     (`dew.nn.stack`)."""
     quant: dict[str, Any] = {}
     for path, kept in blocks.items():
+        # device_put copies host bytes as they are; jnp.asarray compiled a program per shape (13 ms each)
         if path == _EMBEDDING:
-            quant[EMBED_BLOCKS] = jnp.asarray(kept)
+            quant[EMBED_BLOCKS] = jax.device_put(kept)
         else:
-            subtree(quant, path[:-1], create=True)[KERNEL_BLOCKS] = jnp.asarray(kept)
+            subtree(quant, path[:-1], create=True)[KERNEL_BLOCKS] = jax.device_put(kept)
     return model.stack_variables({**variables, QUANT_COLLECTION: quant})
 
 

@@ -185,9 +185,9 @@ def stacked_kernels(variables: Mapping) -> bool:
 def layer_indices(stack) -> jax.Array:
     """`[0, L)` for a stack of L layers, on the devices that hold the stack (replicated over them): a
     model placed on several devices keeps every variable there."""
-    index = jnp.arange(stack.shape[0], dtype=jnp.int32)
     if not isinstance(stack, jax.Array) or isinstance(stack, jax.core.Tracer):
-        return index
+        return jnp.arange(stack.shape[0], dtype=jnp.int32)
+    index = np.arange(stack.shape[0], dtype=np.int32)  # put from the host: jnp.arange would compile a program
     devices = sorted(stack.sharding.device_set, key=lambda device: device.id)
     mesh = jax.sharding.Mesh(np.array(devices), ("devices",))
     return jax.device_put(index, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
