@@ -50,10 +50,12 @@ Each time it prints the seconds from the process's start until the port answers 
 `/health` says ready (200), and until every program is compiled (`compiled == programs`, in the
 background), and the latency of the first request sent once ready (a 16-token greedy completion of a
 short prompt, whole) and of a second one. With `--rounds N` it then starts, N times in turn, warm
-`dew serve` (that cache; each other `--dew-dtype` with a cache of its own, filled by one start first), each
-peer given (`--llama-server`, `--llama-cpp-python`), and two floors in Python: `import jax` with one small
-program run, and `import dew.serve.app`; it prints each one's median seconds from start to ready (a peer's
-and Dew's first 200, a floor's exit) and the CPU seconds its process had used by then, and Dew's ratios.
+`dew serve` in each `--dew-dtype` (each with a cache of its own, filled by one start first), each
+peer given (`--llama-server`, `--llama-cpp-python`), and three floors in Python: `import jax` with one small
+program run, `import dew.serve.app`, and the stack's own server (`STACK_FLOOR`: jax and flax imported, one
+small program run, a FastAPI app on uvicorn answering `/health`, no model); it prints each one's median
+seconds from start to ready (a server's first 200, a floor's exit) and the CPU seconds its process had used
+by then, and Dew's ratios; every other round starts the servers in the opposite order.
 `--dew-gguf` adds warm `dew serve --quantize gguf` starts, with a cache of their own. `--baseline DIR`
 adds another Dew checkout's warm `dew serve` in each `--dew-dtype` and with `--dew-gguf` (run from DIR, its
 programs kept in a cache of its own by one whole start first) to each round, for before and after in the
@@ -512,37 +514,60 @@ def cpu_seconds(pid: int) -> float:
 FLOORS = {"python: import jax, one small program": "import jax, jax.numpy as jnp; jnp.zeros(8).block_until_ready()",
           "python: import dew.serve.app": "import dew.serve.app"}
 
+STACK_FLOOR = """
+import sys
+import flax.linen, jax, jax.numpy as jnp
+import fastapi, uvicorn
+jnp.zeros(8).block_until_ready()
+app = fastapi.FastAPI()
+app.get("/health")(lambda: {"status": "ok"})
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+"""
+"""What any server on Dew's stack does before its first 200, with no model: import JAX and Flax, run one program,
+and answer `/health` from a FastAPI app on uvicorn."""
 
-def rounds(args: argparse.Namespace, cache: str) -> None:
-    """Warm starts of dew serve in each `--dew-dtype` (float32 from `cache`), the baseline's, the peers asked for
-    and the floors, in turn, `args.rounds` times."""
+
+def stack_floor() -> Server:
+    return Server("floor: FastAPI on uvicorn, jax and flax, one small program", [sys.executable, "-c", STACK_FLOOR,
+                                                                                 "{port}"], "one")
+
+
+def rounds(args: argparse.Namespace) -> None:
+    """Warm starts of dew serve in each `--dew-dtype`, the baseline's, the peers asked for and the floors, in turn,
+    `args.rounds` times."""
     everyone = servers(args)[0]
     peers = [server for server in everyone if not server.name.startswith("dew serve")]
+    # Each checkout's modules compiled to bytecode first, as an installed package's are: a process that may not
+    # write it (PYTHONDONTWRITEBYTECODE) would otherwise compile every module of Dew at every start (0.12 s here).
+    for checkout in (Path(__file__).parents[1], *([Path(args.baseline)] if args.baseline else [])):
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(checkout / "dew")], check=True,
+                       env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""})
     with tempfile.TemporaryDirectory() as logs:
         chosen = []
         for dew in (server for server in everyone if server.name.startswith("dew serve")):
             for checkout in (None, args.baseline) if args.baseline else (None,):
-                # Any but this checkout's float32 start gets a cache of its own, filled by one start from nothing:
-                # its programs are compiled, not given back by JAX's cache (which another start filled), so each
-                # is kept at once, not later in the background.
-                filled = cache if checkout is None and dew.name == "dew serve" else None
-                own = filled or str(Path(logs) / f"cache-{len(chosen)}")
+                # Each start gets a cache of its own, filled by one start from nothing: its programs are compiled,
+                # not given back by JAX's cache (which another start filled), so each is kept at once, not later in
+                # the background; and each was made with the very flags it is started with.
+                own = str(Path(logs) / f"cache-{len(chosen)}")
                 # The baseline keeps its derived files (a GGUF file's tokenizer, stamped with the source that built
                 # it) apart, so that neither checkout rebuilds the other's at every start.
                 env = {**dew.env, "XDG_CACHE_HOME": str(Path(logs) / "baseline-cache")} if checkout else dew.env
                 server = dataclasses.replace(dew, name=f"{dew.name} (warm{f', {checkout}' if checkout else ''})",
                                              cwd=checkout, env=env, command=[*dew.command, "--compilation-cache", own])
-                if filled is None:
-                    process, url, _ = launch(server, Path(logs) / "fill.log")
-                    settle(url)
-                    process.terminate()
-                    process.wait(timeout=600)
+                process, url, _ = launch(server, Path(logs) / "fill.log")
+                settle(url)
+                process.terminate()
+                process.wait(timeout=600)
                 chosen.append(server)
-        chosen += peers
+        chosen += [*peers, stack_floor()]
         ready: dict[str, list[tuple[float, float]]] = {server.name: [] for server in chosen} | \
             {name: [] for name in FLOORS}
-        for _ in range(args.rounds):
-            for server in chosen:
+        for round_ in range(args.rounds):
+            # Every other round in the opposite order: on a virtual machine the first start after others have
+            # ended can pay for memory the host has not backed yet (a float32 load's huge pages), and whoever
+            # always went first would carry it.
+            for server in chosen if round_ % 2 == 0 else chosen[::-1]:
                 process, _, seconds = launch(server, Path(logs) / "server.log")
                 ready[server.name].append((seconds, cpu_seconds(process.pid)))
                 process.terminate()
@@ -578,7 +603,7 @@ def main():
                 print(f"| {start} | {f['port']:.1f} s | {f['ready']:.1f} s | {f['first request']:.2f} s | "
                       f"{f['second request']:.2f} s | {f['all compiled']:.1f} s ({f['programs']}) |", flush=True)
             if args.rounds:
-                rounds(args, cache)
+                rounds(args)
         return
     texts, lengths = prompts(args.requests)
     sent = {streams: texts for streams in STREAMS}
