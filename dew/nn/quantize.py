@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from dew import compilation_cache
 from dew.kernels.int8 import group_size
 from dew.nn.linear import KERNEL_SCALE, QUANT_COLLECTION, Linear
 from dew.nn.stack import lift_kernels, stacked_kernels
@@ -75,7 +76,8 @@ def linear_paths(model, variables) -> list[tuple[str, ...]]:
     """The module path of every `Linear` that `model` calls, in the tree of `variables` (scanned runs
     name their stacked module once). Found by tracing one abstract forward, so the model's own
     structure says what is a linear, not a table of names. A load asks more than once (bfloat16 bits,
-    then the stacked kernels), so the trace is kept per model and tree (`_LINEAR_PATHS`)."""
+    then the stacked kernels), so the trace is kept per model and tree (`_LINEAR_PATHS`), and a decoder's
+    between processes too (`dew.compilation_cache.kept_trace`)."""
     leaves, structure = jax.tree_util.tree_flatten(variables)
     # which linears run depends on the tree and its shapes, not on the leaves' dtypes (bfloat16_bits
     # changes only those); an unhashable model (a config holding an unhashable value) is traced each time
@@ -87,7 +89,16 @@ def linear_paths(model, variables) -> list[tuple[str, ...]]:
     if key not in _LINEAR_PATHS:
         if len(_LINEAR_PATHS) >= _KEPT_TRACES:
             del _LINEAR_PATHS[next(iter(_LINEAR_PATHS))]
-        _LINEAR_PATHS[key] = tuple(_traced_linear_paths(model, variables))
+        trace = lambda: _traced_linear_paths(model, variables)  # noqa: E731
+        description = compilation_cache.described(model)
+        if description is not None:  # a decoder's are kept between processes too, beside JAX's cache
+            shapes = "\n".join(f"{np.shape(leaf)}" for leaf in leaves)
+            found = compilation_cache.kept_trace("linears", f"{description}\n{structure}\n{shapes}", trace,
+                                                 lambda paths: [list(path) for path in paths],
+                                                 lambda paths: [tuple(path) for path in paths])
+        else:
+            found = trace()
+        _LINEAR_PATHS[key] = tuple(found)
     return list(_LINEAR_PATHS[key])
 
 

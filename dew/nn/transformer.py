@@ -19,6 +19,7 @@ from flax import linen as nn
 
 from flax import struct
 
+from dew import compilation_cache
 from dew.data.inputs import ModelInputs, text_fields
 from dew.kernels import policy as kernel_policy
 from dew.kernels import blocks
@@ -506,6 +507,14 @@ class ModelVariables:
         return super().apply(self.stack_variables(variables), *args, **kwargs)
 
     @nn.nowrap
+    def kept_description(self) -> str | None:
+        """What a trace of this model is kept under between processes (`dew.compilation_cache.kept_trace`): a
+        decoder's class and config, its one field; None for any other model, which is traced in each process."""
+        if type(self) is not CausalTransformer:
+            return None
+        return f"{type(self).__module__}.{type(self).__qualname__} {self.config!r}"
+
+    @nn.nowrap
     def variable_shapes(self):
         """`init`'s variables, every collection, as shapes (`jax.ShapeDtypeStruct`), without allocating them."""
         return nn.meta.unbox(boxed_shapes(self))
@@ -517,8 +526,37 @@ def boxed_shapes(model):
     fraction of a second and a checkpoint's load or a fit asks several times (the shapes to read into,
     their axis names, the collections, the FLOPs), so a model (equal models are the same model: modules
     compare by their fields, a LoRA model by its decoder and adapters) is traced once; one whose config
-    holds an unhashable value each time."""
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32), boxed=True))
+    holds an unhashable value each time. A decoder's are also kept between processes beside JAX's cache
+    (`dew.compilation_cache.kept_trace`), where one is set."""
+    def trace():
+        return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32), boxed=True))
+
+    description = compilation_cache.described(model)
+    if description is None:
+        return trace()
+    return compilation_cache.kept_trace("shapes", description, trace, _shapes_json, _shapes_from_json)
+
+
+def _shapes_json(tree):
+    """`boxed_shapes`' tree as JSON: each leaf its shape, dtype and logical axis names; None (not kept) for a
+    tree that holds anything else."""
+    if isinstance(tree, dict):
+        encoded = {key: _shapes_json(value) for key, value in tree.items()}
+        return None if any(not isinstance(key, str) or value is None for key, value in encoded.items()) else encoded
+    if (isinstance(tree, nn.LogicallyPartitioned) and isinstance(tree.value, jax.ShapeDtypeStruct)
+            and tree.mesh is None and tree.rules is None and type(tree) is nn.LogicallyPartitioned):
+        leaf = tree.value
+        if leaf.sharding is not None or leaf.weak_type:
+            return None
+        return {"shape": list(leaf.shape), "dtype": leaf.dtype.name, "names": list(tree.names)}
+    return None
+
+
+def _shapes_from_json(tree):
+    if "dtype" in tree and isinstance(tree["dtype"], str):
+        return nn.LogicallyPartitioned(jax.ShapeDtypeStruct(tuple(tree["shape"]), jnp.dtype(tree["dtype"])),
+                                       tuple(tree["names"]))
+    return {key: _shapes_from_json(value) for key, value in tree.items()}
 
 
 class CausalTransformer(ModelVariables, nn.Module):

@@ -26,24 +26,20 @@ import hashlib
 import logging
 import os
 import pickle
-import platform
 import random
-import sys
 import threading
-from importlib import metadata
 from pathlib import Path
 
 import jax
 from jax.experimental import serialize_executable
 
-import dew
+from dew.compilation_cache import environment
 from dew.files import write_atomically
 from dew.kernels.registry import register_targets
 
 logger = logging.getLogger("dew.serve")
 
 FORMAT = "dew-programs 1"  # the layout of an entry; a new layout is a new key
-_ENVIRONMENT_PREFIXES = ("XLA_", "JAX_", "DEW_", "TF_CPP_")
 
 
 class ProgramCache:
@@ -209,50 +205,3 @@ def _listen() -> None:
             _COMPILATIONS.hits = getattr(_COMPILATIONS, "hits", 0) + 1
 
     jax.monitoring.register_event_listener(count)
-
-
-@functools.cache
-def environment() -> str:
-    """What, besides the program itself, decides what XLA builds for it in this process (see the module)."""
-    device = jax.devices()[0]
-    versions = [f"{name} {_version(name)}" for name in ("jax", "jaxlib", "flax", "numpy", "ml_dtypes",
-                                                          "onednn-cpu-gomp")]
-    variables = sorted(f"{name}={value}" for name, value in os.environ.items()
-                       if name.startswith(_ENVIRONMENT_PREFIXES))
-    settings = sorted(f"{name}={value!r}" for name, value in jax.config.values.items())
-    return "\n".join([
-        f"python {sys.version}", *versions,
-        f"devices {device.platform} {device.client.platform_version} {device.device_kind} x{jax.device_count()} "
-        f"of {jax.process_count()} processes",
-        f"cpu {cpu_description()}", *variables, *settings, f"dew {dew_digest()}",
-    ])
-
-
-def cpu_description() -> str:
-    """The CPU's model and instruction set extensions (Linux's /proc/cpuinfo; elsewhere what `platform` says)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            lines = info.read().split("\n\n")[0].splitlines()
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
-    wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")  # x86's and Arm's names
-    return "; ".join(line.strip() for line in lines if line.split(":")[0].strip() in wanted)
-
-
-@functools.cache
-def dew_digest() -> str:
-    """A digest of Dew's source files, native kernels and kernel table, as this process imported them."""
-    root = Path(dew.__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        if path.suffix in (".py", ".so", ".json") and path.is_file() and "__pycache__" not in path.parts:
-            digest.update(f"{path.relative_to(root)}\n".encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def _version(distribution: str) -> str:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return "absent"

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew import models
+from dew import compilation_cache, models
 from dew.sampling import Sampling
 from dew.serve import Engine, Request
 from dew.serve import programs
@@ -94,24 +94,24 @@ def test_the_key_changes_with_what_the_program_is_made_of(model_and_variables, t
     assert ProgramCache.of(Engine(model, variables, slots=SLOTS, capacity=CAPACITY, eos_token_ids=(EOS, 3)),
                            tmp_path).key(("step", 2), arguments) != key
     # The machine and the software, each: what `environment` says changes, and with it every key.
-    described = programs.environment()
-    assert f"jax {jax.__version__}" in described and programs.dew_digest() in described
+    described = compilation_cache.environment()
+    assert f"jax {jax.__version__}" in described and compilation_cache.dew_digest() in described
     changes = {"_version": lambda name: "0.0.0", "cpu_description": lambda: "another CPU; flags: sse2",
                "dew_digest": lambda: "another Dew"}
     for name, replacement in changes.items():
         with monkeypatch.context() as patch:
-            patch.setattr(programs, name, replacement)
-            changed = programs.environment.__wrapped__()
+            patch.setattr(compilation_cache, name, replacement)
+            changed = compilation_cache.environment.__wrapped__()
             assert changed != described, name
             patch.setattr(programs, "environment", lambda: changed)
             assert cache.key(("step", 2), arguments) != key, name
     with monkeypatch.context() as patch:
         patch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=false")
-        assert programs.environment.__wrapped__() != described
+        assert compilation_cache.environment.__wrapped__() != described
     logging_compiles = jax.config.jax_log_compiles  # a JAX setting: any of them
     jax.config.update("jax_log_compiles", not logging_compiles)
     try:
-        assert programs.environment.__wrapped__() != described
+        assert compilation_cache.environment.__wrapped__() != described
     finally:
         jax.config.update("jax_log_compiles", logging_compiles)
 
