@@ -136,11 +136,15 @@ def test_load_pretrained_int8_generates_and_refuses_saving_and_bad_values(llama_
 
 def test_linear_paths_are_traced_once_per_model_and_tree_whatever_the_dtypes(tied, monkeypatch):
     # a bfloat16 load asks twice, before and after its kernels become uint16 bits: one trace
+    from dew import compilation_cache
     from dew.nn import quantize
 
     model, variables, _ = tied
     trace, traced = quantize._traced_linear_paths, []
     monkeypatch.setattr(quantize, "_LINEAR_PATHS", {})
+    # the in-process memo alone: the suite's JAX cache would answer from a trace another test kept there
+    # (tests/nn/test_kept_traces.py tests that keeping)
+    monkeypatch.setattr(compilation_cache, "_root", lambda: None)
     monkeypatch.setattr(quantize, "_traced_linear_paths", lambda *args: traced.append(args) or trace(*args))
     first = linear_paths(model, variables)
     bits = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), variables)
