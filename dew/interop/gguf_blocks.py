@@ -74,7 +74,7 @@ def with_blocks(model, variables: Mapping[str, Any], blocks: Blocks) -> dict[str
     (`dew.nn.stack`)."""
     quant: dict[str, Any] = {}
     for path, kept in blocks.items():
-        # device_put copies host bytes as they are; jnp.asarray compiled a program per shape (13 ms each)
+        # device_put copies the host bytes as they are, where jnp.asarray compiles a program for each new shape
         if path == _EMBEDDING:
             quant[EMBED_BLOCKS] = jax.device_put(kept)
         else:
