@@ -74,11 +74,12 @@ def with_blocks(model, variables: Mapping[str, Any], blocks: Blocks) -> dict[str
     (`dew.nn.stack`)."""
     quant: dict[str, Any] = {}
     for path, kept in blocks.items():
-        # device_put copies the host bytes as they are, where jnp.asarray compiles a program for each new shape
+        # the aligned host array as it is (jnp.asarray would compile a program for each new shape, and copy)
+        placed = jax.device_put(kept, may_alias=True)
         if path == _EMBEDDING:
-            quant[EMBED_BLOCKS] = jax.device_put(kept)
+            quant[EMBED_BLOCKS] = placed
         else:
-            subtree(quant, path[:-1], create=True)[KERNEL_BLOCKS] = jax.device_put(kept)
+            subtree(quant, path[:-1], create=True)[KERNEL_BLOCKS] = placed
     return model.stack_variables({**variables, QUANT_COLLECTION: quant})
 
 
@@ -92,17 +93,21 @@ def _leaf_blocks(checkpoint, leaf: tensors.LeafPlan | None, transpose) -> np.nda
     link = leaf.links[0]
     if link.axis is not None or link.reshape is not None or link.values is not None or link.transpose != transpose:
         return None
-    stacked = []
-    for position in leaf.positions():
+    positions = list(leaf.positions())
+    stacked = None  # every position's blocks, copied once from the file into one aligned array
+    for i, position in enumerate(positions):
         name = link.name.format(**leaf.values(position))
         found = checkpoint.blocks(name)
-        if found is None:
+        if found is None or (stacked is not None and found.shape != stacked.shape[1:]):
             return None
         _check_scales(found, name, checkpoint.path)
+        if stacked is None:
+            stacked = tensors.aligned_empty((len(positions), *found.shape), found.dtype)
         if link.permute is not None:  # llama.cpp's per-head interleave of the rows, undone row by row
-            found = found[tensors.interleaved_rows(found.shape[0], link.permute)]
-        stacked.append(found)
-    return np.stack(stacked).reshape(*leaf.shape[:len(leaf.stacked)], *stacked[0].shape)
+            np.take(found, tensors.interleaved_rows(found.shape[0], link.permute), axis=0, out=stacked[i])
+        else:
+            stacked[i] = found
+    return stacked.reshape(*leaf.shape[:len(leaf.stacked)], *stacked.shape[1:])
 
 
 # The float16 scales at the start of each kind's block (`dew.kernels.blocks`): d, and Q4_1's m or Q4_K's dmin.

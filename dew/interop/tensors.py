@@ -304,7 +304,7 @@ def read_region(reader, leaf: LeafPlan, index: tuple[slice, ...] | None, dtype,
     index = tuple(slice(None) for _ in leaf.shape) if index is None else tuple(index)
     bounds = [s.indices(n)[:2] for s, n in zip(index, leaf.shape)]
     k = len(leaf.stacked)
-    region = _aligned_empty([high - low for low, high in bounds], dtype)
+    region = aligned_empty([high - low for low, high in bounds], dtype)
     item_bounds = bounds[k:]
     for position in itertools.product(*(range(low, high) for low, high in bounds[:k])):
         # with Ellipsis a scalar item (a stacked leaf of per-layer scalars) is a view too, not a copy
@@ -360,7 +360,7 @@ def check_finite(array: np.ndarray, name: str, file=None, infinities: bool = Fal
                              "load one saved before that")
 
 
-def _aligned_empty(shape: Sequence[int], dtype, alignment: int = 64) -> np.ndarray:
+def aligned_empty(shape: Sequence[int], dtype, alignment: int = 64) -> np.ndarray:
     """An uninitialised host array whose data starts on an `alignment`-byte boundary: XLA's CPU backend
     takes such a buffer as it is (`jax.device_put(..., may_alias=True)`), where it copies one numpy
     allocated at its usual 16 bytes."""
