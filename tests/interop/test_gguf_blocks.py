@@ -128,6 +128,20 @@ def test_a_scanned_run_reads_its_layers_blocks_in_place(tiny_file, both):
         np.testing.assert_allclose(ours, reference, rtol=0, atol=ulp_bound(ulps, np.abs(reference).max()))
 
 
+def test_a_stack_whose_layers_differ_in_kind_is_read_as_floats(tmp_path, monkeypatch):
+    """A scanned run stacks a projection's layers: stored in two kinds (as llama.cpp's mixed files do, Q8_0 in
+    one layer and Q4_0 in the next), their blocks are of two sizes, so that leaf is read as floats, the rest kept."""
+    model = torch_model("llama", intermediate_size=64)
+    monkeypatch.setitem(KINDS, "blk.1.ffn_down", Q4_0)
+    path = write_gguf(model, tmp_path / "two-kinds.gguf", tensors=list(mixed_tensors(model)))
+    scanned = load_pretrained(tmp_path, gguf_file=path.name, quantize="gguf", scan_layers=1)
+    floats = load_pretrained(tmp_path, gguf_file=path.name, scan_layers=1)
+    whole = scanned.variables[STACKED_BLOCKS]["layers_0to1"]
+    assert "down_proj" not in whole["mlp"] and whole["mlp"]["up_proj"][KERNEL_BLOCKS].shape == (2, 64, 1, 20)
+    np.testing.assert_array_equal(scanned.variables["params"]["layers_0to1"]["mlp"]["down_proj"]["kernel"],
+                                  floats.variables["params"]["layers_0to1"]["mlp"]["down_proj"]["kernel"])
+
+
 def test_the_pipeline_keeps_blocks_and_bad_requests_are_refused(tiny_file, tmp_path):
     task = pipeline(tiny_file, quantize="gguf")
     assert KERNEL_BLOCKS in task.params[QUANT_COLLECTION]["layers_0"]["self_attn"]["q_proj"]
