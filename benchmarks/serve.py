@@ -528,8 +528,9 @@ and answer `/health` from a FastAPI app on uvicorn."""
 
 
 def stack_floor() -> Server:
+    """`STACK_FLOOR` as a server, timed to its first 200 as the engines are."""
     return Server("floor: FastAPI on uvicorn, jax and flax, one small program", [sys.executable, "-c", STACK_FLOOR,
-                                                                                 "{port}"], "one")
+                                                                                 "{port}"], "XLA's default")
 
 
 def rounds(args: argparse.Namespace) -> None:
@@ -538,7 +539,7 @@ def rounds(args: argparse.Namespace) -> None:
     everyone = servers(args)[0]
     peers = [server for server in everyone if not server.name.startswith("dew serve")]
     # Each checkout's modules compiled to bytecode first, as an installed package's are: a process that may not
-    # write it (PYTHONDONTWRITEBYTECODE) would otherwise compile every module of Dew at every start (0.12 s here).
+    # write it (PYTHONDONTWRITEBYTECODE) would otherwise compile every module of Dew at every start.
     for checkout in (Path(__file__).parents[1], *([Path(args.baseline)] if args.baseline else [])):
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(checkout / "dew")], check=True,
                        env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""})
