@@ -129,8 +129,8 @@ class Objective(Protocol):
 
     def predict(self, params: Variables, batch: Mapping[str, jax.Array], step: Step, *, train: bool,
                 layers: Sequence[int] = ()) -> tuple[Any, Aux, Prediction]:
-        """(optional) `loss`'s statistics and effects with the `Prediction` behind them: the whole
-        logits, the target weights and the output states of `layers`."""
+        """(optional) the loss (`LMObjective`'s: its `Mean`) and effects with the `Prediction` behind them:
+        the whole logits, the target weights and the output states of `layers`."""
         ...
 
 

@@ -15,8 +15,8 @@ import pytest
 from dew import Trainer, models
 from dew.data.dataset import Dataset
 from dew.data.inputs import ModelInputs
-from dew.objectives.base import Step
-from dew.objectives.lm import LMObjective, Role, sessions
+from dew.objectives.base import Mean, Step
+from dew.objectives.lm import LMObjective, LMStatistics, Role, sessions
 from dew.nn.head import chunked_cross_entropy
 from dew.sampling import Sampling
 from dew.sharding import MeshSpec, place_batch
@@ -301,8 +301,8 @@ def test_a_model_inputs_batch_weighs_only_real_targets(tiny_model, tiny_variable
     objective.check_batch(batch)
     placed = place_batch(MeshSpec(data=1).build(jax.devices()[:1]), batch)
     assert isinstance(placed["text"], ModelInputs) and isinstance(placed["text"].token_fields["attention_mask"], jax.Array)
-    stats, _, prediction = jax.jit(lambda v, b: objective.predict(v, b, STEP, train=False))(tiny_variables, placed)
-    assert float(stats.ce.count) == np.sum(SEQ - pads)
+    loss, _, prediction = jax.jit(lambda v, b: objective.predict(v, b, STEP, train=False))(tiny_variables, placed)
+    assert float(loss.count) == np.sum(SEQ - pads)
     np.testing.assert_array_equal(prediction.weights, mask[:, :-1] & mask[:, 1:])
     # Masked rows score as rows whose padding is moved out of the way (left_padding): the same decoder
     # with another mask (decoder_ulps with one library) moves each logit, so each cross entropy by
@@ -311,17 +311,24 @@ def test_a_model_inputs_batch_weighs_only_real_targets(tiny_model, tiny_variable
     logits = np.asarray(prediction.logits)
     error = ulp_bound(decoder_ulps(layers=2, width=32, mlp_width=64, heads=4, head_dim=8, seq_len=SEQ, libraries=1),
                       np.abs(logits).max())
-    assert float(stats.ce.total) == pytest.approx(-float(np.sum(np.asarray(moved, np.float64))),
+    assert float(loss.total) == pytest.approx(-float(np.sum(np.asarray(moved, np.float64))),
                                                   abs=np.sum(SEQ - pads) * _softmax_bound(error, logits))
 
 
 def test_predict_gives_the_logits_weights_and_layer_states_behind_the_loss(tiny_model, tiny_variables):
     batch = {k: jnp.asarray(v) for k, v in _chat_batch(4, 2).items()}
     objective = LMObjective(tiny_model, SEQ, loss_role="assistant")
-    stats, effects, prediction = jax.jit(lambda v, b: objective.predict(v, b, STEP, train=True, layers=(0, 1)))(
+    mean, effects, prediction = jax.jit(lambda v, b: objective.predict(v, b, STEP, train=True, layers=(0, 1)))(
         tiny_variables, batch)
-    loss, _ = jax.jit(objective.loss)(tiny_variables, batch, STEP)
-    assert effects == {} and float(stats.ce.total) == float(loss.ce.total) and float(stats.ce.count) == float(loss.ce.count)
+    stats, _ = jax.jit(objective.loss)(tiny_variables, batch, STEP)
+    # the reference's signature: the loss's Mean first; the whole statistics are predict_statistics'
+    assert isinstance(mean, Mean) and effects == {}
+    assert float(mean.total) == float(stats.loss.total) and float(mean.count) == float(stats.loss.count)
+    whole, _, again = jax.jit(lambda v, b: objective.predict_statistics(v, b, STEP, train=True, layers=(0, 1)))(
+        tiny_variables, batch)
+    assert isinstance(whole, LMStatistics) and float(whole.ce.total) == float(stats.ce.total)
+    assert float(whole.token_accuracy.total) == float(stats.token_accuracy.total)
+    np.testing.assert_array_equal(again.logits, prediction.logits)
     assert prediction.logits.shape == (2, SEQ, 64) and prediction.logits.dtype == jnp.float32
     np.testing.assert_array_equal(prediction.weights, _kept_by_hand(_chat_batch(4, 2)).astype(np.float32))
     scored = jax.jit(lambda v, b: objective.token_scores(
@@ -350,7 +357,7 @@ def test_predict_refuses_router_loss_terms_and_keeps_balance_rate():
         with pytest.raises(ValueError, match=rf"predict: {name}={value} is a router loss normalised by its own totals"):
             LMObjective(model, SEQ, **{name: value}).predict(variables, batch, STEP, train=False)
     objective = LMObjective(model, SEQ, balance_rate=0.01)
-    stats, effects, prediction = jax.jit(lambda v, b: objective.predict(v, b, STEP, train=False))(variables, batch)
+    _, effects, prediction = jax.jit(lambda v, b: objective.predict(v, b, STEP, train=False))(variables, batch)
     assert effects["counts"].shape == (2, 4) and int(effects["counts"].sum()) == 2 * 2 * SEQ * 2
     assert prediction.logits.shape == (2, SEQ, 64)
 

@@ -569,16 +569,26 @@ class LMObjective(PolicyScoring):
         stats = self._statistics(*self._scored(params, self._batch_rows(batch), _training_rngs(step)))
         return stats, self._effects(stats)
 
-    def predict(self, params, batch, step: Step, *, train: bool, layers: Sequence[int] = ()):
+    def predict(self, params, batch, step: Step, *, train: bool,
+                layers: Sequence[int] = ()) -> tuple[Mean, Aux[Variables], Prediction]:
         """Score the loss with the logits, the target weights and the outputs of `layers` behind it,
-        for a teacher to compare (`Objective.predict`): `(statistics, effects, Prediction)`.
+        for a teacher to compare (`Objective.predict`): `(loss, effects, Prediction)`, the loss the
+        main term's `Mean` over the counted targets (what `reduce_loss` divides).
 
         The logits are the whole `[B, seq_len, vocab]` float32 tensor the chunked loss never holds; a
         distillation's KL reads every column. The router loss terms (`aux_loss_alpha`,
         `router_z_loss`) carry their own normalisation, so they cannot ride a distillation's token
         mass and are refused; `balance_rate` balances without a loss term and is kept. With `train`
-        the model runs with the step's key as its `dropout` rng, as the training loss does.
+        the model runs with the step's key as its `dropout` rng, as the training loss does. The
+        whole statistics (cross entropy, accuracy, named terms) are `predict_statistics`'.
         """
+        stats, effects, prediction = self.predict_statistics(params, batch, step, train=train, layers=layers)
+        return stats.loss, effects, prediction
+
+    def predict_statistics(self, params, batch, step: Step, *, train: bool,
+                           layers: Sequence[int] = ()) -> tuple[LMStatistics, Aux[Variables], Prediction]:
+        """`predict` with the whole `LMStatistics` in place of the loss's `Mean` (one forward pass): for a
+        caller that logs the cross entropy, the accuracy or the named terms beside the prediction."""
         if self.router is not None:
             for name, value in (("aux_loss_alpha", self.router.aux_loss_alpha), ("router_z_loss", self.router.z_loss)):
                 if value:
