@@ -313,8 +313,35 @@ tokenizer trained on it, into data/kjv-bpe: train on those with --tokenizer kjv-
 
 
 def parse(argv: Sequence[str], prog: str = "python recipes/lm/train.py") -> LMRunConfig:
-    """The `LMRunConfig` a command line describes; flags may follow the data subcommand."""
-    return tyro.cli(LMRunConfig, args=list(argv), prog=prog, description=_DESCRIPTION,
+    """The `LMRunConfig` a command line describes; flags may come before or after the data subcommand,
+    and a flag given more than once takes its last value."""
+    # tyro retires a flag once the level that read it ends, so a copy after the data subcommand of a flag
+    # read before it is refused as misplaced. Each earlier copy (the flag and the values up to the next flag
+    # or subcommand) is dropped instead; `--no-X` is `--X`'s other spelling.
+    groups = {field.name for field in dataclasses.fields(LMRunConfig)}
+
+    def flag(token: str) -> str | None:
+        if not (token.startswith("--") and token[2:3].isalpha()):
+            return None
+        name = token[2:].partition("=")[0].replace("_", "-")
+        return name.removeprefix("no-")
+
+    def ends_values(token: str) -> bool:
+        return flag(token) is not None or token.partition(":")[0] in groups and ":" in token
+
+    tokens, kept = list(argv), []
+    position = 0
+    while position < len(tokens):
+        end = position + 1
+        name = flag(tokens[position])
+        if name is not None and "=" not in tokens[position]:
+            while end < len(tokens) and not ends_values(tokens[end]):
+                end += 1
+        later = {flag(token) for token in tokens[end:]}
+        if name is None or name not in later:
+            kept += tokens[position:end]
+        position = end
+    return tyro.cli(LMRunConfig, args=kept, prog=prog, description=_DESCRIPTION,
                     config=(tyro.conf.CascadeSubcommandArgs,))
 
 

@@ -100,6 +100,16 @@ def test_the_guides_flags_parse():
     assert config.model.config == {"num_layers": 2, "dtype": "bfloat16"}
 
 
+def test_a_flag_given_on_both_sides_of_the_data_subcommand_takes_its_last_value():
+    config = parse(["--ema-decay", "0.9", "--no-token-accuracy", "--sample-prompt", "In the", "--optim.b1", "-0.5",
+                    "data:token-windows", "--data.path", "data/x", "--ema-decay", "0.5", "--token-accuracy",
+                    "--sample-prompt=And God said", "--data.path", "data/y", "--optim.b1", "0.8"])
+    assert config.ema_decay == 0.5 and config.token_accuracy and config.sample_prompt == "And God said"
+    assert config.data.path == "data/y" and config.optim.b1 == 0.8
+    once = parse(["--ema-decay", "0.9", "data:token-windows", "--data.path", "data/x"])
+    assert once.ema_decay == 0.9 and type(once.data).__name__ == "TokenWindows"
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--tokenizer", "gpt2"], "--tokenizer 'gpt2' is not the tokenizer 'byte' that wrote"),
     (["--pretrained", "Qwen/Qwen3-0.6B"], "decides the architecture, so --model.config may set only"),
