@@ -251,6 +251,19 @@ def _encoded_chunks(files: list[Path], tokenizer: Tokenizer, workers: int, chunk
             yield head if isinstance(head, np.ndarray) else head.get()
 
 
+def _check_apart(input: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Refuse an `out` that is `input`, or lies inside the directory `input`: the text files there (a stray
+    notes.txt, the token files' neighbours) would be read as the corpus and replace the token files."""
+    if os.fspath(input) == "":  # `input_files` refuses it by name
+        return
+    source, target = Path(os.path.realpath(input)), Path(os.path.realpath(out))
+    if target == source or (source.is_dir() and target.is_relative_to(source)):
+        where = "is" if target == source else "is inside"
+        raise ValueError(f"--out {out} {where} --input {input}: tokenizing would read every text and record file in "
+                         f"{input} (whatever else lies beside the token files) as the corpus; write the token files "
+                         "to a directory outside the input")
+
+
 def existing_token_files(out: str | os.PathLike) -> str | None:
     """What `out` already holds of a set of token files, in words (meta.json's counts and tokenizer when
     it reads), or None when it holds none of train.bin, val.bin and meta.json."""
@@ -395,7 +408,8 @@ def tokenize_text(input: str | os.PathLike, out: str | os.PathLike, tokenizer: s
     terminal.
 
     Token files already in `out` are refused, naming them (`existing_token_files`), unless `force`
-    asks to replace them; an empty `out` is refused rather than read as the current directory. The
+    asks to replace them; an empty `out` is refused rather than read as the current directory, and so is an
+    `out` that is `input` or lies inside it (the input's other files would be read as the corpus). The
     new files replace the old ones only once all three are written: an input that is not UTF-8,
     truncated or holds no text (ValueError), a failed write (OSError), Ctrl-C or SIGTERM leave
     `out` as it was and remove this call's staging files. A SIGKILLed call's staging
@@ -411,6 +425,7 @@ def tokenize_text(input: str | os.PathLike, out: str | os.PathLike, tokenizer: s
     if os.fspath(out) == "":
         raise ValueError("out is an empty path, which would write the token files into the current directory: name "
                          "the directory for train.bin, val.bin and meta.json (--out)")
+    _check_apart(input, out)
     held = existing_token_files(out)
     if held is not None and not force:
         raise FileExistsError(f"{out} already holds {held}: pass --force (force=True) to replace them, or choose "

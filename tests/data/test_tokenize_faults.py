@@ -108,6 +108,24 @@ def test_an_empty_path_is_refused_not_read_as_the_current_directory(tmp_path, mo
     assert sorted(path.name for path in tmp_path.iterdir()) == ["new.txt"]
 
 
+def test_an_output_that_is_or_lies_inside_the_input_is_refused_naming_both(previous, tmp_path):
+    out, before = previous
+    (out / "notes.txt").write_text("a stray note\n", encoding="utf-8")  # beside the token files, in the input
+    with pytest.raises(ValueError, match=rf"--out {out} is --input {out}: tokenizing would read every text and "
+                                         rf"record file in {out} .* as the corpus; write the token files to a "
+                                         "directory outside the input"):
+        tokenize_text(out, out, "byte", 0.0, 1, force=True)
+    inside = out / "tokens"
+    with pytest.raises(ValueError, match=rf"--out {inside} is inside --input {out}:"):
+        tokenize_text(out, inside, "byte", 0.0, 1, force=True)
+    (out / "notes.txt").unlink()
+    assert_intact(out, before)
+    assert not inside.exists()
+    (tmp_path / "link").symlink_to(out)  # the same directory by another name
+    with pytest.raises(ValueError, match=rf"--out {tmp_path / 'link'} is --input {out}"):
+        tokenize_text(out, tmp_path / "link", "byte", 0.0, 1, force=True)
+
+
 def test_a_new_run_replaces_the_files_whole(previous, tmp_path):
     out, before = previous
     (tmp_path / "new.txt").write_text("a different corpus\n" * 30, encoding="utf-8")
