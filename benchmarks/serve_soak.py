@@ -1,7 +1,7 @@
 """Soak: `dew serve` under 2,000 mixed requests on a tiny model: every good request answered, every bad
 one refused, /health answered throughout, and the server's resident memory flat.
 
-    python -m benchmarks.serve_soak [--requests 2000] [--concurrency 16] [--seed 0]
+    python -m benchmarks.serve_soak [--requests 2000] [--concurrency 16] [--seed 0] [--no-cache-cases]
 
 A random 2-layer Llama of width 64 with GPT-2's 50,257-id tokenizer (`make gpt2-tokenizer` writes it)
 is saved as a transformers checkpoint and served by a real `dew serve` process (8 slots of 128
@@ -18,6 +18,12 @@ The server's resident memory (VmRSS) is read after every 100 requests (printed i
 (exit status 1) when a good request is not answered (200, a finish reason; a cancelled one: its first
 chunk), a bad one is not refused with its status, /health fails once, or the memory after
 the last request is more than 10% above that after the first 100.
+
+Before the soak, the compilation cache's cases (`CACHE_CASES`), each a server of its own that must answer
+100 requests of the same mix, or refuse to start as documented: a `--compilation-cache` whose kept programs
+were swapped in pairs (each under another's name: compiled again, never run), one that is a file (refused,
+exit status 2, naming it), one whose `dew-programs` and `dew-kept` are files, and a default cache
+(`$XDG_CACHE_HOME/dew/jax`) that is a file (each served without it, with one warning naming it).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import http.client
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -280,12 +287,16 @@ def write_checkpoint(directory: Path) -> None:
                     generation=Sampling(temperature=0.8, eos_token_ids=(50256,), pad_id=50256))
 
 
-def start_server(directory: Path, template: Path, slots: int, capacity: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(directory: Path, template: Path, slots: int, capacity: int, log: Path, flags: tuple[str, ...] = (),
+                 env: dict[str, str | None] | None = None) -> tuple[subprocess.Popen, str]:
+    """`dew serve` of the checkpoint in `directory` with `flags`, and `env` set (a value) or removed (None), once
+    /health answers 200."""
     port = free_port()
     command = [sys.executable, "-m", "dew.cli", "serve", str(directory), "--port", str(port), "--slots", str(slots),
-               "--capacity", str(capacity), "--chat-template", str(template), "--name", "soak"]
+               "--capacity", str(capacity), "--chat-template", str(template), "--name", "soak", *flags]
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                               env={name: value for name, value in environment.items() if value is not None})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while True:
@@ -303,6 +314,84 @@ def start_server(directory: Path, template: Path, slots: int, capacity: int, log
         time.sleep(0.5)
 
 
+def _swap_in_pairs(directory: Path) -> int:
+    """Put each kept program under the name of the next one (in name order), in pairs; returns how many moved."""
+    entries = sorted(path for path in directory.iterdir() if not path.name.startswith("."))
+    for first, second in zip(entries[::2], entries[1::2]):
+        staged = first.with_name(".swapping")
+        first.rename(staged)
+        second.rename(first)
+        staged.rename(second)
+    return len(entries) // 2 * 2
+
+
+def cache_cases(scratch: Path, template: Path, slots: int, capacity: int, rng: random.Random,
+                concurrency: int) -> list[str]:
+    """Run `CACHE_CASES`; returns what went wrong (case: detail)."""
+    failures = []
+    model = scratch / "model"
+    cache = scratch / "cases" / "cache"
+    no_cache = {"JAX_COMPILATION_CACHE_DIR": None, "DEW_COMPILATION_CACHE": None}
+
+    def serves(case: str, flags: tuple[str, ...], env: dict, said: list[str]) -> None:
+        """The server starts, answers 100 requests of the mix, logs each of `said`, and no traceback."""
+        log = scratch / "cases" / f"{case.replace(' ', '-')}.log"
+        started = time.perf_counter()
+        try:
+            process, url = start_server(model, template, slots, capacity, log, flags, env)
+        except SystemExit as error:
+            failures.append(f"{case}: {error}")
+            return
+        try:
+            tally = drive(Target.of(url, max_body_bytes=2**20), 100, rng, concurrency)
+            failures.extend(f"{case}: {failure}" for failure in tally.failures)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+        text = log.read_text()
+        failures.extend(f"{case}: the log does not say {words!r}" for words in said if words not in text)
+        if "Traceback" in text:
+            failures.append(f"{case}: a traceback in the log: {text[text.index('Traceback'):][:300]!r}")
+        print(f"  {case}: served 100 requests, {time.perf_counter() - started:.0f} s in all")
+
+    (scratch / "cases").mkdir()
+    serves("kept programs written", ("--compilation-cache", str(cache)), no_cache, [])
+    programs = cache / "dew-programs"
+    swapped = _swap_in_pairs(programs) if programs.is_dir() else 0
+    if swapped < 2:
+        failures.append(f"kept programs swapped: {programs} holds {swapped} programs, fewer than two to swap")
+    serves(f"{swapped} kept programs swapped in pairs", ("--compilation-cache", str(cache)), no_cache,
+           ["of another key (an entry renamed or copied over this one's name)"])
+    file = scratch / "cases" / "a-file"
+    file.write_text("not a directory")
+    refused = subprocess.run([sys.executable, "-m", "dew.cli", "serve", str(model), "--port", "0",
+                              "--compilation-cache", str(file)], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    expected = f"error: the compilation cache {file} is a file, not a directory"
+    if refused.returncode != 2 or not refused.stderr.startswith(expected):
+        failures.append(f"--compilation-cache a file: exit status {refused.returncode} and {refused.stderr[-300:]!r}, "
+                        f"not 2 and {expected!r}")
+    else:
+        print("  --compilation-cache a file: refused with exit status 2, naming it")
+    inner = scratch / "cases" / "inner-files"
+    inner.mkdir()
+    for name in ("dew-programs", "dew-kept"):
+        (inner / name).write_text("not a directory")
+    serves("dew-programs and dew-kept files", ("--compilation-cache", str(inner)), no_cache,
+           [f"warning: the compilation cache {inner / name} is a file" for name in ("dew-programs", "dew-kept")])
+    home = scratch / "cases" / "xdg"
+    (home / "dew").mkdir(parents=True)
+    (home / "dew" / "jax").write_text("not a directory")
+    serves("default cache a file", (), {**no_cache, "XDG_CACHE_HOME": str(home)},
+           [f"warning: the compilation cache {home / 'dew' / 'jax'} is a file"])
+    shutil.rmtree(scratch / "cases", ignore_errors=True)
+    return failures
+
+
+CACHE_CASES = ("kept programs swapped in pairs", "--compilation-cache a file", "dew-programs and dew-kept files",
+               "default cache a file")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
@@ -310,6 +399,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--capacity", type=int, default=128)
+    parser.add_argument("--no-cache-cases", action="store_true", help="skip the compilation cache's cases")
     args = parser.parse_args()
     first = min(100, args.requests)
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the start")
@@ -318,6 +408,11 @@ def main() -> int:
         write_checkpoint(scratch / "model")
         template = scratch / "chatml.jinja"
         template.write_text(CHATML)
+        cache_failures = []
+        if not args.no_cache_cases:
+            print(f"the compilation cache's cases: {', '.join(CACHE_CASES)}")
+            cache_failures = cache_cases(scratch, template, args.slots, args.capacity, random.Random(args.seed + 1),
+                                         args.concurrency)
         started = time.perf_counter()
         process, url = start_server(scratch / "model", template, args.slots, args.capacity, scratch / "serve.log")
         print(f"dew serve started in {time.perf_counter() - started:.0f} s")
@@ -352,7 +447,7 @@ def main() -> int:
           f"{after_last / 2**20:.0f} MiB after the last ({growth:+.1%}); slots busy at the end {load['busy']}, "
           f"waiting {load['waiting']}")
     print(f"resident memory after each 100 requests, MiB: {', '.join(f'{size / 2**20:.0f}' for size in resident)}")
-    failed = tally.failures + [f"/health: {failure}" for failure in watch.failures]
+    failed = cache_failures + tally.failures + [f"/health: {failure}" for failure in watch.failures]
     if growth > 0.10:
         failed.append(f"resident memory grew {growth:.1%}, past 10%")
     if load["busy"] or load["waiting"]:

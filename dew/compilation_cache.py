@@ -2,7 +2,11 @@
 tracing a model tells kept beside it (`kept_trace`), so a second process skips that too.
 
 Dew's own commands (`dew ...`, the quick start) turn it on where they start; `import dew` changes no JAX
-setting, so a program that embeds Dew decides for itself (calling `configure()` is one way)."""
+setting, so a program that embeds Dew decides for itself (calling `configure()` is one way).
+
+A directory the caller names that cannot be one (a file is there, or above it) is refused; one Dew picks or
+makes itself (the default cache, `dew-kept/` and `dew-programs/` inside any cache) is left out with one warning,
+and the command goes on without it."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import os
 import platform
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -28,7 +33,9 @@ def configure(directory: str | os.PathLike | None = None) -> None:
     Call it before the process compiles anything: JAX opens its cache at the first compile.
 
     Without `directory`, a cache directory the user already configured (`JAX_COMPILATION_CACHE_DIR`
-    or `jax.config.update`) is left alone, and `DEW_COMPILATION_CACHE=0` turns this off.
+    or `jax.config.update`) is left alone, and `DEW_COMPILATION_CACHE=0` turns this off. A `directory` that
+    cannot be a directory (a file is there, or above it) is refused with NotADirectoryError; a default one
+    is left out with a warning, and the process compiles without a persistent cache.
     """
     import jax  # here, so that a command that never compiles does not import it for this
 
@@ -36,10 +43,53 @@ def configure(directory: str | os.PathLike | None = None) -> None:
         if os.environ.get("DEW_COMPILATION_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
             return
         root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        if not usable(os.path.join(root, "dew", "jax"), "compiled programs"):
+            return
         directory = os.path.join(root, "dew", "jax")
+    else:
+        problem = not_a_directory(directory)
+        if problem is not None:
+            raise NotADirectoryError(f"the compilation cache {os.fspath(directory)} {problem}: give a directory "
+                                     "(made where missing), or another path")
+    for part, what in ((KEPT_DIRECTORY, "traces"), (PROGRAMS_DIRECTORY, "serving programs")):
+        usable(os.path.join(directory, part), what)  # warned about now, once, rather than at each entry
     jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
     # Cache every executable that took half a second or more to build (the train step takes seconds).
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+KEPT_DIRECTORY = "dew-kept"  # inside JAX's cache directory: traces (`kept_trace`)
+PROGRAMS_DIRECTORY = "dew-programs"  # inside JAX's cache directory: serving programs (`dew.serve.programs`)
+
+
+def not_a_directory(path: str | os.PathLike) -> str | None:
+    """Why `path` cannot be a directory ("is a file, not a directory", "lies under the file F"), or None when
+    it is one or can be made."""
+    path = Path(path).absolute()
+    for place in (path, *path.parents):
+        try:
+            if place.is_dir():
+                return None
+            if place.exists() or place.is_symlink():
+                return "is a file, not a directory" if place == path else f"lies under the file {place}"
+        except OSError:  # unreadable: the directory's own use will say what is wrong
+            return None
+    return None
+
+
+def usable(path: str | os.PathLike, what: str) -> bool:
+    """Whether the cache directory `path` (which keeps `what`) is a directory or can be made one; when not, a
+    warning, once a process, that Dew keeps no `what` there (it compiles or traces each time instead)."""
+    return _usable(os.path.abspath(path), what)
+
+
+@functools.cache
+def _usable(path: str, what: str) -> bool:
+    problem = not_a_directory(path)
+    if problem is not None:
+        warnings.warn(f"the compilation cache {path} {problem}: Dew keeps no {what} there and goes on "
+                      "without them (remove what is in the way, or choose another directory)", stacklevel=3)
+    return problem is None
 
 
 # ---- what a kept entry depends on, and traces kept beside JAX's entries ------------------------------------
@@ -121,10 +171,10 @@ def kept_trace(kind: str, description: str, trace: Callable[[], T], encode: Call
     so a change to Dew, the software or the machine is another key. `encode` makes the value JSON (None: not
     kept); `decode` makes it back. An entry that cannot be read is traced again and replaced."""
     root = _root()
-    if not root:
+    if not root or not usable(os.path.join(root, KEPT_DIRECTORY), "traces"):
         return trace()
     text = "\n".join([KEPT_FORMAT, kind, environment(), description])
-    path = Path(root) / "dew-kept" / f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+    path = Path(root) / KEPT_DIRECTORY / f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
     try:
         return decode(json.loads(path.read_bytes()))
     except FileNotFoundError:

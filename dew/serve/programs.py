@@ -13,9 +13,16 @@ computed without tracing: everything the program is made of, which is
   environment variables that steer XLA, JAX and Dew (`XLA_FLAGS`, `JAX_*`, `DEW_*`), and Dew's own
   code (a digest of its source files, native kernels and kernel table).
 A change to any of these is another key, so a stale program is never found; entries of old keys stay
-behind as JAX's own do. An entry that cannot be read (cut short, written by another build) is compiled
-again and rewritten. Entries live in `dew-programs/` inside JAX's cache directory, and only when one is
+behind as JAX's own do. Entries live in `dew-programs/` inside JAX's cache directory, and only when one is
 set (`dew serve` sets `~/.cache/dew/jax`, or `--compilation-cache`).
+
+An entry is a line naming the layout, a JSON header (the whole key's digest, the program, its arguments'
+shapes and dtypes) and JAX's serialized executable. JAX's serialization is a pickle and an executable is
+machine code, so reading an entry can run what it holds: an entry is read only when this process's user owns
+it and no other user can write it (ssh's rule for its keys), so whoever else can write the directory cannot
+have the server run what they wrote. An entry that is not read (another user's, cut short, written by another
+build, or of another key: renamed or copied over another entry's name) is compiled again and rewritten, as is
+one whose loaded program takes other arguments than the caller's; each such entry is logged.
 """
 
 from __future__ import annotations
@@ -23,23 +30,29 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
+import json
 import logging
 import os
 import pickle
 import random
+import secrets
+import stat
 import threading
 from pathlib import Path
 
 import jax
 from jax.experimental import serialize_executable
 
-from dew.compilation_cache import environment
-from dew.files import write_atomically
+from dew.compilation_cache import PROGRAMS_DIRECTORY, environment, usable
 from dew.kernels.registry import register_targets
 
 logger = logging.getLogger("dew.serve")
 
-FORMAT = "dew-programs 1"  # the layout of an entry; a new layout is a new key
+FORMAT = "dew-programs 2"  # the layout of an entry (its first line); a new layout is a new key
+
+
+class Unread(Exception):
+    """An entry that is not read: the reason follows its path in the log."""
 
 
 class ProgramCache:
@@ -65,38 +78,48 @@ class ProgramCache:
         root = jax.config.jax_compilation_cache_dir
         if directory is None and not root:
             return None
+        directory = Path(root) / PROGRAMS_DIRECTORY if directory is None else Path(directory)
+        if not usable(directory, "serving programs"):  # a file there: served without kept programs, said once
+            return None
         model = engine.model
         description = "\n".join([
             f"model {type(model).__module__}.{type(model).__qualname__} {model.config!r}",
             f"engine slots={engine.slots} capacity={engine.capacity} eos={engine.eos} pad_id={engine.pad_id} "
             f"top_k_bound={engine._top_k_bound} max_log_probs={engine.max_log_probs}",
         ])
-        return cls(Path(root) / "dew-programs" if directory is None else directory, description, engine.ready)
+        return cls(directory, description, engine.ready)
 
     def key(self, program: tuple, arguments) -> str:
         """The entry's name for `program` called with `arguments` (arrays or `jax.ShapeDtypeStruct`s)."""
+        name = "-".join(str(part) for part in program)
+        return f"{name}-{self._digest(program, arguments)[:32]}"
+
+    def _digest(self, program: tuple, arguments) -> str:
+        """The whole key: a digest of everything `program` called with `arguments` is made of."""
         leaves, structure = jax.tree_util.tree_flatten(arguments)
         described = [f"{tuple(leaf.shape)} {leaf.dtype} {getattr(leaf, 'weak_type', False)} "
                      f"{getattr(leaf, 'sharding', None)}" for leaf in leaves]
         text = "\n".join([FORMAT, environment(), self.description, f"program {program!r}", str(structure), *described])
-        name = "-".join(str(part) for part in program)
-        return f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def load(self, program: tuple, arguments) -> jax.stages.Compiled | None:
         """The program stored under its key, loaded onto this process's devices; None when there is none
-        (or it cannot be read, which is logged)."""
+        (or it is not read, or takes other arguments, which is logged)."""
         path = self.directory / self.key(program, arguments)
         try:
-            payload = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        try:
+            header, payload = _read_entry(path)
+            if header.get("key") != self._digest(program, arguments):
+                raise Unread(f"it holds the program {header.get('program')} of another key (an entry renamed or "
+                             "copied over this one's name)")
             register_targets()  # the program calls Dew's kernels by name, which tracing would have registered
             executable, in_tree, out_tree = pickle.loads(payload)
             compiled = serialize_executable.deserialize_and_load(executable, in_tree, out_tree)
-        except Exception as error:  # noqa: BLE001 - a damaged entry is compiled again and replaced
-            logger.warning("could not load the compiled program %s (%s: %s); compiling it again", path,
-                           type(error).__name__, error)
+            _check_signature(compiled, arguments)
+        except FileNotFoundError:
+            return None
+        except Exception as error:  # noqa: BLE001 - an entry not read is compiled again and replaced
+            reason = str(error) if isinstance(error, Unread) else f"{type(error).__name__}: {error}"
+            logger.warning("did not load the compiled program %s (%s); compiling it again", path, reason)
             return None
         self.loaded += 1
         return compiled
@@ -174,13 +197,71 @@ class ProgramCache:
         """Keep `compiled` under its key (a program that cannot be serialized is left out, logged)."""
         try:
             payload = pickle.dumps(serialize_executable.serialize(compiled))
+            header = {"key": self._digest(program, arguments), "program": list(program),
+                      "arguments": _described(jax.tree_util.tree_leaves(arguments))}
             self.directory.mkdir(parents=True, exist_ok=True)
-            write_atomically(self.directory / self.key(program, arguments), payload)
+            _write_entry(self.directory / self.key(program, arguments),
+                         f"{FORMAT}\n{json.dumps(header)}\n".encode() + payload)
         except (ValueError, NotImplementedError, OSError, pickle.PicklingError) as error:
             logger.warning("could not keep the compiled program %s for the next start (%s: %s)", program,
                            type(error).__name__, error)
             return
         self.stored += 1
+
+
+def _read_entry(path: Path) -> tuple[dict, bytes]:
+    """(header, payload) of the entry at `path`, read only when this user owns it and no other user can write it
+    (`Unread` otherwise, or when its layout is not `FORMAT`'s)."""
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # a link is refused, not followed
+    with os.fdopen(descriptor, "rb") as entry:
+        status = os.fstat(entry.fileno())  # of the file read, whatever the name points at meanwhile
+        if hasattr(os, "getuid") and status.st_uid != os.getuid():
+            raise Unread(f"it belongs to user {status.st_uid}, not to this process's user {os.getuid()}, and "
+                         "reading it would run what it holds")
+        if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise Unread(f"other users may write it (mode {stat.filemode(status.st_mode)}), and reading it would run "
+                         "what it holds")
+        if not stat.S_ISREG(status.st_mode):
+            raise Unread("it is not a regular file")
+        content = entry.read()
+    layout, _, rest = content.partition(b"\n")
+    if layout != FORMAT.encode():
+        raise Unread(f"its first line is {layout[:40]!r}, not {FORMAT!r}")
+    header, _, payload = rest.partition(b"\n")
+    try:
+        return json.loads(header), payload
+    except (ValueError, UnicodeDecodeError) as error:
+        raise Unread(f"its header is not JSON ({error})") from None
+
+
+def _write_entry(path: Path, content: bytes) -> None:
+    """Replace `path` with `content` in one rename, flushed first, readable and writable by this user alone
+    (`_read_entry` reads no other)."""
+    staged = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        descriptor = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "wb") as entry:
+            entry.write(content)
+            entry.flush()
+            os.fsync(entry.fileno())
+        os.replace(staged, path)
+    finally:
+        staged.unlink(missing_ok=True)
+
+
+def _described(leaves) -> list[str]:
+    return [f"{tuple(leaf.shape)} {leaf.dtype}" for leaf in leaves]
+
+
+def _check_signature(compiled: jax.stages.Compiled, arguments) -> None:
+    """Refuse (`Unread`) a loaded program whose positional arguments' shapes and dtypes are not `arguments'`."""
+    positional = compiled.args_info[0] if isinstance(compiled.args_info, tuple) else compiled.args_info
+    takes, given = _described(jax.tree_util.tree_leaves(positional)), _described(jax.tree_util.tree_leaves(arguments))
+    if takes != given:
+        first = next((i for i, (a, b) in enumerate(zip(takes, given)) if a != b), min(len(takes), len(given)))
+        raise Unread(f"its program takes {len(takes)} arguments, argument {first} of them "
+                     f"{takes[first] if first < len(takes) else 'none'}, and the caller gives {len(given)}, "
+                     f"argument {first} {given[first] if first < len(given) else 'none'}")
 
 
 def _uncached() -> dict:

@@ -153,11 +153,14 @@ def command(*arguments: str, prelude: str | None = None) -> list[str]:
 
 
 @contextlib.contextmanager
-def running(directory, *flags: str, log: Path, prelude: str | None = None, ready: bool = True, timeout: float = 180):
+def running(directory, *flags: str, log: Path, prelude: str | None = None, ready: bool = True, timeout: float = 180,
+            env: dict[str, str | None] | None = None):
     """`dew serve DIRECTORY FLAGS` on a free loopback port, waited for (`ready`: until /health answers
-    200), and ended (terminated, then killed) whatever happens."""
+    200), and ended (terminated, then killed) whatever happens. `env` sets (a value) or removes (None)
+    environment variables of the process."""
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu", **(env or {})}
+    env = {name: value for name, value in env.items() if value is not None}
     with open(log, "w") as output:
         process = subprocess.Popen(command("serve", str(directory), "--port", str(port), *flags, prelude=prelude),
                                    stdout=output, stderr=subprocess.STDOUT, env=env)

@@ -109,6 +109,43 @@ def test_a_template_that_refuses_a_conversation_itself_is_taken(tiny_chat, tmp_p
     assert reached
 
 
+def test_a_compilation_cache_that_cannot_be_a_directory_is_refused_before_loading(tmp_path, capsys):
+    """It once served /health, then failed in the engine's thread at the first program (NotADirectoryError)."""
+    file = tmp_path / "cache"
+    file.write_text("a file")
+    for named, words in ((file, "is a file, not a directory"), (file / "inner", f"lies under the file {file}")):
+        argv = ["serve", str(tmp_path / "not-read"), "--port", "0", "--compilation-cache", str(named)]
+        err = _refusal(capsys, argv, 2)
+        assert err.startswith(f"error: the compilation cache {named} {words}: give a directory"), err
+
+
+@pytest.mark.slow  # a process of its own
+@pytest.mark.parametrize("case", ["default cache a file", "dew-programs and dew-kept files"])
+def test_a_file_in_the_caches_way_is_said_once_and_the_server_serves(tiny_chat, tmp_path, case):
+    """The cache Dew picks (`$XDG_CACHE_HOME/dew/jax`), or its own directories inside a cache, a file: one
+    warning each, naming it, and the server answers (it once exited 1 with two tracebacks)."""
+    directory, _ = tiny_chat
+    flags, env = [], {"JAX_COMPILATION_CACHE_DIR": None, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    if case == "default cache a file":
+        (tmp_path / "xdg" / "dew").mkdir(parents=True)
+        in_the_way = [tmp_path / "xdg" / "dew" / "jax"]
+    else:
+        flags = ["--compilation-cache", str(tmp_path / "cache")]
+        in_the_way = [tmp_path / "cache" / "dew-kept", tmp_path / "cache" / "dew-programs"]
+        (tmp_path / "cache").mkdir()
+    for path in in_the_way:
+        path.write_text("a file")
+    with running(directory, "--slots", "1", "--capacity", "32", "--prefill-rows", "1", *flags, env=env,
+                 log=tmp_path / "serve.log") as served:
+        body = json.dumps({"prompt": "the quick", "max_tokens": 3, "temperature": 0}).encode()
+        status, answer = post_raw(f"{served.url}/v1/completions", body)
+        assert status == 200 and answer["usage"]["completion_tokens"] >= 1, answer
+    log = served.text()
+    assert "Traceback" not in log, log[-3000:]
+    for path in in_the_way:
+        assert log.count(f"warning: the compilation cache {path} is a file, not a directory") == 1, log[-3000:]
+
+
 def test_generate_refuses_a_seed_past_64_bits_before_loading(tmp_path, capsys):
     err = _refusal(capsys, ["generate", str(tmp_path / "not-read"), "--prompt", "a", "--seed", str(10**23)], 2)
     assert f"--seed is {10**23}; a seed is an integer from -2**63 to 2**63 - 1" in err

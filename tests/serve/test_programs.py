@@ -4,6 +4,10 @@ the CPU and Dew's code."""
 
 from __future__ import annotations
 
+import json
+import os
+import stat
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,7 +64,77 @@ def test_loaded_programs_draw_what_compiled_ones_drew(model_and_variables, tmp_p
     damaged.write_bytes(damaged.read_bytes()[:100])  # cut short: compiled again, and kept whole
     third, drawn_third = _served(model, variables, tmp_path)
     assert (third.stored, third.loaded) == (1, 2) and drawn_third == drawn
-    assert "could not load the compiled program" in caplog.text
+    assert "did not load the compiled program" in caplog.text
+
+
+def test_entries_of_other_keys_are_compiled_again_not_run(model_and_variables, tmp_path, caplog):
+    """Entries swapped in pairs (each under the other's name) once ran: a step called with an admission's
+    arguments stopped the engine (XLA: "Argument types differ"), and a step over 1 row run as the step over 2
+    would have drawn other tokens. Each is compiled again and rewritten under its own name."""
+    model, variables = model_and_variables
+    _, drawn = _served(model, variables, tmp_path)
+    entries = {path.name.rsplit("-", 1)[0]: path for path in tmp_path.iterdir()}
+    assert sorted(entries) == ["admit-1-16", "step-1", "step-2"]
+    steps = entries["step-1"].read_bytes(), entries["step-2"].read_bytes()
+    entries["step-1"].write_bytes(steps[1])  # same arguments, another program
+    entries["step-2"].write_bytes(entries["admit-1-16"].read_bytes())  # other arguments
+    entries["admit-1-16"].write_bytes(steps[0])
+    again, drawn_again = _served(model, variables, tmp_path)
+    assert (again.stored, again.loaded) == (3, 0) and drawn_again == drawn
+    assert caplog.text.count("of another key (an entry renamed or copied over this one's name)") == 3
+    third, drawn_third = _served(model, variables, tmp_path)  # rewritten whole
+    assert (third.stored, third.loaded) == (0, 3) and drawn_third == drawn
+
+
+def test_a_program_whose_arguments_differ_is_not_run(model_and_variables, tmp_path, monkeypatch, caplog):
+    """Past the header, the loaded program's own arguments are checked against the caller's."""
+    model, variables = model_and_variables
+    _served(model, variables, tmp_path)
+    engine = Engine(model, variables, slots=SLOTS, capacity=CAPACITY, eos_token_ids=(EOS,), prefill_rows=1)
+    cache = ProgramCache.of(engine, tmp_path)
+    arguments = engine._abstract + (jax.ShapeDtypeStruct((SLOTS,), bool),)
+    admission = next(path for path in tmp_path.iterdir() if path.name.startswith("admit-1-16-"))
+    layout, header, payload = admission.read_bytes().split(b"\n", 2)
+    header = json.loads(header) | {"key": cache._digest(("step", 2), arguments)}  # a header that says "step 2"
+    (tmp_path / cache.key(("step", 2), arguments)).write_bytes(b"\n".join([layout, json.dumps(header).encode(),
+                                                                            payload]))
+    assert cache.load(("step", 2), arguments) is None
+    assert "its program takes" in caplog.text and "compiling it again" in caplog.text
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda path, patch: path.chmod(0o620), "other users may write it (mode -rw--w----)"),
+    (lambda path, patch: patch.setattr(os, "getuid", lambda: os.geteuid() + 1), "not to this process's user"),
+])
+def test_an_entry_another_user_could_write_is_not_read(model_and_variables, tmp_path, monkeypatch, caplog, change,
+                                                       words):
+    """Reading an entry runs what it holds (JAX's serialization is a pickle, the program machine code): one
+    another user owns or may write is compiled again instead, and the entries written are this user's alone."""
+    model, variables = model_and_variables
+    _served(model, variables, tmp_path)
+    assert {stat.S_IMODE(path.stat().st_mode) for path in tmp_path.iterdir()} == {0o600}
+    unpickled = []
+    monkeypatch.setattr(programs.pickle, "loads", lambda payload: unpickled.append(payload))
+    engine = Engine(model, variables, slots=SLOTS, capacity=CAPACITY, eos_token_ids=(EOS,), prefill_rows=1)
+    cache = ProgramCache.of(engine, tmp_path)
+    arguments = engine._abstract + (jax.ShapeDtypeStruct((SLOTS,), bool),)
+    with monkeypatch.context() as patch:
+        change(cache.directory / cache.key(("step", 2), arguments), patch)
+        assert cache.load(("step", 2), arguments) is None
+    assert not unpickled and words in caplog.text and "reading it would run what it holds" in caplog.text
+
+
+def test_a_file_where_the_programs_directory_goes_serves_without_it(model_and_variables, tmp_path, recwarn):
+    """`dew-programs` (or the cache itself) a file: warned about once, and the engine compiles each program."""
+    model, variables = model_and_variables
+    (tmp_path / "dew-programs").write_text("not a directory")
+    engine = Engine(model, variables, slots=SLOTS, capacity=CAPACITY, eos_token_ids=(EOS,), prefill_rows=1)
+    assert ProgramCache.of(engine, tmp_path / "dew-programs") is None
+    assert ProgramCache.of(engine, tmp_path / "dew-programs" / "inner") is None
+    messages = [str(warning.message) for warning in recwarn]
+    assert any(f"{tmp_path / 'dew-programs'} is a file, not a directory: Dew keeps no serving programs there" in m
+               for m in messages), messages
+    assert any(f"lies under the file {tmp_path / 'dew-programs'}" in m for m in messages), messages
 
 
 def test_a_program_jaxs_cache_gave_back_is_compiled_again_to_be_kept(model_and_variables, tmp_path, monkeypatch):
