@@ -16,7 +16,8 @@ import pytest
 
 from dew.interop import tensors
 from dew.interop.vision import projector_prefix, projector_rules, tower_prefix, tower_rules
-from dew.nn.vision import Gemma3nEmbedderConfig, MobileNetV5Config, tower_config
+from dew.nn.vision import (Gemma3nEmbedder, Gemma3nEmbedderConfig, Gemma3nProjectorModule, MobileNetV5Config,
+                           tower_config)
 from dew.nn.vision.mobilenet import divisible
 from tests.interop.timm_oracle import import_timm
 from tests.nn.test_vision import _randomize, _read, _shapes
@@ -193,10 +194,11 @@ def test_the_rules_write_back_what_they_read(gemma3n_tower):
 
 @pytest.mark.parametrize("modality", ["vision", "audio"])
 def test_embedder_matches_transformers(modality):
-    """fp32: soft features (vision's scaled by sqrt(hidden) first, as get_image_features does; audio's not) and
-    hard ids, each within the rounding count of two RMSNorms over `hidden` and `text` terms (2n + 4 each, an rsqrt
-    each), a `hidden`-term projection and the scaling (observed: 6.0e-7 of size 2.2, vision; the scaling moves
-    transformers' own soft tokens by 0.85)."""
+    """fp32: soft features (vision's scaled by sqrt(hidden) first, as get_image_features does; audio's not), the
+    same features unscaled through `Gemma3nProjectorModule.soft_embeddings` (the guide's audio path) and hard ids,
+    each within the rounding count of two RMSNorms over `hidden` and `text` terms (2n + 4 each, an rsqrt each), a
+    `hidden`-term projection and the scaling (observed: 6.0e-7 of size 2.2, vision; unscaled 4.2e-7 of size 1.4,
+    bound 8.7e-6; the scaling moves transformers' own soft tokens by 0.85)."""
     hidden, text = 48, 32
     # a large epsilon against small features: only then does the norm see the vision scaling
     part = {"hidden_size": hidden, "vocab_size": 8, "rms_norm_eps": 0.5}
@@ -211,7 +213,8 @@ def test_embedder_matches_transformers(modality):
     config = Gemma3nEmbedderConfig.from_hf(record, "config.json", modality)
     assert (config.vocab_offset, config.feature_scale) == ((100, math.sqrt(hidden)) if modality == "vision" else (108, 1))
     arrays = {name: value.numpy() for name, value in reference.state_dict().items()}
-    module = config.build()
+    module = Gemma3nProjectorModule(config)  # the guide's name for what config.build() makes
+    assert Gemma3nProjectorModule is Gemma3nEmbedder and isinstance(config.build(), Gemma3nProjectorModule)
     shapes = _shapes(module, jax.ShapeDtypeStruct((1, 1, hidden), np.float32))
     params = _read(projector_rules("gemma3n", config, ""), shapes, arrays)
     both = {f"model.embed_{part}.embedding_projection.weight" for part in ("vision", "audio")}
@@ -227,7 +230,12 @@ def test_embedder_matches_transformers(modality):
         hard = reference(input_ids=torch.from_numpy(ids)).numpy()
     ours_soft = module.apply({"params": params}, features)
     ours_hard = module.apply({"params": params}, ids, method="embed")
+    # soft_embeddings: transformers' embedder over the features as they are, the way audio goes through it
+    ours_unscaled = module.apply({"params": params}, features, method="soft_embeddings")
     ulps = math.sqrt(6 * (2 * (2 * hidden + 4) + hidden + 2 * text + 4 + 1)) + 2 * LIBRARY_ULPS
     assert_within(ours_soft, soft, ulp_bound(ulps, np.abs(soft).max()), "soft tokens")
+    assert_within(ours_unscaled, unscaled, ulp_bound(ulps, np.abs(unscaled).max()), "unscaled soft tokens")
+    if modality == "audio":  # a call scales audio by 1: it is soft_embeddings exactly
+        np.testing.assert_array_equal(ours_soft, ours_unscaled)
     assert_within(ours_hard, hard, ulp_bound(ulps, np.abs(hard).max()), "hard tokens")
     assert modality == "audio" or np.abs(unscaled - soft).max() > 0.1  # the scaling shows

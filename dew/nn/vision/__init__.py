@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from dew.nn.vision.base import TowerGeometry
-from dew.nn.vision.gemma3n import Gemma3nEmbedder, Gemma3nEmbedderConfig
-from dew.nn.vision.gemma4 import Gemma4Projector, Gemma4ProjectorConfig, Gemma4Tower, Gemma4VisionConfig
+from dew.nn.vision.gemma3n import Gemma3nEmbedder, Gemma3nEmbedderConfig, Gemma3nProjectorModule
+from dew.nn.vision.gemma4 import (Gemma4Projector, Gemma4ProjectorConfig, Gemma4ProjectorModule, Gemma4Tower,
+                                  Gemma4VisionConfig)
 from dew.nn.vision.llama4 import Llama4Tower, Llama4VisionConfig
 from dew.nn.vision.mobilenet import MobileNetV5Config, MobileNetV5Tower
 from dew.nn.vision.projectors import GemmaProjector, GemmaProjectorConfig, Llama4Projector, Llama4ProjectorConfig
@@ -58,10 +59,11 @@ def projector_config(kind: str, record: Mapping[str, Any], where: str):
 
 
 __all__ = [
-    "PROJECTORS", "TOWERS", "Gemma4Projector", "Gemma4ProjectorConfig", "Gemma4Tower", "Gemma4VisionConfig",
+    "PROJECTORS", "TOWERS", "Gemma4Projector", "Gemma4ProjectorConfig", "Gemma4ProjectorModule", "Gemma4Tower",
+    "Gemma4VisionConfig",
     "GemmaProjector", "GemmaProjectorConfig", "Llama4Projector", "Llama4ProjectorConfig",
     "Llama4Tower", "Llama4VisionConfig", "Qwen35Merger", "Qwen35MergerConfig", "Qwen35Tower", "Qwen35VisionConfig",
     "SiglipConfig", "SiglipTower", "TowerGeometry",
-    "Gemma3nEmbedder", "Gemma3nEmbedderConfig", "MobileNetV5Config", "MobileNetV5Tower",
+    "Gemma3nEmbedder", "Gemma3nEmbedderConfig", "Gemma3nProjectorModule", "MobileNetV5Config", "MobileNetV5Tower",
     "projector_class", "projector_config", "tower_class", "tower_config",
 ]

@@ -1,10 +1,12 @@
 """Gemma 3n's multimodal embedder (transformers' `Gemma3nMultimodalEmbedder`), one per modality, taking a tower's
 soft features or the modality's hard token ids into the language model's width.
 
-Soft features `[N, T, hidden]` -> `soft_embedding_norm` -> `embedding_projection` -> `embedding_post_projection_norm`;
-vision features are multiplied by `sqrt(hidden)` first (as transformers' `get_image_features` does), audio
-features are not. Hard ids in `[vocab_offset, vocab_offset + vocab_size)` -> the `embedding` table (row
-`id - vocab_offset`) -> `hard_embedding_norm` -> the same projection and post-norm. The two scaled norms are
+Soft features `[N, T, hidden]` -> `soft_embedding_norm` -> `embedding_projection` -> `embedding_post_projection_norm`
+(`soft_embeddings`, transformers' `Gemma3nMultimodalEmbedder(inputs_embeds=...)`); a call multiplies vision features
+by `sqrt(hidden)` first (as transformers' `get_image_features` does), audio features not, so audio projects
+through `soft_embeddings` as it is. `Gemma3nProjectorModule` is the guide's name for the module. Hard ids in
+`[vocab_offset, vocab_offset + vocab_size)` -> the `embedding` table (row `id - vocab_offset`) ->
+`hard_embedding_norm` -> the same projection and post-norm. The two scaled norms are
 RMSNorms multiplying by their weight (`x / rms(x) * weight`, in float32); the post-norm has no weight. The
 projection is bias-free, its kernel `[hidden, text_hidden]`.
 """
@@ -81,9 +83,10 @@ class Gemma3nEmbedderConfig:
 
 
 class Gemma3nEmbedder(nn.Module):
-    """`__call__(features)`: soft features `[..., hidden_size]` to `[..., text_hidden]`; `embed(ids)`: hard ids
-    (each in `[vocab_offset, vocab_offset + vocab_size)`; the compiled model does not check) to `[..., text_hidden]`.
-    Both in `dtype`."""
+    """`__call__(features)`: a tower's soft features `[..., hidden_size]` to `[..., text_hidden]`, scaled by the
+    config's `feature_scale` first; `soft_embeddings(features)`: the same without the scaling; `embed(ids)`: hard
+    ids (each in `[vocab_offset, vocab_offset + vocab_size)`; the compiled model does not check) to
+    `[..., text_hidden]`. All in `dtype`."""
 
     config: Gemma3nEmbedderConfig
     dtype: Any = jnp.float32
@@ -104,14 +107,22 @@ class Gemma3nEmbedder(nn.Module):
         return normalize(projected.astype(jnp.float32), self.config.eps).astype(self.dtype)
 
     def __call__(self, features: jax.Array) -> jax.Array:
+        return self.soft_embeddings(features.astype(jnp.float32) * self.config.feature_scale)
+
+    def soft_embeddings(self, features: jax.Array) -> jax.Array:
+        """Soft features `[..., hidden_size]` normed, projected and normed again, unscaled."""
         c = self.config
         if features.shape[-1] != c.hidden_size:
             raise ValueError(f"the {c.modality} embedder reads features of width {c.hidden_size} but was given "
                              f"{tuple(features.shape)}: build it from the tower's own config")
         if self.is_initializing():  # init traces one path; the hard one's parameters must exist as well
             self.embed(jnp.full((1,), c.vocab_offset, jnp.int32))
-        return self._project(self.soft_embedding_norm(features.astype(jnp.float32) * c.feature_scale))
+        return self._project(self.soft_embedding_norm(features.astype(jnp.float32)))
 
     def embed(self, ids: jax.Array) -> jax.Array:
         rows = self.embedding(ids - self.config.vocab_offset)
         return self._project(self.hard_embedding_norm(rows))
+
+
+Gemma3nProjectorModule = Gemma3nEmbedder
+"""The guide's name for Gemma 3n's embedder (`Gemma3nEmbedder`): `soft_embeddings` projects audio, unscaled."""

@@ -14,8 +14,9 @@ a gated MLP). Every projection inside is a clipped linear where `use_clipped_lin
 output clipped to bounds the checkpoint holds, frozen values in the `constants` collection. The pooler
 averages each `k x k` block of patches by position (padding contributes nothing) into `X / k**2` soft tokens,
 the image's real ones first in row-major order, and multiplies by `sqrt(hidden)`; with `standardize`,
-`(x - std_bias) * std_scale` (constants too). The embedder (the "gemma4" projector) divides each token by its
-rms (no scale) and maps it through the bias-free `embedding_projection` to the text width.
+`(x - std_bias) * std_scale` (constants too). The embedder (the "gemma4" projector, `Gemma4ProjectorModule`)
+divides each token by its rms (no scale) and maps it through the bias-free `embedding_projection` to the text width;
+the audio tower's frames take the same module, its input width the audio config's `output_proj_dims`.
 
 Parameter tree: `patch_embedder/{input_proj/kernel,position_embedding_table}`,
 `layers_0to{L-1}/{input_layernorm,post_attention_layernorm,pre_feedforward_layernorm,post_feedforward_layernorm,
@@ -304,4 +305,7 @@ class Gemma4Projector(nn.Module):
         return out.reshape(N, T, c.text_hidden)
 
 
-__all__ = ["Gemma4Projector", "Gemma4ProjectorConfig", "Gemma4Tower", "Gemma4VisionConfig"]
+Gemma4ProjectorModule = Gemma4Projector
+"""The guide's name for Gemma 4's embedder (`Gemma4Projector`), which images and audio frames both go through."""
+
+__all__ = ["Gemma4Projector", "Gemma4ProjectorConfig", "Gemma4ProjectorModule", "Gemma4Tower", "Gemma4VisionConfig"]
