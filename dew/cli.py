@@ -30,6 +30,10 @@ def tokenize(input: str, out: str, tokenizer: str, val_fraction: float = 0.01, w
              eos_between_files: bool = False, field: str = "text", force: bool = False) -> None:
     """Tokenize text or records into train.bin, val.bin and meta.json, the token files a run trains on.
 
+    Memory stays bounded: text is read and tokenized about 1 MiB at a time, cut at line ends (a long record's text
+    too). A JSON Lines record of more than 256 MiB, and text with no line end for more than 8 Mi characters, are
+    refused naming where they are (split them into records, or break the text into lines).
+
     Args:
         input: A text file (.txt; .xz and .gz are decompressed), a JSON Lines file (.jsonl, .jsonl.gz,
             .jsonl.xz), a Parquet file, a Hugging Face datasets directory (Dataset.save_to_disk's), or a

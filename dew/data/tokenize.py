@@ -2,8 +2,10 @@
 
 The input is text files, read in ~1 MiB chunks cut at line ends, or record files (JSON Lines, Parquet,
 `datasets` directories: `dew.data.record_files`), read ~1 MiB of documents at a time, each document one
-string field of a record, EOS between documents. A pool of worker processes tokenizes the chunks in order,
-and the ids are appended to a file as they come, so memory stays bounded whatever the corpus size. The
+string field of a record, EOS between documents; a longer document is cut at line ends as a text file is. A
+pool of worker processes tokenizes the chunks in order, and the ids are appended to a file as they come, so
+memory stays bounded whatever the corpus and document sizes: text with no line end to cut at for more than
+`MAX_UNCUT_CHARS` characters is refused, since a tokenizer holds some 150 bytes per character it is given. The
 first `val_fraction` of the tokens becomes val.bin and the rest train.bin. Everything is written in
 a staging directory and swapped into `--out` only when complete (see `token_files.commit_staged`),
 so a run that fails or is stopped leaves the token files already there as they were.
@@ -36,8 +38,10 @@ from dew.data.tokenizers import Tokenizer, load_tokenizer
 CHUNK_BYTES = 1 << 20
 TEXT_SUFFIXES = (".txt", ".txt.xz", ".txt.gz")
 _COPY_BYTES = 64 << 20
-# Text this many chunks long with no strict cut is cut at a loose one (see `text_chunks`).
+# Text this many chunks long with no strict cut is cut at a loose one (see `cut_at_line_ends`).
 _LOOSE_AFTER = 16
+# The longest text given to a tokenizer whole, without a line end it can be cut at (see `cut_at_line_ends`).
+MAX_UNCUT_CHARS = 8 << 20
 DEFAULT_FIELD = "text"
 
 
@@ -104,48 +108,71 @@ def _read(stream: IO[bytes], size: int, name: str, offset: int) -> bytes:
         ) from None
 
 
-def text_chunks(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES,
-                name: str = "input") -> Iterator[str]:
-    """UTF-8 text from `stream` in pieces of about `chunk_bytes`, each cut at a line end.
+def cut_at_line_ends(blocks: Iterator[str], chunk_bytes: int, name: str) -> Iterator[str]:
+    """The text of `blocks`, joined and cut again into pieces of about `chunk_bytes` characters, each cut at
+    a line end.
 
-    Chunks end at strict cuts (see `_last_cut`), so tokenizing them one by one gives the ids of
-    the whole text. Text with no strict cut for `_LOOSE_AFTER` chunks (a file with CRLF line ends,
-    where every newline follows a "\\r") is cut at a loose one instead, to keep memory bounded;
-    a tokenizer may then split the whitespace at that cut differently. The chunks concatenate to
-    the whole text. Text that is not UTF-8, and a truncated or damaged compressed stream, are
-    ValueErrors naming `name` and the byte offset (in the decompressed text).
+    Pieces end at strict cuts (see `_last_cut`), so tokenizing them one by one gives the ids of the whole
+    text. Text with no strict cut for `_LOOSE_AFTER` chunks or `MAX_UNCUT_CHARS` characters (a file with CRLF
+    line ends, where every newline follows a "\\r") is cut at a loose one instead, to keep memory bounded; a
+    tokenizer may then split the whitespace at that cut differently. Past `MAX_UNCUT_CHARS` characters without
+    even a loose cut, the text is refused naming `name`. The pieces concatenate to the whole text.
     """
-    decoder = codecs.getincrementaldecoder("utf-8")("strict")
     pending = ""
     searched = 0  # pending[:searched] holds no strict cut
-    offset = 0  # bytes of text read so far
-    while True:
-        block = _read(stream, chunk_bytes, name, offset)
-        # The decoder may hold the first bytes of a character cut at the previous block's end.
-        held = len(decoder.getstate()[0])
-        try:
-            pending += decoder.decode(block, final=not block)
-        except UnicodeDecodeError as error:
-            start = offset - held + error.start
-            decompressed = " of its decompressed text" if name.endswith((".xz", ".gz")) else ""
-            raise ValueError(
-                f"{name} is not UTF-8 text: the byte at offset {start:,}{decompressed} "
-                f"(0x{error.object[error.start]:02x}) does not decode ({error.reason}); convert the "
-                f"file first (e.g. `iconv -f latin1 -t utf-8`)"
-            ) from None
-        offset += len(block)
-        if not block:
-            break
+    done = 0  # characters yielded so far
+    for block in blocks:
+        pending += block
         # Only the new text and a newline just before it can hold a new strict cut.
         cut = _last_cut(pending, max(0, searched - 1))
-        if cut < 0 and len(pending) > _LOOSE_AFTER * chunk_bytes:
+        if cut < 0 and len(pending) > min(_LOOSE_AFTER * chunk_bytes, MAX_UNCUT_CHARS):
             cut = _last_cut(pending, strict=False)
+            if cut < 0 and len(pending) > MAX_UNCUT_CHARS:
+                raise ValueError(
+                    f"{name} holds {len(pending):,} characters, from character {done:,} on, without a line end "
+                    f"(a newline followed by a non-space character), and Dew gives a tokenizer at most "
+                    f"{MAX_UNCUT_CHARS:,} at once (it holds some 150 bytes per character): break the text into "
+                    "lines, or into several documents, where a tokenizer's pieces end anyway"
+                )
         if cut > 0:
             yield pending[:cut]
             pending = pending[cut:]
+            done += cut
         searched = len(pending)
     if pending:
         yield pending
+
+
+def text_chunks(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES,
+                name: str = "input") -> Iterator[str]:
+    """UTF-8 text from `stream` in pieces of about `chunk_bytes`, each cut at a line end
+    (`cut_at_line_ends`). Text that is not UTF-8, and a truncated or damaged compressed stream, are
+    ValueErrors naming `name` and the byte offset (in the decompressed text).
+    """
+
+    def blocks() -> Iterator[str]:
+        decoder = codecs.getincrementaldecoder("utf-8")("strict")
+        offset = 0  # bytes of text read so far
+        while True:
+            block = _read(stream, chunk_bytes, name, offset)
+            # The decoder may hold the first bytes of a character cut at the previous block's end.
+            held = len(decoder.getstate()[0])
+            try:
+                text = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as error:
+                start = offset - held + error.start
+                decompressed = " of its decompressed text" if name.endswith((".xz", ".gz")) else ""
+                raise ValueError(
+                    f"{name} is not UTF-8 text: the byte at offset {start:,}{decompressed} "
+                    f"(0x{error.object[error.start]:02x}) does not decode ({error.reason}); convert the "
+                    f"file first (e.g. `iconv -f latin1 -t utf-8`)"
+                ) from None
+            offset += len(block)
+            if not block:
+                return
+            yield text
+
+    return cut_at_line_ends(blocks(), chunk_bytes, name)
 
 
 # The tokenizer of a worker process, set once by `_start_worker` so chunks travel without it.
@@ -176,24 +203,34 @@ def _encode(text: str | list[str], tokenizer: Tokenizer | None = None) -> np.nda
     return ids.astype(dtype_for_vocab(tokenizer.vocab_size))
 
 
-def document_chunks(batches: Iterator[list[str]], chunk_bytes: int,
-                    eos: np.ndarray) -> Iterator[list[str] | np.ndarray]:
-    """Documents in lists of about `chunk_bytes` characters (a longer document is a list of its own), with
-    `eos` between consecutive lists, so the lists' ids joined as `_encode` joins a list's are the corpus's."""
+def document_chunks(batches: Iterator[list[tuple[str, str]]], chunk_bytes: int,
+                    eos: np.ndarray) -> Iterator[list[str] | str | np.ndarray]:
+    """The documents of `batches` ((where, text) pairs, `where` naming the record in errors) in lists of about
+    `chunk_bytes` characters, with `eos` between consecutive lists; a document longer than `chunk_bytes` comes
+    alone as strings cut at its line ends (`cut_at_line_ends`), so that a tokenizer is never given all of a long
+    one. The ids of the lists (joined as `_encode` joins a list's), the strings and `eos` are the corpus's."""
     chunk: list[str] = []
     size, first = 0, True
     for batch in batches:
-        for document in batch:
+        for where, document in batch:
+            if len(document) > chunk_bytes:
+                if chunk:
+                    yield from ([] if first else [eos])
+                    yield chunk
+                    chunk, size, first = [], 0, False
+                yield from ([] if first else [eos])
+                blocks = (document[start:start + chunk_bytes] for start in range(0, len(document), chunk_bytes))
+                yield from cut_at_line_ends(blocks, chunk_bytes, where)
+                first = False
+                continue
             chunk.append(document)
             size += len(document)
             if size >= chunk_bytes:
-                if not first:
-                    yield eos
+                yield from ([] if first else [eos])
                 yield chunk
                 chunk, size, first = [], 0, False
     if chunk:
-        if not first:
-            yield eos
+        yield from ([] if first else [eos])
         yield chunk
 
 

@@ -125,7 +125,10 @@ def test_records_need_a_tokenizer_with_eos(tmp_path):
 def test_texts_stream_a_batch_at_a_time(tmp_path):
     source = write_records([{"text": str(i)} for i in range(10)], tmp_path / "in", "parquet")
     # row groups of 3, batches of 4 across them
-    assert list(texts(source, "text", batch=4)) == [["0", "1", "2", "3"], ["4", "5", "6", "7"], ["8", "9"]]
+    batches = list(texts(source, "text", batch=4))
+    assert [[text for _, text in batch] for batch in batches] == [["0", "1", "2", "3"], ["4", "5", "6", "7"],
+                                                                 ["8", "9"]]
+    assert batches[1][2] == (f"{source}, row 6", "6")
 
 
 @pytest.mark.parametrize("form", ["parquet", "datasets"])
