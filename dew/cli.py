@@ -145,8 +145,16 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
     prompt_ids = task.encode(prompt)[0]
     streamed: list[int] = []
     shown = [task.tokenizer.decode(prompt_ids)]
+    begun = [False]
+
+    def begin() -> None:
+        """Print the prompt once generation has begun, past every check: a refusal follows no text."""
+        if not begun[0]:
+            sys.stdout.write(printable(shown[0]))
+            begun[0] = True
 
     def show(tokens, live_rows) -> None:
+        begin()
         if live_rows[0]:
             streamed.append(int(tokens[0]))
             text = task.tokenizer.decode(prompt_ids + streamed)
@@ -158,8 +166,8 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
 
     # Control characters a model emits are printed escaped, never sent raw to the terminal.
     if n == 1:
-        sys.stdout.write(printable(shown[0]))
         result = task([prompt_ids], max_new_tokens, seed=seed, on_token=show)
+        begin()
         rest = result.text[0]
         sys.stdout.write(printable(rest[len(shown[0]):]) + "\n" if rest.startswith(shown[0]) else "\n")
     else:

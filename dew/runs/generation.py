@@ -18,7 +18,7 @@ from dew.inference.text import TextGeneration
 from dew.nn.lora import LoRA, LoRAModel
 from dew.nn.quantize import WEIGHT_FORMATS, bfloat16_bits, quantize_int8, stacked_in_place
 from dew.nn.transformer import CausalTransformer, as_dtype
-from dew.runs.run_dir import RunDirectory
+from dew.runs.run_dir import RunDirectory, run_files_without_record
 from dew.sampling import Sampling
 from dew.sharding import with_names
 from dew.training.mesh import Layout, MeshSpec
@@ -91,6 +91,12 @@ def _task(source, *, ema: bool, step: int | None, quantize: str | None, dtype: s
             raise NotImplementedError(f"quantize={quantize!r} over a mesh of {devices} devices (int8 weights split over "
                                       "several devices) is not built in Dew yet: quantize on one device")
         return dataclasses.replace(task, params=quantize_int8(task.model, {"params": task.params}))
+    found = [] if (path / "config.json").is_file() else run_files_without_record(path)
+    if found:
+        raise FileNotFoundError(f"{source} holds no run.json, though it holds a run's {', '.join(found)}: run.json "
+                                "records the model its checkpoints are read into; restore it from a backup (the run "
+                                "cannot be read without it), or pass a transformers checkpoint directory (with "
+                                "config.json) or a GGUF file")
     from dew.interop import load_pretrained  # the checkpoint readers load when a published checkpoint is asked for
 
     if path.suffix == ".gguf" and path.is_file():

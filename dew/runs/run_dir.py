@@ -328,16 +328,21 @@ class RunDirectory:
 
     def tokenizer(self):
         """The run's tokenizer: its own copy, else bytes; a run from before runs kept a copy loads it by
-        the name run.json records, unless that name is a path relative to where the run was started."""
+        the name run.json records, unless that name is a path relative to where the run was started. One whose
+        vocabulary is not the one the run trained on (run.json's data) is refused, naming both sizes."""
+        record = self.record() or {}
         if (self.path / TOKENIZER).is_file():
-            return HFTokenizer(self.path)
-        name = (self.record() or {}).get("tokenizer", BYTE)
-        if name != BYTE and not os.path.isabs(name) and (os.sep in name or name.startswith(".")):
-            raise FileNotFoundError(
-                f"{self.path} holds no {TOKENIZER}, and its run.json names the tokenizer {name!r}, a path relative "
-                f"to the directory the run was started in: copy that {TOKENIZER} into {self.path}/"
-            )
-        return load_tokenizer(name)
+            tokenizer, source = HFTokenizer(self.path), str(self.path / TOKENIZER)
+        else:
+            name = record.get("tokenizer", BYTE)
+            if name != BYTE and not os.path.isabs(name) and (os.sep in name or name.startswith(".")):
+                raise FileNotFoundError(
+                    f"{self.path} holds no {TOKENIZER}, and its run.json names the tokenizer {name!r}, a path "
+                    f"relative to the directory the run was started in: copy that {TOKENIZER} into {self.path}/"
+                )
+            tokenizer, source = load_tokenizer(name), f"the tokenizer {name!r} (run.json's)"
+        _check_vocabulary(tokenizer, source, record, self.path)
+        return tokenizer
 
     def close(self) -> None:
         """Release the directory's lock (kept until then by `open`)."""
@@ -381,8 +386,9 @@ class RunDirectory:
         return status
 
     def metrics(self) -> list[dict[str, Any]]:
-        """metrics.jsonl's records, in the order written."""
-        return read_jsonl(self.path / METRICS)
+        """metrics.jsonl's records, in the order written; each line skipped (not a record, or a last one cut
+        short) is named in a warning."""
+        return read_jsonl(self.path / METRICS, warn_cut_short=True)
 
     def checkpoint_steps(self) -> list[int]:
         from dew.training.checkpoints import saved_steps  # Orbax loads when a run's checkpoints are read
@@ -406,6 +412,32 @@ class RunDirectory:
             "updated": status.get("updated"),
             "why": status.get("message") if status["state"] not in ("running", "finished") else None,
         }
+
+
+def _check_vocabulary(tokenizer, source: str, record: dict[str, Any], path: Path) -> None:
+    """Refuse a tokenizer whose vocabulary is not the one the run's ids mean: the run trained on ids of its data's
+    vocabulary (run.json's data.vocab_size), and its model's head scores them all. A smaller tokenizer cannot
+    decode the ids the model generates past its end (they would vanish from the text); a larger one encodes
+    prompts into ids the model never learned, or has no embedding for."""
+    head = record.get("model", {}).get("config", {}).get("vocab_size")
+    trained = record.get("data", {}).get("vocab_size")
+    expected = trained if isinstance(trained, int) else head
+    if not isinstance(expected, int) or tokenizer.vocab_size == expected:
+        return
+    over = (f"the model's head scores {head:,} ids" if isinstance(head, int) else "")
+    data = f"the run trained on ids of a {trained:,}-token vocabulary (run.json's data)" if isinstance(trained, int) else ""
+    said = "; ".join(part for part in (data, over) if part)
+    raise ValueError(f"{source} holds {tokenizer.vocab_size:,} tokens, and {said}: it is not the tokenizer {path} "
+                     f"was trained with; put that run's {TOKENIZER} back in {path}/ (tokenize the data again with "
+                     "another tokenizer and train a new run to use this one)")
+
+
+def run_files_without_record(path: Path) -> list[str]:
+    """The files of a run directory that `path` holds although it holds no run.json (its checkpoints, status,
+    metrics, lock): [] when it holds run.json, or none of them."""
+    if not path.is_dir() or (path / RUN_JSON).is_file():
+        return []
+    return [name for name in (CHECKPOINTS, STATUS, METRICS, LOCK) if (path / name).exists()]
 
 
 def find_runs(directory: str | os.PathLike) -> list[RunDirectory]:

@@ -35,23 +35,27 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a .jsonl file ([] when it is missing). A line cut short by a killed process is skipped;
-    a line that is not UTF-8 text or not a JSON object is skipped with a warning naming the file and line."""
+def read_jsonl(path: str | os.PathLike, warn_cut_short: bool = False) -> list[dict[str, Any]]:
+    """The records of a .jsonl file ([] when it is missing). A last line cut short by a killed process is skipped
+    (with a warning when `warn_cut_short`); any other line that is not UTF-8 text or not a JSON object is skipped
+    with a warning naming the file and line."""
     path = Path(path)
     if not path.is_file():
         return []
     data = path.read_bytes()
     lines = data.splitlines()
-    records, foreign = [], []
+    records, foreign, cut_short = [], [], []
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line.decode("utf-8"))
         except UnicodeDecodeError:
             if number < len(lines) or data.endswith(b"\n"):  # not a last line cut inside a character
                 foreign.append(number)
+            else:
+                cut_short.append(number)
             continue
         except json.JSONDecodeError:
+            (foreign if number < len(lines) else cut_short).append(number)
             continue
         if isinstance(record, dict):
             records.append(record)
@@ -63,6 +67,9 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
                 else "lines {}, which are not UTF-8 JSON records")
         warnings.warn(f"{path}: skipped {what.format(shown)}: the file was edited or damaged; the other lines are read",
                       stacklevel=2)
+    if cut_short and warn_cut_short:
+        warnings.warn(f"{path}: skipped its last line, {cut_short[0]}, cut short: the process writing it stopped "
+                      "mid-line (or is writing it now); the other lines are read", stacklevel=2)
     return records
 
 
