@@ -54,7 +54,7 @@ from dew.serve.images import decode_image
 from dew.serve.network import Limits
 from dew.serve.protocol import APIError, Job
 from dew.serve.service import Served
-from dew.serve.text import TextStream
+from dew.serve.text import Spelling, TextStream
 
 logger = logging.getLogger("dew.serve")
 
@@ -265,6 +265,7 @@ async def _read_body(request: HTTPRequest, limits: Limits) -> bytes:
                        "--read-timeout): send it whole at once", code="request_timeout",
                        headers={"Connection": "close"}) from None
     except ClientDisconnect:
+        logger.info("a client closed the connection before its whole request body came; nothing to answer")
         raise APIError(400, "the client closed the connection before its whole body came") from None
     return b"".join(chunks)
 
@@ -324,6 +325,8 @@ async def _whole(job: Job, served: Served, requests, events: asyncio.Queue, prom
                 event = await asyncio.wait_for(events.get(), timeout=1.0)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
+                    logger.info("a client went away before its answer (%s %s): its %d continuations were cancelled",
+                                request.method, request.url.path, sum(reason is None for reason in reasons))
                     return {}
                 continue
             if event[0] == "prompt":
@@ -343,15 +346,23 @@ async def _whole(job: Job, served: Served, requests, events: asyncio.Queue, prom
         texts, reasons, entries, completion_tokens = [""] * len(requests), ["length"] * len(requests), \
             [[] for _ in requests], 0
     scores = [None] * len(requests)
+    echoed = [0] * len(requests)  # characters of each answer's text before its continuation
     if job.kind == "completion" and job.echo:
         decode = served.decode()
         for index, row in enumerate(requests):
             sent = job.texts[row.prompt_index]
-            texts[index] = (decode(row.prompt) if sent is None else sent) + texts[index]
+            prompt = decode(row.prompt) if sent is None else sent
+            texts[index], echoed[index] = prompt + texts[index], len(prompt)
     if job.log_probs is not None:
-        spell = served.spell()
-        scores = [protocol.completion_log_probs(prompt_entries[i] + entries[i], spell) if job.kind == "completion"
-                  else protocol.chat_log_probs(entries[i], spell) for i in range(len(requests))]
+        decode, spell = served.decode(), served.spell()
+        for i, row in enumerate(requests):
+            if job.kind == "chat":
+                scores[i] = protocol.chat_log_probs(entries[i], spell)
+                continue
+            # the prompt's tokens (echoed) from the text's start, then the continuation's from the echo's end
+            echo = protocol.completion_log_probs(prompt_entries[i], Spelling(decode, spell))
+            drawn = Spelling(decode, spell, row.prompt, echoed[i])
+            scores[i] = protocol.completion_log_probs(entries[i], drawn, echo)
     return protocol.response(job, served.name, list(zip(texts, reasons, scores)),
                              protocol.usage(prompt_tokens, completion_tokens))
 
@@ -359,16 +370,15 @@ async def _whole(job: Job, served: Served, requests, events: asyncio.Queue, prom
 async def _streamed(job: Job, served: Served, requests, events: asyncio.Queue, prompt_tokens: int) -> AsyncIterator[str]:
     send = lambda chunk: f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"  # noqa: E731
     left, completion_tokens = len(requests), 0
-    spell, offsets = served.spell(), [0] * len(requests)
+    decode, spell = served.decode(), served.spell()
+    spellings = [Spelling(decode, spell, request.prompt) for request in requests]  # each choice's, across chunks
 
     def scored(index: int, entries: list) -> dict | None:
         if job.log_probs is None:
             return None
         if job.kind == "chat":
             return protocol.chat_log_probs(entries, spell)
-        out = protocol.completion_log_probs(entries, spell, offsets[index])
-        offsets[index] += sum(map(len, out["tokens"]))
-        return out
+        return protocol.completion_log_probs(entries, spellings[index])
 
     try:
         if job.kind == "chat":

@@ -58,16 +58,45 @@ def decode_image(url, index: int, limits: ImageLimits) -> np.ndarray:
 
     try:
         with Image.open(io.BytesIO(encoded)) as image:
-            width, height = image.size
-            if width * height > limits.max_pixels:
-                raise APIError(400, f"image {index} is {width}x{height}, {width * height:,} pixels, past this server's "
-                               f"--max-image-pixels {limits.max_pixels:,}: send a smaller image", param="messages")
+            _check_size(index, *image.size, limits)
             return np.asarray(image.convert("RGB"), np.uint8)
     except APIError:
         raise
-    except (OSError, ValueError, Image.DecompressionBombError) as error:
+    except Image.DecompressionBombError as error:  # Pillow refuses to open one past twice its own bound
+        size = _claimed_size(encoded)
+        if size is not None:
+            _check_size(index, *size, limits)
+        raise APIError(400, f"image {index} is {_size(*size) + ', ' if size else ''}past the most pixels Pillow opens "
+                       f"({error}), whatever this server's --max-image-pixels {limits.max_pixels:,}: send a smaller "
+                       "image", param="messages") from None
+    except (OSError, ValueError) as error:
         raise APIError(400, f"image {index} is not an image Pillow reads ({error}): send a PNG, JPEG, GIF or WebP",
                        param="messages") from None
+
+
+def _check_size(index: int, width: int, height: int, limits: ImageLimits) -> None:
+    if width * height > limits.max_pixels:
+        raise APIError(400, f"image {index} is {_size(width, height)}, past this server's --max-image-pixels "
+                       f"{limits.max_pixels:,}: send a smaller image", param="messages")
+
+
+def _size(width: int, height: int) -> str:
+    return f"{width}x{height}, {width * height:,} pixels"
+
+
+def _claimed_size(encoded: bytes) -> tuple[int, int] | None:
+    """The width and height the header of a PNG, JPEG, GIF or WebP image claims, read by Pillow's own reader of
+    that format without the decompression bomb check `Image.open` makes (nothing is decoded); None for another."""
+    from PIL import GifImagePlugin, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
+
+    for reader in (PngImagePlugin.PngImageFile, JpegImagePlugin.JpegImageFile, GifImagePlugin.GifImageFile,
+                   WebPImagePlugin.WebPImageFile):
+        try:
+            with reader(io.BytesIO(encoded)) as image:
+                return image.size
+        except Exception:  # noqa: BLE001 - not this format (each reader refuses another's bytes in its own way)
+            continue
+    return None
 
 
 def _data_url(url: str, index: int, limits: ImageLimits) -> bytes:

@@ -10,7 +10,10 @@ client forever to send a request's head and accepts every connection. `Guarded`,
 protocol with two additions, closes a connection that has not sent a whole head `read_timeout`
 seconds after it opened, or after the first bytes of a later head came (with a 408 when part of a
 head came), and answers a connection past `max_connections` with a 503 and closes it at once. The
-body's own deadline and size are the application's (`dew.serve.app`).
+body's own deadline and size are the application's (`dew.serve.app`). A client that sends a whole request
+and then closes its side of the connection (a half-close, as `nc -N` does) still reads the
+answer, and the connection closes after it: uvicorn took the end of its input for the
+client's going away, and answered nothing.
 """
 
 from __future__ import annotations
@@ -96,6 +99,15 @@ class Guarded(H11Protocol):
     def connection_lost(self, exc) -> None:
         self._stop_timer()
         super().connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        """The client closed its side. Once its request is whole and not yet answered, the connection stays open
+        for the answer, then closes (True keeps asyncio's transport open); otherwise it closes now. A client gone
+        entirely is found at the first write that fails, as any other."""
+        if self.cycle is None or self.cycle.response_complete or self.conn.their_state is not h11.DONE:
+            return None
+        self.cycle.keep_alive = False  # no other request can come
+        return True
 
     def _start_timer(self) -> None:
         self._head_timer = self.loop.call_later(self.read_timeout, self._head_late)

@@ -277,7 +277,12 @@ def _stop(stop) -> tuple[str, ...]:
         raise APIError(400, f"stop is {_brief(stop)}; it is a string or a list of strings", param="stop")
     if len(stops) > MAX_STOPS:
         raise APIError(400, f"stop holds {len(stops)} strings; this server takes at most {MAX_STOPS}", param="stop")
-    return tuple(s for s in stops if s)
+    empty = next((i for i, s in enumerate(stops) if not s), None)
+    if empty is not None:
+        where = "stop" if isinstance(stop, str) else f"stop[{empty}]"
+        raise APIError(400, f"{where} is an empty string, which every text begins with: give stop strings of at "
+                       "least one character, or leave stop out", param="stop")
+    return tuple(stops)
 
 
 def completion_prompts(prompt, vocab_size: int) -> list[str | list[int]]:
@@ -371,6 +376,11 @@ def chat_messages(messages, images: bool = False, audio: bool = False) -> tuple[
                            param="messages")
         content = message.get("content")
         if isinstance(content, list):
+            for number, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind in allowed - {"text"} and not isinstance(part.get(kind), dict):
+                    raise APIError(400, f"message {index}, part {number}: {kind} is {_brief(part.get(kind), 60)}; it "
+                                   f"is an object, as in {_MEDIA_PART[kind]}", param="messages")
             kinds = sorted({str(part.get("type")) for part in content if isinstance(part, dict)} - allowed)
             well_formed = all(isinstance(part, dict) and (isinstance(part.get("text"), str) if part.get("type") == "text"
                                                           else isinstance(part.get("type"), str)
@@ -392,6 +402,11 @@ def chat_messages(messages, images: bool = False, audio: bool = False) -> tuple[
                            "parts", param="messages")
         out.append({**message, "content": content or ""})
     return out, found["image_url"], found["input_audio"]
+
+
+# What a media part looks like, for a message that gives one otherwise.
+_MEDIA_PART = {"image_url": '{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}',
+               "input_audio": '{"type": "input_audio", "input_audio": {"data": "<base64 WAV>", "format": "wav"}}'}
 
 
 # -- answers ----------------------------------------------------------------------------------------
@@ -432,28 +447,29 @@ def chunk(job: Job, model: str, index: int | None, *, text: str | None = None, r
     return out
 
 
-def completion_log_probs(entries: Sequence, spell: Callable[[int], str], offset: int = 0) -> dict:
-    """A completion's `logprobs` object over `entries` (`dew.serve.engine.Scored`, in order): each
-    token's text (`spell(id)`), log-probability (null where nothing comes before it) and character
-    offset from `offset`, and at each position a map from text to log-probability of the token and
-    its alternatives (the larger value where two tokens spell alike)."""
-    tokens, values, tops, offsets = [], [], [], []
+def completion_log_probs(entries: Sequence, spelling, scores: dict | None = None) -> dict:
+    """A completion's `logprobs` object over `entries` (`dew.serve.engine.Scored`, in order), added to `scores`
+    when given: each token's text and its character offset in the answer's text (`spelling`, a
+    `dew.serve.text.Spelling` of the tokens before these), its log-probability (null where nothing comes
+    before it), and at each position a map from text to log-probability of the token and its alternatives
+    (the larger value where two spell alike)."""
+    scores = scores or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for entry in entries:
-        text = spell(entry.token)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
+        spelled = [(spelling.alternative(token), value) for token, value in entry.top]  # before the token's place
+        text, offset = spelling.push(entry.token)
+        scores["tokens"].append(text)
+        scores["text_offset"].append(offset)
         if entry.log_prob is None:
-            values.append(None)
-            tops.append(None)
+            scores["token_logprobs"].append(None)
+            scores["top_logprobs"].append(None)
             continue
         top: dict[str, float] = {}
-        for token, value in entry.top:  # most likely first: a later token that spells alike is less likely
-            top.setdefault(spell(token), _floored(value))
-        values.append(_floored(entry.log_prob))
-        top.setdefault(text, values[-1])
-        tops.append(top)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+        for alternative, value in spelled:  # most likely first: a later token that spells alike is less likely
+            top.setdefault(alternative, _floored(value))
+        scores["token_logprobs"].append(_floored(entry.log_prob))
+        top.setdefault(text, scores["token_logprobs"][-1])
+        scores["top_logprobs"].append(top)
+    return scores
 
 
 def chat_log_probs(entries: Sequence, spell: Callable[[int], str]) -> dict:

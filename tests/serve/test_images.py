@@ -7,6 +7,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import struct
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,6 +17,8 @@ import pytest
 
 from dew.interop import load_pretrained
 from dew.sampling import Sampling
+from dew.serve.images import ImageLimits, decode_image
+from dew.serve.protocol import APIError
 from tests.serve.conftest import post_raw, running
 
 pytest.importorskip("fastapi")
@@ -104,3 +108,30 @@ def test_audio_is_refused_by_name_where_the_model_does_not_hear(served):
     clip = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
     status, body = _chat(served.url, [{"type": "text", "text": "token5"}, clip])
     assert status == 400 and "types ['input_audio']; this model reads text and image_url" in body["error"]["message"]
+
+
+def _png_header(width: int, height: int) -> str:
+    """A data URL of a PNG whose header claims `width` x `height` (its pixel data is a few bytes)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + \
+        chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.mark.parametrize("width, height", [(5000, 5000), (20000, 20000)])
+def test_an_image_past_the_pixel_limit_names_the_flag_however_large(width, height):
+    """A PNG claiming 20000x20000 is past Pillow's own bound, which Pillow refuses as it opens it: that once read
+    "not an image Pillow reads (...decompression bomb...): send a PNG, JPEG, GIF or WebP" (it was a PNG)."""
+    with pytest.raises(APIError) as caught:
+        decode_image(_png_header(width, height), 1, ImageLimits())
+    assert caught.value.message == (f"image 1 is {width}x{height}, {width * height:,} pixels, past this server's "
+                                    "--max-image-pixels 16,777,216: send a smaller image")
+    with pytest.raises(APIError) as caught:  # a limit above Pillow's: Pillow's bound is said to be its own
+        decode_image(_png_header(width, height), 1, ImageLimits(max_pixels=width * height))
+    if width * height > 2 * PIL.MAX_IMAGE_PIXELS:
+        assert caught.value.message.startswith(f"image 1 is {width}x{height}, {width * height:,} pixels, past the "
+                                               "most pixels Pillow opens")
+    else:
+        assert "not an image Pillow reads" in caught.value.message  # the claim passes; its few bytes do not

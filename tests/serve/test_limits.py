@@ -111,6 +111,22 @@ def test_connections_that_send_their_head_or_body_slowly_are_closed(server):
     _still_serving(server)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_closes_its_side_after_its_request_gets_the_answer(server, stream):
+    """A whole request, then a half-close (`nc -N`): the answer once was an empty reply, and nothing was logged."""
+    port = int(server.url.rsplit(":", 1)[1])
+    body = json.dumps({"model": NAME, "prompt": "the quick", "max_tokens": 3, "temperature": 0, "stream": stream})
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+        client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        client.shutdown(socket.SHUT_WR)
+        answer = _closed_within(client, 30)  # the server closes once it has answered
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK"), answer[:300]
+    assert (b"data: [DONE]" in rest) if stream else b'"finish_reason"' in rest
+    _still_serving(server)
+
+
 def test_connections_past_the_limit_are_refused_at_once(server):
     port = int(server.url.rsplit(":", 1)[1])
     held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(MAX_CONNECTIONS)]

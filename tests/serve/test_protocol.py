@@ -44,6 +44,9 @@ def test_fields_left_out_take_the_checkpoints_defaults():
     ({"seed": 2**63}, "seed", f"seed is {2**63}; a seed is an integer from -2**63 to 2**63 - 1"),
     ({"seed": -(2**63) - 1}, "seed", "the 64-bit range of a JAX key"),
     ({"stop": ["x"] * (MAX_STOPS + 1)}, "stop", f"stop holds {MAX_STOPS + 1} strings; this server takes at most"),
+    ({"stop": ""}, "stop", "stop is an empty string, which every text begins with: give stop strings of at least "
+                           "one character, or leave stop out"),  # these two were once taken and ignored
+    ({"stop": ["", "x"]}, "stop", "stop[0] is an empty string"),
 ])
 def test_bad_fields_are_refused_by_name(body, param, words):
     with pytest.raises(APIError) as caught:
@@ -136,5 +139,20 @@ def test_chat_messages_take_audio_parts_only_where_the_model_reads_them():
     assert images == ["data:image/png;base64,AA=="] and clips == [clip]
     with pytest.raises(APIError, match=r"types \['input_audio'\]; this model reads text and image_url"):
         chat_messages(messages, images=True)
-    with pytest.raises(APIError, match="reads text and input_audio"):  # an audio part must hold its object
-        chat_messages([{"role": "user", "content": [{"type": "input_audio", "input_audio": "x"}]}], audio=True)
+    with pytest.raises(APIError, match="types \\['input_audio'\\]; this model reads text only"):
+        chat_messages([{"role": "user", "content": [{"type": "input_audio", "input_audio": "x"}]}])
+
+
+@pytest.mark.parametrize("kind, value, shape", [
+    ("image_url", "data:image/png;base64,AAAA", '"image_url": {"url": "data:image/png;base64,..."}'),
+    ("input_audio", "UklGRg==", '"input_audio": {"data": "<base64 WAV>", "format": "wav"}'),
+    ("image_url", None, '"image_url": {"url": '),
+])
+def test_a_media_part_that_is_not_an_object_says_what_it_is(kind, value, shape):
+    """An image_url given as the URL itself once read "holds content parts of types [...]; this model reads
+    text and image_url", which a part of type image_url seems to be."""
+    content = [{"type": "text", "text": "look"}, {"type": kind, kind: value}]
+    with pytest.raises(APIError) as caught:
+        chat_messages([{"role": "user", "content": content}], images=True, audio=True)
+    assert caught.value.message.startswith(f"message 0, part 1: {kind} is {value!r}; it is an object, as in")
+    assert shape in caught.value.message and caught.value.param == "messages"

@@ -247,6 +247,35 @@ def test_echo_and_logprobs_score_token_id_prompts_as_lm_eval_asks(server):
     assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])  # logprobs 0: the token alone
 
 
+@pytest.mark.parametrize("prompt", ["日本語 🎉 test", "naïve café"])
+def test_echoed_tokens_offsets_index_the_text_on_multi_byte_characters(server, prompt):
+    """The tiny tokenizer spells these characters in bytes: a token that leaves a character unfinished reads ""
+    and the one that completes it reads the character (vLLM's convention), and every offset indexes the
+    answer's text (they once counted tokens, and each part of a character read "\ufffd")."""
+    status, body = post_raw(f"{server.url}/v1/completions", json.dumps(
+        {"model": NAME, "prompt": prompt, "echo": True, "logprobs": 3, "max_tokens": 4, "temperature": 0}).encode())
+    assert status == 200, body
+    choice = body["choices"][0]
+    text, scores = choice["text"], choice["logprobs"]
+    ids = server.ids(prompt)
+    assert len(ids) > len(prompt)  # some characters take several tokens
+    tokens, offsets = scores["tokens"], scores["text_offset"]
+    assert "".join(tokens[: len(ids)]) == prompt and offsets[len(ids)] == len(prompt)
+    assert offsets == sorted(offsets) and "\ufffd" not in "".join(tokens[: len(ids)])
+    for token, offset in zip(tokens, offsets):
+        assert text[offset: offset + len(token)] == token or token == "<|im_end|>", (token, offset, text)
+    for position, top in enumerate(scores["top_logprobs"][1:], start=1):
+        assert tokens[position] in top and len(top) <= 4
+    # streamed (without echo): each chunk's offsets go on from the last chunk's, in the continuation's text
+    chunks = list(server.client().completions.create(model=NAME, prompt=prompt, logprobs=1, max_tokens=4,
+                                                     temperature=0, stream=True))
+    streamed = "".join(chunk.choices[0].text for chunk in chunks)
+    spelled = [(token, offset) for chunk in chunks if chunk.choices[0].logprobs
+               for token, offset in zip(chunk.choices[0].logprobs.tokens, chunk.choices[0].logprobs.text_offset)]
+    assert streamed == text[len(prompt):] and [token for token, _ in spelled] == tokens[len(ids):]
+    assert [offset for _, offset in spelled] == [offset - len(prompt) for offset in offsets[len(ids):]]
+
+
 def test_chat_logprobs_in_openais_shape_streamed_or_whole(server):
     client = server.client()
     messages = [{"role": "user", "content": "old songs"}]

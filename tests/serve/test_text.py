@@ -1,5 +1,5 @@
 """TextStream: incremental text equals the whole decode, characters split across tokens wait, stop strings
-are cut out and text that may begin one is held back."""
+are cut out and text that may begin one is held back. Spelling: tokens' texts and offsets index that text."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dew.data.tokenizers import ByteTokenizer
-from dew.serve.text import TextStream
+from dew.serve.engine import Scored
+from dew.serve.protocol import completion_log_probs
+from dew.serve.text import Spelling, TextStream
 
 BYTES = ByteTokenizer()
 
@@ -60,3 +62,47 @@ def test_a_bpe_continuation_streams_to_its_whole_decode():
     continuation = tokenizer.encode(" brown fox, café déjà vu").ids
     pieces, stream = _stream(decode, prompt, continuation)
     assert "".join(pieces) == decode(continuation) == " brown fox, café déjà vu"
+
+
+def _spelled(spelling, tokens):
+    return [spelling.push(token) for token in tokens]
+
+
+def test_spelled_tokens_index_the_text_and_a_character_goes_with_the_token_that_completes_it():
+    """Each token once read "\ufffd" (a part of a character) and its offset counted tokens, not characters."""
+    text = "日本語 🎉 test"
+    spelled = _spelled(Spelling(BYTES.decode, BYTES.decode), BYTES.encode(text))
+    tokens, offsets = zip(*spelled)
+    assert "".join(tokens) == text and "\ufffd" not in "".join(tokens)
+    assert tokens[:4] == ("", "", "日", "") and tokens[9:14] == (" ", "", "", "", "🎉")
+    assert offsets[:4] == (0, 0, 0, 1) and offsets[9:15] == (3, 4, 4, 4, 4, 5)
+    assert all(text[offset: offset + len(token)] == token for token, offset in spelled)
+    continued = _spelled(Spelling(BYTES.decode, BYTES.decode, BYTES.encode(text), offset=len(text)),
+                         BYTES.encode("é!"))
+    assert continued == [("", len(text)), ("é", len(text)), ("!", len(text) + 1)]
+
+
+def test_alternatives_read_as_the_text_they_would_add_in_the_tokens_place():
+    spelling = Spelling(BYTES.decode, BYTES.decode, BYTES.encode("a"))
+    assert spelling.alternative(ord("b")) == "b" and spelling.alternative(0xE6) == ""  # the first of three bytes
+    _spelled(spelling, [0xE6, 0x97])
+    # the last byte: each alternative completes another character, so each has a key of its own
+    assert [spelling.alternative(byte) for byte in (0xA5, 0xA6, 0xA9)] == ["日", "旦", "早"]
+    entries = [Scored(0xA5, -0.5, ((0xA5, -0.5), (0xA6, -1.5), (0xA9, -2.0)))]
+    scores = completion_log_probs(entries, spelling)
+    assert scores["tokens"] == ["日"] and scores["text_offset"] == [0]
+    assert scores["top_logprobs"] == [{"日": -0.5, "旦": -1.5, "早": -2.0}]
+
+
+def test_a_special_token_reads_as_itself_and_takes_no_room():
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(["the quick brown fox"] * 20, trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
+    spell = lambda token: tokenizer.decode([token], skip_special_tokens=False)  # noqa: E731
+    ids = tokenizer.encode("the fox").ids + [tokenizer.token_to_id("<|end|>")]
+    spelled = _spelled(Spelling(decode, spell), ids)
+    assert "".join(token for token, _ in spelled[:-1]) == decode(ids) == "the fox"
+    assert spelled[-1] == ("<|end|>", len("the fox"))
