@@ -14,9 +14,10 @@ they expect: token files of a slice of the shipped corpus in `data/kjv-bpe` (wri
 tokenizer of 512 ids, made by `tools/train_tokenizer.py` and found through `$DEW_TOKENIZERS`) and in
 `data/kjv-byte` (byte-level). The `dew` on the blocks' PATH is this checkout's, with flags appended that
 shrink a run (`SHRINK`): a `dew train` becomes a few steps of small batches of short rows, a `dew serve`
-two slots of 64 positions. A later flag wins, so each block runs as written. Blocks that need a
-network, a GPU, another runtime (vLLM, Ollama, llama.cpp) or minutes of training stay unmarked:
-documented, not run.
+two slots of 64 positions. A later flag wins, so each block runs as written. A guide under docs/ finds
+`runs/kjv` in its directory, the run the README's first example trains (made once, by that block), as a
+reader who began with the README would. Blocks that need a network, a GPU, another runtime (vLLM, Ollama,
+llama.cpp) or minutes of training, or that repeat a marked block, stay unmarked: documented, not run.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import lzma
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -128,16 +130,33 @@ def run_block(language: str, code: str, cwd: Path, env: dict[str, str]) -> None:
     assert done.returncode == 0, f"exit {done.returncode} from\n{code}\n--- output:\n{output}"
 
 
-@pytest.mark.slow  # each block is a process that imports jax; a server compiles its shapes at start
-@pytest.mark.parametrize("document", [d for d in DOCUMENTS if marked_blocks(d)], ids=lambda d: d.name)
-def test_the_marked_blocks_run(document, prepared, tmp_path):
-    work = tmp_path / "work"
+def workspace(prepared: Path, work: Path) -> Path:
+    """`work`, a new directory holding what the documents' blocks expect: the token files under `data/`
+    and the checkout's fixtures at `tests/fixtures`."""
     work.mkdir()
     (work / "data").mkdir()
     for files in (prepared / "data").iterdir():
         (work / "data" / files.name).symlink_to(files)
-    (work / "tests").mkdir()  # the checkout's fixtures at the paths the documents name
+    (work / "tests").mkdir()
     (work / "tests" / "fixtures").symlink_to(ROOT / "tests" / "fixtures", target_is_directory=True)
+    return work
+
+
+@pytest.fixture(scope="module")
+def readme_run(prepared, tmp_path_factory) -> Path:
+    """`runs/kjv`, trained by the README's first marked block that runs `dew train`."""
+    work = workspace(prepared, tmp_path_factory.mktemp("readme-run") / "work")
+    _, language, code = next(block for block in marked_blocks(ROOT / "README.md") if "dew train" in block[2])
+    run_block(language, code, work, environment(prepared))
+    return work / "runs" / "kjv"
+
+
+@pytest.mark.slow  # each block is a process that imports jax; a server compiles its shapes at start
+@pytest.mark.parametrize("document", [d for d in DOCUMENTS if marked_blocks(d)], ids=lambda d: d.name)
+def test_the_marked_blocks_run(document, prepared, tmp_path, request):
+    work = workspace(prepared, tmp_path / "work")
+    if document.name != "README.md":
+        shutil.copytree(request.getfixturevalue("readme_run"), work / "runs" / "kjv", symlinks=True)
     env = environment(prepared)
     with contextlib.ExitStack() as servers:
         port = None
