@@ -17,10 +17,12 @@ prints the version. A refusal or a fault prints one `error:` line; the exit stat
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Annotated, Literal
 
 import tyro
@@ -299,12 +301,15 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
 
 def export(run: Positional[Annotated[str, tyro.conf.arg(metavar="RUN")]],
            out: Positional[Annotated[str, tyro.conf.arg(metavar="OUT")]], live: bool = False,
-           step: int | None = None, force: bool = False, format: Literal["safetensors", "gguf"] = "safetensors",
+           step: int | None = None, force: bool = False, format: Literal["safetensors", "gguf"] | None = None,
            outtype: Literal["f32", "f16", "q8_0"] = "f16") -> None:
     """Write a trained run as a transformers checkpoint (config.json of the family that computes it,
     safetensors, tokenizer files, generation_config.json), which transformers, vLLM and dew serve load;
-    or, with --format gguf, as one GGUF file (llama.cpp's names, the tokenizer and its chat template) for
-    llama.cpp and Ollama.
+    or, with --format gguf (or an OUT ending in .gguf), as one GGUF file (llama.cpp's names, the tokenizer
+    and its chat template) for llama.cpp and Ollama.
+
+    The export is whole or absent: Ctrl-C before the new files take their names leaves OUT as it was (exit
+    130); once they have, the command reports them and exits 0.
 
     Args:
         run: A run directory (holding run.json), or one of its checkpoints (RUN/checkpoints/STEP).
@@ -314,26 +319,70 @@ def export(run: Positional[Annotated[str, tyro.conf.arg(metavar="RUN")]],
         step: The checkpoint to export (default: the newest that reads).
         force: Write into an OUT that holds files: an earlier export there is replaced atomically, other
             files are kept (a GGUF OUT is replaced).
-        format: safetensors (a transformers checkpoint) or gguf (one file).
+        format: safetensors (a transformers checkpoint) or gguf (one file); by default gguf when OUT ends in
+            .gguf, else safetensors.
         outtype: The GGUF file's matrices: f32, f16, or q8_0 (llama.cpp's 8-bit blocks; rows that are not
             whole blocks of 32 as f16). Norms and biases are always f32.
     """
     import json
     from pathlib import Path
 
-    from dew.recipes.export import export_run, replaced_by_export
+    from dew.interop.safetensors_files import INDEX, SINGLE
+    from dew.recipes.export import export_format, export_run, replaced_by_export
 
+    format = export_format(out, format)
     if format == "gguf":
-        written = export_run(run, out, ema=not live, step=step, force=force, format="gguf", outtype=outtype)
-        print(f"wrote {written} ({outtype}): `llama-cli -m {written}` and Ollama (a Modelfile's FROM {written}) "
-              f"load it; so do `dew generate {written}` and `dew serve {written}`")
+        with _finished_once_replaced([Path(out)]):
+            written = export_run(run, out, ema=not live, step=step, force=force, format="gguf", outtype=outtype)
+            print(f"wrote {written} ({outtype}): `llama-cli -m {written}` and Ollama (a Modelfile's FROM {written}) "
+                  f"load it; so do `dew generate {written}` and `dew serve {written}`")
         return
     replaced = replaced_by_export(out) if force and out else []
-    directory = export_run(run, out, ema=not live, step=step, force=force)
-    family = json.loads((Path(directory) / "config.json").read_text())["model_type"]
-    print(f"wrote {directory} ({family}): transformers.AutoModelForCausalLM.from_pretrained({str(directory)!r}) "
-          f"loads it; so do `vllm serve {directory}` and `dew serve {directory}`"
-          + (f"; it replaces the {', '.join(replaced)} that {out} held" if replaced else ""))
+    with _finished_once_replaced([Path(out) / SINGLE, Path(out) / INDEX]):
+        directory = export_run(run, out, ema=not live, step=step, force=force, format="safetensors")
+        family = json.loads((Path(directory) / "config.json").read_text())["model_type"]
+        print(f"wrote {directory} ({family}): transformers.AutoModelForCausalLM.from_pretrained({str(directory)!r}) "
+              f"loads it; so do `vllm serve {directory}` and `dew serve {directory}`"
+              + (f"; it replaces the {', '.join(replaced)} that {out} held" if replaced else ""))
+
+
+def _identity(path) -> tuple[int, int, int] | None:
+    """What changes when a file is replaced (device, inode, modification time), or None where there is none."""
+    try:
+        found = path.stat()
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino, found.st_mtime_ns
+
+
+@contextlib.contextmanager
+def _finished_once_replaced(paths: Sequence) -> Iterator[None]:
+    """Within, Ctrl-C interrupts as it would until one of `paths` is replaced (an export's weights renamed into
+    place, its last step that can fail), and is ignored from then on, the process's teardown included: the export
+    is whole, so the command reports it and exits 0 rather than stop with 130 and a complete export it never named
+    (`main` gives an in-process caller its handler back). The rename is atomic, so the handler sees either the old
+    file or the new one."""
+    previous = signal.getsignal(signal.SIGINT)
+    # Only the main thread handles signals; a handler set outside Python (None) is left as it is.
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+    before = [_identity(path) for path in paths]
+
+    def interrupt(number, frame) -> None:
+        if [_identity(path) for path in paths] != before or previous is signal.SIG_IGN:
+            return
+        if callable(previous):
+            return previous(number, frame)
+        raise KeyboardInterrupt  # SIG_DFL
+
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    finally:
+        # Ignored, not a Python handler: Python resets those to the default (death by SIGINT) as it tears down.
+        replaced = [_identity(path) for path in paths] != before
+        signal.signal(signal.SIGINT, signal.SIG_IGN if replaced else previous)
 
 
 def _number(value, digits: int = 4) -> str:
@@ -455,12 +504,22 @@ def _usage() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run `dew ARGV`; a refusal or a fault prints `error: ...` as one line (see `dew.errors`)."""
+    """Run `dew ARGV`; a refusal or a fault prints `error: ...` as one line (see `dew.errors`). Called with
+    `argv` (a program running a command in its own process), it leaves the SIGINT handler as it found it."""
+    in_process = argv is not None
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    finally:
+        if in_process and handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, handler)
+
+
+def _main(argv: list[str]) -> int:
     from dew import compilation_cache
     from dew.errors import one_line_warnings, report
 
     one_line_warnings()
-    argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2

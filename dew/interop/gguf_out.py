@@ -75,7 +75,7 @@ def write_gguf(path: str | Path, model: CausalTransformer, converter: Converter,
     plan = tensors.plan(converter.gguf_rules(config), params, converter.model_type)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
-    writer = gguf.GGUFWriter(None, names.architecture)
+    writer = _writer(gguf, names.architecture)
     try:
         _write_metadata(writer, gguf, model, converter, tokenizer_dir, outtype, name or path.stem)
         built = []
@@ -107,6 +107,25 @@ def write_gguf(path: str | Path, model: CausalTransformer, converter: Converter,
         partial.unlink(missing_ok=True)
         raise
     return path
+
+
+class _NoStrings(tuple):
+    """An empty array of strings, as `_writer`'s writer packs it."""
+
+
+def _writer(gguf, architecture: str):
+    """A `gguf.GGUFWriter` that also packs an empty array of strings (`_NoStrings`): gguf takes an array's element
+    type from its first element, so it packs no empty one, and llama.cpp requires tokenizer.ggml.merges of every
+    byte-level BPE vocabulary, one without merges (Dew's bytes) included."""
+
+    class Writer(gguf.GGUFWriter):
+        def _pack_val(self, val, vtype, add_vtype, *rest, **named):
+            if vtype == gguf.GGUFValueType.ARRAY and isinstance(val, _NoStrings):
+                kind = self._pack("I", vtype) if add_vtype else b""
+                return kind + self._pack("I", gguf.GGUFValueType.STRING) + self._pack("Q", 0)
+            return super()._pack_val(val, vtype, add_vtype, *rest, **named)
+
+    return Writer(None, architecture)
 
 
 def _tensor_type(gguf, name: str, shape: tuple[int, ...], outtype: str):
@@ -226,8 +245,12 @@ def _write_tokenizer(writer, gguf, directory: Path, vocab_size: int) -> None:
         writer.add_add_space_prefix(_space_prefix(source))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    special = gguf.SpecialVocab(directory, load_merges=True, n_vocab=vocab_size)
+    # gguf writes the merges it reads; without any it would warn of a non-functional file, where a vocabulary
+    # of single pieces needs none but the key (written empty).
+    special = gguf.SpecialVocab(directory, load_merges=bool(merges), n_vocab=vocab_size)
     special.add_to_gguf(writer, quiet=True)
+    if kind == "gpt2" and not merges:
+        writer.add_key_value(gguf.Keys.Tokenizer.MERGES, _NoStrings(), gguf.GGUFValueType.ARRAY)
 
 
 def _kind(source: dict, directory: Path) -> str:

@@ -28,21 +28,35 @@ from dew.runs.run_dir import CHECKPOINTS, RUN_JSON
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = True, step: int | None = None,
-               force: bool = False, format: str = "safetensors", outtype: str = "f16") -> Path:
-    """Write run directory (or checkpoint directory) `run` at `step` (default the newest) as a transformers
-    checkpoint in `out`, or with `format="gguf"` as the GGUF file `out` (its matrices in `outtype`: "f32",
-    "f16" or "q8_0"; `dew.interop.gguf_out`): the averaged weights when `ema` and the run keeps them, else the
-    live ones.
-
-    `out` is a new or empty directory; one that holds anything is refused unless `force`, and then
-    the files `replaced_by_export` names are replaced (an earlier export's, atomically) and the others
-    kept. A GGUF `out` is a file, refused when it exists unless `force`. A run directory, and the checkpoints
-    inside one, are refused whatever `force` says.
-    """
+def export_format(out: str | os.PathLike, format: str | None) -> str:
+    """The format an export to `out` is written in: `format`, or by default "gguf" for an `out` ending in .gguf
+    and "safetensors" (a transformers checkpoint, a directory) for any other; a safetensors export to a .gguf
+    `out` is refused, since a directory of that name would read as a GGUF file."""
+    gguf_name = os.fspath(out).endswith(".gguf")
+    if format is None:
+        return "gguf" if gguf_name else "safetensors"
     if format not in ("safetensors", "gguf"):
         raise ValueError(f"format {format!r} is not one dew export writes: use safetensors (a transformers "
                          "checkpoint) or gguf (one file for llama.cpp and Ollama)")
+    if format == "safetensors" and gguf_name:
+        raise ValueError(f"OUT {out} ends in .gguf, and --format safetensors writes a directory (a transformers "
+                         "checkpoint): drop --format to write one GGUF file there, or name a directory")
+    return format
+
+
+def export_run(run: str | os.PathLike, out: str | os.PathLike, *, ema: bool = True, step: int | None = None,
+               force: bool = False, format: str | None = None, outtype: str = "f16") -> Path:
+    """Write run directory (or checkpoint directory) `run` at `step` (default the newest) as a transformers
+    checkpoint in `out`, or with `format="gguf"` as the GGUF file `out` (its matrices in `outtype`: "f32",
+    "f16" or "q8_0"; `dew.interop.gguf_out`): the averaged weights when `ema` and the run keeps them, else the
+    live ones. `format` None is gguf for an `out` ending in .gguf, else safetensors (`export_format`).
+
+    `out` is a new or empty directory; one that holds anything is refused unless `force`, and then
+    the files `replaced_by_export` names are replaced (an earlier export's, atomically) and the others
+    kept; a file is refused. A GGUF `out` is a file, refused when it exists unless `force`. A run directory,
+    and the checkpoints inside one, are refused whatever `force` says.
+    """
+    format = export_format(out, format)
     source = run_of(Path(run))[0]
     if source is None:
         raise FileNotFoundError(f"{run} is not a run directory (it holds no run.json, nor is it RUN/checkpoints/STEP): "
@@ -99,6 +113,9 @@ def _check_target(run: Path, out: str | os.PathLike, force: bool) -> None:
         raise ValueError(f"OUT {out} is {what}: an export there would write over the run's own files (its "
                          "tokenizer.json, its checkpoints); choose a directory outside the run, e.g. "
                          f"{run.parent / (run.name + '-hf')}")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"OUT {out} is a file, and a transformers checkpoint is a directory: name a new or empty "
+                              "directory, or pass --format gguf to write one GGUF file")
     entries = sorted(entry.name for entry in out.iterdir()) if out.is_dir() else []
     if entries and not force:
         replaced = replaced_by_export(out)

@@ -11,21 +11,8 @@ import tokenizers
 from tokenizers import models, pre_tokenizers
 
 from dew.cli import main as dew
-from dew.recipes.lm import main as train
 from dew.runs import RunDirectory
 from dew.training.trackers import METRICS
-from tests.recipes.conftest import recipe_args, token_dir  # noqa: F401 - the shared token files
-
-ONE_LAYER = json.dumps({"emb_features": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "mlp_features": 64,
-                        "max_seq_len": 64})
-
-
-@pytest.fixture(scope="module")
-def trained(token_dir, tmp_path_factory):  # noqa: F811
-    """A byte-level run of one checkpoint (a 256-id head)."""
-    run = tmp_path_factory.mktemp("run-faults") / "run"
-    assert train([*recipe_args(token_dir, run, steps=2), "--model.config", ONE_LAYER]) == 0
-    return run
 
 
 def _three_words(directory) -> None:
