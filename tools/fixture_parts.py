@@ -23,6 +23,23 @@ def word_level(vocab_size: int, specials: Mapping[str, int]):
     return backend
 
 
+def redraw_buffers(model, generator) -> None:
+    """A Gemma 4 vision or audio tower's buffers in `model` drawn afresh from `generator` (a `torch.Generator`): the
+    clipping bounds finite and near the activations' size, so that clipping bites; the standardization and the layer
+    scalars away from their neutral values, so that a misplaced one shows."""
+    import torch
+
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith(("input_min", "input_max", "output_min", "output_max")):
+                sign = -1.0 if name.endswith("min") else 1.0
+                buffer.copy_(torch.tensor(sign * (1.0 + 2.0 * float(torch.rand((), generator=generator)))))
+            elif name.endswith("std_bias"):
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
+            elif name.endswith(("std_scale", "layer_scalar")):
+                buffer.copy_(1 + 0.3 * torch.randn(buffer.shape, generator=generator))
+
+
 def write_checkpoint(directory: Path, model, tokenizer, processor: Mapping, generation: Mapping) -> Path:
     """`model` and `tokenizer` saved by transformers into `directory`, beside processor_config.json and
     generation_config.json written from `processor` and `generation` (the processors whose image or video

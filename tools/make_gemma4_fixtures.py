@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fixture_parts import main, word_level, write_checkpoint
+from fixture_parts import main, redraw_buffers, word_level, write_checkpoint
 
 VOCAB = 128
 SPECIALS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<|image>": 4, "<image|>": 5, "<|image|>": 6,
@@ -57,7 +57,6 @@ FEATURE_EXTRACTOR = {"feature_extractor_type": "Gemma4AudioFeatureExtractor", "f
 PROCESSOR = {"processor_class": "Gemma4Processor", "image_seq_length": 70, "audio_seq_length": 750,
              "audio_ms_per_token": 40, "image_processor": IMAGE_PROCESSOR, "feature_extractor": FEATURE_EXTRACTOR}
 GENERATION = {"eos_token_id": 1, "pad_token_id": 0, "bos_token_id": 2}
-_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
 
 
 def build_model(seed: int = 0):
@@ -80,14 +79,7 @@ def build_model(seed: int = 0):
             else:
                 tensor.copy_(1 + 0.2 * draw(tensor.shape) if "norm" in name and name.endswith(".weight")
                              else 0.2 * draw(tensor.shape))
-        for name, buffer in model.named_buffers():
-            if name.endswith(_BOUNDS):  # finite bounds near the activations' size, so that clipping bites
-                sign = -1.0 if name.endswith("min") else 1.0
-                buffer.copy_(torch.tensor(sign * (1.0 + 2.0 * float(torch.rand((), generator=generator)))))
-            elif name.endswith("std_bias"):
-                buffer.copy_(0.3 * draw(buffer.shape))
-            elif name.endswith(("std_scale", "layer_scalar")):
-                buffer.copy_(1 + 0.3 * draw(buffer.shape))
+    redraw_buffers(model, generator)
     return model
 
 

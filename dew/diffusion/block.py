@@ -11,7 +11,9 @@ once its argmax canvas has not changed for `stability_threshold` steps and its m
 it is committed to the prefix cache (the encoder reads it as text) and the next canvas follows. Rows stop
 after a canvas holding an EOS id; generation stops when every row has. The last canvas is refined at full
 width and the response cut to `max_new_tokens`, so the prompt plus the canvases, rounded up to whole
-canvases, must fit in the model's `max_seq_len`.
+canvases, must fit in the model's `max_seq_len`. A prompt's images (`media`) are encoded once, in the call
+that writes the prompt into the cache; committed canvases and every refinement read their keys and values
+there.
 
 Random draws: canvas `b` uses `jax.random.fold_in(key, b)`, split into the first canvas's key (`noise`)
 and one key per step (split again into the draw's and the renoising's).
@@ -36,6 +38,9 @@ _PROMPT_BUCKET = 16
 # generation_config.json fields of transformers' DiffusionGemmaGenerationConfig and the BlockProcess field each sets.
 GENERATION_FIELDS = {"max_denoising_steps": "max_steps", "t_min": "t_min", "t_max": "t_max",
                      "stability_threshold": "stability_threshold", "confidence_threshold": "confidence_threshold"}
+# What `generate`'s media hold: the conditioning of the prompts' rows, and per prompt one value a prompt id.
+MEDIA_CONDITIONING = ("pixel_values", "image_position_ids")
+MEDIA_FIELDS = ("image_indices", "image_groups")
 # Fields the task reads elsewhere (budget, ids) or that change nothing Dew computes.
 SHARED_GENERATION = frozenset({"max_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "transformers_version",
                                "_from_model_config", "_commit_hash", "return_dict_in_generate", "disable_compile",
@@ -129,9 +134,15 @@ class BlockProcess:
                 for name in ("t_max", "t_min", "entropy_bound", "max_steps", "confidence_threshold")}
 
     def generate(self, model, variables, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, key,
-                 eos_token_ids: Sequence[int] = (), pad_id: int = 0, decode=None) -> CanvasGeneration:
+                 eos_token_ids: Sequence[int] = (), pad_id: int = 0, decode=None,
+                 media: Mapping[str, Any] | None = None) -> CanvasGeneration:
         """Generate `max_new_tokens` after each prompt (lists of ids, one row each; shorter ones are
-        padded before their first token, and positions count from each row's first token)."""
+        padded before their first token, and positions count from each row's first token).
+
+        `media` gives the prompts' images, for a model with a vision tower: `pixel_values` and
+        `image_position_ids` (a row per prompt, as the checkpoint's processor lays them out) and, per prompt,
+        `image_indices` and `image_groups` (one value per prompt id: the soft token it reads and the image
+        behind it, -1 for text; `DiffusionGemma.encode`)."""
         config = model.config
         if config.canvas_length != self.canvas_length or config.vocab_size != self.vocab_size:
             raise ValueError(f"BlockProcess canvas_length {self.canvas_length} and vocab_size {self.vocab_size} do "
@@ -146,6 +157,7 @@ class BlockProcess:
             raise ValueError(f"prompt token id {int(ids.max() if ids.max() >= self.vocab_size else ids.min())} is "
                              f"outside the vocabulary [0, {self.vocab_size}): encode prompts with the model's tokenizer")
         rows, longest, C = len(prompts), max(len(p) for p in prompts), self.canvas_length
+        _check_media(media, prompts, config)
         canvases = math.ceil(max_new_tokens / C)
         if longest + canvases * C > config.max_seq_len:
             raise ValueError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones in whole canvases of {C} "
@@ -162,9 +174,17 @@ class BlockProcess:
             valid = np.zeros((rows, width), bool)
             for row, prompt in enumerate(prompts):
                 tokens[row, width - len(prompt):], valid[row, width - len(prompt):] = prompt, True
+            prefill = {}
+            if media is not None:
+                prefill = {name: jnp.asarray(media[name]) for name in MEDIA_CONDITIONING}
+                for name in MEDIA_FIELDS:
+                    field = np.full((rows, width), -1, np.int32)
+                    for row, values in enumerate(media[name]):
+                        field[row, width - len(values):] = values
+                    prefill[name] = jnp.asarray(field)
             encode = _compiled(model, self.canvas_length, self.vocab_size, self.stability_threshold)[0]
             cache = PrefixCache.empty(config, rows, 1 << (width + (canvases - 1) * C - 1).bit_length())
-            _, cache = encode(variables, jnp.asarray(tokens), jnp.asarray(valid), cache, 0)
+            _, cache = encode(variables, jnp.asarray(tokens), jnp.asarray(valid), cache, 0, prefill)
             finished = np.zeros((rows,), bool)
             eos = np.asarray(tuple(eos_token_ids), np.int64)
             for block in range(canvases):
@@ -176,9 +196,31 @@ class BlockProcess:
                     finished |= np.isin(best, eos).any(axis=1)
                 if finished.all() or block == canvases - 1:
                     break
-                _, cache = encode(variables, jnp.asarray(best), jnp.ones((rows, C), bool), cache, width + block * C)
+                _, cache = encode(variables, jnp.asarray(best), jnp.ones((rows, C), bool), cache, width + block * C,
+                                  {})
         result = assemble(prompts, responses[:, :max_new_tokens], 0, eos_token_ids, pad_id, decode)
         return dataclasses.replace(result, refinements=evaluations)
+
+
+def _check_media(media: Mapping[str, Any] | None, prompts: Sequence[Sequence[int]], config) -> None:
+    """Refuse media a model without a vision tower cannot read, or whose parts do not line up with the prompts."""
+    if media is None:
+        return
+    if getattr(config, "vision", None) is None:
+        raise ValueError("media were given, and this DiffusionGemma has no vision tower: leave them out")
+    names = sorted(media)
+    if names != sorted(MEDIA_CONDITIONING + MEDIA_FIELDS):
+        raise ValueError(f"media hold {names}; block generation reads {sorted(MEDIA_CONDITIONING + MEDIA_FIELDS)}, as "
+                         "the checkpoint's processor writes them")
+    for name in MEDIA_CONDITIONING:
+        if np.shape(media[name])[0] != len(prompts):
+            raise ValueError(f"media {name} has {np.shape(media[name])[0]} row(s) for {len(prompts)} prompt(s): give "
+                             "one row per prompt")
+    for name in MEDIA_FIELDS:
+        lengths = [len(values) for values in media[name]]
+        if lengths != [len(prompt) for prompt in prompts]:
+            raise ValueError(f"media {name} have lengths {lengths} for prompts of {[len(p) for p in prompts]} ids: "
+                             "give one value per prompt id")
 
 
 def _sampler(value, where: str) -> dict:
@@ -242,8 +284,8 @@ def _compiled(model, canvas_length: int, vocab_size: int, stability_threshold: i
     program runs)."""
     key = (model, canvas_length, vocab_size, stability_threshold)
     if key not in _COMPILED:
-        encode = jax.jit(lambda variables, tokens, valid, cache, start: model.apply(
-            variables, tokens, valid, cache, start, method=model.encode))
+        encode = jax.jit(lambda variables, tokens, valid, cache, start, media: model.apply(
+            variables, tokens, valid, cache, start, **media, method=model.encode))
         refine = jax.jit(lambda variables, cache, key, settings: _refine(
             model, variables, cache, key, settings, canvas_length, vocab_size, stability_threshold))
         _COMPILED[key] = (encode, refine)

@@ -36,7 +36,7 @@ from dew.interop.gguf_blocks import stored_blocks, with_blocks, without_blocks
 from dew.interop.gguf_files import GGUFCheckpoint
 from dew.interop.gguf_out import write_gguf
 from dew.interop.hub import (
-    CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, converted_directory, resolve, resolve_gguf,
+    CONFIG, GENERATION_CONFIG, PROCESSOR_FILES, TOKENIZER_FILES, converted_directory, resolve, resolve_gguf,
 )
 from dew.interop.progress import byte_progress
 from dew.interop.safetensors_files import SafetensorsReader, write_atomically, write_checkpoint
@@ -131,10 +131,13 @@ class Pretrained:
     @property
     def processor(self):
         """The checkpoint's processor, strings (and, for a multimodal model, images) to `ModelInputs`: the
-        checkpoint's own (`dew.interop.processors.Processor`) for a multimodal model, else the text
-        processor (`dew.data.text_processor.TextProcessor`); None without a tokenizer."""
+        checkpoint's own (`dew.interop.processors.Processor`) for a multimodal model and for a DiffusionGemma
+        that ships processor_config.json, else the text processor (`dew.data.text_processor.TextProcessor`);
+        None without a tokenizer."""
         if isinstance(self.model, MultimodalTransformer):
             return _multimodal_processor(self.directory, self.model.config)
+        if isinstance(self.model, DiffusionGemma) and (self.directory / "processor_config.json").is_file():
+            return block_diffusion.processor(self.directory, self.model.config)
         return None if self.tokenizer is None else TextProcessor(self.tokenizer, self.generation.pad_id)
 
     def save(self, directory: str | Path, variables=None, max_shard_size: int | str = "5GB", *,
@@ -368,8 +371,8 @@ def _source_names(directory: Path):
 
 
 def _save_block_diffusion(bundle: Pretrained, directory: Path, variables, max_shard_size) -> Path:
-    """Write a DiffusionGemma bundle as a transformers checkpoint: its text tensors under their
-    checkpoint names, the carried media tensors unchanged, config.json and generation_config.json."""
+    """Write a DiffusionGemma bundle as a transformers checkpoint: its tensors (the vision tower's among them)
+    under their checkpoint names, config.json and generation_config.json."""
     # the checkpoint keeps the per-layer scalars as frozen buffers, whichever way the model trained them
     variables = scalars_as({**bundle.variables, **(variables if "params" in variables else {"params": variables})},
                            trainable=False)
@@ -379,7 +382,7 @@ def _save_block_diffusion(bundle: Pretrained, directory: Path, variables, max_sh
     written = block_diffusion.write_tensors(variables, model.config)
     config_text = block_diffusion.config_text(bundle.config, dtypes.pop() if len(dtypes) == 1 else "float32")
     copied = [] if bundle.directory.resolve() == directory.resolve() else [
-        name for name in TOKENIZER_FILES if (bundle.directory / name).is_file()]
+        name for name in (*TOKENIZER_FILES, *PROCESSOR_FILES) if (bundle.directory / name).is_file()]
 
     def write_configs():
         write_atomically(directory / CONFIG, config_text)
@@ -389,7 +392,7 @@ def _save_block_diffusion(bundle: Pretrained, directory: Path, variables, max_sh
             write_atomically(directory / name, (bundle.directory / name).read_bytes())
 
     write_checkpoint(directory, written, max_shard_size, before_switch=write_configs,
-                     staged_names=(CONFIG, GENERATION_CONFIG, *TOKENIZER_FILES))
+                     staged_names=(CONFIG, GENERATION_CONFIG, *TOKENIZER_FILES, *PROCESSOR_FILES))
     return directory
 
 

@@ -17,11 +17,22 @@ residual with `per_expert_scale`); sandwich norms that multiply by `scale`; part
 rotary on full layers. The encoder's layers are causal and the denoiser's bidirectional, each multiplying
 its output by its side's scalar. What is DiffusionGemma's own is here: the config, the cache of clean
 tokens, the self-conditioning mix and the wiring of encoder and denoiser over the shared layers.
+
+Images (`DiffusionGemmaConfig.vision`, a `DiffusionGemmaVision`) run at the prompt's prefill only: the encoder
+call that writes the prompt also takes `pixel_values` with the tower's other inputs, encodes each image with the
+registered tower and projector (`dew.nn.vision`: Gemma 4's), and reads each soft token in place of the
+placeholder embedding `image_indices` points at, unscaled; with `bidirectional_images` an image's tokens read
+each other in both directions there, in every layer (transformers' `use_bidirectional_attention` "vision").
+The cache then holds the image's keys and values like any clean token's, so committed canvases and every
+refinement read them without running the tower again. An image whose tokens outnumber the sliding window
+reads, in sliding layers, its own tokens within the window behind each and all those ahead; transformers'
+mask lets it read every token of its image (released images fill 280 tokens, windows 1024).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +49,7 @@ from dew.nn.norms import RMSNorm, normalize
 from dew.nn.rotary import RopeScaling
 from dew.nn.stack import apply_layers, rotary_tables, runs
 from dew.nn.transformer import FULL, SLIDING, as_dtype
+from dew.nn.vision import projector_class, tower_class
 
 F32 = jnp.float32
 ENCODER_SCALAR, DECODER_SCALAR = "encoder_layer_scalar", "decoder_layer_scalar"
@@ -46,12 +58,40 @@ UNROLLED = 0
 
 
 @dataclasses.dataclass(frozen=True)
+class DiffusionGemmaVision:
+    """The image side of a DiffusionGemma: a vision `tower` and `projector` (configs of `dew.nn.vision`,
+    registered as `tower_kind` and `projector_kind`), the id of an image's soft-token placeholders, and whether an
+    image's tokens read each other in both directions at the prefill (`bidirectional_images`)."""
+
+    tower_kind: str
+    tower: Any
+    projector_kind: str
+    projector: Any
+    image_token_id: int
+    bidirectional_images: bool = False
+
+    def __post_init__(self):
+        if not getattr(self.tower, "reads_positions", False):
+            raise ValueError(f"the {self.tower_kind} tower reads whole images; DiffusionGemma's prefill takes padded "
+                             "patch streams with patch positions (Gemma 4's tower, 'gemma4')")
+
+    @classmethod
+    def from_json(cls, fields) -> "DiffusionGemmaVision":
+        """The vision side from its fields as a run's record holds them (the tower's and projector's as objects)."""
+        values = dict(fields)
+        values["tower"] = tower_class(values["tower_kind"])(**values["tower"])
+        values["projector"] = projector_class(values["projector_kind"])(**values["projector"])
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
 class DiffusionGemmaConfig:
     """The text model's shape (see the module). `layer_types` holds FULL or SLIDING per layer;
     `head_dims` and `kv_heads` each layer's head width and key/value heads; `rotary` gives each layer
     type its base and `RopeScaling`, as `(layer_type, theta, scaling)` (a tuple, so the config hashes).
     `canvas_length` is the denoiser's block; `max_seq_len` bounds prompt plus canvases. `kernels` is the
-    kernel policy of its products (`dew.kernels.policy`, as `DecoderConfig.kernels`)."""
+    kernel policy of its products (`dew.kernels.policy`, as `DecoderConfig.kernels`); `vision` the image side
+    (None: text only)."""
 
     vocab_size: int
     emb_features: int
@@ -74,6 +114,7 @@ class DiffusionGemmaConfig:
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     kernels: str = "auto"
+    vision: DiffusionGemmaVision | None = None
 
     def __post_init__(self):
         kernel_policy.check(self.kernels)
@@ -114,6 +155,8 @@ class DiffusionGemmaConfig:
         for name in ("dtype", "param_dtype"):
             if name in values:
                 values[name] = as_dtype(values[name])
+        if isinstance(values.get("vision"), dict):
+            values["vision"] = DiffusionGemmaVision.from_json(values["vision"])
         return cls(**values)
 
     @property
@@ -174,8 +217,9 @@ class _SelfConditioning(nn.Module):
 
 
 class DiffusionGemma(nn.Module):
-    """The text model (see the module): `encode` writes clean tokens into a `PrefixCache`, `denoise`
-    returns a canvas's float32 logits, `logits` caps the head's output."""
+    """The model (see the module): `encode` writes clean tokens (at the prefill, with their images) into a
+    `PrefixCache`, `denoise` returns a canvas's float32 logits, `logits` caps the head's output. With
+    `config.vision` its variables hold the `tower` and `projector` beside the text model's."""
 
     config: DiffusionGemmaConfig
 
@@ -185,6 +229,9 @@ class DiffusionGemma(nn.Module):
                                      embedding_init=nn.initializers.normal(1.0))
         self.norm = RMSNorm(c.norm_eps, "olmo", dtype=c.dtype, param_dtype=c.param_dtype)
         self.self_conditioning = _SelfConditioning(c)
+        if c.vision is not None:
+            self.tower = c.vision.tower.build(c.dtype, c.param_dtype)
+            self.projector = c.vision.projector.build(c.dtype, c.param_dtype)
 
     @nn.compact
     def _layers(self, x_BSE, specs, tables, context, cache_runs):
@@ -201,12 +248,44 @@ class DiffusionGemma(nn.Module):
         table = self.embed_tokens.embedding
         return (jnp.take(table, tokens, axis=0) * jnp.asarray(c.emb_features ** 0.5, table.dtype)).astype(c.dtype)
 
-    def encode(self, tokens_BS, valid_BS, cache: PrefixCache, start) -> tuple[jax.Array, PrefixCache]:
+    def encode_images(self, pixel_values, image_position_ids):
+        """Each row's images, padded patch streams `[B, images, X, P]` with each patch's (column, row) `[B, images,
+        X, 2]`, as soft tokens `[B, images * T, E]` in the compute dtype (the tower's `T` an image, its real ones
+        first)."""
+        c = self.config
+        B, images = pixel_values.shape[:2]
+        flat = pixel_values.reshape(B * images, *pixel_values.shape[2:]).astype(c.dtype)
+        tokens_NTC = self.tower(flat, image_position_ids.reshape(B * images, -1, 2))
+        soft_NTE = self.projector(tokens_NTC)
+        return soft_NTE.reshape(B, images * soft_NTE.shape[1], soft_NTE.shape[2]).astype(c.dtype)
+
+    def encode(self, tokens_BS, valid_BS, cache: PrefixCache, start, *, pixel_values=None, image_position_ids=None,
+               image_indices=None, image_groups=None) -> tuple[jax.Array, PrefixCache]:
         """Encode clean tokens `[B, S]` (`valid_BS` False for padding) written at cache slots `start ..
         start + S`; their positions continue each row's count. Returns the final-normed hidden states
-        `[B, S, E]` and the cache holding them."""
+        `[B, S, E]` and the cache holding them.
+
+        With images (the prefill's): `pixel_values` and `image_position_ids` as `encode_images` takes them,
+        `image_indices [B, S]` the soft token each placeholder slot reads (-1 for text) and `image_groups [B, S]`
+        the image behind each slot (-1 for text), as `dew.interop.processors.Processor` writes them."""
         c = self.config
         B, S = tokens_BS.shape
+        x_BSE = self._embed(tokens_BS)
+        groups = {}
+        if pixel_values is not None:
+            if c.vision is None:
+                raise ValueError("pixel_values were given, and this DiffusionGemma has no vision tower: leave them out")
+            if image_position_ids is None or image_indices is None or image_groups is None:
+                raise ValueError("pixel_values need image_position_ids, image_indices and image_groups beside them "
+                                 "(the checkpoint's processor writes all four)")
+            features_BFE = self.encode_images(pixel_values, image_position_ids)
+            picked_BSE = jnp.take_along_axis(features_BFE, jnp.maximum(image_indices, 0)[:, :, None], axis=1)
+            x_BSE = jnp.where((image_indices >= 0)[:, :, None], picked_BSE, x_BSE)
+            if c.vision.bidirectional_images:  # the groups of this call's slots; cached slots hold text
+                groups_BS = image_groups.astype(jnp.int32)
+                key_groups_BT = jax.lax.dynamic_update_slice_in_dim(
+                    jnp.full(cache.valid_BT.shape, -1, jnp.int32), groups_BS, start, axis=1)
+                groups = dict(groups_BS=groups_BS, key_groups_BT=key_groups_BT)
         positions_BS = cache.length_B[:, None] + jnp.cumsum(valid_BS, axis=1, dtype=jnp.int32) - 1
         positions_BS = jnp.maximum(positions_BS, 0)
         update = lambda buffer, chunk: jax.lax.dynamic_update_slice_in_dim(buffer, chunk.astype(buffer.dtype),
@@ -219,8 +298,8 @@ class DiffusionGemma(nn.Module):
         # (sliding layers, fewer than `sliding_window` back).
         context = LayerContext(rotary=rotary, slots_BS=positions_BS, segments_BS=valid_BS.astype(jnp.int32),
                                write_slots_BS=jnp.broadcast_to(start + jnp.arange(S, dtype=jnp.int32), (B, S)),
-                               filled_BT=valid_BT.astype(jnp.int32), key_slots_BT=positions_BT)
-        x_BSE, cache_runs = self._layers(self._embed(tokens_BS), specs, tables, context, cache.runs)
+                               filled_BT=valid_BT.astype(jnp.int32), key_slots_BT=positions_BT, **groups)
+        x_BSE, cache_runs = self._layers(x_BSE, specs, tables, context, cache.runs)
         cache = PrefixCache(cache_runs, valid_BT, positions_BT,
                             cache.length_B + jnp.sum(valid_BS, axis=1, dtype=jnp.int32))
         return self.norm(x_BSE), cache
@@ -264,8 +343,11 @@ class DiffusionGemma(nn.Module):
         return cap_logits(logits_NV, c.logit_softcap).reshape(*lead, c.vocab_size)
 
     def __call__(self, tokens_BS, canvas_BC):
-        """Initialise every parameter: encode `tokens_BS` into a fresh cache, denoise `canvas_BC` after it."""
+        """Initialise every parameter: encode `tokens_BS` into a fresh cache, denoise `canvas_BC` after it (and
+        encode the tower's smallest image, whose soft tokens nothing reads)."""
         B, S = tokens_BS.shape
+        if self.config.vision is not None and self.is_initializing():
+            self.encode_images(**self.config.vision.tower.example(self.config.dtype))
         cache = PrefixCache.empty(self.config, B, S)
         hidden, cache = self.encode(tokens_BS, jnp.ones((B, S), bool), cache, 0)
         return self.logits(hidden), self.denoise(canvas_BC, cache, jnp.zeros(canvas_BC.shape + (self.config.vocab_size,)))
@@ -292,4 +374,5 @@ def scalars_as(variables, trainable: bool) -> dict:
     return variables
 
 
-__all__ = ["CONSTANTS", "FULL", "SLIDING", "DiffusionGemma", "DiffusionGemmaConfig", "PrefixCache", "scalars_as"]
+__all__ = ["CONSTANTS", "FULL", "SLIDING", "DiffusionGemma", "DiffusionGemmaConfig", "DiffusionGemmaVision", "PrefixCache",
+           "scalars_as"]

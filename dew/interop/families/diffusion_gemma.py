@@ -2,13 +2,15 @@
 Gemma 4 layers, loaded as `dew.nn.diffusion_gemma.DiffusionGemma` and written back.
 
 config.json is `DiffusionGemmaConfig`: a `text_config` (`DiffusionGemmaTextConfig`, its fields read or
-refused by name below), a Gemma 4 `vision_config`, the image token ids and `canvas_length`. The
-checkpoint stores the shared text stack once, under `model.decoder.*` (transformers ties the encoder's
-weights and the head to it), the encoder's own `layer_scalar` buffers under
-`model.encoder.language_model.layers.N`, and the vision tower under `model.encoder.vision_tower` and
-`model.encoder.embed_vision`. DiffusionGemma's media inputs are not built in Dew yet (its tower is Gemma
-4's, not yet on the multimodal contract of `dew.nn.multimodal`): the vision tensors are carried
-unchanged (`Pretrained.variables["media"]`, by checkpoint name) so that a save writes a complete checkpoint.
+refused by name below), a Gemma 4 `vision_config` (`dew.nn.vision`'s `gemma4` tower reads it), the image
+token ids and `canvas_length`. The checkpoint stores the shared text stack once, under `model.decoder.*`
+(transformers ties the encoder's weights and the head to it), the encoder's own `layer_scalar` buffers under
+`model.encoder.language_model.layers.N`, and the vision tower and its embedder under
+`model.encoder.vision_tower` and `model.encoder.embed_vision`: Gemma 4's tower and projector
+(`DiffusionGemmaVision`), read and written through their tensor rules (`dew.interop.vision`), their clipping
+bounds and standardization in the frozen `constants` collection. Images run at the prompt's prefill
+(`dew.nn.diffusion_gemma`), laid out by the checkpoint's processor (transformers' `Gemma4Processor`,
+`processor`).
 """
 
 from __future__ import annotations
@@ -19,17 +21,24 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
+from flax import traverse_util
 
+from dew.interop import tensors
+from dew.interop.export import merge_collections, split_collections
 from dew.interop.families.converter import Converter
-from dew.lazy import kept
 from dew.interop.hf_decoders import _BASE_FIELDS, _DROPPED_ON_LOAD, _LEGACY_FIELDS, _METADATA_FIELDS
-from dew.nn.diffusion_gemma import CONSTANTS, FULL, SLIDING, DiffusionGemmaConfig
+from dew.interop.processors import Processor, load_reference
+from dew.interop.vision import projector_rules, tower_rules
+from dew.lazy import kept
+from dew.nn.diffusion_gemma import CONSTANTS, FULL, SLIDING, DiffusionGemma, DiffusionGemmaConfig, DiffusionGemmaVision
 from dew.nn.rotary import RopeScaling
+from dew.nn.vision import projector_config, tower_config
 
 MODEL_TYPE = "diffusion_gemma"
 _SHARED = "model.decoder"
 _ENCODER = "model.encoder.language_model"
-_MEDIA_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+TOWER, PROJECTOR = "gemma4", "gemma4"  # transformers builds Gemma 4's tower (AutoModel of a gemma4_vision config)
+_TOWER_PREFIX, _PROJECTOR_PREFIX = "model.encoder.vision_tower.", "model.encoder.embed_vision."
 
 # DiffusionGemmaTextConfig's fields with transformers' defaults.
 TEXT_FIELDS = {
@@ -92,8 +101,8 @@ def model_config(source: Mapping[str, Any], where: str = "config.json", *, max_s
         fields.refuse("attention_bias", True, "DiffusionGemma's projections have no bias in Dew")
     bidirectional = fields.get("use_bidirectional_attention")
     if bidirectional not in (None, "vision"):
-        fields.refuse("use_bidirectional_attention", bidirectional, "Dew's encoder is causal over text (None or "
-                      "'vision', which differ only over image tokens, and DiffusionGemma's media are not built yet)")
+        fields.refuse("use_bidirectional_attention", bidirectional, "Dew's encoder is causal over text: None, or "
+                      "'vision' (an image's tokens read each other in both directions)")
     experts, top_k, expert_features = (fields.get(n) for n in ("num_experts", "top_k_experts", "moe_intermediate_size"))
     if not experts or not top_k or not expert_features:
         fields.refuse("num_experts", experts, "every DiffusionGemma layer runs a mixture of experts: give num_experts, "
@@ -115,13 +124,22 @@ def model_config(source: Mapping[str, Any], where: str = "config.json", *, max_s
     canvas = outer.get("canvas_length")
     if not isinstance(canvas, int) or canvas < 1:
         outer.refuse("canvas_length", canvas, "the denoiser's block needs a positive whole number of tokens")
+    for name in ("boi_token_id", "eoi_token_id"):
+        outer.get(name)  # the processor's markers around an image: plain text tokens to the model
+    # transformers builds the default Gemma 4 tower where config.json names none
+    vision_record = dict(outer.get("vision_config") or {})
+    vision = DiffusionGemmaVision(
+        TOWER, tower_config(TOWER, vision_record, f"{where} vision_config"), PROJECTOR,
+        projector_config(PROJECTOR, {"vision_config": vision_record, "text_config": {
+            "hidden_size": fields.get("hidden_size")}}, where),
+        int(outer.get("image_token_id")), bidirectional_images=bidirectional == "vision")
     return DiffusionGemmaConfig(
         vocab_size=fields.get("vocab_size"), emb_features=fields.get("hidden_size"),
         mlp_features=fields.get("intermediate_size"), num_heads=fields.get("num_attention_heads"),
         layer_types=tuple(layer_types), head_dims=head_dims, kv_heads=kv, sliding_window=fields.get("sliding_window"),
         rotary=rotary, experts=experts, top_k=top_k, expert_features=expert_features, canvas_length=canvas,
         max_seq_len=max_seq_len or fields.get("max_position_embeddings"), norm_eps=fields.get("rms_norm_eps"),
-        logit_softcap=fields.get("final_logit_softcapping"), dtype=dtype, param_dtype=param_dtype)
+        logit_softcap=fields.get("final_logit_softcapping"), dtype=dtype, param_dtype=param_dtype, vision=vision)
 
 
 def _per_layer(fields: _Fields, layer_types, head_dim, kv_heads) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -235,22 +253,44 @@ def _get(tree: Mapping, path):
     return tree
 
 
+def _vision_plan(config: DiffusionGemmaConfig, variables: Mapping) -> tensors.Plan:
+    """The vision tower's and projector's tensor rules resolved against their part of `variables` (arrays or
+    shapes, `params` and `constants` merged)."""
+    vision = config.vision
+    rules = (*tower_rules(vision.tower_kind, vision.tower, _TOWER_PREFIX, "tower/"),
+             *projector_rules(vision.projector_kind, vision.projector, _PROJECTOR_PREFIX, "projector/"))
+    merged = merge_collections({name: variables[name] for name in ("params", CONSTANTS) if name in variables})
+    return tensors.plan(rules, {name: merged[name] for name in ("tower", "projector")}, "DiffusionGemma's vision side")
+
+
+def _vision_shapes(config: DiffusionGemmaConfig) -> dict:
+    """The shapes of the vision side's variables, by collection, as the model builds them."""
+    built = _built_shapes(DiffusionGemma(dataclasses.replace(config, trainable_scalars=False)))
+    return {name: {part: built[name][part] for part in ("tower", "projector") if part in built[name]}
+            for name in ("params", CONSTANTS)}
+
+
 def read_variables(reader, config: DiffusionGemmaConfig, where: str) -> dict:
-    """The model's variables (`params`, `constants`) and the carried `media` tensors from a checkpoint
-    reader, every name checked: a missing tensor, a shape that differs and an unknown tensor are refused."""
+    """The model's variables (`params`, `constants`, the vision side's among them) from a checkpoint reader,
+    every name checked: a missing tensor, a shape that differs and an unknown tensor are refused."""
     names = tensor_names(config)
     copies = _tied_copies(config)
+    vision_shapes = _vision_shapes(config)
+    vision = _vision_plan(config, vision_shapes)
     present = set(reader.names())
-    missing = sorted(set(names) - present)
+    missing = sorted((set(names) | set(vision.tensors)) - present)
     if missing:
         raise ValueError(f"{where} lacks {len(missing)} DiffusionGemma tensor(s) config.json asks for, such as "
                          f"{missing[:4]}: the weights and config.json come from different models")
-    extra = sorted(n for n in present - set(names) - set(copies) if not n.startswith(_MEDIA_PREFIXES))
+    extra = sorted(present - set(names) - set(copies) - set(vision.tensors))
     if extra:
         raise ValueError(f"{where} holds {len(extra)} tensor(s) this DiffusionGemma has no place for, such as "
                          f"{extra[:4]}: the weights and config.json come from different models")
+    for name, shape in vision.tensors.items():
+        _check(name, reader.shape(name), shape)
     dtype = np.dtype(config.param_dtype)
-    variables: dict = {"params": {}, CONSTANTS: {}, "media": {}}
+    read = {leaf.path: tensors.read_region(reader, leaf, None, leaf.dtype) for leaf in vision.leaves}
+    variables = split_collections(traverse_util.unflatten_dict(read), vision_shapes)
     for name, (collection, path) in names.items():
         value = np.asarray(reader.read(name)).astype(dtype)
         if path[-1] == "kernel":
@@ -260,9 +300,6 @@ def read_variables(reader, config: DiffusionGemmaConfig, where: str) -> dict:
         if name in present and not np.array_equal(np.asarray(reader.read(name)), np.asarray(reader.read(source))):
             raise ValueError(f"{where} holds {name} apart from {source}, which transformers ties it to; Dew builds the "
                              "tied model: this checkpoint was trained untied, which Dew does not build")
-    for name in sorted(present):
-        if name.startswith(_MEDIA_PREFIXES):
-            variables["media"][name] = np.asarray(reader.read(name))
     return variables
 
 
@@ -286,7 +323,7 @@ def _check(name: str, have, want) -> None:
 
 
 def write_tensors(variables: Mapping, config: DiffusionGemmaConfig) -> list[tuple[str, int, Any]]:
-    """`(name, nbytes, build)` for every checkpoint tensor of `variables` (text model and carried media),
+    """`(name, nbytes, build)` for every checkpoint tensor of `variables` (the text model and the vision side),
     as `dew.interop.safetensors_files.write_checkpoint` takes them."""
     out = []
     for name, (collection, path) in tensor_names(config).items():
@@ -302,10 +339,16 @@ def write_tensors(variables: Mapping, config: DiffusionGemmaConfig) -> list[tupl
                 value = value.T
         value = np.ascontiguousarray(value)
         out.append((name, value.nbytes, lambda value=value: value))
-    for name, value in variables.get("media", {}).items():
-        value = np.asarray(value)
-        out.append((name, value.nbytes, lambda value=value: value))
-    return out
+    vision = _vision_plan(config, variables)
+    merged = merge_collections({name: variables[name] for name in ("params", CONSTANTS)})
+    return out + tensors.export_tensors(vision, {name: merged[name] for name in ("tower", "projector")})
+
+
+def processor(directory, config: DiffusionGemmaConfig) -> Processor:
+    """The checkpoint's processor in `directory` (transformers' `Gemma4Processor`, from its processor_config.json and
+    tokenizer), laying out prompts and their images as `DiffusionGemma.encode` reads them."""
+    vision = config.vision
+    return Processor(load_reference(directory), vision.image_token_id, None, config.vocab_size, vision)
 
 
 @dataclasses.dataclass(frozen=True)
