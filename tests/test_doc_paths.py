@@ -19,7 +19,7 @@ PATH = re.compile(rf"(?<![\w./~$@-])((?:{'|'.join(SOURCE_DIRECTORIES)})/[\w./-]*
 MODULE = re.compile(r"\bpython3?\s+-m\s+([\w.]+)")
 LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 # A document and a quoted section of it, as comments, docstrings and documents cite them.
-CITATION = re.compile(r"((?:docs/[\w-]+\.md)|README\.md)`?,\s+\"([^\"]+)\"")
+CITATION = re.compile(r"((?:docs/[\w-]+\.md)|README(?:\.md)?)`?,\s+\\?\"([^\"\\]+)\\?\"")
 CITING_SUFFIXES = {".py", ".md", ".cc", ".h", ".sh", ".toml"}
 
 
@@ -78,6 +78,7 @@ def test_every_cited_section_is_a_heading_of_its_document():
         # A citation may run over a line break, in a comment or a docstring.
         text = re.sub(r"\s*\n\s*(?:#|//)?\s*", " ", path.read_text(encoding="utf-8"))
         for document, section in CITATION.findall(text):
+            document = document if document.endswith(".md") else f"{document}.md"
             if not any(heading.startswith(section) for heading in headings(ROOT / document)):
                 wrong.append(f"{path.relative_to(ROOT)}: {document}, {section!r}")
     assert not wrong, "sections cited that no heading begins with:\n" + "\n".join(wrong)
@@ -88,6 +89,7 @@ def test_the_checks_see_what_they_check(tmp_path):
     assert named_paths(text) == {"dew/nn/linear.py", "tests/interop/"}
     assert MODULE.findall("`python -m benchmarks.serve --startup`") == ["benchmarks.serve"]
     assert CITATION.findall('(docs/performance.md, "Quick start")') == [("docs/performance.md", "Quick start")]
+    assert CITATION.findall('(README, \\"Images in\\")') == [("README", "Images in")]  # inside a Python string
     page = tmp_path / "page.md"
     page.write_text("# Page\n\n```sh\n# a comment, not a heading\n```\n\n## Quick start\n", encoding="utf-8")
     assert headings(page) == ["Page", "Quick start"]

@@ -193,8 +193,8 @@ def _model(config: LMRunConfig, meta: dict[str, Any], entry: RecipeObjective):
         raise NotImplementedError(
             f"--pretrained {config.pretrained} is a multimodal checkpoint ({bundle.config.get('model_type')}), and the "
             "recipe's runs (token files, run.json, dew.pipeline of a run) are built for text decoders: continue "
-            "training it in Python, LMObjective over {\"text\": processor outputs} with the Trainer (README, "
-            "\"Images in, text out\")")
+            "training it in Python, LMObjective over {\"text\": processor outputs} with the Trainer "
+            "(docs/multimodal.md, \"Images in, text out\")")
     source = config.pretrained if bundle.revision is None else f"{config.pretrained.split('@')[0]}@{bundle.revision}"
     entry.check_pretrained(config, bundle)
     model, variables = bundle.model, bundle.variables
