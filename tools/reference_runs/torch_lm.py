@@ -148,7 +148,17 @@ def describe(args: argparse.Namespace) -> str:
     return (f"Qwen3-shaped: {args.layers} layers, width {args.hidden}, {args.heads} heads ({args.kv_heads} key/value) "
             f"of {args.head_dim}, MLP {args.intermediate}, vocab {args.vocab}, init std {args.init_std}; batch "
             f"{args.batch} x {args.seq_len} tokens; seed {args.seed}; torch {torch.__version__}, transformers "
-            f"{transformers.__version__}, {platform.machine()} {platform.processor() or ''}".rstrip())
+            f"{transformers.__version__}, {_cpu()}")
+
+
+def _cpu() -> str:
+    """The CPU's model name where /proc/cpuinfo gives it, else the machine's architecture."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0]} x {len(names)}" if names else platform.machine()
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
