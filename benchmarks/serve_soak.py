@@ -333,8 +333,9 @@ def cache_cases(scratch: Path, template: Path, slots: int, capacity: int, rng: r
     cache = scratch / "cases" / "cache"
     no_cache = {"JAX_COMPILATION_CACHE_DIR": None, "DEW_COMPILATION_CACHE": None}
 
-    def serves(case: str, flags: tuple[str, ...], env: dict, said: list[str]) -> None:
-        """The server starts, answers 100 requests of the mix, logs each of `said`, and no traceback."""
+    def serves(case: str, flags: tuple[str, ...], env: dict, said: list[str], settle: bool = False) -> None:
+        """The server starts, answers 100 requests of the mix, logs each of `said`, and no traceback; with
+        `settle`, it stops only once every program is compiled and kept."""
         log = scratch / "cases" / f"{case.replace(' ', '-')}.log"
         started = time.perf_counter()
         try:
@@ -345,17 +346,26 @@ def cache_cases(scratch: Path, template: Path, slots: int, capacity: int, rng: r
         try:
             tally = drive(Target.of(url, max_body_bytes=2**20), 100, rng, concurrency)
             failures.extend(f"{case}: {failure}" for failure in tally.failures)
+            deadline = time.monotonic() + 600
+            while settle and time.monotonic() < deadline:
+                with urllib.request.urlopen(f"{url}/health", timeout=TIMEOUT) as answer:
+                    load = json.loads(answer.read())
+                if load["compiled"] == load["programs"] and not load["keeping"]:
+                    break
+                time.sleep(1)
         finally:
             process.terminate()
             process.wait(timeout=60)
         text = log.read_text()
-        failures.extend(f"{case}: the log does not say {words!r}" for words in said if words not in text)
+        warned = [line for line in text.splitlines() if line.startswith(("WARNING", "warning", "ERROR"))][:5]
+        failures.extend(f"{case}: the log does not say {words!r} (its warnings: {warned})" for words in said
+                        if words not in text)
         if "Traceback" in text:
             failures.append(f"{case}: a traceback in the log: {text[text.index('Traceback'):][:300]!r}")
         print(f"  {case}: served 100 requests, {time.perf_counter() - started:.0f} s in all")
 
     (scratch / "cases").mkdir()
-    serves("kept programs written", ("--compilation-cache", str(cache)), no_cache, [])
+    serves("kept programs written", ("--compilation-cache", str(cache)), no_cache, [], settle=True)
     programs = cache / "dew-programs"
     swapped = _swap_in_pairs(programs) if programs.is_dir() else 0
     if swapped < 2:
@@ -436,7 +446,7 @@ def main() -> int:
             process.wait(timeout=60)
     after_first, after_last = resident[0], resident[-1]
     growth = after_last / after_first - 1
-    slowest = sorted(watch.seconds)
+    slowest = sorted(watch.seconds) or [0.0]  # a run too short for /health to be asked
     print(f"{sum(tally.counts.values())} requests in {seconds:.0f} s ({sum(tally.counts.values()) / seconds:.1f}/s), "
           f"{args.concurrency} at a time; load average {os.getloadavg()[0]:.2f} at the end")
     for name, count in sorted(tally.counts.items()):

@@ -342,6 +342,10 @@ async def _whole(job: Job, served: Served, requests, events: asyncio.Queue, prom
                 entries[event[1]] += event[4]
     finally:
         _cancel_unfinished(served, requests)
+    if await request.is_disconnected():
+        logger.info("a client went away before its answer (%s %s): the answer was dropped", request.method,
+                    request.url.path)
+        return {}
     if job.kind == "completion" and job.max_tokens == 0:  # echo alone: the one token drawn is left out
         texts, reasons, entries, completion_tokens = [""] * len(requests), ["length"] * len(requests), \
             [[] for _ in requests], 0
@@ -380,6 +384,7 @@ async def _streamed(job: Job, served: Served, requests, events: asyncio.Queue, p
             return protocol.chat_log_probs(entries, spell)
         return protocol.completion_log_probs(entries, spellings[index])
 
+    ended = False
     try:
         if job.kind == "chat":
             for index in range(len(requests)):
@@ -390,6 +395,7 @@ async def _streamed(job: Job, served: Served, requests, events: asyncio.Queue, p
                 yield send(protocol.chunk(job, served.name, event[1], text=event[2], log_probs=scored(event[1], event[3])))
                 continue
             if event[2] == "cancelled":
+                ended = True
                 yield send(_engine_stopped().body())
                 return
             left -= 1
@@ -398,8 +404,11 @@ async def _streamed(job: Job, served: Served, requests, events: asyncio.Queue, p
                                       log_probs=scored(event[1], event[4]) if event[4] else None))
         if job.include_usage:
             yield send(protocol.chunk(job, served.name, None, usage_=protocol.usage(prompt_tokens, completion_tokens)))
+        ended = True
         yield "data: [DONE]\n\n"
     finally:  # also when the client went away mid-stream: its slots go back at once
+        if not ended:
+            logger.info("a client went away mid-stream: its %d unfinished continuations were cancelled", left)
         _cancel_unfinished(served, requests)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import socket
+import struct
 import time
 import urllib.error
 import urllib.request
@@ -124,6 +125,27 @@ def test_a_client_that_closes_its_side_after_its_request_gets_the_answer(server,
     head, _, rest = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK"), answer[:300]
     assert (b"data: [DONE]" in rest) if stream else b'"finish_reason"' in rest
+    _still_serving(server)
+
+
+def test_a_client_that_resets_its_connection_is_logged(server):
+    """A client gone (a reset) before its answer: the answer is dropped, and the log says so."""
+    port = int(server.url.rsplit(":", 1)[1])
+    log = server.pretrained.directory / "serve.log"
+    before = log.read_text().count("a client went away before its answer")
+    # every slot, each to the end of its context: the answer takes many steps, and the reset comes amid them
+    body = json.dumps({"model": NAME, "prompt": "the quick", "max_tokens": CAPACITY - 8, "n": SLOTS, "seed": 3})
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+        client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        deadline = time.monotonic() + 10
+        while not server.health()["busy"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+    deadline = time.monotonic() + 10
+    while log.read_text().count("a client went away before its answer") == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert log.read_text().count("a client went away before its answer") == before + 1
     _still_serving(server)
 
 

@@ -186,6 +186,8 @@ def test_a_client_that_goes_away_mid_stream_frees_its_slot(server):
         time.sleep(0.05)
     health = server.health()
     assert health["busy"] == 0 and health["status"] == "ok"
+    assert "a client went away mid-stream: its 1 unfinished continuations were cancelled" in \
+        (server.pretrained.directory / "serve.log").read_text()
     # the request stopped early: it did not run to its budget (with EOS it may end earlier still)
     assert health["steps"] - steps < budget or server.solo(server.ids("a lazy dog"), budget,
                                                             temperature=0.0)[1][0] == "stop"
