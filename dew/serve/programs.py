@@ -215,8 +215,8 @@ def _read_entry(path: Path) -> tuple[dict, bytes]:
     descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # a link is refused, not followed
     with os.fdopen(descriptor, "rb") as entry:
         status = os.fstat(entry.fileno())  # of the file read, whatever the name points at meanwhile
-        if hasattr(os, "getuid") and status.st_uid != os.getuid():
-            raise Unread(f"it belongs to user {status.st_uid}, not to this process's user {os.getuid()}, and "
+        if hasattr(os, "geteuid") and status.st_uid != os.geteuid():  # the user a file this process writes gets
+            raise Unread(f"it belongs to user {status.st_uid}, not to this process's user {os.geteuid()}, and "
                          "reading it would run what it holds")
         if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise Unread(f"other users may write it (mode {stat.filemode(status.st_mode)}), and reading it would run "

@@ -104,7 +104,8 @@ def test_a_program_whose_arguments_differ_is_not_run(model_and_variables, tmp_pa
 
 @pytest.mark.parametrize("change, words", [
     (lambda path, patch: path.chmod(0o620), "other users may write it (mode -rw--w----)"),
-    (lambda path, patch: patch.setattr(os, "getuid", lambda: os.geteuid() + 1), "not to this process's user"),
+    (lambda path, patch: patch.setattr(os, "geteuid", lambda user=os.geteuid() + 1: user),
+     "not to this process's user"),
 ])
 def test_an_entry_another_user_could_write_is_not_read(model_and_variables, tmp_path, monkeypatch, caplog, change,
                                                        words):
