@@ -78,31 +78,53 @@ def test_dews_rounding_points_in_torch():
     assert set().union(*_dtypes(tool, model, "float32").values()) == f32  # no hook was left behind
 
 
+@pytest.mark.parametrize("backend, interpret, expected", [
+    ("cpu", False, ["xla"]), ("cpu", True, ["xla", "splash (Pallas interpreter)"]), ("tpu", False, ["xla", "splash"]),
+    ("tpu", True, ["xla", "splash"]), ("gpu", False, ["xla", "cudnn"])])
+def test_step0_attention_runs_dews_kernels_per_backend(backend, interpret, expected):
+    """xla everywhere, splash on a TPU (off one only through the interpreter, labelled so), cuDNN on a GPU; each
+    kernel left out is a line naming its backend."""
+    runs, skipped = load_tool("step0_attention").dew_kernels(backend, interpret)
+    assert [label for label, _, _ in runs] == expected
+    assert [through for _, _, through in runs] == [label.endswith("(Pallas interpreter)") for label in expected]
+    assert len(runs) + len(skipped) == 3
+    assert all(line.startswith("Dew ") and f"backend is {backend}" in line for line in skipped)
+
+
 def test_step0_attention_rows_and_skipped_kernels(monkeypatch, capsys):
-    """torch's flash and math kernels run on a CPU, Dew's xla in bfloat16 and float32; a Dew kernel whose backend
-    is absent (`load_pretrained` refuses it with a ValueError) is a line saying why, and the rest still run. Dew's
-    float32 loss equals torch's to float32's roundings over a 128-way log-softmax (observed 0 against 1e-5); every
-    bfloat16 row's hidden states lie within a few bfloat16 roundings (2**-8 each) of the reference run's."""
-    import dew.interop.pretrained as pretrained
-
+    """torch's flash and math kernels run on a CPU, Dew's xla and (with --interpret) splash in bfloat16 and float32,
+    each recording the kernel it ran; a Dew kernel `load_pretrained` refuses (a ValueError) is a line saying why,
+    and the rest still run. Dew's float32 loss equals torch's to float32's roundings over a 128-way log-softmax
+    (observed 0 and 1e-6 against 1e-5), its hidden states within a few hundred float32 roundings (observed 2e-7
+    against 1e-5); every bfloat16 row's hidden states lie within a few bfloat16 roundings (2**-8 each) of the
+    reference run's and of float32's."""
     tool = load_tool("step0_attention")
-    monkeypatch.setattr(pretrained, "ATTENTION_IMPLS", ("xla", "absent"))
-    step = tool.dew_step
+    kernels, step = tool.dew_kernels, tool.dew_step
 
-    def dew_step(directory, tokens, kernel, dtype):
+    def dew_step(directory, tokens, kernel, dtype, interpret=False):
         if kernel == "absent":
             raise ValueError("attention_impl 'absent' needs a backend this machine lacks")
-        return step(directory, tokens, kernel, dtype)
+        return step(directory, tokens, kernel, dtype, interpret)
 
+    def dew_kernels(backend, interpret):
+        runs, skipped = kernels(backend, interpret)
+        return [*runs, ("absent", "absent", False)], skipped
+
+    monkeypatch.setattr(tool, "dew_kernels", dew_kernels)
     monkeypatch.setattr(tool, "dew_step", dew_step)
-    result = tool.main(TINY)
+    result = tool.main(["--interpret", *TINY])
     rows = {(row["run"], row["precision"], row["kernel"]): row for row in result["rows"]}
     reference = rows[("torch", "autocast-bf16-residual", "flash")]
     assert reference["distance"] == 0.0 and ("torch", "autocast-bf16-residual", "math") in rows
-    assert abs(rows[("Dew", "float32", "xla")]["loss_delta"]) < 1e-5
+    for kernel, ran in (("xla", {"dew", "xla"}), ("splash (Pallas interpreter)", {"splash"})):
+        assert rows[("Dew", "bfloat16 compute", kernel)]["ran_in"] in ran
+        assert abs(rows[("Dew", "float32", kernel)]["loss_delta"]) < 1e-5
+        assert rows[("Dew", "float32", kernel)]["distance_float32"] < 1e-5
     for key, row in rows.items():
-        assert row["distance"] < 8 * 2**-8, key
+        assert row["distance"] < 8 * 2**-8 and row["distance_float32"] < 8 * 2**-8, key
         assert abs(row["loss_delta"]) < 5e-3, key
     assert "Dew absent: attention_impl 'absent' needs a backend this machine lacks" in result["skipped"]
+    assert any(line.startswith("Dew cudnn: runs on a GPU") for line in result["skipped"])
     printed = capsys.readouterr().out
-    assert "| Dew | bfloat16 compute | xla |" in printed and "skipped: Dew absent:" in printed
+    assert "| Dew | bfloat16 compute | splash (Pallas interpreter) | splash |" in printed
+    assert "skipped: Dew absent:" in printed
