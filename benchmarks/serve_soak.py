@@ -21,9 +21,10 @@ the last request is more than 10% above that after the first 100.
 
 Before the soak, the compilation cache's cases (`CACHE_CASES`), each a server of its own that must answer
 100 requests of the same mix, or refuse to start as documented: a `--compilation-cache` whose kept programs
-were swapped in pairs (each under another's name: compiled again, never run), one that is a file (refused,
-exit status 2, naming it), one whose `dew-programs` and `dew-kept` are files, and a default cache
-(`$XDG_CACHE_HOME/dew/jax`) that is a file (each served without it, with one warning naming it).
+and kept traces (its own model's and another's) were swapped in pairs (each under another's name: compiled or
+traced again, never used), one that is a file (refused, exit status 2, naming it), one whose `dew-programs`
+and `dew-kept` are files, and a default cache (`$XDG_CACHE_HOME/dew/jax`) that is a file (each served without
+it, with one warning naming it).
 """
 
 from __future__ import annotations
@@ -268,8 +269,8 @@ def resident_bytes(pid: int) -> int:
     return int(line.split()[1]) * 1024
 
 
-def write_checkpoint(directory: Path) -> None:
-    """The tiny model with GPT-2's tokenizer, as a transformers checkpoint."""
+def write_checkpoint(directory: Path, num_layers: int = 2) -> None:
+    """The tiny model (of `num_layers` layers) with GPT-2's tokenizer, as a transformers checkpoint."""
     import jax
     import jax.numpy as jnp
 
@@ -280,8 +281,8 @@ def write_checkpoint(directory: Path) -> None:
     gpt2 = Path(__file__).resolve().parents[1] / "data" / "tokenizers" / "gpt2"
     if not (gpt2 / "tokenizer.json").is_file():
         raise SystemExit(f"{gpt2}/tokenizer.json is missing: `make gpt2-tokenizer` writes it")
-    model = models.build("causal_transformer", vocab_size=50257, emb_features=64, num_layers=2, num_heads=4,
-                         num_kv_heads=2, mlp_features=128, max_seq_len=256)
+    model = models.build("causal_transformer", vocab_size=50257, emb_features=64, num_layers=num_layers,
+                         num_heads=4, num_kv_heads=2, mlp_features=128, max_seq_len=256)
     variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     save_pretrained(model, variables, directory, tokenizer_dir=gpt2,
                     generation=Sampling(temperature=0.8, eos_token_ids=(50256,), pad_id=50256))
@@ -325,6 +326,19 @@ def _swap_in_pairs(directory: Path) -> int:
     return len(entries) // 2 * 2
 
 
+def _another_model_kept(directory: Path, cache: Path) -> list[str]:
+    """A one-layer model's traces kept in `cache` too (`dew generate` of it, as a user serving two models from one
+    cache would have), so that `dew-kept` holds two models' entries to swap; returns what went wrong."""
+    write_checkpoint(directory, num_layers=1)
+    generated = subprocess.run([sys.executable, "-m", "dew.cli", "generate", str(directory), "--prompt", "the",
+                                "--max-new-tokens", "2"], capture_output=True, text=True, timeout=300,
+                               env={**os.environ, "HF_HUB_OFFLINE": "1", "JAX_COMPILATION_CACHE_DIR": str(cache)})
+    if generated.returncode != 0:
+        return [f"dew generate of another model into the cache: exit status {generated.returncode}, "
+                f"{generated.stderr[-300:]!r}"]
+    return []
+
+
 def cache_cases(scratch: Path, template: Path, slots: int, capacity: int, rng: random.Random,
                 concurrency: int) -> list[str]:
     """Run `CACHE_CASES`; returns what went wrong (case: detail)."""
@@ -366,12 +380,15 @@ def cache_cases(scratch: Path, template: Path, slots: int, capacity: int, rng: r
 
     (scratch / "cases").mkdir()
     serves("kept programs written", ("--compilation-cache", str(cache)), no_cache, [], settle=True)
-    programs = cache / "dew-programs"
-    swapped = _swap_in_pairs(programs) if programs.is_dir() else 0
-    if swapped < 2:
-        failures.append(f"kept programs swapped: {programs} holds {swapped} programs, fewer than two to swap")
-    serves(f"{swapped} kept programs swapped in pairs", ("--compilation-cache", str(cache)), no_cache,
-           ["of another key (an entry renamed or copied over this one's name)"])
+    failures.extend(_another_model_kept(scratch / "cases" / "other", cache))
+    swapped = {name: _swap_in_pairs(cache / name) if (cache / name).is_dir() else 0
+               for name in ("dew-programs", "dew-kept")}
+    failures.extend(f"kept entries swapped: {cache / name} holds {count}, fewer than two to swap"
+                    for name, count in swapped.items() if count < 2)
+    serves(f"{swapped['dew-programs']} kept programs and {swapped['dew-kept']} kept traces swapped in pairs",
+           ("--compilation-cache", str(cache)), no_cache,
+           ["of another key (an entry renamed or copied over this one's name)",
+            "it holds the trace of another key (an entry renamed or copied over this one's name)"])
     file = scratch / "cases" / "a-file"
     file.write_text("not a directory")
     refused = subprocess.run([sys.executable, "-m", "dew.cli", "serve", str(model), "--port", "0",
@@ -398,7 +415,7 @@ def cache_cases(scratch: Path, template: Path, slots: int, capacity: int, rng: r
     return failures
 
 
-CACHE_CASES = ("kept programs swapped in pairs", "--compilation-cache a file", "dew-programs and dew-kept files",
+CACHE_CASES = ("kept programs and traces swapped in pairs", "--compilation-cache a file", "dew-programs and dew-kept files",
                "default cache a file")
 
 

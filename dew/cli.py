@@ -105,14 +105,6 @@ def generate(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]]
             GGUF file). bfloat16 holds the weights and the KV cache in bfloat16 (half float32's bytes) and
             multiplies in bfloat16 with float32 sums (oneDNN's bfloat16 gemm where the CPU has it); norms,
             softmax and logits stay float32, as transformers runs a bfloat16 model. Not for a run directory.
-        max_images: The most images one chat request may hold (a model that reads images; past it, 400).
-        max_image_pixels: The most pixels (width times height) of one image.
-        max_image_bytes: The most encoded bytes of one image.
-        fetch_images: Fetch images sent as http(s) URLs (by default only inline data: URLs are read).
-        max_logprobs: The most alternatives a request may ask for at each position (a completion's
-            logprobs, a chat's top_logprobs); past it, 400.
-        compilation_cache: The directory of JAX's persistent compilation cache, which a restarted server
-            reads its compiled programs from (default: $XDG_CACHE_HOME/dew/jax, or JAX_COMPILATION_CACHE_DIR).
     """
     import dataclasses
 
@@ -239,6 +231,11 @@ def serve(source: Positional[Annotated[str, tyro.conf.arg(metavar="SOURCE")]], h
             model that hears them, Gemma 4's and Gemma 3n's; past it, 400).
         max_audio_seconds: The longest clip, in seconds.
         max_audio_bytes: The most encoded bytes of one clip.
+        max_logprobs: The most alternatives a request may ask for at each position (a completion's
+            logprobs, a chat's top_logprobs); past it, 400.
+        compilation_cache: The directory of JAX's persistent compilation cache, which a restarted server
+            reads its compiled programs from, made where missing (default: $XDG_CACHE_HOME/dew/jax, or
+            JAX_COMPILATION_CACHE_DIR); a path that cannot be a directory (a file) is refused.
     """
     import importlib.util
     import logging

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import platform
+import stat
 import sys
 import threading
 import warnings
@@ -95,7 +96,7 @@ def _usable(path: str, what: str) -> bool:
 # ---- what a kept entry depends on, and traces kept beside JAX's entries ------------------------------------
 
 _ENVIRONMENT_PREFIXES = ("XLA_", "JAX_", "DEW_", "TF_CPP_")
-KEPT_FORMAT = "dew-kept 1"  # the layout of a kept trace; a new layout is a new key
+KEPT_FORMAT = "dew-kept 2"  # the layout of a kept trace; a new layout is a new key
 
 
 @functools.cache
@@ -169,14 +170,19 @@ def kept_trace(kind: str, description: str, trace: Callable[[], T], encode: Call
     `dew-kept/` inside JAX's cache directory when one is set: a warm start reads it instead of tracing again.
     Its key is `kind`, `description` (what the trace is of: the model's class and config, say) and `environment()`,
     so a change to Dew, the software or the machine is another key. `encode` makes the value JSON (None: not
-    kept); `decode` makes it back. An entry that cannot be read is traced again and replaced."""
+    kept); `decode` makes it back. An entry is `{"key": the whole key's digest, "value": ...}`: one that cannot be
+    read, or holds another key's trace (renamed or copied over this one's name), is traced again and replaced."""
     root = _root()
     if not root or not usable(os.path.join(root, KEPT_DIRECTORY), "traces"):
         return trace()
     text = "\n".join([KEPT_FORMAT, kind, environment(), description])
-    path = Path(root) / KEPT_DIRECTORY / f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    path = Path(root) / KEPT_DIRECTORY / f"{kind}-{digest[:32]}"
     try:
-        return decode(json.loads(path.read_bytes()))
+        entry = _read_kept(path)
+        if not isinstance(entry, dict) or entry.get("key") != digest:
+            raise ValueError("it holds the trace of another key (an entry renamed or copied over this one's name)")
+        return decode(entry["value"])
     except FileNotFoundError:
         pass
     except Exception as error:  # noqa: BLE001 - a damaged entry is traced again and replaced
@@ -188,8 +194,16 @@ def kept_trace(kind: str, description: str, trace: Callable[[], T], encode: Call
             path.parent.mkdir(parents=True, exist_ok=True)
             # renamed whole, so a reader never sees half of it; one staged name per thread that writes it
             staged = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-            staged.write_text(json.dumps(encoded), encoding="utf-8")
+            staged.write_text(json.dumps({"key": digest, "value": encoded}), encoding="utf-8")
             os.replace(staged, path)
         except OSError as error:
             logger.warning("could not keep the trace %s (%s)", path, error)
     return value
+
+
+def _read_kept(path: Path):
+    """The JSON of the kept entry at `path`; a named pipe there is refused (ValueError) rather than waited on."""
+    with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as entry:
+        if not stat.S_ISREG(os.fstat(entry.fileno()).st_mode):
+            raise ValueError("it is not a regular file")
+        return json.loads(entry.read())

@@ -3,6 +3,9 @@ in its way: a directory the caller names is refused, one Dew picks or makes is l
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import warnings
 
 import jax
@@ -80,3 +83,56 @@ def test_a_trace_is_traced_each_time_where_its_directory_is_a_file(tmp_path, mon
     assert len(traced) == 2
     assert [str(w.message).split(":")[0] for w in recwarn] == [f"the compilation cache {tmp_path}/cache/dew-kept is "
                                                                 "a file, not a directory"]
+
+
+@pytest.fixture
+def kept(tmp_path, monkeypatch):
+    """Kept traces go to `tmp_path / "dew-kept"`, as if JAX's cache were set to `tmp_path`."""
+    monkeypatch.setattr(compilation_cache, "_root", lambda: str(tmp_path))
+    return tmp_path / "dew-kept"
+
+
+def _keep(description: str, value, traced: list):
+    """`kept_trace` of `value` under `description`, each trace it makes added to `traced`."""
+    return compilation_cache.kept_trace("shapes", description, lambda: traced.append(description) or value,
+                                        lambda v: v, lambda v: v)
+
+
+def test_kept_traces_swapped_in_pairs_are_traced_again_not_used(kept, caplog):
+    """Two models' shapes swapped (each under the other's name) were once read as they were: a server of one of
+    them stopped at each start, its checkpoint "from different models" than its config."""
+    small, large = {"embed": [300, 32]}, {"embed": [256, 64]}
+    traced = []
+    assert (_keep("small", small, traced), _keep("large", large, traced)) == (small, large)
+    first, second = sorted(kept.iterdir())
+    staged = first.with_name(".swapping")
+    first.rename(staged)
+    second.rename(first)
+    staged.rename(second)
+    with caplog.at_level(logging.WARNING, logger="dew.compilation_cache"):
+        assert (_keep("small", small, traced), _keep("large", large, traced)) == (small, large)
+    assert traced == ["small", "large"] * 2
+    assert caplog.text.count("it holds the trace of another key (an entry renamed or copied over this one's "
+                             "name)); tracing again") == 2
+    assert (_keep("small", small, traced), _keep("large", large, traced)) == (small, large)  # rewritten whole
+    assert traced == ["small", "large"] * 2
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX's")
+def test_a_pipe_under_a_kept_traces_name_is_not_waited_on(kept, caplog):
+    """Opening a named pipe waits for a writer: one under an entry's name would stop every command that loads a
+    model. It is traced again instead."""
+    traced = []
+    _keep("a model", {"embed": [4]}, traced)
+    [entry] = kept.iterdir()
+    entry.unlink()
+    os.mkfifo(entry, 0o600)
+    answers = []
+    reader = threading.Thread(target=lambda: answers.append(_keep("a model", {"embed": [4]}, traced)), daemon=True)
+    with caplog.at_level(logging.WARNING, logger="dew.compilation_cache"):
+        reader.start()
+        reader.join(30)
+    if reader.is_alive():  # release the reader: a writer opens the pipe and closes it at once
+        os.close(os.open(entry, os.O_WRONLY | os.O_NONBLOCK))
+    assert answers == [{"embed": [4]}], "the read waited on the pipe"
+    assert f"could not read the kept trace {entry} (ValueError: it is not a regular file); tracing again" in caplog.text

@@ -19,10 +19,12 @@ set (`dew serve` sets `~/.cache/dew/jax`, or `--compilation-cache`).
 An entry is a line naming the layout, a JSON header (the whole key's digest, the program, its arguments'
 shapes and dtypes) and JAX's serialized executable. JAX's serialization is a pickle and an executable is
 machine code, so reading an entry can run what it holds: an entry is read only when this process's user owns
-it and no other user can write it (ssh's rule for its keys), so whoever else can write the directory cannot
-have the server run what they wrote. An entry that is not read (another user's, cut short, written by another
-build, or of another key: renamed or copied over another entry's name) is compiled again and rewritten, as is
-one whose loaded program takes other arguments than the caller's; each such entry is logged.
+it and no other user can write it (ssh's rule for its keys), so whoever else can write `dew-programs/` cannot
+have the server run what they wrote there. (JAX's own entries, in the directory above, are executables too, which
+JAX loads without such a check: keep the cache directory writable by its user alone.) An entry that is not read
+(another user's, not a regular file, cut short, written by another build, or of another key: renamed or copied
+over another entry's name) is compiled again and rewritten, as is one whose loaded program takes other arguments
+than the caller's; each such entry is logged.
 """
 
 from __future__ import annotations
@@ -212,7 +214,8 @@ class ProgramCache:
 def _read_entry(path: Path) -> tuple[dict, bytes]:
     """(header, payload) of the entry at `path`, read only when this user owns it and no other user can write it
     (`Unread` otherwise, or when its layout is not `FORMAT`'s)."""
-    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # a link is refused, not followed
+    # a link is refused, not followed; a named pipe opens at once (to be refused below), not once a writer comes
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(descriptor, "rb") as entry:
         status = os.fstat(entry.fileno())  # of the file read, whatever the name points at meanwhile
         if hasattr(os, "geteuid") and status.st_uid != os.geteuid():  # the user a file this process writes gets

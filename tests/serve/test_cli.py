@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import io
 import json
 import logging
+import re
 import socket
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import time
 
 import pytest
 
+from dew import cli
 from dew.cli import main
 from tests.serve.conftest import command, get, post_raw, running
 
@@ -144,6 +147,15 @@ def test_a_file_in_the_caches_way_is_said_once_and_the_server_serves(tiny_chat, 
     assert "Traceback" not in log, log[-3000:]
     for path in in_the_way:
         assert log.count(f"warning: the compilation cache {path} is a file, not a directory") == 1, log[-3000:]
+
+
+@pytest.mark.parametrize("function", [cli.serve, cli.generate, cli.export, cli.tokenize, cli.plot, cli.runs],
+                         ids=lambda function: function.__name__)
+def test_each_flag_is_described_in_its_commands_help(function):
+    """`dew serve --help` once said nothing of --compilation-cache or --max-logprobs: their descriptions sat in
+    generate's docstring (with four more of serve's flags), which tyro reads for generate's flags alone."""
+    described = re.findall(r"^        (\w+):", function.__doc__, re.M)
+    assert sorted(described) == sorted(inspect.signature(function).parameters)
 
 
 def test_generate_refuses_a_seed_past_64_bits_before_loading(tmp_path, capsys):

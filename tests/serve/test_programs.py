@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +124,26 @@ def test_an_entry_another_user_could_write_is_not_read(model_and_variables, tmp_
         change(cache.directory / cache.key(("step", 2), arguments), patch)
         assert cache.load(("step", 2), arguments) is None
     assert not unpickled and words in caplog.text and "reading it would run what it holds" in caplog.text
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX's")
+def test_a_pipe_under_an_entrys_name_is_not_waited_on(model_and_variables, tmp_path, caplog):
+    """Opening a named pipe waits for a writer: whoever can write the directory could stop the engine's thread
+    at its first program with one under an entry's name. It is refused as not a regular file instead."""
+    model, variables = model_and_variables
+    engine = Engine(model, variables, slots=SLOTS, capacity=CAPACITY, eos_token_ids=(EOS,), prefill_rows=1)
+    cache = ProgramCache.of(engine, tmp_path)
+    arguments = engine._abstract + (jax.ShapeDtypeStruct((SLOTS,), bool),)
+    pipe = cache.directory / cache.key(("step", 2), arguments)
+    os.mkfifo(pipe, 0o600)
+    loaded = []
+    reader = threading.Thread(target=lambda: loaded.append(cache.load(("step", 2), arguments)), daemon=True)
+    reader.start()
+    reader.join(30)
+    if reader.is_alive():  # release the reader: a writer opens the pipe and closes it at once
+        os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+    assert loaded == [None], "the load waited on the pipe"
+    assert f"did not load the compiled program {pipe} (it is not a regular file)" in caplog.text
 
 
 def test_a_file_where_the_programs_directory_goes_serves_without_it(model_and_variables, tmp_path, recwarn):
