@@ -237,6 +237,27 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def in_mesh(mesh: Mesh, function):
+    """`function` traced with `mesh` in force (`jax.sharding.use_abstract_mesh`), so `rows_split` inside it
+    constrains to it: the trainer's compiled steps run under this."""
+
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return function(*args, **kwargs)
+
+    return traced
+
+
+def rows_split(x_B):
+    """`x_B` with its rows split over the batch axes of the mesh in force (`in_mesh`), its other axes whole;
+    unchanged outside one. Activations follow the batch this way: left to itself, XLA lets an fsdp-split
+    embedding table split the width instead, gathering every row onto every device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+        return x_B
+    return jax.lax.with_sharding_constraint(x_B, PartitionSpec(BATCH_AXES))
+
+
 def place_batch(mesh: Mesh, batch: dict) -> dict:
     """Assemble this process's host rows into global arrays split over the batch axes.
 

@@ -2,12 +2,12 @@
 
 Run as `python -m tests.multiprocess_worker RESULT_JSON RUN_DIR [RESTORE_FROM]` from the repository
 root. With DEW_COORDINATOR / DEW_NUM_PROCESSES / DEW_PROCESS_ID set it is one process of a
-multi-process run, else a single process. It trains on `MESH` with a checkpoint in RUN_DIR, then
-process 0 writes the per-step losses and the final parameters (gathered to the host) to
-RESULT_JSON and RESULT_JSON's .npz sibling, with what became of a missing attention_mask (`masks`).
-With RESTORE_FROM (a run directory another run wrote),
-it also restores that checkpoint under `RESTORE_MESH` and writes its parameters to
-RESULT_JSON's .restored.npz sibling.
+multi-process run, which trains on `MESH`; else a single process, which trains on one of its devices.
+Either trains with a checkpoint in RUN_DIR, then process 0 writes the run (`tests.mesh_parity.outcome`:
+losses, first gradient, parameters, gathered to the host) to RESULT_JSON's .npz sibling, and to RESULT_JSON
+what became of a missing attention_mask (`masks`) and the rounding a mesh may add (`ulps`). With
+RESTORE_FROM (a run directory another run wrote), it also restores that checkpoint under `RESTORE_MESH`
+and writes its parameters to RESULT_JSON's .restored.npz sibling.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from dew.data.dataset import Dataset  # noqa: E402
 from dew.data.inputs import ModelInputs, agree_on_mask  # noqa: E402
 from dew.objectives.lm import LMObjective  # noqa: E402
 from dew.training import Checkpoints, Trainer, shard_batch  # noqa: E402
+from tests import mesh_parity  # noqa: E402
 
-SEQ, VOCAB, BATCH, STEPS = 16, 64, 8, 3
+SEQ, VOCAB, BATCH, STEPS, RATE = 16, 64, 8, 3, 0.1
 # Rows over data x fsdp, parameters split over fsdp: across two processes the gradient's reduction
 # over `data` crosses the process boundary, the parameter gathers over `fsdp` stay inside one.
 MESH, LAYOUT = sharding.MeshSpec(data=2, fsdp=2), sharding.Layout(min_shard=0)
@@ -52,10 +53,8 @@ def train(partition):
         step += 1
 
 
-def host_params(state) -> dict[str, np.ndarray]:
-    gathered = multihost_utils.process_allgather(state.params, tiled=True)
-    leaves = jax.tree_util.tree_leaves_with_path(gathered)
-    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+def to_host(leaf) -> np.ndarray:
+    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
 
 
 def masks(mesh) -> dict:
@@ -84,32 +83,35 @@ def main(result_path: str, run_dir: str, restore_from: str | None = None) -> Non
     model = models.build("causal_transformer", vocab_size=VOCAB, emb_features=32, num_layers=1, num_heads=2,
                          max_seq_len=SEQ)
     objective = LMObjective(model, SEQ, ema_decay=None)
-    trainer = Trainer(objective, optax.adamw(1e-2), key=jax.random.key(0), mesh=MESH, layout=LAYOUT)
+    optimizer = mesh_parity.recording(optax.sgd(RATE))
+    trainer = Trainer(objective, optimizer, key=jax.random.key(0), mesh=MESH, layout=LAYOUT)
+    if not joined:  # the reference: one device
+        trainer.mesh = sharding.MeshSpec().build(jax.devices()[:1])
     data = Dataset(train=train, val=None, records=10**6, batch=BATCH)
     fit_started = time.perf_counter()
     state = trainer.fit(data, steps=STEPS, log_every=1, checkpoint_dir=run_dir, verbose=False)
     fit_seconds = time.perf_counter() - fit_started
-    params = host_params(state)
-    agreement = masks(trainer.mesh)
+    run = mesh_parity.outcome(trainer.history, state, to_host)
+    agreement = masks(MESH.build())
     restored = None
     if restore_from is not None:
-        other = Trainer(objective, optax.adamw(1e-2), key=jax.random.key(1), mesh=RESTORE_MESH, layout=LAYOUT)
+        other = Trainer(objective, optimizer, key=jax.random.key(1), mesh=RESTORE_MESH, layout=LAYOUT)
         checkpoints = Checkpoints(restore_from)
         state, _ = checkpoints.restore(other.init_state())
         checkpoints.close()
         kernel = state.params["params"]["layers_0"]["mlp"]["up_proj"]["kernel"]
         assert kernel.sharding.mesh.shape["fsdp"] == 4 and kernel.sharding.spec != jax.sharding.PartitionSpec()
-        restored = host_params(state)
+        restored = mesh_parity.outcome([], state, to_host)["params"]
     if jax.process_index() == 0:
-        np.savez(result_path.removesuffix(".json") + ".npz", **params)
+        mesh_parity.save(result_path.removesuffix(".json") + ".npz", run)
         if restored is not None:
             np.savez(result_path.removesuffix(".json") + ".restored.npz", **restored)
         with open(result_path, "w") as result:
             json.dump({
                 "joined": joined, "processes": jax.process_count(), "devices": jax.device_count(),
-                "losses": [row["train/loss"] for row in trainer.history if "train/loss" in row],
                 "fit_s": fit_seconds, "total_s": time.perf_counter() - started,
-                "compile_s": trainer.compile_seconds, "masks": agreement,
+                "compile_s": trainer.compile_seconds, "masks": agreement, "rate": RATE,
+                "ulps": mesh_parity.step_ulps(model.config, SEQ, BATCH),
             }, result)
 
 

@@ -1,7 +1,11 @@
-"""Benchmarks' own references, held to what they stand in for (a benchmark is not run by the suite)."""
+"""Benchmarks' own references, held to what they stand in for (a benchmark is not run by the suite), and the
+collectives benchmarks/collectives.py counts (it compiles, runs nothing), held to what each mesh must send."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -13,6 +17,7 @@ from benchmarks import serve
 from benchmarks.large_vocab import UnchunkedHead
 from dew.objectives.base import Step
 from dew.objectives.lm import LMObjective
+from tests.compile_flags import devices_environment
 
 STEP = Step(jnp.zeros((), jnp.int32), jax.random.key(0))
 
@@ -80,3 +85,49 @@ def test_serve_starts_each_peer_its_flag_names():
     for wrong in (["--startup", "--baseline", root], ["--startup", "--rounds", "2", "--baseline", "tests"]):
         with pytest.raises(SystemExit):
             serve.parse(wrong)
+
+
+COLLECTIVES_SCRIPT = """
+import json
+from benchmarks import collectives
+rows = collectives.main(["--shape", "layers=2,width=64,heads=4,kv_heads=2,mlp=256,vocab=256,seq=32,batch=2",
+                         "--min-shard", "0"])
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.slow
+def test_collectives_counts_the_gradients_all_reduce_and_the_weights_gathers():
+    """benchmarks/collectives.py on a tiny shape (float32 parameters, 2 rows of 32 a device) over 8 emulated
+    devices, held to what each mesh must send.
+
+    Data parallel: one all-reduce of every gradient and of the step's statistics (a few dozen float32 scalars),
+    nothing else. A ring of n devices reduce-scatters it, then all-gathers it, each pass sending n - 1 of its n
+    shares: 2 (n - 1) / n of its bytes, 1.75x at n = 8.
+
+    Fully sharded (every array split): each weight gathered for the forward and again for the backward's
+    recompute, each device sending (n - 1) / n of the gathered bytes, but the embedding table, whose rows
+    stay with their shard: the rows of activations go to the table's shards and back instead (an all-to-all
+    each way of the device's [2, 32, 64] float32 rows); XLA may combine a norm's scale rather than gather it.
+    The gradients all-reduced (the CPU's form of a reduce-scatter) but the table's, which each shard forms
+    itself. Under 4x the parameters' bytes in all; with the activations following the fsdp-split table
+    instead, every device gathered the whole batch (docs/performance.md, "Several chips")."""
+    done = subprocess.run([sys.executable, "-c", COLLECTIVES_SCRIPT], env=devices_environment(8),
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data, fsdp = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (data["mesh"], fsdp["mesh"]) == ("data", "fsdp") and data["param_bytes"] == fsdp["param_bytes"]
+    n, params, statistics = 8, data["param_bytes"], 64 * 4
+    table, norms, rows = 256 * 64 * 4, (2 * 2 + 1) * 64 * 4, 2 * 32 * 64 * 4
+    assert list(data["kinds"]) == ["all-reduce"]
+    operands, sent = data["kinds"]["all-reduce"]
+    assert params <= operands <= params + statistics
+    assert sent == pytest.approx(2 * (n - 1) / n * operands, rel=1e-12)
+    kinds = fsdp["kinds"]
+    assert sorted(kinds) == ["all-gather", "all-reduce", "all-to-all"]
+    gathered, sent = kinds["all-gather"]
+    assert 2 * (params - table - norms) / n <= gathered <= 2 * (params - table) / n
+    assert sent == pytest.approx((n - 1) * gathered, rel=1e-12)
+    assert params - table <= kinds["all-reduce"][0] <= params - table + statistics
+    assert kinds["all-to-all"][0] == 2 * rows
+    assert sum(value[1] for value in kinds.values()) < 4 * params

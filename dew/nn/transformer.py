@@ -25,6 +25,7 @@ from dew.kernels import policy as kernel_policy
 from dew.kernels import blocks
 from dew.kernels.int8 import dequantize
 from dew.lazy import kept
+from dew.sharding import rows_split
 
 from dew.nn.attention import AttentionSpec, NoPE
 from dew.nn.head import Head
@@ -733,6 +734,7 @@ class CausalTransformer(ModelVariables, nn.Module):
             x_BSE = embedded(jnp.where(media_BS, 0, tokens))
             picked_BSE = jnp.take_along_axis(features, jnp.maximum(feature_indices, 0)[:, :, None], axis=1)
             x_BSE = jnp.where(media_BS[:, :, None], picked_BSE.astype(c.dtype), x_BSE)
+        x_BSE = rows_split(x_BSE)  # under a trainer's mesh, each device's layers read its own rows
 
         per_layer = c.gemma4 or c.gemma3n
         if per_layer is not None and per_layer.per_layer_width:

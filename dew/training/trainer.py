@@ -21,7 +21,7 @@ from dew import kernels
 from dew import trees as frozen
 from dew.training.checkpoints import Checkpoints
 from dew.training.in_flight import InFlight
-from dew.sharding import BATCH_AXES, logical_names, with_names
+from dew.sharding import BATCH_AXES, in_mesh, logical_names, with_names
 from dew.training.mesh import Layout, MeshSpec, replicated, shard_batch
 from dew.training.progress import Reporter, format_values
 from dew.training.state import Step, TrainState
@@ -302,7 +302,7 @@ class Trainer:
             )
             return new_state, {"stats": stats, "loss": loss, "grad_norm": grad_norm, "finite": finite}
 
-        return step_fn
+        return in_mesh(self.mesh, step_fn)
 
     def compile_step(self, state: TrainState, batch: dict, accumulation: int = 1):
         """The train step compiled ahead of time for these shapes (cached)."""
@@ -335,7 +335,7 @@ class Trainer:
                     return self.objective.evaluate(state.params, batch, Step(index, key), reference=state.averaged)
                 return self.objective.evaluate(state.evaluated, batch, Step(index, key))
 
-            self._compiled[signature] = jax.jit(eval_fn, out_shardings=replicated(self.mesh))
+            self._compiled[signature] = jax.jit(in_mesh(self.mesh, eval_fn), out_shardings=replicated(self.mesh))
         return self._compiled[signature]
 
     # -- the loop --------------------------------------------------------------------------------
