@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from dew.kernels import accelerator_attention
 from dew.data.text_processor import TextProcessor
 from dew.data.tokenizers import HFTokenizer
 from dew.files import read_json
@@ -49,7 +50,9 @@ from dew.sampling import Sampling
 from dew.sharding import with_names
 from dew.training.mesh import Layout, MeshSpec
 
-ATTENTION_IMPLS = ("xla",)
+# The attention kernels `attention_impl` names (`dew.kernels.accelerator_attention`): "auto" picks the backend's
+# best; "splash" (TPU) and "cudnn" (GPU) are refused on a backend that cannot run them.
+ATTENTION_IMPLS = accelerator_attention.IMPLS
 _STORED_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 # generation_config.json fields Dew's sampler does not apply, with the value that leaves output unchanged.
 _UNAPPLIED_GENERATION = {
@@ -194,7 +197,9 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
     tokenizer.json. `dtype` is the compute dtype; `param_dtype="auto"` stores parameters in the
     checkpoint's dtype (config.json's `dtype` or `torch_dtype`, else the first floating tensor's;
     float32 for GGUF). `max_seq_len` overrides the config's max_position_embeddings;
-    `attention_impl` names the attention kernel ("xla", the one Dew has). `scan_layers` and `remat`
+    `attention_impl` names the attention kernel (`ATTENTION_IMPLS`: "auto", the default, takes Pallas's splash on
+    a TPU and cuDNN's on a GPU where they apply, Dew's own elsewhere; "xla" Dew's own everywhere; "splash" and
+    "cudnn" are refused on a backend that cannot run them). `scan_layers` and `remat`
     (`DecoderConfig`'s; they change how the model compiles, not what it computes) default to
     `DecoderConfig`'s; so does `kernels`, the kernel policy of the model's products (`dew.kernels.policy`).
 
@@ -234,9 +239,13 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
         raise NotImplementedError(f"quantize={quantize!r} over a mesh of {device_mesh.devices.size} devices (int8 "
                                   "weights split over several devices) is not built in Dew yet: quantize on one device")
     layout = layout or Layout()
-    if attention_impl not in (None, *ATTENTION_IMPLS):
-        raise ValueError(f"attention_impl {attention_impl!r} is not built; Dew's attention kernels are "
-                         f"{list(ATTENTION_IMPLS)}")
+    if attention_impl is not None:
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl {attention_impl!r} is not an attention kernel of Dew's: use one of "
+                             f"{list(ATTENTION_IMPLS)}")
+        refused = accelerator_attention.refused(attention_impl)
+        if refused is not None and attention_impl != "auto":
+            raise ValueError(f"attention_impl: {refused}")
     verified: list[verify.Verified] = []  # tier 2's check, for a model_type without a family
     if gguf_file is not None:
         snapshot = resolve_gguf(source, gguf_file)
@@ -273,12 +282,14 @@ def load_pretrained(source: str | Path, *, dtype="float32", param_dtype="auto", 
             raise NotImplementedError("DiffusionGemma loads from safetensors onto one device; gguf_file, a mesh of "
                                       "several devices, scan_layers, remat and quantize are not built for it yet")
         bundle = _load_block_diffusion(snapshot, reader, config, where, dtype, param_dtype, max_seq_len)
-        if kernels is None:
+        runtime = {name: value for name, value in (("kernels", kernels), ("attention", attention_impl))
+                   if value is not None}
+        if not runtime:
             return bundle
-        return dataclasses.replace(bundle, model=DiffusionGemma(dataclasses.replace(bundle.model.config,
-                                                                                     kernels=kernels)))
+        return dataclasses.replace(bundle, model=DiffusionGemma(dataclasses.replace(bundle.model.config, **runtime)))
     overrides = {name: value for name, value in (("max_seq_len", max_seq_len), ("scan_layers", scan_layers),
-                                                 ("remat", remat), ("kernels", kernels)) if value is not None}
+                                                 ("remat", remat), ("kernels", kernels), ("attention", attention_impl))
+                 if value is not None}
     multimodal = getattr(family, "multimodal", False)
     if multimodal and (gguf_file is not None or quantize is not None):
         raise NotImplementedError(f"a {family.model_type} checkpoint loads from safetensors with float weights; "

@@ -337,7 +337,8 @@ def _dot(a, b, transpose_b, out_dtype, policy):
 
 
 def _dot_fwd(a, b, transpose_b, out_dtype, policy):
-    return _dot(a, b, transpose_b, out_dtype, policy), (a, b)
+    # the product itself, not `_dot` again: a remat policy (`checkpoint_dots`) sees the dot_general it saves
+    return product(a, b, transpose_b=transpose_b, out_dtype=out_dtype, policy=policy), (a, b)
 
 
 def _dot_bwd(transpose_b, out_dtype, policy, residuals, g):

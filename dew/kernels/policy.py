@@ -81,13 +81,18 @@ def override() -> str | None:
 
 
 @contextlib.contextmanager
-def using(policy: str) -> Iterator[None]:
-    """Trace under `policy` (the model's): the products, softmaxes and int8 products traced inside take it."""
-    token = _POLICY.set(check(policy))
+def setting(variable: contextvars.ContextVar, value) -> Iterator[None]:
+    """`variable` holds `value` inside the block (what a trace under a model's knob reads), and its own after."""
+    token = variable.set(value)
     try:
         yield
     finally:
-        _POLICY.reset(token)
+        variable.reset(token)
+
+
+def using(policy: str) -> contextlib.AbstractContextManager[None]:
+    """Trace under `policy` (the model's): the products, softmaxes and int8 products traced inside take it."""
+    return setting(_POLICY, check(policy))
 
 
 def requested() -> str:
@@ -278,13 +283,19 @@ def note(key: str, choice: str) -> None:
 
 
 def summary(choices: dict[str, str]) -> str:
-    """A recording in a few words: "kernels: 6 of 20 products in oneDNN; Dew's attention, first_max"."""
+    """A recording in a few words: "kernels: 6 of 20 products in oneDNN; Dew's attention, first_max", or off the
+    CPU "kernels: XLA's products on tpu; attention in splash"."""
     products = [choice for key, choice in choices.items() if key[0].isdigit()]  # product keys start "BxMxKxN"
     native = sorted({key.split("/")[0] for key, choice in choices.items() if not key[0].isdigit() and choice == "dew"})
-    text = f"kernels: {products.count('onednn')} of {len(products)} products in oneDNN"
-    if "dew" in products:
-        text += f", {products.count('dew')} in Dew's few-rows kernel"
-    return text + (f"; Dew's {', '.join(native)}" if native else "")
+    attention = sorted({choice for key, choice in choices.items() if key.startswith("attention/")})
+    if jax.default_backend() == "cpu":
+        text = f"kernels: {products.count('onednn')} of {len(products)} products in oneDNN"
+        if "dew" in products:
+            text += f", {products.count('dew')} in Dew's few-rows kernel"
+    else:
+        text = f"kernels: XLA's products on {jax.default_backend()}"
+    text += f"; Dew's {', '.join(native)}" if native else ""
+    return text + (f"; attention in {', '.join(attention)}" if attention else "")
 
 
 def describe(policy: str = "auto") -> dict:

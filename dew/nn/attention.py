@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from dew.kernels import accelerator_attention as accelerator
 from dew.kernels import decode_attention as decode_kernel
 from dew.kernels import prefill_attention as prefill_kernel
 from dew.kernels import softmax as fast_softmax
@@ -177,6 +178,40 @@ def decode_attend(q_BSHD, cache: AttentionCache, knobs, slots_BS, segments_BS, s
     out_BHD = decode_kernel.decode_attention(q_BSHD[:, 0], cache.keys, cache.values, knobs.local, starts_B, ends_B,
                                              scale, spec.softcap)
     return out_BHD[:, None].astype(q_BSHD.dtype)
+
+
+def _batch_mask(cache, q_groups, spec: "AttentionSpec", knobs) -> bool:
+    """Whether an accelerator kernel reads a pass's mask whole (`[B, S, T]`, per row) rather than as a
+    static structure: a prefill's slots, image spans, chunks of positions, or a window it cannot pick."""
+    return (cache is not None or q_groups is not None or spec.chunk is not None
+            or (knobs.window is not None and not knobs.windows))
+
+
+def accelerated_attention(kernel: str, q_BSHD, k_BSKD, v_BSKV, *, scale: float, causal: bool, knobs,
+                          softcap: float | None = None, mask_BST=None, segments_BS=None,
+                          heads_major: bool = False) -> jax.Array:
+    """`[B, S, H, V]`: a pass's attention over its own keys in the accelerator kernel `kernel` ("splash" or
+    "cudnn", `dew.kernels.accelerator_attention.choose`), under the whole mask `mask_BST` where it depends on
+    the batch, else the static one: causal or full, the layer's window (`knobs`), and with `segments_BS`
+    each query's own document. In a run whose layers slide by different windows (the window traced), one
+    static kernel per window, the layer's picked by `lax.switch`. With `heads_major` (splash only) the queries
+    are `[B, H, S, D]`."""
+    if mask_BST is not None:
+        return accelerator.splash_attention(q_BSHD, k_BSKD, v_BSKV, scale=scale, softcap=softcap, mask_BST=mask_BST,
+                                            heads_major=heads_major)
+
+    def static(window):
+        window = None if window == NO_WINDOW else window
+        if kernel == "cudnn":
+            return accelerator.cudnn_attention(q_BSHD, k_BSKD, v_BSKV, scale=scale, causal=causal, window=window)
+        return accelerator.splash_attention(q_BSHD, k_BSKD, v_BSKV, scale=scale, causal=causal, window=window,
+                                            softcap=softcap, segments_BS=segments_BS, heads_major=heads_major)
+
+    windows = knobs.windows if knobs.window is not None else (NO_WINDOW,)
+    if len(windows) == 1:
+        return static(windows[0])
+    index = sum(jnp.where(knobs.window == w, i, 0) for i, w in enumerate(windows))
+    return jax.lax.switch(index, [functools.partial(static, w) for w in windows])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,13 +393,22 @@ class Attention(nn.Module):
         one_query = (cache is not None and S == 1 and ordered and s.chunk is None and not context.read_only_cache
                      and context.key_slots_BT is None and k_groups is None and not reuse)
         decode = one_query and decode_kernel.usable(cache.keys, cache.values)
-        fused = (not decode and cache is None and s.softcap is None
+        # A pass over this call's own keys (none cached, or a prefill into a fresh cache: the cache then holds
+        # exactly this call's real tokens) may run in an accelerator's kernel (dew.kernels.accelerator_attention).
+        own_prefill = (cache is not None and not decode and context.fresh_cache and not context.read_only_cache
+                       and not reuse and context.key_slots_BT is None)
+        kernel = "xla"
+        if cache is None or own_prefill:
+            kernel = accelerator.choose(accelerator.requested(), q_BSHD.dtype, q_width=D, v_width=D,
+                                        softcap=s.softcap, segmented=context.segmented,
+                                        dynamic=_batch_mask(cache, q_groups, s, knobs))
+        fused = (kernel == "xla" and not decode and cache is None and s.softcap is None
                  and fast_softmax.attention_usable(q_BSHD, k_BSKD, v_BSKD))
         # With a cache (a prefill), `attend` reads its queries heads-major `[B, H, S, D]`, laid out so before
         # they are rotated: XLA's CPU backend runs a rotation fused into the transpose after it element by
         # element, at several times the cost of the transpose fused into the rotation's reads. (A pass without
         # a cache may be differentiated, where this order would put the slow transpose in the backward.)
-        heads_major = not decode and not fused and cache is not None
+        heads_major = kernel == "splash" or (kernel == "xla" and not decode and not fused and cache is not None)
         # [B, H, S, D] with heads_major, else [B, S, H, D]
         q = self._finish_queries(q_BSHD, rotary, context.positions_BS, heads_major, reuse)
         report = None
@@ -374,7 +418,18 @@ class Attention(nn.Module):
             real_BST = mask_BST & (context.segments_BS > 0)[:, :, None]
             q_seen = q.transpose(0, 2, 1, 3) if heads_major else q
             report = {"qk_max": score_max(q_seen, k_BSKD.transpose(0, 2, 1, 3), real_BST, scale)}
-        if decode:
+        if kernel != "xla":
+            if cache is not None:  # the prefill's own keys, under the mask its cache would give them
+                mask_BST = attention_mask(context.slots_BS, context.slots_BS, context.segments_BS, context.segments_BS,
+                                          causal=s.causal, window=knobs.window, q_groups_BS=q_groups,
+                                          k_groups_BT=q_groups, chunk=s.chunk, q_positions_BS=context.positions_BS,
+                                          k_positions_BT=context.positions_BS)
+            dynamic = _batch_mask(cache, q_groups, s, knobs)
+            out_BSHD = accelerated_attention(kernel, q, k_BSKD, v_BSKD, scale=scale, causal=s.causal, knobs=knobs,
+                                             softcap=s.softcap, mask_BST=mask_BST if dynamic else None,
+                                             segments_BS=context.segments_BS if context.segmented else None,
+                                             heads_major=heads_major)
+        elif decode:
             out_BSHD = decode_attend(q, cache, knobs, context.slots_BS, context.segments_BS, s)
         elif fused:
             # Training's pass (and any without a cache), float32: scores, softmax and weighted values in one

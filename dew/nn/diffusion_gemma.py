@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import struct
 
+from dew.kernels import accelerator_attention
 from dew.kernels import policy as kernel_policy
 from dew.nn.attention import AttentionSpec
 from dew.nn.head import cap_logits, vocab_logits
@@ -49,7 +50,6 @@ from dew.nn.norms import RMSNorm, normalize
 from dew.nn.rotary import RopeScaling
 from dew.nn.stack import apply_layers, rotary_tables, runs
 from dew.nn.transformer import FULL, SLIDING, as_dtype
-from dew.nn.vision import projector_class, tower_class
 
 F32 = jnp.float32
 ENCODER_SCALAR, DECODER_SCALAR = "encoder_layer_scalar", "decoder_layer_scalar"
@@ -78,6 +78,8 @@ class DiffusionGemmaVision:
     @classmethod
     def from_json(cls, fields) -> "DiffusionGemmaVision":
         """The vision side from its fields as a run's record holds them (the tower's and projector's as objects)."""
+        from dew.nn.vision import projector_class, tower_class  # the towers load only for a model with images
+
         values = dict(fields)
         values["tower"] = tower_class(values["tower_kind"])(**values["tower"])
         values["projector"] = projector_class(values["projector_kind"])(**values["projector"])
@@ -90,7 +92,8 @@ class DiffusionGemmaConfig:
     `head_dims` and `kv_heads` each layer's head width and key/value heads; `rotary` gives each layer
     type its base and `RopeScaling`, as `(layer_type, theta, scaling)` (a tuple, so the config hashes).
     `canvas_length` is the denoiser's block; `max_seq_len` bounds prompt plus canvases. `kernels` is the
-    kernel policy of its products (`dew.kernels.policy`, as `DecoderConfig.kernels`); `vision` the image side
+    kernel policy of its products (`dew.kernels.policy`, as `DecoderConfig.kernels`), `attention` the kernel
+    of its attention (`dew.kernels.accelerator_attention`, as `DecoderConfig.attention`); `vision` the image side
     (None: text only)."""
 
     vocab_size: int
@@ -115,9 +118,11 @@ class DiffusionGemmaConfig:
     param_dtype: jnp.dtype = jnp.float32
     kernels: str = "auto"
     vision: DiffusionGemmaVision | None = None
+    attention: str = "auto"
 
     def __post_init__(self):
         kernel_policy.check(self.kernels)
+        accelerator_attention.check(self.attention)
         layers = len(self.layer_types)
         for name in ("head_dims", "kv_heads"):
             if len(getattr(self, name)) != layers:
@@ -237,7 +242,7 @@ class DiffusionGemma(nn.Module):
     def _layers(self, x_BSE, specs, tables, context, cache_runs):
         """The shared layers (`layers_N`) over `x_BSE`: the output states and the cache runs."""
         c = self.config
-        with kernel_policy.using(c.kernels):
+        with kernel_policy.using(c.kernels), accelerator_attention.using(c.attention):
             x_BSE, cache_runs, _, _, _ = apply_layers(self, specs, x_BSE, context, cache_runs, scan_from=UNROLLED,
                                                       remat="none", keep=(), tables=tables, dtype=c.dtype,
                                                       param_dtype=c.param_dtype)

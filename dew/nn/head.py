@@ -152,16 +152,28 @@ class Head:
 
 
 # `chunks=None`: the fewest tiles whose float32 logits take at most this many bytes each (a 16 x 128
-# micro-batch against a 4,096-id vocabulary is one tile; GPT-2's 50,257 ids over 1,024 rows are four).
+# micro-batch against a 4,096-id vocabulary is one tile; GPT-2's 50,257 ids over 1,024 rows are four). An
+# accelerator takes wider tiles (`ACCELERATOR_TILE_BYTES`), each a whole number of its matrix unit's 128 lanes:
+# a tile's product there costs little beside the scan's step, and a width off the lanes pads every product.
 TILE_BYTES = 64 * 2**20
+ACCELERATOR_TILE_BYTES = 512 * 2**20
+LANES = 128
+
+
+def tile_bytes() -> int:
+    """The most bytes a tile's float32 logits take under `chunks=None` on this process's backend."""
+    return TILE_BYTES if jax.default_backend() == "cpu" else ACCELERATOR_TILE_BYTES
 
 
 def _layout(vocab: int, chunks: int | None, rows: int) -> tuple[int, int]:
     """(tile width, tile count)."""
+    accelerator = jax.default_backend() != "cpu"
     if chunks is None:
-        chunks = -(-rows * vocab * 4 // TILE_BYTES)
+        chunks = -(-rows * vocab * 4 // tile_bytes())
     chunks = max(1, min(chunks, vocab))
     width = -(-vocab // chunks)
+    if accelerator and width < vocab:
+        width = min(vocab, -(-width // LANES) * LANES)
     return width, -(-vocab // width)
 
 

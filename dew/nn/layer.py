@@ -85,13 +85,15 @@ class LayerKnobs:
     `window` (int32; None when no layer of the run slides), `rope` (which rotary table of its width
     the mixer reads), `index` (the layer's number in the model), `local` (its number in the run,
     the index of its slice of the run's cache) and `replay` (int32 `[B, S, K]`, the experts a sparse
-    layer replays; None without `Routes`)."""
+    layer replays; None without `Routes`). `windows` (static) holds the run's distinct windows, `NO_WINDOW`
+    for its full layers: an accelerator kernel whose mask is static picks its layer's among them."""
 
     window: Any
     rope: jax.Array
     index: jax.Array
     local: jax.Array
     replay: Any = None
+    windows: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
 
 @struct.dataclass
@@ -107,7 +109,8 @@ class LayerContext:
     in both directions; with `sliding_groups` (Gemma 4) only sliding layers read them so.
     `report_indexer` asks latent mixers with an indexer for their `dew.nn.mla.IndexerRecord`, and
     `report_qk` every softmax-attention mixer for its largest logit per row and head (`qk_max`).
-    `fresh_cache` says the cache held no token before this call (`dew.nn.kv_cache.Cache.fresh`).
+    `fresh_cache` says the cache held no token before this call (`dew.nn.kv_cache.Cache.fresh`), and
+    `segmented` (static) that `segments_BS` may hold more than one document or padding (False: all ones).
     `shared_kv` holds the keys and values a "reuse" attention layer reads (`AttentionSpec.shared_kv`), and
     `per_layer_BSLP` every layer's per-layer input `[B, S, L, P]` (Gemma 4; None elsewhere).
     `positions_BS` are the queries' positions (the rotary angles'; chunked attention and query
@@ -126,6 +129,7 @@ class LayerContext:
     report_indexer: bool = struct.field(pytree_node=False, default=False)
     report_qk: bool = struct.field(pytree_node=False, default=False)
     fresh_cache: bool = struct.field(pytree_node=False, default=False)
+    segmented: bool = struct.field(pytree_node=False, default=True)
     key_slots_BT: jax.Array | None = None
     read_only_cache: bool = struct.field(pytree_node=False, default=False)
     groups_BS: jax.Array | None = None

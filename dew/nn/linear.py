@@ -12,11 +12,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from dew.kernels.blocks import blocks_product
 from dew.kernels.int8 import int8_product
 from dew.kernels.matmul import dot, stacked_product
 
+# The names a linear's output carries for the remat policies (dew.nn.stack.REMAT_POLICIES): MLP_PRODUCT where
+# its weight has an "mlp" axis (a feed-forward's), PRODUCT otherwise.
+PRODUCT, MLP_PRODUCT = "product", "mlp_product"
 QUANT_COLLECTION = "quant"  # int8 weights' float32 scales (see dew.nn.quantize), or a GGUF file's blocks
 KERNEL_SCALE = "kernel_scale"
 # A kernel kept in a GGUF file's quantized blocks, `[out, in / E, B]` bytes (dew.kernels.blocks), held
@@ -101,4 +105,5 @@ class Linear(nn.Module):
             bias = self.param("bias", named(nn.initializers.zeros_init(), self.names and self.names[1:]),
                               (self.features,), self.param_dtype)
             y_NF = y_NF + bias.astype(jnp.float32)
-        return y_NF.astype(self.dtype).reshape(*lead, self.features)
+        kind = MLP_PRODUCT if "mlp" in (self.names or ()) else PRODUCT
+        return checkpoint_name(y_NF.astype(self.dtype), kind).reshape(*lead, self.features)

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import struct
 
-from dew.nn.attention import attend, attention_mask, score_max
+from dew.kernels import accelerator_attention as accelerator
+from dew.nn.attention import accelerated_attention, attend, attention_mask, score_max
 from dew.nn.linear import Linear, matmul, named
 from dew.nn.norms import RMSNorm
 from dew.nn.rotary import RopeScaling, apply_rotary
@@ -311,7 +312,16 @@ class MLA(nn.Module):
             report["qk_max"] = latent_score_max(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF,
                                                 mask_BST & (context.segments_BS > 0)[:, :, None], s.scale, N)
         absorbed = lat.absorb == "always" or (lat.absorb == "decode" and cache is not None and S == 1)
-        if absorbed:
+        kernel = "xla"
+        if cache is None and not absorbed and (indexer is None or lat.index_topk is None):
+            # a whole pass with the static causal mask may run in an accelerator's kernel, keys N + R wide
+            kernel = accelerator.choose(accelerator.requested(), q_nope_BSHN.dtype, q_width=N + R, v_width=V,
+                                        softcap=None, dynamic=False, segmented=context.segmented)
+        if kernel != "xla":
+            out_BSHV = expanded_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, mask_BST, s.scale,
+                                          N, kernel=kernel, knobs=knobs,
+                                          segments_BS=context.segments_BS if context.segmented else None)
+        elif absorbed:
             out_BSHV = absorbed_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, mask_BST, s.scale,
                                           N)
         else:
@@ -388,15 +398,20 @@ def latent_score_max(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, al
 
 
 def expanded_attention(q_nope_BSHN, q_rope_BSHR, latent_BTC, rope_BTR, kv_b_CF, mask_BST, scale: float, nope: int,
-                       causal_blocks: bool = False) -> jax.Array:
-    """Attention over keys and values expanded from the latents: `[B, S, H, value_dim]`."""
+                       causal_blocks: bool = False, kernel: str = "xla", knobs=None, segments_BS=None) -> jax.Array:
+    """Attention over keys and values expanded from the latents: `[B, S, H, value_dim]`; with `kernel` an
+    accelerator's ("splash", `dew.nn.attention.accelerated_attention`), a causal pass over its own keys under
+    the static mask and `segments_BS` (`mask_BST` unread)."""
     B, T, C = latent_BTC.shape
     H = q_nope_BSHN.shape[2]
     kv_BTHF = matmul(latent_BTC.reshape(B * T, C), kv_b_CF).astype(q_nope_BSHN.dtype).reshape(B, T, H, -1)
     rope_BTHR = jnp.broadcast_to(rope_BTR[:, :, None, :], (B, T, H, rope_BTR.shape[-1])).astype(kv_BTHF.dtype)
-    keys_BHTD = jnp.concatenate([kv_BTHF[..., :nope], rope_BTHR], axis=-1).transpose(0, 2, 1, 3)
-    values_BHTV = kv_BTHF[..., nope:].transpose(0, 2, 1, 3)
+    keys_BTHD = jnp.concatenate([kv_BTHF[..., :nope], rope_BTHR], axis=-1)
     q_BSHD = jnp.concatenate([q_nope_BSHN, q_rope_BSHR], axis=-1)
+    if kernel != "xla":
+        return accelerated_attention(kernel, q_BSHD, keys_BTHD, kv_BTHF[..., nope:], scale=scale, causal=True,
+                                     knobs=knobs, segments_BS=segments_BS)
+    keys_BHTD, values_BHTV = keys_BTHD.transpose(0, 2, 1, 3), kv_BTHF[..., nope:].transpose(0, 2, 1, 3)
     return attend(q_BSHD, keys_BHTD, values_BHTV, mask_BST, causal_blocks=causal_blocks, scale=scale)
 
 

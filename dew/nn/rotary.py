@@ -226,10 +226,25 @@ def _rotate_half(x: jax.Array) -> jax.Array:
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
+def _turned32(x: jax.Array) -> jax.Array:
+    """`_rotate_half(x)` in float32. Off the CPU it is one product with the signed permutation: slicing a head's
+    features in halves splits each vector's lanes, which an accelerator's tiled layout pads and shuffles, where
+    its matrix unit multiplies them whole. Exact either way: each output is one input, negated or not (a
+    float32 input is multiplied at the highest precision, a bfloat16 one exactly in one pass)."""
+    if jax.default_backend() == "cpu":
+        return _rotate_half(x.astype(jnp.float32))
+    width, half = x.shape[-1], x.shape[-1] // 2
+    turn = np.zeros((width, width), np.float32)
+    turn[np.arange(half) + half, np.arange(half)] = -1.0  # output j < half reads -x[j + half]
+    turn[np.arange(half), np.arange(half) + half] = 1.0  # output j >= half reads x[j - half]
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
+    return jnp.matmul(x, jnp.asarray(turn, x.dtype), precision=precision, preferred_element_type=jnp.float32)
+
+
 def _rotate(x, cos_BSD: jax.Array, sin_BSD: jax.Array, heads_axis: int = 2) -> jax.Array:
     x32 = x.astype(jnp.float32)
     cos, sin = jnp.expand_dims(cos_BSD, heads_axis), jnp.expand_dims(sin_BSD, heads_axis)
-    return (x32 * cos + _rotate_half(x32) * sin).astype(x.dtype)
+    return (x32 * cos + _turned32(x) * sin).astype(x.dtype)
 
 
 def apply_partial_rotary(x: jax.Array, cos_BSW: jax.Array, sin_BSW: jax.Array, heads_axis: int = 2) -> jax.Array:
@@ -261,12 +276,12 @@ def _apply_rotary_backward(heads_axis, saved, g):
     x, cos_BSD, sin_BSD = saved
     g32 = g.astype(jnp.float32)
     cos, sin = jnp.expand_dims(cos_BSD, heads_axis), jnp.expand_dims(sin_BSD, heads_axis)
-    dx = (g32 * cos - _rotate_half(g32) * sin).astype(x.dtype)
+    dx = (g32 * cos - _turned32(g) * sin).astype(x.dtype)
     # The tables' own cotangents, summed over heads (unused, and so never computed, when the tables
     # come from integer positions).
     x32 = x.astype(jnp.float32)
     dcos_BSD = jnp.sum(g32 * x32, axis=heads_axis).astype(cos_BSD.dtype)
-    dsin_BSD = jnp.sum(g32 * _rotate_half(x32), axis=heads_axis).astype(sin_BSD.dtype)
+    dsin_BSD = jnp.sum(g32 * _turned32(x), axis=heads_axis).astype(sin_BSD.dtype)
     return dx, dcos_BSD, dsin_BSD
 
 

@@ -11,6 +11,8 @@ published checkpoints and exports use, and `stack_variables` the reverse; `apply
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 from collections.abc import Mapping, Sequence
 
@@ -19,18 +21,42 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from dew.kernels.accelerator_attention import RESIDUALS as ATTENTION
+from dew.kernels.policy import setting
 from dew.nn.attention import NO_WINDOW
 from dew.nn.layer import CONSTANTS, DecoderLayer, LayerKnobs, LayerSpec
-from dew.nn.linear import BLOCKS_LAYER, KERNEL, KERNEL_BLOCKS, QUANT_COLLECTION, STACKED_BLOCKS, STACKED_LAYER
+from dew.nn.linear import (BLOCKS_LAYER, KERNEL, KERNEL_BLOCKS, MLP_PRODUCT, PRODUCT, QUANT_COLLECTION, STACKED_BLOCKS,
+                           STACKED_LAYER)
 from dew.nn.moe import BIAS_COLLECTION
 from dew.nn.rotary import rotary_angles
 
+# What a layer keeps for the backward pass, by the names its values carry (`checkpoint_name`): a linear's output
+# is PRODUCT, or MLP_PRODUCT where its weight has an "mlp" axis; an accelerator attention kernel's output and
+# log-sum-exp are ATTENTION. The rest (norms, rotary, activations) is recomputed under any policy but "none".
 REMAT_POLICIES = {
-    "none": None,  # keep every activation for the backward pass
-    "full": "nothing_saveable",  # recompute each layer in the backward pass
-    "dots": "checkpoint_dots",  # keep matmul outputs, recompute the rest
-    "dots_no_batch": "dots_with_no_batch_dims_saveable",  # keep matmuls without batch dims (not attention's)
+    "none": None,  # keep every activation
+    "dots": (PRODUCT, MLP_PRODUCT, ATTENTION),  # keep every product's output, the attention kernel's too
+    "dots_no_batch": (PRODUCT, MLP_PRODUCT),  # keep the linears' outputs; attention runs again
+    "dots_no_mlp": (PRODUCT, ATTENTION),  # keep attention's side; the feed-forward runs again
+    "full": (),  # keep nothing: the layer runs again
 }
+# "auto" (DecoderConfig.remat's default): the trainer picks, per step, the first of these (the least
+# recomputation first) whose compiled step fits the device's memory (dew.training.memory); elsewhere "none".
+AUTO_LADDER = ("none", "dots", "dots_no_mlp", "full")
+_REMAT_IN_FORCE = contextvars.ContextVar("dew_remat_in_force", default=None)
+
+
+def remat_in_force(remat: str) -> contextlib.AbstractContextManager[None]:
+    """Trace the layers of a model whose `remat` is "auto" under the policy `remat` (the trainer's choice)."""
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat {remat!r} is not a policy: use one of {list(REMAT_POLICIES)}")
+    return setting(_REMAT_IN_FORCE, remat)
+
+
+def resolved_remat(remat: str) -> str:
+    """The policy a model's `remat` traces under: itself, or for "auto" the one `remat_in_force` set ("none"
+    outside a trainer's step)."""
+    return (_REMAT_IN_FORCE.get() or "none") if remat == "auto" else remat
 
 
 def runs(specs: Sequence[LayerSpec], scan_from: int) -> list[tuple[int, int, bool]]:
@@ -271,9 +297,10 @@ def rotary_tables(specs: Sequence[LayerSpec], positions_BS, rotary_positions_BS3
 
 def _knobs(specs: Sequence[LayerSpec], tables: Mapping, start: int, stop: int, replay_LBSK) -> LayerKnobs:
     windows = [spec.mixer.window for spec in specs[start:stop]]
+    slides = not all(w is None for w in windows)
     return LayerKnobs(
-        window=None if all(w is None for w in windows) else jnp.asarray(
-            [NO_WINDOW if w is None else w for w in windows], jnp.int32),
+        window=jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32) if slides else None,
+        windows=tuple(sorted({NO_WINDOW if w is None else w for w in windows})) if slides else (),
         rope=jnp.asarray([tables[spec.mixer.rope()] for spec in specs[start:stop]], jnp.int32),
         index=jnp.arange(start, stop, dtype=jnp.int32),
         local=jnp.arange(stop - start, dtype=jnp.int32),
@@ -299,8 +326,9 @@ def apply_layers(parent: nn.Module, specs: Sequence[LayerSpec], x_BSE, context, 
     kept = tuple(jnp.zeros_like(x_BSE) for _ in keep)
     new_cache = []
     layer_class = DecoderLayer
-    if REMAT_POLICIES[remat] is not None:
-        policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[remat])
+    kept_names = REMAT_POLICIES[resolved_remat(remat)]
+    if kept_names is not None:
+        policy = jax.checkpoint_policies.save_only_these_names(*kept_names)
         layer_class = nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
     reports, mixer_reports = [], []
     shared = {}  # the keys and values a "store" layer of each kind reported, for the "reuse" layers after it

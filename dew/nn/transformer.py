@@ -22,6 +22,7 @@ from flax import struct
 from dew import compilation_cache
 from dew.data.inputs import ModelInputs, text_fields
 from dew.kernels import policy as kernel_policy
+from dew.kernels import accelerator_attention
 from dew.kernels import blocks
 from dew.kernels.int8 import dequantize
 from dew.lazy import kept
@@ -110,7 +111,8 @@ _CONVERSIONS: dict[str, Callable[[str, object], object]] = {
 # The string knobs and the values each may take.
 _CHOICES = {"norm_style": NORM_STYLES, "norm_placement": NORM_PLACEMENTS,
             "qk_norm_scope": ("head", "projection", "l2"),
-            "activation": tuple(ACTIVATIONS), "remat": tuple(REMAT_POLICIES), "kernels": kernel_policy.POLICIES}
+            "activation": tuple(ACTIVATIONS), "remat": ("auto", *REMAT_POLICIES), "kernels": kernel_policy.POLICIES,
+            "attention": accelerator_attention.IMPLS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,8 +159,12 @@ class DecoderConfig:
     - `scan_layers`: the fewest like layers in a row that run as one `nn.scan` (one compiled body, so
       compile time stays flat in depth); shorter runs are unrolled, which runs the train step faster
       on CPU at small widths (docs/performance.md). 0 unrolls every layer, 1 scans every run.
-    - `remat`: what a scanned layer keeps for the backward pass: "none" (everything), "full"
-      (nothing: recompute the layer), "dots" (matmul outputs), "dots_no_batch".
+    - `remat`: what a layer keeps for the backward pass (`dew.nn.stack.REMAT_POLICIES`): "none" (everything),
+      "dots" (every product's output, the accelerator attention kernel's included), "dots_no_batch" (the
+      linears' outputs; attention runs again), "dots_no_mlp" (attention's side; the feed-forward runs again),
+      "full" (nothing: the layer runs again); "auto", the default, lets the trainer pick the first of "none",
+      "dots", "dots_no_mlp", "full" whose step fits the accelerator's memory (`dew.training.memory`; "none" on
+      the CPU and outside training).
     - `attention_dropout`: the dropout rate a checkpoint was trained with on the attention
       probabilities. It changes nothing at inference; Dew does not apply dropout, so training
       objectives refuse a model whose rate is above zero.
@@ -181,6 +187,9 @@ class DecoderConfig:
       CPU kernels where the shipped kernel table chooses them), "native" (wherever they can run), "xla"
       (XLA's own products only) or "exact" (as "auto", but GGUF blocks multiply float32 activations
       rather than integer-rounded ones). The environment variable `DEW_KERNELS` overrides it.
+    - `attention`: which kernel runs a whole pass's attention (`dew.kernels.accelerator_attention`): "auto"
+      (Pallas's splash on a TPU, cuDNN's on a GPU where it applies, Dew's own elsewhere), "splash", "cudnn"
+      (refused where the backend cannot run it) or "xla" (Dew's own everywhere).
     """
 
     vocab_size: int
@@ -226,10 +235,11 @@ class DecoderConfig:
     gemma3n: Gemma3nLayers | None = None
     mtp_depths: int = 0
     scan_layers: int = 8
-    remat: str = "none"
+    remat: str = "auto"
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     kernels: str = "auto"
+    attention: str = "auto"
 
     def __post_init__(self):
         for name, value in self._normalized().items():
@@ -621,7 +631,7 @@ class CausalTransformer(ModelVariables, nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, **kwargs):
         # Every product traced inside takes the model's kernel policy (the head carries it out as well).
-        with kernel_policy.using(self.config.kernels):
+        with kernel_policy.using(self.config.kernels), accelerator_attention.using(self.config.attention):
             return self._forward(tokens, **kwargs)
 
     def _forward(
@@ -752,6 +762,7 @@ class CausalTransformer(ModelVariables, nn.Module):
             replay_LBSK, context_cache["covered_BS"] = self._replay(routes, B, S)
         context = LayerContext(rotary=rotary, slots_BS=slots_BS, segments_BS=segments_BS, report_indexer=indexer,
                                report_qk=qk_stats, positions_BS=jnp.asarray(positions, jnp.int32),
+                               segmented=segment_ids is not None or attention_mask is not None,
                                sliding_groups=c.gemma4 is not None, **context_cache)
 
         altup = None if c.gemma3n is None else c.gemma3n.altup_inputs

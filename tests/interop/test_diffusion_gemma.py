@@ -112,7 +112,7 @@ def test_save_reload_is_exact(bundle, reference, tmp_path):
     """bundle.save writes every tensor back under its checkpoint name (vision tower included), so Dew
     and transformers both read the same numbers again."""
     saved = bundle.save(tmp_path / "saved")
-    restored = load_pretrained(saved, dtype="float32")
+    restored = load_pretrained(saved, dtype="float32", attention_impl="xla")  # the runtime knobs as loaded
     for collection in ("params", "constants"):
         mine = dict(_leaves(bundle.variables[collection]))
         for path, leaf in _leaves(restored.variables[collection]):

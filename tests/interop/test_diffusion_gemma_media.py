@@ -221,7 +221,7 @@ def test_save_reload_keeps_the_tower_and_the_processor(bundle, reference, tmp_pa
     assert bounds and all(torch.isfinite(theirs[name]).all() for name in bounds)
     for name, tensor in {**dict(again.named_parameters()), **dict(again.named_buffers())}.items():
         torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=0, msg=name)
-    restored = load_pretrained(saved, dtype="float32")
+    restored = load_pretrained(saved, dtype="float32", attention_impl="xla")  # the runtime knobs as loaded
     assert restored.model.config == bundle.model.config and isinstance(restored.processor, Processor)
     assert set(bundle.variables["constants"]) >= {"tower"}
     assert json.loads((saved / "config.json").read_text())["vision_config"] == json.loads(

@@ -66,9 +66,15 @@ def test_generation_config_maps_to_sampling():
         generation_defaults({"num_beams": 4}, config)
 
 
-def test_unbuilt_attention_kernel_is_refused(llama_checkpoint):
-    with pytest.raises(ValueError, match="attention_impl 'flash' is not built"):
+def test_attention_impl_names_a_kernel_and_refuses_one_the_backend_cannot_run(llama_checkpoint):
+    """An unknown name lists Dew's kernels; splash (TPU) and cuDNN (GPU) are refused on the CPU with the backend
+    they need; a kernel the backend runs lands in the model's config, where its attention reads it."""
+    with pytest.raises(ValueError, match="'flash' is not an attention kernel of Dew's.*'splash'"):
         load_pretrained(llama_checkpoint[0], attention_impl="flash")
+    for impl, backend in (("splash", "TPU"), ("cudnn", "GPU")):
+        with pytest.raises(ValueError, match=f"attention_impl: attention {impl!r} runs on a {backend}"):
+            load_pretrained(llama_checkpoint[0], attention_impl=impl)
+    assert load_pretrained(llama_checkpoint[0], attention_impl="xla").model.config.attention == "xla"
 
 
 def test_pipeline_loads_a_published_checkpoint(bundle, llama_checkpoint):

@@ -23,7 +23,7 @@ from dew.nn.layer import LayerSpec
 from dew.nn.transformer import FULL, SLIDING, DecoderConfig
 
 # The DecoderConfig fields a config.json does not decide: numerics and program shape.
-_RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat", "kernels")
+_RUNTIME = ("dtype", "param_dtype", "scan_layers", "remat", "kernels", "attention")
 # The DecoderConfig fields outside the layer specs that change what the model computes.
 _GLOBAL = ("vocab_size", "emb_features", "num_layers", "max_seq_len", "tie_embeddings", "logit_softcap", "norm_eps",
            "norm_style", "scale_embeddings", "attention_dropout", "mtp_depths", "embedding_scale", "logit_divisor")

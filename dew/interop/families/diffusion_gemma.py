@@ -28,11 +28,9 @@ from dew.interop.export import merge_collections, split_collections
 from dew.interop.families.converter import Converter
 from dew.interop.hf_decoders import _BASE_FIELDS, _DROPPED_ON_LOAD, _LEGACY_FIELDS, _METADATA_FIELDS
 from dew.interop.processors import Processor, load_reference
-from dew.interop.vision import projector_rules, tower_rules
 from dew.lazy import kept
 from dew.nn.diffusion_gemma import CONSTANTS, FULL, SLIDING, DiffusionGemma, DiffusionGemmaConfig, DiffusionGemmaVision
 from dew.nn.rotary import RopeScaling
-from dew.nn.vision import projector_config, tower_config
 
 MODEL_TYPE = "diffusion_gemma"
 _SHARED = "model.decoder"
@@ -126,7 +124,10 @@ def model_config(source: Mapping[str, Any], where: str = "config.json", *, max_s
         outer.refuse("canvas_length", canvas, "the denoiser's block needs a positive whole number of tokens")
     for name in ("boi_token_id", "eoi_token_id"):
         outer.get(name)  # the processor's markers around an image: plain text tokens to the model
-    # transformers builds the default Gemma 4 tower where config.json names none
+    # transformers builds the default Gemma 4 tower where config.json names none; the towers' modules load here,
+    # when a DiffusionGemma is read, not when the family registry finds another family
+    from dew.nn.vision import projector_config, tower_config
+
     vision_record = dict(outer.get("vision_config") or {})
     vision = DiffusionGemmaVision(
         TOWER, tower_config(TOWER, vision_record, f"{where} vision_config"), PROJECTOR,
@@ -256,6 +257,8 @@ def _get(tree: Mapping, path):
 def _vision_plan(config: DiffusionGemmaConfig, variables: Mapping) -> tensors.Plan:
     """The vision tower's and projector's tensor rules resolved against their part of `variables` (arrays or
     shapes, `params` and `constants` merged)."""
+    from dew.interop.vision import projector_rules, tower_rules
+
     vision = config.vision
     rules = (*tower_rules(vision.tower_kind, vision.tower, _TOWER_PREFIX, "tower/"),
              *projector_rules(vision.projector_kind, vision.projector, _PROJECTOR_PREFIX, "projector/"))
