@@ -3,6 +3,7 @@ collectives benchmarks/collectives.py counts (it compiles, runs nothing), held t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -85,6 +86,25 @@ def test_serve_starts_each_peer_its_flag_names():
     for wrong in (["--startup", "--baseline", root], ["--startup", "--rounds", "2", "--baseline", "tests"]):
         with pytest.raises(SystemExit):
             serve.parse(wrong)
+
+
+def test_accelerator_reference_scores_what_dew_scores():
+    """benchmarks/accelerator.py times Dew's train step against its plain JAX Llama: on the same weights both must
+    score the same loss, or the ratio compares different models. float32 compute, XLA's attention on this
+    backend: the two sum the same products in other orders, so the mean cross entropy over 2 x 16 tokens of a
+    64-id vocabulary (about log 64 = 4.2) agrees to float32 rounding of a few hundred terms, 1e-5 relative."""
+    from benchmarks import accelerator
+
+    shape = dict(layers=2, width=64, heads=4, kv_heads=2, mlp=96, vocab=64, seq=16, batch=2)
+    params = accelerator.reference_params(shape, jax.random.key(0))
+    rows = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 17)), jnp.int32)
+    reference = accelerator.reference_loss(params, rows, shape, None, splash=False, dtype=jnp.float32)
+    model = accelerator.dew_model(shape)
+    model = type(model)(dataclasses.replace(model.config, dtype=jnp.float32))
+    objective = LMObjective(model, seq_len=16, ema_decay=None, token_accuracy=False)
+    stats = objective.loss(accelerator.dew_variables(params), {"text": rows}, STEP)[0]
+    dew = float(stats.ce.total) / float(stats.ce.count)
+    assert abs(dew - float(reference)) <= 1e-5 * abs(float(reference)), (dew, float(reference))
 
 
 COLLECTIVES_SCRIPT = """

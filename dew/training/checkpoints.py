@@ -9,6 +9,7 @@ saved afresh when the run reaches it again.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -98,6 +99,16 @@ class Checkpoints:
 
     def latest(self) -> int | None:
         return self.manager.latest_step()
+
+    def write_note(self, name: str, record: dict) -> None:
+        """Write `record` as JSON to `name` beside the checkpoints (process 0; whole or not at all): what a step
+        ran with, such as the train step's memory plan. Orbax reads only its step directories."""
+        if jax.process_index() != 0:
+            return
+        path = os.path.join(self.directory, name)
+        with open(path + ".partial", "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, indent=2) + "\n")
+        os.replace(path + ".partial", path)
 
     def save(self, state: TrainState, data_position: dict[str, Any] | None) -> None:
         """Write the checkpoint of `state.step`; a failure (a full disk, a directory that cannot be

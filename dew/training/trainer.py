@@ -19,6 +19,9 @@ import optax
 from dew.data.dataset import Dataset, Partition
 from dew import kernels
 from dew import trees as frozen
+from dew.nn.head import tile_bytes
+from dew.nn.stack import remat_in_force, resolved_remat
+from dew.training import memory
 from dew.training.checkpoints import Checkpoints
 from dew.training.in_flight import InFlight
 from dew.sharding import BATCH_AXES, in_mesh, logical_names, with_names
@@ -141,8 +144,10 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self._compiled: dict[tuple, Any] = {}
         self._boxed = None  # `_boxed_init`'s (key bytes, (objective, optimizer, filter), jitted function)
-        # What the last compiled train step runs each product and kernel with (`dew.kernels.recording`).
+        # What the last compiled train step runs each product and kernel with (`dew.kernels.recording`), and
+        # the remat and micro-batches it fits the device's memory with (None where nothing was planned).
         self.kernel_choices: dict[str, str] = {}
+        self.memory_plan: memory.MemoryPlan | None = None
 
     # -- state -----------------------------------------------------------------------------------
     @property
@@ -305,22 +310,94 @@ class Trainer:
         return in_mesh(self.mesh, step_fn)
 
     def compile_step(self, state: TrainState, batch: dict, accumulation: int = 1):
-        """The train step compiled ahead of time for these shapes (cached)."""
+        """The train step compiled ahead of time for these shapes (cached). On a device that reports its memory,
+        a model whose remat is "auto" takes the cheapest remat (then micro-batches) whose step fits, and any step
+        that cannot fit is refused with `DoesNotFit` (`dew.training.memory`; the plan is `memory_plan`)."""
         signature = (accumulation, *_batch_signature(batch))
         if signature not in self._compiled:
-            shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
-            batch_shardings = jax.tree_util.tree_map(lambda x: x.sharding, batch)
-            jitted = jax.jit(
-                self._train_step(accumulation), in_shardings=(shardings, batch_shardings),
-                out_shardings=(shardings, replicated(self.mesh)), donate_argnums=0,
-            )
             started = time.perf_counter()
             with kernels.recording() as choices:
-                lowered = jitted.lower(state, batch)
-            self._compiled[signature] = lowered.compile()
+                self._compiled[signature], self.memory_plan = self._compile_fitting(state, batch, accumulation)
             self.compile_seconds = time.perf_counter() - started
             self.kernel_choices = choices
         return self._compiled[signature]
+
+    def _compile(self, state: TrainState, batch: dict, micro: int, remat: str):
+        shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
+        batch_shardings = jax.tree_util.tree_map(lambda x: x.sharding, batch)
+        jitted = jax.jit(self._train_step(micro), in_shardings=(shardings, batch_shardings),
+                         out_shardings=(shardings, replicated(self.mesh)), donate_argnums=0)
+        with remat_in_force(remat):
+            lowered = jitted.lower(state, batch)
+        return lowered.compile()
+
+    def _compile_fitting(self, state: TrainState, batch: dict, accumulation: int):
+        """(the compiled step, its `MemoryPlan` or None where the device reports no memory or the model has no
+        remat): the first candidate (`memory.candidates`) whose estimate and compiled step fit."""
+        config = getattr(getattr(self.objective, "model", None), "config", None)
+        asked = getattr(config, "remat", None)
+        device = memory.device_memory()
+        if asked is None or device is None:
+            return self._compile(state, batch, accumulation, resolved_remat(asked or "none")), None
+        available, kind = device
+        shards = math.prod(self.mesh.shape[axis] for axis in BATCH_AXES)
+        rows = jax.tree_util.tree_leaves(batch)[0].shape[0]
+        trained = frozen.split(state.params["params"], self.trainable)[0]
+        fixed = memory.shard_bytes(state) + memory.shard_bytes(trained)  # the state, and a gradient per weight
+        if fixed > available:
+            raise memory.refusal(fixed, available, kind, "the parameters, their optimizer state, EMA and gradients, "
+                                 "before any activation")
+        tried = []
+        # The backward's working set beside what it keeps: about one layer's activations, all kept ("none"), and
+        # two of the head's float32 logit tiles (a micro-batch's logits where they are fewer).
+        layer = functools.cache(lambda: self._residual_bytes(state, batch, accumulation, "none")
+                                // max(getattr(config, "num_layers", 1), 1))
+
+        def estimate(remat: str, micro: int) -> int:
+            logits = rows // micro * getattr(self.objective, "seq_len", 0) * getattr(config, "vocab_size", 0) * 4
+            work = layer() * accumulation // micro + 2 * min(tile_bytes(), logits)
+            return fixed + (self._residual_bytes(state, batch, micro, remat) + work) // shards
+
+        for remat, micro in memory.candidates(asked, rows, accumulation, shards):
+            needed = None
+            if asked == "auto":
+                needed = estimate(remat, micro)
+                if needed > memory.ESTIMATE_SHARE * available:
+                    tried.append((remat, micro, needed))
+                    continue
+            try:
+                compiled = self._compile(state, batch, micro, remat)
+            except jax.errors.JaxRuntimeError as error:
+                if not memory.out_of_memory(error):
+                    raise
+                tried.append((remat, micro, estimate(remat, micro) if needed is None else needed))
+                continue
+            needed = memory.compiled_bytes(compiled)
+            if needed > available:
+                tried.append((remat, micro, needed))
+                continue
+            return compiled, memory.MemoryPlan(remat, micro, needed, available, kind, asked == "auto", tuple(tried))
+        remat, micro, needed = tried[-1]
+        raise memory.refusal(needed, available, kind, f"remat {remat!r} with {micro} micro-batches" + (
+            "" if asked == "auto" else "; remat 'auto' tries the others"))
+
+    def _residual_bytes(self, state: TrainState, batch: dict, micro: int, remat: str) -> int:
+        """What the backward pass of one micro-batch's loss keeps, over all devices, under `remat` (traced)."""
+        objective, windowed = self.objective, callable(getattr(self.objective, "window_loss", None))
+        trained, held = frozen.split(state.params["params"], self.trainable)
+        extra = {"reference": state.averaged} if self._reads_reference else {}
+        shape = lambda x: jax.ShapeDtypeStruct((x.shape[0] // micro, *x.shape[1:]), x.dtype)  # noqa: E731
+
+        def loss(trained, micro_batch):
+            step = Step(jnp.zeros((), jnp.int32), jax.random.key(0))
+            stats, _ = objective.loss({**state.params, "params": frozen.join(trained, held)}, micro_batch, step,
+                                      **extra)
+            if windowed:
+                return objective.window_loss(stats, objective.totals_of(stats))[0]
+            return objective.reduce_loss(stats)[0]
+
+        with remat_in_force(remat):
+            return memory.residual_bytes(loss, trained, jax.tree_util.tree_map(shape, batch))
 
     def _eval_step(self, batch: dict):
         signature = ("eval", *_batch_signature(batch))
@@ -508,6 +585,10 @@ class Trainer:
             if len(self._compiled) > compiled:
                 reporter.line(f"compiled the train step in {self.compile_seconds:.2f} s "
                               f"({kernels.summary(self.kernel_choices)})")
+                if self.memory_plan is not None:
+                    reporter.line(self.memory_plan.line())
+                    if checkpoints is not None:
+                        checkpoints.write_note("memory.json", self.memory_plan.record())
             if first:
                 first, window_started = False, time.perf_counter()
             state, out = step_fn(state, batch)

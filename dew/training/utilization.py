@@ -5,9 +5,11 @@ counted from its shapes as PaLM's appendix counts them: `6 N` for the `N` weight
 multiplies (embedding lookups excluded, a tied head counted once as the head, a mixture's experts
 counted at `top_k / experts` of their weights) plus `12 H D S` for each attention layer's scores and
 weighted values over `S` keys (a sliding layer's window when shorter; causality not discounted).
-State-space layers count their projections only. `peak_flops(dtype)` is the machine's rate for the
-products it runs, probed once a process by a matrix product on the default device, the best rate
-seen kept per CPU and dtype; `mfu = positions per second x flops_per_position / peak_flops`.
+State-space layers count their projections only. `peak_flops(dtype)` is the default device's rate for the
+products it runs: for an accelerator whose kind `PEAKS` names, its dense peak by specification; for another
+accelerator, a product large enough to reach its rate, measured; on the CPU, a product measured once a
+process, the best rate seen kept per CPU and dtype. `mfu = positions per second x flops_per_position /
+peak_flops`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,39 @@ from dew.kernels.policy import using
 from dew.nn.multimodal import LANGUAGE_MODEL, MultimodalTransformer
 from dew.nn.transformer import CausalTransformer
 
-_PROBE = 1024  # the probe's square products: large enough to reach the products' rate, a second at most
+_PROBE = 1024  # the CPU probe's square products: large enough to reach the products' rate, a second at most
+_ACCELERATOR_PROBE = 8192  # an accelerator's: a 1024-square product reads a TPU v5e's rate at 2%, this at 84%
+# Dense peak FLOP/s of one device as jax counts them (a TPU v2 or v3 core; a v4 or v5p chip), by device kind:
+# (bfloat16 products, float32 products). XLA multiplies float32 operands at its default precision in one
+# bfloat16 pass on a TPU and in TF32 on an NVIDIA GPU since Ampere, so those are the float32 rates.
+PEAKS = {
+    "TPU v2": (22.5e12, 22.5e12),
+    "TPU v3": (61.5e12, 61.5e12),
+    "TPU v4": (275e12, 275e12),
+    "TPU v5 lite": (197e12, 197e12),  # v5e
+    "TPU v5e": (197e12, 197e12),
+    "TPU v5": (459e12, 459e12),  # v5p
+    "TPU v5p": (459e12, 459e12),
+    "TPU v6 lite": (918e12, 918e12),  # v6e, Trillium
+    "TPU v6e": (918e12, 918e12),
+    "NVIDIA A100": (312e12, 156e12),
+    "NVIDIA H100 PCIe": (756e12, 378e12),
+    "NVIDIA H100": (989e12, 495e12),  # SXM
+    "NVIDIA H200": (989e12, 495e12),
+    "NVIDIA L40S": (362e12, 183e12),
+    "NVIDIA L4": (121e12, 60e12),
+}
+
+
+def device_peak(kind: str, dtype) -> float | None:
+    """The dense peak FLOP/s `PEAKS` gives a device of `kind` (jax's `device_kind`) for `dtype` products (bfloat16
+    or float16 take the first rate, anything else the second), None for a kind it does not name. The longest
+    name that `kind` starts with is taken (an "NVIDIA A100-SXM4-80GB" is an "NVIDIA A100")."""
+    names = [name for name in PEAKS if kind == name or kind.startswith(name + " ") or kind.startswith(name + "-")]
+    if not names:
+        return None
+    half, single = PEAKS[max(names, key=len)]
+    return half if jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else single
 
 
 def flops_per_position(model, seq_len: int) -> float | None:
@@ -91,9 +125,14 @@ def _machine_key(dtype) -> str:
 
 @functools.lru_cache(maxsize=8)
 def peak_flops(dtype=jnp.float32) -> float:
-    """FLOP/s of the default device's products in `dtype`: the best of XLA's and Dew's native product
-    (`dew.kernels`) on `_PROBE`-square operands. A probe on a busy machine reads low, so each process
-    probes once and the cache keeps the best rate this machine has shown: the peak only rises."""
+    """FLOP/s of the default device's products in `dtype`: an accelerator's dense peak where `PEAKS` names its
+    kind; otherwise the best of XLA's and Dew's native product (`dew.kernels`) on square operands (`_PROBE` on the
+    CPU, `_ACCELERATOR_PROBE` on an accelerator). A probe on a busy machine reads low, so each process probes
+    once and the cache keeps the best rate this machine has shown: the peak only rises."""
+    device = jax.local_devices()[0]
+    known_peak = device_peak(device.device_kind, dtype) if device.platform != "cpu" else None
+    if known_peak is not None:
+        return known_peak
     key, path = _machine_key(dtype), _cache_file()
     try:
         known = json.loads(path.read_text())
@@ -116,17 +155,18 @@ def peak_flops(dtype=jnp.float32) -> float:
 
 
 def _probe(dtype) -> float:
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((_PROBE, _PROBE)), dtype)
+    size = _PROBE if jax.default_backend() == "cpu" else _ACCELERATOR_PROBE
+    a = jax.random.normal(jax.random.key(0), (size, size), dtype)
     best = 0.0
-    for policy in ("xla", "native"):
+    for policy in ("xla", "native") if jax.default_backend() == "cpu" else ("xla",):
         with using(policy):
             product = jax.jit(lambda x, y: dot(x, y, out_dtype=jnp.float32))
             jax.block_until_ready(product(a, a))
         for _ in range(5):
             started = time.perf_counter()
             jax.block_until_ready(product(a, a))
-            best = max(best, 2 * _PROBE**3 / (time.perf_counter() - started))
+            best = max(best, 2 * size**3 / (time.perf_counter() - started))
     return best
 
 
-__all__ = ["flops_per_position", "peak_flops"]
+__all__ = ["PEAKS", "device_peak", "flops_per_position", "peak_flops"]

@@ -55,6 +55,32 @@ def test_the_peak_keeps_the_best_rate_seen(tmp_path, monkeypatch):
     peak_flops.cache_clear()
 
 
+def test_an_accelerator_divides_by_its_kinds_peak(monkeypatch):
+    """MFU on a known accelerator divides by its dense peak by specification (never a probe of a small product,
+    which read a TPU v5e at 2% of its rate and gave an MFU above 1000%); an unknown kind is probed."""
+    assert utilization.device_peak("TPU v5 lite", jnp.bfloat16) == 197e12
+    assert utilization.device_peak("TPU v5 lite", jnp.float32) == 197e12  # one bfloat16 pass at default precision
+    assert utilization.device_peak("TPU v5", jnp.bfloat16) == 459e12  # v5p, not v5e
+    assert utilization.device_peak("NVIDIA A100-SXM4-80GB", jnp.bfloat16) == 312e12
+    assert utilization.device_peak("NVIDIA A100-SXM4-80GB", jnp.float32) == 156e12  # TF32
+    assert utilization.device_peak("NVIDIA H100 PCIe", jnp.bfloat16) == 756e12
+    assert utilization.device_peak("NVIDIA H100 80GB HBM3", jnp.bfloat16) == 989e12
+    assert utilization.device_peak("NVIDIA L40S", jnp.bfloat16) == 362e12  # not the L4's
+    assert utilization.device_peak("NVIDIA L4", jnp.float16) == 121e12
+    assert utilization.device_peak("Some New Chip", jnp.bfloat16) is None
+
+    class Device:
+        platform, device_kind = "tpu", "TPU v5 lite"
+
+    monkeypatch.setattr(utilization.jax, "local_devices", lambda: [Device()])
+    monkeypatch.setattr(utilization, "_probe", lambda dtype: pytest.fail("a known kind is not probed"))
+    peak_flops.cache_clear()
+    try:
+        assert peak_flops(jnp.bfloat16) == 197e12
+    finally:
+        peak_flops.cache_clear()
+
+
 def test_trainer_logs_mfu(tmp_path, monkeypatch):
     import jax
     import numpy as np
