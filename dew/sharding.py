@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -302,7 +303,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     `DEW_COORDINATOR` (host:port of process 0, which serves it), `DEW_NUM_PROCESSES` and
     `DEW_PROCESS_ID`; with none of them, JAX's own detection runs (`JAX_COORDINATOR_ADDRESS`,
     Slurm, Open MPI, Kubernetes, Cloud TPU), and finding nothing means a single process: nothing
-    is started (also when JAX already runs and only that detection could have said otherwise).
+    is started (also when JAX already runs and only that detection could have said otherwise, and, with a
+    warning, when the detection cannot reach the cloud metadata server it asks).
     Cross-process collectives on CPU go through gloo. Process 0 waits up to `timeout_s` seconds for
     the others; another process that cannot reach the coordinator in that time raises
     `ConnectionError`.
@@ -344,6 +346,15 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         if not explicit and "coordinator_address should be defined" in str(error):
             return False  # no cluster detected: a single process
         raise
+    except OSError as error:
+        if explicit:
+            raise
+        # Only detection touches the network here: its Cloud TPU probe asks the cloud's metadata server, which a
+        # TPU or GPU machine outside that cloud (a container, a sandbox, a workstation) cannot reach.
+        warnings.warn(f"JAX's cluster detection got no answer from the cloud's metadata server ({type(error).__name__}: "
+                      f"{str(error)[:160]}): running as a single process; a multi-process run sets {COORDINATOR}, "
+                      f"{NUM_PROCESSES} and {PROCESS_ID}", stacklevel=2)
+        return False
     except jax.errors.JaxRuntimeError as error:
         if explicit and process_id == 0:
             raise ConnectionError(

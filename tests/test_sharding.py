@@ -219,6 +219,45 @@ def test_an_unreachable_coordinator_is_one_clear_error(no_cluster):
     assert not jax.distributed.is_initialized()
 
 
+UNREACHABLE_METADATA_SCRIPT = textwrap.dedent(
+    """
+    import os, socket, warnings
+
+    with socket.socket() as probe:  # a port nothing listens on once this closes
+        probe.bind(("127.0.0.1", 0))
+        os.environ["GCE_METADATA_IP"] = f"127.0.0.1:{probe.getsockname()[1]}"
+    import jax._src.clusters.cloud_tpu_cluster as tpu_cluster
+
+    # What a TPU machine outside Google's cloud looks like to JAX's detection: a TPU VM whose metadata
+    # server does not answer (JAX sets TPU_SKIP_MDS_QUERY itself when it finds no TPU).
+    tpu_cluster.running_in_cloud_tpu_vm = True
+    os.environ.pop("TPU_SKIP_MDS_QUERY", None)
+    from dew import sharding
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        joined = sharding.initialize()
+    import jax
+
+    assert joined is False and jax.process_count() == 1 and not jax.distributed.is_initialized()
+    (message,) = [str(warning.message) for warning in caught]
+    assert message.startswith("JAX's cluster detection got no answer from the cloud's metadata server"), message
+    assert "running as a single process" in message and "DEW_NUM_PROCESSES" in message
+    """
+)
+
+
+def test_a_machine_without_the_clouds_metadata_server_trains_as_one_process():
+    """A TPU outside Google's cloud: JAX's Cloud TPU probe cannot reach metadata.google.internal; Dew runs one
+    process and says why, rather than stopping before training (a fresh process: detection runs before JAX)."""
+    env = {name: value for name, value in os.environ.items()
+           if name not in (sharding.COORDINATOR, sharding.NUM_PROCESSES, sharding.PROCESS_ID,
+                           "JAX_COORDINATOR_ADDRESS")}
+    result = subprocess.run([sys.executable, "-c", UNREACHABLE_METADATA_SCRIPT], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 # -- eight devices: placement, batches, and a checkpoint restored under other meshes -------------------
 EIGHT_DEVICE_SCRIPT = textwrap.dedent(
     """
