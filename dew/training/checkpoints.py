@@ -69,6 +69,17 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0][:400] if lines else ''}"
 
 
+def _interrupted(error: BaseException) -> bool:
+    """Whether a KeyboardInterrupt lies behind `error` (its causes and contexts)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _free_name(path: str) -> str:
     """`path`, or `path.N` for the first N not taken."""
     candidate, number = path, 1
@@ -156,6 +167,8 @@ class Checkpoints:
             except CheckpointMismatch:
                 raise
             except Exception as error:  # noqa: BLE001 - any failure to read is damage, reported with its cause
+                if _interrupted(error):  # Ctrl-C inside the storage layer's threads, wrapped: not damage
+                    raise KeyboardInterrupt from error
                 failure = _reason(error)
             held.drop()
         return None, failure

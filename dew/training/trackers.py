@@ -48,14 +48,9 @@ def read_jsonl(path: str | os.PathLike, warn_cut_short: bool = False) -> list[di
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            if number < len(lines) or data.endswith(b"\n"):  # not a last line cut inside a character
-                foreign.append(number)
-            else:
-                cut_short.append(number)
-            continue
-        except json.JSONDecodeError:
-            (foreign if number < len(lines) else cut_short).append(number)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            # only a last line without its newline can be a write cut short; a whole line that does not read is not
+            (foreign if number < len(lines) or data.endswith(b"\n") else cut_short).append(number)
             continue
         if isinstance(record, dict):
             records.append(record)

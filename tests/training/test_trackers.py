@@ -37,6 +37,14 @@ def test_json_lines_restart_drops_what_followed_the_checkpoint(tmp_path):
     assert read_jsonl(tmp_path / "missing.jsonl") == []
 
 
+def test_a_whole_last_line_that_does_not_read_is_damage_not_a_cut(tmp_path):
+    """A last line that ends in its newline was written whole: garbage there is the file's damage, said as such
+    (the warning for a line cut short is for one without its newline)."""
+    (tmp_path / METRICS).write_text('{"step": 1}\nnot json at all\n')
+    with pytest.warns(UserWarning, match=r"skipped line 2, which is not a UTF-8 JSON record: the file was edited"):
+        assert read_jsonl(tmp_path / METRICS, warn_cut_short=True) == [{"step": 1}]
+
+
 def test_tensorboard_events_parse_and_a_restart_purges_the_stopped_runs_tail(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

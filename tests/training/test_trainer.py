@@ -131,6 +131,28 @@ def test_a_non_finite_step_stops_the_run_and_keeps_the_last_checkpoint(tiny_mode
     checkpoints.close()
 
 
+def test_ctrl_c_while_a_checkpoint_is_read_is_an_interrupt_not_damage(tiny_model, tmp_path, monkeypatch):
+    """The storage layer reads in threads and wraps a Ctrl-C in its own error: the restore stops as interrupted and
+    sets no checkpoint aside as damaged."""
+    from dew.training import Checkpoints
+
+    trainer = Trainer(LMObjective(tiny_model, SEQ, ema_decay=None), optax.sgd(0.1), key=jax.random.key(3))
+    trainer.fit(_stream(4), steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=1, verbose=False)
+    checkpoints = Checkpoints(tmp_path)
+
+    def interrupted(like, step):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as error:
+            raise RuntimeError("a reader thread stopped") from error
+
+    monkeypatch.setattr(checkpoints, "_restore", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.restore(trainer.init_state())
+    assert checkpoints.latest() == 2 and not [name for name in os.listdir(tmp_path) if "unreadable" in name]
+    checkpoints.close()
+
+
 def test_evaluation_reads_the_whole_validation_pass(tiny_model):
     from dew import metrics
 
