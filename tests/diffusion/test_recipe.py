@@ -120,6 +120,14 @@ def test_a_masked_diffusion_checkpoint_continues_training(small_ids, tmp_path):
     record = RunDirectory(run).record()
     assert record["generation"] == {"process": "mdlm", "mask_id": 126, "logits_shift": 1, "max_new_tokens": 0,
                                     "ema": True}
+    # The ids are below 100 but meta.json names the 256-id byte tokenizer: generation refuses it, and takes a
+    # tokenizer of the run's 100 ids put in its directory.
+    with pytest.raises(ValueError, match="holds 256 tokens, and the run trained on ids of a 100-token vocabulary"):
+        dew.pipeline(run)
+    from tokenizers import Tokenizer, models as tokenizer_models
+
+    Tokenizer(tokenizer_models.WordLevel({f"w{i}": i for i in range(100)}, unk_token="w0")).save(
+        str(run / "tokenizer.json"))
     task = dew.pipeline(run)
     assert task.process == DiscreteProcess(126, logits_shift=1)  # Dream's mask id and alignment
     assert task([[1, 2, 3]], 4, steps=4).tokens.shape == (1, 7)
