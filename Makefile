@@ -13,7 +13,7 @@ KJV_VOCAB := 4096
 CORPUS := data/kjv-bpe/meta.json
 GPT2_CORPUS := data/kjv-gpt2/meta.json
 
-.PHONY: install quickstart quickstart-gpt2 test test-quick gpt2-tokenizer benchmark clean
+.PHONY: install quickstart quickstart-gpt2 test test-quick test-accelerator accelerator-wheels gpt2-tokenizer benchmark clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard native/*.cc) $(wildcard native/*.h)
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,20 @@ test: $(STAMP) $(GPT2)
 
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow'
+
+# The suite on a TPU or GPU, in one process (an accelerator is one process's at a time): PYTHON is the
+# interpreter where dew-ml[tpu] or dew-ml[cuda] (and the test extra) are installed. Tests of Dew's CPU kernels
+# skip there, naming the backend.
+test-accelerator:
+	$(PYTHON) -m pytest -q -p no:xdist
+
+# Wheels for a TPU or GPU machine without network (ACCELERATOR=tpu, cuda or cuda13; TARGET_PYTHON its
+# Python): Dew without its CPU kernels and everything dew-ml[$(ACCELERATOR),test] needs, into wheels/.
+# There: python3 -m pip install --no-index --find-links wheels 'dew-ml[tpu,test]'
+ACCELERATOR ?= tpu
+TARGET_PYTHON ?= 3.11
+accelerator-wheels: $(STAMP)
+	$(BIN)/python tools/accelerator_wheels.py --extras $(ACCELERATOR),test --python $(TARGET_PYTHON) --out wheels
 
 benchmark: $(STAMP)
 	$(BIN)/python -m benchmarks.train_step

@@ -2,8 +2,10 @@
 XLA FFI handlers the compiled steps call through `jax.ffi` (`dew.kernels`).
 
 The extensions are optional: where one cannot build (no C++ compiler, no Python headers) the install
-goes on without it and Dew runs XLA's own products (`dew.kernels.matmul.status()` says why it is off)."""
+goes on without it and Dew runs XLA's own products (`dew.kernels.matmul.status()` says why it is off).
+`DEW_NATIVE=0` skips them on purpose: a TPU or GPU runs XLA's products and never calls them."""
 
+import os
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -20,7 +22,7 @@ def _ffi_include() -> list[str]:
 def _extensions() -> list[Extension]:
     native = Path(__file__).parent / "native"
     include = _ffi_include()
-    if not include:
+    if not include or os.environ.get("DEW_NATIVE", "1") == "0":  # DEW_NATIVE=0: an accelerator's install
         return []
     return [Extension(f"dew._native_{source.stem}", [str(source.relative_to(native.parent))],
                       include_dirs=include, language="c++", optional=True,

@@ -33,6 +33,12 @@ import pytest  # noqa: E402
 from dew import models  # noqa: E402
 from tests.compiled import compiled  # noqa: E402
 
+# On an accelerator, the parity tests compare with float32 oracles: a TPU multiplies float32 operands in one
+# bfloat16 pass unless asked otherwise (a GPU in TF32), which no float32 tolerance allows for. "highest" gives
+# float32 products there; on the CPU it changes nothing (its products are float32 already), so it is left alone.
+if jax.default_backend() != "cpu":
+    jax.config.update("jax_default_matmul_precision", "highest")
+
 TINY = dict(vocab_size=64, emb_features=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_features=64, max_seq_len=64)
 
 
