@@ -350,13 +350,14 @@ class Trainer:
         tried = []
         # The backward's working set beside what it keeps: about one layer's activations, all kept ("none"), and
         # two of the head's float32 logit tiles (a micro-batch's logits where they are fewer).
-        layer = functools.cache(lambda: self._residual_bytes(state, batch, accumulation, "none")
-                                // max(getattr(config, "num_layers", 1), 1))
+        # each (micro-batches, policy) traced once: a trace of the loss's backward costs seconds at a real shape
+        residuals = functools.cache(lambda micro, remat: self._residual_bytes(state, batch, micro, remat))
+        layer = functools.cache(lambda: residuals(accumulation, "none") // max(getattr(config, "num_layers", 1), 1))
 
         def estimate(remat: str, micro: int) -> int:
             logits = rows // micro * getattr(self.objective, "seq_len", 0) * getattr(config, "vocab_size", 0) * 4
             work = layer() * accumulation // micro + 2 * min(tile_bytes(), logits)
-            return fixed + (self._residual_bytes(state, batch, micro, remat) + work) // shards
+            return fixed + (residuals(micro, remat) + work) // shards
 
         for remat, micro in memory.candidates(asked, rows, accumulation, shards):
             needed = None
