@@ -58,16 +58,3 @@ def x64():
     with jax.enable_x64(True):
         yield
 
-
-# The files that take longest (whole processes, servers, trained runs: docs/performance.md, "Where the suite's time
-# goes") start first. `make test` hands each worker whole files in collection order (`--dist loadfile`), so a long
-# file collected last runs alone at the end while the other worker idles; longest first evens the two out.
-LONGEST_FIRST = ("tests/test_docs.py", "tests/objectives/test_block_diffusion.py", "tests/serve/test_lm_eval.py",
-                 "tests/serve/test_recurrent.py", "tests/serve/test_audio_chat.py", "tests/test_cli_errors.py",
-                 "tests/interop/test_gguf.py", "tests/recipes/test_block_diffusion.py", "tests/interop/test_qwen3_next.py",
-                 "tests/recipes/test_grpo_recipe.py", "tests/interop/test_diffusion_gemma_media.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order

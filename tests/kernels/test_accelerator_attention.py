@@ -43,12 +43,12 @@ def _compare(q, k, v, cotangent, mask, kernel_call, softcap=None):
                                        softcap=softcap)
     real = jnp.any(mask, axis=-1)[:, :, None, None]  # a query with no allowed key is padding nothing reads
     weighted = lambda run: lambda q, k, v: jnp.sum(jnp.where(real, run(q, k, v) * cotangent, 0.0))  # noqa: E731
+    # the output and its gradients as one program (op by op, the interpreter's steps cost seconds)
+    both = lambda run: jax.jit(lambda q, k, v: (run(q, k, v), jax.grad(weighted(run), argnums=(0, 1, 2))(q, k, v)))  # noqa: E731
     with jax.default_matmul_precision("highest"):
-        expected = reference(q, k, v)
-        expected_grads = jax.grad(weighted(reference), argnums=(0, 1, 2))(q, k, v)
+        expected, expected_grads = both(reference)(q, k, v)
     with kernels_here():
-        got = kernel_call(q, k, v)
-        got_grads = jax.grad(weighted(kernel_call), argnums=(0, 1, 2))(q, k, v)
+        got, got_grads = both(kernel_call)(q, k, v)
     assert float(jnp.max(jnp.abs(jnp.where(real, got - expected, 0.0)))) <= TOLERANCE
     for g, e in zip(got_grads, expected_grads):
         assert float(jnp.max(jnp.abs(g - e))) <= TOLERANCE * max(1.0, float(jnp.max(jnp.abs(e))))
@@ -110,10 +110,10 @@ def test_a_decoder_trains_the_same_through_splash():
     def loss(model, p):
         return jnp.mean(model.apply(p, tokens, segment_ids=segments).astype(jnp.float32) ** 2)
 
-    with jax.default_matmul_precision("highest"):
-        expected, expected_grads = jax.value_and_grad(lambda p: loss(xla, p))(params)
+    with jax.default_matmul_precision("highest"):  # one program each: op by op, the interpreter's steps cost seconds
+        expected, expected_grads = jax.jit(jax.value_and_grad(lambda p: loss(xla, p)))(params)
     with kernels_here(), policy.recording() as choices:
-        got, got_grads = jax.value_and_grad(lambda p: loss(splash, p))(params)
+        got, got_grads = jax.jit(jax.value_and_grad(lambda p: loss(splash, p)))(params)
     assert choices["attention/float32"] == "splash"
     # float32 sums in other orders through four layers and the head (on a TPU, bfloat16 passes: see TOLERANCE)
     assert abs(float(got) - float(expected)) <= (1e-2 if ON_TPU else 1e-6) * abs(float(expected))
