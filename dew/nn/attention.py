@@ -397,11 +397,10 @@ class Attention(nn.Module):
         # exactly this call's real tokens) may run in an accelerator's kernel (dew.kernels.accelerator_attention).
         own_prefill = (cache is not None and not decode and context.fresh_cache and not context.read_only_cache
                        and not reuse and context.key_slots_BT is None)
-        kernel = "xla"
+        kernel, dynamic = "xla", _batch_mask(cache, q_groups, s, knobs)
         if cache is None or own_prefill:
             kernel = accelerator.choose(accelerator.requested(), q_BSHD.dtype, q_width=D, v_width=D,
-                                        softcap=s.softcap, segmented=context.segmented,
-                                        dynamic=_batch_mask(cache, q_groups, s, knobs))
+                                        softcap=s.softcap, segmented=context.segmented, dynamic=dynamic)
         fused = (kernel == "xla" and not decode and cache is None and s.softcap is None
                  and fast_softmax.attention_usable(q_BSHD, k_BSKD, v_BSKD))
         # With a cache (a prefill), `attend` reads its queries heads-major `[B, H, S, D]`, laid out so before
@@ -424,7 +423,6 @@ class Attention(nn.Module):
                                           causal=s.causal, window=knobs.window, q_groups_BS=q_groups,
                                           k_groups_BT=q_groups, chunk=s.chunk, q_positions_BS=context.positions_BS,
                                           k_positions_BT=context.positions_BS)
-            dynamic = _batch_mask(cache, q_groups, s, knobs)
             out_BSHD = accelerated_attention(kernel, q, k_BSKD, v_BSKD, scale=scale, causal=s.causal, knobs=knobs,
                                              softcap=s.softcap, mask_BST=mask_BST if dynamic else None,
                                              segments_BS=context.segments_BS if context.segmented else None,

@@ -348,10 +348,10 @@ class Trainer:
             raise memory.refusal(fixed, available, kind, "the parameters, their optimizer state, EMA and gradients, "
                                  "before any activation")
         tried = []
-        # The backward's working set beside what it keeps: about one layer's activations, all kept ("none"), and
-        # two of the head's float32 logit tiles (a micro-batch's logits where they are fewer).
         # each (micro-batches, policy) traced once: a trace of the loss's backward costs seconds at a real shape
         residuals = functools.cache(lambda micro, remat: self._residual_bytes(state, batch, micro, remat))
+        # The backward's working set beside what it keeps: about one layer's activations, all kept ("none"), and
+        # two of the head's float32 logit tiles (a micro-batch's logits where they are fewer).
         layer = functools.cache(lambda: residuals(accumulation, "none") // max(getattr(config, "num_layers", 1), 1))
 
         def estimate(remat: str, micro: int) -> int:

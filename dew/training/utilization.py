@@ -31,7 +31,7 @@ from dew.nn.multimodal import LANGUAGE_MODEL, MultimodalTransformer
 from dew.nn.transformer import CausalTransformer
 
 _PROBE = 1024  # the CPU probe's square products: large enough to reach the products' rate, a second at most
-_ACCELERATOR_PROBE = 8192  # an accelerator's: a 1024-square product reads a TPU v5e's rate at 2%, this at 84%
+_ACCELERATOR_PROBE = 8192  # an accelerator's: large enough to reach its rate, which a 1024-square product does not
 # Dense peak FLOP/s of one device as jax counts them (a TPU v2 or v3 core; a v4 or v5p chip), by device kind:
 # (bfloat16 products, float32 products). XLA multiplies float32 operands at its default precision in one
 # bfloat16 pass on a TPU and in TF32 on an NVIDIA GPU since Ampere, so those are the float32 rates.
